@@ -1,0 +1,16 @@
+import subprocess
+import sys
+from importlib.metadata import version
+
+import rl_data
+
+
+def test_installed_version_is_the_package_version():
+    assert rl_data.__version__ == version("rl-data")
+
+
+def test_importing_pulls_in_no_package_to_its_right():
+    forbidden = ["rl_envs", "rl_models", "rl_algorithms"]
+    code = f"import sys, rl_data; print([m for m in sys.modules if m.split('.')[0] in {forbidden}])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,100 @@
+"""Reading YAML files and merging their ``defaults:`` parents."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rl_distributed.config._errors import ConfigError
+from rl_distributed.config._overrides import apply_overrides, has_key
+
+_DEFAULTS_KEY = "defaults"
+
+
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> DictConfig:
+    """Load a YAML config with its ``defaults:`` parents, then apply Hydra-style overrides.
+
+    Interpolations are left unresolved; see :func:`validate_config`.
+    """
+    root = Path(path).expanduser().resolve()
+    if not root.is_file():
+        raise ConfigError(f"Config file not found: {path}")
+    return apply_overrides(_load_tree(root, ()), overrides)
+
+
+def _load_tree(path: Path, chain: tuple[Path, ...]) -> DictConfig:
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise ConfigError(f"Cycle in `defaults`: {cycle}")
+    cfg = _read_yaml(path)
+    parents = [_load_tree(p, (*chain, path)) for p in _pop_defaults(cfg, path)]
+    if not parents:
+        return cfg
+    merged = OmegaConf.merge(*parents, cfg)
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"Cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        cfg = OmegaConf.load(io.StringIO(text))  # OmegaConf's YAML dialect (e.g. 1e-3 is a float)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        lines = text.splitlines()
+        snippet = ""
+        if mark and mark.line < len(lines):
+            snippet = f"\n    {lines[mark.line]}\n    {' ' * mark.column}^"
+        problem = " ".join(filter(None, [e.context, e.problem]))
+        raise ConfigError(f"Invalid YAML in {path}{where}: {problem}{snippet}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Invalid YAML in {path}: {e}") from None
+    except OSError:  # OmegaConf's way of saying "the document is a scalar"
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values") from None
+    except OmegaConfBaseException as e:  # e.g. a malformed ${...}
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"{path}: key '{e.full_key}': {msg}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, not a list")
+    return cfg
+
+
+def _pop_defaults(cfg: DictConfig, path: Path) -> list[Path]:
+    if not has_key(cfg, _DEFAULTS_KEY):
+        return []
+    raw = OmegaConf.to_container(cfg, resolve=False)[_DEFAULTS_KEY]
+    del cfg[_DEFAULTS_KEY]
+    entries = [raw] if isinstance(raw, str) else raw
+    if not isinstance(entries, list) or not all(isinstance(e, str) and e for e in entries):
+        raise ConfigError(
+            f"{path}: `defaults` must be a file path or a list of file paths, got {raw!r}"
+        )
+    return [_find_parent(entry, path) for entry in entries]
+
+
+def _find_parent(entry: str, referrer: Path) -> Path:
+    if entry == "_self_":
+        raise ConfigError(
+            f"{referrer}: '_self_' in `defaults` is not supported; "
+            "a file's own keys always override its defaults"
+        )
+    candidate = (referrer.parent / Path(entry).expanduser()).resolve()  # absolute stays absolute
+    tries = [candidate]
+    if candidate.suffix not in (".yaml", ".yml"):
+        tries.append(candidate.with_name(candidate.name + ".yaml"))
+    for p in tries:
+        if p.is_file():
+            return p
+    raise ConfigError(
+        f"Parent config not found: {candidate} (from `defaults: {entry}` in {referrer})"
+    )

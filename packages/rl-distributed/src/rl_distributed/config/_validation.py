@@ -1,0 +1,201 @@
+"""Resolving interpolations and validating into pydantic models, with readable errors."""
+
+from __future__ import annotations
+
+import enum
+import re
+import types
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rl_distributed.config._errors import ConfigError, ConfigIssue, did_you_mean
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class ConfigModel(BaseModel):
+    """Base class for every typed config: unknown keys are errors, defaults and assignments are
+    validated, and field names may start with ``model_``."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_default=True,
+        validate_assignment=True,
+        frozen=False,
+        protected_namespaces=(),
+    )
+
+
+def validate_config(cfg: DictConfig | Mapping[str, Any], model: type[T]) -> T:
+    """Resolve every interpolation in ``cfg`` and validate the result into ``model``.
+
+    Raises :class:`ConfigError` listing every problem, one per line, as
+    ``<dotted.key>: got <value> — expected <what>``.
+    """
+    data = resolve_config(cfg) if isinstance(cfg, DictConfig) else cfg
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        issues: dict[str, ConfigIssue] = {}
+        for err in e.errors():
+            issue = _issue(model, err)
+            issues.setdefault(issue.key, issue)  # a union reports once per member; keep one
+        n = len(issues)
+        lines = "\n".join(f"  {issue}" for issue in issues.values())
+        raise ConfigError(
+            f"Invalid config for {model.__name__} ({n} problem{'s' * (n != 1)}):\n{lines}",
+            list(issues.values()),
+        ) from None
+
+
+def resolve_config(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg`` as plain dicts and lists with every ``${...}`` resolved.
+
+    Raises :class:`ConfigError` naming the key whose interpolation failed, or the first key
+    still set to ``???``.
+    """
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        assert isinstance(data, dict)
+        return data
+    except InterpolationResolutionError as e:
+        key = _dotted(e.full_key)
+        reason = str(e).splitlines()[0]
+        issue = ConfigIssue(key, "interpolation", reason, _raw_at(cfg, key))
+        raise ConfigError(f"Cannot resolve config: {issue}", [issue]) from None
+    except MissingMandatoryValue as e:
+        key = _dotted(e.full_key)
+        issue = ConfigIssue(key, "mandatory", f"required value never set (pass '{key}=...')")
+        raise ConfigError(f"Incomplete config: {issue}", [issue]) from None
+
+
+def _dotted(full_key: Any) -> str:
+    return ".".join(re.findall(r"[^.\[\]]+", str(full_key)))  # 'a.l[1]' -> 'a.l.1'
+
+
+def _raw_at(cfg: DictConfig, key: str) -> Any:
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    try:
+        for part in key.split("."):
+            node = node[int(part)] if isinstance(node, list) else node[part]
+    except (KeyError, IndexError, ValueError, TypeError):
+        return None
+    return node
+
+
+def _issue(model: type[BaseModel], err: Any) -> ConfigIssue:
+    loc, kind, value = err["loc"], err["type"], err.get("input")
+    path, ann = _walk(model, loc)
+    key = ".".join(str(p) for p in path) or "<root>"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        parent = _walk(model, loc[:-1])[1]
+        names = list(parent.model_fields) if _is_model(parent) else []
+        hint = did_you_mean(str(loc[-1]), names) or (
+            f"allowed keys: {', '.join(names)}" if names else ""
+        )
+        expected = f"unknown key; {hint}" if hint else "unknown key"
+    elif len(_members(ann)) > 1:  # stopped at a union of plain types
+        expected = _type_name(ann)
+    elif kind in ("literal_error", "enum"):
+        choices = _choices(ann)
+        if choices is not None:
+            expected = "one of " + ", ".join(repr(c) for c in choices)
+        else:
+            expected = "one of " + err.get("ctx", {}).get("expected", msg)
+    elif ann is None:
+        expected = msg
+    elif kind == "missing" or kind.endswith(("_type", "_parsing")) or kind == "int_from_float":
+        expected = _type_name(ann)
+    elif msg.startswith("Input should be "):  # constraints: 'greater than 0', ...
+        expected = f"{_type_name(ann)}, {msg.removeprefix('Input should be ')}"
+    else:
+        expected = f"{_type_name(ann)} ({msg})"
+    return ConfigIssue(key, kind, expected, None if kind == "missing" else value)
+
+
+def _walk(model: type[BaseModel], loc: Sequence[str | int]) -> tuple[list[str | int], Any]:
+    """Map pydantic's error location to the user's key path and the annotation found there.
+
+    Pydantic puts a union member's tag (class name, discriminator value or type name) into the
+    location; those are dropped from the path. Returns annotation ``None`` where unknown.
+    """
+    path: list[str | int] = []
+    ann: Any = model
+    for part in loc:
+        members = _members(ann)
+        if len(members) > 1:
+            picked = next((m for m in members if _is_tag_for(m, part)), None)
+            if picked is None:  # a plain-type member: report at the union itself
+                return path, ann
+            ann = picked
+            continue
+        path.append(part)
+        ann = _child(members[0] if members else None, part)
+    return path, ann
+
+
+def _members(ann: Any) -> list[Any]:
+    """Non-None alternatives of an annotation (``[int]`` for ``int | None``)."""
+    while get_origin(ann) is Annotated:
+        ann = get_args(ann)[0]
+    if get_origin(ann) in (Union, types.UnionType):
+        return [m for alt in get_args(ann) for m in _members(alt) if m is not type(None)]
+    return [] if ann is None else [ann]
+
+
+def _is_model(ann: Any) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
+def _is_tag_for(member: Any, tag: str | int) -> bool:
+    if not _is_model(member):
+        return False
+    if member.__name__ == tag:
+        return True
+    literals = (f.annotation for f in member.model_fields.values())
+    return any(get_origin(a) is Literal and tag in get_args(a) for a in literals)
+
+
+def _child(ann: Any, part: str | int) -> Any:
+    if _is_model(ann):
+        field = ann.model_fields.get(part) if isinstance(part, str) else None
+        return field.annotation if field else None
+    origin, args = get_origin(ann), get_args(ann)
+    if origin in (dict, Mapping) and len(args) == 2:
+        return args[1]
+    if origin is tuple and args and isinstance(part, int):
+        return args[0] if args[-1] is Ellipsis else (args[part] if part < len(args) else None)
+    if origin in (list, set, frozenset, Sequence) and args:
+        return args[0]
+    return None
+
+
+def _choices(ann: Any) -> list[Any] | None:
+    """Allowed values for Literal / Enum annotations (``None`` included when optional)."""
+    while get_origin(ann) is Annotated:
+        ann = get_args(ann)[0]
+    if ann is type(None):
+        return [None]
+    if get_origin(ann) is Literal:
+        return list(get_args(ann))
+    if isinstance(ann, type) and issubclass(ann, enum.Enum):
+        return [m.value for m in ann]
+    if get_origin(ann) in (Union, types.UnionType):
+        parts = [_choices(alt) for alt in get_args(ann)]
+        if all(p is not None for p in parts):
+            return [c for p in parts for c in p]  # type: ignore[union-attr]
+    return None
+
+
+def _type_name(ann: Any) -> str:
+    if ann is type(None):
+        return "None"
+    if isinstance(ann, type) and not get_args(ann):
+        return ann.__name__
+    text = repr(ann).replace("typing.", "")
+    return re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", text)  # drop module paths

@@ -1,0 +1,259 @@
+"""A slice of a Ray cluster, reserved with placement groups, that worker groups run on.
+
+A *bundle* is the unit one worker runs on: one GPU (plus a CPU) on a GPU cluster, one CPU on a
+CPU-only cluster. A *virtual node* is a placement group whose bundles are packed onto one
+physical node, so that workers that talk over NVLink/shared memory really share a machine.
+Colocated worker groups (policy training and generation taking turns on the same GPUs) share
+bundles: each of up to ``max_colocated_worker_groups`` workers asks for that fraction of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+#: How long to wait for placement groups before explaining why they cannot be placed.
+PLACEMENT_TIMEOUT_S = float(os.environ.get("RL_PLACEMENT_TIMEOUT_S", "120"))
+
+
+class ClusterError(RuntimeError):
+    """The requested resources cannot be reserved on the Ray cluster."""
+
+
+def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, **kwargs) -> None:
+    """Attach to the Ray cluster in ``RAY_ADDRESS`` or start a local one; no-op if connected.
+
+    A local cluster gets ``num_cpus`` logical CPUs (default: the machine's cores). Logical CPUs
+    may exceed physical ones: on a 2-core laptop a 4-worker CPU cluster still fits.
+    """
+    if ray.is_initialized():
+        return
+    # Under `uv run`, Ray would otherwise start every worker through `uv run` in an uploaded
+    # copy of the working directory: slow, and it overrides the per-group environments. Ray
+    # reads the flag when it is imported, so the module constant is switched off too.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    if os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] == "0":
+        from ray._private import ray_constants
+
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    kwargs.setdefault("log_to_driver", True)
+    kwargs.setdefault("include_dashboard", False)
+    if os.environ.get("RAY_ADDRESS"):
+        logger.info("attaching to the Ray cluster at %s", os.environ["RAY_ADDRESS"])
+        ray.init(address=os.environ["RAY_ADDRESS"], **kwargs)
+        return
+    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+
+
+@dataclass(frozen=True)
+class BundleResources:
+    """What one bundle reserves and what each colocated worker on it asks for."""
+
+    cpus: float
+    gpus: float
+    max_colocated: int
+
+    def as_bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.cpus}
+        if self.gpus:
+            bundle["GPU"] = self.gpus
+        return bundle
+
+    @property
+    def worker_cpus(self) -> float:
+        return self.cpus / self.max_colocated
+
+    @property
+    def worker_gpus(self) -> float:
+        return self.gpus / self.max_colocated
+
+
+class RayVirtualCluster:
+    """Reserves ``bundle_ct_per_node_list[i]`` bundles on virtual node ``i``.
+
+    ``placement_group_strategy`` says how bundles of one virtual node are placed: ``"SPREAD"``
+    (the default) and ``"STRICT_PACK"`` keep a virtual node's bundles on one physical node when
+    GPUs are used (NVLink peers must share a machine) and let CPU bundles go wherever they fit;
+    ``"PACK"`` and ``"STRICT_SPREAD"`` are passed to Ray as they are.
+    """
+
+    def __init__(
+        self,
+        bundle_ct_per_node_list: list[int],
+        use_gpus: bool = True,
+        max_colocated_worker_groups: int = 1,
+        num_gpus_per_node: int = 8,
+        name: str = "",
+        placement_group_strategy: str = "SPREAD",
+    ) -> None:
+        if not bundle_ct_per_node_list or any(
+            not isinstance(n, int) or n < 0 for n in bundle_ct_per_node_list
+        ):
+            raise ValueError(
+                f"bundle_ct_per_node_list must be a non-empty list of non-negative ints, "
+                f"got {bundle_ct_per_node_list!r}"
+            )
+        if sum(bundle_ct_per_node_list) == 0:
+            raise ValueError("bundle_ct_per_node_list reserves no bundle at all")
+        if max_colocated_worker_groups < 1:
+            raise ValueError(
+                f"max_colocated_worker_groups must be >= 1, got {max_colocated_worker_groups}"
+            )
+        if use_gpus and max(bundle_ct_per_node_list) > num_gpus_per_node:
+            raise ValueError(
+                f"a node asks for {max(bundle_ct_per_node_list)} GPU bundles but "
+                f"num_gpus_per_node={num_gpus_per_node}"
+            )
+        strategies = ("SPREAD", "STRICT_PACK", "PACK", "STRICT_SPREAD")
+        if placement_group_strategy not in strategies:
+            raise ValueError(
+                f"placement_group_strategy must be one of {strategies}, "
+                f"got {placement_group_strategy!r}"
+            )
+        self.bundle_ct_per_node_list = list(bundle_ct_per_node_list)
+        self.use_gpus = use_gpus
+        self.max_colocated_worker_groups = max_colocated_worker_groups
+        self.num_gpus_per_node = num_gpus_per_node
+        self.name = name or "rl-cluster"
+        self.placement_group_strategy = placement_group_strategy
+        self.resources = BundleResources(
+            cpus=1.0, gpus=1.0 if use_gpus else 0.0, max_colocated=max_colocated_worker_groups
+        )
+        self._used_ports: set[tuple[str, int]] = set()
+        # Which worker groups occupy each (placement group, bundle): a group that would not fit
+        # fails at once, instead of its actors waiting forever for a share of a full bundle.
+        self._bundle_owners: dict[tuple[int, int], list[str]] = {}
+        self._placement_groups: list[PlacementGroup] | None = None
+
+        # A local CPU cluster gets enough logical CPUs for every bundle, so a 4-worker run
+        # fits on a 2-core laptop (the workers then share cores, which is what the user asked).
+        init_ray(num_cpus=None if use_gpus else max(os.cpu_count() or 1, self.world_size()))
+        self._create_placement_groups()
+
+    # -- placement ---------------------------------------------------------------------------
+
+    def _strategy_within_node(self) -> str:
+        if self.placement_group_strategy in ("PACK", "STRICT_SPREAD"):
+            return self.placement_group_strategy
+        return "STRICT_PACK" if self.use_gpus else "PACK"
+
+    def _create_placement_groups(self) -> None:
+        bundle = self.resources.as_bundle()
+        groups = []
+        for node_idx, count in enumerate(self.bundle_ct_per_node_list):
+            if count == 0:
+                continue
+            groups.append(
+                placement_group(
+                    [dict(bundle) for _ in range(count)],
+                    strategy=self._strategy_within_node(),
+                    name=f"{self.name}-node{node_idx}-{os.getpid()}-{id(self):x}",
+                )
+            )
+        self._placement_groups = groups
+        self._wait_until_placed(groups)
+
+    def _wait_until_placed(self, groups: list[PlacementGroup]) -> None:
+        _, pending = ray.wait(
+            [pg.ready() for pg in groups], num_returns=len(groups), timeout=PLACEMENT_TIMEOUT_S
+        )
+        if pending:
+            needed = {k: v * self.world_size() for k, v in self.resources.as_bundle().items()}
+            available = ray.available_resources()
+            self.shutdown()
+            raise ClusterError(
+                f"cluster {self.name!r}: {len(pending)} of {len(groups)} placement groups could "
+                f"not be placed within {PLACEMENT_TIMEOUT_S:.0f}s. Bundles per node "
+                f"{self.bundle_ct_per_node_list} need {needed} in total; Ray has "
+                f"{ {k: v for k, v in available.items() if k in ('CPU', 'GPU')} } free. "
+                f"Ask for fewer bundles or add nodes (RL_PLACEMENT_TIMEOUT_S sets the wait)."
+            )
+
+    def get_placement_groups(self) -> list[PlacementGroup]:
+        """One placement group per virtual node that has at least one bundle."""
+        if self._placement_groups is None:
+            raise ClusterError(f"cluster {self.name!r} has been shut down")
+        return self._placement_groups
+
+    def world_size(self) -> int:
+        return sum(self.bundle_ct_per_node_list)
+
+    def node_count(self) -> int:
+        return sum(1 for n in self.bundle_ct_per_node_list if n > 0)
+
+    def claim_bundles(self, bundles: list[tuple[int, int]], owner: str) -> None:
+        """Record that ``owner`` puts one worker on each ``(placement group, bundle)``.
+
+        Raises ``ClusterError`` if a bundle already holds ``max_colocated_worker_groups``
+        workers; nothing is claimed then.
+        """
+        for key in bundles:
+            owners = self._bundle_owners.get(key, [])
+            if len(owners) + bundles.count(key) > self.max_colocated_worker_groups:
+                raise ClusterError(
+                    f"cluster {self.name!r}: bundle {key[1]} of placement group {key[0]} is full "
+                    f"(already used by {owners}); max_colocated_worker_groups="
+                    f"{self.max_colocated_worker_groups}. Shut a group down or allow more "
+                    f"colocated groups."
+                )
+        for key in bundles:
+            self._bundle_owners.setdefault(key, []).append(owner)
+
+    def release_bundles(self, owner: str) -> None:
+        for owners in self._bundle_owners.values():
+            while owner in owners:
+                owners.remove(owner)
+
+    # -- rendezvous --------------------------------------------------------------------------
+
+    def get_master_address_and_port(self) -> tuple[str, int]:
+        """A free port on the node of the first bundle, never one handed out before.
+
+        Each call gives a new port, so every worker group gets its own rendezvous.
+        """
+        pg = self.get_placement_groups()[0]
+        probe = _find_free_port.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0
+            )
+        )
+        for _ in range(64):
+            address, port = ray.get(probe.remote())
+            if (address, port) not in self._used_ports:
+                self._used_ports.add((address, port))
+                return address, port
+        raise ClusterError(f"cluster {self.name!r}: no unused port found after 64 tries")
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Release the placement groups (killing nothing else). Safe to call twice."""
+        for pg in self._placement_groups or []:
+            try:
+                remove_placement_group(pg)
+            except Exception as err:  # Ray already gone: nothing left to release.
+                logger.debug("removing placement group %s failed: %s", pg.id, err)
+        self._placement_groups = None
+
+    def __repr__(self) -> str:
+        kind = "GPU" if self.use_gpus else "CPU"
+        return (
+            f"RayVirtualCluster(name={self.name!r}, bundles={self.bundle_ct_per_node_list}, "
+            f"{kind}, colocated={self.max_colocated_worker_groups})"
+        )
+
+
+@ray.remote(num_cpus=0)
+def _find_free_port() -> tuple[str, int]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port

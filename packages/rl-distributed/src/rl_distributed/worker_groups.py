@@ -1,0 +1,502 @@
+"""Groups of Ray worker processes placed on a virtual cluster, and dispatch to them.
+
+A worker group starts one process per bundle it is given, sets the torch.distributed
+environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``…) in each, and calls methods on all of
+them at once. Data can go to every worker, one item per worker, or be split along the named
+axes of a :class:`NamedSharding` (data-parallel shards, replicated over tensor-parallel peers).
+
+Failures are loud: a worker that dies (killed, segfault, out of memory) or raises surfaces in
+the driver as an error naming the worker, its node and the cause, while its peers may still be
+blocked in a collective waiting for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rl_distributed.named_sharding import NamedSharding
+from rl_distributed.virtual_cluster import RayVirtualCluster
+from rl_distributed.worker_host import SharedArg, WorkerHost
+
+logger = logging.getLogger(__name__)
+
+#: How often a waiting driver looks for dead workers among the calls already finished.
+POLL_INTERVAL_S = 1.0
+#: Arguments bigger than this go to the object store once instead of once per worker.
+PUT_THRESHOLD_BYTES = 1 << 20
+#: How long workers may take to start (import, build their model) before we give up.
+STARTUP_TIMEOUT_S = float(os.environ.get("RL_WORKER_STARTUP_TIMEOUT_S", "600"))
+
+_RemoteWorkerHost = ray.remote(WorkerHost)
+
+
+class WorkerGroupError(RuntimeError):
+    """Base class for failures of a worker group's workers."""
+
+
+class WorkerDiedError(WorkerGroupError):
+    """A worker process ended (killed, crashed, out of memory) or never started."""
+
+
+class WorkerCallError(WorkerGroupError):
+    """A worker's method raised; the remote traceback is in the message and ``__cause__``."""
+
+
+class WorkerTimeoutError(WorkerGroupError):
+    """Workers did not answer within the caller's timeout."""
+
+
+class RayWorkerBuilder:
+    """Names a worker class and its constructor arguments; builds actors from them.
+
+    The class is given as a dotted path and imported only inside the worker process, so the
+    driver needs none of the worker's dependencies (vLLM, Megatron, …).
+    """
+
+    def __init__(self, actor_class_fqn: str, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(actor_class_fqn, str) or "." not in actor_class_fqn:
+            raise ValueError(
+                f"RayWorkerBuilder needs a class path like 'pkg.module.Class', "
+                f"got {actor_class_fqn!r}"
+            )
+        self.actor_class_fqn = actor_class_fqn
+        self.args = args
+        self.kwargs = kwargs
+
+    def create_worker(
+        self,
+        *,
+        placement_group,
+        bundle_index: int,
+        num_cpus: float,
+        num_gpus: float,
+        env_vars: dict[str, str],
+        runtime_env: dict[str, Any] | None = None,
+    ) -> ray.actor.ActorHandle:
+        env = dict(runtime_env or {})
+        env["env_vars"] = {**env.get("env_vars", {}), **env_vars}
+        return _RemoteWorkerHost.options(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            runtime_env=env,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group,
+                placement_group_bundle_index=bundle_index,
+                placement_group_capture_child_tasks=True,
+            ),
+        ).remote(self.actor_class_fqn, self.args, self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"RayWorkerBuilder({self.actor_class_fqn!r})"
+
+
+@dataclass
+class WorkerMetadata:
+    """Where one worker sits: in the group, on the cluster and in its tied group."""
+
+    rank: int
+    name: str
+    node_idx: int
+    local_rank: int
+    bundle_index: int
+    tied_group: int
+    placement: dict[str, Any] = field(default_factory=dict)  # pid, host, node id once started
+
+    def describe(self) -> str:
+        where = self.placement.get("hostname") or f"virtual node {self.node_idx}"
+        pid = self.placement.get("pid")
+        return f"worker {self.name!r} (rank {self.rank} on {where}" + (
+            f", pid {pid})" if pid else ")"
+        )
+
+
+class WorkerFutures(list):
+    """A list of ``ObjectRef`` that remembers which worker and method each came from.
+
+    It is a plain list to Ray (``ray.get`` works on it); the group uses the extra fields to
+    name the worker when a result turns out to be a failure.
+    """
+
+    def __init__(self, refs: Sequence, worker_ranks: Sequence[int], method: str) -> None:
+        super().__init__(refs)
+        self.worker_ranks = list(worker_ranks)
+        self.method = method
+
+
+class RayWorkerGroup:
+    """A group of workers, one per bundle it is given, addressed together.
+
+    Placement: ``bundle_indices_list`` (a list of ``(node_idx, [bundle, …])``) places one worker
+    per listed bundle and ties the workers of each entry together (e.g. the tensor-parallel
+    ranks of one inference engine: ``tied_groups``). Otherwise ``workers_per_node`` (an int, a
+    list per node, or None for one per bundle) fills each virtual node's bundles in order.
+    """
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        remote_worker_builder: RayWorkerBuilder,
+        workers_per_node: int | list[int] | None = None,
+        name_prefix: str = "",
+        bundle_indices_list: list[tuple[int, list[int]]] | None = None,
+        sharding_annotations: NamedSharding | None = None,
+        env_vars: dict[str, str] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.builder = remote_worker_builder
+        self.name_prefix = name_prefix or remote_worker_builder.actor_class_fqn.rsplit(".")[-1]
+        if bundle_indices_list is not None and workers_per_node is not None:
+            raise ValueError("give either workers_per_node or bundle_indices_list, not both")
+        placements = (
+            self._check_bundle_indices(bundle_indices_list)
+            if bundle_indices_list is not None
+            else self._fill_nodes(workers_per_node)
+        )
+        world_size = sum(len(bundles) for _, bundles in placements)
+        if sharding_annotations is None:
+            sharding_annotations = NamedSharding(np.arange(world_size), ["data_parallel"])
+        if sharding_annotations.size != world_size:
+            raise ValueError(
+                f"sharding_annotations cover {sharding_annotations.size} ranks but the group "
+                f"has {world_size} workers"
+            )
+        self.sharding_annotations = sharding_annotations
+        self.workers: list[ray.actor.ActorHandle] = []
+        self.worker_metadata: list[WorkerMetadata] = []
+        self._owner = f"{self.name_prefix}@{id(self):x}"
+        cluster.claim_bundles([(p, b) for p, bundles in placements for b in bundles], self._owner)
+        self._start_workers(placements, world_size, env_vars or {})
+
+    # -- placement ---------------------------------------------------------------------------
+
+    def _nodes(self) -> list[int]:
+        """Virtual node index of each placement group (nodes with zero bundles have none)."""
+        return [i for i, n in enumerate(self.cluster.bundle_ct_per_node_list) if n > 0]
+
+    def _fill_nodes(self, workers_per_node) -> list[tuple[int, list[int]]]:
+        nodes = self._nodes()
+        counts = [self.cluster.bundle_ct_per_node_list[i] for i in nodes]
+        if workers_per_node is None:
+            wanted = counts
+        elif isinstance(workers_per_node, int):
+            wanted = [workers_per_node] * len(nodes)
+        else:
+            wanted = list(workers_per_node)
+            if len(wanted) != len(nodes):
+                raise ValueError(
+                    f"workers_per_node has {len(wanted)} entries but the cluster has "
+                    f"{len(nodes)} nodes with bundles"
+                )
+        for node, want, have in zip(nodes, wanted, counts, strict=True):
+            if want > have:
+                raise ValueError(f"node {node} has {have} bundles, cannot place {want} workers")
+        # Each worker is its own tied group when nothing ties them.
+        return [(pg_idx, [b]) for pg_idx, w in enumerate(wanted) for b in range(w)]
+
+    def _check_bundle_indices(self, bundle_indices_list) -> list[tuple[int, list[int]]]:
+        nodes = self._nodes()
+        seen = set()
+        for node_idx, bundles in bundle_indices_list:
+            if not 0 <= node_idx < len(nodes):
+                raise ValueError(
+                    f"bundle_indices_list names node {node_idx}; cluster has {len(nodes)}"
+                )
+            have = self.cluster.bundle_ct_per_node_list[nodes[node_idx]]
+            for b in bundles:
+                if not 0 <= b < have:
+                    raise ValueError(f"node {node_idx} has {have} bundles; no bundle {b}")
+                if (node_idx, b) in seen:
+                    raise ValueError(f"bundle {b} of node {node_idx} is listed twice")
+                seen.add((node_idx, b))
+        return [(node_idx, list(bundles)) for node_idx, bundles in bundle_indices_list]
+
+    def _start_workers(self, placements, world_size: int, extra_env: dict[str, str]) -> None:
+        pgs = self.cluster.get_placement_groups()
+        master_addr, master_port = self.cluster.get_master_address_and_port()
+        res = self.cluster.resources
+        node_ranks = {pg_idx: i for i, pg_idx in enumerate(dict.fromkeys(p for p, _ in placements))}
+        workers_on_node = {p: sum(len(b) for q, b in placements if q == p) for p in node_ranks}
+        local_counts: dict[int, int] = {}
+        rank = 0
+        for tied_group, (pg_idx, bundles) in enumerate(placements):
+            for bundle in bundles:
+                local_rank = local_counts.get(pg_idx, 0)
+                local_counts[pg_idx] = local_rank + 1
+                meta = WorkerMetadata(
+                    rank=rank,
+                    name=f"{self.name_prefix}-{rank}",
+                    node_idx=pg_idx,
+                    local_rank=local_rank,
+                    bundle_index=bundle,
+                    tied_group=tied_group,
+                )
+                env = {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(local_rank),
+                    "WORLD_SIZE": str(world_size),
+                    "LOCAL_WORLD_SIZE": str(workers_on_node[pg_idx]),
+                    "NODE_RANK": str(node_ranks[pg_idx]),
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port),
+                    "RL_WORKER_NAME": meta.name,
+                    **extra_env,
+                }
+                self.workers.append(
+                    self.builder.create_worker(
+                        placement_group=pgs[pg_idx],
+                        bundle_index=bundle,
+                        num_cpus=res.worker_cpus,
+                        num_gpus=res.worker_gpus,
+                        env_vars=env,
+                    )
+                )
+                self.worker_metadata.append(meta)
+                rank += 1
+        started = WorkerFutures(
+            [w.describe.remote() for w in self.workers], range(len(self.workers)), "__init__"
+        )
+        try:
+            placements_info = self.get_all_worker_results(started, timeout=STARTUP_TIMEOUT_S)
+        except WorkerGroupError:
+            self.shutdown(timeout=0)
+            raise
+        for meta, info in zip(self.worker_metadata, placements_info, strict=True):
+            meta.placement = info
+
+    # -- introspection -----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel shards: the ``data_parallel`` axis, else every worker."""
+        if "data_parallel" in self.sharding_annotations.names:
+            return self.sharding_annotations.get_axis_size("data_parallel")
+        return self.world_size
+
+    @property
+    def tied_groups(self) -> list[list[int]]:
+        """Ranks of each tied group, in order; the first rank of each is its leader."""
+        groups: dict[int, list[int]] = {}
+        for meta in self.worker_metadata:
+            groups.setdefault(meta.tied_group, []).append(meta.rank)
+        return list(groups.values())
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _call(self, rank: int, method: str, kwargs: dict[str, Any]):
+        return self.workers[rank].execute.remote(method, (), kwargs)
+
+    def run_all_workers_single_data(self, method: str, **kwargs: Any) -> WorkerFutures:
+        """Call ``method(**kwargs)`` on every worker; large arguments are shipped once."""
+        kwargs = _share_large_values(kwargs, copies=len(self.workers))
+        ranks = range(len(self.workers))
+        return WorkerFutures([self._call(r, method, kwargs) for r in ranks], ranks, method)
+
+    def run_all_workers_multiple_data(self, method: str, **kwarg_lists: Sequence) -> WorkerFutures:
+        """Call ``method`` on worker ``i`` with the ``i``-th item of every keyword list."""
+        for key, values in kwarg_lists.items():
+            if len(values) != len(self.workers):
+                raise ValueError(
+                    f"{method}: argument {key!r} has {len(values)} items for "
+                    f"{len(self.workers)} workers"
+                )
+        ranks = range(len(self.workers))
+        refs = [self._call(r, method, {k: v[r] for k, v in kwarg_lists.items()}) for r in ranks]
+        return WorkerFutures(refs, ranks, method)
+
+    def run_all_workers_sharded_data(
+        self,
+        method: str,
+        in_sharded_axes: Sequence[str] = (),
+        replicate_on_axes: Sequence[str] = (),
+        output_is_replicated: Sequence[str] = (),
+        common_kwargs: dict[str, Any] | None = None,
+        **data: Any,
+    ) -> WorkerFutures:
+        """Call ``method`` on every worker with its slice of ``data``.
+
+        Each value in ``data`` is a nested sequence indexed by the ``in_sharded_axes`` in order
+        (``data[dp]`` for ``["data_parallel"]``). Workers along ``replicate_on_axes`` get the same
+        slice. Along any other ("free") axis only coordinate 0 gets data and the rest are called
+        with ``None`` (e.g. later pipeline stages, which take activations, not inputs).
+        Results from workers off coordinate 0 of an ``output_is_replicated`` axis are dropped,
+        so replicated outputs come back once, in rank order.
+        """
+        sharding = self.sharding_annotations
+        axes = [*in_sharded_axes, *replicate_on_axes, *output_is_replicated]
+        for axis in axes:
+            if axis not in sharding.names:
+                raise ValueError(f"{method}: unknown axis {axis!r}; axes are {sharding.names}")
+        if set(in_sharded_axes) & set(replicate_on_axes):
+            raise ValueError(f"{method}: an axis cannot be both sharded and replicated")
+        for key, value in data.items():
+            _check_shard_shape(method, key, value, [sharding.shape[a] for a in in_sharded_axes])
+        free_axes = [a for a in sharding.names if a not in (*in_sharded_axes, *replicate_on_axes)]
+        common = _share_large_values(common_kwargs or {}, copies=len(self.workers))
+
+        refs, ranks = [], []
+        for rank in range(len(self.workers)):
+            coords = sharding.get_worker_coords(rank)
+            gets_data = all(coords[a] == 0 for a in free_axes)
+            kwargs = dict(common)
+            for key, value in data.items():
+                for axis in in_sharded_axes:
+                    value = value[coords[axis]]
+                kwargs[key] = value if gets_data else None
+            ref = self._call(rank, method, kwargs)
+            if all(coords[a] == 0 for a in output_is_replicated):
+                refs.append(ref)
+                ranks.append(rank)
+        return WorkerFutures(refs, ranks, method)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def get_all_worker_results(self, futures: Sequence, timeout: float | None = None) -> list[Any]:
+        """Wait for ``futures`` and return their results in order.
+
+        Fails fast: while some calls are still running (perhaps blocked in a collective), the
+        ones that finished are checked, so a dead peer is reported within about a second.
+        """
+        futures_list = list(futures)
+        position = {ref: i for i, ref in enumerate(futures_list)}
+        ranks = getattr(futures, "worker_ranks", None)
+        method = getattr(futures, "method", "?")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = POLL_INTERVAL_S
+            if deadline is not None:
+                wait = max(0.0, min(wait, deadline - time.monotonic()))
+            try:
+                return ray.get(futures_list, timeout=wait)
+            except ray.exceptions.GetTimeoutError:
+                pass
+            except Exception:
+                pass  # fall through to the per-future check, which names the worker
+            ready, pending = ray.wait(futures_list, num_returns=len(futures_list), timeout=0)
+            done = set(ready)
+            for ref in futures_list:  # in rank order, so the lowest failing rank is named
+                if ref in done:
+                    self._raise_if_failed(ref, ranks[position[ref]] if ranks else None, method)
+            if deadline is not None and time.monotonic() >= deadline:
+                names = [self._describe(ranks[position[r]] if ranks else None) for r in pending]
+                raise WorkerTimeoutError(
+                    f"{method}: {len(pending)} of {len(futures_list)} workers did not answer "
+                    f"within {timeout}s: {', '.join(names)}"
+                )
+
+    def _describe(self, rank: int | None) -> str:
+        if rank is None or not 0 <= rank < len(self.worker_metadata):
+            return "an unknown worker"
+        return self.worker_metadata[rank].describe()
+
+    def _log_tail(self, rank: int | None, lines: int = 20) -> str:
+        """The end of the dead worker's stderr log, when it is on this machine."""
+        if rank is None:
+            return ""
+        path = self.worker_metadata[rank].placement.get("stderr")
+        try:
+            with open(path, errors="replace") as log:
+                tail = log.readlines()[-lines:]
+        except (OSError, TypeError):
+            return ""
+        return f"\n--- last lines of {path} ---\n" + "".join(tail).rstrip()
+
+    def _raise_if_failed(self, ref, rank: int | None, method: str) -> None:
+        try:
+            ray.get(ref)
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.WorkerCrashedError,
+            ray.exceptions.OutOfMemoryError,
+            ray.exceptions.NodeDiedError,
+        ) as err:
+            raise WorkerDiedError(
+                f"{self._describe(rank)} died during {method!r}: {_death_cause(err)}"
+                + self._log_tail(rank)
+            ) from err
+        except ray.exceptions.RayTaskError as err:
+            raise WorkerCallError(
+                f"{self._describe(rank)} raised in {method!r}: {err.cause!r}\n{err}"
+            ) from err
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def shutdown(self, cleanup_method: str | None = None, timeout: float = 30) -> bool:
+        """Run ``cleanup_method`` on every worker (up to ``timeout`` s), then kill them all.
+
+        Returns True when the cleanup finished everywhere in time (or none was asked for).
+        """
+        clean = True
+        if cleanup_method and self.workers:
+            try:
+                self.get_all_worker_results(
+                    self.run_all_workers_single_data(cleanup_method), timeout=timeout
+                )
+            except WorkerGroupError as err:
+                logger.warning("cleanup %r did not finish cleanly: %s", cleanup_method, err)
+                clean = False
+        for worker in self.workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception as err:  # already dead: nothing to kill
+                logger.debug("kill failed: %s", err)
+        self.workers = []
+        self.cluster.release_bundles(self._owner)
+        return clean
+
+
+def _check_shard_shape(method: str, key: str, value: Any, sizes: list[int]) -> None:
+    """Data sharded over axes of sizes [a, b] must be indexable as value[i][j]."""
+    for depth, size in enumerate(sizes):
+        if not hasattr(value, "__len__") or len(value) != size:
+            got = len(value) if hasattr(value, "__len__") else type(value).__name__
+            raise ValueError(
+                f"{method}: argument {key!r} must have {size} shards at depth {depth} "
+                f"(one per coordinate of sharded axis {depth}), got {got}"
+            )
+        value = value[0]
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, dict) or hasattr(value, "get_dict"):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
+def _share_large_values(kwargs: dict[str, Any], copies: int) -> dict[str, Any]:
+    """Put big tensors in the object store once so N workers don't get N serialised copies."""
+    if copies < 2:
+        return kwargs
+    return {
+        k: SharedArg(ray.put(v)) if _nbytes(v) >= PUT_THRESHOLD_BYTES else v
+        for k, v in kwargs.items()
+    }
+
+
+def _death_cause(err: Exception) -> str:
+    """The useful part of Ray's message on why an actor died."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if any("creation task" in line for line in lines):
+        # The constructor raised: its exception is at the end of the remote traceback.
+        return "its constructor raised: " + " ".join(lines[-2:])
+    text = " ".join(lines)
+    if "exit detail:" in text:
+        text = text[text.index("exit detail:") :]
+    return text[:600]

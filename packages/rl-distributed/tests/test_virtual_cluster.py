@@ -1,0 +1,68 @@
+import pytest
+import ray
+from ray.util import placement_group_table
+
+from rl_distributed import virtual_cluster
+from rl_distributed.virtual_cluster import ClusterError, RayVirtualCluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
+
+
+def test_cpu_cluster_reserves_one_group_per_node_with_bundles():
+    cluster = RayVirtualCluster([0, 2, 1], use_gpus=False, name="three")
+    try:
+        pgs = cluster.get_placement_groups()
+        assert [len(pg.bundle_specs) for pg in pgs] == [2, 1]
+        assert all(b == {"CPU": 1.0} for pg in pgs for b in pg.bundle_specs)
+        assert cluster.world_size() == 3
+        assert cluster.node_count() == 2
+        assert all(placement_group_table(pg)["state"] == "CREATED" for pg in pgs)
+    finally:
+        cluster.shutdown()
+    assert all(placement_group_table(pg)["state"] == "REMOVED" for pg in pgs)
+    with pytest.raises(ClusterError, match="shut down"):
+        cluster.get_placement_groups()
+    cluster.shutdown()  # a second shutdown is harmless
+
+
+def test_master_ports_are_never_handed_out_twice():
+    cluster = RayVirtualCluster([1], use_gpus=False)
+    try:
+        pairs = [cluster.get_master_address_and_port() for _ in range(25)]
+    finally:
+        cluster.shutdown()
+    assert len(set(pairs)) == 25
+    assert {addr for addr, _ in pairs} == {ray.util.get_node_ip_address()}
+    assert all(1024 <= port < 65536 for _, port in pairs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bundle_ct_per_node_list": []}, "non-empty list"),
+        ({"bundle_ct_per_node_list": [2, -1]}, "non-negative"),
+        ({"bundle_ct_per_node_list": [0, 0]}, "no bundle"),
+        ({"bundle_ct_per_node_list": [9], "use_gpus": True}, "num_gpus_per_node=8"),
+        ({"bundle_ct_per_node_list": [1], "max_colocated_worker_groups": 0}, ">= 1"),
+        ({"bundle_ct_per_node_list": [1], "placement_group_strategy": "RANDOM"}, "one of"),
+    ],
+)
+def test_bad_requests_are_refused_before_touching_ray(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RayVirtualCluster(**kwargs)
+
+
+def test_unplaceable_request_fails_with_an_explanation(monkeypatch):
+    monkeypatch.setattr(virtual_cluster, "PLACEMENT_TIMEOUT_S", 1.0)
+    # This Ray cluster has no GPUs at all: the placement group can never be created.
+    with pytest.raises(ClusterError, match=r"could not be placed.*'GPU': 2\.0"):
+        RayVirtualCluster([2], use_gpus=True, num_gpus_per_node=2, name="gpuless")
+
+
+def test_colocated_bundles_are_shared_fractionally():
+    cluster = RayVirtualCluster([2], use_gpus=False, max_colocated_worker_groups=4)
+    try:
+        assert cluster.resources.worker_cpus == pytest.approx(0.25)
+        assert cluster.resources.worker_gpus == 0
+    finally:
+        cluster.shutdown()

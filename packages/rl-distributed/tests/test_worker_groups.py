@@ -1,0 +1,262 @@
+import sys
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from rl_distributed import NamedSharding
+from rl_distributed.virtual_cluster import ClusterError, RayVirtualCluster
+from rl_distributed.worker_groups import (
+    RayWorkerBuilder,
+    RayWorkerGroup,
+    WorkerCallError,
+    WorkerDiedError,
+    WorkerTimeoutError,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
+
+ECHO = "rl_distributed.testing.EchoWorker"
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    cluster = RayVirtualCluster([4], use_gpus=False, max_colocated_worker_groups=2)
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def echo4(cluster):
+    """Four workers laid out as data_parallel=2 x tensor_parallel=2."""
+    sharding = NamedSharding([[0, 1], [2, 3]], ["data_parallel", "tensor_parallel"])
+    group = RayWorkerGroup(
+        cluster, RayWorkerBuilder(ECHO, tag="t"), name_prefix="echo", sharding_annotations=sharding
+    )
+    yield group
+    group.shutdown()
+
+
+def results(group, futures, **kwargs):
+    return group.get_all_worker_results(futures, **kwargs)
+
+
+def test_workers_get_the_torch_distributed_environment(echo4):
+    envs = results(echo4, echo4.run_all_workers_single_data("env"))
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"4"}
+    assert {e["NODE_RANK"] for e in envs} == {"0"}
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert [e["RL_WORKER_NAME"] for e in envs] == ["echo-0", "echo-1", "echo-2", "echo-3"]
+    assert echo4.dp_size == 2
+    assert len({m.placement["pid"] for m in echo4.worker_metadata}) == 4
+
+
+def test_driver_never_imports_the_worker_class(echo4):
+    assert "rl_distributed.testing" not in sys.modules
+
+
+def test_virtual_nodes_get_node_ranks_and_groups_get_their_own_port(cluster):
+    two_nodes = RayVirtualCluster([1, 0, 1], use_gpus=False, max_colocated_worker_groups=2)
+    try:
+        group = RayWorkerGroup(two_nodes, RayWorkerBuilder(ECHO))
+        other = RayWorkerGroup(two_nodes, RayWorkerBuilder(ECHO), workers_per_node=[1, 0])
+        envs = results(group, group.run_all_workers_single_data("env"))
+        other_env = results(other, other.run_all_workers_single_data("env"))[0]
+        group.shutdown()
+        other.shutdown()
+    finally:
+        two_nodes.shutdown()
+    assert [(e["NODE_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "1"),
+        ("1", "0", "1"),
+    ]
+    assert other_env["MASTER_PORT"] != envs[0]["MASTER_PORT"]
+    assert other_env["WORLD_SIZE"] == "1"
+
+
+def test_single_and_multiple_data_dispatch(echo4):
+    out = results(echo4, echo4.run_all_workers_single_data("echo", x=1, y="a"))
+    assert out == [{"x": 1, "y": "a"}] * 4
+    out = results(echo4, echo4.run_all_workers_multiple_data("echo", x=[0, 1, 2, 3]))
+    assert [o["x"] for o in out] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="'x' has 3 items for 4 workers"):
+        echo4.run_all_workers_multiple_data("echo", x=[0, 1, 2])
+
+
+def test_large_arguments_reach_every_worker_intact(echo4):
+    big = torch.arange(1 << 19, dtype=torch.float64)  # 4 MiB: shipped once via the store
+    out = results(echo4, echo4.run_all_workers_single_data("echo", t=big))
+    assert all(torch.equal(o["t"], big) for o in out)
+
+
+def test_sharded_dispatch_shards_replicates_and_dedups_outputs(echo4):
+    futures = echo4.run_all_workers_sharded_data(
+        "echo",
+        in_sharded_axes=["data_parallel"],
+        replicate_on_axes=["tensor_parallel"],
+        output_is_replicated=["tensor_parallel"],
+        common_kwargs={"step": 7},
+        batch=["shard-0", "shard-1"],
+    )
+    assert futures.worker_ranks == [0, 2]  # tensor-parallel peers' copies come back once
+    assert results(echo4, futures) == [
+        {"step": 7, "batch": "shard-0"},
+        {"step": 7, "batch": "shard-1"},
+    ]
+
+
+def test_sharded_dispatch_over_two_axes_and_free_axes(echo4):
+    both = echo4.run_all_workers_sharded_data(
+        "echo", in_sharded_axes=["data_parallel", "tensor_parallel"], x=[["a", "b"], ["c", "d"]]
+    )
+    assert [o["x"] for o in results(echo4, both)] == ["a", "b", "c", "d"]
+    # tensor_parallel is neither sharded nor replicated here: only its coordinate 0 gets data.
+    free = echo4.run_all_workers_sharded_data("echo", in_sharded_axes=["data_parallel"], x=[1, 2])
+    assert [o["x"] for o in results(echo4, free)] == [1, None, 2, None]
+
+
+def test_sharded_dispatch_rejects_bad_shapes_and_axes(echo4):
+    with pytest.raises(ValueError, match="unknown axis 'pipeline'"):
+        echo4.run_all_workers_sharded_data("echo", in_sharded_axes=["pipeline"], x=[1])
+    with pytest.raises(ValueError, match="'x' must have 2 shards at depth 0"):
+        echo4.run_all_workers_sharded_data("echo", in_sharded_axes=["data_parallel"], x=[1, 2, 3])
+    with pytest.raises(ValueError, match="both sharded and replicated"):
+        echo4.run_all_workers_sharded_data(
+            "echo", in_sharded_axes=["data_parallel"], replicate_on_axes=["data_parallel"], x=[1, 2]
+        )
+
+
+def test_worker_exceptions_name_the_worker_and_method(echo4):
+    with pytest.raises(WorkerCallError, match=r"'echo-0'.*'fail'.*boom"):
+        results(echo4, echo4.run_all_workers_single_data("fail", message="boom"))
+    with pytest.raises(WorkerCallError, match="has no method 'nope'"):
+        results(echo4, echo4.run_all_workers_single_data("nope"))
+
+
+def test_slow_workers_time_out_instead_of_hanging(echo4):
+    futures = echo4.run_all_workers_multiple_data("sleep", seconds=[0, 0, 0, 5])
+    with pytest.raises(WorkerTimeoutError, match=r"1 of 4 workers.*'echo-3'"):
+        results(echo4, futures, timeout=0.5)
+    assert results(echo4, futures) == [0, 0, 0, 5]
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill", "segfault"])
+def test_a_dying_worker_is_reported_while_its_peers_block(cluster, how):
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), workers_per_node=2, name_prefix="dy")
+    try:
+        futures = group.run_all_workers_single_data("die_or_block", victim_rank=1, how=how)
+        # The peer sleeps for an hour: only fail-fast detection can end this call.
+        with pytest.raises(
+            WorkerDiedError, match=r"worker 'dy-1' \(rank 1 .*pid \d+\) died"
+        ) as err:
+            results(group, futures, timeout=120)
+        if how == "segfault":  # the worker's own log explains the crash
+            assert "Segmentation fault" in str(err.value)
+        # Later calls fail at once too, even with the peer still busy.
+        with pytest.raises(WorkerDiedError, match="'dy-1'"):
+            results(group, group.run_all_workers_single_data("ping"), timeout=120)
+    finally:
+        assert group.shutdown(timeout=5) is True
+
+
+def test_a_worker_that_cannot_start_is_reported(cluster):
+    with pytest.raises(WorkerDiedError, match=r"(?s)Missing-0.*no class .Missing."):
+        RayWorkerGroup(cluster, RayWorkerBuilder("rl_distributed.testing.Missing"))
+    with pytest.raises(ValueError, match="class path"):
+        RayWorkerBuilder("NoModule")
+
+
+def test_tied_groups_from_bundle_indices(cluster):
+    group = RayWorkerGroup(
+        cluster, RayWorkerBuilder(ECHO), bundle_indices_list=[(0, [0, 1]), (0, [3])]
+    )
+    try:
+        assert group.tied_groups == [[0, 1], [2]]
+        assert [m.bundle_index for m in group.worker_metadata] == [0, 1, 3]
+        envs = results(group, group.run_all_workers_single_data("env"))
+        assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    finally:
+        group.shutdown()
+    with pytest.raises(ValueError, match="listed twice"):
+        RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), bundle_indices_list=[(0, [1]), (0, [1])])
+    with pytest.raises(ValueError, match="no bundle 4"):
+        RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), bundle_indices_list=[(0, [4])])
+
+
+def test_shutdown_runs_cleanup_with_a_timeout(cluster):
+    quick = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO, tag="q"), workers_per_node=2)
+    workers = list(quick.workers)
+    assert quick.shutdown(cleanup_method="cleanup") is True
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(workers[0].execute.remote("ping"), timeout=30)
+
+    slow = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), workers_per_node=1)
+    assert slow.shutdown(cleanup_method="slow_cleanup", timeout=1) is False
+
+
+def test_data_parallel_training_with_gloo_matches_full_batch_gradient_descent(cluster):
+    """Two workers train with DDP over gloo; full-batch GD in float64 is the reference."""
+    dim, lr, steps = 5, 0.1, 4
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, dim, generator=gen, dtype=torch.float64)
+    y = x @ torch.arange(1.0, dim + 1, dtype=torch.float64) + 0.3
+
+    group = RayWorkerGroup(
+        cluster,
+        RayWorkerBuilder("rl_distributed.testing.DataParallelRegressor", dim=dim, lr=lr, seed=3),
+        workers_per_node=2,
+    )
+    try:
+        assert results(group, group.run_all_workers_single_data("process_group")) == [
+            {"rank": 0, "world_size": 2},
+            {"rank": 1, "world_size": 2},
+        ]
+        losses = []
+        for _ in range(steps):
+            shards = group.run_all_workers_sharded_data(
+                "train_step", in_sharded_axes=["data_parallel"], x=x.chunk(2), y=y.chunk(2)
+            )
+            losses.append(results(group, shards))
+        weights = results(group, group.run_all_workers_single_data("weights"))
+    finally:
+        group.shutdown(cleanup_method="close")
+
+    torch.manual_seed(3)
+    reference = torch.nn.Linear(dim, 1, dtype=torch.float64)
+    w, b = reference.weight.detach().clone(), reference.bias.detach().clone()
+    ref_losses = []
+    for _ in range(steps):
+        w.requires_grad_(True)
+        b.requires_grad_(True)
+        loss = ((x @ w.T + b).squeeze(-1) - y).pow(2).mean()
+        gw, gb = torch.autograd.grad(loss, (w, b))
+        ref_losses.append(loss.item())
+        w, b = (w - lr * gw).detach(), (b - lr * gb).detach()
+
+    for rank_weights in weights:
+        torch.testing.assert_close(rank_weights["weight"], w, rtol=0, atol=1e-12)
+        torch.testing.assert_close(rank_weights["bias"], b, rtol=0, atol=1e-12)
+    # Each rank's loss is over its half; their mean is the full-batch loss.
+    np.testing.assert_allclose([np.mean(step) for step in losses], ref_losses, rtol=1e-12)
+
+
+def test_colocated_groups_run_side_by_side_on_the_same_bundles():
+    shared = RayVirtualCluster([2], use_gpus=False, max_colocated_worker_groups=2)
+    first = RayWorkerGroup(shared, RayWorkerBuilder(ECHO, tag="a"))
+    second = RayWorkerGroup(shared, RayWorkerBuilder(ECHO, tag="b"))
+    try:
+        a = first.run_all_workers_single_data("cleanup")
+        b = second.run_all_workers_single_data("cleanup")
+        assert results(first, a) == ["a", "a"]
+        assert results(second, b) == ["b", "b"]
+        assert [m.bundle_index for m in second.worker_metadata] == [0, 1]
+        with pytest.raises(ClusterError, match="bundle 0 of placement group 0 is full"):
+            RayWorkerGroup(shared, RayWorkerBuilder(ECHO))
+    finally:
+        first.shutdown()
+        second.shutdown()
+        shared.shutdown()
