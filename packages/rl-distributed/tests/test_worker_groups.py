@@ -164,7 +164,7 @@ def test_a_dying_worker_is_reported_while_its_peers_block(cluster, how):
 
 
 def test_a_worker_that_cannot_start_is_reported(cluster):
-    with pytest.raises(WorkerDiedError, match=r"(?s)Missing-0.*no class .Missing."):
+    with pytest.raises(WorkerDiedError, match=r"(?s)worker .Missing-\d. .*no class .Missing."):
         RayWorkerGroup(cluster, RayWorkerBuilder("rl_distributed.testing.Missing"))
     with pytest.raises(ValueError, match="class path"):
         RayWorkerBuilder("NoModule")

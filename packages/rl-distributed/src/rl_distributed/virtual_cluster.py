@@ -50,7 +50,8 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, **kwargs)
         logger.info("attaching to the Ray cluster at %s", os.environ["RAY_ADDRESS"])
         ray.init(address=os.environ["RAY_ADDRESS"], **kwargs)
         return
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+    # address="local": always a new cluster, never one a stale /tmp/ray file points at.
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
 
 
 @dataclass(frozen=True)
