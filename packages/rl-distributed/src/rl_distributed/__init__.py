@@ -5,10 +5,13 @@ on it) stay fast; ``from rl_distributed import RayWorkerGroup`` loads Ray only t
 """
 
 from importlib import import_module
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-__version__ = version("rl-distributed")
+try:
+    __version__ = version("rl-distributed")
+except PackageNotFoundError:  # linked, not installed, into an isolated worker environment
+    __version__ = "0+linked"
 
 _EXPORTS = {
     "BatchedDataDict": "rl_distributed.batched_data_dict",

@@ -34,6 +34,14 @@ class EchoWorker:
     def python(self) -> dict[str, str]:
         return {"executable": sys.executable, "version": sys.version.split()[0]}
 
+    def package_version(self, name: str) -> str | None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
     def fail(self, message: str) -> None:
         raise ValueError(message)
 

@@ -15,7 +15,13 @@ import socket
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
@@ -80,10 +86,12 @@ class BundleResources:
 class RayVirtualCluster:
     """Reserves ``bundle_ct_per_node_list[i]`` bundles on virtual node ``i``.
 
-    ``placement_group_strategy`` says how bundles of one virtual node are placed: ``"SPREAD"``
-    (the default) and ``"STRICT_PACK"`` keep a virtual node's bundles on one physical node when
-    GPUs are used (NVLink peers must share a machine) and let CPU bundles go wherever they fit;
-    ``"PACK"`` and ``"STRICT_SPREAD"`` are passed to Ray as they are.
+    A virtual node's bundles always share one physical node when GPUs are used (NVLink peers
+    must share a machine); CPU bundles are packed where they fit. ``placement_group_strategy``
+    says how virtual nodes map to physical Ray nodes: ``"SPREAD"`` (default) puts them on
+    distinct nodes when the Ray cluster has enough nodes, and lets them share otherwise (one
+    laptop); ``"STRICT_SPREAD"`` insists on distinct nodes; ``"PACK"`` and ``"STRICT_PACK"``
+    let them share.
     """
 
     def __init__(
@@ -113,7 +121,7 @@ class RayVirtualCluster:
                 f"a node asks for {max(bundle_ct_per_node_list)} GPU bundles but "
                 f"num_gpus_per_node={num_gpus_per_node}"
             )
-        strategies = ("SPREAD", "STRICT_PACK", "PACK", "STRICT_SPREAD")
+        strategies = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
         if placement_group_strategy not in strategies:
             raise ValueError(
                 f"placement_group_strategy must be one of {strategies}, "
@@ -141,25 +149,41 @@ class RayVirtualCluster:
 
     # -- placement ---------------------------------------------------------------------------
 
-    def _strategy_within_node(self) -> str:
-        if self.placement_group_strategy in ("PACK", "STRICT_SPREAD"):
-            return self.placement_group_strategy
-        return "STRICT_PACK" if self.use_gpus else "PACK"
+    def _distinct_nodes(self) -> bool:
+        """Whether each virtual node must land on a physical node of its own."""
+        if self.placement_group_strategy == "STRICT_SPREAD":
+            return True
+        if self.placement_group_strategy == "SPREAD":
+            alive = sum(1 for node in ray.nodes() if node["Alive"])
+            return alive >= self.node_count()
+        return False
 
     def _create_placement_groups(self) -> None:
         bundle = self.resources.as_bundle()
-        groups = []
+        within_node = "STRICT_PACK" if self.use_gpus else "PACK"
+        distinct = self._distinct_nodes() and self.node_count() > 1
+        groups: list[PlacementGroup] = []
+        used_nodes: list[str] = []
         for node_idx, count in enumerate(self.bundle_ct_per_node_list):
             if count == 0:
                 continue
-            groups.append(
-                placement_group(
-                    [dict(bundle) for _ in range(count)],
-                    strategy=self._strategy_within_node(),
-                    name=f"{self.name}-node{node_idx}-{os.getpid()}-{id(self):x}",
-                )
+            # Placing one virtual node at a time lets the next one exclude the nodes taken.
+            selector = (
+                [{NODE_ID_LABEL_KEY: f"!in({','.join(used_nodes)})"}] * count
+                if distinct and used_nodes
+                else None
             )
-        self._placement_groups = groups
+            pg = placement_group(
+                [dict(bundle) for _ in range(count)],
+                strategy=within_node,
+                name=f"{self.name}-node{node_idx}-{os.getpid()}-{id(self):x}",
+                bundle_label_selector=selector,
+            )
+            groups.append(pg)
+            self._placement_groups = groups
+            if distinct:
+                self._wait_until_placed([pg])
+                used_nodes.extend(set(placement_group_table(pg)["bundles_to_node_id"].values()))
         self._wait_until_placed(groups)
 
     def _wait_until_placed(self, groups: list[PlacementGroup]) -> None:

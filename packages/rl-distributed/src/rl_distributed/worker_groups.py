@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_distributed import envs
 from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_host import SharedArg, WorkerHost
@@ -72,6 +74,18 @@ class RayWorkerBuilder:
         self.actor_class_fqn = actor_class_fqn
         self.args = args
         self.kwargs = kwargs
+        self.python_env: str | None = None
+
+    def with_python_env(self, name: str) -> RayWorkerBuilder:
+        """Run this group in the named environment instead of the class's registered one."""
+        envs.registry.get(name)  # fail now, in the driver, on a typo
+        self.python_env = name
+        return self
+
+    def resolve_python_env(self) -> envs.PythonEnv:
+        if self.python_env is not None:
+            return envs.registry.get(self.python_env)
+        return envs.registry.env_for(self.actor_class_fqn)
 
     def create_worker(
         self,
@@ -175,7 +189,11 @@ class RayWorkerGroup:
         self.worker_metadata: list[WorkerMetadata] = []
         self._owner = f"{self.name_prefix}@{id(self):x}"
         cluster.claim_bundles([(p, b) for p, bundles in placements for b in bundles], self._owner)
-        self._start_workers(placements, world_size, env_vars or {})
+        try:
+            self._start_workers(placements, world_size, env_vars or {})
+        except BaseException:
+            self.shutdown(timeout=0)  # kill what started and give the bundles back
+            raise
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -222,6 +240,8 @@ class RayWorkerGroup:
 
     def _start_workers(self, placements, world_size: int, extra_env: dict[str, str]) -> None:
         pgs = self.cluster.get_placement_groups()
+        python_env = self.builder.resolve_python_env()
+        pythons = {} if python_env.is_system else envs.python_per_node(python_env, pgs)
         master_addr, master_port = self.cluster.get_master_address_and_port()
         res = self.cluster.resources
         node_ranks = {pg_idx: i for i, pg_idx in enumerate(dict.fromkeys(p for p, _ in placements))}
@@ -251,6 +271,10 @@ class RayWorkerGroup:
                     "RL_WORKER_NAME": meta.name,
                     **extra_env,
                 }
+                runtime_env = {}
+                if pythons:
+                    node = placement_group_table(pgs[pg_idx])["bundles_to_node_id"][bundle]
+                    runtime_env["py_executable"] = pythons[node]
                 self.workers.append(
                     self.builder.create_worker(
                         placement_group=pgs[pg_idx],
@@ -258,6 +282,7 @@ class RayWorkerGroup:
                         num_cpus=res.worker_cpus,
                         num_gpus=res.worker_gpus,
                         env_vars=env,
+                        runtime_env=runtime_env,
                     )
                 )
                 self.worker_metadata.append(meta)
@@ -265,11 +290,7 @@ class RayWorkerGroup:
         started = WorkerFutures(
             [w.describe.remote() for w in self.workers], range(len(self.workers)), "__init__"
         )
-        try:
-            placements_info = self.get_all_worker_results(started, timeout=STARTUP_TIMEOUT_S)
-        except WorkerGroupError:
-            self.shutdown(timeout=0)
-            raise
+        placements_info = self.get_all_worker_results(started, timeout=STARTUP_TIMEOUT_S)
         for meta, info in zip(self.worker_metadata, placements_info, strict=True):
             meta.placement = info
 

@@ -1,0 +1,76 @@
+"""Isolated, uv-built Python environments for worker groups (see ``registry`` and ``builder``)."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group_table
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rl_distributed.envs.builder import (
+    EnvBuildError,
+    cache_root,
+    clean_envs,
+    ensure_env,
+    list_envs,
+    rebuild_requested,
+)
+from rl_distributed.envs.registry import (
+    SYSTEM,
+    EnvRegistry,
+    PythonEnv,
+    UnknownEnvError,
+    define_env,
+    register_worker_env,
+    registry,
+)
+
+__all__ = [
+    "SYSTEM",
+    "EnvBuildError",
+    "EnvRegistry",
+    "PythonEnv",
+    "UnknownEnvError",
+    "cache_root",
+    "clean_envs",
+    "define_env",
+    "ensure_env",
+    "list_envs",
+    "python_per_node",
+    "register_worker_env",
+    "registry",
+]
+
+# Rebuilds asked for with RL_REBUILD_ENVS happen once per driver, not once per worker group.
+_rebuilt: set[str] = set()
+
+
+@ray.remote(num_cpus=0)
+def _ensure_on_this_node(env: PythonEnv, rebuild: bool) -> str:
+    return ensure_env(env, rebuild=rebuild)
+
+
+def python_per_node(env: PythonEnv, placement_groups: list[PlacementGroup]) -> dict[str, str]:
+    """Build ``env`` once on every node holding a bundle; node id -> Python executable."""
+    nodes = sorted(
+        {
+            node
+            for pg in placement_groups
+            for node in placement_group_table(pg)["bundles_to_node_id"].values()
+        }
+    )
+    rebuild = rebuild_requested(env) and env.name not in _rebuilt
+    builds = [
+        _ensure_on_this_node.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        ).remote(env, rebuild)
+        for node in nodes
+    ]
+    try:
+        pythons = ray.get(builds)
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(err.cause, EnvBuildError):
+            raise err.cause from None  # uv's own output says it all; Ray's wrapper adds noise
+        raise
+    if rebuild:
+        _rebuilt.add(env.name)
+    return dict(zip(nodes, pythons, strict=True))

@@ -1,0 +1,122 @@
+"""Registry and uv builder of isolated worker environments (no Ray needed)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rl_distributed.envs import builder
+from rl_distributed.envs.builder import EnvBuildError, clean_envs, ensure_env, env_dir, list_envs
+from rl_distributed.envs.registry import EnvRegistry, PythonEnv, UnknownEnvError
+
+SIX_OLD = PythonEnv("six-old", requirements=("six==1.16.0",))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RL_ENV_CACHE_DIR", str(tmp_path / "envs"))
+    return tmp_path / "envs"
+
+
+def builds(cache) -> list[dict]:
+    log = cache / "builds.log"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_registry_picks_exact_then_longest_module_prefix(monkeypatch):
+    reg = EnvRegistry()
+    reg.define(PythonEnv("judge", requirements=("sympy",)))
+    reg.register("pkg.gen", "vllm")
+    reg.register("pkg.gen.special", "judge")
+    reg.register("pkg.gen.vllm_worker.Worker", "mcore")
+    assert reg.env_for("pkg.gen.vllm_worker.Worker").name == "mcore"
+    assert reg.env_for("pkg.gen.vllm_worker.Other").name == "vllm"
+    assert reg.env_for("pkg.gen.special.deep.Worker").name == "judge"
+    assert reg.env_for("elsewhere.Worker").name == "system"
+    monkeypatch.setenv("RL_UNREGISTERED_WORKER_ENV", "error")
+    with pytest.raises(UnknownEnvError, match=r"'elsewhere\.Worker' is not registered"):
+        reg.env_for("elsewhere.Worker")
+    with pytest.raises(UnknownEnvError, match=r"no Python environment named 'nope'.*'judge'"):
+        reg.register("x.Y", "nope")
+
+
+def test_env_definitions_are_validated():
+    with pytest.raises(ValueError, match="takes no spec"):
+        PythonEnv("system", requirements=("six",))
+    with pytest.raises(ValueError, match="plain, non-empty name"):
+        PythonEnv("../escape")
+
+
+def test_cache_key_follows_what_defines_the_env(cache, tmp_path, monkeypatch):
+    assert env_dir(SIX_OLD) == env_dir(PythonEnv("six-old", requirements=("six==1.16.0",)))
+    assert env_dir(SIX_OLD) != env_dir(PythonEnv("six-old", requirements=("six==1.17.0",)))
+    # Extras are keyed by the workspace lock file: a new lock means a new environment.
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "pyproject.toml").write_text("[project]\nname='x'\n")
+    (tmp_path / "ws" / "uv.lock").write_text("version = 1\n")
+    monkeypatch.setenv("RL_WORKSPACE_ROOT", str(tmp_path / "ws"))
+    before = env_dir(PythonEnv("vllm", extras=("vllm",)))
+    (tmp_path / "ws" / "uv.lock").write_text("version = 1\n# changed\n")
+    assert env_dir(PythonEnv("vllm", extras=("vllm",))) != before
+    assert before.parent == cache
+
+
+def test_build_once_reuse_and_rebuild(cache):
+    python = ensure_env(SIX_OLD)
+    out = subprocess.run(
+        [python, "-c", "import six, ray, rl_distributed.worker_host; print(six.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "1.16.0"
+    assert ensure_env(SIX_OLD) == python
+    assert len(builds(cache)) == 1
+    ensure_env(SIX_OLD, rebuild=True)
+    assert len(builds(cache)) == 2
+    [listed] = list_envs()
+    assert listed["name"] == "six-old" and listed["requirements"] == ["six==1.16.0"]
+    assert clean_envs("six-old") == [listed["path"]]
+    assert list_envs() == []
+
+
+def test_the_isolated_env_does_not_see_the_drivers_packages(cache):
+    python = ensure_env(PythonEnv("bare"))
+    # The driver has pydantic and torch; the worker environment has only Ray and its deps.
+    out = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True)
+    assert out.returncode != 0 and "No module named 'torch'" in out.stderr
+
+
+def test_concurrent_builders_wait_on_the_lock_and_build_once(cache):
+    code = (
+        "from rl_distributed.envs.builder import ensure_env;"
+        "from rl_distributed.envs.registry import PythonEnv;"
+        "print(ensure_env(PythonEnv('six-old', requirements=('six==1.16.0',))))"
+    )
+    env = {**os.environ, "RL_ENV_CACHE_DIR": str(cache)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    paths = {p.communicate(timeout=300)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(paths) == 1
+    assert len(builds(cache)) == 1
+
+
+def test_a_failed_build_raises_with_uvs_output_and_leaves_nothing(cache):
+    bad = PythonEnv("broken", requirements=("rl-no-such-package-anywhere==9.9.9",))
+    with pytest.raises(EnvBuildError, match=r"(?s)'broken' failed.*rl-no-such-package-anywhere"):
+        ensure_env(bad)
+    assert not env_dir(bad).exists()
+    assert builds(cache) == []
+
+
+def test_rebuild_requests_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RL_REBUILD_ENVS", "vllm, judge")
+    assert builder.rebuild_requested(PythonEnv("judge"))
+    assert not builder.rebuild_requested(PythonEnv("other"))
+    monkeypatch.setenv("RL_REBUILD_ENVS", "1")
+    assert builder.rebuild_requested(PythonEnv("other"))
