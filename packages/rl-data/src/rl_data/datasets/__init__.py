@@ -1,0 +1,113 @@
+"""Dataset sources, selected by ``source`` in the config, and train/validation splits.
+
+Each source reads or generates rows in a canonical shape (chat rows or preference rows, see
+:mod:`rl_data.datasets.chat` and :mod:`rl_data.datasets.preference`); a processor then turns
+rows into tokenised samples. New sources register with :func:`register_source`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from rl_data.datasets.base import RowDataset, read_records
+from rl_data.datasets.chat import ChatFileConfig, load_chat_file
+from rl_data.datasets.preference import PreferenceFileConfig, load_preference_file
+from rl_data.datasets.procedural import (
+    ArithmeticConfig,
+    ReasoningGymConfig,
+    load_arithmetic,
+    load_reasoning_gym,
+    reasoning_gym_task_names,
+)
+from rl_distributed.config import ConfigModel
+
+DATASET_SOURCES: dict[str, Callable[[Any], RowDataset]] = {
+    "chat_file": load_chat_file,
+    "preference_file": load_preference_file,
+    "reasoning_gym": load_reasoning_gym,
+    "arithmetic": load_arithmetic,
+}
+
+DatasetConfig = Annotated[
+    ChatFileConfig | PreferenceFileConfig | ReasoningGymConfig | ArithmeticConfig,
+    Field(discriminator="source"),
+]
+
+
+def register_source(name: str, loader: Callable[[Any], RowDataset]) -> None:
+    """Make ``loader(cfg)`` the source for configs with ``source == name``.
+
+    The config must be a :class:`ConfigModel` with a ``source`` field; recipes whose typed
+    config should accept it extend their own union with it.
+    """
+    DATASET_SOURCES[name] = loader
+
+
+def load_dataset(cfg: Any) -> RowDataset:
+    """The rows of one dataset config (a typed config or a plain mapping)."""
+    if isinstance(cfg, dict):
+        from pydantic import TypeAdapter
+
+        cfg = TypeAdapter(DatasetConfig).validate_python(cfg)
+    loader = DATASET_SOURCES.get(cfg.source)
+    if loader is None:
+        raise ValueError(f"unknown dataset source {cfg.source!r}; known: {sorted(DATASET_SOURCES)}")
+    return loader(cfg)
+
+
+class DataConfig(ConfigModel):
+    """Train data, and validation data either from its own source or held out of train."""
+
+    train: DatasetConfig
+    validation: DatasetConfig | None = None
+    validation_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    seed: int = 0  # which rows are held out
+
+    @model_validator(mode="after")
+    def _one_validation(self) -> DataConfig:
+        if self.validation is not None and self.validation_fraction > 0:
+            raise ValueError("give either 'validation' or 'validation_fraction', not both")
+        return self
+
+
+def load_splits(cfg: DataConfig) -> dict[str, RowDataset]:
+    """``{"train": ..., "validation": ...}`` (validation only when configured).
+
+    A held-out split is a seeded random subset of train, the same for the same seed and data.
+    """
+    train = load_dataset(cfg.train)
+    if cfg.validation is not None:
+        return {"train": train, "validation": load_dataset(cfg.validation)}
+    if cfg.validation_fraction == 0:
+        return {"train": train}
+    n_val = max(1, round(len(train) * cfg.validation_fraction))
+    if n_val >= len(train):
+        raise ValueError(
+            f"validation_fraction {cfg.validation_fraction} of {len(train)} rows leaves no train rows"
+        )
+    order = np.random.default_rng(cfg.seed).permutation(len(train)).tolist()
+    return {
+        "train": train.select(sorted(order[n_val:])),
+        "validation": train.select(sorted(order[:n_val])),
+    }
+
+
+__all__ = [
+    "DATASET_SOURCES",
+    "ArithmeticConfig",
+    "ChatFileConfig",
+    "DataConfig",
+    "DatasetConfig",
+    "PreferenceFileConfig",
+    "ReasoningGymConfig",
+    "RowDataset",
+    "load_dataset",
+    "load_splits",
+    "read_records",
+    "reasoning_gym_task_names",
+    "register_source",
+]

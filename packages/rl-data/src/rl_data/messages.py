@@ -1,0 +1,105 @@
+"""Message logs: checking them, and tokenising them one message at a time.
+
+Each message's ``token_ids`` are computed once, from the text that message adds to the rendered
+conversation (see :meth:`ChatTemplate.message_texts`). Appending turns to a log tokenises only the
+new messages: earlier messages keep their tensors, so a multi-turn rollout never sees the ids of
+an earlier turn change (re-tokenising a whole conversation can merge tokens across turn
+boundaries and shift them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rl_data.templates import ChatTemplate
+from rl_data.tokenizers import encode_texts
+from rl_data.types import MessageLog
+
+ROLES = frozenset({"system", "user", "assistant", "tool", "environment"})
+
+
+def check_messages(messages: Any, what: str = "messages") -> list[dict[str, str]]:
+    """``messages`` as plain ``{"role", "content"}`` dicts, or a ValueError saying what is wrong.
+
+    Extra keys on a message (``name``, ``tool_calls``...) are dropped: templates here see roles
+    and contents only.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{what} must be a non-empty list of messages, got {_show(messages)}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(
+                f"{what}[{i}] must be a dict with 'role' and 'content', got {_show(m)}"
+            )
+        missing = [k for k in ("role", "content") if k not in m]
+        if missing:
+            raise ValueError(f"{what}[{i}] has no {' or '.join(map(repr, missing))}")
+        role, content = m["role"], m["content"]
+        if role not in ROLES:
+            raise ValueError(f"{what}[{i}] has role {role!r}; expected one of {sorted(ROLES)}")
+        if not isinstance(content, str):
+            raise ValueError(
+                f"{what}[{i}] ({role}) content must be a string, got {type(content).__name__}"
+            )
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def tokenize_message_logs(
+    logs: Sequence[MessageLog],
+    tokenizer: Any,
+    template: ChatTemplate,
+    add_generation_prompt: bool = False,
+) -> None:
+    """Give every message without ``token_ids`` its ids, in place, for all logs at once.
+
+    Messages that already have ``token_ids`` are left untouched; only the messages after the
+    last tokenised one are rendered and tokenised. ``add_generation_prompt`` appends the
+    assistant header to the last message (prompts for generation).
+    """
+    pending: list[tuple[MessageLog, int]] = []
+    texts: list[str] = []
+    for log in logs:
+        start = 0
+        for i, message in enumerate(log):
+            if "token_ids" in message:
+                if i != start:
+                    raise ValueError(
+                        f"message {i} is tokenised but message {start} before it is not"
+                    )
+                start = i + 1
+        if start == len(log):
+            continue
+        pending.append((log, start))
+        texts.extend(template.message_texts(log, add_generation_prompt, start=start))
+    ids = iter(encode_texts(tokenizer, texts)) if texts else iter(())
+    for log, start in pending:
+        for message in log[start:]:
+            message["token_ids"] = torch.tensor(next(ids), dtype=torch.long)
+
+
+def message_log_length(log: MessageLog) -> int:
+    return sum(len(m["token_ids"]) for m in log)
+
+
+def truncate_message_log(log: MessageLog, max_tokens: int) -> MessageLog:
+    """The first ``max_tokens`` tokens of ``log``; messages past the cut keep zero tokens."""
+    out: MessageLog = []
+    left = max_tokens
+    for message in log:
+        kept = dict(message)
+        for key in ("token_ids", "token_loss_mask", "generation_logprobs"):
+            if key in kept:
+                kept[key] = kept[key][:left]
+        left -= len(kept["token_ids"])
+        out.append(kept)  # type: ignore[arg-type]
+    return out

@@ -1,0 +1,155 @@
+"""Chat templates, rendered so that each message's text can be tokenised on its own.
+
+Three kinds, picked by :class:`ChatTemplateConfig`:
+
+- ``tokenizer``: the tokenizer's own ``chat_template`` (what the model was trained with);
+- ``passthrough``: the messages' contents concatenated, nothing added (base models, raw text);
+- ``jinja``: a Jinja string given in the config.
+
+All three are Jinja templates rendered the way Hugging Face renders chat templates
+(``trim_blocks``, ``lstrip_blocks``, a sandbox), so a template that works with
+``tokenizer.apply_chat_template`` renders the same text here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Literal
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import model_validator
+
+from rl_data.errors import TemplateError
+from rl_distributed.config import ConfigModel
+
+PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+# ChatML, the format of SmolLM2 and Qwen; what tokenizers built by this package use.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateConfig(ConfigModel):
+    """Which chat template turns message logs into text."""
+
+    kind: Literal["tokenizer", "passthrough", "jinja"] = "tokenizer"
+    template: str | None = None  # the Jinja source, for kind=jinja only
+
+    @model_validator(mode="after")
+    def _template_only_for_jinja(self) -> ChatTemplateConfig:
+        if self.kind == "jinja" and not self.template:
+            raise ValueError("kind 'jinja' needs 'template' (a Jinja string)")
+        if self.kind != "jinja" and self.template is not None:
+            raise ValueError(f"'template' is only read for kind 'jinja', not {self.kind!r}")
+        return self
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"the chat template raised: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateError(f"chat template has a syntax error (line {e.lineno}): {e}") from None
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special tokens it may refer to."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+        self.source = source
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self._template = _compile(source)
+
+    @classmethod
+    def from_config(cls, cfg: ChatTemplateConfig, tokenizer: Any = None) -> ChatTemplate:
+        """The template ``cfg`` names; ``tokenizer`` supplies its own template and special tokens."""
+        special = {}
+        if tokenizer is not None:
+            special = {
+                name: getattr(tokenizer, name, None)
+                for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+            }
+        if cfg.kind == "passthrough":
+            return cls(PASSTHROUGH_TEMPLATE, special)
+        if cfg.kind == "jinja":
+            assert cfg.template is not None
+            return cls(cfg.template, special)
+        source = getattr(tokenizer, "chat_template", None)
+        if not isinstance(source, str) or not source:
+            name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+            raise TemplateError(
+                f"tokenizer {name!r} has no chat template; use chat_template.kind 'passthrough'"
+                " or 'jinja' with a template"
+            )
+        return cls(source, special)
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False
+    ) -> str:
+        if not messages:
+            return ""
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return self._template.render(
+            messages=plain, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
+
+    def message_texts(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = False,
+        start: int = 0,
+    ) -> list[str]:
+        """The text each of ``messages[start:]`` adds to the rendered conversation.
+
+        Joined, the texts of all messages are exactly ``render(messages, add_generation_prompt)``.
+        The header the template writes before an assistant turn (``<|im_start|>assistant\\n``)
+        belongs to the message before it, so an assistant message's text is exactly what the
+        policy generates after the generation prompt, in SFT as in RL. Texts are taken as the
+        difference between renders of successive prefixes, so a template that rewrites earlier
+        turns when a later one is added (e.g. one that drops past reasoning) is refused: it
+        cannot be tokenised incrementally.
+        """
+        n = len(messages)
+
+        def boundary(k: int) -> str:
+            # the rendered text once the first k messages are in
+            gen = (k < n and messages[k]["role"] == "assistant") or (
+                k == n and add_generation_prompt
+            )
+            return self.render(messages[:k], add_generation_prompt=gen)
+
+        texts = []
+        prev = boundary(start)
+        for k in range(start + 1, n + 1):
+            cur = boundary(k)
+            if not cur.startswith(prev):
+                raise TemplateError(
+                    f"the chat template changes the text of earlier messages when message {k - 1}"
+                    f" ({messages[k - 1]['role']}) is added, so messages cannot be tokenised"
+                    " one at a time; use a template that only appends"
+                )
+            texts.append(cur[len(prev) :])
+            prev = cur
+        return texts

@@ -1,0 +1,104 @@
+"""Tokenizers: from a local Hugging Face directory, from a GGUF file, or trained on the spot.
+
+Nothing here reaches a model hub: paths must exist on disk, and a missing one is an error that
+says so rather than a download attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rl_data.templates import CHATML_TEMPLATE, ChatTemplateConfig
+from rl_distributed.config import ConfigModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+
+class TokenizerConfig(ConfigModel):
+    """Where the tokenizer comes from and which chat template renders conversations."""
+
+    path: str  # a local directory (tokenizer.json & co.), or the directory holding gguf_file
+    gguf_file: str | None = None  # a .gguf file name inside `path` (or an absolute path)
+    chat_template: ChatTemplateConfig = ChatTemplateConfig()
+
+
+def load_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer ``cfg`` names, with a pad token (the EOS token when it has none)."""
+    from transformers import AutoTokenizer  # costs seconds: only when a tokenizer is needed
+
+    path = Path(cfg.path)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if cfg.gguf_file is not None:
+        gguf = Path(cfg.gguf_file)
+        if gguf.is_absolute():
+            path, gguf = gguf.parent, Path(gguf.name)
+        if not (path / gguf).is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path / gguf}")
+        kwargs["gguf_file"] = str(gguf)
+    elif not path.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer directory not found: {path} (tokenizers are only read from local "
+            "directories or GGUF files; there is no model hub access)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    return with_pad_token(tokenizer)
+
+
+def with_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Padding positions are masked out, so any token will do; EOS is the usual choice."""
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError("tokenizer has neither a pad token nor an EOS token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int = 500,
+    chat_template: str = CHATML_TEMPLATE,
+) -> PreTrainedTokenizerBase:
+    """A small byte-level BPE tokenizer trained on ``texts``, with ChatML special tokens.
+
+    For tests and examples: it behaves like a pretrained one (special tokens, chat template,
+    ``save_pretrained``) and takes a fraction of a second to build.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=CHATML_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        unk_token="<|endoftext|>",
+        chat_template=chat_template,
+    )
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text, with no special tokens added (templates write their own).
+
+    Fast tokenizers encode the whole list in one call into the Rust backend, which is what
+    makes tokenising message by message cost no more than tokenising whole conversations.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # a backend configured to pad or truncate would change the ids: let transformers handle it
+    if backend is not None and backend.padding is None and backend.truncation is None:
+        return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]
+    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
