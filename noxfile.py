@@ -70,6 +70,18 @@ def standalone(session: nox.Session) -> None:
         f"leaked = [m for m in {NOT_IN_STANDALONE_DISTRIBUTED!r} if importlib.util.find_spec(m)]\n"
         "sys.exit(f'installed with rl-distributed but must not be: {leaked}' if leaked else 0)",
     )
+    # The cluster tooling comes with it: every subcommand answers --help.
+    for command in (
+        [],
+        ["status"],
+        ["envs"],
+        ["envs", "build"],
+        ["envs", "list"],
+        ["envs", "clean"],
+        ["slurm"],
+        ["kuberay"],
+    ):
+        session.run("rl-cluster", *command, "--help", silent=True)
 
 
 @nox.session(python=PYTHON)
