@@ -1,5 +1,54 @@
-"""Reward environments (arrives with the rl-envs issue)."""
+"""Reward environments: turn generated text into rewards and, in multi-turn tasks, into the next
+observation. Each runs as a Ray actor; verifiers run in a pool of worker actors, each sample
+under a timeout, so that a verifier that throws or hangs costs a reward, never the run.
 
+Names are imported on first use: verifier processes import ``rl_envs.verifiers`` and must not
+pay for torch and Ray.
+"""
+
+from importlib import import_module
 from importlib.metadata import version
+from typing import Any
 
 __version__ = version("rl-envs")
+
+_WHERE = {
+    "CodeEnvConfig": "rl_envs.code.env",
+    "CodeEnvironment": "rl_envs.code.env",
+    "EnvironmentInterface": "rl_envs.interfaces",
+    "EnvironmentReturn": "rl_envs.interfaces",
+    "MathEnvConfig": "rl_envs.math_env",
+    "MathEnvironment": "rl_envs.math_env",
+    "Outcome": "rl_envs.pool",
+    "OutcomeCounts": "rl_envs.metrics",
+    "ReasoningGymEnvConfig": "rl_envs.reasoning_gym_env",
+    "ReasoningGymEnvironment": "rl_envs.reasoning_gym_env",
+    "RewardModelEnvConfig": "rl_envs.reward_model_env",
+    "RewardModelEnvironment": "rl_envs.reward_model_env",
+    "SandboxLimits": "rl_envs.code.sandbox",
+    "SandboxResult": "rl_envs.code.sandbox",
+    "SlidingPuzzleConfig": "rl_envs.sliding_puzzle",
+    "SlidingPuzzleEnvironment": "rl_envs.sliding_puzzle",
+    "VerifierEnvConfig": "rl_envs.verifier_env",
+    "VerifierEnvironment": "rl_envs.verifier_env",
+    "WorkerPool": "rl_envs.pool",
+    "last_assistant_text": "rl_envs.interfaces",
+    "pass_at_k": "rl_envs.metrics",
+    "reward_metrics": "rl_envs.metrics",
+    "run_tests": "rl_envs.code.sandbox",
+    "score_code": "rl_envs.verifiers",
+    "score_math": "rl_envs.verifiers",
+    "score_reasoning_gym": "rl_envs.verifiers",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'rl_envs' has no attribute {name!r}")
+    return getattr(import_module(_WHERE[name]), name)
+
+
+def __dir__() -> list[str]:
+    return [*globals(), *__all__]

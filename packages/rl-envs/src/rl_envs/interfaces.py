@@ -1,0 +1,59 @@
+"""What every environment offers: ``step`` a batch of conversations, and batch-level metrics.
+
+Environments are plain classes so that they can be tested in-process; in a run each one is a
+Ray actor (:meth:`EnvironmentInterface.as_actor`) beside the policy and generation actors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import ray
+import torch
+
+from rl_data.types import Message, MessageLog
+
+
+class EnvironmentReturn(NamedTuple):
+    """One ``step`` over a batch of B conversations; every field has one entry per sample."""
+
+    observations: list[Message]  # the environment's reply, appended to each conversation
+    metadata: list[dict[str, Any] | None]  # passed back in on the next step (multi-turn state)
+    next_stop_strings: list[list[str] | None]  # for the next generation; None: the default
+    rewards: torch.Tensor  # float32 [B]
+    terminateds: torch.Tensor  # bool [B]: the episode is over
+    answers: list[str | None]  # what was extracted from the response and scored, for logging
+
+
+class EnvironmentInterface(ABC):
+    @abstractmethod
+    def step(
+        self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]
+    ) -> EnvironmentReturn:
+        """Score the latest assistant turn of each conversation and say what comes next."""
+
+    @abstractmethod
+    def global_post_process_and_metrics(
+        self, batch: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any], dict[str, float]]:
+        """Metrics over a whole (rolled-out) batch: ``batch["rewards"]`` [B] and, optionally,
+        ``batch["group_ids"]`` [B] (samples of the same prompt share an id, for pass@k)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional: only pooled environments own resources
+        """Release workers and processes; the environment is unusable afterwards."""
+
+    @classmethod
+    def as_actor(cls, cfg: Any, **actor_options: Any) -> ray.actor.ActorHandle:
+        """Start this environment as a Ray actor. It mostly waits on its workers, so by default
+        it reserves no CPU of its own (``num_cpus=0``)."""
+        return ray.remote(cls).options(**{"num_cpus": 0, **actor_options}).remote(cfg)
+
+
+def last_assistant_text(message_log: MessageLog) -> str:
+    """The content of the last assistant message ("" when there is none)."""
+    for message in reversed(message_log):
+        if message["role"] == "assistant":
+            return message["content"]
+    return ""

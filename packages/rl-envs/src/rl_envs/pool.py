@@ -1,0 +1,214 @@
+"""A pool of Ray actors that run a verifier function over many samples, each under a timeout.
+
+Each :class:`VerifierWorker` actor owns one verifier *process* (``python -m rl_envs._child``)
+and feeds it one sample at a time. A sample that runs past its timeout gets its process group
+killed (a signal-based timeout cannot interrupt C code such as a pathological regex, and
+math-verify's own ``signal.alarm`` only works in a main thread); the next sample starts a fresh
+process. A verifier that raises costs that sample an ``error`` outcome. Either way the batch goes
+on: an environment must never be the reason a run stops.
+
+Work goes to the actors in chunks, one RPC per chunk, so Ray's per-call cost (~1 ms) is paid
+once per chunk rather than once per sample; an actor that finishes early gets the next chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import RayActorError
+
+from rl_envs._child import read_frame, write_frame
+
+logger = logging.getLogger(__name__)
+
+Status = Literal["ok", "timeout", "error"]
+
+#: How long a fresh verifier process may take to import its modules before it counts as broken.
+STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one sample: the verifier's return value, or why there is none."""
+
+    status: Status
+    value: Any = None
+    error: str | None = None
+
+
+class VerifierProcess:
+    """One long-lived verifier process; :meth:`call` runs one function call in it."""
+
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+        self._preload = preload
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rl_envs._child", *self._preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            # Its own process group, so that a timeout kills whatever the verifier started too.
+            start_new_session=True,
+        )
+        if self._wait_readable(proc, STARTUP_TIMEOUT_S):
+            with contextlib.suppress(EOFError):
+                if read_frame(proc.stdout)[0] == "ready":
+                    return proc
+        self._kill(proc)
+        raise RuntimeError(f"the verifier process did not start (preloading {self._preload})")
+
+    @staticmethod
+    def _wait_readable(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+        return bool(select.select([proc.stdout], [], [], timeout_s)[0])
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                stream.close()
+
+    def call(self, function: str, args: tuple, timeout_s: float) -> Outcome:
+        try:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = self._start()
+        except Exception as e:
+            return Outcome("error", error=f"verifier process: {e}")
+        proc = self._proc
+        try:
+            write_frame(proc.stdin, (function, args))
+            if not self._wait_readable(proc, timeout_s):
+                self.close()
+                return Outcome("timeout", error=f"no answer within {timeout_s:g} s")
+            status, value = read_frame(proc.stdout)
+        except (EOFError, OSError) as e:
+            # The process died under the verifier (killed for memory, a segfault, os._exit).
+            self.close()
+            return Outcome("error", error=f"verifier process died: {e!r}")
+        if status == "ok":
+            return Outcome("ok", value=value)
+        return Outcome("error", error=value)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._kill(self._proc)
+            self._proc = None
+
+
+class VerifierWorker:
+    """A Ray actor (see :class:`WorkerPool`) running ``function`` over chunks of samples."""
+
+    def __init__(self, function: str, timeout_s: float, preload: tuple[str, ...] = ()) -> None:
+        self._function = function
+        self._timeout_s = timeout_s
+        self._process = VerifierProcess(preload)
+
+    def ready(self) -> Outcome:
+        # Start the verifier process now, so that its imports are not paid by the first step
+        # and a verifier that cannot even be imported is an error at setup, not a zero reward.
+        return self._process.call("builtins:len", ((),), STARTUP_TIMEOUT_S)
+
+    def run(self, items: list[tuple]) -> list[Outcome]:
+        return [self._process.call(self._function, args, self._timeout_s) for args in items]
+
+    def close(self) -> None:
+        self._process.close()
+
+
+class WorkerPool:
+    """``num_workers`` :class:`VerifierWorker` actors sharing the samples of each :meth:`map`.
+
+    ``function`` is an importable ``"module:function"`` path: the verifier processes import it
+    themselves, so nothing unpicklable needs to cross a process boundary. ``preload`` names
+    modules they import before the first sample (so that it does not pay for them).
+    """
+
+    def __init__(
+        self,
+        function: str,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        chunk_size: int | None = None,
+        num_cpus_per_worker: float = 1.0,
+        preload: tuple[str, ...] = (),
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.function = function
+        self.timeout_s = timeout_s
+        self.chunk_size = chunk_size
+        self.preload = (function.partition(":")[0], *preload)
+        self._actor_cls = ray.remote(VerifierWorker).options(num_cpus=num_cpus_per_worker)
+        self._workers = [self._new_worker() for _ in range(num_workers)]
+        for outcome in ray.get([w.ready.remote() for w in self._workers]):
+            if outcome.status != "ok":
+                self.shutdown()
+                raise RuntimeError(f"cannot start verifier {function!r}: {outcome.error}")
+
+    def _new_worker(self) -> ray.actor.ActorHandle:
+        return self._actor_cls.remote(self.function, self.timeout_s, self.preload)
+
+    def _chunks(self, n: int) -> list[range]:
+        # By default four chunks per worker: few RPCs, yet a slow chunk delays little.
+        size = self.chunk_size or max(1, math.ceil(n / (4 * len(self._workers))))
+        return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+    def map(self, items: list[tuple]) -> list[Outcome]:
+        """Run the verifier on every item (a tuple of arguments); outcomes in item order."""
+        outcomes: list[Outcome | None] = [None] * len(items)
+        chunks = self._chunks(len(items))
+        pending = list(reversed(chunks))
+        in_flight: dict[ray.ObjectRef, tuple[int, range]] = {}
+
+        def submit(worker_idx: int) -> None:
+            if pending:
+                chunk = pending.pop()
+                ref = self._workers[worker_idx].run.remote([items[i] for i in chunk])
+                in_flight[ref] = (worker_idx, chunk)
+
+        for w in range(len(self._workers)):
+            submit(w)
+        # Each sample has its own timeout inside the worker; this only catches a worker stuck
+        # beyond all of them (its verifier process cannot even be restarted, say).
+        longest = max((len(c) for c in chunks), default=0)
+        stuck_after_s = STARTUP_TIMEOUT_S * 2 + self.timeout_s * longest
+        while in_flight:
+            done, _ = ray.wait(list(in_flight), num_returns=1, timeout=stuck_after_s)
+            if not done:
+                done = [next(iter(in_flight))]
+                logger.error("a verifier worker is stuck for %.0f s: restarting it", stuck_after_s)
+                ray.kill(self._workers[in_flight[done[0]][0]])
+            ref = done[0]
+            worker_idx, chunk = in_flight.pop(ref)
+            try:
+                results = ray.get(ref)
+            except RayActorError as e:
+                results = [Outcome("error", error=f"verifier worker died: {e}")] * len(chunk)
+                self._workers[worker_idx] = self._new_worker()
+            except Exception as e:  # e.g. an argument that cannot be pickled
+                results = [Outcome("error", error=f"verifier worker failed: {e!r}")] * len(chunk)
+            for i, outcome in zip(chunk, results, strict=True):
+                outcomes[i] = outcome
+            submit(worker_idx)
+        return outcomes  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        for w in self._workers:
+            with contextlib.suppress(Exception):
+                ray.get(w.close.remote(), timeout=10)
+            ray.kill(w)
+        self._workers = []

@@ -1,0 +1,78 @@
+"""The functions verifier processes run: (response, ground truth...) -> (reward, answer).
+
+They live apart from the environment classes so that a verifier process imports only what
+scoring needs: not torch or Ray, which cost seconds on every (re)start of a process.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from rl_envs.code.sandbox import SandboxLimits, run_tests
+
+_FENCE = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def score_math(response: str, ground_truth: str) -> tuple[float, str | None]:
+    """1.0 when the response's final answer equals ``ground_truth`` mathematically, else 0.0.
+
+    Runs in a verifier process's main thread, so math-verify's own ``signal.alarm`` timeouts
+    work; the pool's per-sample timeout backs them up.
+    """
+    from math_verify import parse, verify
+
+    if not isinstance(ground_truth, str) or not ground_truth.strip():
+        raise ValueError(f"no ground truth to check against: {ground_truth!r}")
+    # A bare "3/4" or "\frac{3}{4}" parses the same way once it is boxed.
+    gold = parse(ground_truth if "\\boxed" in ground_truth else f"\\boxed{{{ground_truth}}}")
+    if not gold:
+        raise ValueError(f"ground truth does not parse: {ground_truth!r}")
+    pred = parse(response)
+    answer = pred[-1] if pred and isinstance(pred[-1], str) else (str(pred[0]) if pred else None)
+    return (1.0 if pred and verify(gold, pred) else 0.0), answer
+
+
+@functools.lru_cache(maxsize=64)
+def _dataset(name: str, seed: int, size: int):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(name, seed=seed, size=size)
+
+
+@functools.lru_cache(maxsize=256)
+def _scorer(name: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+def score_reasoning_gym(
+    response: str, metadata: Mapping[str, Any], answer_tag: str | None
+) -> tuple[float, str | None]:
+    from reasoning_gym.utils import extract_answer
+
+    answer = extract_answer(response, tag_name=answer_tag) if answer_tag else response.strip()
+    if "entry" in metadata:
+        entry = metadata["entry"]
+        score = _scorer(entry["metadata"]["source_dataset"])
+    else:
+        dataset = _dataset(metadata["dataset"], int(metadata["seed"]), int(metadata["size"]))
+        entry, score = dataset[int(metadata["index"])], dataset.score_answer
+    return float(score(answer, entry)), answer
+
+
+def extract_code(response: str) -> str:
+    """The last fenced code block, or the whole response when it has none."""
+    blocks = _FENCE.findall(response)
+    return blocks[-1] if blocks else response
+
+
+def score_code(response: str, tests: list[str], limits: dict[str, Any]) -> tuple[float, str]:
+    result = run_tests(extract_code(response), list(tests), SandboxLimits(**limits))
+    # A program stopped by a limit is the program's failure (reward for what passed), not a
+    # verifier timeout: the verifier did its job.
+    note = " (stopped by the time limit)" if result.timed_out else ""
+    return result.reward, f"{sum(result.passed)}/{len(result.passed)} tests passed{note}"

@@ -1,0 +1,87 @@
+import os
+import time
+
+import pytest
+import ray
+
+from rl_envs.pool import VerifierWorker, WorkerPool
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def sqrt_pool(ray_session):
+    # math:sqrt raises ValueError on negatives and TypeError on strings.
+    p = WorkerPool("math:sqrt", num_workers=2, timeout_s=5.0, chunk_size=2)
+    yield p
+    p.shutdown()
+
+
+def test_results_come_back_in_item_order_across_workers(sqrt_pool):
+    outcomes = sqrt_pool.map([(float(i * i),) for i in range(20)])
+    assert [o.value for o in outcomes] == [float(i) for i in range(20)]
+    assert sqrt_pool.map([]) == []
+
+
+def test_a_verifier_that_raises_costs_one_sample(sqrt_pool):
+    outcomes = sqrt_pool.map([(4.0,), (-1.0,), ("x",), (9.0,)])
+    assert [o.status for o in outcomes] == ["ok", "error", "error", "ok"]
+    assert outcomes[1].error.startswith("ValueError")
+    assert outcomes[3].value == 3.0
+
+
+def test_a_killed_worker_actor_costs_its_chunk_and_is_replaced(sqrt_pool):
+    ray.kill(sqrt_pool._workers[0])
+    statuses = [o.status for o in sqrt_pool.map([(1.0,), (4.0,), (9.0,), (16.0,)])]
+    assert statuses[:2] == ["error", "error"] and statuses[2:] == ["ok", "ok"]
+    assert [o.value for o in sqrt_pool.map([(1.0,), (4.0,), (9.0,)])] == [1.0, 2.0, 3.0]
+
+
+def test_a_hanging_sample_times_out_and_the_rest_still_count(ray_session):
+    pool = WorkerPool("time:sleep", num_workers=1, timeout_s=1.0)
+    try:
+        start = time.monotonic()
+        outcomes = pool.map([(0.0,), (600.0,), (0.0,)])
+        assert [o.status for o in outcomes] == ["ok", "timeout", "ok"]
+        assert time.monotonic() - start < 30  # cut at its 1 s timeout, not sat out
+    finally:
+        pool.shutdown()
+
+
+def test_a_verifier_that_cannot_be_imported_fails_at_setup(ray_session):
+    with pytest.raises(RuntimeError, match="cannot start verifier"):
+        WorkerPool("no_such_module_anywhere:score", num_workers=1)
+
+
+def test_a_verifier_that_kills_its_process_costs_one_sample(ray_session):
+    pool = WorkerPool("os:_exit", num_workers=1)
+    try:
+        assert [o.status for o in pool.map([(1,), (1,)])] == ["error", "error"]
+    finally:
+        pool.shutdown()
+
+
+def _processes_with(marker: str) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def test_a_worker_killed_mid_hang_leaves_no_verifier_process(ray_session):
+    # "colorsys" as a preload marks this worker's verifier process on its command line.
+    worker = ray.remote(VerifierWorker).remote("time:sleep", 600.0, ("time", "colorsys"))
+    ray.get(worker.ready.remote())
+    assert len(_processes_with("colorsys")) == 1
+    worker.run.remote([(3600.0,)])  # hangs in the verifier process
+    time.sleep(1.0)
+    ray.kill(worker)
+    deadline = time.monotonic() + 20
+    while _processes_with("colorsys") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with("colorsys") == []
