@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: How often a waiting driver looks for dead workers among the calls already finished.
 POLL_INTERVAL_S = 1.0
+#: After a failure, how long to let the other calls finish before naming the failed worker.
+GRACE_ON_FAILURE_S = 1.0
 #: Arguments bigger than this go to the object store once instead of once per worker.
 PUT_THRESHOLD_BYTES = 1 << 20
 #: How long workers may take to start (import, build their model) before we give up.
@@ -400,13 +402,16 @@ class RayWorkerGroup:
             wait = POLL_INTERVAL_S
             if deadline is not None:
                 wait = max(0.0, min(wait, deadline - time.monotonic()))
+            grace = 0.0
             try:
                 return ray.get(futures_list, timeout=wait)
             except ray.exceptions.GetTimeoutError:
                 pass
             except Exception:
-                pass  # fall through to the per-future check, which names the worker
-            ready, pending = ray.wait(futures_list, num_returns=len(futures_list), timeout=0)
+                # Something failed. Give the other calls a moment to finish so the lowest
+                # failing rank is named (usually the root cause), then check one by one.
+                grace = GRACE_ON_FAILURE_S
+            ready, pending = ray.wait(futures_list, num_returns=len(futures_list), timeout=grace)
             done = set(ready)
             for ref in futures_list:  # in rank order, so the lowest failing rank is named
                 if ref in done:
