@@ -31,7 +31,13 @@ def test_a_verifier_that_raises_costs_one_sample(sqrt_pool):
 
 
 def test_a_killed_worker_actor_costs_its_chunk_and_is_replaced(sqrt_pool):
-    ray.kill(sqrt_pool._workers[0])
+    victim = sqrt_pool._workers[0]
+    ray.kill(victim)
+    # ray.kill is asynchronous: wait until the actor is really gone before sending it work.
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(100):
+            ray.get(victim.__ray_ready__.remote(), timeout=30)
+            time.sleep(0.1)
     statuses = [o.status for o in sqrt_pool.map([(1.0,), (4.0,), (9.0,), (16.0,)])]
     assert statuses[:2] == ["error", "error"] and statuses[2:] == ["ok", "ok"]
     assert [o.value for o in sqrt_pool.map([(1.0,), (4.0,), (9.0,)])] == [1.0, 2.0, 3.0]
