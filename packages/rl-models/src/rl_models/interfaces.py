@@ -1,0 +1,82 @@
+"""What the algorithms see of a policy, and what a loss function must look like.
+
+Data conventions (keys of the ``BatchedDataDict`` a policy takes):
+
+- ``input_ids`` ``[B, S]``: right-padded token ids; ``input_lengths`` ``[B]``: real lengths.
+- ``token_mask`` ``[B, S]`` (training): 1 where a token's log-prob counts in the loss.
+- ``sample_mask`` ``[B]`` (training, optional): 0 drops a whole sample.
+
+Log-probs are next-token log-probs aligned to the input: ``logprobs[:, t] =
+log p(input_ids[t] | input_ids[<t])``, 0 at position 0 and on padding.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+
+
+@runtime_checkable
+class LossFunction(Protocol):
+    """A loss over one micro-batch whose gradients do not depend on how a batch is split.
+
+    ``global_valid_seqs`` and ``global_valid_toks`` count the valid samples and loss tokens of
+    the whole *global* batch (all micro-batches, all data-parallel ranks). A token-level loss
+    sums over its micro-batch and divides by ``global_valid_toks``, so that summing the
+    micro-batch losses of every rank gives the global-batch mean, however the batch was cut.
+    Returns the loss (a scalar tensor with grad) and float metrics.
+    """
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+class PolicyInterface(ABC):
+    """A trainable language-model policy, however it is placed and parallelised."""
+
+    @abstractmethod
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``{"logprobs": [B, S]}`` of the current weights, in ``data``'s row order."""
+
+    @abstractmethod
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``{"reference_logprobs": [B, S]}`` of the frozen initial weights."""
+
+    @abstractmethod
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFunction,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """One optimiser step per ``gbs`` rows of ``data``; returns per-step metrics.
+
+        With ``eval_mode`` the losses are computed but nothing is updated.
+        """
+
+    @abstractmethod
+    def prepare_for_training(self) -> None:
+        """Get ready for ``train`` (e.g. load weights and optimiser state onto the device)."""
+
+    @abstractmethod
+    def prepare_for_lp_inference(self) -> None:
+        """Get ready for log-prob inference (e.g. move optimiser state away)."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: str) -> None:
+        """Write HF-loadable weights plus optimiser and scheduler state to ``path``."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the workers and their resources."""

@@ -1,0 +1,49 @@
+"""Loss functions (see ``interfaces.LossFunction``) and the token mask they share with workers."""
+
+from __future__ import annotations
+
+import torch
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+
+
+def loss_token_mask(data: BatchedDataDict) -> torch.Tensor:
+    """``[B, S]`` float mask of the tokens a token-level loss counts.
+
+    ``token_mask`` (default: every real token) times ``sample_mask``, without position 0, which
+    has no log-prob, and without padding. Workers count ``global_valid_toks`` with this same
+    mask, so a loss using it is normalised exactly.
+    """
+    ids = data["input_ids"]
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    lengths = data["input_lengths"].to(ids.device)
+    mask = (positions[None, :] < lengths[:, None]) & (positions[None, :] > 0)
+    mask = mask.to(torch.float64)
+    if "token_mask" in data:
+        mask = mask * data["token_mask"][:, : ids.shape[1]].to(mask)
+    if "sample_mask" in data:
+        mask = mask * data["sample_mask"].to(mask)[:, None]
+    return mask
+
+
+def sample_valid_mask(data: BatchedDataDict) -> torch.Tensor:
+    """``[B]`` float mask of the samples that count (``sample_mask``, default all)."""
+    if "sample_mask" in data:
+        return data["sample_mask"].to(torch.float64)
+    return torch.ones(data["input_ids"].shape[0], dtype=torch.float64)
+
+
+class NLLLoss:
+    """Mean negative log-likelihood over the loss tokens of the global batch (SFT)."""
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = loss_token_mask(data).to(logprobs)
+        # Divide by the global count, not this micro-batch's: see interfaces.LossFunction.
+        loss = -(logprobs * mask).sum() / global_valid_toks.clamp(min=1).to(logprobs)
+        return loss, {"num_valid_tokens": float(mask.sum())}

@@ -1,0 +1,93 @@
+"""Typed configuration of a policy (model, optimiser, batching)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from rl_distributed.config import ConfigModel
+
+DType = Literal["float32", "float64", "bfloat16", "float16"]
+
+
+class ModelConfig(ConfigModel):
+    """Either a local Hugging Face model directory or an HF config to build fresh weights from."""
+
+    path: str | None = None
+    # e.g. {"model_type": "llama", "hidden_size": 64, ...}; weights are initialised from `seed`.
+    hf_config: dict[str, Any] | None = None
+    dtype: DType = "float32"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.hf_config is None):
+            raise ValueError("give exactly one of model.path and model.hf_config")
+        if self.hf_config is not None and "model_type" not in self.hf_config:
+            raise ValueError("model.hf_config needs a 'model_type' (e.g. 'llama')")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+class OptimizerConfig(ConfigModel):
+    """A class of ``torch.optim`` by name, with its keyword arguments."""
+
+    name: str = "AdamW"
+    kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-5})
+
+    @model_validator(mode="after")
+    def _exists(self) -> OptimizerConfig:
+        if not isinstance(getattr(torch.optim, self.name, None), type):
+            raise ValueError(f"torch.optim has no optimizer {self.name!r}")
+        return self
+
+
+class SchedulerConfig(ConfigModel):
+    """A class of ``torch.optim.lr_scheduler`` by name, stepped once per optimiser step."""
+
+    name: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _exists(self) -> SchedulerConfig:
+        if not isinstance(getattr(torch.optim.lr_scheduler, self.name, None), type):
+            raise ValueError(f"torch.optim.lr_scheduler has no scheduler {self.name!r}")
+        return self
+
+
+class SequencePackingConfig(ConfigModel):
+    """Pack each micro-batch's sequences into one row of at most this many tokens."""
+
+    enabled: bool = False
+    max_tokens_per_microbatch: int = Field(4096, ge=1)
+    algorithm: str = "first_fit_decreasing"
+
+
+class ReferencePolicyConfig(ConfigModel):
+    """A frozen copy of the initial weights, for KL penalties."""
+
+    enabled: bool = False
+    # Keep the copy in host memory and move it to the device only while it is used.
+    offload_to_cpu: bool = True
+
+
+class PolicyConfig(ConfigModel):
+    model: ModelConfig
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig | None = None  # None: constant learning rate
+    max_grad_norm: float | None = Field(1.0, gt=0)  # None: no clipping
+    train_global_batch_size: int = Field(ge=1)
+    train_micro_batch_size: int = Field(1, ge=1)
+    logprob_micro_batch_size: int | None = Field(None, ge=1)  # None: train_micro_batch_size
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
+    activation_checkpointing: bool = False
+    reference_policy: ReferencePolicyConfig = Field(default_factory=ReferencePolicyConfig)
+    seed: int = 0
+
+    @property
+    def lp_micro_batch_size(self) -> int:
+        return self.logprob_micro_batch_size or self.train_micro_batch_size

@@ -1,0 +1,59 @@
+import pytest
+import ray
+import torch
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_distributed.virtual_cluster import init_ray
+from rl_models.policy.config import PolicyConfig
+
+# A tiny Llama: big enough to have every part of the real thing, small enough for 2 cores.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+}
+
+
+def tiny_config(**overrides) -> PolicyConfig:
+    """float64 (exact comparisons), plain SGD with lr=1 and no clipping unless overridden."""
+    config = {
+        "model": {"hf_config": TINY_LLAMA, "dtype": "float64"},
+        "optimizer": {"name": "SGD", "kwargs": {"lr": 1.0}},
+        "max_grad_norm": None,
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 8,
+        **overrides,
+    }
+    return PolicyConfig.model_validate(config)
+
+
+def skewed_batch(lengths=(3, 61, 5, 7, 2, 40, 9, 4), seed: int = 0) -> BatchedDataDict:
+    """Right-padded sequences of very uneven lengths, with a partial token mask."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths_t = torch.tensor(lengths)
+    width = int(lengths_t.max())
+    real = torch.arange(width)[None, :] < lengths_t[:, None]
+    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (len(lengths), width), generator=gen) * real
+    # Loss on the "response" only: roughly the second half of each sequence.
+    token_mask = (torch.arange(width)[None, :] >= lengths_t[:, None] // 2) & real
+    sample_mask = torch.ones(len(lengths))
+    sample_mask[-1] = 0  # one sample switched off entirely
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=lengths_t,
+        token_mask=token_mask.double(),
+        sample_mask=sample_mask,
+    )
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster for the whole test process (starting Ray takes seconds)."""
+    init_ray(num_cpus=4, log_to_driver=False)
+    yield
+    ray.shutdown()
