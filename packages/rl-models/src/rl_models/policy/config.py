@@ -75,6 +75,43 @@ class ReferencePolicyConfig(ConfigModel):
     offload_to_cpu: bool = True
 
 
+class LoraConfig(ConfigModel):
+    """Low-rank adapters (``peft``): ``W + (alpha / rank) * B @ A`` on each target module.
+
+    When enabled only the adapters train; the base weights stay frozen and bit-identical.
+    """
+
+    enabled: bool = False
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Names (suffixes) of the modules to adapt; the default covers Llama-style attention + MLP.
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+
+
+class OffloadConfig(ConfigModel):
+    """Where weights and optimiser state go while another engine (e.g. vLLM) uses the device.
+
+    ``prepare_for_lp_inference`` moves the optimiser state to ``device`` when
+    ``optimizer_state`` is set; ``prepare_for_training`` brings everything back. The worker's
+    ``offload_weights`` / ``offload_optimizer_state`` / ``reload`` do the moves on demand.
+    """
+
+    optimizer_state: bool = False
+    # Host memory normally; any torch device string (the CPU-only tests use "cpu" copies).
+    device: str = "cpu"
+
+
 class PolicyConfig(ConfigModel):
     model: ModelConfig
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -86,6 +123,8 @@ class PolicyConfig(ConfigModel):
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     activation_checkpointing: bool = False
     reference_policy: ReferencePolicyConfig = Field(default_factory=ReferencePolicyConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
     seed: int = 0
 
     @property

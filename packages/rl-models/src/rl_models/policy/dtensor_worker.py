@@ -7,6 +7,10 @@ Without ``WORLD_SIZE`` (or with 1) the worker runs alone, unsharded, in the call
 Every forward pass of an FSDP2 model all-gathers parameters, so all ranks must run the same
 number of forward passes: each loop first agrees on the largest micro-batch count and ranks
 with fewer run dummy passes.
+
+With ``lora.enabled`` the model is a ``peft`` model (see ``lora.py``): only the adapters train,
+the reference policy is the same model with its adapters switched off (no copy), and a
+checkpoint holds the merged model plus the adapters.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from rl_distributed.batched_data_dict import BatchedDataDict, SequencePackingArg
 from rl_distributed.packing import pack_sequences, unpack_sequences
 from rl_models.interfaces import LossFunction
 from rl_models.losses import loss_token_mask, sample_valid_mask
+from rl_models.policy import lora, offload
 from rl_models.policy.config import PolicyConfig
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -104,8 +109,9 @@ class DTensorPolicyWorker:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
         model = build_model(self.config)
+        self.lora = self.config.lora.enabled
         self.reference: torch.nn.Module | None = None
-        if self.config.reference_policy.enabled:
+        if self.config.reference_policy.enabled and not self.lora:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
             ref_device = "cpu" if self.config.reference_policy.offload_to_cpu else self.device
             self.reference.to(ref_device)
@@ -113,9 +119,14 @@ class DTensorPolicyWorker:
             # Recompute each layer's activations in backward: memory for compute.
             enable = getattr(model, "activation_checkpointing_enable", None)
             (enable or model.gradient_checkpointing_enable)()
+            if self.lora:  # frozen embeddings: checkpointed layers still need grad inputs
+                model.enable_input_require_grads()
+        if self.lora:
+            model = lora.wrap_with_lora(model, self.config.lora)
         self.model = self._shard(model.to(self.device))
         opt = self.config.optimizer
-        self.optimizer = getattr(torch.optim, opt.name)(self.model.parameters(), **opt.kwargs)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = getattr(torch.optim, opt.name)(trainable, **opt.kwargs)
         sched = self.config.scheduler
         self.scheduler = (
             getattr(torch.optim.lr_scheduler, sched.name)(self.optimizer, **sched.kwargs)
@@ -123,15 +134,20 @@ class DTensorPolicyWorker:
             else torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
         )
 
-    def _shard(self, model: PreTrainedModel) -> torch.nn.Module:
-        """FSDP2: each decoder layer, then the rest, sharded over all ranks (works on gloo)."""
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2: each decoder layer, then the rest, sharded over all ranks (works on gloo).
+
+        A peft model is sharded the same way (its decoder layers are those of the base model);
+        FSDP2 takes the mix of frozen base and trainable adapter parameters in one group.
+        """
         if self.dp_size == 1:
             return model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.dp_size,), mesh_dim_names=("dp",))
-        for layer in getattr(getattr(model, "model", model), "layers", []):
+        base = model.get_base_model() if self.lora else model
+        for layer in getattr(getattr(base, "model", base), "layers", []):
             fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh)
 
@@ -196,6 +212,10 @@ class DTensorPolicyWorker:
         return BatchedDataDict({"logprobs": self._logprobs(self.model, data)})
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        if self.lora and self.config.reference_policy.enabled:
+            # The frozen base weights are the initial policy: switch the adapters off.
+            with self.model.disable_adapter():
+                return BatchedDataDict({"reference_logprobs": self._logprobs(self.model, data)})
         if self.reference is None:
             raise RuntimeError("this policy has no reference model (reference_policy.enabled)")
         self.reference.to(self.device)
@@ -275,15 +295,40 @@ class DTensorPolicyWorker:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def prepare_for_training(self) -> None:
+        """Weights and optimiser state back on the device (if offloaded); training mode."""
+        self.reload()
         self.model.train()
 
     def prepare_for_lp_inference(self) -> None:
+        """Weights on the device; the optimiser state away if ``offload.optimizer_state``."""
+        offload.move_module(self.model, self.device, copy=False)
+        offload.synchronize()
+        if self.config.offload.optimizer_state:
+            self.offload_optimizer_state()
         self.model.eval()
+
+    def offload_weights(self) -> None:
+        """Parameters and buffers to ``offload.device`` (e.g. once refit into vLLM)."""
+        offload.move_module(self.model, torch.device(self.config.offload.device), copy=True)
+        offload.synchronize()
+
+    def offload_optimizer_state(self) -> None:
+        """Optimiser state to ``offload.device`` (e.g. before generation or refit)."""
+        target = torch.device(self.config.offload.device)
+        offload.move_optimizer_state(self.optimizer, target, copy=True)
+        offload.synchronize()
+
+    def reload(self) -> None:
+        """Undo ``offload_weights`` and ``offload_optimizer_state`` (no-op when not offloaded)."""
+        offload.move_module(self.model, self.device, copy=False)
+        offload.move_optimizer_state(self.optimizer, self.device, copy=False)
+        offload.synchronize()
 
     def save_checkpoint(self, path: str) -> None:
         """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler.
 
-        Full (unsharded) state dicts are gathered to rank 0, which writes everything.
+        Full (unsharded) state dicts are gathered to rank 0, which writes everything. With LoRA
+        the weights are the merged model and the adapters go to ``path/adapter`` (``lora.py``).
         """
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -296,7 +341,10 @@ class DTensorPolicyWorker:
         optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=weights)
+            if self.lora:
+                lora.save_lora_checkpoint(self.model, weights, path)
+            else:
+                self.model.save_pretrained(path, state_dict=weights)
             torch.save(optim, os.path.join(path, OPTIMIZER_FILE))
             torch.save(self.scheduler.state_dict(), os.path.join(path, SCHEDULER_FILE))
         if self.dp_size > 1:
@@ -310,10 +358,16 @@ class DTensorPolicyWorker:
             set_optimizer_state_dict,
         )
 
-        # from_pretrained resolves tied and renamed weights the way HF saved them.
-        saved = AutoModelForCausalLM.from_pretrained(path, dtype=self.config.model.torch_dtype)
+        if self.lora:
+            # The base weights are those of config.model, frozen: only the adapters are read.
+            opts = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(self.model, lora.load_adapter_state_dict(path), options=opts)
+        else:
+            # from_pretrained resolves tied and renamed weights the way HF saved them.
+            saved = AutoModelForCausalLM.from_pretrained(path, dtype=self.config.model.torch_dtype)
+            opts = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, saved.state_dict(), options=opts)
         opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, saved.state_dict(), options=opts)
         optim = torch.load(os.path.join(path, OPTIMIZER_FILE), weights_only=False)
         set_optimizer_state_dict(self.model, self.optimizer, optim, options=opts)
         self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE)))

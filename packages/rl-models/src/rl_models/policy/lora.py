@@ -1,0 +1,101 @@
+"""LoRA through ``peft``: wrapping the policy model, merging and saving its adapters.
+
+Checkpoint layout with LoRA (``save_lora_checkpoint``)::
+
+    path/                    the merged model, ``W + scaling * B @ A`` in every adapted layer:
+      config.json            plain HF safetensors, ``AutoModelForCausalLM.from_pretrained``
+      model.safetensors      loads it with no ``peft`` at all
+    path/adapter/            the adapters alone, ``peft.PeftModel.from_pretrained(base, ...)``
+      adapter_config.json
+      adapter_model.safetensors
+
+Merging works on the gathered full state dict (``base_layer.weight`` + ``lora_A``/``lora_B``), so
+it is the same with and without FSDP and never touches the training model's weights (peft's
+``merge_adapter``/``unmerge_adapter`` would round the frozen base weights).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import PreTrainedModel
+
+from rl_models.policy.config import LoraConfig
+
+ADAPTER_DIR = "adapter"
+ADAPTER_NAME = "default"  # peft's name for the one adapter
+_PEFT_PREFIX = "base_model.model."
+
+
+def wrap_with_lora(model: PreTrainedModel, config: LoraConfig) -> torch.nn.Module:
+    """``model`` as a ``peft`` model whose only trainable parameters are the adapters."""
+    import peft
+
+    lora = peft.LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=list(config.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, lora)
+
+
+def lora_scalings(model: torch.nn.Module) -> dict[str, float]:
+    """``{module name (peft naming): alpha / rank}`` of every adapted layer of ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        name: float(module.scaling[ADAPTER_NAME])
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and ADAPTER_NAME in module.scaling
+    }
+
+
+def merged_state_dict(
+    full: dict[str, torch.Tensor], scalings: dict[str, float]
+) -> dict[str, torch.Tensor]:
+    """The plain HF state dict of the merged model, from a peft model's full state dict.
+
+    Each adapted ``base_layer.weight`` becomes ``W + scaling * B @ A`` (computed in at least
+    float32, stored in ``W``'s dtype); adapter tensors are dropped and peft's prefixes removed.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, value in full.items():
+        if ".lora_" in key:
+            continue
+        name = key.removeprefix(_PEFT_PREFIX)
+        module, _, leaf = key.rpartition(".")
+        if module.endswith(".base_layer") and leaf == "weight":
+            lora_module = module.removesuffix(".base_layer")
+            a = full[f"{lora_module}.lora_A.{ADAPTER_NAME}.weight"]
+            b = full[f"{lora_module}.lora_B.{ADAPTER_NAME}.weight"]
+            dtype = torch.promote_types(value.dtype, torch.float32)
+            delta = (b.to(dtype) @ a.to(dtype)) * scalings[lora_module]
+            value = (value.to(dtype) + delta).to(value.dtype)
+        out[name.replace(".base_layer.", ".")] = value
+    return out
+
+
+def save_lora_checkpoint(model: torch.nn.Module, full: dict[str, torch.Tensor], path: str) -> None:
+    """Write the merged HF model to ``path`` and the adapters to ``path/adapter`` (rank 0 only).
+
+    ``model`` is the (possibly FSDP-sharded) peft model, used for its configs and the adapter
+    scalings; ``full`` is its gathered full state dict.
+    """
+    model.save_pretrained(os.path.join(path, ADAPTER_DIR), state_dict=full)
+    base = model.get_base_model()
+    base.save_pretrained(path, state_dict=merged_state_dict(full, lora_scalings(model)))
+
+
+def load_adapter_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The adapters saved under ``path/adapter``, keyed like the live peft model's parameters."""
+    from peft.utils import load_peft_weights
+
+    saved = load_peft_weights(os.path.join(path, ADAPTER_DIR), device="cpu")
+    out = {}
+    for key, value in saved.items():
+        module, _, leaf = key.rpartition(".")  # "....lora_A.weight" -> "....lora_A.default.weight"
+        out[f"{module}.{ADAPTER_NAME}.{leaf}"] = value
+    return out
