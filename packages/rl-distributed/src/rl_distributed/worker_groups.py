@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: How often a waiting driver looks for dead workers among the calls already finished.
 POLL_INTERVAL_S = 1.0
+#: How long shutdown waits for killed workers to be gone.
+KILL_WAIT_S = 30.0
 #: After a failure, how long to let the other calls finish before naming the failed worker.
 GRACE_ON_FAILURE_S = 1.0
 #: Arguments bigger than this go to the object store once instead of once per worker.
@@ -479,9 +481,32 @@ class RayWorkerGroup:
                 ray.kill(worker, no_restart=True)
             except Exception as err:  # already dead: nothing to kill
                 logger.debug("kill failed: %s", err)
+        # ray.kill only asks; wait until the processes are gone, so their memory (and GPUs) is
+        # free for whatever the caller starts next on the same bundles.
+        _wait_until_dead(self.workers, timeout=KILL_WAIT_S)
         self.workers = []
         self.cluster.release_bundles(self._owner)
         return clean
+
+
+def _wait_until_dead(workers: list, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    alive = list(workers)
+    while alive and time.monotonic() < deadline:
+        probes = [(w, w.__ray_ready__.remote()) for w in alive]
+        alive = []
+        for worker, probe in probes:
+            try:
+                ray.get(probe, timeout=max(0.1, deadline - time.monotonic()))
+                alive.append(worker)  # the kill has not landed yet
+            except ray.exceptions.GetTimeoutError:
+                alive.append(worker)
+            except ray.exceptions.RayActorError:
+                pass
+        if alive:
+            time.sleep(0.05)
+    if alive:
+        logger.warning("%d killed workers were still alive after %.0f s", len(alive), timeout)
 
 
 def _check_shard_shape(method: str, key: str, value: Any, sizes: list[int]) -> None:
