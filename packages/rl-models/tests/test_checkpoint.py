@@ -16,11 +16,11 @@ CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["full", "sharded"])
+def saved(tmp_path_factory, request):
     """A worker trained one step, checkpointed, then trained one step more."""
     path = tmp_path_factory.mktemp("ckpt")
-    worker = DTensorPolicyWorker(tiny_config(**CONFIG))
+    worker = DTensorPolicyWorker(tiny_config(**CONFIG, checkpoint={"sharded": request.param}))
     worker.train(skewed_batch(seed=1), NLLLoss())
     worker.save_checkpoint(str(path))
     logprobs = worker.get_logprobs(skewed_batch())["logprobs"]
@@ -42,6 +42,7 @@ def test_checkpoint_loads_with_plain_transformers(saved):
 def test_training_resumes_identically_after_loading(saved):
     path, _, metrics, weights = saved
     fresh = DTensorPolicyWorker(tiny_config(**CONFIG, seed=123))  # other initial weights
+    # Either layout loads whatever the worker's own checkpoint setting.
     fresh.load_checkpoint(str(path))
     resumed = fresh.train(skewed_batch(seed=2), NLLLoss())
     assert resumed["lr"] == metrics["lr"] == [pytest.approx(5e-3)]
@@ -58,3 +59,35 @@ def test_without_optimizer_state_training_would_differ(saved):
     fresh.train(skewed_batch(seed=2), NLLLoss())
     got = fresh.model.state_dict()
     assert max(float((got[k] - weights[k]).abs().max()) for k in weights) > 1e-4
+
+
+@pytest.mark.ray
+def test_sharded_checkpoint_of_two_ranks_resumes_on_one(ray_session, tmp_path):
+    """Each FSDP rank writes its own shards; the consolidated weights load with plain HF, and
+    a single process resumes from them (DCP reshards the optimiser state on load)."""
+    from rl_distributed.virtual_cluster import RayVirtualCluster
+    from rl_models.policy.lm_policy import Policy
+
+    config = tiny_config(**CONFIG, train_micro_batch_size=2, checkpoint={"sharded": True})
+    cluster = RayVirtualCluster([2], use_gpus=False)
+    policy = Policy(cluster, config)
+    try:
+        policy.train(skewed_batch(seed=1), NLLLoss())
+        policy.save_checkpoint(str(tmp_path))
+        metrics = policy.train(skewed_batch(seed=2), NLLLoss())
+        after = policy.get_logprobs(skewed_batch())["logprobs"]
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+
+    shard_files = list((tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shard_files) == 2, shard_files  # one per rank: nobody gathered the model
+    AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)  # plain HF loads it
+
+    single = DTensorPolicyWorker(tiny_config(**CONFIG, train_micro_batch_size=2, seed=7))
+    single.load_checkpoint(str(tmp_path))
+    resumed = single.train(skewed_batch(seed=2), NLLLoss())
+    assert resumed["lr"] == metrics["lr"]
+    assert resumed["loss"] == pytest.approx(metrics["loss"], abs=1e-9)
+    got = single.get_logprobs(skewed_batch())["logprobs"]
+    torch.testing.assert_close(got, after, rtol=0, atol=1e-6)

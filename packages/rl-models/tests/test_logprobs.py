@@ -53,6 +53,22 @@ def test_packed_logprobs_equal_unpacked(budget):
     torch.testing.assert_close(got, reference_logprobs(data), rtol=0, atol=1e-10)
 
 
+def test_dynamic_batches_are_cut_to_their_own_longest_row():
+    data = skewed_batch()
+    worker = DTensorPolicyWorker(
+        tiny_config(dynamic_batching={"enabled": True, "train_mb_tokens": 64})
+    )
+    shapes = []
+    worker.model.register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    got = worker.get_logprobs(data)["logprobs"]
+    torch.testing.assert_close(got, reference_logprobs(data), rtol=0, atol=1e-10)
+    assert all(rows * width <= 64 for rows, width in shapes if rows > 1)
+    assert len({rows for rows, _ in shapes}) > 1  # row counts vary with length...
+    assert sum(rows * width for rows, width in shapes) < data.size * 61 / 2  # ...padding shrinks
+
+
 def test_reference_policy_keeps_the_initial_weights():
     data = skewed_batch()
     worker = DTensorPolicyWorker(tiny_config(reference_policy={"enabled": True}))
@@ -119,3 +135,9 @@ def test_config_rejects_mistakes_early():
         tiny_config(optimizer={"name": "Adamm"})
     with pytest.raises(ValueError, match="exactly one"):
         PolicyConfig.model_validate({"model": {}, "train_global_batch_size": 1})
+    with pytest.raises(ValueError, match="sequence_packing or dynamic_batching, not both"):
+        tiny_config(sequence_packing={"enabled": True}, dynamic_batching={"enabled": True})
+    with pytest.raises(ValueError, match=r"megatron' does not support lora\.enabled"):
+        tiny_config(backend="megatron", lora={"enabled": True})
+    with pytest.raises(ValueError, match=r"megatron\.\* settings need backend: megatron"):
+        tiny_config(megatron={"tensor_parallel_size": 2})

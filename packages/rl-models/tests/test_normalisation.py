@@ -58,6 +58,11 @@ def test_sequence_packing_gives_the_same_gradient(one_microbatch):
     assert max_diff(got, one_microbatch) < 1e-6
 
 
+def test_dynamic_batching_gives_the_same_gradient(one_microbatch):
+    got = weights_after_one_step(dynamic_batching={"enabled": True, "train_mb_tokens": 70})
+    assert max_diff(got, one_microbatch) < 1e-6
+
+
 def test_per_microbatch_normalisation_would_be_caught(one_microbatch):
     same_split = weights_after_one_step(MeanPerMicrobatchNLL(), train_micro_batch_size=8)
     assert max_diff(same_split, one_microbatch) < 1e-6  # one micro-batch: no difference...
@@ -67,22 +72,26 @@ def test_per_microbatch_normalisation_would_be_caught(one_microbatch):
 
 @pytest.mark.ray
 @pytest.mark.parametrize(
-    "packing",
-    # Each Ray worker group costs ~25 s on 2 cores: the packed variant runs in the slow tier.
-    [False, pytest.param(True, marks=pytest.mark.slow)],
-    ids=["padded", "packed"],
+    "batching",
+    # Each Ray worker group costs ~25 s on 2 cores: only the padded variant runs in the main tier.
+    [
+        {"train_micro_batch_size": 1},
+        pytest.param(
+            {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 64}},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"dynamic_batching": {"enabled": True, "train_mb_tokens": 70}},
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["padded", "packed", "dynamic"],
 )
 def test_two_data_parallel_ray_workers_give_the_same_gradient(
-    ray_session, tmp_path, one_microbatch, packing
+    ray_session, tmp_path, one_microbatch, batching
 ):
     cluster = RayVirtualCluster([2], use_gpus=False)
-    policy = Policy(
-        cluster,
-        tiny_config(
-            train_micro_batch_size=1,
-            sequence_packing={"enabled": packing, "max_tokens_per_microbatch": 64},
-        ),
-    )
+    policy = Policy(cluster, tiny_config(**batching))
     try:
         data = skewed_batch()
         before = policy.get_logprobs(data)["logprobs"]

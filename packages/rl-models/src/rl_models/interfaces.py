@@ -13,16 +13,24 @@ log p(input_ids[t] | input_ids[<t])``, 0 at position 0 and on padding.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 
+LossInput = Literal["logprobs", "logits"]
+
 
 @runtime_checkable
 class LossFunction(Protocol):
     """A loss over one micro-batch whose gradients do not depend on how a batch is split.
+
+    What the first argument holds: by default ``[B, S]`` next-token log-probs (see the module
+    docstring). A loss with the class attribute ``input_type = "logits"`` gets ``[B, S, V]``
+    next-token logits aligned the same way (``[:, t]`` predicts token ``t``; zeros at position
+    0 and on padding), for losses over the whole vocabulary (entropy, distillation). A
+    sequence-classifier policy (reward model) always passes its ``[B, num_labels]`` scores.
 
     ``global_valid_seqs`` and ``global_valid_toks`` count the valid samples and loss tokens of
     the whole *global* batch (all micro-batches, all data-parallel ranks). A token-level loss
@@ -38,6 +46,16 @@ class LossFunction(Protocol):
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+def loss_input_type(loss_fn: LossFunction) -> LossInput:
+    """What ``loss_fn`` wants to be given: "logprobs" (the default) or "logits"."""
+    kind = getattr(loss_fn, "input_type", "logprobs")
+    if kind not in ("logprobs", "logits"):
+        raise ValueError(
+            f"{type(loss_fn).__name__}.input_type is {kind!r}; expected 'logprobs' or 'logits'"
+        )
+    return kind
 
 
 class PolicyInterface(ABC):

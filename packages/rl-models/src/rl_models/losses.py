@@ -47,3 +47,34 @@ class NLLLoss:
         # Divide by the global count, not this micro-batch's: see interfaces.LossFunction.
         loss = -(logprobs * mask).sum() / global_valid_toks.clamp(min=1).to(logprobs)
         return loss, {"num_valid_tokens": float(mask.sum())}
+
+
+class LabelSmoothedNLLLoss:
+    """NLL against targets smoothed towards uniform: ``(1 - eps) * NLL + eps * mean_v(-log p_v)``.
+
+    Needs the whole next-token distribution, so it asks the policy for logits
+    (``input_type = "logits"``); normalised by the global loss-token count like ``NLLLoss``.
+    """
+
+    input_type = "logits"
+
+    def __init__(self, smoothing: float = 0.1) -> None:
+        if not 0.0 <= smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in [0, 1], got {smoothing}")
+        self.smoothing = smoothing
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if logits.dim() != 3:
+            raise ValueError(f"expected [B, S, V] logits, got shape {tuple(logits.shape)}")
+        logp = torch.log_softmax(logits.float() if logits.dtype.itemsize < 4 else logits, dim=-1)
+        target = logp.gather(-1, data["input_ids"].unsqueeze(-1)).squeeze(-1)
+        per_token = -(1 - self.smoothing) * target - self.smoothing * logp.mean(dim=-1)
+        mask = loss_token_mask(data).to(per_token)
+        loss = (per_token * mask).sum() / global_valid_toks.clamp(min=1).to(per_token)
+        return loss, {"num_valid_tokens": float(mask.sum())}

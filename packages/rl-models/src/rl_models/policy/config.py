@@ -19,6 +19,16 @@ class ModelConfig(ConfigModel):
     # e.g. {"model_type": "llama", "hidden_size": 64, ...}; weights are initialised from `seed`.
     hf_config: dict[str, Any] | None = None
     dtype: DType = "float32"
+    # "sequence_classification": a reward model, AutoModelForSequenceClassification with
+    # `num_labels` scores read at each sequence's last real token.
+    kind: Literal["causal_lm", "sequence_classification"] = "causal_lm"
+    num_labels: int = Field(1, ge=1)
+    # Hugging Face attention kernel. "sdpa" takes our dense block-diagonal masks for packed rows;
+    # "flash_attention_2"/"flash_attention_3" (GPU) run packed rows as variable-length
+    # sequences found from position ids, with no [T, T] mask at all.
+    attn_implementation: Literal[
+        "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"
+    ] = "sdpa"
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -65,6 +75,41 @@ class SequencePackingConfig(ConfigModel):
     enabled: bool = False
     max_tokens_per_microbatch: int = Field(4096, ge=1)
     algorithm: str = "first_fit_decreasing"
+
+
+class DynamicBatchingConfig(ConfigModel):
+    """Micro-batches of varying row count holding about the same number of (padded) tokens.
+
+    Rows are sorted by length within each global batch and cut so that ``rows * padded length``
+    stays under the budget; each micro-batch is padded only to its own longest row.
+    """
+
+    enabled: bool = False
+    train_mb_tokens: int = Field(4096, ge=1)
+    logprob_mb_tokens: int | None = Field(None, ge=1)  # None: train_mb_tokens
+    sequence_length_round: int = Field(1, ge=1)  # pad each micro-batch to a multiple of this
+
+
+class CheckpointConfig(ConfigModel):
+    """How ``save_checkpoint`` writes.
+
+    ``sharded=False``: full state dicts are gathered to rank 0, which writes everything (simple,
+    and fine while the model fits in one host's memory). ``sharded=True``: every rank writes its
+    own shards with ``torch.distributed.checkpoint`` (weights through the Hugging Face
+    safetensors writer, then consolidated into ``from_pretrained``-loadable files; optimiser
+    state as a resharding-capable DCP checkpoint), so no rank ever holds the whole model.
+    """
+
+    sharded: bool = False
+
+
+class MegatronConfig(ConfigModel):
+    """Model parallelism of the Megatron-core backend (data parallel is what is left over)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    # Split activations along the sequence in the tensor-parallel regions (needs TP > 1).
+    sequence_parallel: bool = False
 
 
 class ReferencePolicyConfig(ConfigModel):
@@ -114,6 +159,10 @@ class OffloadConfig(ConfigModel):
 
 class PolicyConfig(ConfigModel):
     model: ModelConfig
+    # "dtensor": HF model sharded with FSDP2 (system environment); "megatron": Megatron-core
+    # GPTModel with tensor/pipeline parallelism (isolated `mcore` environment).
+    backend: Literal["dtensor", "megatron"] = "dtensor"
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig | None = None  # None: constant learning rate
     max_grad_norm: float | None = Field(1.0, gt=0)  # None: no clipping
@@ -121,11 +170,39 @@ class PolicyConfig(ConfigModel):
     train_micro_batch_size: int = Field(1, ge=1)
     logprob_micro_batch_size: int | None = Field(None, ge=1)  # None: train_micro_batch_size
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     activation_checkpointing: bool = False
     reference_policy: ReferencePolicyConfig = Field(default_factory=ReferencePolicyConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _compatible(self) -> PolicyConfig:
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+            raise ValueError("enable sequence_packing or dynamic_batching, not both")
+        if self.backend == "megatron":
+            unsupported = {
+                "lora.enabled": self.lora.enabled,
+                "activation_checkpointing": self.activation_checkpointing,
+                "model.kind=sequence_classification": self.model.kind != "causal_lm",
+            }
+            named = [k for k, on in unsupported.items() if on]
+            if named:
+                raise ValueError(f"backend 'megatron' does not support {', '.join(named)}")
+        elif self.megatron != MegatronConfig():
+            raise ValueError("megatron.* settings need backend: megatron")
+        if self.megatron.sequence_parallel and self.megatron.tensor_parallel_size == 1:
+            raise ValueError("megatron.sequence_parallel needs tensor_parallel_size > 1")
+        return self
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model between them (1 for FSDP's data parallel)."""
+        if self.backend == "dtensor":
+            return 1
+        return self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size
 
     @property
     def lp_micro_batch_size(self) -> int:

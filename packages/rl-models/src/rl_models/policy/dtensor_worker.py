@@ -24,72 +24,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from rl_distributed.batched_data_dict import BatchedDataDict, SequencePackingArgs
-from rl_distributed.packing import pack_sequences, unpack_sequences
-from rl_models.interfaces import LossFunction
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.interfaces import LossFunction, loss_input_type
 from rl_models.losses import loss_token_mask, sample_valid_mask
-from rl_models.policy import lora, offload
+from rl_models.policy import checkpoint, lora, offload
+from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
-
-OPTIMIZER_FILE = "optimizer.pt"
-SCHEDULER_FILE = "scheduler.pt"
+from rl_models.policy.forward import build_model, forward_logits, forward_logprobs, forward_scores
 
 
-def packing_args(config: PolicyConfig) -> SequencePackingArgs:
-    return {
-        "input_key": "input_ids",
-        "input_lengths_key": "input_lengths",
-        "max_tokens_per_microbatch": config.sequence_packing.max_tokens_per_microbatch,
-        "algorithm": config.sequence_packing.algorithm,
-    }
+def microbatch_args(config: PolicyConfig, training: bool) -> dict[str, Any]:
+    """``shard_by_batch_size`` arguments for the micro-batches the config asks for.
 
-
-def build_model(config: PolicyConfig) -> PreTrainedModel:
-    """The model the config names; sdpa attention, which takes our block-diagonal masks."""
-    cfg = config.model
-    torch.manual_seed(config.seed)  # fresh weights are identical on every rank
-    if cfg.path is not None:
-        return AutoModelForCausalLM.from_pretrained(
-            cfg.path, dtype=cfg.torch_dtype, attn_implementation="sdpa"
-        )
-    hf = dict(cfg.hf_config or {})
-    hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf)
-    hf_config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(hf_config, dtype=cfg.torch_dtype)
-
-
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets) under ``logits``; half precisions are upcast for a stable softmax."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def forward_logprobs(model: torch.nn.Module, mb: BatchedDataDict, packed: bool) -> torch.Tensor:
-    """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding)."""
-    ids, lengths = mb["input_ids"], mb["input_lengths"]
-    batch, width = ids.shape
-    pos = torch.arange(width, device=ids.device)
-    real = pos[None, :] < lengths[:, None].to(ids.device)
-    if not packed:
-        logits = model(input_ids=ids, attention_mask=real.long()).logits
-        lp = _token_logprobs(logits[:, :-1], ids[:, 1:])
-        return F.pad(lp, (1, 0)) * real
-    p = pack_sequences(ids, lengths)
-    # Position ids alone do not keep packed sequences apart with sdpa/eager attention, so the
-    # mask is block-diagonal causal: a token sees earlier tokens of its own sequence only.
-    seq = torch.repeat_interleave(
-        torch.arange(batch, device=ids.device), p.cu_seqlens.diff().long().to(ids.device)
-    )
-    total = seq.numel()
-    causal = torch.ones(total, total, dtype=torch.bool, device=ids.device).tril()
-    mask = (causal & (seq[:, None] == seq[None, :]))[None, None]
-    logits = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=mask).logits
-    lp = F.pad(_token_logprobs(logits[0, :-1], p.input_ids[0, 1:]), (1, 0))
-    lp = lp * (p.position_ids[0] > 0)  # a sequence's first token has no log-prob
-    return unpack_sequences(lp[None], p.cu_seqlens, lengths, width)
+    Empty for fixed-size micro-batches; otherwise a sequence-packing or dynamic-batching plan
+    (the token budget of dynamic batching differs between training and log-prob inference).
+    """
+    if config.sequence_packing.enabled:
+        packing = config.sequence_packing
+        return {
+            "sequence_packing_args": {
+                "input_key": "input_ids",
+                "input_lengths_key": "input_lengths",
+                "max_tokens_per_microbatch": packing.max_tokens_per_microbatch,
+                "algorithm": packing.algorithm,
+            }
+        }
+    if config.dynamic_batching.enabled:
+        dyn = config.dynamic_batching
+        budget = dyn.train_mb_tokens if training else dyn.logprob_mb_tokens or dyn.train_mb_tokens
+        return {
+            "dynamic_batching_args": {
+                "input_key": "input_ids",
+                "input_lengths_key": "input_lengths",
+                "max_tokens_per_microbatch": budget,
+                "sequence_length_round": dyn.sequence_length_round,
+            }
+        }
+    return {}
 
 
 class DTensorPolicyWorker:
@@ -170,57 +142,77 @@ class DTensorPolicyWorker:
     # -- micro-batches -----------------------------------------------------------------------
 
     def _steps(
-        self, data: BatchedDataDict, rows_per_step: int, mbs: int
+        self, data: BatchedDataDict, rows_per_step: int, mbs: int, training: bool
     ) -> tuple[list[list[BatchedDataDict]], list[int] | None]:
         """Micro-batches of each step, and the order to restore per-row outputs to.
 
-        Uses the packing plan of ``data`` when the controller made one (so every rank has the
-        same micro-batch counts), plans packing here when packing is on and there is no plan,
-        and otherwise cuts ``mbs`` rows at a time.
+        Uses the packing or dynamic-batching plan of ``data`` when the controller made one (so
+        every rank has the same micro-batch counts), makes one here when the config asks for
+        it and there is none, and otherwise cuts ``mbs`` rows at a time.
         """
-        packed = self.config.sequence_packing.enabled
+        args = microbatch_args(self.config, training)
+        if not args:
+            steps = [data.slice(s, s + rows_per_step) for s in range(0, data.size, rows_per_step)]
+            return [list(step.make_microbatch_iterator(mbs)) for step in steps], None
+        kind = "packed" if "sequence_packing_args" in args else "dynamic"
         restore = None
-        if packed and data.micro_batch_kind != "packed":
-            (data,), restore = data.shard_by_batch_size(
-                1, batch_size=rows_per_step, sequence_packing_args=packing_args(self.config)
-            )
-        if packed:
-            flat: Iterator[BatchedDataDict] = data.make_microbatch_iterator_for_packable_sequences()
-            counts = [len(step) for step in data.micro_batch_indices or []]
-            return [[next(flat) for _ in range(n)] for n in counts], restore
-        steps = [data.slice(s, s + rows_per_step) for s in range(0, data.size, rows_per_step)]
-        return [list(step.make_microbatch_iterator(mbs)) for step in steps], None
+        if data.micro_batch_kind != kind:
+            (data,), restore = data.shard_by_batch_size(1, batch_size=rows_per_step, **args)
+        flat: Iterator[BatchedDataDict] = (
+            data.make_microbatch_iterator_for_packable_sequences()
+            if kind == "packed"
+            else data.make_microbatch_iterator_with_dynamic_shapes()
+        )
+        counts = [len(step) for step in data.micro_batch_indices or []]
+        return [[next(flat) for _ in range(n)] for n in counts], restore
+
+    def _forward(self, model: torch.nn.Module, mb: BatchedDataDict, output: str) -> torch.Tensor:
+        """``output`` ("logprobs", "logits" or "scores") of one micro-batch on this device."""
+        forward = {"logprobs": forward_logprobs, "logits": forward_logits, "scores": forward_scores}
+        if (output == "scores") != (self.config.model.kind == "sequence_classification"):
+            raise ValueError(f"a {self.config.model.kind} model has no {output}")
+        packed = self.config.sequence_packing.enabled
+        return forward[output](model, mb, packed, self.config.model.attn_implementation)
 
     # -- inference ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, data: BatchedDataDict) -> torch.Tensor:
+    def _per_row(self, model: torch.nn.Module, data: BatchedDataDict, output: str) -> torch.Tensor:
+        """Per-row ``output`` of ``data``, in its row order, padded back to its width."""
         model.eval()
         width = data["input_ids"].shape[1]
-        (mbs,), restore = self._steps(data, data.size, self.config.lp_micro_batch_size)
+        (mbs,), restore = self._steps(data, data.size, self.config.lp_micro_batch_size, False)
         out = []
         for mb in self._same_count(mbs):
             if mb is None or mb.size == 0:
                 self._dummy_logits(model)  # keep FSDP's all-gathers in step with the peers
                 continue
-            lp = forward_logprobs(model, mb.to(self.device), self.config.sequence_packing.enabled)
-            out.append(F.pad(lp, (0, width - lp.shape[1])).cpu())
-        result = torch.cat(out) if out else torch.zeros(0, width)
+            values = self._forward(model, mb.to(self.device), output).cpu()
+            if output != "scores":  # per-token values: pad to the batch's width
+                values = F.pad(values, (0, width - values.shape[1]))
+            out.append(values)
+        result = torch.cat(out)
         return result[torch.tensor(restore)] if restore is not None else result
 
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        return BatchedDataDict({"logprobs": self._logprobs(self.model, data)})
+        return BatchedDataDict({"logprobs": self._per_row(self.model, data, "logprobs")})
+
+    def get_scores(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``{"scores": [B, num_labels]}`` of a sequence classifier (reward model)."""
+        return BatchedDataDict({"scores": self._per_row(self.model, data, "scores")})
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         if self.lora and self.config.reference_policy.enabled:
             # The frozen base weights are the initial policy: switch the adapters off.
             with self.model.disable_adapter():
-                return BatchedDataDict({"reference_logprobs": self._logprobs(self.model, data)})
+                lp = self._per_row(self.model, data, "logprobs")
+            return BatchedDataDict({"reference_logprobs": lp})
         if self.reference is None:
             raise RuntimeError("this policy has no reference model (reference_policy.enabled)")
         self.reference.to(self.device)
         try:
-            return BatchedDataDict({"reference_logprobs": self._logprobs(self.reference, data)})
+            lp = self._per_row(self.reference, data, "logprobs")
+            return BatchedDataDict({"reference_logprobs": lp})
         finally:
             if self.config.reference_policy.offload_to_cpu:
                 self.reference.to("cpu")
@@ -240,7 +232,9 @@ class DTensorPolicyWorker:
         mbs = mbs or self.config.train_micro_batch_size
         if gbs % self.dp_size:
             raise ValueError(f"global batch size {gbs} is not divisible by {self.dp_size} ranks")
-        steps, _ = self._steps(data, gbs // self.dp_size, mbs)
+        steps, _ = self._steps(data, gbs // self.dp_size, mbs, training=True)
+        output = "scores" if self.config.model.kind == "sequence_classification" else None
+        output = output or loss_input_type(loss_fn)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.model.train(not eval_mode)
         metrics: dict[str, list[float]] = {}
@@ -264,8 +258,8 @@ class DTensorPolicyWorker:
                         loss = self._dummy_logits(self.model).sum() * 0.0
                     else:
                         mb = mb.to(self.device)
-                        lp = forward_logprobs(self.model, mb, self.config.sequence_packing.enabled)
-                        loss, _ = loss_fn(lp, mb, global_seqs, global_toks)
+                        model_out = self._forward(self.model, mb, output)
+                        loss, _ = loss_fn(model_out, mb, global_seqs, global_toks)
                     if not eval_mode:
                         # FSDP averages gradients over ranks; the losses are already global
                         # means, so the sum over ranks is wanted: undo the average.
@@ -327,50 +321,54 @@ class DTensorPolicyWorker:
     def save_checkpoint(self, path: str) -> None:
         """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler.
 
-        Full (unsharded) state dicts are gathered to rank 0, which writes everything. With LoRA
+        ``checkpoint.sharded``: every rank writes its own shards (see ``checkpoint.py``).
+        Otherwise full state dicts are gathered to rank 0, which writes everything; with LoRA
         the weights are the merged model and the adapters go to ``path/adapter`` (``lora.py``).
         """
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(self.model, options=opts)
-        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-        if self.rank == 0:
-            os.makedirs(path, exist_ok=True)
-            if self.lora:
+        if self.config.checkpoint.sharded:
+            checkpoint.save_sharded(self.model, self.optimizer, path, self.rank)
+        else:
+            weights = checkpoint.save_full_training_state(
+                self.model, self.optimizer, path, self.rank
+            )
+            if self.rank == 0 and self.lora:
                 lora.save_lora_checkpoint(self.model, weights, path)
-            else:
+            elif self.rank == 0:
                 self.model.save_pretrained(path, state_dict=weights)
-            torch.save(optim, os.path.join(path, OPTIMIZER_FILE))
-            torch.save(self.scheduler.state_dict(), os.path.join(path, SCHEDULER_FILE))
+        if self.rank == 0:
+            checkpoint.save_scheduler(self.scheduler, path)
         if self.dp_size > 1:
             dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what ``save_checkpoint`` wrote (every rank reads ``path``)."""
+        """Restore what ``save_checkpoint`` wrote, in either layout (every rank reads ``path``)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
-            set_optimizer_state_dict,
         )
 
-        if self.lora:
-            # The base weights are those of config.model, frozen: only the adapters are read.
-            opts = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(self.model, lora.load_adapter_state_dict(path), options=opts)
+        if checkpoint.is_sharded(path):
+            checkpoint.load_sharded(self.model, self.optimizer, path)
         else:
-            # from_pretrained resolves tied and renamed weights the way HF saved them.
-            saved = AutoModelForCausalLM.from_pretrained(path, dtype=self.config.model.torch_dtype)
-            opts = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.model, saved.state_dict(), options=opts)
-        opts = StateDictOptions(full_state_dict=True)
-        optim = torch.load(os.path.join(path, OPTIMIZER_FILE), weights_only=False)
-        set_optimizer_state_dict(self.model, self.optimizer, optim, options=opts)
-        self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE)))
+            opts = StateDictOptions(full_state_dict=True, strict=not self.lora)
+            if self.lora:
+                # The base weights are those of config.model, frozen: only adapters are read.
+                weights = lora.load_adapter_state_dict(path)
+            else:
+                # from_pretrained resolves tied and renamed weights the way HF saved them.
+                saved = self._hf_class().from_pretrained(path, dtype=self.config.model.torch_dtype)
+                weights = saved.state_dict()
+            set_model_state_dict(self.model, weights, options=opts)
+            checkpoint.load_full_optimizer(self.model, self.optimizer, path)
+        checkpoint.load_scheduler(self.scheduler, path)
+
+    def _hf_class(self) -> type[torch.nn.Module]:
+        """The Hugging Face model class (FSDP2 subclasses it on the fly; peft wraps it)."""
+        model = self.model.get_base_model() if self.lora else self.model
+        for cls in type(model).__mro__:
+            if cls.__module__.startswith("transformers."):
+                return cls
+        return type(model)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

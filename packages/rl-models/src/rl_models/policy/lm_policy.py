@@ -1,4 +1,10 @@
-"""The driver-side policy: a group of DTensor workers, one per data-parallel rank."""
+"""The driver-side policy: a group of policy workers of the backend the config names.
+
+DTensor/FSDP2: one worker per data-parallel rank. Megatron-core: ``world = pp * dp * tp``
+workers laid out the way Megatron numbers its ranks (tensor-parallel fastest, then data
+parallel, then pipeline stage); each data-parallel shard goes to all ``tp * pp`` ranks of its
+model replica, and every rank of a replica returns the same result, which comes back once.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,26 @@ from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from rl_models.interfaces import LossFunction, PolicyInterface
 from rl_models.policy.config import PolicyConfig
-from rl_models.policy.dtensor_worker import packing_args
+from rl_models.policy.dtensor_worker import microbatch_args
 
-WORKER_CLASS = "rl_models.policy.dtensor_worker.DTensorPolicyWorker"
+WORKER_CLASSES = {
+    "dtensor": "rl_models.policy.dtensor_worker.DTensorPolicyWorker",
+    "megatron": "rl_models.megatron.worker.MegatronPolicyWorker",
+}
+MODEL_PARALLEL_AXES = ["pipeline_parallel", "tensor_parallel"]
+
+
+def worker_sharding(config: PolicyConfig, world: int) -> NamedSharding:
+    """Workers as a ``[pipeline_parallel, data_parallel, tensor_parallel]`` grid."""
+    tp = config.megatron.tensor_parallel_size if config.backend == "megatron" else 1
+    pp = config.megatron.pipeline_parallel_size if config.backend == "megatron" else 1
+    if world % (tp * pp):
+        raise ValueError(
+            f"{world} workers cannot be split into model replicas of tensor_parallel_size {tp} "
+            f"x pipeline_parallel_size {pp}"
+        )
+    layout = np.arange(world).reshape(pp, world // (tp * pp), tp)
+    return NamedSharding(layout, ["pipeline_parallel", "data_parallel", "tensor_parallel"])
 
 
 class Policy(PolicyInterface):
@@ -27,38 +50,41 @@ class Policy(PolicyInterface):
         name_prefix: str = "policy",
     ) -> None:
         self.config = PolicyConfig.model_validate(config)
-        world = cluster.world_size()
         self.worker_group = RayWorkerGroup(
             cluster,
-            RayWorkerBuilder(WORKER_CLASS, self.config.model_dump()),
+            RayWorkerBuilder(WORKER_CLASSES[self.config.backend], self.config.model_dump()),
             name_prefix=name_prefix,
-            sharding_annotations=NamedSharding(np.arange(world), ["data_parallel"]),
+            sharding_annotations=worker_sharding(self.config, cluster.world_size()),
         )
-        self.dp_size = self.worker_group.dp_size
+        self.dp_size = self.worker_group.sharding_annotations.get_axis_size("data_parallel")
 
     def _shard(
-        self, data: BatchedDataDict, batch_size: int | None
+        self, data: BatchedDataDict, batch_size: int | None, training: bool
     ) -> tuple[list[BatchedDataDict], list[int] | None]:
-        """Per-rank shards; with packing, also the order that restores per-row outputs.
+        """Per-rank shards; with packing or dynamic batching, also the order that restores
+        per-row outputs.
 
-        Packing is planned here, over all ranks at once, so that every rank gets the same number
-        of micro-batches per global batch (FSDP needs the ranks' forward passes to pair up).
+        Such micro-batches are planned here, over all ranks at once, so that every rank gets the
+        same number per global batch (FSDP needs the ranks' forward passes to pair up).
         """
-        if self.config.sequence_packing.enabled:
-            return data.shard_by_batch_size(
-                self.dp_size, batch_size=batch_size, sequence_packing_args=packing_args(self.config)
-            )
+        args = microbatch_args(self.config, training)
+        if args:
+            return data.shard_by_batch_size(self.dp_size, batch_size=batch_size, **args)
         return data.shard_by_batch_size(self.dp_size, batch_size=batch_size), None
 
     def _run(self, method: str, shards: list[BatchedDataDict], **common: Any) -> list[Any]:
         futures = self.worker_group.run_all_workers_sharded_data(
-            method, in_sharded_axes=["data_parallel"], common_kwargs=common, data=shards
+            method,
+            in_sharded_axes=["data_parallel"],
+            replicate_on_axes=MODEL_PARALLEL_AXES,
+            output_is_replicated=MODEL_PARALLEL_AXES,
+            common_kwargs=common,
+            data=shards,
         )
         return self.worker_group.get_all_worker_results(futures)
 
     def _per_row(self, method: str, data: BatchedDataDict) -> BatchedDataDict:
-        # Shards must be equal for FSDP's paired forward passes; packing equalises by itself.
-        shards, restore = self._shard(data, None)
+        shards, restore = self._shard(data, None, training=False)
         out = BatchedDataDict.from_batches(self._run(method, shards))
         return out.reorder_data(restore) if restore is not None else out
 
@@ -67,6 +93,10 @@ class Policy(PolicyInterface):
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         return self._per_row("get_reference_policy_logprobs", data)
+
+    def get_scores(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``{"scores": [B, num_labels]}`` of a sequence classifier (``model.kind``)."""
+        return self._per_row("get_scores", data)
 
     def train(
         self,
@@ -77,7 +107,7 @@ class Policy(PolicyInterface):
         mbs: int | None = None,
     ) -> dict[str, Any]:
         gbs = gbs or self.config.train_global_batch_size
-        shards, _ = self._shard(data, gbs)
+        shards, _ = self._shard(data, gbs, training=True)
         results = self._run("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
         return results[0]  # the metrics are all-reduced: every rank returns the same
 

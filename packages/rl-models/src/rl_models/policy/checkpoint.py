@@ -1,0 +1,98 @@
+"""Checkpoints of a (possibly FSDP2-sharded) Hugging Face policy.
+
+Both layouts hold Hugging Face safetensors weights plus ``config.json`` in ``path`` (loadable by
+``from_pretrained`` with no code of ours), the scheduler state, and the optimiser state:
+
+- **full**: rank 0 gathers whole state dicts and writes ``model.safetensors`` and
+  ``optimizer.pt``. Simple; needs the whole model in one host's memory.
+- **sharded**: every rank writes only its own shards through ``torch.distributed.checkpoint``:
+  the weights with the Hugging Face storage writer (shards under ``path/sharded``, then
+  consolidated into whole-tensor safetensors files in ``path``), the optimiser state as a DCP
+  checkpoint in ``path/optimizer``. Loading reads each rank's slices straight from those files,
+  so a run may resume on a different number of ranks.
+
+``load`` tells the layouts apart by what is in ``path``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import PreTrainedModel
+
+OPTIMIZER_FILE = "optimizer.pt"  # full layout
+OPTIMIZER_DIR = "optimizer"  # sharded layout (a DCP checkpoint)
+SCHEDULER_FILE = "scheduler.pt"
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def save_full_training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, rank: int
+) -> dict[str, torch.Tensor]:
+    """Write the gathered optimiser state on rank 0; return the gathered weights (all ranks)."""
+    weights = get_model_state_dict(model, options=FULL)
+    optim = get_optimizer_state_dict(model, optimizer, options=FULL)
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        torch.save(optim, os.path.join(path, OPTIMIZER_FILE))
+    return weights
+
+
+def save_sharded(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, rank: int
+) -> None:
+    """Every rank writes its shards of the weights and the optimiser state (collective)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    os.makedirs(path, exist_ok=True)
+    writer = HuggingFaceStorageWriter(path, save_distributed=True, enable_consolidation=True)
+    dcp.save(get_model_state_dict(model), storage_writer=writer)
+    optim = get_optimizer_state_dict(model, optimizer)
+    dcp.save({"optimizer": optim}, checkpoint_id=os.path.join(path, OPTIMIZER_DIR))
+    if rank == 0:
+        hf: PreTrainedModel = model  # FSDP2 keeps the module's class and attributes
+        hf.config.save_pretrained(path)
+        if getattr(hf, "generation_config", None) is not None:
+            hf.generation_config.save_pretrained(path)
+
+
+def save_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, path: str) -> None:
+    torch.save(scheduler.state_dict(), os.path.join(path, SCHEDULER_FILE))
+
+
+def is_sharded(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, OPTIMIZER_DIR))
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Read this rank's slices of a sharded checkpoint into ``model`` and ``optimizer``."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    weights = get_model_state_dict(model)
+    dcp.load(weights, storage_reader=HuggingFaceStorageReader(path))
+    set_model_state_dict(model, weights)
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=os.path.join(path, OPTIMIZER_DIR))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_full_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str
+) -> None:
+    optim = torch.load(os.path.join(path, OPTIMIZER_FILE), weights_only=False)
+    set_optimizer_state_dict(
+        model, optimizer, optim, options=StateDictOptions(full_state_dict=True)
+    )
+
+
+def load_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, path: str) -> None:
+    scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE)))

@@ -1,0 +1,107 @@
+"""Full-vocabulary logits, the mask-free packed path, and losses that take logits."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rl_models.interfaces import loss_input_type
+from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss, loss_token_mask
+from rl_models.policy import forward
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+
+from .conftest import TINY_LLAMA, skewed_batch, tiny_config
+
+
+def reference_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    hf = dict(TINY_LLAMA)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+
+
+def reference_logits(model, data) -> torch.Tensor:
+    """Each sequence alone, unpadded; shifted so that ``[:, t]`` predicts token ``t``."""
+    ids_all, lengths = data["input_ids"], data["input_lengths"]
+    out = torch.zeros(*ids_all.shape, TINY_LLAMA["vocab_size"], dtype=torch.float64)
+    for row, (ids, n) in enumerate(zip(ids_all, lengths, strict=True)):
+        out[row, 1:n] = model(ids[None, :n]).logits[0, : n - 1]
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_logits_are_aligned_to_the_tokens_they_predict(packed):
+    data = skewed_batch()
+    config = tiny_config(sequence_packing={"enabled": packed, "max_tokens_per_microbatch": 70})
+    worker = DTensorPolicyWorker(config)
+    with torch.no_grad():
+        got = forward.forward_logits(worker.model, data, packed)
+        expected = reference_logits(reference_model(), data)
+        logprobs = worker.get_logprobs(data)["logprobs"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    # The log-probs a worker reports are these logits' log-softmax at the input tokens.
+    from_logits = forward.token_logprobs(got, data["input_ids"]) * loss_token_mask(data).ne(0)
+    mask = loss_token_mask(data).ne(0)
+    torch.testing.assert_close(from_logits[mask], logprobs[mask], rtol=0, atol=1e-10)
+
+
+def test_packed_rows_without_a_mask_are_split_by_their_position_ids(monkeypatch):
+    """What flash-attention kernels get: no mask; Hugging Face finds the sequences from the
+    restarting position ids. Checked here with sdpa, which takes the same detection path."""
+    data = skewed_batch()
+    worker = DTensorPolicyWorker(tiny_config())
+    monkeypatch.setattr(forward, "DENSE_MASK_KERNELS", ())
+    _, inputs = forward._packed_inputs(data, "sdpa")
+    assert inputs["attention_mask"] is None
+    with torch.no_grad():
+        got = forward.forward_logprobs(worker.model, data, packed=True)
+        unpacked = forward.forward_logprobs(worker.model, data, packed=False)
+    torch.testing.assert_close(got, unpacked, rtol=0, atol=1e-10)
+
+
+def label_smoothed_reference_step(data, smoothing: float) -> dict[str, torch.Tensor]:
+    """One SGD step (lr=1) on the float64 reference model, the loss written out by hand."""
+    model = reference_model()
+    mask = loss_token_mask(data)
+    total = torch.zeros((), dtype=torch.float64)
+    for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
+        logits = model(ids[None, :n]).logits[0, : n - 1]
+        logp = logits - logits.logsumexp(-1, keepdim=True)
+        nll = -logp.gather(-1, ids[1:n, None])[:, 0]
+        uniform = -logp.sum(-1) / logp.shape[-1]
+        total = total + (((1 - smoothing) * nll + smoothing * uniform) * mask[row, 1:n]).sum()
+    (total / mask.sum()).backward()
+    with torch.no_grad():
+        return {k: p - p.grad for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "split",
+    [{"train_micro_batch_size": 3}, {"sequence_packing": {"enabled": True}}],
+    ids=["microbatches", "packed"],
+)
+def test_a_logits_loss_trains_like_the_hand_written_reference(split):
+    data = skewed_batch()
+    loss = LabelSmoothedNLLLoss(smoothing=0.2)
+    assert loss_input_type(loss) == "logits" and loss_input_type(NLLLoss()) == "logprobs"
+    worker = DTensorPolicyWorker(tiny_config(**split))
+    worker.train(data, loss)
+    expected = label_smoothed_reference_step(data, smoothing=0.2)
+    got = {k: p.detach() for k, p in worker.model.named_parameters()}
+    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 1e-10
+
+
+def test_label_smoothing_zero_is_plain_nll():
+    data = skewed_batch()
+    a = DTensorPolicyWorker(tiny_config(train_micro_batch_size=3))
+    b = DTensorPolicyWorker(tiny_config(train_micro_batch_size=3))
+    la = a.train(data, LabelSmoothedNLLLoss(smoothing=0.0))["loss"]
+    lb = b.train(data, NLLLoss())["loss"]
+    assert la == pytest.approx(lb, abs=1e-12)
+
+
+def test_a_loss_asking_for_an_unknown_input_is_refused():
+    class Odd(NLLLoss):
+        input_type = "hidden_states"
+
+    with pytest.raises(ValueError, match=r"Odd\.input_type is 'hidden_states'"):
+        DTensorPolicyWorker(tiny_config()).train(skewed_batch(), Odd())

@@ -1,0 +1,85 @@
+"""A sequence classifier (reward model) behind the same worker: scores, training, checkpoints."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from rl_models.policy.config import PolicyConfig
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+
+from .conftest import TINY_LLAMA, skewed_batch, tiny_config
+
+RM_MODEL = {"hf_config": TINY_LLAMA, "dtype": "float64", "kind": "sequence_classification"}
+
+
+def rm_config(num_labels: int = 1, **overrides) -> PolicyConfig:
+    return tiny_config(model={**RM_MODEL, "num_labels": num_labels}, **overrides)
+
+
+def reference_scores(data, num_labels: int = 1) -> torch.Tensor:
+    """Plain HF, each sequence alone and unpadded: its logits at the last token."""
+    torch.manual_seed(0)
+    hf = dict(TINY_LLAMA)
+    config = AutoConfig.for_model(hf.pop("model_type"), num_labels=num_labels, **hf)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float64).eval()
+    with torch.no_grad():
+        pairs = zip(data["input_ids"], data["input_lengths"], strict=True)
+        rows = [model(ids[None, :n]).logits[0] for ids, n in pairs]
+    return torch.stack(rows)
+
+
+class PairwiseMarginLoss:
+    """Squared error of each score against a per-sample target, a mean over global samples."""
+
+    def __call__(self, scores, data, global_valid_seqs, global_valid_toks):
+        err = (scores[:, 0] - data["target"].to(scores)) ** 2 * data["sample_mask"].to(scores)
+        return err.sum() / global_valid_seqs.to(scores), {}
+
+
+def rm_batch():
+    data = skewed_batch()
+    data["target"] = torch.linspace(-1.0, 1.0, data.size, dtype=torch.float64)
+    return data
+
+
+@pytest.mark.parametrize(
+    "batching",
+    [
+        {"logprob_micro_batch_size": 3},
+        {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 70}},
+        {"dynamic_batching": {"enabled": True, "train_mb_tokens": 80}},
+    ],
+    ids=["microbatches", "packed", "dynamic"],
+)
+def test_scores_match_the_model_run_on_each_sequence_alone(batching):
+    data = skewed_batch()
+    worker = DTensorPolicyWorker(rm_config(num_labels=2, **batching))
+    got = worker.get_scores(data)["scores"]
+    assert got.shape == (data.size, 2)
+    torch.testing.assert_close(got, reference_scores(data, num_labels=2), rtol=0, atol=1e-10)
+
+
+def test_a_reward_model_has_no_logprobs():
+    with pytest.raises(ValueError, match="sequence_classification model has no logprobs"):
+        DTensorPolicyWorker(rm_config()).get_logprobs(skewed_batch())
+
+
+def test_reward_model_gradient_does_not_depend_on_the_split(tmp_path):
+    one = DTensorPolicyWorker(rm_config(train_micro_batch_size=8))
+    one.train(rm_batch(), PairwiseMarginLoss())
+    many = DTensorPolicyWorker(
+        rm_config(sequence_packing={"enabled": True, "max_tokens_per_microbatch": 64})
+    )
+    many.train(rm_batch(), PairwiseMarginLoss())
+    a, b = one.model.state_dict(), many.model.state_dict()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-10
+    initial = DTensorPolicyWorker(rm_config()).model.state_dict()
+    assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 1e-3
+
+    many.save_checkpoint(str(tmp_path))
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.float64)
+    data = skewed_batch()
+    with torch.no_grad():
+        n = int(data["input_lengths"][1])
+        expected = loaded(data["input_ids"][1:2, :n]).logits[0]
+    torch.testing.assert_close(many.get_scores(data)["scores"][1], expected, rtol=0, atol=1e-10)
