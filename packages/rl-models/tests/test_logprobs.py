@@ -130,6 +130,25 @@ def test_activation_checkpointing_gives_the_same_gradients():
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-12
 
 
+def test_bfloat16_mixed_precision_computes_in_bf16_and_keeps_float32_weights():
+    data = skewed_batch()
+    model = {"hf_config": TINY_LLAMA, "dtype": "float32"}
+    full = DTensorPolicyWorker(tiny_config(model=model))
+    mixed = DTensorPolicyWorker(tiny_config(model=model, mixed_precision="bfloat16"))
+    seen = []
+    layer = mixed.model.model.layers[0].mlp.down_proj
+    layer.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    lp_full, lp_mixed = (w.get_logprobs(data)["logprobs"] for w in (full, mixed))
+    assert seen == [torch.bfloat16] and lp_mixed.dtype == torch.float32
+    # bf16 keeps ~3 significant digits: close to float32, and not identical to it.
+    assert 0 < float((lp_full - lp_mixed).abs().max()) < 0.05
+    loss_full, loss_mixed = (w.train(data, NLLLoss())["loss"][0] for w in (full, mixed))
+    assert loss_mixed == pytest.approx(loss_full, rel=1e-2)
+    assert {p.dtype for p in mixed.model.parameters()} == {torch.float32}
+    after_full, after_mixed = (w.get_logprobs(data)["logprobs"] for w in (full, mixed))
+    assert float((after_full - after_mixed).abs().max()) < 0.05
+
+
 def test_config_rejects_mistakes_early():
     with pytest.raises(ValueError, match="no optimizer"):
         tiny_config(optimizer={"name": "Adamm"})

@@ -172,6 +172,9 @@ class PolicyConfig(ConfigModel):
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     activation_checkpointing: bool = False
+    # Compute in bfloat16 while the weights, gradients' reduction and optimiser state stay in
+    # model.dtype (normally float32): FSDP2's MixedPrecisionPolicy when sharded, autocast alone.
+    mixed_precision: Literal["bfloat16"] | None = None
     reference_policy: ReferencePolicyConfig = Field(default_factory=ReferencePolicyConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)

@@ -15,6 +15,7 @@ checkpoint holds the merged model plus the adapters.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -115,13 +116,25 @@ class DTensorPolicyWorker:
         if self.dp_size == 1:
             return model
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.dp_size,), mesh_dim_names=("dp",))
+        precision = MixedPrecisionPolicy()
+        if self.config.mixed_precision is not None:
+            # Parameters are all-gathered in the compute dtype (half the traffic); gradients
+            # are reduced and kept in the weights' dtype.
+            compute = getattr(torch, self.config.mixed_precision)
+            precision = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         base = model.get_base_model() if self.lora else model
         for layer in getattr(getattr(base, "model", base), "layers", []):
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=precision)
+        return fully_shard(model, mesh=mesh, mp_policy=precision)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bfloat16 compute for an unsharded model (FSDP2 casts sharded ones itself)."""
+        if self.config.mixed_precision is None or self.dp_size > 1:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.config.mixed_precision))
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -172,7 +185,10 @@ class DTensorPolicyWorker:
         if (output == "scores") != (self.config.model.kind == "sequence_classification"):
             raise ValueError(f"a {self.config.model.kind} model has no {output}")
         packed = self.config.sequence_packing.enabled
-        return forward[output](model, mb, packed, self.config.model.attn_implementation)
+        with self._autocast():
+            out = forward[output](model, mb, packed, self.config.model.attn_implementation)
+        # Losses and metrics in at least the weights' precision, whatever the compute dtype.
+        return out.to(torch.promote_types(out.dtype, self.config.model.torch_dtype))
 
     # -- inference ---------------------------------------------------------------------------
 
