@@ -1,6 +1,7 @@
 import pytest
 import ray
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.virtual_cluster import init_ray
@@ -57,3 +58,14 @@ def ray_session():
     init_ray(num_cpus=4, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """The tiny Llama (seed 0, float64) saved as a Hugging Face model directory."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    hf = dict(TINY_LLAMA)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float64).save_pretrained(path)
+    return str(path)

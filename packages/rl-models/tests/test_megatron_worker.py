@@ -11,14 +11,14 @@ log-probs within 4.1e-8 of HF (padded and packed alike), weights after one SGD s
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 import rl_models.megatron  # noqa: F401  (registers rl_models.megatron -> the mcore env)
 from rl_distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
 from rl_models.losses import NLLLoss, loss_token_mask
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
-from .conftest import TINY_LLAMA, skewed_batch, tiny_config
+from .conftest import skewed_batch, tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 WORKER = "rl_models.megatron.worker.MegatronPolicyWorker"
@@ -39,16 +39,6 @@ def hf_logprobs(path, data) -> torch.Tensor:
 def call(group: RayWorkerGroup, method: str, **kwargs):
     [result] = group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
     return result
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    hf = dict(TINY_LLAMA)
-    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float64).save_pretrained(path)
-    return str(path)
 
 
 def test_megatron_worker_matches_hf_and_the_dtensor_worker(tiny_llama, tmp_path):

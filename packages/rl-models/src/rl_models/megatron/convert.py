@@ -3,7 +3,9 @@
 Pure torch (no megatron import), so conversions are testable wherever torch is. The Megatron
 names are those of the *local* layer spec (``get_gpt_layer_local_spec``: separate
 ``input_layernorm``/``pre_mlp_layernorm`` modules, not Transformer Engine's layernorm fused
-into ``linear_qkv``), with tensor and pipeline parallel size 1: whole, unsharded tensors.
+into ``linear_qkv``). ``hf_to_megatron``/``megatron_to_hf`` work on whole, unsharded tensors
+(tensor and pipeline parallel size 1); ``shard_megatron``/``unshard_megatron`` cut such a state
+dict into the pieces each tensor/pipeline-parallel rank holds, and put them back together.
 
 Layout differences:
 
@@ -21,7 +23,7 @@ Tensors are only sliced, stacked and reshaped, so HF -> Megatron -> HF is bit-ex
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,9 @@ class GPTLayout:
     head_dim: int
     tied_embeddings: bool = False
     qkv_bias: bool = False
+    # The HF vocabulary; tensor parallelism pads it (``padded_vocab_size``) and unsharding
+    # drops the padding again. None: take it from the embedding (no padding is ever undone).
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -74,6 +79,7 @@ class GPTLayout:
             head_dim=head_dim,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
+            vocab_size=config.vocab_size,
         )
 
 
@@ -185,4 +191,153 @@ def megatron_to_hf(meg: Mapping[str, torch.Tensor], layout: GPTLayout) -> dict[s
     unused = sorted(set(src) - used)
     if unused:
         raise ValueError(f"Megatron weights with no Hugging Face counterpart: {unused[:8]}")
+    return out
+
+
+# -- tensor and pipeline parallelism ---------------------------------------------------------
+#
+# How Megatron's layers split a whole (TP=1) tensor over ``tp`` ranks, rank r taking part r:
+#
+# * column parallel (output rows split): ``linear_qkv`` weight and bias, ``linear_fc1``, the
+#   vocab-parallel ``word_embeddings`` and ``output_layer``. The per-group QKV rows above make
+#   a plain split of ``linear_qkv`` give each rank whole key/value groups (num_kv_heads must
+#   divide by tp). ``linear_fc1`` is ``[gate; up]`` on every rank, so gate and up are each split
+#   and rank r holds ``[gate_r; up_r]``. The vocabulary is first padded with zero rows to a
+#   multiple of tp (the model's logits of those rows must be masked out: they are not tokens).
+# * row parallel (input columns split): ``linear_proj`` (o_proj) and ``linear_fc2`` (down_proj).
+# * everything else (the RMSNorm weights) is replicated.
+#
+# Pipeline stage s of pp holds decoder layers ``[s * L/pp, (s+1) * L/pp)``, numbered from 0 in
+# its own state dict; the embedding lives on the first stage and the final norm and output
+# layer on the last. Tied embeddings with pp > 1 give the last stage its own copy of the
+# embedding as ``output_layer.weight`` (the worker keeps the two equal by summing their grads).
+
+_COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias")
+_ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")
+_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of ``tp`` (vocab-parallel layers need it)."""
+    return -(-vocab_size // tp) * tp
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The global decoder layer numbers pipeline stage ``stage`` holds (Megatron's even split)."""
+    if num_layers % pp:
+        raise ValueError(f"{num_layers} layers do not split into {pp} pipeline stages")
+    per_stage = num_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def _check_tp(layout: GPTLayout, tp: int) -> None:
+    if layout.num_kv_heads % tp:
+        raise ValueError(
+            f"{layout.num_kv_heads} key/value heads do not split over {tp} tensor-parallel ranks"
+        )
+
+
+def _tp_part(name: str, tensor: torch.Tensor, layout: GPTLayout, tp: int, rank: int):
+    if name.endswith(_VOCAB_PARALLEL):
+        vocab = layout.vocab_size or tensor.shape[0]
+        pad = padded_vocab_size(vocab, tp) - tensor.shape[0]
+        if pad:
+            tensor = torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])])
+        return tensor.chunk(tp, dim=0)[rank]
+    if name.endswith(_COLUMN_PARALLEL):
+        return tensor.chunk(tp, dim=0)[rank]
+    if name.endswith(".linear_fc1.weight"):
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+    if name.endswith(_ROW_PARALLEL):
+        return tensor.chunk(tp, dim=1)[rank]
+    return tensor
+
+
+def _tp_whole(name: str, parts: list[torch.Tensor], layout: GPTLayout) -> torch.Tensor:
+    if name.endswith(_VOCAB_PARALLEL):
+        whole = torch.cat(parts)
+        return whole[: layout.vocab_size] if layout.vocab_size else whole
+    if name.endswith(_COLUMN_PARALLEL):
+        return torch.cat(parts)
+    if name.endswith(".linear_fc1.weight"):
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    if name.endswith(_ROW_PARALLEL):
+        return torch.cat(parts, dim=1)
+    return parts[0]
+
+
+def _to_stage(name: str, layers: range) -> str | None:
+    """The name of whole-model weight ``name`` on the stage holding ``layers`` (None: absent)."""
+    if name.startswith("decoder.layers."):
+        index, rest = name[len("decoder.layers.") :].split(".", 1)
+        if int(index) not in layers:
+            return None
+        return f"decoder.layers.{int(index) - layers.start}.{rest}"
+    return name
+
+
+def shard_megatron(
+    full: Mapping[str, torch.Tensor],
+    layout: GPTLayout,
+    *,
+    tp: int = 1,
+    tp_rank: int = 0,
+    pp: int = 1,
+    pp_rank: int = 0,
+) -> dict[str, torch.Tensor]:
+    """What the rank at ``(tp_rank, pp_rank)`` holds of the whole state dict ``full``.
+
+    ``full`` is what ``hf_to_megatron`` returns. The result has the names of that rank's
+    ``GPTModel`` (built with ``pre_process``/``post_process`` for its stage); its tensors are
+    views or fresh copies of ``full``'s, never modified in place.
+    """
+    _check_tp(layout, tp)
+    layers = stage_layers(layout.num_layers, pp, pp_rank)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out = {}
+    for name, tensor in full.items():
+        if name.startswith("embedding.") and not first:
+            continue
+        if name.startswith(("decoder.final_layernorm.", "output_layer.")) and not last:
+            continue
+        local = _to_stage(name, layers)
+        if local is not None:
+            out[local] = _tp_part(name, tensor, layout, tp, tp_rank)
+    if layout.tied_embeddings and last and not first:
+        out["output_layer.weight"] = _tp_part(
+            "embedding.word_embeddings.weight",
+            full["embedding.word_embeddings.weight"],
+            layout,
+            tp,
+            tp_rank,
+        )
+    return out
+
+
+def unshard_megatron(
+    shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], layout: GPTLayout
+) -> dict[str, torch.Tensor]:
+    """The whole state dict from every rank's shard, ``shards[pp_rank][tp_rank]``.
+
+    The inverse of ``shard_megatron`` (bit-exact: only concatenation and slicing). With tied
+    embeddings the last stage's ``output_layer.weight`` copy is dropped; the first stage's
+    embedding is the weight.
+    """
+    pp, tp = len(shards), len(shards[0])
+    out: dict[str, torch.Tensor] = {}
+    for stage, row in enumerate(shards):
+        if len(row) != tp:
+            raise ValueError("every pipeline stage needs one shard per tensor-parallel rank")
+        offset = stage_layers(layout.num_layers, pp, stage).start
+        tied_copy = layout.tied_embeddings and stage > 0
+        for name in row[0]:
+            if name.endswith("._extra_state") or (tied_copy and name == "output_layer.weight"):
+                continue
+            whole = _tp_whole(name, [shard[name] for shard in row], layout)
+            if name.startswith("decoder.layers."):
+                index, rest = name[len("decoder.layers.") :].split(".", 1)
+                name = f"decoder.layers.{int(index) + offset}.{rest}"
+            out[name] = whole
     return out

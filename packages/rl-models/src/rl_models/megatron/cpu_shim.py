@@ -1,30 +1,55 @@
 """Let Megatron-core's GPT forward/backward run on CPU-only machines (tests, laptops).
 
-Three places in megatron-core 0.16 assume CUDA even with ``use_cpu_initialization=True``:
+Places in megatron-core 0.16 that assume CUDA even with ``use_cpu_initialization=True``:
 
 * ``GlobalMemoryBuffer.get_tensor`` allocates its scratch buffers (the attention scores'
   ``baddbmm`` input) on ``torch.cuda.current_device()``;
 * ``CudaRNGStatesTracker.fork`` swaps CUDA RNG states around dropout, and there are none;
-* ``RotaryEmbedding.get_emb`` moves its inverse frequencies to ``torch.cuda.current_device()``.
+* ``RotaryEmbedding.get_emb`` moves its inverse frequencies to ``torch.cuda.current_device()``;
+* tensor and pipeline parallelism: the pipeline schedules count tokens in
+  ``torch.zeros(..., device="cuda")``; p2p communication allocates its receive buffers (and
+  the shapes of variable-length ones) on ``torch.cuda.current_device()`` and calls
+  ``torch.cuda.synchronize()``; the tensor-parallel gathers and reduce-scatters of sequence
+  parallelism allocate their outputs on ``torch.cuda.current_device()``.
 
-``apply()`` replaces all three, only when CUDA is unavailable: buffers are allocated on the
-CPU, ``fork`` does nothing and the rotary angles stay where the frequencies are. Dropout must then be 0 (the policy worker sets it so): with a no-op fork,
-dropout inside tensor-parallel regions would draw from the default CPU generator instead of a
-tracked per-rank stream. On GPU machines nothing is changed.
+``apply()`` replaces these, only when CUDA is unavailable: buffers are allocated on the CPU,
+``fork`` does nothing and the rotary angles stay where the frequencies are. For the last group
+the modules named in ``_CPU_AS_CUDA_MODULES`` see, in place of the ``torch`` module, a thin
+proxy in which "the current CUDA device" and ``device="cuda"`` mean the CPU and
+``torch.cuda.synchronize`` does nothing (gloo's CPU collectives are synchronous for tensors);
+everything else is the real ``torch``. Patching those modules' globals, not ``torch.cuda``
+itself, keeps the change invisible to the rest of the process.
+
+Dropout must be 0 (the policy worker sets it so): with a no-op fork, dropout inside
+tensor-parallel regions would draw from the default CPU generator instead of a tracked per-rank
+stream. On GPU machines nothing is changed.
 
 The default causal mask (``get_default_causal_mask``) is also built on ``"cuda"``; that one is
-avoided without patching, by always passing an explicit attention mask.
+avoided without patching, by always passing an explicit attention mask. Tied embeddings with
+pipeline parallelism move the last stage's copy with ``.cuda()`` at construction; the worker
+avoids that path by tying the two copies itself (see ``parallel.build_gpt``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import operator
 from functools import reduce
+from typing import Any
 
 import torch
 
 _applied = False
+
+#: Modules whose ``torch.cuda.current_device()``/``device="cuda"`` allocations and
+#: ``torch.cuda.synchronize()`` calls are redirected to the CPU.
+_CPU_AS_CUDA_MODULES = (
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+)
 
 
 def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
@@ -50,6 +75,46 @@ def _cpu_rotary_emb(self, max_seq_len, offset=0):
     return emb[:, None, None, :]
 
 
+def _on_cpu(device: Any) -> Any:
+    is_cuda = isinstance(device, int) or str(device).startswith("cuda")
+    return torch.device("cpu") if device is not None and is_cuda else device
+
+
+class _CpuCuda:
+    """``torch.cuda`` as the patched modules see it."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        pass
+
+
+def _factory(fn):
+    def on_cpu(*args, device=None, **kwargs):
+        return fn(*args, device=_on_cpu(device), **kwargs)
+
+    return staticmethod(on_cpu)
+
+
+class _CpuTorch:
+    """``torch`` as the patched modules see it: the real one, but CUDA allocations on CPU."""
+
+    cuda = _CpuCuda()
+    empty = _factory(torch.empty)
+    zeros = _factory(torch.zeros)
+    ones = _factory(torch.ones)
+    tensor = _factory(torch.tensor)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
 def apply() -> bool:
     """Patch megatron-core for CPU if CUDA is unavailable; True if patched (idempotent)."""
     global _applied
@@ -63,5 +128,11 @@ def apply() -> bool:
         utils.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
         random.CudaRNGStatesTracker.fork = _no_fork
         rotary_pos_embedding.RotaryEmbedding.get_emb = _cpu_rotary_emb
+        proxy = _CpuTorch()
+        for name in _CPU_AS_CUDA_MODULES:
+            module = importlib.import_module(name)
+            if module.torch is not torch:
+                raise RuntimeError(f"{name} does not import torch as `torch`: update cpu_shim")
+            module.torch = proxy
         _applied = True
     return True

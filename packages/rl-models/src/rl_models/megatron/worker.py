@@ -1,137 +1,65 @@
-"""A policy worker whose model is a Megatron-core ``GPTModel`` (tensor/pipeline parallel 1).
+"""A policy worker whose model is a Megatron-core ``GPTModel``, tensor and pipeline parallel.
 
 Runs in the isolated ``mcore`` environment (see ``rl_models.megatron``). The model is built
 from the Hugging Face config of a Llama/Qwen2-family model and given its weights through
 ``rl_models.megatron.convert``, so it computes the same function as the HF model the DTensor
 worker would load from the same ``PolicyConfig`` (same path, or same ``hf_config`` and seed).
 
-Batching, log-prob alignment, loss normalisation, optimiser and scheduler handling are those of
-``DTensorPolicyWorker``, which this class extends: the Megatron model sits behind a small
-adapter that takes HF-style arguments (``input_ids``, 2-D padding mask or 4-D boolean "may
-attend" mask, ``position_ids``) and returns an object with ``.logits``. Every rank holds the
-whole model; with several ranks (data parallel) gradients are averaged over ranks before the
-optimiser step.
+``world = pp * dp * tp`` ranks (``PolicyConfig.megatron`` gives tp and pp), numbered as
+Megatron numbers them; each holds the layers of its pipeline stage, tensor-parallel shards of
+them (``parallel.py``). All ranks of one model replica get the same data and return the same
+results (log-probs and metrics come from the last pipeline stage); the driver keeps one copy.
+
+Micro-batching, packing plans and the training loop are ``DTensorPolicyWorker``'s; a step's
+forward/backward (``_run_step``), the gradient sync and clipping, and the log-prob pass are this
+class's own (``forward.py``): losses see the global batch's valid sample and token counts,
+all-reduced over the data-parallel group only (``_all_reduce``), and the gradients of the
+micro-batch losses are summed over that group, which makes the update the gradient of the
+global-batch mean whatever the parallel layout.
+
+Sequence packing works with tensor and pipeline parallelism alike: every stage rebuilds the
+packed row and its block-diagonal mask from the same micro-batch, and stages send each other
+the shape of every activation (``variable_seq_lengths``), so packed rows of different lengths
+flow through the pipeline.
 """
 
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM
 
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.interfaces import LossFunction, loss_input_type
 from rl_models.megatron import cpu_shim
-from rl_models.megatron.convert import GPTLayout, hf_to_megatron, megatron_to_hf
-from rl_models.policy.config import PolicyConfig
-from rl_models.policy.dtensor_worker import (
-    OPTIMIZER_FILE,
-    SCHEDULER_FILE,
-    DTensorPolicyWorker,
-    build_model,
+from rl_models.megatron.convert import GPTLayout, hf_to_megatron, shard_megatron
+from rl_models.megatron.forward import (
+    HALF,
+    Inputs,
+    broadcast_from_last_stage,
+    make_inputs,
+    run_pipeline,
 )
-
-
-def transformer_config(hf: PretrainedConfig, dtype: torch.dtype) -> TransformerConfig:
-    """Megatron's description of a Llama/Qwen2-family HF config (RMSNorm, SwiGLU, RoPE)."""
-    if hf.hidden_act != "silu":
-        raise ValueError(f"only SwiGLU (hidden_act='silu') is supported, not {hf.hidden_act!r}")
-    if getattr(hf, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported")
-    rope = getattr(hf, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"RoPE scaling {rope.get('rope_type')!r} is not supported")
-    layout = GPTLayout.from_hf_config(hf)
-    return TransformerConfig(
-        num_layers=hf.num_hidden_layers,
-        hidden_size=hf.hidden_size,
-        ffn_hidden_size=hf.intermediate_size,
-        num_attention_heads=layout.num_heads,
-        num_query_groups=layout.num_kv_heads,
-        kv_channels=layout.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=layout.qkv_bias,
-        # The shim's no-op RNG fork on CPU relies on there being no dropout.
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-    )
-
-
-def build_gpt(hf: PretrainedConfig, dtype: torch.dtype) -> GPTModel:
-    rope = getattr(hf, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    return GPTModel(
-        transformer_config(hf, dtype),
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=hf.vocab_size,
-        max_sequence_length=hf.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_base=theta,
-        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
-    )
-
-
-def _load_weights(gpt: GPTModel, weights: dict[str, torch.Tensor]) -> None:
-    """Copy converted weights in; every parameter must be given (``_extra_state`` aside)."""
-    missing, unexpected = gpt.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith("._extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
-
-
-class HFStyleGPT(torch.nn.Module):
-    """A ``GPTModel`` called like an HF causal LM: ``model(input_ids=...).logits``.
-
-    Masks: a 2-D ``[B, S]`` padding mask (1 = real token) becomes causal attention over real
-    keys; a 4-D boolean ``[B|1, 1, S, S]`` mask (True = may attend, the block-diagonal masks of
-    packed rows) is used as given. Megatron's masks mean the opposite (True = masked out).
-
-    Megatron's rotary embedding uses positions ``0..S-1`` of the row, not ``position_ids``.
-    RoPE scores depend only on query-key distance, and a packed row's block-diagonal mask
-    keeps every key in its query's own sequence, so packed rows still give each sequence the
-    scores it has alone (up to rounding).
-    """
-
-    def __init__(self, gpt: GPTModel) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> SimpleNamespace:
-        batch, width = input_ids.shape
-        dev = input_ids.device
-        if attention_mask is None or attention_mask.dim() == 2:
-            allowed = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
-            if attention_mask is not None:
-                allowed = allowed & attention_mask.bool()[:, None, None, :]
-        else:
-            allowed = attention_mask.bool()
-        pos = torch.arange(width, device=dev)[None].expand(batch, width)
-        logits = self.gpt(input_ids=input_ids, position_ids=pos, attention_mask=~allowed)
-        return SimpleNamespace(logits=logits)
+from rl_models.megatron.parallel import (
+    build_gpt,
+    clip_grads,
+    gather_hf_state,
+    init_model_parallel,
+    load_weights,
+    sync_grads,
+)
+from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE
+from rl_models.policy.config import PolicyConfig
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.policy.forward import build_model
 
 
 class MegatronPolicyWorker(DTensorPolicyWorker):
-    """One data-parallel rank holding a whole Megatron ``GPTModel`` (and optional reference)."""
+    """One rank of a Megatron ``GPTModel`` replica (and of its optional reference copy)."""
 
     def __init__(self, config: PolicyConfig | dict[str, Any]) -> None:
         self.config = PolicyConfig.model_validate(config)
@@ -152,17 +80,18 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             else:  # alone, outside a worker group: Megatron still wants a process group
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         cpu_shim.apply()
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1)
+        self.ranks = init_model_parallel(self.config.megatron)
         if self.device.type == "cuda":
             tensor_parallel.model_parallel_cuda_manual_seed(self.config.seed)
-        self.dp_size = dist.get_world_size()
+        # dp_size is what the inherited helpers (_steps, batch-size checks) divide by.
+        self.dp_size = self.ranks.dp
         self.rank = dist.get_rank()
 
         hf = build_model(self.config)  # the exact weights the DTensor worker would start from
         self.hf_config = hf.config
         self.layout = GPTLayout.from_hf_config(hf.config)
-        weights = hf_to_megatron(hf.state_dict(), self.layout)
+        self.tied = self.layout.tied_embeddings
+        weights = self._my_shard(hf.state_dict())
         del hf
         self.model = self._build(weights)
         self.reference: torch.nn.Module | None = None
@@ -172,10 +101,19 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             self.reference.to(ref_device)
         self._make_optimizer()
 
-    def _build(self, weights: dict[str, torch.Tensor]) -> HFStyleGPT:
-        gpt = build_gpt(self.hf_config, self.config.model.torch_dtype)
-        _load_weights(gpt, weights)
-        return HFStyleGPT(gpt).to(self.device)
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _my_shard(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        r = self.ranks
+        full = hf_to_megatron(hf_state, self.layout)
+        return shard_megatron(
+            full, self.layout, tp=r.tp, tp_rank=r.tp_rank, pp=r.pp, pp_rank=r.pp_rank
+        )
+
+    def _build(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+        gpt = build_gpt(self.hf_config, self.config.model.torch_dtype, self.config.megatron)
+        load_weights(gpt, weights)
+        return gpt.to(self.device)
 
     def _make_optimizer(self) -> None:
         opt = self.config.optimizer
@@ -187,42 +125,141 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             else torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
         )
 
-    def _clip_and_step(self, params: list[torch.nn.Parameter]) -> float:
-        # train() scales each loss by dp_size (FSDP averages gradients); average them here too.
-        if self.dp_size > 1:
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= self.dp_size
-        return super()._clip_and_step(params)
+    # -- collectives over the data-parallel group ----------------------------------------------
+
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduce over the data-parallel group only (the replicas), not the whole world."""
+        if self.ranks.dp > 1:
+            t = t.to(self.device)
+            dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
+        return t.cpu()
+
+    def _inputs(self, mbs: list[BatchedDataDict]) -> list[Inputs]:
+        multiple = self.ranks.tp if self.config.megatron.sequence_parallel else 1
+        packed = self.config.sequence_packing.enabled
+        return [make_inputs(mb.to(self.device), packed, multiple) for mb in mbs if mb.size > 0]
+
+    # -- inference -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, data: BatchedDataDict) -> torch.Tensor:
+        model.eval()
+        width = data["input_ids"].shape[1]
+        (mbs,), restore = self._steps(
+            data, data.size, self.config.lp_micro_batch_size, training=False
+        )
+        inputs = self._inputs(mbs)
+        dtype = self.config.model.torch_dtype
+        rows = sum(i.data.size for i in inputs)
+        result = torch.zeros(rows, width, dtype=torch.float32 if dtype in HALF else dtype)
+        offset = 0
+
+        def keep(lp: torch.Tensor, inp: Inputs) -> None:
+            nonlocal offset
+            result[offset : offset + lp.shape[0], : lp.shape[1]] = lp.cpu()
+            offset += lp.shape[0]
+
+        run_pipeline(model, inputs, keep, self.hf_config.vocab_size, forward_only=True)
+        # Only the last stage computed them; every rank of the replica returns them.
+        result = broadcast_from_last_stage(result.to(self.device)).cpu()
+        return result[torch.tensor(restore)] if restore is not None else result
+
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        return BatchedDataDict({"logprobs": self._logprobs(self.model, data)})
+
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        if self.reference is None:
+            raise RuntimeError("this policy has no reference model (reference_policy.enabled)")
+        self.reference.to(self.device)
+        try:
+            return BatchedDataDict({"reference_logprobs": self._logprobs(self.reference, data)})
+        finally:
+            if self.config.reference_policy.offload_to_cpu:
+                self.reference.to("cpu")
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _run_step(
+        self,
+        step: list[BatchedDataDict],
+        loss_fn: LossFunction,
+        global_seqs: torch.Tensor,
+        global_toks: torch.Tensor,
+        eval_mode: bool,
+    ) -> torch.Tensor:
+        """Forward/backward of one step's micro-batches; their summed loss, on every rank of
+        the replica (the last stage computes it)."""
+        losses: list[torch.Tensor] = []
+
+        def loss_of(values: torch.Tensor, inp: Inputs) -> torch.Tensor:
+            seqs, toks = global_seqs.to(values.device), global_toks.to(values.device)
+            loss, _ = loss_fn(values, inp.data, seqs, toks)
+            losses.append(loss.detach().double().cpu())
+            return loss
+
+        run_pipeline(
+            self.model,
+            self._inputs(step),
+            loss_of,
+            self.hf_config.vocab_size,
+            forward_only=eval_mode,
+            output=loss_input_type(loss_fn),
+        )
+        loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
+        return broadcast_from_last_stage(loss_sum.to(self.device))
+
+    def _clip_and_step(self) -> float:
+        sync_grads(self.model, self.ranks, self.tied, self.config.megatron.sequence_parallel)
+        norm = clip_grads(self.model, self.ranks, self.tied, self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        return norm
+
+    # -- weights and checkpoints ---------------------------------------------------------------
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under Hugging Face names (CPU copies)."""
-        state = self.model.gpt.state_dict()
-        # ``_extra_state`` entries (Transformer Engine metadata) are None or bytes, not weights.
-        meg = {k: v.detach().cpu() for k, v in state.items() if isinstance(v, torch.Tensor)}
-        return {k: v.clone() for k, v in megatron_to_hf(meg, self.layout).items()}
+        """The whole policy under Hugging Face names (CPU copies), on every rank.
+
+        A collective: every rank must call it (shards are gathered across the replica).
+        """
+        state = gather_hf_state(self.model, self.layout, self.ranks, to_all=True)
+        assert state is not None
+        return state
+
+    def _optimizer_file(self) -> str:
+        """One file per model-parallel rank (their optimiser states hold different shards)."""
+        r = self.ranks
+        if r.tp * r.pp == 1:
+            return OPTIMIZER_FILE
+        stem, ext = os.path.splitext(OPTIMIZER_FILE)
+        return f"{stem}-pp{r.pp_rank}-tp{r.tp_rank}{ext}"
 
     def save_checkpoint(self, path: str) -> None:
-        """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler."""
+        """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler.
+
+        Rank 0 writes the gathered weights and the scheduler; each rank of replica 0 writes
+        its own optimiser state. Loading needs the same tensor and pipeline parallel sizes for
+        the optimiser state (the weights load under any layout).
+        """
+        weights = gather_hf_state(self.model, self.layout, self.ranks, to_all=False)
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             hf = AutoModelForCausalLM.from_config(
                 self.hf_config, dtype=self.config.model.torch_dtype
             )
-            hf.load_state_dict(self.hf_state_dict())
+            hf.load_state_dict(weights)
             hf.save_pretrained(path)
-            torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIMIZER_FILE))
             torch.save(self.scheduler.state_dict(), os.path.join(path, SCHEDULER_FILE))
-        if self.dp_size > 1:
-            dist.barrier()
+        dist.barrier()  # the folder exists before the other ranks write into it
+        if self.ranks.dp_rank == 0:
+            torch.save(self.optimizer.state_dict(), os.path.join(path, self._optimizer_file()))
+        dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote (every rank reads ``path``)."""
         saved = AutoModelForCausalLM.from_pretrained(path, dtype=self.config.model.torch_dtype)
-        weights = hf_to_megatron(saved.state_dict(), self.layout)
-        _load_weights(self.model.gpt, weights)
-        optim = torch.load(os.path.join(path, OPTIMIZER_FILE), weights_only=False)
+        load_weights(self.model, self._my_shard(saved.state_dict()))
+        optim = torch.load(os.path.join(path, self._optimizer_file()), weights_only=False)
         self.optimizer.load_state_dict(optim)
         self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE)))
 

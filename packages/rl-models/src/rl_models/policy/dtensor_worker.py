@@ -139,6 +139,7 @@ class DTensorPolicyWorker:
     # -- collectives -------------------------------------------------------------------------
 
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduce over the data-parallel ranks (here: all ranks); the result on the CPU."""
         if self.dp_size > 1:
             t = t.to(self.device)
             dist.all_reduce(t, op=op)
@@ -243,15 +244,16 @@ class DTensorPolicyWorker:
         gbs: int | None = None,
         mbs: int | None = None,
     ) -> dict[str, list[float]]:
-        """One optimiser step per global batch of ``gbs`` rows (this rank holds 1/dp of each)."""
+        """One optimiser step per global batch of ``gbs`` rows (this rank holds 1/dp of each).
+
+        The loop is shared by every backend; ``_run_step`` (forward and backward of one step's
+        micro-batches) and ``_clip_and_step`` are where they differ.
+        """
         gbs = gbs or self.config.train_global_batch_size
         mbs = mbs or self.config.train_micro_batch_size
         if gbs % self.dp_size:
             raise ValueError(f"global batch size {gbs} is not divisible by {self.dp_size} ranks")
         steps, _ = self._steps(data, gbs // self.dp_size, mbs, training=True)
-        output = "scores" if self.config.model.kind == "sequence_classification" else None
-        output = output or loss_input_type(loss_fn)
-        params = [p for p in self.model.parameters() if p.requires_grad]
         self.model.train(not eval_mode)
         metrics: dict[str, list[float]] = {}
         for step in self._same_count(steps):
@@ -267,20 +269,8 @@ class DTensorPolicyWorker:
             )
             global_seqs, global_toks = self._all_reduce(local)
             self.optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), dtype=torch.float64)
             with torch.set_grad_enabled(not eval_mode):
-                for mb in self._same_count(step):
-                    if mb is None:
-                        loss = self._dummy_logits(self.model).sum() * 0.0
-                    else:
-                        mb = mb.to(self.device)
-                        model_out = self._forward(self.model, mb, output)
-                        loss, _ = loss_fn(model_out, mb, global_seqs, global_toks)
-                    if not eval_mode:
-                        # FSDP averages gradients over ranks; the losses are already global
-                        # means, so the sum over ranks is wanted: undo the average.
-                        (loss * self.dp_size).backward()
-                    loss_sum += loss.detach().double().cpu()
+                loss_sum = self._run_step(step, loss_fn, global_seqs, global_toks, eval_mode)
             step_metrics = {
                 "loss": float(self._all_reduce(loss_sum)),
                 "global_valid_seqs": float(global_seqs),
@@ -288,14 +278,41 @@ class DTensorPolicyWorker:
                 "lr": self.optimizer.param_groups[0]["lr"],
             }
             if not eval_mode:
-                step_metrics["grad_norm"] = self._clip_and_step(params)
+                step_metrics["grad_norm"] = self._clip_and_step()
             for k, v in step_metrics.items():
                 metrics.setdefault(k, []).append(v)
         return metrics
 
-    def _clip_and_step(self, params: list[torch.nn.Parameter]) -> float:
-        max_norm = self.config.max_grad_norm or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    def _run_step(
+        self,
+        step: list[BatchedDataDict],
+        loss_fn: LossFunction,
+        global_seqs: torch.Tensor,
+        global_toks: torch.Tensor,
+        eval_mode: bool,
+    ) -> torch.Tensor:
+        """Forward (and backward) of one step's micro-batches; the sum of their losses."""
+        output = "scores" if self.config.model.kind == "sequence_classification" else None
+        output = output or loss_input_type(loss_fn)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for mb in self._same_count(step):
+            if mb is None:
+                loss = self._dummy_logits(self.model).sum() * 0.0
+            else:
+                mb = mb.to(self.device)
+                loss, _ = loss_fn(
+                    self._forward(self.model, mb, output), mb, global_seqs, global_toks
+                )
+            if not eval_mode:
+                # FSDP averages gradients over ranks; the losses are already global means, so
+                # the sum over ranks is wanted: undo the average.
+                (loss * self.dp_size).backward()
+            loss_sum += loss.detach().double().cpu()
+        return loss_sum
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
         self.optimizer.step()

@@ -1,0 +1,211 @@
+"""Forward (and backward) passes of a tensor/pipeline-parallel ``GPTModel`` over micro-batches.
+
+Every rank of a model replica is given the same micro-batches; each builds the model inputs
+itself (token ids, positions, attention mask), so pipeline stages exchange only activations.
+Megatron's schedule (``get_forward_backward_func``: plain loop for one stage, 1F1B for
+several) runs the passes; the last stage turns its vocab-parallel logits into log-probs and
+hands them to the loss (or keeps them, for inference).
+
+Masks: Megatron's ``attention_mask`` is True where attention is *not* allowed. Unpacked rows get
+causal attention over their real tokens; a packed row gets a block-diagonal causal mask, so no
+token sees another sequence. Megatron's rotary embedding uses the positions ``0..T-1`` of the
+row, not ``position_ids``: RoPE scores depend only on query-key distance, and the mask keeps
+every key in its query's own sequence, so packed rows give each sequence the scores it has
+alone (up to rounding). With sequence parallelism rows are padded to a multiple of the
+tensor-parallel size (padding tokens are masked keys, and their log-probs are dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import (
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """``log p(targets)`` from this rank's slice ``[..., V/tp]`` of the logits.
+
+    A log-softmax over the whole (unpadded) vocabulary: the max and the sum of exponentials
+    are all-reduced over the tensor-parallel group, and the target's logit comes from the rank
+    holding it. Megatron's ``vocab_parallel_cross_entropy`` would do the same but computes in
+    float32, which float64 runs (exact comparisons) cannot have. The all-reduce of the sums is
+    Megatron's ``reduce_from_tensor_model_parallel_region``, whose backward passes gradients
+    through unchanged: every tensor rank computes the same loss from the reduced values.
+    """
+    if logits.dtype in HALF:
+        logits = logits.float()
+    part = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * part
+    if start + part > vocab_size:  # the vocabulary's padding rows are not tokens
+        column = torch.arange(start, start + part, device=logits.device)
+        logits = logits.masked_fill(column >= vocab_size, float("-inf"))
+    peak = logits.detach().amax(dim=-1)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(
+            peak, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+        )
+    shifted = logits - peak.unsqueeze(-1)
+    sum_exp = reduce_from_tensor_model_parallel_region(shifted.exp().sum(dim=-1))
+    local = targets - start
+    here = (local >= 0) & (local < part)
+    picked = shifted.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
+    picked = reduce_from_tensor_model_parallel_region(picked * here)
+    return picked - sum_exp.log()
+
+
+@dataclass
+class Inputs:
+    """One micro-batch as the model takes it, and how to map its outputs back to rows."""
+
+    data: BatchedDataDict  # the micro-batch itself, on the model's device
+    input_ids: torch.Tensor  # [b, s] (packed: [1, T])
+    mask: torch.Tensor  # [b|1, 1, s, s], True = masked out
+    packed: PackedSequences | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def make_inputs(mb: BatchedDataDict, packed: bool, multiple: int = 1) -> Inputs:
+    """Model inputs of one micro-batch; rows padded to a multiple of ``multiple`` tokens."""
+    ids, lengths = mb["input_ids"], mb["input_lengths"]
+    dev = ids.device
+    if not packed:
+        width = ids.shape[1]
+        padded = _round_up(width, multiple)
+        ids = F.pad(ids, (0, padded - width))
+        pos = torch.arange(padded, device=dev)
+        real = pos[None, :] < lengths[:, None].to(dev)
+        allowed = torch.ones(padded, padded, dtype=torch.bool, device=dev).tril()[None, None]
+        allowed = allowed & real[:, None, None, :]
+        return Inputs(mb, ids, ~allowed, None)
+    p = pack_sequences(ids, lengths, pad_multiple=multiple)
+    seq = torch.repeat_interleave(
+        torch.arange(len(lengths), device=dev), p.cu_seqlens.diff().long().to(dev)
+    )
+    total = seq.numel()
+    causal = torch.ones(total, total, dtype=torch.bool, device=dev).tril()
+    allowed = (causal & (seq[:, None] == seq[None, :]))[None, None]
+    return Inputs(mb, p.input_ids.to(dev), ~allowed, p)
+
+
+def logprobs_from_logits(logits: torch.Tensor, inp: Inputs, vocab_size: int) -> torch.Tensor:
+    """``[B, S]`` next-token log-probs of the micro-batch (0 at position 0 and on padding)."""
+    ids, lengths = inp.data["input_ids"], inp.data["input_lengths"]
+    width = ids.shape[1]
+    if inp.packed is None:
+        lp = vocab_parallel_logprobs(logits[:, : width - 1], ids[:, 1:], vocab_size)
+        real = torch.arange(width, device=ids.device)[None, :] < lengths[:, None].to(ids.device)
+        return F.pad(lp, (1, 0)) * real
+    p = inp.packed
+    row = p.input_ids[0].to(logits.device)
+    lp = F.pad(vocab_parallel_logprobs(logits[0, :-1], row[1:], vocab_size), (1, 0))
+    lp = lp * (p.position_ids[0].to(lp.device) > 0)  # a sequence's first token has none
+    return unpack_sequences(lp[None], p.cu_seqlens, lengths, width)
+
+
+def aligned_logits(logits: torch.Tensor, inp: Inputs, vocab_size: int) -> torch.Tensor:
+    """``[B, S, V]`` next-token logits over the whole vocabulary, aligned like the log-probs
+    (``[:, t]`` predicts token ``t``; zeros at position 0 and on padding).
+
+    The vocab slices are all-gathered over the tensor-parallel group (its backward hands each
+    rank the gradient of its own slice) and the vocabulary's padding is cut off.
+    """
+    ids, lengths = inp.data["input_ids"], inp.data["input_lengths"]
+    width = ids.shape[1]
+    logits = gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
+    if inp.packed is None:
+        real = torch.arange(width, device=ids.device)[None, :] < lengths[:, None].to(ids.device)
+        return F.pad(logits[:, : width - 1], (0, 0, 1, 0)) * real[..., None]
+    p = inp.packed
+    row = F.pad(logits[0, :-1], (0, 0, 1, 0))
+    row = row * (p.position_ids[0].to(row.device) > 0)[:, None]
+    return unpack_sequences(row[None], p.cu_seqlens, lengths, width)
+
+
+#: What the last stage does with one micro-batch's output (log-probs or aligned logits):
+#: returns the loss to backpropagate (or None when only collecting).
+OnOutput = Callable[[torch.Tensor, Inputs], torch.Tensor | None]
+
+
+def run_pipeline(
+    model: torch.nn.Module,
+    inputs: list[Inputs],
+    on_output: OnOutput,
+    vocab_size: int,
+    forward_only: bool,
+    output: str = "logprobs",
+) -> None:
+    """Forward (and unless ``forward_only``, backward) every micro-batch through the stages.
+
+    ``on_output`` runs on the last pipeline stage only and gets ``output`` ("logprobs" or
+    "logits", see ``aligned_logits``). Gradients accumulate in the
+    parameters' ``.grad``; nothing is reduced across data-parallel ranks here.
+    """
+    if not inputs:
+        return
+    no_tokens = torch.zeros((), dtype=torch.int)
+
+    def forward_step(batches, gpt):
+        inp = next(batches)
+        width = inp.shape[1]
+        pos = torch.arange(width, device=inp.input_ids.device)[None].expand(*inp.shape)
+        out = gpt(input_ids=inp.input_ids, position_ids=pos, attention_mask=inp.mask)
+
+        def loss_func(logits):
+            if output == "logits":
+                values = aligned_logits(logits, inp, vocab_size)
+            else:
+                values = logprobs_from_logits(logits, inp, vocab_size)
+            loss = on_output(values, inp)
+            if loss is None:  # inference: the schedule only needs a number
+                loss = values.new_zeros(())
+            # With calculate_per_token_loss the schedule uses the loss as it is.
+            return loss, no_tokens, {}
+
+        return out, loss_func
+
+    forward_backward = get_forward_backward_func()
+    forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iter(inputs),
+        model=[model],
+        num_microbatches=len(inputs),
+        # For pipelining, a first guess only: with variable_seq_lengths every activation's
+        # shape is sent ahead of it.
+        seq_length=max(i.shape[1] for i in inputs),
+        micro_batch_size=max(i.shape[0] for i in inputs),
+        forward_only=forward_only,
+    )
+
+
+def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the last pipeline stage of this replica has it (in place; a collective)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            t,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+    return t

@@ -1,0 +1,296 @@
+"""Megatron-core model parallelism for the policy worker: building a rank's ``GPTModel`` piece,
+moving weights between ranks and synchronising gradients.
+
+Ranks are numbered the way ``parallel_state.initialize_model_parallel`` numbers them by default
+(tensor parallel fastest, then data parallel, then pipeline stage), which is the layout the
+driver-side ``Policy`` gives its workers. Gradient reductions Megatron leaves to its DDP wrapper
+and ``finalize_model_grads`` are done here, without them (no bucketing or overlap: the worker
+keeps plain ``torch.optim`` optimisers over plain parameters):
+
+* data parallel: every gradient summed over the replicas (losses are already global means);
+* tied embeddings with pipeline parallelism: the first stage's embedding and the last stage's
+  copy used as output layer get the sum of both gradients, so they stay equal;
+* sequence parallelism: replicated parameters (RMSNorm weights) see only this rank's part of the
+  sequence, so their gradients are summed over the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from transformers import PretrainedConfig
+
+from rl_models.megatron.convert import (
+    GPTLayout,
+    megatron_to_hf,
+    padded_vocab_size,
+    stage_layers,
+    unshard_megatron,
+)
+from rl_models.policy.config import MegatronConfig
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the ``[pipeline, data, tensor]`` grid of ranks."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @classmethod
+    def current(cls) -> Ranks:
+        ps = parallel_state
+        return cls(
+            tp=ps.get_tensor_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            dp=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+        )
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def init_model_parallel(cfg: MegatronConfig) -> Ranks:
+    """``initialize_model_parallel`` with the config's sizes; data parallel is what is left."""
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(
+            f"{world} ranks do not split into tensor_parallel_size {tp} x "
+            f"pipeline_parallel_size {pp}"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+    return Ranks.current()
+
+
+def transformer_config(
+    hf: PretrainedConfig, dtype: torch.dtype, cfg: MegatronConfig | None = None
+) -> TransformerConfig:
+    """Megatron's description of a Llama/Qwen2-family HF config (RMSNorm, SwiGLU, RoPE)."""
+    cfg = cfg or MegatronConfig()
+    if hf.hidden_act != "silu":
+        raise ValueError(f"only SwiGLU (hidden_act='silu') is supported, not {hf.hidden_act!r}")
+    if getattr(hf, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported")
+    rope = getattr(hf, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"RoPE scaling {rope.get('rope_type')!r} is not supported")
+    layout = GPTLayout.from_hf_config(hf)
+    return TransformerConfig(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=layout.num_heads,
+        num_query_groups=layout.num_kv_heads,
+        kv_channels=layout.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=layout.qkv_bias,
+        # The shim's no-op RNG fork on CPU relies on there being no dropout.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        tensor_model_parallel_size=cfg.tensor_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
+        pipeline_dtype=dtype,
+        # Micro-batches differ in rows and length (dynamic lengths, packing): stages tell each
+        # other the shape of every activation they send.
+        variable_seq_lengths=True,
+        # No MoE here; the default ("allgather") merely refuses variable_seq_lengths.
+        moe_token_dispatcher_type="alltoall",
+        # The schedules must not rescale our losses: they are already global-batch means.
+        calculate_per_token_loss=True,
+    )
+
+
+class SequenceParallelRMSNorm:
+    """``torch.nn.RMSNorm`` for sequence-parallel layers, built where Megatron builds a norm.
+
+    Without Apex or Transformer Engine the local spec's norm (``WrappedTorchNorm``) refuses
+    sequence parallelism, only because it cannot tag its weight: a replicated parameter that
+    sees part of the sequence on each rank, whose gradient must be summed over the
+    tensor-parallel group (``sync_grads`` does so for weights tagged ``sequence_parallel``).
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _layer_spec(hf: PretrainedConfig, cfg: MegatronConfig, pp: int, stage: int):
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if not cfg.sequence_parallel:
+        return spec
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    layers = len(stage_layers(hf.num_hidden_layers, pp, stage))
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * layers, layer_norm=SequenceParallelRMSNorm
+    )
+
+
+def build_gpt(hf: PretrainedConfig, dtype: torch.dtype, cfg: MegatronConfig | None = None):
+    """This rank's part of the model: its pipeline stage, its tensor-parallel shards.
+
+    Tied embeddings are one parameter when one stage holds both ends. Across stages Megatron
+    would allocate the last stage's copy, fill it over the embedding group and move it with
+    ``.cuda()`` (no CPU path); here the last stage gets an ordinary output layer instead, loaded
+    with the embedding, and ``sync_tied_embedding_grads`` keeps the two equal.
+    """
+    cfg = cfg or MegatronConfig()
+    rope = getattr(hf, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    ranks = Ranks.current()
+    return GPTModel(
+        transformer_config(hf, dtype, cfg),
+        _layer_spec(hf, cfg, ranks.pp, ranks.pp_rank),
+        vocab_size=padded_vocab_size(hf.vocab_size, ranks.tp),
+        max_sequence_length=hf.max_position_embeddings,
+        pre_process=ranks.first_stage,
+        post_process=ranks.last_stage,
+        position_embedding_type="rope",
+        rotary_base=theta,
+        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings) and ranks.pp == 1,
+    )
+
+
+def load_weights(gpt: GPTModel, weights: dict[str, torch.Tensor]) -> None:
+    """Copy converted weights in; every parameter must be given (``_extra_state`` aside)."""
+    missing, unexpected = gpt.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
+
+
+def local_state(gpt: GPTModel) -> dict[str, torch.Tensor]:
+    """CPU copies of this rank's weights (``_extra_state`` entries are metadata, not weights)."""
+    state = gpt.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def gather_hf_state(
+    gpt: GPTModel, layout: GPTLayout, ranks: Ranks, to_all: bool
+) -> dict[str, torch.Tensor] | None:
+    """The whole model under HF names, from the shards of data-parallel replica 0.
+
+    A collective over all ranks. ``to_all``: every rank gets the result; otherwise only global
+    rank 0 does (the others get None). Shards travel as pickled CPU tensors, so this is for
+    checkpoints and models that fit one host, like the DTensor worker's full state dicts.
+    """
+    mine = (ranks.pp_rank, ranks.tp_rank, local_state(gpt)) if ranks.dp_rank == 0 else None
+    world = dist.get_world_size()
+    if to_all:
+        shards: list | None = [None] * world
+        dist.all_gather_object(shards, mine)
+    else:
+        shards = [None] * world if dist.get_rank() == 0 else None
+        dist.gather_object(mine, shards, dst=0)
+    if shards is None:
+        return None
+    grid: list[list] = [[None] * ranks.tp for _ in range(ranks.pp)]
+    for shard in shards:
+        if shard is not None:
+            pp_rank, tp_rank, state = shard
+            grid[pp_rank][tp_rank] = state
+    return megatron_to_hf(unshard_megatron(grid, layout), layout)
+
+
+# -- gradients ---------------------------------------------------------------------------------
+
+
+def _all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one flat buffer per dtype."""
+    for p in params:
+        if p.grad is None:  # e.g. a rank that ran no micro-batch this step
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(reduced)
+
+
+def _tied_copy(gpt: GPTModel, ranks: Ranks, tied: bool) -> torch.nn.Parameter | None:
+    """The embedding or its output-layer copy this rank holds, when they live on two stages."""
+    if not tied or ranks.pp == 1:
+        return None
+    if ranks.first_stage:
+        return gpt.embedding.word_embeddings.weight
+    if ranks.last_stage:
+        return gpt.output_layer.weight
+    return None
+
+
+def sync_grads(gpt: GPTModel, ranks: Ranks, tied: bool, sequence_parallel: bool) -> None:
+    params = [p for p in gpt.parameters() if p.requires_grad]
+    if sequence_parallel:
+        replicated = [p for p in params if getattr(p, "sequence_parallel", False)]
+        if replicated:
+            _all_reduce_grads(replicated, parallel_state.get_tensor_model_parallel_group())
+    if ranks.dp > 1:
+        _all_reduce_grads(params, parallel_state.get_data_parallel_group())
+    copy = _tied_copy(gpt, ranks, tied)
+    if copy is not None:
+        _all_reduce_grads([copy], parallel_state.get_embedding_group())
+
+
+def clip_grads(gpt: GPTModel, ranks: Ranks, tied: bool, max_norm: float | None) -> float:
+    """The global gradient norm over the whole model (clipped to ``max_norm`` as torch does).
+
+    Each weight counts once: tensor-parallel duplicates (norm weights) only on tensor rank 0,
+    a tied embedding only on the first stage. Squares are summed in float64 over the
+    model-parallel group (tensor x pipeline ranks of one replica; replicas hold equal grads).
+    """
+    params = [p for p in gpt.parameters() if p.requires_grad and p.grad is not None]
+    copy = _tied_copy(gpt, ranks, tied) if not ranks.first_stage else None
+    counted = [p for p in params if param_is_not_tensor_parallel_duplicate(p) and p is not copy]
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else "cpu")
+    for p in counted:
+        sq += p.grad.detach().double().pow(2).sum()
+    if ranks.tp * ranks.pp > 1:
+        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    norm = float(sq.sqrt())
+    if max_norm is not None and math.isfinite(norm):
+        # torch.nn.utils.clip_grad_norm_'s rule, so both backends clip alike.
+        coef = min(max_norm / (norm + 1e-6), 1.0)
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+    return norm
