@@ -115,16 +115,6 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         load_weights(gpt, weights)
         return gpt.to(self.device)
 
-    def _make_optimizer(self) -> None:
-        opt = self.config.optimizer
-        self.optimizer = getattr(torch.optim, opt.name)(self.model.parameters(), **opt.kwargs)
-        sched = self.config.scheduler
-        self.scheduler = (
-            getattr(torch.optim.lr_scheduler, sched.name)(self.optimizer, **sched.kwargs)
-            if sched is not None
-            else torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
-        )
-
     # -- collectives over the data-parallel group ----------------------------------------------
 
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -97,6 +97,10 @@ class DTensorPolicyWorker:
         if self.lora:
             model = lora.wrap_with_lora(model, self.config.lora)
         self.model = self._shard(model.to(self.device))
+        self._make_optimizer()
+
+    def _make_optimizer(self) -> None:
+        """The optimiser over the trainable parameters, and its scheduler, from the config."""
         opt = self.config.optimizer
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = getattr(torch.optim, opt.name)(trainable, **opt.kwargs)
