@@ -1,12 +1,5 @@
 import subprocess
 import sys
-from importlib.metadata import version
-
-import rl_data
-
-
-def test_installed_version_is_the_package_version():
-    assert rl_data.__version__ == version("rl-data")
 
 
 def test_importing_pulls_in_no_package_to_its_right():

@@ -1,12 +1,5 @@
 import subprocess
 import sys
-from importlib.metadata import version
-
-import rl_envs
-
-
-def test_installed_version_is_the_package_version():
-    assert rl_envs.__version__ == version("rl-envs")
 
 
 def test_importing_pulls_in_no_package_to_its_right():
