@@ -74,10 +74,10 @@ def standalone(session: nox.Session) -> None:
     for command in (
         [],
         ["status"],
-        ["envs"],
-        ["envs", "build"],
-        ["envs", "list"],
-        ["envs", "clean"],
+        ["venvs"],
+        ["venvs", "build"],
+        ["venvs", "list"],
+        ["venvs", "clean"],
         ["slurm"],
         ["kuberay"],
     ):

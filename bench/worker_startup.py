@@ -25,7 +25,7 @@ def main() -> None:
     os.environ["RL_ENV_CACHE_DIR"] = tempfile.mkdtemp(prefix="rl-bench-envs-")
 
     from rl_distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup, init_ray
-    from rl_distributed.envs import define_env, ensure_env
+    from rl_distributed.venvs import define_env, ensure_env
 
     init_ray(num_cpus=4, log_to_driver=False)
     env = define_env("bench-isolated", requirements=["six==1.16.0"])

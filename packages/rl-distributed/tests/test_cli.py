@@ -15,10 +15,10 @@ from rl_distributed.launchers import kuberay_manifest, slurm_script
     [
         [],
         ["status"],
-        ["envs"],
-        ["envs", "build"],
-        ["envs", "list"],
-        ["envs", "clean"],
+        ["venvs"],
+        ["venvs", "build"],
+        ["venvs", "list"],
+        ["venvs", "clean"],
         ["slurm"],
         ["kuberay"],
     ],
@@ -69,16 +69,16 @@ def test_kuberay_manifest_is_a_valid_raycluster():
     assert group["template"]["spec"]["containers"][0]["image"] == "img:1"
 
 
-def test_envs_build_list_clean(tmp_path, monkeypatch, capsys):
+def test_venvs_build_list_clean(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RL_ENV_CACHE_DIR", str(tmp_path))
-    assert main(["envs", "build", "tiny", "-r", "six==1.16.0"]) == 0
+    assert main(["venvs", "build", "tiny", "-r", "six==1.16.0"]) == 0
     python = capsys.readouterr().out.split(": ", 1)[1].strip()
     assert python.startswith(str(tmp_path))
-    assert main(["envs", "list"]) == 0
+    assert main(["venvs", "list"]) == 0
     assert "six==1.16.0" in capsys.readouterr().out
-    assert main(["envs", "build", "undefined-env"]) == 1
+    assert main(["venvs", "build", "undefined-env"]) == 1
     assert "no Python environment named 'undefined-env'" in capsys.readouterr().err
-    assert main(["envs", "clean"]) == 0
+    assert main(["venvs", "clean"]) == 0
     assert "removed" in capsys.readouterr().out
 
 

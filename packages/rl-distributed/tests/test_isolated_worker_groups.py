@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from rl_distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
-from rl_distributed.envs import EnvBuildError, define_env, register_worker_env
+from rl_distributed.venvs import EnvBuildError, define_env, register_worker_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 ECHO = "rl_distributed.testing.EchoWorker"

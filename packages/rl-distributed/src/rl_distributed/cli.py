@@ -27,8 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.set_defaults(handler=cmd_status)
 
-    envs = commands.add_parser("envs", help="the uv-built Python environments of worker groups")
-    env_commands = envs.add_subparsers(dest="envs_command", required=True, metavar="ACTION")
+    venvs = commands.add_parser(
+        "venvs", help="the uv-built Python environments (virtualenvs) of worker groups"
+    )
+    env_commands = venvs.add_subparsers(dest="venvs_command", required=True, metavar="ACTION")
     build = env_commands.add_parser("build", help="build (or reuse) environments on this node")
     build.add_argument("names", nargs="+", help="environment names (vllm, mcore, or defined ones)")
     build.add_argument("--rebuild", action="store_true", help="rebuild even if cached")
@@ -40,12 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REQ",
         help="define NAME (a single one) as these requirements, e.g. -r 'six==1.16.0'",
     )
-    build.set_defaults(handler=cmd_envs_build)
+    build.set_defaults(handler=cmd_venvs_build)
     listing = env_commands.add_parser("list", help="environments cached on this node")
-    listing.set_defaults(handler=cmd_envs_list)
+    listing.set_defaults(handler=cmd_venvs_list)
     clean = env_commands.add_parser("clean", help="delete cached environments")
     clean.add_argument("name", nargs="?", help="only this environment (default: all)")
-    clean.set_defaults(handler=cmd_envs_clean)
+    clean.set_defaults(handler=cmd_venvs_clean)
 
     slurm = commands.add_parser(
         "slurm", help="print an sbatch script that starts Ray and runs a command"
@@ -101,35 +103,35 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_envs_build(args: argparse.Namespace) -> int:
-    from rl_distributed import envs
+def cmd_venvs_build(args: argparse.Namespace) -> int:
+    from rl_distributed import venvs
 
     if args.requirement:
         if len(args.names) != 1:
             print("rl-cluster: --requirement defines exactly one environment", file=sys.stderr)
             return 2
-        envs.define_env(args.names[0], requirements=args.requirement)
+        venvs.define_env(args.names[0], requirements=args.requirement)
     for name in args.names:
         try:
-            env = envs.registry.get(name)
-            python = envs.ensure_env(env, rebuild=args.rebuild or envs.rebuild_requested(env))
-        except (envs.UnknownEnvError, envs.EnvBuildError) as err:
+            env = venvs.registry.get(name)
+            python = venvs.ensure_env(env, rebuild=args.rebuild or venvs.rebuild_requested(env))
+        except (venvs.UnknownEnvError, venvs.EnvBuildError) as err:
             print(f"rl-cluster: {err}", file=sys.stderr)
             return 1
         print(f"{name}: {python}")
     return 0
 
 
-def cmd_envs_list(args: argparse.Namespace) -> int:
+def cmd_venvs_list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rl_distributed import envs
+    from rl_distributed import venvs
 
-    table = Table(title=f"worker environments in {envs.cache_root()}")
+    table = Table(title=f"worker environments in {venvs.cache_root()}")
     for column in ("name", "python", "ray", "spec", "size", "build s", "path"):
         table.add_column(column)
-    for info in envs.list_envs():
+    for info in venvs.list_envs():
         spec = ", ".join([*(f"extra {e}" for e in info["extras"]), *info["requirements"]]) or "-"
         table.add_row(
             info["name"],
@@ -144,10 +146,10 @@ def cmd_envs_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_envs_clean(args: argparse.Namespace) -> int:
-    from rl_distributed import envs
+def cmd_venvs_clean(args: argparse.Namespace) -> int:
+    from rl_distributed import venvs
 
-    removed = envs.clean_envs(args.name)
+    removed = venvs.clean_envs(args.name)
     for folder in removed:
         print(f"removed {folder}")
     if not removed:

@@ -25,7 +25,7 @@ import torch
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rl_distributed import envs
+from rl_distributed import venvs
 from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_host import SharedArg, WorkerHost
@@ -82,14 +82,14 @@ class RayWorkerBuilder:
 
     def with_python_env(self, name: str) -> RayWorkerBuilder:
         """Run this group in the named environment instead of the class's registered one."""
-        envs.registry.get(name)  # fail now, in the driver, on a typo
+        venvs.registry.get(name)  # fail now, in the driver, on a typo
         self.python_env = name
         return self
 
-    def resolve_python_env(self) -> envs.PythonEnv:
+    def resolve_python_env(self) -> venvs.PythonEnv:
         if self.python_env is not None:
-            return envs.registry.get(self.python_env)
-        return envs.registry.env_for(self.actor_class_fqn)
+            return venvs.registry.get(self.python_env)
+        return venvs.registry.env_for(self.actor_class_fqn)
 
     def create_worker(
         self,
@@ -245,7 +245,7 @@ class RayWorkerGroup:
     def _start_workers(self, placements, world_size: int, extra_env: dict[str, str]) -> None:
         pgs = self.cluster.get_placement_groups()
         python_env = self.builder.resolve_python_env()
-        pythons = {} if python_env.is_system else envs.python_per_node(python_env, pgs)
+        pythons = {} if python_env.is_system else venvs.python_per_node(python_env, pgs)
         master_addr, master_port = self.cluster.get_master_address_and_port()
         res = self.cluster.resources
         node_ranks = {pg_idx: i for i, pg_idx in enumerate(dict.fromkeys(p for p, _ in placements))}

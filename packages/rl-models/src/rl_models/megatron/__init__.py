@@ -7,6 +7,6 @@ registers every class under ``rl_models.megatron`` to run in that environment, s
 ``RayWorkerBuilder("rl_models.megatron.worker.MegatronPolicyWorker", ...)`` needs nothing else.
 """
 
-from rl_distributed.envs import register_worker_env
+from rl_distributed.venvs import register_worker_env
 
 register_worker_env("rl_models.megatron", "mcore")

@@ -1,7 +1,7 @@
 """Build, cache and find the virtualenvs that worker groups run in, with uv.
 
 An environment is built once per node and cached under ``RL_ENV_CACHE_DIR`` (default
-``~/.cache/rl/envs``) in a folder keyed by the environment's name and a hash of what defines
+``~/.cache/rl/venvs``) in a folder keyed by the environment's name and a hash of what defines
 it: the workspace ``uv.lock``, the extras and requirements, the Python and Ray versions. A
 changed lock therefore gives a new folder; an unchanged one is reused in milliseconds.
 Concurrent builders of one environment (several worker groups, several processes on a node)
@@ -24,7 +24,7 @@ import ray
 from filelock import FileLock
 
 import rl_distributed
-from rl_distributed.envs.registry import PythonEnv
+from rl_distributed.venvs.registry import PythonEnv
 
 CACHE_ENV_VAR = "RL_ENV_CACHE_DIR"
 WORKSPACE_ENV_VAR = "RL_WORKSPACE_ROOT"
@@ -39,7 +39,7 @@ class EnvBuildError(RuntimeError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "rl" / "envs")
+    return Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "rl" / "venvs")
 
 
 def workspace_root() -> Path | None:

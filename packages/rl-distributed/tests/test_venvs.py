@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from rl_distributed.envs import builder
-from rl_distributed.envs.builder import EnvBuildError, clean_envs, ensure_env, env_dir, list_envs
-from rl_distributed.envs.registry import EnvRegistry, PythonEnv, UnknownEnvError
+from rl_distributed.venvs import builder
+from rl_distributed.venvs.builder import EnvBuildError, clean_envs, ensure_env, env_dir, list_envs
+from rl_distributed.venvs.registry import EnvRegistry, PythonEnv, UnknownEnvError
 
 SIX_OLD = PythonEnv("six-old", requirements=("six==1.16.0",))
 
@@ -91,8 +91,8 @@ def test_the_isolated_env_does_not_see_the_drivers_packages(cache):
 
 def test_concurrent_builders_wait_on_the_lock_and_build_once(cache):
     code = (
-        "from rl_distributed.envs.builder import ensure_env;"
-        "from rl_distributed.envs.registry import PythonEnv;"
+        "from rl_distributed.venvs.builder import ensure_env;"
+        "from rl_distributed.venvs.registry import PythonEnv;"
         "print(ensure_env(PythonEnv('six-old', requirements=('six==1.16.0',))))"
     )
     env = {**os.environ, "RL_ENV_CACHE_DIR": str(cache)}

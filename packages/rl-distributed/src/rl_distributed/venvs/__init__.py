@@ -6,7 +6,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rl_distributed.envs.builder import (
+from rl_distributed.venvs.builder import (
     EnvBuildError,
     cache_root,
     clean_envs,
@@ -14,7 +14,7 @@ from rl_distributed.envs.builder import (
     list_envs,
     rebuild_requested,
 )
-from rl_distributed.envs.registry import (
+from rl_distributed.venvs.registry import (
     SYSTEM,
     EnvRegistry,
     PythonEnv,
