@@ -14,7 +14,14 @@ nox.options.sessions = ["tests"]
 
 PYTHON = "3.11"
 PACKAGES = ["rl-distributed", "rl-data", "rl-envs", "rl-models", "rl-algorithms"]
-NOT_IN_STANDALONE_DISTRIBUTED = ["transformers", "vllm", "megatron", "rl_data", "rl_models"]
+NOT_IN_STANDALONE_DISTRIBUTED = [
+    "torch",
+    "transformers",
+    "vllm",
+    "megatron",
+    "rl_data",
+    "rl_models",
+]
 
 
 def sync(session: nox.Session, *args: str) -> None:
@@ -55,21 +62,35 @@ def slow(session: nox.Session) -> None:
     pytest(session, "tests", *(f"packages/{p}/tests" for p in PACKAGES), marks="slow")
 
 
+WITHOUT_TORCH = f"""
+import importlib.util, sys
+leaked = [m for m in {NOT_IN_STANDALONE_DISTRIBUTED!r} if importlib.util.find_spec(m)]
+if leaked:
+    sys.exit(f"installed with rl-distributed but must not be: {{leaked}}")
+from rl_distributed import NamedSharding, RayVirtualCluster, RayWorkerGroup, load_config
+from rl_distributed import venvs
+try:
+    from rl_distributed import BatchedDataDict
+except ImportError as err:
+    if "pip install 'rl-distributed[torch]'" not in str(err):
+        sys.exit(f"BatchedDataDict without torch must say how to install it, said: {{err}}")
+else:
+    sys.exit("BatchedDataDict imported without torch installed")
+"""
+WITH_TORCH = """
+import torch
+from rl_distributed import BatchedDataDict
+shards = BatchedDataDict(x=torch.arange(6)).shard_by_batch_size(2)
+assert [s["x"].tolist() for s in shards] == [[0, 1, 2], [3, 4, 5]], shards
+"""
+
+
 @nox.session(python=PYTHON, venv_backend="venv")
 def standalone(session: nox.Session) -> None:
-    """`pip install ./packages/rl-distributed` alone, with plain pip, gives a working package."""
-    # On CPU machines torch comes from the local CPU wheel (pip.conf find-links); a bare
-    # range would let pip pick the newest CUDA build from PyPI.
-    session.install("torch==2.13.0")
+    """`pip install ./packages/rl-distributed` alone, with plain pip: the cluster tooling works
+    and torch is absent; with the `torch` extra, BatchedDataDict works too."""
     session.install("./packages/rl-distributed")
-    session.run(
-        "python",
-        "-c",
-        "import importlib.util, sys, rl_distributed\n"
-        "from rl_distributed import NamedSharding, BatchedDataDict, RayWorkerGroup\n"
-        f"leaked = [m for m in {NOT_IN_STANDALONE_DISTRIBUTED!r} if importlib.util.find_spec(m)]\n"
-        "sys.exit(f'installed with rl-distributed but must not be: {leaked}' if leaked else 0)",
-    )
+    session.run("python", "-c", WITHOUT_TORCH)
     # The cluster tooling comes with it: every subcommand answers --help.
     for command in (
         [],
@@ -82,6 +103,11 @@ def standalone(session: nox.Session) -> None:
         ["kuberay"],
     ):
         session.run("rl-cluster", *command, "--help", silent=True)
+    # On CPU machines torch comes from the local CPU wheel (pip.conf find-links); a bare
+    # range would let pip pick the newest CUDA build from PyPI.
+    session.install("torch==2.13.0")
+    session.install("./packages/rl-distributed[torch]")
+    session.run("python", "-c", WITH_TORCH)
 
 
 @nox.session(python=PYTHON)

@@ -52,11 +52,29 @@ def test_bad_requests_are_refused_before_touching_ray(kwargs, message):
         RayVirtualCluster(**kwargs)
 
 
-def test_unplaceable_request_fails_with_an_explanation(monkeypatch):
-    monkeypatch.setattr(virtual_cluster, "PLACEMENT_TIMEOUT_S", 1.0)
-    # This Ray cluster has no GPUs at all: the placement group can never be created.
-    with pytest.raises(ClusterError, match=r"could not be placed.*'GPU': 2\.0"):
+def test_a_request_the_cluster_can_never_hold_fails_at_once(monkeypatch):
+    # Without the up-front check these would wait for the placement timeout, then fail.
+    monkeypatch.setattr(virtual_cluster, "PLACEMENT_TIMEOUT_S", 5.0)
+    total_cpus = int(ray.cluster_resources()["CPU"])
+    # This Ray cluster has no GPUs at all: no node can hold a GPU bundle.
+    with pytest.raises(
+        ClusterError,
+        match=r"'gpuless' can never be placed.*\[2\] bundles of \{'CPU': 1\.0, 'GPU': 1\.0\}"
+        r".*1 alive nodes: .*0 GPU: 0 bundles",
+    ):
         RayVirtualCluster([2], use_gpus=True, num_gpus_per_node=2, name="gpuless")
+    half = total_cpus // 2 + 1  # two virtual nodes of this size need more CPUs than there are
+    with pytest.raises(ClusterError, match=rf"'too-big' can never be placed.*\[{half}, {half}\]"):
+        RayVirtualCluster([half, half], use_gpus=False, name="too-big")
+    # One node cannot give two virtual nodes a node each.
+    with pytest.raises(ClusterError, match=r"each on a node of its own \(STRICT_SPREAD\)"):
+        RayVirtualCluster([1, 1], use_gpus=False, placement_group_strategy="STRICT_SPREAD")
+    # SPREAD shares the one node instead of waiting for a second.
+    shared = RayVirtualCluster([1, 1], use_gpus=False)
+    try:
+        assert [len(pg.bundle_specs) for pg in shared.get_placement_groups()] == [1, 1]
+    finally:
+        shared.shutdown()
 
 
 def test_colocated_bundles_are_shared_fractionally():

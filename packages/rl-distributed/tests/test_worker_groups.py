@@ -1,3 +1,4 @@
+import re
 import sys
 
 import numpy as np
@@ -260,3 +261,80 @@ def test_colocated_groups_run_side_by_side_on_the_same_bundles():
         first.shutdown()
         second.shutdown()
         shared.shutdown()
+
+
+def test_each_result_is_fetched_once_while_the_slowest_worker_finishes(echo4):
+    """Waiting polls for failures; it must not deserialise the finished results every time."""
+    imported_before = "rl_distributed.testing" in sys.modules
+    from rl_distributed.testing import CountedPayload
+
+    try:
+        CountedPayload.loads = 0
+        futures = echo4.run_all_workers_multiple_data(
+            "delayed_echo",
+            seconds=[0, 0, 0, 3.5],
+            payload=[CountedPayload(i) for i in range(4)],
+        )
+        out = results(echo4, futures)
+        assert [o["payload"].value for o in out] == [0, 1, 2, 3]
+        assert CountedPayload.loads == 4  # one per result, however many polls it took
+    finally:
+        if not imported_before:  # other tests check that the driver never imports it
+            sys.modules.pop("rl_distributed.testing", None)
+
+
+@pytest.mark.parametrize("how", ["stop", "spin"])
+def test_a_stuck_worker_is_reported_with_its_method_and_python_stack(cluster, how):
+    """A worker that is alive but never answers (SIGSTOP, an endless loop): when the deadline
+    passes, the error names it, the method it is running and where in Python it is."""
+    # "spin" relies on the group's watchdog (call_timeout), "stop" on a per-call timeout.
+    group = RayWorkerGroup(
+        cluster,
+        RayWorkerBuilder(ECHO),
+        workers_per_node=2,
+        name_prefix="hung",
+        call_timeout=3 if how == "spin" else None,
+    )
+    try:
+        group.run_all_workers_multiple_data("hang", how=[None, how])  # never awaited
+        ping = group.run_all_workers_single_data("ping")
+        with pytest.raises(WorkerTimeoutError) as err:
+            results(group, ping, timeout=3 if how == "stop" else None)
+    finally:
+        group.shutdown(timeout=5)
+    report = str(err.value)
+    assert re.match(r"ping: 1 of 2 workers did not answer within 3s: worker 'hung-1'", report)
+    assert "'hung-0'" not in report
+    # It is stuck in the earlier call, not in the one awaited.
+    assert re.search(r"worker 'hung-1' \(rank 1 .*pid \d+\) is running 'hang'", report)
+    frame = {"stop": "_stopped_by_sigstop", "spin": "_spinning_forever"}[how]
+    assert re.search(rf"Python stack \(py-spy\):(?s:.*){frame} \(.*testing\.py:\d+\)", report)
+    state = {"stop": "stopped (SIGSTOP)", "spin": "running"}[how]
+    assert f"is {state}; its Python stack" in report
+
+
+def test_without_ptrace_the_stack_comes_from_faulthandler(cluster, monkeypatch):
+    """Where py-spy may not read other processes, the worker writes its own stack on SIGUSR1;
+    a stopped worker cannot, and the report says it is stopped."""
+    from rl_distributed import hang_report
+
+    monkeypatch.setattr(hang_report, "STACK_TOOLS", ("faulthandler",))
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), workers_per_node=2, name_prefix="fh")
+    try:
+        futures = group.run_all_workers_multiple_data("hang", how=["spin", "stop"])
+        with pytest.raises(WorkerTimeoutError) as err:
+            results(group, futures, timeout=3)
+    finally:
+        group.shutdown(timeout=5)
+    report = str(err.value)
+    assert re.search(r"2 of 2 workers .*'fh-0'.*'fh-1'", report)
+    assert re.search(
+        r"(?s)'fh-0'.*is running 'hang'.*Python stack \(faulthandler\):"
+        r".*testing\.py\", line \d+ in _spinning_forever",
+        report,
+    )
+    assert re.search(
+        r"'fh-1'.*is running 'hang': process \d+ is stopped \(SIGSTOP\); no Python stack: "
+        r"a stopped process cannot run its faulthandler",
+        report,
+    )

@@ -16,7 +16,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, NotRequired, TypedDict, TypeVar, overload
 
 import numpy as np
-import torch
+
+from rl_distributed._torch import missing_torch
+
+try:
+    import torch
+except ImportError as err:
+    raise missing_torch("rl_distributed.BatchedDataDict") from err
 
 from rl_distributed.packing import (
     ShardPlan,

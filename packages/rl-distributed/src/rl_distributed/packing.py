@@ -21,7 +21,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
+from rl_distributed._torch import missing_torch
+
+try:
+    import torch
+except ImportError as err:
+    raise missing_torch("rl_distributed.packing (used by BatchedDataDict)") from err
 
 PackingAlgorithm = Callable[[Sequence[int], int], list[list[int]]]
 

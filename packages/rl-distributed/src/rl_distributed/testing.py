@@ -49,9 +49,15 @@ class EchoWorker:
         time.sleep(seconds)
         return seconds
 
-    def die(self, how: str) -> None:
+    def delayed_echo(self, seconds: float, **kwargs: Any) -> dict[str, Any]:
+        time.sleep(seconds)
+        return kwargs
+
+    def die(self, how: str, stamp_file: str | None = None) -> None:
         """End this process the way real workers end: exit, SIGKILL (the OOM killer) or a
-        segmentation fault in native code."""
+        segmentation fault in native code. ``stamp_file`` gets the time of death first."""
+        if stamp_file:
+            _stamp(stamp_file)
         if how == "exit":
             os._exit(3)
         elif how == "sigkill":
@@ -60,17 +66,71 @@ class EchoWorker:
             ctypes.string_at(0)
         raise ValueError(f"unknown way to die: {how!r}")
 
-    def die_or_block(self, victim_rank: int, how: str) -> None:
+    def die_or_block(self, victim_rank: int, how: str, stamp_file: str | None = None) -> None:
         """The victim dies; its peers block as if waiting for it in a collective."""
         if int(os.environ["RANK"]) == victim_rank:
-            self.die(how)
+            self.die(how, stamp_file)
         time.sleep(3600)
+
+    def hang(self, how: str | None, stamp_file: str | None = None) -> None:
+        """Stay alive but never answer: ``"stop"`` (SIGSTOP), ``"spin"`` (an endless busy
+        loop) or ``"sleep"`` (blocked, as in a collective whose peer never comes); ``None``
+        returns at once."""
+        if how is None:
+            return
+        if stamp_file:
+            _stamp(stamp_file)
+        if how == "stop":
+            _stopped_by_sigstop()
+        elif how == "spin":
+            _spinning_forever()
+        elif how == "sleep":
+            _sleeping_forever()
+        raise ValueError(f"unknown way to hang: {how!r}")
 
     def cleanup(self) -> str:
         return self.tag
 
     def slow_cleanup(self) -> None:
         time.sleep(60)
+
+
+def _stamp(path: str) -> None:
+    with open(path, "w") as out:
+        out.write(repr(time.time()))
+
+
+def _stopped_by_sigstop() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(3600)  # if someone sends SIGCONT, stay hung
+
+
+def _spinning_forever() -> None:
+    n = 0
+    while True:
+        n += 1
+
+
+def _sleeping_forever() -> None:
+    while True:
+        time.sleep(1)
+
+
+class CountedPayload:
+    """A result that counts how often the driver deserialises it (``CountedPayload.loads``)."""
+
+    loads = 0
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self):
+        return (_load_counted_payload, (self.value,))
+
+
+def _load_counted_payload(value: Any) -> CountedPayload:
+    CountedPayload.loads += 1
+    return CountedPayload(value)
 
 
 class DataParallelRegressor:

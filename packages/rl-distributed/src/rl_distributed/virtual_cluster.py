@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 #: How long to wait for placement groups before explaining why they cannot be placed.
 PLACEMENT_TIMEOUT_S = float(os.environ.get("RL_PLACEMENT_TIMEOUT_S", "120"))
+#: Refuse at once a request this cluster's nodes can never hold ("0": wait, e.g. to autoscale).
+FAIL_FAST = os.environ.get("RL_PLACEMENT_FAIL_FAST", "1") != "0"
 
 
 class ClusterError(RuntimeError):
@@ -149,42 +151,103 @@ class RayVirtualCluster:
 
     # -- placement ---------------------------------------------------------------------------
 
+    def _node_capacities(self) -> list[dict]:
+        """Each alive Ray node, its resources and how many of our bundles it can ever hold."""
+        bundle = self.resources.as_bundle()
+        nodes = []
+        for node in ray.nodes():
+            if not node["Alive"]:
+                continue
+            total = node["Resources"]
+            fits = min(int(total.get(k, 0.0) / v + 1e-9) for k, v in bundle.items())
+            nodes.append(
+                {
+                    "node": node.get("NodeManagerAddress", node["NodeID"][:8]),
+                    "CPU": total.get("CPU", 0.0),
+                    "GPU": total.get("GPU", 0.0),
+                    "bundles": fits,
+                }
+            )
+        return nodes
+
     def _distinct_nodes(self) -> bool:
-        """Whether each virtual node must land on a physical node of its own."""
+        """Whether each virtual node gets a physical node of its own; fails fast when the
+        request can never be placed on this cluster.
+
+        Only nodes that can hold a virtual node's bundles count: a CPU-only head node does not
+        count for GPU bundles. ``SPREAD`` spreads when every virtual node can get a node of its
+        own (largest virtual node on the largest node, and so on) and shares nodes otherwise.
+        """
+        asked = sorted((n for n in self.bundle_ct_per_node_list if n > 0), reverse=True)
+        nodes = self._node_capacities()
+        can_hold = sorted((n["bundles"] for n in nodes), reverse=True)
+        one_node_each = len(asked) <= len(can_hold) and all(
+            a <= c for a, c in zip(asked, can_hold, strict=False)
+        )
+        # A GPU virtual node must fit on one physical node; CPU bundles may be split.
+        never = sum(asked) > sum(can_hold) or (
+            self.use_gpus and asked[0] > max(can_hold, default=0)
+        )
+        if self.placement_group_strategy == "STRICT_SPREAD" and not one_node_each:
+            never = True
+        if never and FAIL_FAST:
+            self._refuse(asked, nodes)
         if self.placement_group_strategy == "STRICT_SPREAD":
             return True
-        if self.placement_group_strategy == "SPREAD":
-            alive = sum(1 for node in ray.nodes() if node["Alive"])
-            return alive >= self.node_count()
-        return False
+        return self.placement_group_strategy == "SPREAD" and one_node_each
+
+    def _refuse(self, asked: list[int], nodes: list[dict]) -> None:
+        have = ", ".join(
+            f"{n['node']} ({n['CPU']:g} CPU, {n['GPU']:g} GPU: {n['bundles']} bundles)"
+            for n in nodes
+        )
+        how = (
+            "each on a node of its own (STRICT_SPREAD)"
+            if self.placement_group_strategy == "STRICT_SPREAD"
+            else "each within one node"
+            if self.use_gpus
+            else "in total"
+        )
+        raise ClusterError(
+            f"cluster {self.name!r} can never be placed: it asks for virtual nodes of "
+            f"{self.bundle_ct_per_node_list} bundles of {self.resources.as_bundle()} {how}, "
+            f"but the Ray cluster has {len(nodes)} alive nodes: {have or 'none'}. Ask for fewer "
+            f"or smaller virtual nodes, another placement_group_strategy, or add nodes "
+            f"(RL_PLACEMENT_FAIL_FAST=0 waits instead, for clusters that autoscale)."
+        )
 
     def _create_placement_groups(self) -> None:
         bundle = self.resources.as_bundle()
         within_node = "STRICT_PACK" if self.use_gpus else "PACK"
         distinct = self._distinct_nodes() and self.node_count() > 1
-        groups: list[PlacementGroup] = []
+        indices = [i for i, n in enumerate(self.bundle_ct_per_node_list) if n > 0]
+        if distinct:
+            # Largest first: any node that holds the largest remaining virtual node holds the
+            # smaller ones too, so taking nodes greedily never strands a big virtual node.
+            indices.sort(key=lambda i: -self.bundle_ct_per_node_list[i])
+        placed: dict[int, PlacementGroup] = {}
         used_nodes: list[str] = []
-        for node_idx, count in enumerate(self.bundle_ct_per_node_list):
-            if count == 0:
-                continue
+        for node_idx in indices:
+            count = self.bundle_ct_per_node_list[node_idx]
             # Placing one virtual node at a time lets the next one exclude the nodes taken.
             selector = (
                 [{NODE_ID_LABEL_KEY: f"!in({','.join(used_nodes)})"}] * count
                 if distinct and used_nodes
                 else None
             )
-            pg = placement_group(
+            placed[node_idx] = placement_group(
                 [dict(bundle) for _ in range(count)],
                 strategy=within_node,
                 name=f"{self.name}-node{node_idx}-{os.getpid()}-{id(self):x}",
                 bundle_label_selector=selector,
             )
-            groups.append(pg)
-            self._placement_groups = groups
+            # In virtual-node order, so shutdown() releases what was made if a wait fails.
+            self._placement_groups = [placed[i] for i in sorted(placed)]
             if distinct:
-                self._wait_until_placed([pg])
-                used_nodes.extend(set(placement_group_table(pg)["bundles_to_node_id"].values()))
-        self._wait_until_placed(groups)
+                self._wait_until_placed([placed[node_idx]])
+                table = placement_group_table(placed[node_idx])
+                used_nodes.extend(set(table["bundles_to_node_id"].values()))
+        self._wait_until_placed(list(placed.values()))
 
     def _wait_until_placed(self, groups: list[PlacementGroup]) -> None:
         _, pending = ray.wait(
@@ -239,15 +302,31 @@ class RayVirtualCluster:
 
     # -- rendezvous --------------------------------------------------------------------------
 
-    def get_master_address_and_port(self) -> tuple[str, int]:
-        """A free port on the node of the first bundle, never one handed out before.
+    def get_master_address_and_port(
+        self, placement_group_index: int = 0, bundle_index: int = 0
+    ) -> tuple[str, int]:
+        """The address of the node holding a bundle, and a port free there that was never
+        handed out before.
 
-        Each call gives a new port, so every worker group gets its own rendezvous.
+        A worker group asks for the bundle of its rank 0, which runs the rendezvous
+        (``torch.distributed`` ``env://``). Each call gives a new port, so every worker group
+        gets its own rendezvous.
         """
-        pg = self.get_placement_groups()[0]
+        pgs = self.get_placement_groups()
+        if not 0 <= placement_group_index < len(pgs):
+            raise ValueError(
+                f"cluster {self.name!r} has {len(pgs)} placement groups; "
+                f"no placement group {placement_group_index}"
+            )
+        pg = pgs[placement_group_index]
+        if not 0 <= bundle_index < pg.bundle_count:
+            raise ValueError(
+                f"placement group {placement_group_index} has {pg.bundle_count} bundles; "
+                f"no bundle {bundle_index}"
+            )
         probe = _find_free_port.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=0
+                placement_group=pg, placement_group_bundle_index=bundle_index
             )
         )
         for _ in range(64):

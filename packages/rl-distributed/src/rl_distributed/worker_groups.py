@@ -7,33 +7,40 @@ axes of a :class:`NamedSharding` (data-parallel shards, replicated over tensor-p
 
 Failures are loud: a worker that dies (killed, segfault, out of memory) or raises surfaces in
 the driver as an error naming the worker, its node and the cause, while its peers may still be
-blocked in a collective waiting for it.
+blocked in a collective waiting for it. A worker that is alive but stuck is reported when the
+caller's deadline passes (``timeout=``, or the group's ``call_timeout``), with the method it is
+running and its current Python stack.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import ray
-import torch
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rl_distributed import venvs
+from rl_distributed import hang_report, venvs
 from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_host import SharedArg, WorkerHost
 
 logger = logging.getLogger(__name__)
 
-#: How often a waiting driver looks for dead workers among the calls already finished.
+#: How often a waiting driver wakes up (to check its deadline) while no call finishes.
 POLL_INTERVAL_S = 1.0
+#: A deadline for every call of every group, in seconds (unset: wait as long as it takes).
+CALL_TIMEOUT_ENV_VAR = "RL_WORKER_CALL_TIMEOUT_S"
+#: Calls remembered per worker to say which one a stuck worker is running.
+_TRACKED_CALLS = 256
 #: How long shutdown waits for killed workers to be gone.
 KILL_WAIT_S = 30.0
 #: After a failure, how long to let the other calls finish before naming the failed worker.
@@ -59,7 +66,8 @@ class WorkerCallError(WorkerGroupError):
 
 
 class WorkerTimeoutError(WorkerGroupError):
-    """Workers did not answer within the caller's timeout."""
+    """Workers did not answer within the deadline; the message names each one, the method it
+    is running and its current Python stack."""
 
 
 class RayWorkerBuilder:
@@ -158,6 +166,10 @@ class RayWorkerGroup:
     per listed bundle and ties the workers of each entry together (e.g. the tensor-parallel
     ranks of one inference engine: ``tied_groups``). Otherwise ``workers_per_node`` (an int, a
     list per node, or None for one per bundle) fills each virtual node's bundles in order.
+
+    ``call_timeout`` (seconds; default ``RL_WORKER_CALL_TIMEOUT_S``, else none) is the deadline
+    ``get_all_worker_results`` uses when the caller gives none: a watchdog for every call, so a
+    stuck worker is reported with its stack instead of hanging the driver.
     """
 
     def __init__(
@@ -169,8 +181,14 @@ class RayWorkerGroup:
         bundle_indices_list: list[tuple[int, list[int]]] | None = None,
         sharding_annotations: NamedSharding | None = None,
         env_vars: dict[str, str] | None = None,
+        call_timeout: float | None = None,
     ) -> None:
         self.cluster = cluster
+        if call_timeout is None and os.environ.get(CALL_TIMEOUT_ENV_VAR):
+            call_timeout = float(os.environ[CALL_TIMEOUT_ENV_VAR])
+        if call_timeout is not None and call_timeout <= 0:
+            raise ValueError(f"call_timeout must be positive seconds, got {call_timeout}")
+        self.call_timeout = call_timeout
         self.builder = remote_worker_builder
         self.name_prefix = name_prefix or remote_worker_builder.actor_class_fqn.rsplit(".")[-1]
         if bundle_indices_list is not None and workers_per_node is not None:
@@ -191,6 +209,9 @@ class RayWorkerGroup:
         self.sharding_annotations = sharding_annotations
         self.workers: list[ray.actor.ActorHandle] = []
         self.worker_metadata: list[WorkerMetadata] = []
+        # Per worker, its recent calls in order: a worker runs them one at a time, so the
+        # oldest unfinished one is what a stuck worker is running.
+        self._calls: list[deque[tuple[ray.ObjectRef, str]]] = []
         self._owner = f"{self.name_prefix}@{id(self):x}"
         cluster.claim_bundles([(p, b) for p, bundles in placements for b in bundles], self._owner)
         try:
@@ -246,7 +267,12 @@ class RayWorkerGroup:
         pgs = self.cluster.get_placement_groups()
         python_env = self.builder.resolve_python_env()
         pythons = {} if python_env.is_system else venvs.python_per_node(python_env, pgs)
-        master_addr, master_port = self.cluster.get_master_address_and_port()
+        # The rendezvous is where rank 0 runs: its placement group and bundle, which is not
+        # always the cluster's first (workers_per_node=[0, 2], bundle_indices_list=[(1, ...)]).
+        rank0_pg, rank0_bundles = placements[0]
+        master_addr, master_port = self.cluster.get_master_address_and_port(
+            placement_group_index=rank0_pg, bundle_index=rank0_bundles[0]
+        )
         res = self.cluster.resources
         node_ranks = {pg_idx: i for i, pg_idx in enumerate(dict.fromkeys(p for p, _ in placements))}
         workers_on_node = {p: sum(len(b) for q, b in placements if q == p) for p in node_ranks}
@@ -290,10 +316,13 @@ class RayWorkerGroup:
                     )
                 )
                 self.worker_metadata.append(meta)
+                self._calls.append(deque(maxlen=_TRACKED_CALLS))
                 rank += 1
         started = WorkerFutures(
             [w.describe.remote() for w in self.workers], range(len(self.workers)), "__init__"
         )
+        for calls, ref in zip(self._calls, started, strict=True):
+            calls.append((ref, "__init__"))
         placements_info = self.get_all_worker_results(started, timeout=STARTUP_TIMEOUT_S)
         for meta, info in zip(self.worker_metadata, placements_info, strict=True):
             meta.placement = info
@@ -322,7 +351,21 @@ class RayWorkerGroup:
     # -- dispatch ----------------------------------------------------------------------------
 
     def _call(self, rank: int, method: str, kwargs: dict[str, Any]):
-        return self.workers[rank].execute.remote(method, (), kwargs)
+        ref = self.workers[rank].execute.remote(method, (), kwargs)
+        self._calls[rank].append((ref, method))
+        return ref
+
+    def _running_method(self, rank: int | None) -> str | None:
+        """The method worker ``rank`` is busy with: its oldest call that has not finished."""
+        if rank is None or not 0 <= rank < len(self._calls):
+            return None
+        calls = list(self._calls[rank])
+        if not calls:
+            return None
+        refs = [ref for ref, _ in calls]
+        _, unfinished = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        unfinished_set = set(unfinished)
+        return next((method for ref, method in calls if ref in unfinished_set), None)
 
     def run_all_workers_single_data(self, method: str, **kwargs: Any) -> WorkerFutures:
         """Call ``method(**kwargs)`` on every worker; large arguments are shipped once."""
@@ -392,38 +435,58 @@ class RayWorkerGroup:
     def get_all_worker_results(self, futures: Sequence, timeout: float | None = None) -> list[Any]:
         """Wait for ``futures`` and return their results in order.
 
-        Fails fast: while some calls are still running (perhaps blocked in a collective), the
-        ones that finished are checked, so a dead peer is reported within about a second.
+        Fails fast: each call is checked once, as soon as it finishes, so a dead peer is
+        reported at once even while the others are blocked in a collective waiting for it.
+        ``timeout`` (default: the group's ``call_timeout``, else none) is a deadline: when it
+        passes, ``WorkerTimeoutError`` names every worker still busy, the method it is
+        running, and its current Python stack.
         """
-        futures_list = list(futures)
-        position = {ref: i for i, ref in enumerate(futures_list)}
-        ranks = getattr(futures, "worker_ranks", None)
+        refs = list(futures)
+        ranks = list(getattr(futures, "worker_ranks", None) or [None] * len(refs))
         method = getattr(futures, "method", "?")
+        timeout = self.call_timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        positions: dict[Any, list[int]] = {}
+        for i, ref in enumerate(refs):
+            positions.setdefault(ref, []).append(i)
+        results: list[Any] = [None] * len(refs)
+        failures: dict[int, Exception] = {}
+        pending = list(dict.fromkeys(refs))
+
+        def collect(ready: list) -> None:
+            # Each result is fetched once, when it is ready, never again on later polls.
+            for ref in ready:
+                try:
+                    value = ray.get(ref)
+                except Exception as err:
+                    failures[positions[ref][0]] = err
+                    continue
+                for i in positions[ref]:
+                    results[i] = value
+
+        while pending:
             wait = POLL_INTERVAL_S
             if deadline is not None:
                 wait = max(0.0, min(wait, deadline - time.monotonic()))
-            grace = 0.0
-            try:
-                return ray.get(futures_list, timeout=wait)
-            except ray.exceptions.GetTimeoutError:
-                pass
-            except Exception:
-                # Something failed. Give the other calls a moment to finish so the lowest
-                # failing rank is named (usually the root cause), then check one by one.
-                grace = GRACE_ON_FAILURE_S
-            ready, pending = ray.wait(futures_list, num_returns=len(futures_list), timeout=grace)
-            done = set(ready)
-            for ref in futures_list:  # in rank order, so the lowest failing rank is named
-                if ref in done:
-                    self._raise_if_failed(ref, ranks[position[ref]] if ranks else None, method)
-            if deadline is not None and time.monotonic() >= deadline:
-                names = [self._describe(ranks[position[r]] if ranks else None) for r in pending]
-                raise WorkerTimeoutError(
-                    f"{method}: {len(pending)} of {len(futures_list)} workers did not answer "
-                    f"within {timeout}s: {', '.join(names)}"
-                )
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
+            if ready and pending:  # take every call that is done, not just the first
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                ready += more
+            collect(ready)
+            if failures:
+                # Give the other calls a moment to finish, so the lowest failing rank is
+                # named (usually the root cause: the others often fail because it did).
+                if pending:
+                    late, pending = ray.wait(
+                        pending, num_returns=len(pending), timeout=GRACE_ON_FAILURE_S
+                    )
+                    collect(late)
+                first = min(failures)
+                raise self._worker_error(failures[first], ranks[first], method)
+            if pending and deadline is not None and time.monotonic() >= deadline:
+                stuck = sorted(positions[ref][0] for ref in pending)
+                raise self._hang_error([ranks[i] for i in stuck], method, timeout, len(refs))
+        return results
 
     def _describe(self, rank: int | None) -> str:
         if rank is None or not 0 <= rank < len(self.worker_metadata):
@@ -442,23 +505,50 @@ class RayWorkerGroup:
             return ""
         return f"\n--- last lines of {path} ---\n" + "".join(tail).rstrip()
 
-    def _raise_if_failed(self, ref, rank: int | None, method: str) -> None:
-        try:
-            ray.get(ref)
-        except (
-            ray.exceptions.RayActorError,
-            ray.exceptions.WorkerCrashedError,
-            ray.exceptions.OutOfMemoryError,
-            ray.exceptions.NodeDiedError,
-        ) as err:
-            raise WorkerDiedError(
+    def _worker_error(self, err: Exception, rank: int | None, method: str) -> Exception:
+        """The error to raise for a failed call: which worker, how, and its own words."""
+        if isinstance(
+            err,
+            ray.exceptions.RayActorError
+            | ray.exceptions.WorkerCrashedError
+            | ray.exceptions.OutOfMemoryError
+            | ray.exceptions.NodeDiedError,
+        ):
+            died = WorkerDiedError(
                 f"{self._describe(rank)} died during {method!r}: {_death_cause(err)}"
                 + self._log_tail(rank)
-            ) from err
-        except ray.exceptions.RayTaskError as err:
-            raise WorkerCallError(
+            )
+            died.__cause__ = err
+            return died
+        if isinstance(err, ray.exceptions.RayTaskError):
+            raised = WorkerCallError(
                 f"{self._describe(rank)} raised in {method!r}: {err.cause!r}\n{err}"
-            ) from err
+            )
+            raised.__cause__ = err
+            return raised
+        return err
+
+    def _hang_error(
+        self, ranks: list[int | None], method: str, timeout: float, total: int
+    ) -> WorkerTimeoutError:
+        """Name each stuck worker, the method it is running and its current Python stack."""
+        known = [r for r in ranks if r is not None and 0 <= r < len(self.worker_metadata)]
+        stacks = dict(
+            zip(
+                known,
+                hang_report.collect_stacks([self.worker_metadata[r].placement for r in known]),
+                strict=True,
+            )
+        )
+        parts = [
+            f"{method}: {len(ranks)} of {total} workers did not answer within {timeout}s: "
+            + ", ".join(self._describe(r) for r in ranks)
+        ]
+        for rank in ranks:
+            running = self._running_method(rank) or method
+            stack = stacks.get(rank, "no Python stack: unknown worker")
+            parts.append(f"--- {self._describe(rank)} is running {running!r}: {stack}".rstrip())
+        return WorkerTimeoutError("\n".join(parts))
 
     # -- teardown ----------------------------------------------------------------------------
 
@@ -522,7 +612,9 @@ def _check_shard_shape(method: str, key: str, value: Any, sizes: list[int]) -> N
 
 
 def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
+    # torch is optional (the rl-distributed[torch] extra): a tensor exists only if it is loaded.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, np.ndarray):
         return value.nbytes

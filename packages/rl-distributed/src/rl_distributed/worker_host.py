@@ -16,6 +16,8 @@ from typing import Any
 
 import ray
 
+from rl_distributed.hang_report import STACK_SIGNAL
+
 
 def import_class(fqn: str) -> type:
     """Import ``"package.module.ClassName"``; errors name the path that failed."""
@@ -48,6 +50,9 @@ class WorkerHost:
         # A segfault in native code then leaves a Python traceback in the worker's stderr log,
         # which the driver quotes when it reports the death.
         faulthandler.enable()
+        # On SIGUSR1 every thread's stack goes to stderr too: how a hang report reads the stack
+        # of a stuck worker where py-spy is not allowed to (see rl_distributed.hang_report).
+        faulthandler.register(STACK_SIGNAL, all_threads=True, chain=False)
         self._fqn = actor_class_fqn
         self._worker = import_class(actor_class_fqn)(*args, **kwargs)
 
