@@ -33,6 +33,18 @@ def tiny_config(**overrides) -> PolicyConfig:
     return PolicyConfig.model_validate(config)
 
 
+def initial_model(seed: int = 0, **model) -> torch.nn.Module:
+    """The plain HF model (float64) a worker built from ``TINY_LLAMA`` and ``seed`` starts from.
+
+    Fresh weights come from HF's own initialisation run module by module (``build.py``), the
+    same on any number of ranks; the tests compute their references with this model alone.
+    """
+    from rl_models.policy.build import build_model
+
+    cfg = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float64", **model}, seed=seed)
+    return build_model(cfg)
+
+
 def skewed_batch(lengths=(3, 61, 5, 7, 2, 40, 9, 4), seed: int = 0) -> BatchedDataDict:
     """Right-padded sequences of very uneven lengths, with a partial token mask."""
     gen = torch.Generator().manual_seed(seed)

@@ -2,21 +2,17 @@
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_models.interfaces import loss_input_type
 from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss, loss_token_mask
 from rl_models.policy import forward
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
-from .conftest import TINY_LLAMA, skewed_batch, tiny_config
+from .conftest import TINY_LLAMA, initial_model, skewed_batch, tiny_config
 
 
 def reference_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    hf = dict(TINY_LLAMA)
-    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    return initial_model(seed)
 
 
 def reference_logits(model, data) -> torch.Tensor:

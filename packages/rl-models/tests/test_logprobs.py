@@ -1,21 +1,16 @@
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_models.losses import NLLLoss
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
-from .conftest import TINY_LLAMA, skewed_batch, tiny_config
+from .conftest import TINY_LLAMA, initial_model, skewed_batch, tiny_config
 
 
 def reference_logprobs(data, seed: int = 0) -> torch.Tensor:
     """Plain PyTorch: each sequence alone, unpadded, forward -> log_softmax -> gather."""
-    torch.manual_seed(seed)
-    hf = dict(TINY_LLAMA)
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(hf.pop("model_type"), **hf), dtype=torch.float64
-    ).eval()
+    model = initial_model(seed).eval()
     out = torch.zeros(data["input_ids"].shape, dtype=torch.float64)
     with torch.no_grad():
         for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
@@ -116,7 +111,8 @@ def test_training_lowers_the_loss_with_clipping_and_a_schedule():
         assert len(metrics["loss"]) == 2  # 8 rows, global batches of 4: two steps
         losses += metrics["loss"]
         lrs += metrics["lr"]
-    assert losses[-1] < losses[0] - 0.5
+    # Per pass over the data, the mean loss of its two global batches falls clearly.
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.4
     assert lrs[0] == pytest.approx(1e-2) and lrs[-1] < lrs[0]
 
 

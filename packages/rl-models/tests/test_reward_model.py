@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification
 
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
-from .conftest import TINY_LLAMA, skewed_batch, tiny_config
+from .conftest import TINY_LLAMA, initial_model, skewed_batch, tiny_config
 
 RM_MODEL = {"hf_config": TINY_LLAMA, "dtype": "float64", "kind": "sequence_classification"}
 
@@ -18,10 +18,7 @@ def rm_config(num_labels: int = 1, **overrides) -> PolicyConfig:
 
 def reference_scores(data, num_labels: int = 1) -> torch.Tensor:
     """Plain HF, each sequence alone and unpadded: its logits at the last token."""
-    torch.manual_seed(0)
-    hf = dict(TINY_LLAMA)
-    config = AutoConfig.for_model(hf.pop("model_type"), num_labels=num_labels, **hf)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float64).eval()
+    model = initial_model(kind="sequence_classification", num_labels=num_labels).eval()
     with torch.no_grad():
         pairs = zip(data["input_ids"], data["input_lengths"], strict=True)
         rows = [model(ids[None, :n]).logits[0] for ids, n in pairs]

@@ -10,8 +10,8 @@ Megatron numbers them; each holds the layers of its pipeline stage, tensor-paral
 them (``parallel.py``). All ranks of one model replica get the same data and return the same
 results (log-probs and metrics come from the last pipeline stage); the driver keeps one copy.
 
-Micro-batching, packing plans and the training loop are ``DTensorPolicyWorker``'s; a step's
-forward/backward (``_run_step``), the gradient sync and clipping, and the log-prob pass are this
+Micro-batching, packing plans and the training loop are ``PolicyWorker``'s (shared with the
+DTensor worker, ``rl_models.policy.base_worker``); a step's forward/backward (``_run_step``), the gradient sync and clipping, and the log-prob pass are this
 class's own (``forward.py``): losses see the global batch's valid sample and token counts,
 all-reduced over the data-parallel group only (``_all_reduce``), and the gradients of the
 micro-batch losses are summed over that group, which makes the update the gradient of the
@@ -52,38 +52,35 @@ from rl_models.megatron.parallel import (
     load_weights,
     sync_grads,
 )
+from rl_models.policy.base_worker import PolicyWorker, init_distributed, local_device
+from rl_models.policy.build import build_model
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE
 from rl_models.policy.config import PolicyConfig
-from rl_models.policy.dtensor_worker import DTensorPolicyWorker
-from rl_models.policy.forward import build_model
 
 
-class MegatronPolicyWorker(DTensorPolicyWorker):
+class MegatronPolicyWorker(PolicyWorker):
     """One rank of a Megatron ``GPTModel`` replica (and of its optional reference copy)."""
 
     def __init__(self, config: PolicyConfig | dict[str, Any]) -> None:
         self.config = PolicyConfig.model_validate(config)
         if self.config.activation_checkpointing:
             raise ValueError("activation_checkpointing is not supported by the Megatron worker")
-        lora = getattr(self.config, "lora", None)
-        if lora is not None and lora.enabled:
+        if self.config.lora.enabled:
             raise ValueError("LoRA is not supported by the Megatron worker")
-        self.lora = False  # read by the inherited reference-policy and checkpoint code
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, init_method="env://")
-            else:  # alone, outside a worker group: Megatron still wants a process group
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        for name, on in (
+            ("mixed_precision", self.config.mixed_precision is not None),
+            ("checkpoint.sharded", self.config.checkpoint.sharded),
+        ):
+            if on:  # also refused by PolicyConfig for backend 'megatron'
+                raise ValueError(f"{name} is not supported by the Megatron worker")
+        self.device = local_device()
+        # Alone, outside a worker group, Megatron still wants a process group.
+        init_distributed(self.device, always=True)
         cpu_shim.apply()
         self.ranks = init_model_parallel(self.config.megatron)
         if self.device.type == "cuda":
             tensor_parallel.model_parallel_cuda_manual_seed(self.config.seed)
-        # dp_size is what the inherited helpers (_steps, batch-size checks) divide by.
+        # dp_size is what the shared loop (_steps, batch-size checks) divides by.
         self.dp_size = self.ranks.dp
         self.rank = dist.get_rank()
 
@@ -256,4 +253,4 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
     def shutdown(self) -> None:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        super().shutdown()
+        super().shutdown()  # the process group

@@ -98,6 +98,7 @@ class CheckpointConfig(ConfigModel):
     own shards with ``torch.distributed.checkpoint`` (weights through the Hugging Face
     safetensors writer, then consolidated into ``from_pretrained``-loadable files; optimiser
     state as a resharding-capable DCP checkpoint), so no rank ever holds the whole model.
+    Not with LoRA (its checkpoint is the merged model, gathered) nor the Megatron backend.
     """
 
     sharded: bool = False
@@ -169,6 +170,10 @@ class PolicyConfig(ConfigModel):
     train_global_batch_size: int = Field(ge=1)
     train_micro_batch_size: int = Field(1, ge=1)
     logprob_micro_batch_size: int | None = Field(None, ge=1)  # None: train_micro_batch_size
+    # Log-probs are computed this many tokens at a time in the output layer (recomputed in
+    # backward), so no [tokens, vocab] float32 logits exist at once; None: all tokens at once.
+    # Losses that ask for whole logits (loss_input_type "logits") always get them in full.
+    logprob_chunk_size: int | None = Field(1024, ge=1)
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     activation_checkpointing: bool = False
@@ -186,16 +191,31 @@ class PolicyConfig(ConfigModel):
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:
             raise ValueError("enable sequence_packing or dynamic_batching, not both")
         if self.backend == "megatron":
+            # mixed_precision would need fp32 master weights behind Megatron's bf16 model
+            # (its Float16Module + DistributedOptimizer), and checkpoint.sharded its
+            # dist-checkpointing: neither is wired up, so both are refused rather than ignored.
             unsupported = {
                 "lora.enabled": self.lora.enabled,
                 "activation_checkpointing": self.activation_checkpointing,
                 "model.kind=sequence_classification": self.model.kind != "causal_lm",
+                "mixed_precision": self.mixed_precision is not None,
+                "checkpoint.sharded": self.checkpoint.sharded,
             }
             named = [k for k, on in unsupported.items() if on]
             if named:
-                raise ValueError(f"backend 'megatron' does not support {', '.join(named)}")
+                raise ValueError(
+                    f"backend 'megatron' does not support {', '.join(named)}; use backend "
+                    "'dtensor' for these, or model.dtype for the Megatron weights' precision"
+                )
         elif self.megatron != MegatronConfig():
             raise ValueError("megatron.* settings need backend: megatron")
+        if self.lora.enabled and self.checkpoint.sharded:
+            # The sharded writer would save peft's unmerged, prefixed tensors, which
+            # from_pretrained cannot read (it would silently start from random weights).
+            raise ValueError(
+                "lora.enabled does not work with checkpoint.sharded: set checkpoint.sharded: "
+                "false (LoRA checkpoints gather the merged model, plus the adapters, on rank 0)"
+            )
         if self.megatron.sequence_parallel and self.megatron.tensor_parallel_size == 1:
             raise ValueError("megatron.sequence_parallel needs tensor_parallel_size > 1")
         return self

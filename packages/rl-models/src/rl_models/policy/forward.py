@@ -17,41 +17,19 @@ path: variable-length kernels, no ``[T, T]`` mask in memory).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    PreTrainedModel,
-)
+from transformers import PreTrainedModel
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
-from rl_models.policy.config import PolicyConfig
+from rl_models.policy.build import build_model  # noqa: F401 (re-export)
+from rl_models.policy.logprobs import output_layer_computes_logprobs, supports_chunked_logprobs
 
 DENSE_MASK_KERNELS = ("sdpa", "eager")
-
-
-def build_model(config: PolicyConfig) -> PreTrainedModel:
-    """The model the config names: a causal LM or a sequence classifier, fresh or pretrained."""
-    cfg = config.model
-    torch.manual_seed(config.seed)  # fresh weights are identical on every rank
-    auto = AutoModelForCausalLM
-    extra: dict[str, Any] = {}
-    if cfg.kind == "sequence_classification":
-        auto = AutoModelForSequenceClassification
-        extra = {"num_labels": cfg.num_labels}
-    if cfg.path is not None:
-        return auto.from_pretrained(
-            cfg.path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation, **extra
-        )
-    hf = dict(cfg.hf_config or {})
-    hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf, **extra)
-    hf_config._attn_implementation = cfg.attn_implementation
-    return auto.from_config(hf_config, dtype=cfg.torch_dtype)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -88,18 +66,37 @@ def _packed_inputs(
 
 
 def forward_logprobs(
-    model: torch.nn.Module, mb: BatchedDataDict, packed: bool, attn_implementation: str = "sdpa"
+    model: torch.nn.Module,
+    mb: BatchedDataDict,
+    packed: bool,
+    attn_implementation: str = "sdpa",
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding)."""
+    """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding).
+
+    ``chunk_size``: the output layer computes the log-probs that many tokens at a time inside
+    the model's forward (``logprobs.py``), so no ``[tokens, vocab]`` logits exist at once.
+    """
     ids, lengths = mb["input_ids"], mb["input_lengths"]
+    chunked = chunk_size is not None and supports_chunked_logprobs(model)
     if not packed:
         real = _padding_mask(mb)
-        logits = model(input_ids=ids, attention_mask=real.long(), use_cache=False).logits
-        return F.pad(token_logprobs(logits[:, :-1], ids[:, 1:]), (1, 0)) * real
-    p, inputs = _packed_inputs(mb, attn_implementation)
-    logits = model(**inputs).logits
-    lp = F.pad(token_logprobs(logits[0, :-1], p.input_ids[0, 1:]), (1, 0))
-    lp = lp * (p.position_ids[0] > 0)  # a sequence's first token has no log-prob
+        inputs = {"input_ids": ids, "attention_mask": real.long(), "use_cache": False}
+        row_ids = ids
+    else:
+        p, inputs = _packed_inputs(mb, attn_implementation)
+        row_ids = p.input_ids
+    if chunked:
+        # Position t's output is log p(token t+1); the last position has no next token.
+        targets = F.pad(row_ids[:, 1:], (0, 1))
+        with output_layer_computes_logprobs(model, targets, chunk_size):
+            lp = model(**inputs).logits[:, :-1]
+    else:
+        lp = token_logprobs(model(**inputs).logits[:, :-1], row_ids[:, 1:])
+    lp = F.pad(lp, (1, 0))
+    if not packed:
+        return lp * real
+    lp = lp[0] * (p.position_ids[0] > 0)  # a sequence's first token has no log-prob
     return unpack_sequences(lp[None], p.cu_seqlens, lengths, ids.shape[1])
 
 
@@ -118,24 +115,49 @@ def forward_logits(
     return unpack_sequences(logits[None], p.cu_seqlens, lengths, ids.shape[1])
 
 
+@contextlib.contextmanager
+def _score_head_picks(model: PreTrainedModel, rows: torch.Tensor) -> Iterator[None]:
+    """While inside, the model's ``score`` head scores only the hidden states at ``rows``
+    (flat indices into ``[B * S]``) and its pooled output is those scores, ``[1 | B, n * L]``.
+
+    The model is called as a whole (so FSDP2's root hooks gather and reduce its parameters),
+    but Hugging Face's pooling, which finds each row's last token from ``pad_token_id`` (a real
+    token may equal it, and packed rows hold many sequences), is bypassed: the head returns the
+    wanted scores broadcast over every position, so whichever position it pools is right.
+    """
+    head = model.score
+    text_config = model.config.get_text_config()
+    pad_token_id = text_config.pad_token_id
+
+    def pick_and_score(hidden: torch.Tensor) -> torch.Tensor:
+        b, s, _ = hidden.shape
+        scores = type(head).forward(head, hidden.reshape(b * s, -1)[rows])  # [n, L]
+        if b == 1:  # packed: every sequence's scores in the one pooled row
+            return scores.reshape(1, 1, -1).expand(1, s, -1)
+        return scores[:, None, :].expand(b, s, -1)
+
+    head.forward = pick_and_score
+    if pad_token_id is None:  # HF refuses batches > 1 without one; the pooling is moot here
+        text_config.pad_token_id = 0
+    try:
+        yield
+    finally:
+        del head.forward
+        text_config.pad_token_id = pad_token_id
+
+
 def forward_scores(
     model: PreTrainedModel, mb: BatchedDataDict, packed: bool, attn_implementation: str = "sdpa"
 ) -> torch.Tensor:
-    """``[B, num_labels]`` classifier scores at each sequence's last real token.
-
-    The backbone and the ``score`` head are called directly, rather than the model as a whole,
-    because HF finds the last token from ``pad_token_id``, which a real token may equal, and
-    cannot take packed rows.
-    """
+    """``[B, num_labels]`` classifier scores at each sequence's last real token."""
     ids, lengths = mb["input_ids"], mb["input_lengths"].to(mb["input_ids"].device)
-    backbone, head = model.base_model, model.score
     if not packed:
         real = _padding_mask(mb).long()
-        hidden = backbone(input_ids=ids, attention_mask=real, use_cache=False).last_hidden_state
-        last = hidden[torch.arange(ids.shape[0], device=ids.device), lengths - 1]
+        inputs = {"input_ids": ids, "attention_mask": real, "use_cache": False}
+        rows = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1] + lengths - 1
     else:
         p, inputs = _packed_inputs(mb, attn_implementation)
-        hidden = backbone(**inputs).last_hidden_state[0]
-        starts = p.cu_seqlens[:-1].long().to(ids.device)
-        last = hidden[starts + lengths - 1]
-    return head(last)
+        rows = p.cu_seqlens[:-1].long().to(ids.device) + lengths - 1
+    with _score_head_picks(model, rows):
+        pooled = model(**inputs).logits
+    return pooled.reshape(ids.shape[0], -1)

@@ -1,0 +1,162 @@
+"""Building a policy's Hugging Face model without any rank holding all of it.
+
+The model is first built on the ``meta`` device (shapes only, no memory), then sharded (FSDP2's
+``fully_shard``, passed in as ``shard``), then given storage for this rank's shards only
+(``to_empty``), and finally filled:
+
+- **fresh weights** (``model.hf_config``): ``init_weights_by_module`` runs the model's own
+  Hugging Face initialisation one module at a time, post-order, from ``seed``. A module's
+  parameters exist in full only while it is initialised (the largest one is the embedding),
+  and each rank keeps its slices. Every rank and every sharding draws the same numbers, so
+  the seed gives the same model on one rank as on many.
+- **pretrained weights** (``model.path``): each rank reads only its slices straight from the
+  safetensors files (``torch.distributed.checkpoint``'s Hugging Face reader).
+
+Unsharded, a pretrained model is simply ``from_pretrained``; a fresh one goes through the same
+meta build and module-wise initialisation, so it equals the sharded one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from rl_models.policy.config import PolicyConfig
+
+
+def _auto_class_and_kwargs(config: PolicyConfig) -> tuple[Any, dict[str, Any]]:
+    if config.model.kind == "sequence_classification":
+        return AutoModelForSequenceClassification, {"num_labels": config.model.num_labels}
+    return AutoModelForCausalLM, {}
+
+
+def hf_config_of(config: PolicyConfig) -> PretrainedConfig:
+    """The Hugging Face config of the model ``config.model`` names."""
+    cfg = config.model
+    _, extra = _auto_class_and_kwargs(config)
+    if cfg.path is not None:
+        hf_config = AutoConfig.from_pretrained(cfg.path, **extra)
+    else:
+        hf = dict(cfg.hf_config or {})
+        hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf, **extra)
+    hf_config._attn_implementation = cfg.attn_implementation
+    return hf_config
+
+
+def build_model(
+    config: PolicyConfig,
+    device: torch.device | str = "cpu",
+    shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> torch.nn.Module:
+    """The model the config names, on ``device``: a causal LM or a sequence classifier.
+
+    ``prepare`` runs on the meta-device model before sharding (e.g. to switch on activation
+    checkpointing); ``shard`` shards it (see the module docstring). Without ``shard`` the
+    whole model is built on this rank.
+    """
+    cfg = config.model
+    auto, _ = _auto_class_and_kwargs(config)
+    if shard is None and cfg.path is not None:
+        model = auto.from_pretrained(
+            cfg.path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
+        )
+        return (prepare(model) if prepare else model).to(device)
+    with torch.device("meta"):
+        model = auto.from_config(hf_config_of(config), dtype=cfg.torch_dtype)
+    if prepare is not None:
+        model = prepare(model)
+    if shard is not None:
+        model = shard(model)
+    model.to_empty(device=device)
+    # Buffers computed at construction (rotary frequencies) are re-made here too.
+    init_weights_by_module(model, config.seed)
+    if cfg.path is not None:
+        load_hf_weights(model, cfg.path)
+    return model
+
+
+def _post_order(module: torch.nn.Module, owner: PreTrainedModel):
+    """``(module, the innermost Hugging Face model holding it)``, children before parents."""
+    if isinstance(module, PreTrainedModel):
+        owner = module
+    for child in module.children():
+        yield from _post_order(child, owner)
+    yield module, owner
+
+
+@torch.no_grad()
+def init_weights_by_module(model: torch.nn.Module, seed: int) -> None:
+    """Hugging Face's initialisation of every module, one at a time, from ``seed``.
+
+    Sharded (DTensor) parameters and buffers are swapped for full-size temporaries while their
+    module is initialised; this rank then keeps its slices of them. Every rank draws the same
+    random numbers in the same order, so the shards fit together.
+    """
+    torch.manual_seed(seed)
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for module, owner in _post_order(hf_model, hf_model):
+        swapped: dict[tuple[str, str], DTensor] = {}
+        for kind in ("_parameters", "_buffers"):
+            tensors = getattr(module, kind)
+            for name, t in list(tensors.items()):
+                if t is None:
+                    continue
+                t._is_hf_initialized = False  # HF's guarded init skips tensors flagged done
+                if isinstance(t, DTensor):
+                    full = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+                    swapped[(kind, name)] = t
+                    tensors[name] = (
+                        torch.nn.Parameter(full, requires_grad=t.requires_grad)
+                        if kind == "_parameters"
+                        else full
+                    )
+        owner._init_weights(module)
+        for (kind, name), sharded in swapped.items():
+            full = getattr(module, kind)[name]
+            mine = distribute_tensor(
+                full.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None
+            )
+            sharded.to_local().copy_(mine.to_local())
+            getattr(module, kind)[name] = sharded
+
+
+def load_hf_weights(model: torch.nn.Module, path: str) -> None:
+    """Read this rank's slices of every weight from the safetensors files in ``path``.
+
+    A weight tied to another (the output layer to the embedding) is absent from the files and
+    loaded through its twin.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    reader = HuggingFaceStorageReader(path)
+    stored = set(reader.read_metadata().state_dict_metadata)
+    state = get_model_state_dict(model)
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    tied_elsewhere = {
+        name for names in names_of.values() if set(names) & stored for name in names
+    } - stored
+    missing = sorted(set(state) - stored - tied_elsewhere)
+    if missing:
+        raise ValueError(f"{path}: the safetensors files lack the weights {missing}")
+    wanted = {k: v for k, v in state.items() if k in stored}
+    dcp.load(wanted, storage_reader=reader)
+    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))

@@ -1,0 +1,100 @@
+"""Next-token log-probs without a ``[tokens, vocab]`` logits tensor in memory.
+
+A model's output layer turns ``[T, H]`` hidden states into ``[T, V]`` logits; at a 151k
+vocabulary and 16k tokens that is ~10 GB in float32 before the log-softmax and its backward
+double it. Here the output layer is applied ``chunk_size`` tokens at a time: each chunk's
+logits live only while that chunk's log-probs are computed, and backward recomputes them
+(activation checkpointing per chunk), so peak memory holds one chunk of logits, not all.
+The gradients are exactly those of the unchunked computation (same operations, recomputed).
+
+``output_layer_computes_logprobs`` makes a Hugging Face model do this inside its own forward:
+its output layer's forward is swapped for the chunked log-prob computation while the model
+runs, so whatever wraps the model (FSDP2's hooks, peft) sees an ordinary call and an ordinary
+output (``logits`` then holds the ``[B, S]`` log-probs of ``targets``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _chunk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias)
+    if logits.dtype in HALF:  # a stable log-softmax: half precisions are upcast
+        logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int | None,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``log softmax(hidden @ weight.T + bias)[targets]`` for ``hidden [..., H]``, ``targets
+    [...]``, computed ``chunk_size`` tokens at a time (``None``: all at once)."""
+    shape = targets.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    tokens = flat_targets.numel()
+    if chunk_size is None or chunk_size >= tokens:
+        return _chunk_logprobs(flat_hidden, weight, bias, flat_targets, temperature).view(shape)
+    # Checkpointing only pays when backward will run; without grad the chunks already free
+    # their logits as they go.
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    out = []
+    for start in range(0, tokens, chunk_size):
+        h = flat_hidden[start : start + chunk_size]
+        t = flat_targets[start : start + chunk_size]
+        if grad:
+            lp = checkpoint(_chunk_logprobs, h, weight, bias, t, temperature, use_reentrant=False)
+        else:
+            lp = _chunk_logprobs(h, weight, bias, t, temperature)
+        out.append(lp)
+    return torch.cat(out).view(shape)
+
+
+@contextlib.contextmanager
+def output_layer_computes_logprobs(
+    model: torch.nn.Module, targets: torch.Tensor, chunk_size: int | None
+) -> Iterator[None]:
+    """While inside, ``model``'s output layer returns log-probs of ``targets`` (``[B, S]``)
+    instead of logits: ``model(...).logits`` is then ``log p(targets)`` at every position."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"chunked log-probs need a Linear output layer, not {type(head)}")
+
+    def logprobs_forward(hidden: torch.Tensor) -> torch.Tensor:
+        return chunked_logprobs(hidden, head.weight, targets, chunk_size, head.bias)
+
+    head.forward = logprobs_forward
+    try:
+        yield
+    finally:
+        del head.forward  # back to the class's forward
+
+
+def supports_chunked_logprobs(model: torch.nn.Module) -> bool:
+    """Whether the output layer's result is the logits as they are (no soft-capping etc.)."""
+    config = getattr(model, "config", None)
+    capped = getattr(config, "final_logit_softcapping", None) is not None
+    scaled = getattr(config, "logit_scale", None) not in (None, 1.0)
+    return not capped and not scaled and isinstance(model.get_output_embeddings(), torch.nn.Linear)
