@@ -1,14 +1,26 @@
 """Registry and uv builder of isolated worker environments (no Ray needed)."""
 
+import base64
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
+import ray
 
 from rl_distributed.venvs import builder
-from rl_distributed.venvs.builder import EnvBuildError, clean_envs, ensure_env, env_dir, list_envs
+from rl_distributed.venvs.builder import (
+    EnvBuildError,
+    clean_envs,
+    ensure_env,
+    env_dir,
+    list_envs,
+    resolve,
+)
 from rl_distributed.venvs.registry import EnvRegistry, PythonEnv, UnknownEnvError
 
 SIX_OLD = PythonEnv("six-old", requirements=("six==1.16.0",))
@@ -110,7 +122,9 @@ def test_a_failed_build_raises_with_uvs_output_and_leaves_nothing(cache):
     bad = PythonEnv("broken", requirements=("rl-no-such-package-anywhere==9.9.9",))
     with pytest.raises(EnvBuildError, match=r"(?s)'broken' failed.*rl-no-such-package-anywhere"):
         ensure_env(bad)
-    assert not env_dir(bad).exists()
+    # Neither a half-built environment nor a resolution is left behind.
+    assert list(cache.glob("broken-*")) == []
+    assert list(cache.glob("resolutions/broken-*.txt")) == []
     assert builds(cache) == []
 
 
@@ -120,3 +134,72 @@ def test_rebuild_requests_from_the_environment(monkeypatch):
     assert not builder.rebuild_requested(PythonEnv("other"))
     monkeypatch.setenv("RL_REBUILD_ENVS", "1")
     assert builder.rebuild_requested(PythonEnv("other"))
+
+
+def make_wheel(folder: Path, version: str) -> None:
+    """A tiny pure-Python wheel of `rl-pin-probe` (a name on no index) at ``version``."""
+    dist = f"rl_pin_probe-{version}"
+    files = {
+        "rl_pin_probe/__init__.py": f"__version__ = {version!r}\n",
+        f"{dist}.dist-info/METADATA": (
+            f"Metadata-Version: 2.1\nName: rl-pin-probe\nVersion: {version}\n"
+        ),
+        f"{dist}.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: rl-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
+    record.append(f"{dist}.dist-info/RECORD,,")
+    files[f"{dist}.dist-info/RECORD"] = "\n".join(record) + "\n"
+    with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as wheel:
+        for name, text in files.items():
+            wheel.writestr(name, text)
+
+
+def probe_version(python: str) -> str:
+    code = "import rl_pin_probe; print(rl_pin_probe.__version__)"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout
+
+
+def test_requirements_are_resolved_once_and_every_node_builds_the_same_versions(
+    tmp_path, monkeypatch
+):
+    """A loose requirement, and a new release between two nodes' builds: both nodes get the
+    version the driver resolved; only an explicit upgrade moves it."""
+    index = tmp_path / "index"
+    index.mkdir()
+    make_wheel(index, "1.0")
+    monkeypatch.setenv("UV_FIND_LINKS", str(index))
+    driver, node_a, node_b = (tmp_path / n for n in ("driver", "node-a", "node-b"))
+    env = PythonEnv("pinned", requirements=("rl-pin-probe>=1.0",))
+
+    monkeypatch.setenv("RL_ENV_CACHE_DIR", str(driver))
+    resolution = resolve(env)
+    assert "rl-pin-probe==1.0" in resolution
+    assert f"ray=={ray.__version__}" in resolution
+
+    monkeypatch.setenv("RL_ENV_CACHE_DIR", str(node_a))
+    python_a = ensure_env(env, resolution=resolution)
+    assert probe_version(python_a).strip() == "1.0"
+
+    make_wheel(index, "1.1")  # released after the first node was built
+
+    monkeypatch.setenv("RL_ENV_CACHE_DIR", str(node_b))
+    python_b = ensure_env(env, resolution=resolution)
+    assert probe_version(python_b).strip() == "1.0"
+    # Same resolution, same cache key on every node.
+    assert Path(python_a).parent.parent.name == Path(python_b).parent.parent.name
+    [built] = list_envs()
+    assert "rl-pin-probe==1.0" in built["pinned"]
+
+    # The driver keeps its stored resolution on later runs; an upgrade resolves anew, and
+    # the new resolution is a new environment.
+    monkeypatch.setenv("RL_ENV_CACHE_DIR", str(driver))
+    assert resolve(env) == resolution
+    upgraded = resolve(env, upgrade=True)
+    assert "rl-pin-probe==1.1" in upgraded
+    assert env_dir(env, upgraded).name != env_dir(env, resolution).name
+    assert resolve(env) == upgraded

@@ -18,12 +18,12 @@ from rl_distributed import (
     validate_config,
 )
 from rl_distributed import cli, cluster_status, launchers, venvs
-from rl_distributed.worker_groups import _share_large_values
+from rl_distributed._arguments import share_large_values
 
 report = {"sharding": NamedSharding([[0, 1], [2, 3]], ["dp", "tp"]).get_worker_coords(3)}
 report["slurm"] = "ray start --head" in launchers.slurm_script(["python", "x.py"], nodes=2)
 report["builder"] = RayWorkerBuilder("pkg.mod.Worker").with_python_env("system").python_env
-report["small_args_stay_inline"] = _share_large_values({"x": [1, 2]}, copies=4) == {"x": [1, 2]}
+report["small_args_stay_inline"] = share_large_values({"x": [1, 2]}, copies=4) == {"x": [1, 2]}
 helps = []
 for argv in ([], ["status"], ["venvs"], ["venvs", "build"], ["venvs", "list"],
              ["venvs", "clean"], ["slurm"], ["kuberay"]):

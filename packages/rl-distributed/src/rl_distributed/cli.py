@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("names", nargs="+", help="environment names (vllm, mcore, or defined ones)")
     build.add_argument("--rebuild", action="store_true", help="rebuild even if cached")
     build.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="resolve the requirements anew instead of reusing the stored resolution",
+    )
+    build.add_argument(
         "--requirement",
         "-r",
         action="append",
@@ -114,7 +119,12 @@ def cmd_venvs_build(args: argparse.Namespace) -> int:
     for name in args.names:
         try:
             env = venvs.registry.get(name)
-            python = venvs.ensure_env(env, rebuild=args.rebuild or venvs.rebuild_requested(env))
+            resolution = venvs.resolve(env, upgrade=args.upgrade)
+            python = venvs.ensure_env(
+                env,
+                rebuild=args.rebuild or venvs.rebuild_requested(env),
+                resolution=resolution,
+            )
         except (venvs.UnknownEnvError, venvs.EnvBuildError) as err:
             print(f"rl-cluster: {err}", file=sys.stderr)
             return 1
@@ -133,6 +143,8 @@ def cmd_venvs_list(args: argparse.Namespace) -> int:
         table.add_column(column)
     for info in venvs.list_envs():
         spec = ", ".join([*(f"extra {e}" for e in info["extras"]), *info["requirements"]]) or "-"
+        if info.get("pinned"):
+            spec += f" ({len(info['pinned'])} pinned)"
         table.add_row(
             info["name"],
             info["python"],

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -29,9 +28,10 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_distributed import hang_report, venvs
+from rl_distributed._arguments import check_shard_shape, share_large_values
 from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.virtual_cluster import RayVirtualCluster
-from rl_distributed.worker_host import SharedArg, WorkerHost
+from rl_distributed.worker_host import WorkerHost
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,6 @@ _TRACKED_CALLS = 256
 KILL_WAIT_S = 30.0
 #: After a failure, how long to let the other calls finish before naming the failed worker.
 GRACE_ON_FAILURE_S = 1.0
-#: Arguments bigger than this go to the object store once instead of once per worker.
-PUT_THRESHOLD_BYTES = 1 << 20
 #: How long workers may take to start (import, build their model) before we give up.
 STARTUP_TIMEOUT_S = float(os.environ.get("RL_WORKER_STARTUP_TIMEOUT_S", "600"))
 
@@ -369,7 +367,7 @@ class RayWorkerGroup:
 
     def run_all_workers_single_data(self, method: str, **kwargs: Any) -> WorkerFutures:
         """Call ``method(**kwargs)`` on every worker; large arguments are shipped once."""
-        kwargs = _share_large_values(kwargs, copies=len(self.workers))
+        kwargs = share_large_values(kwargs, copies=len(self.workers))
         ranks = range(len(self.workers))
         return WorkerFutures([self._call(r, method, kwargs) for r in ranks], ranks, method)
 
@@ -411,9 +409,9 @@ class RayWorkerGroup:
         if set(in_sharded_axes) & set(replicate_on_axes):
             raise ValueError(f"{method}: an axis cannot be both sharded and replicated")
         for key, value in data.items():
-            _check_shard_shape(method, key, value, [sharding.shape[a] for a in in_sharded_axes])
+            check_shard_shape(method, key, value, [sharding.shape[a] for a in in_sharded_axes])
         free_axes = [a for a in sharding.names if a not in (*in_sharded_axes, *replicate_on_axes)]
-        common = _share_large_values(common_kwargs or {}, copies=len(self.workers))
+        common = share_large_values(common_kwargs or {}, copies=len(self.workers))
 
         refs, ranks = [], []
         for rank in range(len(self.workers)):
@@ -597,40 +595,6 @@ def _wait_until_dead(workers: list, timeout: float) -> None:
             time.sleep(0.05)
     if alive:
         logger.warning("%d killed workers were still alive after %.0f s", len(alive), timeout)
-
-
-def _check_shard_shape(method: str, key: str, value: Any, sizes: list[int]) -> None:
-    """Data sharded over axes of sizes [a, b] must be indexable as value[i][j]."""
-    for depth, size in enumerate(sizes):
-        if not hasattr(value, "__len__") or len(value) != size:
-            got = len(value) if hasattr(value, "__len__") else type(value).__name__
-            raise ValueError(
-                f"{method}: argument {key!r} must have {size} shards at depth {depth} "
-                f"(one per coordinate of sharded axis {depth}), got {got}"
-            )
-        value = value[0]
-
-
-def _nbytes(value: Any) -> int:
-    # torch is optional (the rl-distributed[torch] extra): a tensor exists only if it is loaded.
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, np.ndarray):
-        return value.nbytes
-    if isinstance(value, dict) or hasattr(value, "get_dict"):
-        return sum(_nbytes(v) for v in value.values())
-    return 0
-
-
-def _share_large_values(kwargs: dict[str, Any], copies: int) -> dict[str, Any]:
-    """Put big tensors in the object store once so N workers don't get N serialised copies."""
-    if copies < 2:
-        return kwargs
-    return {
-        k: SharedArg(ray.put(v)) if _nbytes(v) >= PUT_THRESHOLD_BYTES else v
-        for k, v in kwargs.items()
-    }
 
 
 def _death_cause(err: Exception) -> str:

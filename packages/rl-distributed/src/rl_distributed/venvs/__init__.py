@@ -13,6 +13,7 @@ from rl_distributed.venvs.builder import (
     ensure_env,
     list_envs,
     rebuild_requested,
+    resolve,
 )
 from rl_distributed.venvs.registry import (
     SYSTEM,
@@ -38,6 +39,7 @@ __all__ = [
     "python_per_node",
     "register_worker_env",
     "registry",
+    "resolve",
 ]
 
 # Rebuilds asked for with RL_REBUILD_ENVS happen once per driver, not once per worker group.
@@ -45,12 +47,16 @@ _rebuilt: set[str] = set()
 
 
 @ray.remote(num_cpus=0)
-def _ensure_on_this_node(env: PythonEnv, rebuild: bool) -> str:
-    return ensure_env(env, rebuild=rebuild)
+def _ensure_on_this_node(env: PythonEnv, rebuild: bool, resolution: str | None) -> str:
+    return ensure_env(env, rebuild=rebuild, resolution=resolution)
 
 
 def python_per_node(env: PythonEnv, placement_groups: list[PlacementGroup]) -> dict[str, str]:
-    """Build ``env`` once on every node holding a bundle; node id -> Python executable."""
+    """Build ``env`` once on every node holding a bundle; node id -> Python executable.
+
+    Requirements are resolved here, in the driver, once; every node builds from that one
+    resolution, so all of them get the same versions.
+    """
     nodes = sorted(
         {
             node
@@ -59,10 +65,11 @@ def python_per_node(env: PythonEnv, placement_groups: list[PlacementGroup]) -> d
         }
     )
     rebuild = rebuild_requested(env) and env.name not in _rebuilt
+    resolution = resolve(env)
     builds = [
         _ensure_on_this_node.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-        ).remote(env, rebuild)
+        ).remote(env, rebuild, resolution)
         for node in nodes
     ]
     try:

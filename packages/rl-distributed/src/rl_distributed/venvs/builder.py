@@ -1,9 +1,16 @@
 """Build, cache and find the virtualenvs that worker groups run in, with uv.
 
 An environment is built once per node and cached under ``RL_ENV_CACHE_DIR`` (default
-``~/.cache/rl/venvs``) in a folder keyed by the environment's name and a hash of what defines
-it: the workspace ``uv.lock``, the extras and requirements, the Python and Ray versions. A
-changed lock therefore gives a new folder; an unchanged one is reused in milliseconds.
+``~/.cache/rl/venvs``) in a folder keyed by the environment's name and a hash of what it
+contains: the workspace ``uv.lock`` for extras, the *resolution* for requirement lists, the
+Python and Ray versions. A changed lock or resolution therefore gives a new folder; an unchanged
+one is reused in milliseconds.
+
+Requirement lists are pinned: the driver resolves them once with ``uv pip compile`` (every
+package, exact versions), stores the result under ``<cache>/resolutions/`` and reuses it on
+later runs; every node builds from that text with ``uv pip sync``, so nodes built on different
+days get the same versions. ``resolve(env, upgrade=True)`` (``rl-cluster venvs build
+--upgrade``) resolves anew.
 Concurrent builders of one environment (several worker groups, several processes on a node)
 wait on a file lock, and a folder counts as built only once its marker file is written, so an
 interrupted build is redone, never used.
@@ -14,9 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +40,7 @@ WORKSPACE_ENV_VAR = "RL_WORKSPACE_ROOT"
 #: "1"/"all" rebuilds every environment once per driver; or a comma-separated list of names.
 REBUILD_ENV_VAR = "RL_REBUILD_ENVS"
 MARKER = ".rl-env.json"
+RESOLUTIONS = "resolutions"
 OUTPUT_TAIL_LINES = 40
 
 
@@ -66,20 +76,86 @@ def uv_binary() -> str:
         return found
 
 
-def env_key(env: PythonEnv) -> str:
-    """A short hash of everything that decides what the environment contains."""
-    digest = hashlib.sha256()
+def _lock_bytes(env: PythonEnv) -> bytes:
+    """The workspace lock that pins an environment's extras (empty without extras)."""
+    if not env.extras:
+        return b""
     root = workspace_root()
-    if env.extras:
-        if root is None:
-            raise EnvBuildError(
-                f"environment {env.name!r} installs workspace extras {list(env.extras)} but no "
-                f"uv workspace was found; set {WORKSPACE_ENV_VAR} to the folder with uv.lock"
-            )
-        digest.update((root / "uv.lock").read_bytes())
+    if root is None:
+        raise EnvBuildError(
+            f"environment {env.name!r} installs workspace extras {list(env.extras)} but no "
+            f"uv workspace was found; set {WORKSPACE_ENV_VAR} to the folder with uv.lock"
+        )
+    return (root / "uv.lock").read_bytes()
+
+
+def _spec_hash(env: PythonEnv) -> str:
+    """What a resolution is resolved from: the spec, and what the resolver must match."""
     spec = {
         "extras": sorted(env.extras),
         "requirements": list(env.requirements),
+        "python": sys.version.split()[0],
+        "platform": [sys.platform, platform.machine()],
+        "ray": ray.__version__,
+    }
+    digest = hashlib.sha256(_lock_bytes(env))
+    digest.update(json.dumps(spec, sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+
+
+def resolution_path(env: PythonEnv) -> Path:
+    return cache_root() / RESOLUTIONS / f"{env.name}-{_spec_hash(env)}.txt"
+
+
+def resolve(env: PythonEnv, upgrade: bool = False) -> str | None:
+    """The pinned set of packages for ``env``'s requirements, resolved with uv once.
+
+    The first call resolves (``uv pip compile``) and stores the result; later calls, days later
+    too, return the stored text, until ``upgrade`` resolves anew. ``None`` for an environment
+    without requirements (extras alone are pinned by ``uv.lock``).
+    """
+    if not env.requirements:
+        return None
+    path = resolution_path(env)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if path.is_file() and not upgrade:
+            return path.read_text()
+        text = _compile(env)
+        path.write_text(text)
+    return text
+
+
+def _compile(env: PythonEnv) -> str:
+    uv = uv_binary()
+    with tempfile.TemporaryDirectory(prefix="rl-resolve-") as tmp:
+        wanted = Path(tmp) / "requirements.in"
+        pinned = Path(tmp) / "requirements.txt"
+        # Workers need the driver's exact Ray next to the user's requirements.
+        wanted.write_text("\n".join([f"ray=={ray.__version__}", *env.requirements]) + "\n")
+        args = [uv, "pip", "compile", "--quiet", "--no-header", "--python", sys.executable]
+        if env.extras:
+            # Resolve within what the lock gives the extras, so the requirements add packages
+            # but never move a locked one.
+            constraints = Path(tmp) / "constraints.txt"
+            export = [uv, "export", "--locked", "--no-hashes", "--no-default-groups"]
+            export += ["--no-emit-workspace", "--output-file", str(constraints)]
+            export += [arg for extra in env.extras for arg in ("--extra", extra)]
+            _run(env, export, cwd=workspace_root())
+            args += ["--constraint", str(constraints)]
+        _run(env, [*args, str(wanted), "--output-file", str(pinned)])
+        return pinned.read_text()
+
+
+def env_key(env: PythonEnv, resolution: str | None = None) -> str:
+    """A short hash of everything that decides what the environment contains: the lock for
+    extras, the resolution (not the requirement strings) for requirements."""
+    if env.requirements and resolution is None:
+        resolution = resolve(env)
+    digest = hashlib.sha256(_lock_bytes(env))
+    spec = {
+        "extras": sorted(env.extras),
+        "resolution": resolution or "",
         "python": sys.version.split()[0],
         "ray": ray.__version__,
     }
@@ -87,19 +163,25 @@ def env_key(env: PythonEnv) -> str:
     return digest.hexdigest()[:16]
 
 
-def env_dir(env: PythonEnv) -> Path:
-    return cache_root() / f"{env.name}-{env_key(env)}"
+def env_dir(env: PythonEnv, resolution: str | None = None) -> Path:
+    return cache_root() / f"{env.name}-{env_key(env, resolution)}"
 
 
 def python_of(folder: Path) -> Path:
     return folder / "bin" / "python"
 
 
-def ensure_env(env: PythonEnv, rebuild: bool = False) -> str:
-    """Path of the Python executable for ``env`` on this node, building it if needed."""
+def ensure_env(env: PythonEnv, rebuild: bool = False, resolution: str | None = None) -> str:
+    """Path of the Python executable for ``env`` on this node, building it if needed.
+
+    ``resolution`` is the driver's pinned requirement set (see :func:`resolve`); without one,
+    this node resolves (or reuses its stored resolution) itself.
+    """
     if env.is_system:
         return sys.executable
-    folder = env_dir(env)
+    if env.requirements and resolution is None:
+        resolution = resolve(env)
+    folder = env_dir(env, resolution)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
         if (folder / MARKER).is_file() and not rebuild:
@@ -107,7 +189,7 @@ def ensure_env(env: PythonEnv, rebuild: bool = False) -> str:
         shutil.rmtree(folder, ignore_errors=True)
         start = time.monotonic()
         try:
-            _build(env, folder)
+            _build(env, folder, resolution)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -115,6 +197,7 @@ def ensure_env(env: PythonEnv, rebuild: bool = False) -> str:
             "name": env.name,
             "extras": list(env.extras),
             "requirements": list(env.requirements),
+            "pinned": _pins(resolution),
             "python": sys.version.split()[0],
             "ray": ray.__version__,
             "built_at": time.time(),
@@ -127,7 +210,7 @@ def ensure_env(env: PythonEnv, rebuild: bool = False) -> str:
     return str(python_of(folder))
 
 
-def _build(env: PythonEnv, folder: Path) -> None:
+def _build(env: PythonEnv, folder: Path, resolution: str | None) -> None:
     uv = uv_binary()
     if env.extras:
         # Exactly what the lock says for these extras; no dev tools.
@@ -136,22 +219,34 @@ def _build(env: PythonEnv, folder: Path) -> None:
         _run(env, args, cwd=workspace_root(), extra_env={"UV_PROJECT_ENVIRONMENT": str(folder)})
     else:
         _run(env, [uv, "venv", "--quiet", "--python", sys.executable, str(folder)])
-        # Workers need the driver's exact Ray, plus rl_distributed itself (linked, below).
+    if resolution:
+        pinned = folder / "rl-resolution.txt"
+        pinned.write_text(resolution)
+        python = ["--python", str(python_of(folder))]
+        if env.extras:  # add the pinned requirements to what the lock installed
+            _run(env, [uv, "pip", "install", *python, "--no-deps", "-r", str(pinned)])
+        else:  # exactly the resolution: nothing more, nothing less
+            _run(env, [uv, "pip", "sync", *python, str(pinned)])
+    elif not env.extras:
+        # Workers need the driver's exact Ray.
         _run(
             env,
-            [
-                uv,
-                "pip",
-                "install",
-                "--python",
-                str(python_of(folder)),
-                f"ray=={ray.__version__}",
-                *env.requirements,
-            ],
+            [uv, "pip", "install", "--python", str(python_of(folder)), f"ray=={ray.__version__}"],
         )
+    if not env.extras:
+        # ... and rl_distributed itself (linked, below).
         _link_rl_distributed(folder)
-    if env.extras and env.requirements:
-        _run(env, [uv, "pip", "install", "--python", str(python_of(folder)), *env.requirements])
+
+
+def _pins(resolution: str | None) -> list[str]:
+    """The ``name==version`` lines of a resolution."""
+    if not resolution:
+        return []
+    return [
+        line.split(";")[0].strip()
+        for line in resolution.splitlines()
+        if line.strip() and not line.lstrip().startswith("#") and "==" in line
+    ]
 
 
 def _link_rl_distributed(folder: Path) -> None:
@@ -204,12 +299,14 @@ def list_envs() -> list[dict]:
 
 
 def clean_envs(name: str | None = None) -> list[str]:
-    """Delete cached environments (all, or those named ``name``); returns the folders removed."""
+    """Delete cached environments (all, or those named ``name``); returns the folders removed.
+
+    Stored resolutions stay: a rebuilt environment gets the same versions again."""
     removed = []
     root = cache_root()
     if not root.is_dir():
         return removed
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != RESOLUTIONS):
         env_name = folder.name.rsplit("-", 1)[0]
         if name is None or env_name == name:
             with FileLock(str(folder) + ".lock"):
