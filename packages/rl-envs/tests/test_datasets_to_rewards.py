@@ -96,7 +96,9 @@ def test_reasoning_gym_rows_reach_their_tasks_scorer(ray_session, prompts):
             datums = prompts(load_dataset(ReasoningGymConfig(task=task, size=3, seed=5)))
             answers = [d["extra_env_info"]["ground_truth"] for d in datums]
             gold = [f"Thinking it over. <answer>{a}</answer>" for a in answers]
-            wrong = [f"<answer>{a}1</answer>" for a in answers]  # a digit more: wrong
+            # A far-off number: these scorers give partial credit for near misses ("1841" for
+            # "184" earns 0.75), which is the task's choice, not a wiring fault.
+            wrong = [f"<answer>{-int(a) - 1}</answer>" for a in answers]
             assert score(env, datums, gold) == [1.0] * 3, task
             assert score(env, datums, wrong) == [0.0] * 3, task
     finally:
