@@ -344,3 +344,20 @@ def test_without_isolation_running_needs_allow_unisolated_and_says_so(monkeypatc
         assert not result.isolated and "UNISOLATED" in result.isolation
     finally:
         sandbox.find_isolation.cache_clear()
+
+
+def test_a_program_that_writes_garbage_on_the_report_channel_earns_nothing():
+    # Deeply nested JSON, huge numbers and broken lines, written where the report goes.
+    program = """
+        import os
+        junk = b"[" * 100000 + b"\\n" + b'{"case": 0, "value": 1' + b"9" * 5000 + b"}\\n{{{\\n"
+        def answer():
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, junk)
+                except OSError:
+                    pass
+            return "wrong"
+        """
+    result = run(program, [SECRET_CASE, CallCase(function="answer", expected="wrong")])
+    assert result.passed == [False, True]

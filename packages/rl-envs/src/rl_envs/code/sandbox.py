@@ -229,7 +229,7 @@ class _Channel:
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):  # garbage is no answer
                 record = json.loads(line)
                 if not isinstance(record, dict):
                     continue
@@ -262,7 +262,7 @@ def _drain(proc: subprocess.Popen[bytes], channel: _Channel, deadline: float) ->
 def _sandbox_pidfd(info_r: int, deadline: float) -> int | None:
     """A pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report."""
     data = b""
-    while time.monotonic() < deadline and select.select([info_r], [], [], 1.0)[0]:
+    while select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
         chunk = os.read(info_r, 4096)
         if not chunk:
             break
