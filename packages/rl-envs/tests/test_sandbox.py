@@ -107,6 +107,16 @@ def test_assert_tests_are_refused_and_convertible():
     ]
     with pytest.raises(ValueError, match="add\\(1\\) > 3"):
         call_cases_from_asserts(["assert add(1) > 3"])
+    # As a Parquet column of mixed cases gives them: every key in every row, or a JSON string.
+    from_parquet = [
+        {"stdin": "1", "stdout": "1", "function": None, "args": None, "expected": None},
+        {"stdin": None, "stdout": None, "function": "f", "args": [1], "expected": None},
+    ]
+    assert parse_cases(from_parquet) == [
+        StdioCase(stdin="1", stdout="1"),
+        CallCase(function="f", args=[1], expected=None),
+    ]
+    assert parse_cases('[{"stdout": "x"}]') == [StdioCase(stdout="x")]
 
 
 def test_the_program_can_work_in_its_directory_but_write_nothing_outside(tmp_path):

@@ -70,7 +70,11 @@ _CASES = TypeAdapter(list[StdioCase | CallCase])
 
 
 def parse_cases(tests: Any) -> list[TestCase]:
-    """A sample's ``tests``: a non-empty list of stdio or function-call cases (dicts)."""
+    """A sample's ``tests``: a non-empty list of stdio or function-call cases (dicts), or that
+    list as a JSON string. A Parquet column of mixed cases gives every row every key, the
+    other kind's as None: those are dropped."""
+    if isinstance(tests, str) and tests.lstrip().startswith("["):
+        tests = json.loads(tests)
     if not isinstance(tests, list) or not tests:
         raise ValueError(f"'tests' must be a non-empty list of test cases, got {tests!r:.200}")
     if any(isinstance(t, str) for t in tests):
@@ -80,7 +84,17 @@ def parse_cases(tests: Any) -> list[TestCase]:
             "'expected'} cases (rl_envs.code.cases.call_cases_from_asserts converts "
             "'assert f(...) == value')"
         )
-    return _CASES.validate_python(tests)
+    return _CASES.validate_python([_one_kind(t) for t in tests])
+
+
+def _one_kind(case: Any) -> Any:
+    """Drops the other kind's keys where they are None (``expected: None`` is a real value)."""
+    if not isinstance(case, dict):
+        return case
+    other = ("function", "args", "kwargs", "expected")
+    if case.get("function") is not None:
+        other = ("stdin", "stdout")
+    return {k: v for k, v in case.items() if not (k in other and v is None)}
 
 
 def sandbox_job(case: TestCase) -> dict[str, Any]:
