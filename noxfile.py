@@ -7,6 +7,11 @@ works alone. `slow` holds the long tier (multi-process Ray clusters started by t
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
+
 import nox
 
 nox.options.default_venv_backend = "uv"
@@ -22,6 +27,14 @@ NOT_IN_STANDALONE_DISTRIBUTED = [
     "rl_data",
     "rl_models",
 ]
+SANDBOX_TESTS = "packages/rl-envs/tests/test_sandbox.py"
+SANDBOX_TEST_USER = "rl-sandbox-ci"
+# What the sandbox tests import, installed at the session's (the lock's) versions.
+SANDBOX_TEST_DEPS = [
+    "pydantic", "pydantic-core", "annotated-types", "typing-extensions", "typing-inspection",
+    "hydra-core", "omegaconf", "antlr4-python3-runtime", "pyyaml", "packaging", "attrs",
+    "pytest", "pluggy", "iniconfig", "pygments", "pytest-timeout",
+]  # fmt: skip
 
 
 def sync(session: nox.Session, *args: str) -> None:
@@ -46,6 +59,57 @@ for _package in PACKAGES:
     def package_session(session: nox.Session, package: str = _package) -> None:
         sync(session, "--package", package, "--group", "test")
         pytest(session, f"packages/{package}/tests")
+        if package == "rl-envs":
+            sandbox_tests_unprivileged(session)
+
+
+def sandbox_tests_unprivileged(session: nox.Session) -> None:
+    """Run the sandbox tests again as an unprivileged user when CI runs as root.
+
+    As root, bubblewrap is started as `nobody`; as any other user it goes through unprivileged
+    user namespaces, the way most users run it: both must hold. The session's interpreter may
+    live under /root, which the user cannot enter, so the tests get a venv on the system
+    Python, with the few packages they import at the lock's versions, in a world-readable
+    temporary directory.
+    """
+    if os.geteuid() != 0:
+        return  # the session above already ran them unprivileged
+    if subprocess.run(["id", "-u", SANDBOX_TEST_USER], capture_output=True).returncode != 0:
+        session.run(
+            *("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin"),
+            SANDBOX_TEST_USER,
+            external=True,
+        )
+    work = tempfile.mkdtemp(prefix="rl-sandbox-tests-")
+    try:
+        versions = session.run(
+            "python",
+            "-c",
+            f"import importlib.metadata as m\nfor n in {SANDBOX_TEST_DEPS!r}: "
+            "print(f'{n}=={m.version(n)}')",
+            silent=True,
+        )
+        with open(f"{work}/requirements.txt", "w") as f:
+            f.write(versions)
+        venv = f"{work}/venv"
+        session.run("uv", "venv", "-q", "--python", "/usr/bin/python3", venv, external=True)
+        install = ("uv", "pip", "install", "-q", "--python", venv)
+        session.run(*install, "-r", f"{work}/requirements.txt", external=True)
+        session.run(
+            *install, "--no-deps", "./packages/rl-envs", "./packages/rl-distributed", external=True
+        )
+        os.makedirs(f"{work}/tests")
+        shutil.copy(SANDBOX_TESTS, f"{work}/tests/")
+        session.run("chmod", "-R", "a+rX", work, external=True)
+        with session.chdir(work):
+            session.run(
+                *("runuser", "-u", SANDBOX_TEST_USER, "--"),
+                *(f"{venv}/bin/python", "-m", "pytest", "-p", "no:cacheprovider"),
+                *("tests/" + os.path.basename(SANDBOX_TESTS), *session.posargs),
+                external=True,
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @nox.session(python=PYTHON)

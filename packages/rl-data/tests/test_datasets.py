@@ -130,10 +130,10 @@ def test_reasoning_gym_rows_keep_the_ground_truth_and_score():
     assert [r["messages"] for r in rows] == [r["messages"] for r in again]
     assert [r["messages"] for r in rows] != [r["messages"] for r in other]
     info = rows[0]["extra_env_info"]
-    assert info["ground_truth"] == info["reasoning_gym_entry"]["answer"]
-    assert rows[0]["messages"][0]["content"] == info["reasoning_gym_entry"]["question"]
+    assert info["ground_truth"] == info["entry"]["answer"]
+    assert rows[0]["messages"][0]["content"] == info["entry"]["question"]
     score = reasoning_gym.get_score_answer_fn("basic_arithmetic")
-    assert score(info["ground_truth"], info["reasoning_gym_entry"]) == 1.0
+    assert score(info["ground_truth"], info["entry"]) == 1.0
 
 
 def test_reasoning_gym_unknown_task_suggests_names():

@@ -13,18 +13,3 @@ def ray_session():
     init_ray(num_cpus=4, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-CONTAINED: list[str] = []  # hostile programs the sandbox held, for the summary line
-
-
-@pytest.fixture(scope="session")
-def contained() -> list[str]:
-    return CONTAINED
-
-
-def pytest_terminal_summary(terminalreporter):
-    if CONTAINED:
-        terminalreporter.write_line(
-            f"sandbox: {len(CONTAINED)} hostile programs contained ({', '.join(CONTAINED)})"
-        )

@@ -4,6 +4,7 @@ import time
 import pytest
 import ray
 
+from rl_envs._child import HEADER
 from rl_envs.pool import VerifierWorker, WorkerPool
 
 pytestmark = pytest.mark.ray
@@ -91,3 +92,18 @@ def test_a_worker_killed_mid_hang_leaves_no_verifier_process(ray_session):
     while _processes_with("colorsys") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_with("colorsys") == []
+
+
+def test_a_garbled_or_truncated_result_frame_costs_only_its_sample(ray_session):
+    # os.write(3, ...) from inside the verifier process writes straight onto its result
+    # channel (the duplicate of its stdout, fd 3): a forged frame the parent must survive.
+    garbled = HEADER.pack(8) + b"\x80\x05garbl"  # a header, then bytes that do not unpickle
+    truncated = HEADER.pack(1000) + b"\x80\x05" * 5  # promises 1000 bytes, sends 10
+    pool = WorkerPool("os:write", num_workers=1, timeout_s=2.0, chunk_size=4)
+    try:
+        outcomes = pool.map([(2, b"fine\n"), (3, garbled), (3, truncated), (2, b"fine\n")])
+        assert [o.status for o in outcomes] == ["ok", "error", "timeout", "ok"]
+        assert "bad result frame" in outcomes[1].error
+        assert outcomes[3].value == 5
+    finally:
+        pool.shutdown()

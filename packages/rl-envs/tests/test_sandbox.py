@@ -1,130 +1,373 @@
+"""The code sandbox against honest and hostile programs.
+
+Self-contained (no conftest fixtures, no Ray): the rl-envs nox session runs this file a second
+time as an unprivileged user when CI runs as root, so both ways of starting bubblewrap are held
+to the same cases.
+"""
+
 import os
+import secrets
 import socket
 import textwrap
+import time
 
 import pytest
 
-from rl_envs.code.sandbox import SandboxLimits, run_tests
+from rl_envs.code import sandbox
+from rl_envs.code.cases import CallCase, StdioCase, call_cases_from_asserts, parse_cases
+from rl_envs.code.sandbox import SandboxLimits, SandboxUnavailableError, run_code
 
-LIMITS = SandboxLimits(cpu_time_s=1, wall_time_s=2.5, memory_mb=512, max_processes=16)
+LIMITS = SandboxLimits(
+    cpu_time_s=1, case_time_s=2, wall_time_s=6, memory_mb=512, max_processes=16, tmp_size_mb=16
+)
+ADD_CASES = [
+    CallCase(function="add", args=[1, 2], expected=3),
+    CallCase(function="add", args=[-5, 5], expected=0),
+    CallCase(function="add", args=[2, 2], expected=5),  # wrong on purpose: no honest pass
+]
+SUM_CASES = [StdioCase(stdin="1 2\n", stdout="3\n"), StdioCase(stdin="4 5", stdout="9")]
 ADD = "def add(a, b):\n    return a + b\n"
-TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 0) == 1"]
+SUM = "print(sum(map(int, input().split())))\n"
 
 
-def live_processes(uid: int | None, workdir: str) -> list[int]:
-    """Processes still alive (zombies aside) that ran as the sandbox's uid or inside its dir."""
+def sandbox_processes() -> list[int]:
+    """Live processes of any sandbox: every one runs the launcher or the program's file."""
+    marker = sandbox.LAUNCHER.encode()
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-            cwd = os.readlink(f"/proc/{pid}/cwd") if uid is None else ""
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if status["State"].strip().startswith("Z"):
-            continue
-        if (uid is not None and int(status["Uid"].split()[0]) == uid) or cwd.startswith(workdir):
+        if state != "Z" and (marker in args or b"solution.py" in args):
             found.append(int(pid))
     return found
 
 
-def run_contained(solution: str, tests=TESTS, limits=LIMITS):
-    result = run_tests(textwrap.dedent(solution), tests, limits)
-    assert not os.path.exists(result.workdir), "the working directory was left behind"
-    assert live_processes(result.uid, result.workdir) == [], "processes were left behind"
+def run(solution: str, cases, limits=LIMITS):
+    start = time.monotonic()
+    result = run_code(textwrap.dedent(solution), cases, limits)
+    assert time.monotonic() - start < limits.wall_time_s + 15, "the run was not cut off"
+    assert result.isolated, "these tests are about the isolated sandbox"
+    assert sandbox_processes() == [], "processes of the sandbox outlived the run"
     return result
 
 
-def test_a_correct_program_passes_and_a_partly_wrong_one_gets_partial_credit():
-    assert run_contained(ADD).passed == [True, True, False]
-    assert run_contained(ADD.replace("a + b", "a * b")).reward == pytest.approx(1 / 3)
-    assert run_contained("def add(a, b) return").reward == 0.0  # malformed
+def test_this_machine_isolates():
+    isolation = sandbox.find_isolation()
+    assert isolation.bwrap is not None, f"bubblewrap is needed for these tests: {isolation.why_not}"
+    if os.geteuid() == 0:
+        assert isolation.run_as not in (None, 0)  # root never runs model code as root
 
 
-def test_the_sandbox_records_what_isolation_it_got():
-    result = run_contained(ADD)
-    if os.geteuid() == 0:  # this machine can: the test pins it down
-        assert result.network_isolated and result.private_tmp and result.uid is not None
+def test_outputs_are_compared_type_strictly_outside():
+    result = run(ADD, ADD_CASES)
+    assert result.passed == [True, True, False]
+    assert result.outputs[0] == {"case": 0, "value": 3}
+    strict = [
+        CallCase(function="f", expected=1),
+        CallCase(function="f", expected=1.0),
+        CallCase(function="f", expected=True),
+        CallCase(function="f", expected="1"),
+        CallCase(function="g", expected=[1, [2.0, None], {"a": False}]),
+        CallCase(function="g", expected=[1, [2, None], {"a": False}]),
+    ]
+    program = "def f():\n    return 1\ndef g():\n    return (1, (2.0, None), {'a': False})\n"
+    assert run(program, strict).passed == [True, False, False, False, True, False]
 
 
-# Each hostile program: (name, solution, expected reward). A program that also defines `add`
-# correctly keeps the credit for its tests: containment must not cost honest work.
-HOSTILE = {
-    "infinite loop": ("while True:\n    pass\n", 0.0),
-    "fork bomb": (
-        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-        0.0,
-    ),
-    "memory bomb": ("blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 2**20))\n", 0.0),
-    "huge output": (
-        ADD + "import sys\nfor _ in range(2000):\n    sys.stdout.write('x' * 50000)\n",
-        2 / 3,
-    ),
-    "escapes its process group": (
-        ADD + "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\n",
-        2 / 3,
-    ),
+def test_stdin_stdout_cases_each_run_the_program_afresh():
+    assert run(SUM, SUM_CASES).passed == [True, True]
+    assert run(SUM.replace("sum", "max"), SUM_CASES).passed == [False, False]
+    assert run("import sys\nprint(3)\nsys.exit(1)\n", SUM_CASES[:1]).passed == [False]
+    mixed = run(ADD + "\nif __name__ == '__main__':\n    " + SUM, [*ADD_CASES, *SUM_CASES])
+    assert mixed.passed == [True, True, False, True, True]
+
+
+def test_a_malformed_or_hanging_program_fails_its_cases_only():
+    assert run("def add(a, b) return", ADD_CASES).reward == 0.0
+    slow = ADD + "def add_slow(a, b):\n    while True:\n        pass\n"
+    cases = [
+        CallCase(function="add_slow", args=[1, 2], expected=3),
+        *ADD_CASES[:2],
+    ]
+    assert run(slow, cases).passed == [False, True, True]
+
+
+def test_assert_tests_are_refused_and_convertible():
+    with pytest.raises(ValueError, match="assert-style"):
+        parse_cases(["assert add(1, 2) == 3"])
+    cases = call_cases_from_asserts(["assert add(1, 2) == 3", "assert (1, 2) == pair(x=1)"])
+    assert cases == [
+        CallCase(function="add", args=[1, 2], expected=3),
+        CallCase(function="pair", kwargs={"x": 1}, expected=[1, 2]),
+    ]
+    with pytest.raises(ValueError, match="add\\(1\\) > 3"):
+        call_cases_from_asserts(["assert add(1) > 3"])
+    # As a Parquet column of mixed cases gives them: every key in every row, or a JSON string.
+    from_parquet = [
+        {"stdin": "1", "stdout": "1", "function": None, "args": None, "expected": None},
+        {"stdin": None, "stdout": None, "function": "f", "args": [1], "expected": None},
+    ]
+    assert parse_cases(from_parquet) == [
+        StdioCase(stdin="1", stdout="1"),
+        CallCase(function="f", args=[1], expected=None),
+    ]
+    assert parse_cases('[{"stdout": "x"}]') == [StdioCase(stdout="x")]
+
+
+def test_the_program_can_work_in_its_directory_but_write_nothing_outside(tmp_path):
+    host_targets = [tmp_path / "pwned", "/tmp/rl-pwned", "/dev/shm/rl-pwned", os.getcwd() + "/pw"]
+    program = f"""
+        import os
+        for path in {[str(p) for p in host_targets]!r} + ["/rl-pwned", "/dev/rl-pwned"]:
+            try:
+                open(path, "w").write("x")
+            except OSError:
+                pass
+        def roundtrip(text):
+            open("note.txt", "w").write(text)
+            return open("note.txt").read()
+        """
+    result = run(program, [CallCase(function="roundtrip", args=["fine"], expected="fine")])
+    assert result.reward == 1.0
+    assert not any(os.path.exists(p) for p in host_targets)
+
+
+# Hostile programs, each against cases it must not pass. The secret expected value is fresh per
+# test run, so only a program that reads it from somewhere could return it.
+SECRET = "s3cret-" + secrets.token_hex(8)
+SECRET_CASE = CallCase(function="answer", expected=SECRET)
+SECRET_STDIO = StdioCase(stdin="", stdout=SECRET)
+
+HOSTILE_CALLS = {
+    "replaces builtins.exec": """
+        import builtins
+        builtins.exec = lambda *a, **k: None
+        builtins.compile = lambda *a, **k: None
+        def answer():
+            return None
+        """,
+    "digs through frames and the heap": """
+        import gc, sys
+        def answer():
+            for frame_depth in range(1, 20):
+                try:
+                    frame = sys._getframe(frame_depth)
+                except ValueError:
+                    break
+                for value in list(frame.f_locals.values()) + list(frame.f_globals.values()):
+                    if isinstance(value, dict) and "expected" in value:
+                        return value["expected"]
+            for obj in gc.get_objects():
+                if isinstance(obj, dict) and "expected" in obj:
+                    return obj["expected"]
+            return "nothing found"
+        """,
+    "returns an always-equal object": """
+        class Anything:
+            def __eq__(self, other):
+                return True
+        def answer():
+            return Anything()
+        """,
+    "returns an always-equal str": """
+        class Anything(str):
+            def __eq__(self, other):
+                return True
+            __hash__ = str.__hash__
+        def answer():
+            return Anything("x")
+        """,
+    "reads test files and expected outputs": """
+        import os
+        def answer():
+            found = []
+            for root in ["/tmp", "/", "/proc", "/dev/shm", os.getcwd()]:
+                for base, dirs, files in os.walk(root):
+                    if base.startswith(("/proc/sys", "/usr", "/sys")) or base.count("/") > 4:
+                        dirs[:] = []
+                    for name in files:
+                        try:
+                            with open(os.path.join(base, name), errors="ignore") as f:
+                                text = f.read(1 << 16)
+                        except OSError:
+                            continue
+                        if "s3cret-" in text:
+                            start = text.index("s3cret-")
+                            return text[start : start + 23]
+                        found.append(name)
+            return str(found)[:100]
+        """,
+    "exits before the tests (sys.exit)": "import sys\nsys.exit(0)\ndef answer():\n    return 0\n",
+    "exits before the tests (os._exit)": "import os\nos._exit(0)\ndef answer():\n    return 0\n",
+    "prints fake result lines": """
+        import os, sys
+        fake = '{"case": 0, "value": true}\\n{"done": true}\\n'
+        print(fake)
+        sys.__stdout__.write(fake)
+        for fd in range(64):
+            try:
+                os.write(fd, fake.encode())
+            except OSError:
+                pass
+        def answer():
+            return True
+        """,
+    "reads the parent's environment": """
+        import os
+        def answer():
+            seen = str(dict(os.environ))
+            for pid in os.listdir("/proc"):
+                for what in ("environ", "cmdline"):
+                    try:
+                        seen += open(f"/proc/{pid}/{what}", errors="ignore").read()
+                    except OSError:
+                        pass
+            return seen
+        """,
 }
 
 
-@pytest.mark.parametrize("name", list(HOSTILE))
-def test_hostile_program_is_contained(name, contained):
-    solution, reward = HOSTILE[name]
-    result = run_contained(solution)
-    assert result.reward == pytest.approx(reward)
-    assert len(result.stdout) <= LIMITS.max_output_bytes
-    contained.append(name)
+@pytest.mark.parametrize("name", list(HOSTILE_CALLS))
+def test_hostile_function_programs_earn_nothing(name, monkeypatch):
+    monkeypatch.setenv("RL_TEST_SECRET", SECRET)  # in the parent's environment, too
+    result = run(HOSTILE_CALLS[name], [SECRET_CASE])
+    assert result.reward == 0.0
+    assert SECRET not in repr(result.outputs) + result.stderr
 
 
-def test_writing_outside_the_working_directory(tmp_path, contained):
-    target = tmp_path / "pwned"
-    result = run_contained(
-        ADD
-        + "import os\n"
-        + f"for path in [{str(target)!r}, '/tmp/rl-pwned']:\n"
-        + "    try:\n        open(path, 'w').write('x')\n    except OSError:\n        pass\n"
-        + "open('inside', 'w').write('fine')\n",
-        tests=[*TESTS[:2], "assert open('inside').read() == 'fine'"],
-    )
-    assert result.reward == 1.0  # writing in its own directory works
-    assert not target.exists()
-    if result.private_tmp:
-        assert not os.path.exists("/tmp/rl-pwned")
-    contained.append("writes outside its directory")
+HOSTILE_STDIO = {
+    "replaces sys.stdout": "import io, sys\nsys.stdout = io.StringIO()\nprint('anything')\n",
+    "prints fake result lines": 'print(\'{"case": 0, "stdout": "x", "exit_code": 0}\')\n',
+    "exits before printing": "import sys\nsys.exit(0)\n",
+    "reads the launcher's memory": """
+        import os
+        seen = ""
+        for pid in os.listdir("/proc"):
+            try:
+                seen += open(f"/proc/{pid}/cmdline", errors="ignore").read()
+            except OSError:
+                pass
+        print(seen[:1000])
+        """,
+}
 
 
-def test_the_parents_environment_is_invisible(monkeypatch, contained):
-    monkeypatch.setenv("RL_TEST_SECRET", "hunter2")
-    result = run_contained(
-        "import os\n"
-        "def secret():\n"
-        "    found = os.environ.get('RL_TEST_SECRET', '')\n"
-        "    try:\n"
-        "        found += open(f'/proc/{os.getppid()}/environ').read()\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "    return found\n",
-        tests=["assert 'hunter2' not in secret()", "assert 'hunter2' in secret()"],
-    )
-    assert result.passed == [True, False]
-    contained.append("reads the parent's environment")
+@pytest.mark.parametrize("name", list(HOSTILE_STDIO))
+def test_hostile_stdio_programs_earn_nothing(name):
+    result = run(HOSTILE_STDIO[name], [SECRET_STDIO])
+    assert result.reward == 0.0
+    assert SECRET not in repr(result.outputs)
 
 
-def test_no_connection_reaches_a_loopback_port(contained):
+# Programs that attack the machine, not the reward: each must be stopped and leave nothing.
+# The honest `add` they also define keeps its credit: containment must not cost honest work.
+RESOURCE_ATTACKS = {
+    "infinite loop": "while True:\n    pass\n",
+    "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+    "        pass\n",
+    "memory bomb": "blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 2**20))\n",
+    "huge output": "import sys\nfor _ in range(4000):\n    sys.stdout.write('x' * 50000)\n",
+    "fills its disk": "f = open('big', 'wb')\nwhile True:\n    f.write(b'x' * 2**20)\n",
+}
+
+
+@pytest.mark.parametrize("name", list(RESOURCE_ATTACKS))
+def test_resource_attacks_are_contained(name):
+    stdio = run(RESOURCE_ATTACKS[name], SUM_CASES)  # as a whole program, once per case
+    assert stdio.reward == 0.0
+    program = ADD + "def attack():\n" + textwrap.indent(RESOURCE_ATTACKS[name], "    ")
+    calls = run(program, [CallCase(function="attack", expected="finished"), *ADD_CASES[:2]])
+    assert calls.passed[0] is False
+    if name != "fork bomb":  # the bomb may use up the process for good; that is its loss
+        assert calls.passed[1:] == [True, True]
+    assert len(repr(calls.outputs)) < 10 * LIMITS.max_output_bytes
+
+
+def test_huge_output_on_the_report_channel_is_cut():
+    program = ADD + "import os\nfor _ in range(400):\n    os.write(3, b'x' * 2**20)\n"
+    # fd 3 is where a duplicate of the launcher's report channel usually lands
+    result = run(program, [CallCase(function="add", args=[1, 2], expected=3)])
+    assert result.reward <= 1.0 and len(result.stderr) <= sandbox.STDERR_KEPT_BYTES
+
+
+def test_a_child_that_outlives_the_run_is_gone():
+    marker = f"{3000 + secrets.randbelow(1000)}.{secrets.randbelow(10**6)}"
+    program = f"""
+        import os
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv("/bin/sleep", ["sleep", "{marker}"])
+            os._exit(0)
+        def add(a, b):
+            return a + b
+        """
+    result = run(program, ADD_CASES[:1])
+    assert result.reward == 1.0
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    assert left == []
+
+
+def test_no_connection_reaches_a_loopback_port():
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
-        server.settimeout(0.5)
         port = server.getsockname()[1]
-        result = run_contained(
-            "import socket\n"
-            "def connect():\n"
-            f"    socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
-            "    return True\n",
-            tests=["assert connect()"],
-        )
+        program = f"""
+            import socket
+            def connect():
+                try:
+                    socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
+                    return "connected"
+                except OSError as e:
+                    return "refused"
+            """
+        result = run(program, [CallCase(function="connect", expected="connected")])
+        server.settimeout(0.5)
         with pytest.raises(TimeoutError):
             server.accept()
-    if result.network_isolated:
-        assert result.reward == 0.0
-        contained.append("connects to a loopback port")
+    assert result.reward == 0.0
+    assert result.outputs[0]["value"] == "refused"
+
+
+def test_without_isolation_running_needs_allow_unisolated_and_says_so(monkeypatch):
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    sandbox.find_isolation.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailableError, match="allow_unisolated"):
+            run_code(ADD, ADD_CASES, LIMITS)
+        limits = LIMITS.model_copy(update={"allow_unisolated": True})
+        result = run_code(ADD, ADD_CASES, limits)
+        assert result.passed == [True, True, False]
+        assert not result.isolated and "UNISOLATED" in result.isolation
+    finally:
+        sandbox.find_isolation.cache_clear()
+
+
+def test_a_program_that_writes_garbage_on_the_report_channel_earns_nothing():
+    # Deeply nested JSON, huge numbers and broken lines, written where the report goes.
+    program = """
+        import os
+        junk = b"[" * 100000 + b"\\n" + b'{"case": 0, "value": 1' + b"9" * 5000 + b"}\\n{{{\\n"
+        def answer():
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, junk)
+                except OSError:
+                    pass
+            return "wrong"
+        """
+    result = run(program, [SECRET_CASE, CallCase(function="answer", expected="wrong")])
+    assert result.passed == [False, True]

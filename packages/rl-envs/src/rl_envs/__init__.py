@@ -13,6 +13,7 @@ from typing import Any
 __version__ = version("rl-envs")
 
 _WHERE = {
+    "CallCase": "rl_envs.code.cases",
     "CodeEnvConfig": "rl_envs.code.env",
     "CodeEnvironment": "rl_envs.code.env",
     "EnvironmentInterface": "rl_envs.interfaces",
@@ -27,15 +28,18 @@ _WHERE = {
     "RewardModelEnvironment": "rl_envs.reward_model_env",
     "SandboxLimits": "rl_envs.code.sandbox",
     "SandboxResult": "rl_envs.code.sandbox",
+    "SandboxUnavailableError": "rl_envs.code.sandbox",
     "SlidingPuzzleConfig": "rl_envs.sliding_puzzle",
     "SlidingPuzzleEnvironment": "rl_envs.sliding_puzzle",
+    "StdioCase": "rl_envs.code.cases",
     "VerifierEnvConfig": "rl_envs.verifier_env",
     "VerifierEnvironment": "rl_envs.verifier_env",
     "WorkerPool": "rl_envs.pool",
+    "call_cases_from_asserts": "rl_envs.code.cases",
     "last_assistant_text": "rl_envs.interfaces",
     "pass_at_k": "rl_envs.metrics",
     "reward_metrics": "rl_envs.metrics",
-    "run_tests": "rl_envs.code.sandbox",
+    "run_code": "rl_envs.code.sandbox",
     "score_code": "rl_envs.verifiers",
     "score_math": "rl_envs.verifiers",
     "score_reasoning_gym": "rl_envs.verifiers",

@@ -20,22 +20,25 @@ import traceback
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-_HEADER = struct.Struct("<Q")
+HEADER = struct.Struct("<Q")
 PR_SET_PDEATHSIG = 1
 
 
 def write_frame(stream: BinaryIO, obj: Any) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
+    stream.write(HEADER.pack(len(data)) + data)
     stream.flush()
 
 
 def read_frame(stream: BinaryIO) -> Any:
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
         raise EOFError
-    (size,) = _HEADER.unpack(header)
-    return pickle.loads(stream.read(size))
+    (size,) = HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError(f"truncated frame: {len(data)} of {size} bytes")
+    return pickle.loads(data)
 
 
 def resolve(path: str) -> Callable[..., Any]:

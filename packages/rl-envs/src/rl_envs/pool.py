@@ -17,17 +17,19 @@ import contextlib
 import logging
 import math
 import os
+import pickle
 import select
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
 from ray.exceptions import RayActorError
 
-from rl_envs._child import read_frame, write_frame
+from rl_envs._child import HEADER, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +63,34 @@ class VerifierProcess:
             # Its own process group, so that a timeout kills whatever the verifier started too.
             start_new_session=True,
         )
-        if self._wait_readable(proc, STARTUP_TIMEOUT_S):
-            with contextlib.suppress(EOFError):
-                if read_frame(proc.stdout)[0] == "ready":
-                    return proc
+        with contextlib.suppress(Exception):
+            if self._receive(proc, STARTUP_TIMEOUT_S)[0] == "ready":
+                return proc
         self._kill(proc)
         raise RuntimeError(f"the verifier process did not start (preloading {self._preload})")
 
     @staticmethod
-    def _wait_readable(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
-        return bool(select.select([proc.stdout], [], [], timeout_s)[0])
+    def _receive(proc: subprocess.Popen[bytes], timeout_s: float) -> Any:
+        """One frame from the process, read from its pipe's descriptor directly (no buffering)
+        and never past ``timeout_s``: a process that writes half a frame and hangs costs a
+        timeout, one that dies mid-frame an ``EOFError``."""
+        deadline = time.monotonic() + timeout_s
+        fd = proc.stdout.fileno()
+
+        def read_exactly(n: int) -> bytes:
+            data = bytearray()
+            while len(data) < n:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    raise TimeoutError
+                chunk = os.read(fd, n - len(data))
+                if not chunk:
+                    raise EOFError(f"truncated frame: {len(data)} of {n} bytes")
+                data += chunk
+            return bytes(data)
+
+        (size,) = HEADER.unpack(read_exactly(HEADER.size))
+        return pickle.loads(read_exactly(size))
 
     @staticmethod
     def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -91,14 +111,19 @@ class VerifierProcess:
         proc = self._proc
         try:
             write_frame(proc.stdin, (function, args))
-            if not self._wait_readable(proc, timeout_s):
-                self.close()
-                return Outcome("timeout", error=f"no answer within {timeout_s:g} s")
-            status, value = read_frame(proc.stdout)
+            status, value = self._receive(proc, timeout_s)
+        except TimeoutError:
+            self.close()
+            return Outcome("timeout", error=f"no answer within {timeout_s:g} s")
         except (EOFError, OSError) as e:
             # The process died under the verifier (killed for memory, a segfault, os._exit).
             self.close()
             return Outcome("error", error=f"verifier process died: {e!r}")
+        except Exception as e:
+            # A garbled frame (UnpicklingError, a frame of the wrong shape): this sample's
+            # error. The stream cannot be trusted past it, so the next sample gets a fresh one.
+            self.close()
+            return Outcome("error", error=f"bad result frame from the verifier: {e!r}")
         if status == "ok":
             return Outcome("ok", value=value)
         return Outcome("error", error=value)

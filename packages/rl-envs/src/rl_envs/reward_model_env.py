@@ -2,7 +2,10 @@
 
 The model is a local Hugging Face directory holding an ``AutoModelForSequenceClassification``
 with ``num_labels=1`` and its tokenizer. Conversations are written out with the tokenizer's chat
-template when it has one, else as ``"role: content"`` lines, and scored in batches. On a GPU
+template when it has one (whose text already holds its special tokens, so none are added again),
+else as ``"role: content"`` lines (with the tokenizer's own special tokens), and scored in
+batches. A conversation over ``max_length`` tokens keeps its *last* ``max_length``: the model
+reads its score at the end of the response, so the start of the prompt is what goes. On a GPU
 machine start it with ``RewardModelEnvironment.as_actor(cfg, num_gpus=1)``.
 """
 
@@ -25,17 +28,18 @@ logger = logging.getLogger(__name__)
 class RewardModelEnvConfig(ConfigModel):
     model_path: str
     batch_size: int = 8
-    max_length: int = 4096  # longer conversations keep their first max_length tokens
+    max_length: int = 4096  # longer conversations keep their last max_length tokens
     device: str = "auto"  # "auto": cuda when there is one
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     success_threshold: float = 0.0  # score at which a response counts towards "accuracy"
 
 
-def conversation_text(tokenizer: Any, message_log: MessageLog) -> str:
+def conversation_text(tokenizer: Any, message_log: MessageLog) -> tuple[str, bool]:
+    """The conversation as text, and whether a chat template rendered it."""
     messages = [{"role": m["role"], "content": m["content"]} for m in message_log]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+        return tokenizer.apply_chat_template(messages, tokenize=False), True
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages), False
 
 
 class RewardModelEnvironment(EnvironmentInterface):
@@ -65,19 +69,21 @@ class RewardModelEnvironment(EnvironmentInterface):
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.tokenizer.padding_side = "right"
 
+    def encode(self, message_log: MessageLog) -> list[int]:
+        """Token ids of one conversation, special tokens once, at most ``max_length`` (the end)."""
+        text, templated = conversation_text(self.tokenizer, message_log)
+        ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        return ids[-self.cfg.max_length :]
+
     @torch.no_grad()
-    def score(self, texts: list[str]) -> torch.Tensor:
-        """One float score per text, batched ``cfg.batch_size`` at a time."""
+    def score(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """One float score per sequence, batched ``cfg.batch_size`` at a time."""
         scores = []
-        for i in range(0, len(texts), self.cfg.batch_size):
-            enc = self.tokenizer(
-                texts[i : i + self.cfg.batch_size],
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=self.cfg.max_length,
+        for i in range(0, len(token_ids), self.cfg.batch_size):
+            batch = self.tokenizer.pad(
+                {"input_ids": token_ids[i : i + self.cfg.batch_size]}, return_tensors="pt"
             ).to(self.device)
-            scores.append(self.model(**enc).logits[:, 0].float().cpu())
+            scores.append(self.model(**batch).logits[:, 0].float().cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 
     def step(
@@ -85,9 +91,7 @@ class RewardModelEnvironment(EnvironmentInterface):
     ) -> EnvironmentReturn:
         n = len(message_log_batch)
         try:
-            rewards = self.score(
-                [conversation_text(self.tokenizer, log) for log in message_log_batch]
-            )
+            rewards = self.score([self.encode(log) for log in message_log_batch])
             status = "ok"
         except Exception:  # e.g. out of memory: this batch goes unscored, the run goes on
             logger.exception("reward model failed on a batch of %d", n)

@@ -11,7 +11,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from rl_envs.code.sandbox import SandboxLimits, run_tests
+from rl_envs.code.cases import parse_cases
+from rl_envs.code.sandbox import SandboxLimits, run_code
 
 _FENCE = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -70,9 +71,12 @@ def extract_code(response: str) -> str:
     return blocks[-1] if blocks else response
 
 
-def score_code(response: str, tests: list[str], limits: dict[str, Any]) -> tuple[float, str]:
-    result = run_tests(extract_code(response), list(tests), SandboxLimits(**limits))
+def score_code(response: str, tests: list[dict], limits: dict[str, Any]) -> tuple[float, str]:
+    """Fraction of ``tests`` (stdio or function-call cases) the response's program passes."""
+    result = run_code(extract_code(response), parse_cases(tests), SandboxLimits(**limits))
     # A program stopped by a limit is the program's failure (reward for what passed), not a
     # verifier timeout: the verifier did its job.
     note = " (stopped by the time limit)" if result.timed_out else ""
+    if not result.isolated:
+        note += " [UNISOLATED: allow_unisolated]"
     return result.reward, f"{sum(result.passed)}/{len(result.passed)} tests passed{note}"

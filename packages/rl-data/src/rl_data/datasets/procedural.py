@@ -22,8 +22,8 @@ class ReasoningGymConfig(ConfigModel):
     """``size`` tasks of one reasoning-gym dataset (any of its task names), generated from ``seed``.
 
     ``extra_env_info`` holds ``ground_truth`` (the reference answer), ``reasoning_gym_task`` and
-    the full ``reasoning_gym_entry`` (question, answer, metadata), which is what
-    ``reasoning_gym.get_score_answer_fn(task)(answer, entry)`` scores against.
+    the full ``entry`` (question, answer, metadata): what ``rl_envs``' reasoning-gym
+    environment reads, and ``reasoning_gym.get_score_answer_fn(task)(answer, entry)`` scores.
     """
 
     source: Literal["reasoning_gym"] = "reasoning_gym"
@@ -67,7 +67,7 @@ def load_reasoning_gym(cfg: ReasoningGymConfig) -> RowDataset:
                 "extra_env_info": {
                     "ground_truth": entry["answer"],
                     "reasoning_gym_task": cfg.task,
-                    "reasoning_gym_entry": entry,
+                    "entry": entry,
                 },
                 "task_name": cfg.task_name,
             }

@@ -1,296 +1,369 @@
-"""Run model-written Python against tests in a separate, limited, throw-away process.
+"""Run a model-written program on test inputs in a sandbox; compare its outputs outside it.
 
-What the child gets, set up between ``fork`` and ``exec`` (``preexec_fn``):
+The program only *produces outputs*: a launcher inside the sandbox (:mod:`rl_envs.code._launcher`)
+runs it on each case's inputs and writes back what it printed or returned. This process, which
+the program cannot reach, compares those outputs with the expected ones
+(:func:`rl_envs.code.cases.case_passed`), which never enter the sandbox.
 
-* resource limits: CPU time, address space, process count, file size, open files, no core dumps;
-* its own process group, killed as a whole on timeout;
-* an empty temporary working directory, removed afterwards, and a cleared environment;
-* its own network namespace where the kernel lets us make one (as root; an unprivileged caller
-  usually may not), where not even the host's loopback is reachable;
-* when running as root: its own mount namespace with fresh ``tmpfs`` over ``/tmp``, ``/var/tmp``
-  and ``/dev/shm`` (so stray files vanish with it), and a *fresh* user id with no groups. The
-  unused uid makes the process-count limit count only this sandbox, lets nothing outside the
-  working directory be written, hides the host processes' ``/proc/*/environ``, and lets us kill
-  every process the program started, even ones that left the process group. Without root, the
-  program runs as the caller: the process limit then counts all of the caller's processes and
-  threads, and only the process group is killed.
+Isolation is bubblewrap (``bwrap``, Debian package ``bubblewrap``), which needs no root: it
+uses unprivileged user namespaces. Each run gets
 
-Which of these happened is recorded in :class:`SandboxResult`. Tests run in the same process as
-the solution, each reporting on stdout under a per-run random nonce the program never sees in its
-files, arguments or environment; a solution that digs the nonce out of the harness's memory can
-still fake a pass. That is reward hacking to watch for, not a way out of the sandbox.
+* its own user, PID, network, mount, IPC, UTS and cgroup namespaces; no capabilities, no
+  nested user namespaces, a new terminal session;
+* a filesystem of read-only system directories (``/usr``, ``/lib``...) and the interpreter,
+  a fresh ``/proc``, a minimal ``/dev``, and size-limited ``tmpfs`` at ``/tmp`` (its working
+  directory) and ``/dev/shm``; nothing of the host is writable, no home, no project files;
+* an empty network namespace: not even the host's loopback (Ray's ports) is reachable;
+* a cleared environment; resource limits on memory, CPU, processes, file size, open files;
+* a whole-sandbox kill: SIGKILL to the PID namespace's init takes every process of the run
+  with it, however it forked or daemonised. Nothing is ever killed by uid.
+
+When the caller is root, ``bwrap`` itself is started as ``nobody`` (the uid that by convention
+owns nothing), so the program holds no root credentials even outside its namespace and the
+process limit is enforced (the kernel exempts root from it).
+
+Where bubblewrap is missing or user namespaces are disabled, running a program raises
+:class:`SandboxUnavailableError` unless ``allow_unisolated: true``; then it runs as a plain
+child process (its own session, resource limits, a temporary directory, a cleared environment,
+but the caller's uid, network and files) and every result says ``isolated=False``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import json
+import logging
 import os
-import re
-import resource
-import secrets
+import pwd
 import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from rl_distributed.config import ConfigModel
+from rl_envs.code.cases import TestCase, case_passed, sandbox_job
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWNET = 0x40000000
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 1 << 18
-PR_SET_PDEATHSIG = 1
-#: Fresh uids are drawn from here: far above any real account's.
-UID_RANGE = (1_000_000, 2_000_000_000)
-PRIVATE_TMP_DIRS = (b"/tmp", b"/var/tmp", b"/dev/shm")
+logger = logging.getLogger(__name__)
 
-_libc = ctypes.CDLL(None, use_errno=True)
+LAUNCHER = (Path(__file__).parent / "_launcher.py").read_text()
+#: System directories the program may read (those that exist), read-only.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache")
+SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
+STDERR_KEPT_BYTES = 16384
 
-HARNESS = r"""
-import json, sys
-def _run():
-    nonce = sys.stdin.readline().strip()
-    sys.stdin.close()
-    tests = json.load(open("tests.json"))
-    with open("solution.py") as f:
-        code = compile(f.read(), "solution.py", "exec")
-    namespace = {"__name__": "solution"}
-    try:
-        exec(code, namespace)
-        loaded = True
-    except BaseException:
-        loaded = False
-    for i, test in enumerate(tests):
-        ok = False
-        if loaded:
-            try:
-                exec(compile(test, f"test_{i}", "exec"), namespace)
-                ok = True
-            except BaseException:
-                pass
-        sys.stdout.write(f"\n{nonce} {i} {int(ok)}\n")
-        sys.stdout.flush()
-_run()
-"""
+
+class SandboxUnavailableError(RuntimeError):
+    """No isolation on this machine, and running unisolated was not allowed."""
 
 
 class SandboxLimits(ConfigModel):
-    """What one sandboxed program may use."""
+    """What one program may use, and whether it may run without isolation."""
 
-    cpu_time_s: int = 5
-    wall_time_s: float = 10.0
-    memory_mb: int = 1024  # address space (RLIMIT_AS), so it counts what is mapped, not touched
-    max_processes: int = 16  # processes and threads of the sandbox's (fresh) user
+    cpu_time_s: int = 5  # CPU seconds per process (function-call cases share one process)
+    case_time_s: float = 5.0  # wall seconds per test case
+    wall_time_s: float = 20.0  # wall seconds for the whole run, all cases
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    max_processes: int = 16  # processes and threads in the sandbox
     max_file_size_mb: int = 16
-    max_output_bytes: int = (
-        65536  # of stdout and of stderr kept for the result; the rest is read and dropped
-    )
-    isolate_network: bool = True
-    drop_privileges: bool = True  # when root: run as a fresh uid in a private mount namespace
+    tmp_size_mb: int = 64  # the private /tmp (working directory) and /dev/shm, each
+    max_output_bytes: int = 1 << 20  # stdout per case; more fails the case
+    # Without bubblewrap the program would run as this process's uid, with its network and
+    # files: only with this set, and then every result says so.
+    allow_unisolated: bool = False
+    python: str | None = None  # the program's interpreter; default: ours, else python3
 
 
 @dataclass
 class SandboxResult:
     passed: list[bool]
-    timed_out: bool
-    returncode: int | None
-    stdout: str
+    outputs: list[dict[str, Any] | None]  # per case: what the program printed or returned
+    timed_out: bool  # the whole run hit ``wall_time_s``
     stderr: str
-    network_isolated: bool
-    uid: int | None  # the fresh uid it ran as, None when it ran as the caller
-    private_tmp: bool
-    workdir: str = field(repr=False, default="")
+    isolated: bool
+    isolation: str  # how it ran, in words
+    output_limited: bool = False  # its output ran over the limit and was cut
 
     @property
     def reward(self) -> float:
-        """Fraction of tests passed (0 when there are none)."""
+        """Fraction of cases passed (0 when there are none)."""
         return sum(self.passed) / len(self.passed) if self.passed else 0.0
 
 
-def _setup_child(limits: SandboxLimits, uid: int | None, status_fd: int) -> None:
-    """Runs in the child between fork and exec: no imports, no allocations worth mentioning."""
-    net = limits.isolate_network and _libc.unshare(CLONE_NEWNET) == 0
-    mounts = False
-    # Mounts must not propagate back to the host: make everything private first.
-    if (
-        uid
-        and _libc.unshare(CLONE_NEWNS) == 0
-        and _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
-    ):
-        mounts = all(
-            _libc.mount(b"tmpfs", d, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64m,mode=1777") == 0
-            for d in PRIVATE_TMP_DIRS
-            if os.path.isdir(d)
+@dataclass(frozen=True)
+class Isolation:
+    bwrap: str | None  # None: no isolation available
+    python: str
+    run_as: int | None  # uid bwrap starts as (root callers: nobody)
+    why_not: str = ""
+
+    @property
+    def description(self) -> str:
+        if self.bwrap is None:
+            return f"UNISOLATED ({self.why_not})"
+        return "bubblewrap: user, PID, network, mount namespaces; private /tmp"
+
+
+def _nobody() -> int:
+    try:
+        return pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        return 65534
+
+
+def bwrap_command(bwrap: str, python: str, limits: SandboxLimits, info_fd: int) -> list[str]:
+    tmp_bytes = str(limits.tmp_size_mb << 20)
+    cmd = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+        "--clearenv",
+    ]
+    for key, value in SANDBOX_ENV.items():
+        cmd += ["--setenv", key, value]
+    for path in SYSTEM_DIRS:
+        cmd += ["--ro-bind-try", path, path]
+    prefix = str(Path(python).parent.parent)
+    if not prefix.startswith("/usr"):  # a pyenv/uv interpreter elsewhere: only its own tree
+        cmd += ["--ro-bind", prefix, prefix]
+    cmd += ["--proc", "/proc", "--dev", "/dev"]
+    cmd += ["--size", tmp_bytes, "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    cmd += ["--size", tmp_bytes, "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp"]
+    cmd += ["--info-fd", str(info_fd), "--", python, "-I", "-c"]
+    return cmd
+
+
+def _probe(bwrap: str, python: str, run_as: int | None) -> str:
+    """ "" when ``python`` runs in the sandbox, else why not."""
+    r, w = os.pipe()
+    try:
+        proc = subprocess.run(
+            [
+                *bwrap_command(bwrap, python, SandboxLimits(), w),
+                "import json, resource, subprocess",
+            ],
+            capture_output=True,
+            pass_fds=(w,),
+            env=SANDBOX_ENV,
+            cwd="/",
+            timeout=60,
+            **_user_args(run_as),
         )
-    mb = 1 << 20
-    for which, value in (
-        (resource.RLIMIT_CPU, limits.cpu_time_s),
-        (resource.RLIMIT_AS, limits.memory_mb * mb),
-        (resource.RLIMIT_NPROC, limits.max_processes),
-        (resource.RLIMIT_FSIZE, limits.max_file_size_mb * mb),
-        (resource.RLIMIT_NOFILE, 64),
-        (resource.RLIMIT_CORE, 0),
-    ):
-        # CPU: the soft limit sends SIGXCPU, the hard one a second later SIGKILL.
-        resource.setrlimit(which, (value, value + 1 if which == resource.RLIMIT_CPU else value))
-    if uid:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    # After setuid, which clears it: die with our parent (a verifier process killed on timeout).
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.write(status_fd, bytes([net, mounts]))
+    except (OSError, subprocess.SubprocessError) as e:
+        return repr(e)
+    finally:
+        os.close(r)
+        os.close(w)
+    return "" if proc.returncode == 0 else proc.stderr.decode(errors="replace").strip()[-300:]
 
 
-def _kill_everything_of_uid() -> None:
-    """preexec_fn of a helper already running as the sandbox's uid: kill(-1) hits all its
-    processes but the caller. Repeat: a fork bomb may fork while the first sweep runs."""
-    for _ in range(100):
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            return
+def _user_args(uid: int | None) -> dict[str, Any]:
+    return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
 @functools.cache
-def _interpreter_for_fresh_uid(probe_uid: int) -> str | None:
-    """A Python a fresh uid may run: ours may live under a home only root can enter (pyenv in
-    /root), and then the system's is used instead. None when there is none."""
-    candidates = [
-        sys.executable,
-        os.path.realpath(sys.executable),
-        shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin"),
-    ]
-    for python in dict.fromkeys(c for c in candidates if c):
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            probe = subprocess.run(
-                [python, "-I", "-c", "import json"],
-                user=probe_uid,
-                group=probe_uid,
-                extra_groups=[],
-                cwd="/",
-                env={},
-                capture_output=True,
-                timeout=30,
-            )
-            if probe.returncode == 0:
-                return python
+def find_isolation(python: str | None = None) -> Isolation:
+    """The sandbox this machine gives (probed once per process), or why there is none."""
+    candidates = [python] if python else [os.path.realpath(sys.executable), "/usr/bin/python3"]
+    candidates = [os.path.realpath(c) for c in candidates if c and os.path.exists(c)]
+    if not candidates:
+        raise FileNotFoundError(f"no Python interpreter for the sandbox: {python!r}")
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return Isolation(None, candidates[0], None, "bubblewrap (bwrap) is not installed")
+    run_as = _nobody() if os.geteuid() == 0 else None
+    problems = []
+    for candidate in dict.fromkeys(candidates):
+        problem = _probe(bwrap, candidate, run_as)
+        if not problem:
+            return Isolation(bwrap, candidate, run_as)
+        problems.append(f"{candidate}: {problem}")
+    return Isolation(None, candidates[0], None, "bwrap cannot run: " + "; ".join(problems))
+
+
+def require_isolation(limits: SandboxLimits) -> Isolation:
+    """The isolation runs will get; raises when there is none and that is not allowed."""
+    isolation = find_isolation(limits.python)
+    if isolation.bwrap is None and not limits.allow_unisolated:
+        raise SandboxUnavailableError(
+            f"cannot isolate model-written code: {isolation.why_not}. Install bubblewrap "
+            "(apt-get install bubblewrap) on a kernel that allows unprivileged user namespaces, "
+            "or set allow_unisolated: true to run it as this process's user, with its network "
+            "and files (unsafe)"
+        )
+    return isolation
+
+
+class _Channel:
+    """The launcher's report lines, parsed as they arrive, within a byte budget."""
+
+    def __init__(self, n_cases: int, budget: int) -> None:
+        self.records: dict[int, dict[str, Any]] = {}
+        self.n_cases = n_cases
+        self.budget = budget
+        self.done = False
+        self.over_budget = False
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> None:
+        self.budget -= len(data)
+        if self.budget < 0:
+            self.over_budget = True
+            return
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            with contextlib.suppress(ValueError, RecursionError):  # garbage is no answer
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    continue
+                if record.get("done") is True:
+                    self.done = True
+                case = record.get("case")
+                if type(case) is int and 0 <= case < self.n_cases:
+                    self.records.setdefault(case, record)  # the first word on a case counts
+
+
+def _drain(proc: subprocess.Popen[bytes], channel: _Channel, deadline: float) -> tuple[bytes, bool]:
+    """Read the report and stderr until the launcher is done, exits, or the time is up."""
+    stderr = bytearray()
+    streams = [proc.stdout, proc.stderr]
+    while streams and not channel.done and not channel.over_budget:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return bytes(stderr), True
+        for stream in select.select(streams, [], [], left)[0]:
+            data = os.read(stream.fileno(), 1 << 16)
+            if not data:
+                streams.remove(stream)
+            elif stream is proc.stdout:
+                channel.feed(data)
+            elif len(stderr) < STDERR_KEPT_BYTES:
+                stderr += data[: STDERR_KEPT_BYTES - len(stderr)]
+    return bytes(stderr), False
+
+
+def _sandbox_pidfd(info_r: int, deadline: float) -> int | None:
+    """A pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report."""
+    data = b""
+    while select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        chunk = os.read(info_r, 4096)
+        if not chunk:
+            break
+        data += chunk
+        with contextlib.suppress(ValueError):
+            return os.pidfd_open(json.loads(data)["child-pid"])
     return None
 
 
-def _cleanup(proc: subprocess.Popen[bytes], uid: int | None) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+def _feed(proc: subprocess.Popen[bytes], job: bytes) -> None:
+    with contextlib.suppress(OSError):
+        proc.stdin.write(job)
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+
+
+def _stop(proc: subprocess.Popen[bytes], pidfd: int | None, isolated: bool) -> None:
+    """Kill everything the run started, and wait until it is gone."""
+    if pidfd is not None:
+        # The namespace's init dying takes every process in it along; its pidfd turns readable
+        # only once they are all gone.
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        select.select([pidfd], [], [], 30)
+        os.close(pidfd)
+    elif not isolated:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
     proc.wait()
-    if uid:
-        subprocess.run(
-            ["true"], user=uid, group=uid, extra_groups=[], preexec_fn=_kill_everything_of_uid
-        )
 
 
-def _read_output(
-    proc: subprocess.Popen[bytes], nonce: bytes, limits: SandboxLimits
-) -> tuple[dict[int, bool], bytes, bytes, bool]:
-    """Drain stdout/stderr until both close or the wall time runs out; keep only what we need."""
-    result_line = re.compile(re.escape(nonce) + rb" (\d+) ([01])\n")
-    results: dict[int, bool] = {}
-    kept = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    tail = b""  # unparsed end of stdout, kept short: a result line is < 128 bytes
-    deadline = time.monotonic() + limits.wall_time_s
-    open_streams = [proc.stdout, proc.stderr]
-    while open_streams:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return results, bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), True
-        for stream in select.select(open_streams, [], [], left)[0]:
-            data = os.read(stream.fileno(), 1 << 16)
-            if not data:
-                open_streams.remove(stream)
-                continue
-            room = limits.max_output_bytes - len(kept[stream])
-            kept[stream] += data[: max(room, 0)]
-            if stream is proc.stdout:
-                tail += data
-                for m in result_line.finditer(tail):
-                    results[int(m.group(1))] = m.group(2) == b"1"
-                tail = tail[-128:]
-    return results, bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), False
-
-
-def run_tests(
-    solution: str, tests: list[str], limits: SandboxLimits | None = None
+def run_code(
+    solution: str, tests: list[TestCase], limits: SandboxLimits | None = None
 ) -> SandboxResult:
-    """Run ``solution`` then each test (Python statements, e.g. ``assert f(2) == 4``) in a sandbox."""
+    """Run ``solution`` on every case's inputs in a sandbox and compare its outputs here."""
     limits = limits or SandboxLimits()
-    uid = secrets.randbelow(UID_RANGE[1] - UID_RANGE[0]) + UID_RANGE[0]
-    python: str | None = sys.executable
-    if limits.drop_privileges and os.geteuid() == 0:
-        python = _interpreter_for_fresh_uid(UID_RANGE[0] - 1)
-    if python is None or not (limits.drop_privileges and os.geteuid() == 0):
-        # No interpreter the fresh uid could run: run as ourselves, with everything else.
-        python, uid = sys.executable, None
-    workdir = tempfile.mkdtemp(prefix="rl-sandbox-")
-    status_r, status_w = os.pipe()
+    isolation = require_isolation(limits)
+    isolated = isolation.bwrap is not None
+    if not isolated:
+        logger.warning("running model-written code UNISOLATED: %s", isolation.why_not)
+    job_limits = {
+        **limits.model_dump(include={"cpu_time_s", "case_time_s", "memory_mb"}),
+        **limits.model_dump(include={"max_file_size_mb", "max_output_bytes"}),
+        # Outside a user namespace the process limit would count all of this uid's processes.
+        "max_processes": limits.max_processes if isolated else 0,
+    }
+    job = json.dumps(
+        {"source": solution, "cases": [sandbox_job(c) for c in tests], "limits": job_limits}
+    ).encode()
+    deadline = time.monotonic() + limits.wall_time_s
+    workdir = None if isolated else tempfile.mkdtemp(prefix="rl-sandbox-")
+    info_r, info_w = os.pipe()
+    pidfd = None
     try:
-        for name, text in (
-            ("solution.py", solution),
-            ("tests.json", json.dumps(tests)),
-        ):
-            with open(os.path.join(workdir, name), "w") as f:
-                f.write(text)
-        if uid:
-            os.chown(workdir, uid, uid)
-            os.chmod(workdir, 0o700)
-            for name in os.listdir(workdir):
-                os.chown(os.path.join(workdir, name), uid, uid)
-        nonce = secrets.token_hex(16).encode()
+        if isolated:
+            command = [*bwrap_command(isolation.bwrap, isolation.python, limits, info_w), LAUNCHER]
+        else:
+            command = [isolation.python, "-I", "-c", LAUNCHER]
         proc = subprocess.Popen(
-            # -I: ignore PYTHON* variables and the user's site-packages. The harness comes on
-            # the command line: a script path would be resolved through /tmp, which the private
-            # mounts hide; the working directory itself stays reachable as ".".
-            [python, "-I", "-c", HARNESS],
-            cwd=workdir,
-            env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"},
+            command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=lambda: _setup_child(limits, uid, status_w),
+            env=SANDBOX_ENV if isolated else {**SANDBOX_ENV, "HOME": workdir},
+            cwd="/" if isolated else workdir,
+            pass_fds=(info_w,) if isolated else (),
+            start_new_session=not isolated,
+            **_user_args(isolation.run_as if isolated else None),
         )
-        os.close(status_w)
-        status_w = -1
-        status = os.read(status_r, 2)
+        os.close(info_w)
+        info_w = -1
         try:
-            try:
-                proc.stdin.write(nonce + b"\n")
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-            results, out, err, timed_out = _read_output(proc, nonce, limits)
+            if isolated:
+                # Before the job is sent: the launcher waits for it, so the init is still alive.
+                pidfd = _sandbox_pidfd(info_r, deadline)
+                if pidfd is None:
+                    proc.kill()
+                    err = proc.communicate(timeout=10)[1].decode(errors="replace")
+                    raise RuntimeError(f"bubblewrap did not start the sandbox: {err.strip()}")
+            threading.Thread(target=_feed, args=(proc, job), daemon=True).start()
+            budget = len(tests) * (6 * limits.max_output_bytes + 1024) + 4096
+            channel = _Channel(len(tests), budget)
+            stderr, timed_out = _drain(proc, channel, deadline)
         finally:
-            _cleanup(proc, uid)
+            _stop(proc, pidfd, isolated)
             proc.stdout.close()
             proc.stderr.close()
-        return SandboxResult(
-            passed=[results.get(i, False) for i in range(len(tests))],
-            # Killed by the CPU-time limit counts as a timeout too.
-            timed_out=timed_out or proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL),
-            returncode=proc.returncode,
-            stdout=out.decode(errors="replace"),
-            stderr=err.decode(errors="replace"),
-            network_isolated=len(status) == 2 and bool(status[0]),
-            uid=uid,
-            private_tmp=len(status) == 2 and bool(status[1]),
-            workdir=workdir,
-        )
     finally:
-        os.close(status_r)
-        if status_w >= 0:
-            os.close(status_w)
-        shutil.rmtree(workdir, ignore_errors=True)
+        os.close(info_r)
+        if info_w >= 0:
+            os.close(info_w)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    outputs = [channel.records.get(i) for i in range(len(tests))]
+    return SandboxResult(
+        passed=[case_passed(case, out) for case, out in zip(tests, outputs, strict=True)],
+        outputs=outputs,
+        timed_out=timed_out,
+        stderr=stderr.decode(errors="replace"),
+        isolated=isolated,
+        isolation=isolation.description,
+        output_limited=channel.over_budget,
+    )
