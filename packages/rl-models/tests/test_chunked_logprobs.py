@@ -1,0 +1,94 @@
+"""Log-probs computed a chunk of tokens at a time: exact values and gradients, bounded logits."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rl_models.losses import NLLLoss
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.policy.logprobs import chunked_logprobs
+
+from .conftest import TINY_LLAMA, skewed_batch, tiny_config
+
+TOKENS, HIDDEN, VOCAB = (2, 25), 16, 50
+VOCAB_SIZE = 157
+
+
+def inputs(dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*TOKENS, HIDDEN, generator=gen, dtype=torch.float64)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64)
+    bias = torch.randn(VOCAB, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, VOCAB, TOKENS, generator=gen)
+    upstream = torch.randn(*TOKENS, generator=gen, dtype=torch.float64)
+    cast = [t.to(dtype).requires_grad_() for t in (hidden, weight, bias)]
+    return cast, targets, upstream
+
+
+def float64_reference(hidden, weight, bias, targets, upstream):
+    """Unchunked, float64: log_softmax of the whole logits, then the targets' entries."""
+    h, w, b = (t.detach().double().requires_grad_() for t in (hidden, weight, bias))
+    lp = torch.log_softmax(h @ w.T + b, dim=-1).gather(-1, targets[..., None])[..., 0]
+    (lp * upstream).sum().backward()
+    return lp.detach(), h.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 50, None])
+def test_values_and_gradients_equal_the_unchunked_float64_computation(chunk_size):
+    (hidden, weight, bias), targets, upstream = inputs(torch.float64)
+    lp = chunked_logprobs(hidden, weight, targets, chunk_size, bias=bias)
+    (lp * upstream).sum().backward()
+    want = float64_reference(hidden, weight, bias, targets, upstream)
+    got = (lp.detach(), hidden.grad, weight.grad, bias.grad)
+    for g, w, name in zip(got, want, ("logprobs", "d hidden", "d weight", "d bias"), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12, msg=name)
+
+
+def test_bfloat16_inputs_get_a_float32_log_softmax():
+    (hidden, weight, bias), targets, upstream = inputs(torch.bfloat16)
+    lp = chunked_logprobs(hidden, weight, targets, 7, bias=bias)
+    assert lp.dtype == torch.float32
+    (lp * upstream.float()).sum().backward()
+    want_lp, want_h, want_w, _ = float64_reference(hidden, weight, bias, targets, upstream)
+    # bf16 matmuls (8 bits of mantissa) against float64: loose, but no chunk-dependent error.
+    torch.testing.assert_close(lp.double(), want_lp, rtol=0.02, atol=0.15)
+    unchunked = chunked_logprobs(hidden, weight, targets, None, bias=bias)
+    torch.testing.assert_close(lp, unchunked, rtol=0, atol=0)
+
+
+class WidestVocabTensor(TorchDispatchMode):
+    """Records the most rows any new tensor with a vocabulary-sized last dimension had (views,
+    such as the transposed output weight, are not new memory)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab:
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_no_logits_wider_than_a_chunk_exist_and_training_is_unchanged(packed):
+    # A vocabulary no other dimension of the model shares, so only logits match its size.
+    model = {"hf_config": {**TINY_LLAMA, "vocab_size": VOCAB_SIZE}, "dtype": "float64"}
+    batching = {"sequence_packing": {"enabled": packed, "max_tokens_per_microbatch": 70}}
+    data = skewed_batch()
+    chunked = DTensorPolicyWorker(tiny_config(model=model, logprob_chunk_size=5, **batching))
+    whole = DTensorPolicyWorker(tiny_config(model=model, logprob_chunk_size=None, **batching))
+    widest = WidestVocabTensor(VOCAB_SIZE)
+    with widest:
+        got = chunked.get_logprobs(data)["logprobs"]
+        chunked.train(data, NLLLoss())
+    assert 0 < widest.rows <= 5  # forward, recomputation and backward alike
+    torch.testing.assert_close(got, whole.get_logprobs(data)["logprobs"], rtol=0, atol=1e-12)
+
+    whole.train(data, NLLLoss())
+    a, b = chunked.model.state_dict(), whole.model.state_dict()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-10

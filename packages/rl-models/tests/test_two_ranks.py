@@ -1,0 +1,82 @@
+"""FSDP2 with two data-parallel ranks (gloo): what only shows with more than one rank.
+
+The ranks run ``two_rank_scenarios.py`` under ``torch.distributed.run``; each returns what it
+computed on its half of the batch, and the tests hold that against one process.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .conftest import skewed_batch
+from .test_normalisation import weights_after_one_step
+from .test_reward_model import reference_scores
+
+pytestmark = pytest.mark.slow  # one launch of two processes: ~90 s on 2 cores
+SCRIPT = os.path.join(os.path.dirname(__file__), "two_rank_scenarios.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("two-ranks")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    cmd += [f"--master-port={free_port()}", SCRIPT, str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def scenario(ranks: list[dict], name: str) -> list[dict]:
+    """Each rank's results of one scenario; a scenario that raised fails with its error."""
+    for r in ranks:
+        assert isinstance(r[name], dict), f"{name} failed: {r[name]}"
+    return [r[name] for r in ranks]
+
+
+def test_reward_model_scores_with_two_ranks(ranks):
+    """FSDP2 gathers the parameters in the model's forward: scoring must go through it."""
+    got = torch.cat([r["scores"] for r in scenario(ranks, "reward_scores")])
+    expected = reference_scores(skewed_batch(), num_labels=2)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
+def test_reference_policy_agrees_with_the_policy_at_step_zero_in_bf16(ranks):
+    """Same sharding, same bf16 compute: KL(policy || reference) is exactly 0 before training."""
+    for r in scenario(ranks, "bf16_reference"):
+        assert r["policy_logprobs"].abs().sum() > 0
+        torch.testing.assert_close(r["reference_logprobs"], r["policy_logprobs"], rtol=0, atol=0)
+
+
+def test_gradients_are_reduced_once_per_step_and_give_the_one_process_step(ranks):
+    ranks = scenario(ranks, "one_step")
+    for r in ranks:
+        # One reduce-scatter per FSDP group (decoder layers and the root), after the last of
+        # the step's 4 micro-batches, not one per micro-batch.
+        assert r["gradient_reductions"] == r["fsdp_groups"] == 3
+    expected = weights_after_one_step(train_micro_batch_size=8)
+    got = ranks[0]["trained_weights"]
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-10, msg=name)
+
+
+def test_gradients_are_freed_after_the_step(ranks):
+    for r in scenario(ranks, "one_step"):
+        assert all(g is None for g in r["grads_after_step"])
+
+
+def test_no_rank_builds_the_whole_model(ranks):
+    """Built on the meta device, each rank allocates its half plus one module at a time."""
+    for r in scenario(ranks, "build_memory"):
+        assert r["build_peak_bytes"] < 0.75 * r["full_model_bytes"], r

@@ -1,0 +1,139 @@
+"""Run by ``test_two_ranks.py`` under ``torch.distributed.run`` with two gloo ranks.
+
+Each rank runs every scenario on its half of the batch and saves what it saw to
+``<out>/rank<r>.pt``; the tests compare those against single-process references. One launch
+for all scenarios: starting two processes that import torch and transformers costs more than
+the scenarios themselves.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import TINY_LLAMA, skewed_batch, tiny_config
+
+from rl_models.losses import NLLLoss
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+
+# Big enough that a whole copy (~110 MB in float32) stands far above the noise of a process's
+# resident memory; most of it in the decoder layers, as in real models.
+BIG_LLAMA = {
+    **TINY_LLAMA,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 4096,
+}
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` memory figure, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def build_memory() -> dict[str, int]:
+    """Peak resident memory added while this rank builds a model from config."""
+    config = tiny_config(model={"hf_config": BIG_LLAMA, "dtype": "float32"})
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current resident size
+    before = _status("VmRSS")
+    worker = DTensorPolicyWorker(config)
+    peak = _status("VmHWM") - before
+    full = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    del worker
+    gc.collect()
+    return {"build_peak_bytes": peak, "full_model_bytes": full}
+
+
+def reward_scores(half) -> dict:
+    rm = DTensorPolicyWorker(
+        tiny_config(
+            model={
+                "hf_config": TINY_LLAMA,
+                "dtype": "float64",
+                "kind": "sequence_classification",
+                "num_labels": 2,
+            },
+            logprob_micro_batch_size=3,
+        )
+    )
+    return {"scores": rm.get_scores(half)["scores"]}
+
+
+def bf16_reference(half) -> dict:
+    worker = DTensorPolicyWorker(
+        tiny_config(
+            model={"hf_config": TINY_LLAMA, "dtype": "float32"},
+            mixed_precision="bfloat16",
+            reference_policy={"enabled": True},
+        )
+    )
+    return {
+        "policy_logprobs": worker.get_logprobs(half)["logprobs"],
+        "reference_logprobs": worker.get_reference_policy_logprobs(half)["reference_logprobs"],
+    }
+
+
+def one_step(half) -> dict:
+    """One SGD step over 4 micro-batches per rank, counting FSDP's gradient reductions."""
+    worker = DTensorPolicyWorker(tiny_config(train_micro_batch_size=1))
+    reductions = []
+    original = _fsdp_param_group.foreach_reduce
+
+    def counting_reduce(*args, **kwargs):
+        reductions.append(1)
+        return original(*args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = counting_reduce
+    try:
+        worker.train(half, NLLLoss())
+    finally:
+        _fsdp_param_group.foreach_reduce = original
+    return {
+        "gradient_reductions": len(reductions),
+        "fsdp_groups": sum(isinstance(m, FSDPModule) for m in worker.model.modules()),
+        "grads_after_step": [p.grad for p in worker.model.parameters()],
+        "trained_weights": get_model_state_dict(
+            worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        ),
+    }
+
+
+def main(out: str) -> None:
+    """Every scenario runs even if another fails; a failure is saved as its message."""
+    rank = int(os.environ["RANK"])
+    half = skewed_batch().slice(rank * 4, rank * 4 + 4)
+    results: dict = {}
+    scenarios = {
+        "build_memory": build_memory,  # first: before other models raise the process's peak
+        "reward_scores": lambda: reward_scores(half),
+        "bf16_reference": lambda: bf16_reference(half),
+        "one_step": lambda: one_step(half),
+    }
+    for name, scenario in scenarios.items():
+        try:
+            results[name] = scenario()
+        except Exception as e:
+            # Both ranks fail alike in these scenarios, so the next one can still run.
+            results[name] = f"{type(e).__name__}: {e}"
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
