@@ -22,8 +22,11 @@ from any other version (``StaleWeightsError``), so a skipped refit can never go 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.weights import PackedBucket, TensorSpec
 
 
 class StaleWeightsError(RuntimeError):
@@ -37,11 +40,29 @@ class StaleWeightsError(RuntimeError):
         self.loaded = loaded
         self.expected = expected
 
+    def __reduce__(self):  # crosses process boundaries (Ray) with both versions intact
+        return type(self), (self.loaded, self.expected)
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """One policy rank's part in a weight export."""
+
+    steps: int  # export_weight_bucket calls this rank takes part in (0..steps-1)
+    producer: bool  # whether its calls return buckets (else None)
+    nbytes: int = 0  # bytes this rank will produce in all
+    # Producers: the tensors of each bucket (the broadcast channel sizes receive buffers by it).
+    buckets: tuple[tuple[TensorSpec, ...], ...] = ()
+
 
 class GenerationInterface(ABC):
     """A sampler over a worker group, whatever engine runs inside."""
 
     weight_version: int  # the version of the weights the workers hold now
+    # What ``refit`` uses: the group of ``GenerationWorker`` actors and the config
+    # (``colocated``, ``refit_bucket_bytes``).
+    worker_group: Any
+    config: Any
 
     @abstractmethod
     def generate(
@@ -64,3 +85,65 @@ class GenerationInterface(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and release their resources."""
+
+
+class GenerationWorker(ABC):
+    """The methods every generation *worker* (one Ray actor of a generation backend) has.
+
+    ``refit`` (``rl_models.generation.refit``) drives a weight update through these only, so
+    any backend (HF, vLLM) that implements them is refit the same way:
+
+    1. ``prepare_for_weight_update()`` on every worker (wake the weights, not the KV cache);
+    2. for each bucket the policy exports, in order, on every worker, by channel:
+       ``load_weight_bucket(bucket: PackedBucket)`` (object store, the CPU default),
+       ``receive_weight_bucket_ipc(bucket: IpcBucket)`` (CUDA IPC), or, after
+       ``init_weight_broadcast(host, port, rank, world, backend, key)`` once per refit,
+       ``receive_weight_bucket_broadcast(slots, key)`` (NCCL/gloo broadcast);
+    3. ``set_weight_version(version)`` on every worker once all buckets are in.
+
+    ``channels.ChannelReceiver`` implements every step-2 method on top of one method a backend
+    writes, ``load_named_weights(named: Iterable[tuple[str, Tensor]])`` (full tensors under
+    HF names; a vLLM worker passes them to its model's ``load_weights``).
+
+    ``generate(data, greedy, expected_weight_version)`` raises ``StaleWeightsError`` when the
+    worker holds another version than the one expected.
+    """
+
+    @abstractmethod
+    def prepare_for_weight_update(self) -> None:
+        """Make the weights writable on the device (e.g. vLLM: wake weights from sleep)."""
+
+    @abstractmethod
+    def load_weight_bucket(self, bucket: PackedBucket) -> None:
+        """Copy every tensor of ``bucket`` (full tensors under HF names) into the model."""
+
+    @abstractmethod
+    def set_weight_version(self, version: int) -> None:
+        """Record the policy version the weights now equal (after the last bucket)."""
+
+    @abstractmethod
+    def get_weight_version(self) -> int:
+        """The version of the weights this worker holds."""
+
+
+class WeightExportWorker(ABC):
+    """The methods a *policy* worker has for streaming its weights out (both backends).
+
+    A collective over the policy's ranks: the controller calls each method on every rank.
+
+    - ``weight_export_plan(bucket_bytes, dtype)`` -> ``ExportPlan``: cut the model into
+      buckets (each rank of one collective group plans the same number of steps);
+    - ``export_weight_bucket(step)`` -> ``PackedBucket | None``: gather the full tensors of
+      step ``step`` (FSDP2 ``full_tensor``; Megatron tensor-parallel gather + HF conversion) and
+      pack them; only ``producer`` ranks return a bucket, the others return ``None``;
+    - ``finish_weight_export()`` -> ``dict``: drop the plan; statistics of the export.
+    """
+
+    @abstractmethod
+    def weight_export_plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan: ...
+
+    @abstractmethod
+    def export_weight_bucket(self, step: int) -> PackedBucket | None: ...
+
+    @abstractmethod
+    def finish_weight_export(self) -> dict[str, int]: ...

@@ -37,9 +37,10 @@ from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-ex
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.forward import build_model, forward_logits, forward_logprobs, forward_scores
+from rl_models.policy.weight_export import DTensorWeightExporter, WeightExportMethods
 
 
-class DTensorPolicyWorker(PolicyWorker):
+class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
     """Holds one rank of the policy (and optionally a frozen reference copy)."""
 
     def __init__(self, config: PolicyConfig | dict[str, Any]) -> None:
@@ -121,7 +122,12 @@ class DTensorPolicyWorker(PolicyWorker):
         if (output == "scores") != (self.config.model.kind == "sequence_classification"):
             raise ValueError(f"a {self.config.model.kind} model has no {output}")
         packed = self.config.sequence_packing.enabled
-        kwargs = {"chunk_size": self.config.logprob_chunk_size} if output == "logprobs" else {}
+        kwargs: dict[str, Any] = {}
+        if output == "logprobs":
+            kwargs = {
+                "chunk_size": self.config.logprob_chunk_size,
+                "temperature": self.config.logprob_temperature,
+            }
         with self._autocast():
             out = forward[output](
                 model, mb, packed, self.config.model.attn_implementation, **kwargs
@@ -215,6 +221,11 @@ class DTensorPolicyWorker(PolicyWorker):
         self.optimizer.step()
         self.scheduler.step()
         return float(norm)
+
+    # -- weight export (refit: rl_models.generation.refit) -------------------------------------
+
+    def _weight_exporter(self) -> DTensorWeightExporter:
+        return DTensorWeightExporter(self.model, self.lora, self.rank)
 
     def save_checkpoint(self, path: str) -> None:
         """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler.

@@ -32,10 +32,14 @@ from rl_models.policy.logprobs import output_layer_computes_logprobs, supports_c
 DENSE_MASK_KERNELS = ("sdpa", "eager")
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets) under ``logits``; half precisions are upcast for a stable softmax."""
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(targets) under ``softmax(logits / temperature)``; half precisions are upcast."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -71,8 +75,10 @@ def forward_logprobs(
     packed: bool,
     attn_implementation: str = "sdpa",
     chunk_size: int | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding).
+    """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding),
+    under the temperature-scaled distribution (``PolicyConfig.logprob_temperature``).
 
     ``chunk_size``: the output layer computes the log-probs that many tokens at a time inside
     the model's forward (``logprobs.py``), so no ``[tokens, vocab]`` logits exist at once.
@@ -89,10 +95,10 @@ def forward_logprobs(
     if chunked:
         # Position t's output is log p(token t+1); the last position has no next token.
         targets = F.pad(row_ids[:, 1:], (0, 1))
-        with output_layer_computes_logprobs(model, targets, chunk_size):
+        with output_layer_computes_logprobs(model, targets, chunk_size, temperature):
             lp = model(**inputs).logits[:, :-1]
     else:
-        lp = token_logprobs(model(**inputs).logits[:, :-1], row_ids[:, 1:])
+        lp = token_logprobs(model(**inputs).logits[:, :-1], row_ids[:, 1:], temperature)
     lp = F.pad(lp, (1, 0))
     if not packed:
         return lp * real

@@ -74,7 +74,10 @@ def chunked_logprobs(
 
 @contextlib.contextmanager
 def output_layer_computes_logprobs(
-    model: torch.nn.Module, targets: torch.Tensor, chunk_size: int | None
+    model: torch.nn.Module,
+    targets: torch.Tensor,
+    chunk_size: int | None,
+    temperature: float = 1.0,
 ) -> Iterator[None]:
     """While inside, ``model``'s output layer returns log-probs of ``targets`` (``[B, S]``)
     instead of logits: ``model(...).logits`` is then ``log p(targets)`` at every position."""
@@ -83,7 +86,7 @@ def output_layer_computes_logprobs(
         raise TypeError(f"chunked log-probs need a Linear output layer, not {type(head)}")
 
     def logprobs_forward(hidden: torch.Tensor) -> torch.Tensor:
-        return chunked_logprobs(hidden, head.weight, targets, chunk_size, head.bias)
+        return chunked_logprobs(hidden, head.weight, targets, chunk_size, head.bias, temperature)
 
     head.forward = logprobs_forward
     try:
