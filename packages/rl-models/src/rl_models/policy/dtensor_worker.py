@@ -273,9 +273,11 @@ class DTensorPolicyWorker:
             )
             global_seqs, global_toks = self._all_reduce(local)
             self.optimizer.zero_grad(set_to_none=True)
+            self._loss_metrics = None  # a backend's _run_step may collect the losses' metrics
             with torch.set_grad_enabled(not eval_mode):
                 loss_sum = self._run_step(step, loss_fn, global_seqs, global_toks, eval_mode)
             step_metrics = {
+                **self._reduce_loss_metrics(),
                 "loss": float(self._all_reduce(loss_sum)),
                 "global_valid_seqs": float(global_seqs),
                 "global_valid_toks": float(global_toks),
@@ -299,20 +301,48 @@ class DTensorPolicyWorker:
         output = "scores" if self.config.model.kind == "sequence_classification" else None
         output = output or loss_input_type(loss_fn)
         loss_sum = torch.zeros((), dtype=torch.float64)
+        self._loss_metrics = []
         for mb in self._same_count(step):
             if mb is None:
                 loss = self._dummy_logits(self.model).sum() * 0.0
             else:
                 mb = mb.to(self.device)
-                loss, _ = loss_fn(
+                loss, metrics = loss_fn(
                     self._forward(self.model, mb, output), mb, global_seqs, global_toks
                 )
+                self._loss_metrics.append(metrics)
             if not eval_mode:
                 # FSDP averages gradients over ranks; the losses are already global means, so
                 # the sum over ranks is wanted: undo the average.
                 (loss * self.dp_size).backward()
             loss_sum += loss.detach().double().cpu()
         return loss_sum
+
+    def _reduce_loss_metrics(self) -> dict[str, float]:
+        """The metrics the loss returned for this step's micro-batches, over all ranks.
+
+        Losses normalise their metrics like the loss (by the global counts), so they add up;
+        keys ending in ``_min`` / ``_max`` are extremes and combine by min / max. Empty when the
+        backend's ``_run_step`` does not collect them.
+        """
+        if self._loss_metrics is None:
+            return {}
+        per_rank = [self._loss_metrics]
+        if self.dp_size > 1:
+            per_rank = [None] * self.dp_size
+            dist.all_gather_object(per_rank, self._loss_metrics)
+        reduced: dict[str, float] = {}
+        for metrics in (m for rank in per_rank for m in rank):
+            for key, value in metrics.items():
+                if key not in reduced:
+                    reduced[key] = float(value)
+                elif key.endswith("_min"):
+                    reduced[key] = min(reduced[key], float(value))
+                elif key.endswith("_max"):
+                    reduced[key] = max(reduced[key], float(value))
+                else:
+                    reduced[key] += float(value)
+        return reduced
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
