@@ -8,26 +8,9 @@ import torch
 
 from rl_algorithms.rollouts import run_rollouts
 from rl_data.messages import tokenize_message_logs
-from rl_data.templates import ChatTemplate, ChatTemplateConfig
-from rl_data.tokenizers import build_tokenizer
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_envs.sliding_puzzle import SlidingPuzzleConfig, SlidingPuzzleEnvironment, first_prompt
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
-
-CORPUS = [
-    "Solve this 3x3 sliding puzzle: <action>up down left right</action> turn of solved",
-    "[sample 0] [sample 1] [sample 2] Invalid action Move would leave the board 1 2 3 4 5 6 7 8 _",
-] * 30
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer(CORPUS, vocab_size=400)
-
-
-@pytest.fixture(scope="module")
-def template(tokenizer):
-    return ChatTemplate.from_config(ChatTemplateConfig(), tokenizer)
 
 
 class ScriptedGeneration(GenerationInterface):
@@ -49,7 +32,7 @@ class ScriptedGeneration(GenerationInterface):
             text = self.tokenizer.decode(prompt.tolist())
             sample = int(re.search(r"\[sample (\d+)\]", text).group(1))
             turn = text.count("<|im_start|>assistant") - 1
-            reply = self.tokenizer.encode(self.script[sample][turn], add_special_tokens=False)
+            reply = self.tokenizer.encode(self.reply_for(sample, turn), add_special_tokens=False)
             reply = [*reply, self.tokenizer.eos_token_id]
             rows.append(torch.cat([prompt, torch.tensor(reply)]))
             lengths.append(len(reply))
@@ -67,6 +50,9 @@ class ScriptedGeneration(GenerationInterface):
             logprobs=logprobs,
             truncated=torch.zeros(len(rows), dtype=torch.bool),
         )
+
+    def reply_for(self, sample, turn):
+        return self.script[sample][turn]
 
     def prepare_for_generation(self):
         pass
