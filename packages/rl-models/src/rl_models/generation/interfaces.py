@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.weights import PackedBucket
@@ -53,6 +54,10 @@ class GenerationInterface(ABC):
     """A sampler over a worker group, whatever engine runs inside."""
 
     weight_version: int  # the version of the weights the workers hold now
+    # What ``refit`` uses: the group of ``GenerationWorker`` actors and the config
+    # (``colocated``, ``refit_bucket_bytes``).
+    worker_group: Any
+    config: Any
 
     @abstractmethod
     def generate(

@@ -150,7 +150,14 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             result[offset : offset + lp.shape[0], : lp.shape[1]] = lp.cpu()
             offset += lp.shape[0]
 
-        run_pipeline(model, inputs, keep, self.hf_config.vocab_size, forward_only=True)
+        run_pipeline(
+            model,
+            inputs,
+            keep,
+            self.hf_config.vocab_size,
+            forward_only=True,
+            temperature=self.config.logprob_temperature,
+        )
         # Only the last stage computed them; every rank of the replica returns them.
         result = broadcast_from_last_stage(result.to(self.device)).cpu()
         return result[torch.tensor(restore)] if restore is not None else result
@@ -195,6 +202,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             self.hf_config.vocab_size,
             forward_only=eval_mode,
             output=loss_input_type(loss_fn),
+            temperature=self.config.logprob_temperature,
         )
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
         return broadcast_from_last_stage(loss_sum.to(self.device))

@@ -193,8 +193,9 @@ class DTensorPolicyWorker:
         if (output == "scores") != (self.config.model.kind == "sequence_classification"):
             raise ValueError(f"a {self.config.model.kind} model has no {output}")
         packed = self.config.sequence_packing.enabled
+        extra = {"temperature": self.config.logprob_temperature} if output == "logprobs" else {}
         with self._autocast():
-            out = forward[output](model, mb, packed, self.config.model.attn_implementation)
+            out = forward[output](model, mb, packed, self.config.model.attn_implementation, **extra)
         # Losses and metrics in at least the weights' precision, whatever the compute dtype.
         return out.to(torch.promote_types(out.dtype, self.config.model.torch_dtype))
 
