@@ -169,6 +169,68 @@ def validation_batches(run: SupervisedRun) -> Iterable[BatchedDataDict]:
     return iter(run.val_loader)
 
 
+def train_loop(
+    run: SupervisedRun,
+    loss_fn: Any,
+    prepare_batch: Callable[[BatchedDataDict], BatchedDataDict],
+    rows_per_sample: int = 1,
+) -> dict[str, float]:
+    """The supervised loop: one optimiser step per batch until the step or epoch limit.
+
+    ``prepare_batch`` turns a collated batch into what ``loss_fn`` reads (masks, reference
+    log-probs); ``rows_per_sample`` is 2 for preference pairs (a chosen and a rejected row).
+    Logs ``train/*`` every step and ``val/*`` every ``val_period`` steps; checkpoints every
+    ``checkpointing.save_period`` steps and at the end. Returns the last train metrics.
+    """
+    loop, timer, logger = run.loop, run.logger.timer, run.logger
+    gbs = run.config.policy.train_global_batch_size * rows_per_sample
+    mbs = run.config.policy.train_micro_batch_size * rows_per_sample
+
+    def evaluate(batch: BatchedDataDict) -> Mapping[str, Any]:
+        batch = prepare_batch(batch)
+        return run.policy.train(
+            batch,
+            loss_fn,
+            eval_mode=True,
+            gbs=loop.val_global_batch_size * rows_per_sample,
+            mbs=loop.val_micro_batch_size * rows_per_sample,
+        )
+
+    def run_validation() -> dict[str, float]:
+        if run.val_loader is None:
+            return {}
+        with timer("validation"):
+            metrics = validate(run, validation_batches(run), evaluate)
+        logger.log_metrics(metrics, step=run.step, prefix="val")
+        return {f"val/{k}": v for k, v in metrics.items()}
+
+    logger.progress.start(run.total_steps, done=run.step)
+    last: dict[str, float] = {}
+    val_metrics = run_validation() if loop.val_at_start and run.step == 0 else {}
+    while run.step < run.total_steps:
+        for batch in run.train_loader:  # the rest of this epoch
+            with timer("prepare"):
+                batch = prepare_batch(batch)
+            with timer("train"):
+                run.policy.prepare_for_training()
+                results = run.policy.train(batch, loss_fn, gbs=gbs, mbs=mbs)
+            run.step += 1
+            last = reduce_step_metrics(results)
+            logger.log_metrics({**last, **timer.pop()}, step=run.step, prefix="train")
+
+            done = run.step >= run.total_steps
+            if loop.val_period and (run.step % loop.val_period == 0 or done):
+                val_metrics = run_validation()
+            if run.checkpointer.should_save(run.step, last_step=done):
+                with timer("checkpoint"):
+                    train_metrics = {f"train/{k}": v for k, v in last.items()}
+                    save_checkpoint(run, {**train_metrics, **val_metrics})
+            if done:
+                break
+    logger.progress.stop()
+    return last
+
+
 def save_checkpoint(run: SupervisedRun, metrics: Mapping[str, float]) -> None:
     run.checkpointer.save(
         run.step,
