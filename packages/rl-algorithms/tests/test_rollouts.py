@@ -17,8 +17,8 @@ class ScriptedGeneration(GenerationInterface):
     """Answers sample k's turn t with ``script[k][t]`` (the sample's id is in its prompt), plus
     the EOS token, with log-prob -0.25 per token; records what it was asked."""
 
-    def __init__(self, tokenizer, script, weight_version=0):
-        self.tokenizer, self.script = tokenizer, script
+    def __init__(self, tokenizer, script, weight_version=0, cut=False):
+        self.tokenizer, self.script, self.cut = tokenizer, script, cut
         self.weight_version = weight_version
         self.calls = []
 
@@ -48,7 +48,7 @@ class ScriptedGeneration(GenerationInterface):
             generation_lengths=gen_lengths,
             unpadded_sequence_lengths=data["input_lengths"] + gen_lengths,
             logprobs=logprobs,
-            truncated=torch.zeros(len(rows), dtype=torch.bool),
+            truncated=torch.full((len(rows),), self.cut),  # as if max_new_tokens was hit
         )
 
     def reply_for(self, sample, turn):
@@ -241,3 +241,19 @@ def test_unknown_task_and_stale_weights_are_errors(tokenizer, template):
             max_seq_len=512,
             expected_weight_version=2,
         )
+
+
+def test_a_response_cut_at_max_new_tokens_is_flagged_but_the_episode_goes_on(tokenizer, template):
+    batch = puzzle_batch(tokenizer, template, samples=(1, 2))
+    result = run_rollouts(
+        ScriptedGeneration(tokenizer, SCRIPT, cut=True),
+        batch,
+        tokenizer,
+        template,
+        {"puzzle": SlidingPuzzleEnvironment()},
+        max_seq_len=512,
+        max_turns=2,
+    )
+    assert result.truncated.tolist() == [True, True]
+    assert result.turns.tolist() == [2, 2]
+    assert result.rewards.tolist() == [1.0, 0.0]

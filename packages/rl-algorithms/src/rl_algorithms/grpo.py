@@ -121,14 +121,21 @@ class MasterConfig(RunConfig):
             )
         if not self.env:
             raise ValueError("env: configure at least one environment (task_name: {kind: ...})")
-        if "logprob_temperature" in PolicyConfig.model_fields:
-            temperature = self.generation.sampling.temperature
-            if self.policy.logprob_temperature not in (1.0, temperature):
-                raise ValueError(
-                    f"policy.logprob_temperature ({self.policy.logprob_temperature}) must equal "
-                    f"generation.sampling.temperature ({temperature}) (or be left out)"
-                )
-            self.policy.logprob_temperature = temperature
+        # On-policy ratios are 1 only if the trainer scores tokens under the distribution the
+        # generator sampled from: the same temperature.
+        temperature = self.generation.sampling.temperature
+        if self.policy.logprob_temperature not in (1.0, temperature):
+            raise ValueError(
+                f"policy.logprob_temperature ({self.policy.logprob_temperature}) must equal "
+                f"generation.sampling.temperature ({temperature}) (or be left out)"
+            )
+        self.policy.logprob_temperature = temperature
+        if self.generation.tokenizer is None:
+            self.generation.tokenizer = self.tokenizer.path  # stop tokens and padding
+        if self.policy.model.hf_config is not None:
+            # A model built from a config is initialised from the seed: the same weights on
+            # both sides, so the first step needs no refit.
+            self.generation.seed = self.policy.seed
         return self
 
 

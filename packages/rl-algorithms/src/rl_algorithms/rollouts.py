@@ -11,8 +11,10 @@ assistant header, as ``rl_data`` processors make them) and runs up to ``max_turn
 4. rewards add up; a terminated sample stops; the others get the observation appended,
    tokenised on its own (``rl_data.messages.tokenize_message_logs``), and go on.
 
-A sample also stops when its log reaches ``max_seq_len`` tokens (it is then *truncated*, as is
-one whose response hit the generator's ``max_new_tokens``) or at the turn limit.
+A sample also stops when its log reaches ``max_seq_len`` tokens, or at the turn limit. It is
+*truncated* when a response was cut: by ``max_seq_len`` or by the generator's
+``max_new_tokens`` (such a multi-turn sample still goes on to its next turn: the environment
+answers whatever it got).
 
 The template's text for an assistant turn may continue after the generated stop token (ChatML
 writes ``<|im_end|>\\n``); that remainder is tokenised and appended to the assistant message with
@@ -198,14 +200,15 @@ def run_rollouts(
     pad_id = tokenizer.pad_token_id
     rewards = torch.zeros(n, dtype=torch.float32)
     truncated = torch.zeros(n, dtype=torch.bool)
+    out_of_room = torch.zeros(n, dtype=torch.bool)  # reached max_seq_len: stops
     terminated = torch.zeros(n, dtype=torch.bool)
     turns = torch.zeros(n, dtype=torch.long)
     answers: list[str | None] = [None] * n
     stops: list[Any] = [None] * n
     metrics: dict[str, float] = {}
     for i in range(n):
-        truncated[i] = _length(logs[i]) >= max_seq_len  # no room left to generate
-    active = [i for i in range(n) if not truncated[i]]
+        out_of_room[i] = truncated[i] = _length(logs[i]) >= max_seq_len
+    active = [i for i in range(n) if not out_of_room[i]]
 
     for turn in range(max_turns):
         if not active:
@@ -220,6 +223,8 @@ def run_rollouts(
             start = _length(logs[i])
             length = int(out["generation_lengths"][j])
             room = max_seq_len - start
+            if length >= room:
+                out_of_room[i] = True
             if length > room or bool(out["truncated"][j]):
                 truncated[i] = True
             length = min(length, room)
@@ -245,7 +250,7 @@ def run_rollouts(
         metrics[f"turn_{turn}/mean_generation_length"] = gen_tokens / len(active)
         metrics[f"turn_{turn}/reward_mean"] = sum(turn_rewards) / len(turn_rewards)
 
-        going = [i for i in active if not terminated[i] and not truncated[i]]
+        going = [i for i in active if not terminated[i] and not out_of_room[i]]
         if turn + 1 < max_turns and going:
             for i, (obs, *_rest) in zip(active, results, strict=True):
                 if i in going:
@@ -254,9 +259,9 @@ def run_rollouts(
                 [logs[i] for i in going], tokenizer, template, add_generation_prompt=True
             )
             for i in going:
-                if _length(logs[i]) >= max_seq_len:
-                    truncated[i] = True
-        active = [i for i in going if not truncated[i]]
+                if _length(logs[i]) >= max_seq_len:  # the episode is cut short
+                    out_of_room[i] = truncated[i] = True
+        active = [i for i in going if not out_of_room[i]]
 
     lengths = [
         sum(int(m["token_loss_mask"].sum()) for m in log if m["role"] == "assistant")
