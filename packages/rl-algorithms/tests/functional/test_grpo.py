@@ -20,8 +20,8 @@ def grpo_config(tmp_path, assets) -> dict:
         "policy": {
             "model": {"hf_config": TINY_LLAMA, "dtype": "float32"},
             "max_total_sequence_length": 128,
-            # 16 rows per step in 2 optimiser steps: the second one is slightly off-policy.
-            "train_global_batch_size": 8,
+            # All 16 rows of a step in one optimiser step: the update is on-policy.
+            "train_global_batch_size": 16,
             "train_micro_batch_size": 4,
             "optimizer": {"name": "AdamW", "kwargs": {"lr": 1.0e-3}},
             "reference_policy": {"enabled": True},
@@ -104,6 +104,7 @@ def test_rl_grpo_two_turn_sliding_puzzle_with_a_separate_generator(tmp_path, ass
     }
     config["env"] = {"sliding_puzzle": {"config": {"max_turns": 4}}}
     config["policy"]["max_total_sequence_length"] = 256
+    config["policy"]["train_global_batch_size"] = 8
     config["generation"]["colocated"] = False
     config["generation"]["sampling"] = {"temperature": 1.0, "max_new_tokens": 10}
     config["grpo"].update(
