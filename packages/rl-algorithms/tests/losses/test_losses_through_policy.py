@@ -57,6 +57,7 @@ def add_logprobs(data, logprobs, reference):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a 2-rank Ray worker group: ~35 s on 2 cores
 def test_two_ranks_train_like_one_and_report_the_loss_metrics(ray_session, tmp_path):
     local = DTensorPolicyWorker(config())
     data = grpo_like_batch()
