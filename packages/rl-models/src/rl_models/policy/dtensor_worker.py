@@ -27,12 +27,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.interfaces import ExportPlan
+from rl_models.generation.weights import PackedBucket
 from rl_models.interfaces import LossFunction, loss_input_type
 from rl_models.losses import loss_token_mask, sample_valid_mask
 from rl_models.policy import checkpoint, lora, offload
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.forward import build_model, forward_logits, forward_logprobs, forward_scores
+from rl_models.policy.weight_export import DTensorWeightExporter
 
 
 def microbatch_args(config: PolicyConfig, training: bool) -> dict[str, Any]:
@@ -190,8 +193,9 @@ class DTensorPolicyWorker:
         if (output == "scores") != (self.config.model.kind == "sequence_classification"):
             raise ValueError(f"a {self.config.model.kind} model has no {output}")
         packed = self.config.sequence_packing.enabled
+        extra = {"temperature": self.config.logprob_temperature} if output == "logprobs" else {}
         with self._autocast():
-            out = forward[output](model, mb, packed, self.config.model.attn_implementation)
+            out = forward[output](model, mb, packed, self.config.model.attn_implementation, **extra)
         # Losses and metrics in at least the weights' precision, whatever the compute dtype.
         return out.to(torch.promote_types(out.dtype, self.config.model.torch_dtype))
 
@@ -273,9 +277,11 @@ class DTensorPolicyWorker:
             )
             global_seqs, global_toks = self._all_reduce(local)
             self.optimizer.zero_grad(set_to_none=True)
+            self._loss_metrics = None  # a backend's _run_step may collect the losses' metrics
             with torch.set_grad_enabled(not eval_mode):
                 loss_sum = self._run_step(step, loss_fn, global_seqs, global_toks, eval_mode)
             step_metrics = {
+                **self._reduce_loss_metrics(),
                 "loss": float(self._all_reduce(loss_sum)),
                 "global_valid_seqs": float(global_seqs),
                 "global_valid_toks": float(global_toks),
@@ -299,20 +305,48 @@ class DTensorPolicyWorker:
         output = "scores" if self.config.model.kind == "sequence_classification" else None
         output = output or loss_input_type(loss_fn)
         loss_sum = torch.zeros((), dtype=torch.float64)
+        self._loss_metrics = []
         for mb in self._same_count(step):
             if mb is None:
                 loss = self._dummy_logits(self.model).sum() * 0.0
             else:
                 mb = mb.to(self.device)
-                loss, _ = loss_fn(
+                loss, metrics = loss_fn(
                     self._forward(self.model, mb, output), mb, global_seqs, global_toks
                 )
+                self._loss_metrics.append(metrics)
             if not eval_mode:
                 # FSDP averages gradients over ranks; the losses are already global means, so
                 # the sum over ranks is wanted: undo the average.
                 (loss * self.dp_size).backward()
             loss_sum += loss.detach().double().cpu()
         return loss_sum
+
+    def _reduce_loss_metrics(self) -> dict[str, float]:
+        """The metrics the loss returned for this step's micro-batches, over all ranks.
+
+        Losses normalise their metrics like the loss (by the global counts), so they add up;
+        keys ending in ``_min`` / ``_max`` are extremes and combine by min / max. Empty when the
+        backend's ``_run_step`` does not collect them.
+        """
+        if self._loss_metrics is None:
+            return {}
+        per_rank = [self._loss_metrics]
+        if self.dp_size > 1:
+            per_rank = [None] * self.dp_size
+            dist.all_gather_object(per_rank, self._loss_metrics)
+        reduced: dict[str, float] = {}
+        for metrics in (m for rank in per_rank for m in rank):
+            for key, value in metrics.items():
+                if key not in reduced:
+                    reduced[key] = float(value)
+                elif key.endswith("_min"):
+                    reduced[key] = min(reduced[key], float(value))
+                elif key.endswith("_max"):
+                    reduced[key] = max(reduced[key], float(value))
+                else:
+                    reduced[key] += float(value)
+        return reduced
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -354,6 +388,24 @@ class DTensorPolicyWorker:
         offload.move_module(self.model, self.device, copy=False)
         offload.move_optimizer_state(self.optimizer, self.device, copy=False)
         offload.synchronize()
+
+    # -- weight export (refit: rl_models.generation.refit) -------------------------------------
+
+    def _weight_exporter(self) -> DTensorWeightExporter:
+        return DTensorWeightExporter(self.model, self.lora, self.rank)
+
+    def weight_export_plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan:
+        """Start an export of the weights in buckets (``generation.interfaces``)."""
+        self._exporter = self._weight_exporter()
+        return self._exporter.plan(bucket_bytes, dtype)
+
+    def export_weight_bucket(self, step: int) -> PackedBucket | None:
+        return self._exporter.bucket(step)
+
+    def finish_weight_export(self) -> dict[str, int]:
+        stats = self._exporter.finish()
+        self._exporter = None
+        return stats
 
     def save_checkpoint(self, path: str) -> None:
         """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler.
