@@ -50,23 +50,25 @@ def test_a_bad_value_exits_nonzero_naming_the_key(argv, key, expected, capsys):
     assert expected in first_problem
 
 
-def test_banana_fails_before_ray_or_any_worker_starts():
-    # A fresh interpreter: after the error, Ray and transformers were never even imported.
+def test_grpo_banana_fails_before_ray_or_any_worker_starts():
+    # A fresh interpreter: after the error, no Ray cluster was ever started or joined.
     code = (
         "import sys; from rl_algorithms import cli\n"
         "rc = cli.main(sys.argv[1:])\n"
-        "print('imported:', sorted({'ray', 'transformers'} & set(sys.modules)))\n"
+        "ray = sys.modules.get('ray')\n"
+        "print('ray started:', bool(ray and ray.is_initialized()))\n"
         "sys.exit(rc)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, "sft", "sft.max_num_steps=banana"],
+        [sys.executable, "-c", code, "grpo", "grpo.num_generations_per_prompt=banana"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 2
-    assert "sft.max_num_steps: got 'banana' — expected int" in out.stderr
-    assert "imported: []" in out.stdout
+    first_problem = out.stderr.splitlines()[1].strip()
+    assert first_problem == "grpo.num_generations_per_prompt: got 'banana' — expected int"
+    assert "ray started: False" in out.stdout
 
 
 def test_the_console_script_reports_an_unknown_key_with_a_suggestion():
