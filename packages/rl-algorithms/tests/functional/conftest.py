@@ -1,7 +1,7 @@
 """Tiny, real ingredients for end-to-end runs through the `rl` command.
 
 A byte-level BPE tokenizer trained on the spot and saved like a pretrained one, a tiny Llama
-built from its config, small chat and preference files, and one Ray session for the module.
+built from its config, small chat and preference files (the Ray session is the package conftest's).
 """
 
 from __future__ import annotations
@@ -10,10 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
-
-from rl_distributed.virtual_cluster import init_ray
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -64,14 +61,6 @@ def assets(tmp_path_factory) -> dict[str, str]:
         "pref_train": write_jsonl(root / "pref_train.jsonl", prefs * 4),
         "pref_val": write_jsonl(root / "pref_val.jsonl", prefs),
     }
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray cluster for the test process (starting Ray takes seconds)."""
-    init_ray(num_cpus=4, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def base_config(tmp_path: Path, assets: dict[str, str], kind: str = "chat") -> dict:
