@@ -154,3 +154,47 @@ def test_overlong_reward_shaping_penalises_long_responses(make_run):
         {round(s - r, 6) for r, s in zip(result.rewards.tolist(), shaped.tolist(), strict=True)}
     )
     assert penalties == [-1.0, 0.0], (lengths, penalties)
+
+
+def minimal_config(**sections) -> dict:
+    config = {
+        "policy": {
+            "model": {"hf_config": {"model_type": "llama"}},
+            "train_global_batch_size": 4,
+            "max_total_sequence_length": 64,
+        },
+        "tokenizer": {"path": "/tok"},
+        "generation": {"backend": "hf", "sampling": {"temperature": 0.7}},
+        "env": {"arithmetic": {"kind": "math"}},
+        "data": {"train": {"source": "arithmetic"}},
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 1},
+    }
+    for name, value in sections.items():
+        config[name] = {**config[name], **value}
+    return config
+
+
+def test_the_trainer_scores_at_the_generation_temperature_with_the_generators_tokenizer():
+    config = grpo.MasterConfig.model_validate(minimal_config())
+    assert config.policy.logprob_temperature == 0.7
+    assert config.generation.tokenizer == "/tok"
+    assert config.generation.seed == config.policy.seed  # same initial weights
+    assert "max_total_sequence_length" not in config.policy.worker_config().model_dump()
+    assert "num_workers" not in config.generation.engine_config().model_dump()
+
+
+@pytest.mark.parametrize(
+    ("sections", "named"),
+    [
+        ({"loss_fn": {"reference_policy_kl_penalty": 0.1}}, "reference_policy.enabled"),
+        ({"policy": {"train_global_batch_size": 3}}, "train_global_batch_size"),
+        ({"generation": {"backend": "vllm"}}, "policy.model.path"),
+        ({"policy": {"logprob_temperature": 0.5}}, "logprob_temperature"),
+    ],
+)
+def test_inconsistent_sections_are_refused_naming_the_keys(sections, named):
+    config = minimal_config(**{k: v for k, v in sections.items() if k != "loss_fn"})
+    if "loss_fn" in sections:
+        config["loss_fn"] = sections["loss_fn"]
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        grpo.MasterConfig.model_validate(config)

@@ -119,6 +119,11 @@ class MasterConfig(RunConfig):
             raise ValueError(
                 "loss_fn.reference_policy_kl_penalty > 0 needs policy.reference_policy.enabled: true"
             )
+        if self.generation.backend == "vllm" and self.policy.model.path is None:
+            raise ValueError(
+                "generation.backend: vllm loads the model from disk: set policy.model.path "
+                "(a model built from policy.model.hf_config needs generation.backend: hf)"
+            )
         if not self.env:
             raise ValueError("env: configure at least one environment (task_name: {kind: ...})")
         # On-policy ratios are 1 only if the trainer scores tokens under the distribution the
@@ -188,8 +193,13 @@ def make_generation(cluster: Any, config: MasterConfig) -> Any:
         from rl_models.generation.hf_generation import HfGeneration
 
         return HfGeneration(cluster, engine, model=model, name_prefix="grpo-generation")
-    from rl_models.generation.vllm_generation import VllmGeneration  # the vllm extra
-
+    try:
+        from rl_models.generation.vllm import VllmGeneration
+    except ImportError as e:
+        raise RuntimeError(
+            f"generation.backend: vllm, but the vLLM backend cannot be imported ({e}); use "
+            "generation.backend: hf or install rl-models with its vLLM backend"
+        ) from e
     return VllmGeneration(cluster, engine, model=model, name_prefix="grpo-generation")
 
 
@@ -257,6 +267,8 @@ def setup(config: MasterConfig) -> GRPORun:
         state = checkpointer.load(latest, policy, dataloader=train_loader)
         step, extra = state["step"], state["extra"]
     logger = Logger(config.logger, config.model_dump(mode="json"), state=extra.get("logger"))
+    if latest is not None:
+        logger.log_metrics({"resumed_from_step": step}, step=step, prefix="run")
     return GRPORun(
         config=config,
         policy=policy,
