@@ -86,6 +86,16 @@ def test_rl_grpo_is_on_policy_and_the_generator_agrees_with_the_trainer(tmp_path
     assert [e.step for e in events.Scalars("train/probs_ratio_max")] == [1, 2, 3]
     assert (tmp_path / "ckpt" / "step_3" / "policy" / "model.safetensors").is_file()
 
+    # Re-running with the same checkpoint directory resumes: the generator is refit with the
+    # loaded weights (or it would refuse to sample, or disagree with the trainer).
+    assert cli.main(["grpo", "--config", path, "grpo.max_num_steps=4"]) == 0
+    records = read_metrics(tmp_path / "logs")
+    assert series(records, "run/resumed_from_step") == [3]
+    (step4,) = [r for r in records if r.get("step") == 4 and "train/loss" in r]
+    assert step4["train/refit_seconds"] > 0
+    assert 0.8 <= step4["train/probs_ratio_min"] <= step4["train/probs_ratio_max"] <= 1.2
+    assert step4["train/token_mult_prob_error"] < 1.05
+
 
 def test_rl_grpo_two_turn_sliding_puzzle_with_a_separate_generator(tmp_path, assets):
     board = [[1, 2, 3], [4, 5, 6], [7, 0, 8]]
