@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation.weights import PackedBucket
+from rl_models.generation.weights import PackedBucket, TensorSpec
 
 
 class StaleWeightsError(RuntimeError):
@@ -40,6 +40,9 @@ class StaleWeightsError(RuntimeError):
         self.loaded = loaded
         self.expected = expected
 
+    def __reduce__(self):  # crosses process boundaries (Ray) with both versions intact
+        return type(self), (self.loaded, self.expected)
+
 
 @dataclass(frozen=True)
 class ExportPlan:
@@ -48,6 +51,8 @@ class ExportPlan:
     steps: int  # export_weight_bucket calls this rank takes part in (0..steps-1)
     producer: bool  # whether its calls return buckets (else None)
     nbytes: int = 0  # bytes this rank will produce in all
+    # Producers: the tensors of each bucket (the broadcast channel sizes receive buffers by it).
+    buckets: tuple[tuple[TensorSpec, ...], ...] = ()
 
 
 class GenerationInterface(ABC):
@@ -89,10 +94,16 @@ class GenerationWorker(ABC):
     any backend (HF, vLLM) that implements them is refit the same way:
 
     1. ``prepare_for_weight_update()`` on every worker (wake the weights, not the KV cache);
-    2. for each bucket the policy exports, in order: ``load_weight_bucket(bucket)`` on every
-       worker (CPU channel), or ``receive_weight_bucket(meta)`` for the GPU channels
-       (CUDA IPC, NCCL broadcast: see ``rl_models.generation.channels``);
+    2. for each bucket the policy exports, in order, on every worker, by channel:
+       ``load_weight_bucket(bucket: PackedBucket)`` (object store, the CPU default),
+       ``receive_weight_bucket_ipc(bucket: IpcBucket)`` (CUDA IPC), or, after
+       ``init_weight_broadcast(host, port, rank, world, backend, key)`` once per refit,
+       ``receive_weight_bucket_broadcast(slots, key)`` (NCCL/gloo broadcast);
     3. ``set_weight_version(version)`` on every worker once all buckets are in.
+
+    ``channels.ChannelReceiver`` implements every step-2 method on top of one method a backend
+    writes, ``load_named_weights(named: Iterable[tuple[str, Tensor]])`` (full tensors under
+    HF names; a vLLM worker passes them to its model's ``load_weights``).
 
     ``generate(data, greedy, expected_weight_version)`` raises ``StaleWeightsError`` when the
     worker holds another version than the one expected.
