@@ -78,7 +78,12 @@ def validate_all(cfg: Any, model: type) -> Any:
     except ConfigError as e:
         if not e.errors:  # not a validation error (e.g. a bad interpolation)
             raise
-        issues = [i for i in e.errors if i.key not in missing]
+        # a key never given also upsets the checks of the sections holding it: report it once
+        issues = [
+            i
+            for i in e.errors
+            if i.key not in missing and not any(k.startswith(f"{i.key}.") for k in missing)
+        ]
     else:
         if not missing:
             return typed
