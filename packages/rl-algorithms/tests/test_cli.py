@@ -98,3 +98,18 @@ def test_print_config_resolves_without_running(tmp_path, monkeypatch):
     assert out.returncode == 0, out.stderr
     assert "max_num_steps: 7" in out.stdout
     assert not os.path.exists(tmp_path / "results")
+
+
+def test_a_key_the_recipe_leaves_out_but_the_model_has_can_be_overridden(capsys):
+    argv = [
+        "sft",
+        "--print-config",
+        "tokenizer.path=tok",
+        "+policy.model.hf_config={model_type: llama}",
+        "+data.train={source: arithmetic, size: 4}",
+        "cluster.ray_num_cpus=3",
+        "logger.wandb.project=demo",
+    ]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "ray_num_cpus: 3" in out and "project: demo" in out

@@ -56,8 +56,37 @@ def build_config(algorithm: types.ModuleType, argv: Sequence[str]) -> Any:
     cfg = load_config(algorithm.DEFAULT_RECIPE)
     if path is not None:
         cfg = OmegaConf.merge(cfg, load_config(path))
+    overrides = [_allow_schema_keys(cfg, algorithm.MasterConfig, o) for o in overrides]
     cfg = apply_overrides(cfg, overrides)
     return validate_all(cfg, algorithm.MasterConfig)
+
+
+def _allow_schema_keys(cfg: Any, model: type, override: str) -> str:
+    """``key=value`` for a key the recipe leaves out but the config model has (a default
+    nobody wrote down) becomes ``++key=value``; any other override is left as it is, so a
+    typo still fails with Hydra's "not in the config" and a suggestion."""
+    from omegaconf import OmegaConf
+
+    if override.startswith(("+", "~")) or "=" not in override:
+        return override
+    key = override.split("=", 1)[0]
+    if OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT:
+        return override
+    return f"++{override}" if _schema_has(model, key.split(".")) else override
+
+
+_ABSENT = object()
+
+
+def _schema_has(model: Any, parts: list[str]) -> bool:
+    for i, part in enumerate(parts):
+        model = _single_model(model)
+        if model is None or part not in model.model_fields:
+            return False
+        model = model.model_fields[part].annotation
+        if i < len(parts) - 1 and _single_model(model) is None:
+            return False
+    return True
 
 
 def validate_all(cfg: Any, model: type) -> Any:
@@ -78,7 +107,12 @@ def validate_all(cfg: Any, model: type) -> Any:
     except ConfigError as e:
         if not e.errors:  # not a validation error (e.g. a bad interpolation)
             raise
-        issues = [i for i in e.errors if i.key not in missing]
+        # a key never given also upsets the checks of the sections holding it: report it once
+        issues = [
+            i
+            for i in e.errors
+            if i.key not in missing and not any(k.startswith(f"{i.key}.") for k in missing)
+        ]
     else:
         if not missing:
             return typed

