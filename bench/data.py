@@ -59,19 +59,29 @@ WORDS = [
 ]
 
 
-def conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+def conversations(
+    n: int, seed: int = 0, distinct_system: bool = False
+) -> list[list[dict[str, str]]]:
     rng = random.Random(seed)
 
     def text(lo: int, hi: int) -> str:
         return " ".join(rng.choices(WORDS, k=rng.randint(lo, hi))).capitalize() + "."
 
+    def system(i: int) -> str:
+        # one shared system prompt, as most SFT sets have; or a different one per sample
+        return (
+            f"You are helpful assistant number {i}."
+            if distinct_system
+            else "You are a helpful assistant."
+        )
+
     return [
         [
-            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "system", "content": system(i)},
             {"role": "user", "content": text(8, 40)},
             {"role": "assistant", "content": text(20, 120)},
         ]
-        for _ in range(n)
+        for i in range(n)
     ]
 
 
@@ -95,11 +105,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--gguf", default=None)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--distinct-system-prompts",
+        action="store_true",
+        help="a different system prompt per sample (no text repeats across samples)",
+    )
     args = parser.parse_args()
 
     tokenizer, name = tokenizer_for(args.gguf)
-    convs = conversations(args.samples)
-    print(f"tokenizer: {name}; {args.samples} samples of 3 messages; batch size {args.batch_size}")
+    convs = conversations(args.samples, distinct_system=args.distinct_system_prompts)
+    prompts = "distinct" if args.distinct_system_prompts else "one shared"
+    print(
+        f"tokenizer: {name}; {args.samples} samples of 3 messages ({prompts} system prompt); "
+        f"batch size {args.batch_size}"
+    )
     tokenizer.apply_chat_template(convs[0], tokenize=True)  # warm both paths' template caches
 
     def run_baseline() -> None:

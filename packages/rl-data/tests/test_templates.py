@@ -82,3 +82,59 @@ def test_tokenizer_without_template_is_an_error(tokenizer):
 
     with pytest.raises(TemplateError, match=r"plain-tokenizer.*passthrough"):
         ChatTemplate.from_config(ChatTemplateConfig(), NoTemplate())
+
+
+# -- frames: the text around each message, rendered once per sequence of roles ---------------
+
+SMOL_LIKE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TRIMMING = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+THINK_SPLITTING = (  # drops the reasoning of assistant turns, as Qwen3's template does
+    "{% for m in messages %}<{{ m['role'] }}>"
+    "{% if m['role'] == 'assistant' and '</think>' in m['content'] %}"
+    "{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+    "</{{ m['role'] }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  Hello!\n"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "<think>no</think> 2+2?"},
+        {"role": "assistant", "content": "<think>easy</think>4"},
+        {"role": "user", "content": "{{ again }}"},
+    ],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}],
+]
+
+
+@pytest.mark.parametrize(
+    "source", [SMOL_LIKE, TRIMMING, THINK_SPLITTING], ids=["smol", "trim", "think"]
+)
+@pytest.mark.parametrize("gen", [False, True])
+def test_framed_texts_equal_rendered_texts(source, gen):
+    framed, rendered = ChatTemplate(source), ChatTemplate(source, cache_frames=False)
+    for conversation in CONVERSATIONS:
+        for start in range(len(conversation)):
+            want = rendered.message_texts(conversation, gen, start=start)
+            assert framed.message_texts(conversation, gen, start=start) == want
+            assert framed.message_texts(conversation, gen, start=start) == want  # cached
+
+
+def test_templates_that_change_contents_are_never_framed():
+    roles = (("user", "assistant"), False, 0)
+    smol, trim, think = (
+        ChatTemplate(SMOL_LIKE),
+        ChatTemplate(TRIMMING),
+        ChatTemplate(THINK_SPLITTING),
+    )
+    for t in (smol, trim, think):
+        t.message_texts([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert smol._frames[roles] is not None
+    assert trim._frames[roles] is None and think._frames[roles] is None

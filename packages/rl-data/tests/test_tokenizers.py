@@ -72,3 +72,12 @@ def test_smollm2_gguf_tokenizer_and_its_chat_template():
     )
     assert ours == list(expected)
     assert tok.decode(log[-1]["token_ids"]).endswith("<|im_start|>assistant\n")
+
+
+def test_encode_texts_with_repeats_equals_encoding_each_text_alone(tokenizer):
+    from rl_data.tokenizers import encode_texts
+
+    texts = ["What is 2 + 2?", "Hello!", "What is 2 + 2?", "", "Hello!", "The answer is 4."]
+    alone = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert encode_texts(tokenizer, texts) == alone
+    assert encode_texts(tokenizer, texts[::-1]) == alone[::-1]  # now from the recent texts

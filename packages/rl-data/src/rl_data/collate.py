@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from rl_data.types import DatumSpec, MessageLog, PreferenceDatumSpec
@@ -45,26 +46,40 @@ def flatten_message_logs(
         raise ValueError("cannot collate an empty batch")
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
-    rows, loss_rows = [], []
     for b, log in enumerate(logs):
         _check_tokenised(log, f"sample {b} of the batch")
-        ids = [m["token_ids"] for m in log]
-        rows.append(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long))
-        loss = [
-            m["token_loss_mask"].to(torch.long)
-            if "token_loss_mask" in m
-            else torch.full_like(m["token_ids"], int(m["role"] in loss_roles))
-            for m in log
-        ]
-        loss_rows.append(torch.cat(loss) if loss else torch.zeros(0, dtype=torch.long))
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    width = max(int(lengths.max()), 1)
+    # One concatenation of every message's ids, scattered into the padded batch at once
+    # (numpy: per-row and per-message tensor ops cost more than the data they move).
+    messages = [m for log in logs for m in log]
+    message_lengths = np.array([m["token_ids"].shape[0] for m in messages], dtype=np.int64)
+    per_row = np.array([len(log) for log in logs], dtype=np.int64)
+    row_of_message = np.repeat(np.arange(len(logs)), per_row)
+    lengths_np = np.bincount(row_of_message, weights=message_lengths, minlength=len(logs))
+    lengths_np = lengths_np.astype(np.int64)
+    width = max(int(lengths_np.max()), 1)
     width = -(-width // pad_to_multiple) * pad_to_multiple
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for b, (row, loss) in enumerate(zip(rows, loss_rows, strict=True)):
-        input_ids[b, : len(row)] = row
-        loss_mask[b, : len(loss)] = loss
+    rows = np.repeat(np.arange(len(logs)), lengths_np)
+    row_starts = np.cumsum(lengths_np) - lengths_np
+    columns = np.arange(rows.shape[0]) - np.repeat(row_starts, lengths_np)
+    input_ids = np.full((len(logs), width), pad_token_id, dtype=np.int64)
+    loss_mask = np.zeros((len(logs), width), dtype=np.int64)
+    if rows.shape[0]:
+        input_ids[rows, columns] = np.concatenate([m["token_ids"].numpy() for m in messages])
+        if any("token_loss_mask" in m for m in messages):
+            loss = np.concatenate(
+                [
+                    m["token_loss_mask"].numpy()
+                    if "token_loss_mask" in m
+                    else np.full(n, int(m["role"] in loss_roles))
+                    for m, n in zip(messages, message_lengths, strict=True)
+                ]
+            )
+        else:
+            per_message = np.array([int(m["role"] in loss_roles) for m in messages])
+            loss = np.repeat(per_message, message_lengths)
+        loss_mask[rows, columns] = loss
+    lengths = torch.from_numpy(lengths_np)
+    input_ids, loss_mask = torch.from_numpy(input_ids), torch.from_numpy(loss_mask)
     token_mask = (torch.arange(width)[None, :] < lengths[:, None]).to(torch.long)
     return {
         "input_ids": input_ids,

@@ -88,7 +88,7 @@ def tokenize_message_logs(
 
 
 def message_log_length(log: MessageLog) -> int:
-    return sum(len(m["token_ids"]) for m in log)
+    return sum(m["token_ids"].shape[0] for m in log)
 
 
 def truncate_message_log(log: MessageLog, max_tokens: int) -> MessageLog:

@@ -42,6 +42,11 @@ class ChatTemplateConfig(ConfigModel):
 
     kind: Literal["tokenizer", "passthrough", "jinja"] = "tokenizer"
     template: str | None = None  # the Jinja source, for kind=jinja only
+    # Render the fixed text around messages once per sequence of roles and reuse it (see
+    # ChatTemplate.message_texts). Switch off for a template whose output depends on what a
+    # message says beyond inserting it (the probes catch trimming, escaping and think-tag
+    # splitting, not every possible test on the content).
+    cache_frames: bool = True
 
     @model_validator(mode="after")
     def _template_only_for_jinja(self) -> ChatTemplateConfig:
@@ -74,13 +79,31 @@ def _compile(source: str) -> jinja2.Template:
         raise TemplateError(f"chat template has a syntax error (line {e.lineno}): {e}") from None
 
 
+# Probe contents for ChatTemplate frames ({i}: the message's index). Private-use characters
+# make each unique; the others catch templates that trim, escape or split what a message says.
+_PROBE_VARIANTS = (
+    "\ue000{i}\ue001",
+    "  \n\ue002{i}\ue003 \n\n",
+    "<think>\ue004{i}</think>{{{{ x }}}}<tool_call>\ue005",
+)
+
+
 class ChatTemplate:
     """A compiled chat template plus the special tokens it may refer to."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        source: str,
+        special_tokens: Mapping[str, str] | None = None,
+        cache_frames: bool = True,
+    ) -> None:
         self.source = source
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._template = _compile(source)
+        self.cache_frames = cache_frames
+        # (roles, add_generation_prompt, start) -> (before, after) text of each message, or
+        # None where the template does not insert contents verbatim (then: render each time)
+        self._frames: dict[tuple[tuple[str, ...], bool, int], list[tuple[str, str]] | None] = {}
 
     @classmethod
     def from_config(cls, cfg: ChatTemplateConfig, tokenizer: Any = None) -> ChatTemplate:
@@ -92,10 +115,10 @@ class ChatTemplate:
                 for name in ("bos_token", "eos_token", "pad_token", "unk_token")
             }
         if cfg.kind == "passthrough":
-            return cls(PASSTHROUGH_TEMPLATE, special)
+            return cls(PASSTHROUGH_TEMPLATE, special, cfg.cache_frames)
         if cfg.kind == "jinja":
             assert cfg.template is not None
-            return cls(cfg.template, special)
+            return cls(cfg.template, special, cfg.cache_frames)
         source = getattr(tokenizer, "chat_template", None)
         if not isinstance(source, str) or not source:
             name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
@@ -103,7 +126,7 @@ class ChatTemplate:
                 f"tokenizer {name!r} has no chat template; use chat_template.kind 'passthrough'"
                 " or 'jinja' with a template"
             )
-        return cls(source, special)
+        return cls(source, special, cfg.cache_frames)
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False
@@ -130,7 +153,61 @@ class ChatTemplate:
         difference between renders of successive prefixes, so a template that rewrites earlier
         turns when a later one is added (e.g. one that drops past reasoning) is refused: it
         cannot be tokenised incrementally.
+
+        Rendering costs more than tokenising, so the text a template puts around each message
+        (headers, end-of-turn markers, a default system prompt) is found once per sequence of
+        roles, by rendering probe contents, and reused: each message's text is then its frame's
+        ``before + content + after``. Probes with whitespace, braces and think/tool tags must
+        all come out verbatim in the same frame, else that sequence is rendered every time, as
+        are messages with empty content.
         """
+        if self.cache_frames and all(m["content"] for m in messages[start:]):
+            frame = self._frame(tuple(m["role"] for m in messages), add_generation_prompt, start)
+            if frame is not None:
+                return [
+                    before + m["content"] + after
+                    for (before, after), m in zip(frame, messages[start:], strict=True)
+                ]
+        return self._rendered_texts(messages, add_generation_prompt, start)
+
+    def _frame(
+        self, roles: tuple[str, ...], add_generation_prompt: bool, start: int
+    ) -> list[tuple[str, str]] | None:
+        key = (roles, add_generation_prompt, start)
+        if key not in self._frames:
+            self._frames[key] = self._probe_frame(roles, add_generation_prompt, start)
+        return self._frames[key]
+
+    def _probe_frame(
+        self, roles: tuple[str, ...], add_generation_prompt: bool, start: int
+    ) -> list[tuple[str, str]] | None:
+        frames = []
+        for variant in _PROBE_VARIANTS:
+            contents = [variant.format(i=i) for i in range(len(roles))]
+            probe = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+            try:
+                texts = self._rendered_texts(probe, add_generation_prompt, start)
+            except TemplateError:
+                return None  # let the real messages raise (or pass) on their own
+            frame = []
+            for text, content, i in zip(
+                texts, contents[start:], range(start, len(roles)), strict=True
+            ):
+                others = [c for j, c in enumerate(contents) if j != i]
+                if text.count(content) != 1 or any(o in text for o in others):
+                    return None  # not inserted verbatim, or moved into another message's text
+                before, _, after = text.partition(content)
+                frame.append((before, after))
+            frames.append(frame)
+        return frames[0] if all(f == frames[0] for f in frames) else None
+
+    def _rendered_texts(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        start: int,
+    ) -> list[str]:
+        """``message_texts`` by rendering every prefix of the conversation."""
         n = len(messages)
 
         def boundary(k: int) -> str:

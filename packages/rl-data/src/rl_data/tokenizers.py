@@ -6,6 +6,8 @@ says so rather than a download attempt.
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,9 +98,64 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> li
 
     Fast tokenizers encode the whole list in one call into the Rust backend, which is what
     makes tokenising message by message cost no more than tokenising whole conversations.
+    A text that comes up again (a shared system prompt, a template's fixed turn) is encoded
+    once: repeats within the call share one encoding, and recent texts are remembered per
+    tokenizer (:class:`_RecentTexts`). Encoding is deterministic, so the ids are the same.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     # a backend configured to pad or truncate would change the ids: let transformers handle it
-    if backend is not None and backend.padding is None and backend.truncation is None:
-        return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]
-    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    if backend is None or backend.padding is not None or backend.truncation is not None:
+        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    recent = _recent_texts(tokenizer)
+    known: dict[str, list[int]] = {}
+    todo: list[str] = []
+    for text in texts:
+        if text in known:
+            continue
+        ids = recent.get(text)
+        if ids is None:
+            known[text] = []  # placeholder: encoded below
+            todo.append(text)
+        else:
+            known[text] = ids
+    if todo:
+        # encode_batch_fast skips the character offsets nobody here reads: the same ids, faster
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        for text, encoding in zip(todo, encode(todo, add_special_tokens=False), strict=True):
+            known[text] = encoding.ids
+            recent.put(text, encoding.ids)
+    return [known[text] for text in texts]
+
+
+class _RecentTexts:
+    """Ids of recently encoded short texts, oldest forgotten first (bounded memory)."""
+
+    MAX_ENTRIES = 4096
+    MAX_CHARS = 4096  # long texts rarely repeat: not worth keeping
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+
+    def get(self, text: str) -> list[int] | None:
+        ids = self._ids.get(text)
+        if ids is not None:
+            self._ids.move_to_end(text)
+        return ids
+
+    def put(self, text: str, ids: list[int]) -> None:
+        if len(text) > self.MAX_CHARS:
+            return
+        self._ids[text] = ids
+        if len(self._ids) > self.MAX_ENTRIES:
+            self._ids.popitem(last=False)
+
+
+_RECENT: weakref.WeakKeyDictionary[Any, _RecentTexts] = weakref.WeakKeyDictionary()
+
+
+def _recent_texts(tokenizer: Any) -> _RecentTexts:
+    # keyed by the tokenizer object: its vocabulary and settings decide the ids
+    try:
+        return _RECENT.setdefault(tokenizer, _RecentTexts())
+    except TypeError:  # an object that cannot be weakly referenced: no memory across calls
+        return _RecentTexts()

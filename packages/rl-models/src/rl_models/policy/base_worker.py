@@ -128,6 +128,7 @@ class PolicyWorker(abc.ABC):
     config: PolicyConfig
     device: torch.device
     dp_size: int
+    _loss_metrics: list[dict[str, float]] | None = None
     rank: int
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -225,9 +226,11 @@ class PolicyWorker(abc.ABC):
             )
             global_seqs, global_toks = self._all_reduce(local)
             self.optimizer.zero_grad(set_to_none=True)
+            self._loss_metrics = None  # a backend's _run_step may collect the losses' metrics
             with torch.set_grad_enabled(not eval_mode):
                 loss_sum = self._run_step(step, loss_fn, global_seqs, global_toks, eval_mode)
             step_metrics = {
+                **self._reduce_loss_metrics(),
                 "loss": float(self._all_reduce(loss_sum)),
                 "global_valid_seqs": float(global_seqs),
                 "global_valid_toks": float(global_toks),
@@ -241,6 +244,32 @@ class PolicyWorker(abc.ABC):
             for k, v in step_metrics.items():
                 metrics.setdefault(k, []).append(v)
         return metrics
+
+    def _reduce_loss_metrics(self) -> dict[str, float]:
+        """The metrics the loss returned for this step's micro-batches, over all ranks.
+
+        Losses normalise their metrics like the loss (by the global counts), so they add up;
+        keys ending in ``_min`` / ``_max`` are extremes and combine by min / max. Empty when the
+        backend's ``_run_step`` does not collect them.
+        """
+        if self._loss_metrics is None:
+            return {}
+        per_rank = [self._loss_metrics]
+        if self.dp_size > 1:
+            per_rank = [None] * self.dp_size
+            dist.all_gather_object(per_rank, self._loss_metrics)
+        reduced: dict[str, float] = {}
+        for metrics in (m for rank in per_rank for m in rank):
+            for key, value in metrics.items():
+                if key not in reduced:
+                    reduced[key] = float(value)
+                elif key.endswith("_min"):
+                    reduced[key] = min(reduced[key], float(value))
+                elif key.endswith("_max"):
+                    reduced[key] = max(reduced[key], float(value))
+                else:
+                    reduced[key] += float(value)
+        return reduced
 
     @abc.abstractmethod
     def _run_step(

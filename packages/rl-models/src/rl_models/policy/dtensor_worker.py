@@ -192,6 +192,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         output = "scores" if self.config.model.kind == "sequence_classification" else None
         output = output or loss_input_type(loss_fn)
         loss_sum = torch.zeros((), dtype=torch.float64)
+        self._loss_metrics = []
         mbs = self._same_count(step)
         for i, mb in enumerate(mbs):
             if self.dp_size > 1 and not eval_mode:
@@ -203,9 +204,10 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                 loss = self._dummy_logits(self.model).sum() * 0.0
             else:
                 mb = mb.to(self.device)
-                loss, _ = loss_fn(
+                loss, metrics = loss_fn(
                     self._forward(self.model, mb, output), mb, global_seqs, global_toks
                 )
+                self._loss_metrics.append(metrics)
             if not eval_mode:
                 # FSDP averages gradients over ranks; the losses are already global means, so
                 # the sum over ranks is wanted: undo the average.

@@ -1,0 +1,127 @@
+"""Advantage estimators and reward shaping for GRPO-style training.
+
+Rewards come as ``[N]`` float tensors, ``N = prompts * G`` with the G samples of a prompt
+**contiguous** (rows ``g*G .. g*G + G - 1`` are group ``g``: ``BatchedDataDict.repeat_interleave``
+makes that layout). All estimators work in float64 and return the dtype they were given.
+
+- ``grpo_advantages``: ``r - baseline``, the baseline the group mean (or, ``leave_one_out``, the
+  mean of the *other* G-1 samples), optionally divided by the group's standard deviation.
+- ``rloo_advantages``: REINFORCE leave-one-out, ``r_i - mean_{j != i} r_j`` (no scaling).
+- ``reinforce_plus_plus_advantages``: per-token returns (with the KL-in-reward variant:
+  ``G_t = r - kl_coef * sum_{s >= t} kl_s``), whitened over all valid tokens of the batch
+  (global, not per-group, normalisation); with ``group_size`` the group mean is subtracted
+  from the rewards first (the "baseline" variant).
+- DAPO: ``groups_with_signal`` (dynamic sampling keeps groups whose rewards differ),
+  ``overlong_filter`` (truncated samples out of the loss), ``overlong_penalty`` (soft length
+  penalty added to the reward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"{rewards.numel()} rewards cannot be cut into groups of {group_size} "
+            "(grpo.num_generations_per_prompt)"
+        )
+    return rewards.to(torch.float64).view(-1, group_size)
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    leave_one_out: bool = False,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """``[N]`` advantages against each group's baseline (module docstring).
+
+    The std is the unbiased standard deviation of the whole group; a group whose rewards are
+    all equal gets advantage 0 (there is nothing to learn from it), never a division by ~0.
+    """
+    groups = _groups(rewards, group_size)
+    if leave_one_out:
+        if group_size < 2:
+            raise ValueError("a leave-one-out baseline needs at least 2 samples per prompt")
+        baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    else:
+        baseline = groups.mean(dim=1, keepdim=True)
+    adv = groups - baseline
+    if normalize_std and group_size > 1:
+        std = groups.std(dim=1, keepdim=True)
+        adv = torch.where(std > eps, adv / (std + eps), torch.zeros_like(adv))
+    return adv.reshape(-1).to(rewards.dtype)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out: each sample against the mean of the rest of its group."""
+    return grpo_advantages(rewards, group_size, leave_one_out=True, normalize_std=False)
+
+
+def reinforce_plus_plus_advantages(
+    rewards: torch.Tensor,
+    token_mask: torch.Tensor,
+    group_size: int | None = None,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """``[N, S]`` per-token advantages of REINFORCE++ (module docstring).
+
+    ``token_mask`` ``[N, S]`` marks the response tokens (the reward comes at the last one);
+    ``kl`` ``[N, S]`` is a per-token KL estimate to the reference (only read when
+    ``kl_coef > 0``). Advantages are 0 outside the mask.
+    """
+    mask = token_mask.to(torch.float64)
+    r = rewards.to(torch.float64)
+    if group_size is not None:
+        groups = _groups(rewards, group_size)
+        r = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
+    returns = r[:, None] * mask
+    if kl_coef:
+        if kl is None:
+            raise ValueError("kl_coef > 0 needs the per-token kl [N, S]")
+        penalty = kl.to(torch.float64) * mask
+        # Reward-to-go of the per-token penalties (gamma = 1): the sum from t to the end.
+        to_go = penalty.flip(1).cumsum(1).flip(1)
+        returns = returns - kl_coef * to_go * mask
+    count = mask.sum().clamp(min=1)
+    mean = returns.sum() / count
+    var = (((returns - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1)
+    return ((returns - mean) / (var.sqrt() + eps) * mask).to(rewards.dtype)
+
+
+def groups_with_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[P]`` bool: which groups have rewards that are not all equal (DAPO dynamic sampling)."""
+    groups = _groups(rewards, group_size)
+    return (groups.max(dim=1).values - groups.min(dim=1).values) > 0
+
+
+def overlong_filter(truncated: torch.Tensor, sample_mask: torch.Tensor) -> torch.Tensor:
+    """``sample_mask`` with truncated samples switched off: a response cut at the length limit
+    has no final answer, and its reward would punish length rather than the answer."""
+    return sample_mask * (~truncated.bool()).to(sample_mask.dtype)
+
+
+def overlong_penalty(
+    response_lengths: torch.Tensor, max_response_length: int, buffer_length: int
+) -> torch.Tensor:
+    """DAPO's soft overlong penalty, ``[N]`` values in [-1, 0] to add to the rewards.
+
+    0 up to ``max_response_length - buffer_length`` tokens, then falling linearly to -1 at
+    ``max_response_length``, and -1 beyond it.
+    """
+    if not 0 < buffer_length <= max_response_length:
+        raise ValueError(
+            f"overlong buffer_length must be in (0, max_response_length={max_response_length}], "
+            f"got {buffer_length}"
+        )
+    lengths = response_lengths.to(torch.float64)
+    start = max_response_length - buffer_length
+    penalty = (start - lengths) / buffer_length
+    return penalty.clamp(-1.0, 0.0)

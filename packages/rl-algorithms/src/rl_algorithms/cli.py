@@ -1,0 +1,284 @@
+"""The ``rl`` command: ``rl sft|dpo|rm|grpo|eval [--config FILE] [key=value ...]``.
+
+A run's config is built in three layers, later ones winning: the algorithm's default recipe
+(shipped in ``rl_algorithms/recipes``), the ``--config`` file (with its own ``defaults:``
+parents), and the overrides in Hydra's grammar (``a.b=1``, ``+new.key=x``, ``~drop``). The
+result is resolved and validated against the algorithm's ``MasterConfig`` *before* anything
+starts, so a bad key or value exits with status 2 and a message naming the key, the value and
+what was expected, without a Ray cluster or worker ever starting.
+
+Algorithms are modules named in :data:`ALGORITHMS` that follow the convention of
+:mod:`rl_algorithms.config`; this command knows nothing else about them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ALGORITHMS: dict[str, tuple[str, str]] = {
+    "sft": ("rl_algorithms.sft", "supervised fine-tuning (NLL on assistant turns)"),
+    "dpo": ("rl_algorithms.dpo", "direct preference optimisation against a reference policy"),
+    "rm": ("rl_algorithms.rm", "reward-model training (Bradley-Terry on preference pairs)"),
+    "grpo": (
+        "rl_algorithms.grpo",
+        "GRPO and relatives: rollouts, rewards, clipped policy gradient",
+    ),
+    "eval": ("rl_algorithms.eval", "pass@k and majority-vote accuracy of a model on a dataset"),
+}
+CONFIG_ERROR_EXIT = 2
+
+USAGE = """usage: rl ALGORITHM [--config FILE] [key=value ...]
+       rl ALGORITHM --help         the config keys of ALGORITHM, with their defaults
+       rl ALGORITHM --print-config  the resolved, validated config; nothing runs"""
+
+
+def load_algorithm(name: str) -> types.ModuleType:
+    module, _ = ALGORITHMS[name]
+    return importlib.import_module(module)
+
+
+def build_config(algorithm: types.ModuleType, argv: Sequence[str]) -> Any:
+    """Default recipe <- ``--config`` file <- overrides, validated into ``MasterConfig``.
+
+    Raises ``rl_distributed.config.ConfigError`` naming the offending key.
+    """
+    from omegaconf import OmegaConf
+
+    from rl_distributed.config import apply_overrides, load_config, parse_cli
+
+    path, overrides = parse_cli(argv)
+    cfg = load_config(algorithm.DEFAULT_RECIPE)
+    if path is not None:
+        cfg = OmegaConf.merge(cfg, load_config(path))
+    overrides = [_allow_schema_keys(cfg, algorithm.MasterConfig, o) for o in overrides]
+    cfg = apply_overrides(cfg, overrides)
+    return validate_all(cfg, algorithm.MasterConfig)
+
+
+def _allow_schema_keys(cfg: Any, model: type, override: str) -> str:
+    """``key=value`` for a key the recipe leaves out but the config model has (a default
+    nobody wrote down) becomes ``++key=value``; any other override is left as it is, so a
+    typo still fails with Hydra's "not in the config" and a suggestion."""
+    from omegaconf import OmegaConf
+
+    if override.startswith(("+", "~")) or "=" not in override:
+        return override
+    key = override.split("=", 1)[0]
+    if OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT:
+        return override
+    return f"++{override}" if _schema_has(model, key.split(".")) else override
+
+
+_ABSENT = object()
+
+
+def _schema_has(model: Any, parts: list[str]) -> bool:
+    for i, part in enumerate(parts):
+        model = _single_model(model)
+        if model is None or part not in model.model_fields:
+            return False
+        model = model.model_fields[part].annotation
+        if i < len(parts) - 1 and _single_model(model) is None:
+            return False
+    return True
+
+
+def validate_all(cfg: Any, model: type) -> Any:
+    """``validate_config``, but reporting every problem at once: keys still set to ``???``
+    (never given) are listed after the keys with bad values, instead of hiding them."""
+    from omegaconf import OmegaConf
+
+    from rl_distributed.config import ConfigError, ConfigIssue, validate_config
+
+    missing = _mandatory_keys(OmegaConf.to_container(cfg, resolve=False))
+    pruned = cfg.copy()
+    for key in missing:
+        parent_key, _, last = key.rpartition(".")
+        parent = OmegaConf.select(pruned, parent_key) if parent_key else pruned
+        del parent[last]
+    try:
+        typed = validate_config(pruned, model)
+    except ConfigError as e:
+        if not e.errors:  # not a validation error (e.g. a bad interpolation)
+            raise
+        # a key never given also upsets the checks of the sections holding it: report it once
+        issues = [
+            i
+            for i in e.errors
+            if i.key not in missing and not any(k.startswith(f"{i.key}.") for k in missing)
+        ]
+    else:
+        if not missing:
+            return typed
+        issues = []
+    issues += [
+        ConfigIssue(key, "mandatory", f"required value never set (pass '{key}=...')")
+        for key in missing
+    ]
+    issues.sort(key=lambda i: i.kind in ("missing", "mandatory"))  # bad values first
+    lines = "\n".join(f"  {issue}" for issue in issues)
+    n = len(issues)
+    raise ConfigError(
+        f"Invalid config for {model.__name__} ({n} problem{'s' * (n != 1)}):\n{lines}", issues
+    )
+
+
+def _mandatory_keys(tree: Any, prefix: str = "") -> list[str]:
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, list):
+        items = enumerate(tree)
+    else:
+        return []
+    out = []
+    for key, value in items:
+        if value == "???":
+            out.append(f"{prefix}{key}")
+        else:
+            out += _mandatory_keys(value, f"{prefix}{key}.")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rl`` console script (also callable in-process with ``argv``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_overview())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in ALGORITHMS:
+        print(
+            f"rl: unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}",
+            file=sys.stderr,
+        )
+        print(USAGE, file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    try:
+        algorithm = load_algorithm(name)
+    except ModuleNotFoundError as e:
+        if e.name != ALGORITHMS[name][0]:
+            raise
+        print(f"rl: the {name!r} algorithm is not part of this installation", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    if "-h" in rest or "--help" in rest:
+        print(describe(name, algorithm))
+        return 0
+    print_only = "--print-config" in rest
+    rest = [a for a in rest if a != "--print-config"]
+
+    from rl_distributed.config import ConfigError, to_yaml
+
+    try:
+        config = build_config(algorithm, rest)
+    except ConfigError as e:
+        print(f"rl {name}: {e}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    if print_only:
+        print(to_yaml(config), end="")
+        return 0
+    _save_resolved(config)
+    algorithm.main(config)
+    return 0
+
+
+def _save_resolved(config: Any) -> None:
+    """The resolved config next to the logs, for reproducibility."""
+    from rl_distributed.config import save_config
+
+    log_dir = getattr(getattr(config, "logger", None), "log_dir", None)
+    if log_dir is not None:
+        save_config(config, Path(log_dir) / "config.yaml")
+
+
+# -- help ----------------------------------------------------------------------------------------
+
+
+def _overview() -> str:
+    lines = [USAGE, "", "algorithms:"]
+    lines += [f"  {name:<6} {summary}" for name, (_, summary) in ALGORITHMS.items()]
+    lines += ["", "config groups (each algorithm's --help lists its keys):"]
+    groups: dict[str, list[str]] = {}
+    for name in ALGORITHMS:
+        try:
+            model = load_algorithm(name).MasterConfig
+        except ModuleNotFoundError:
+            continue
+        for group in model.model_fields:
+            groups.setdefault(group, []).append(name)
+    lines += [f"  {group:<14} used by {', '.join(users)}" for group, users in groups.items()]
+    lines += [
+        "",
+        "overrides: a.b=1 changes a key, +a.b=1 adds one, ++a.b=1 adds or changes, ~a.b deletes.",
+        "Re-running with the same checkpointing.checkpoint_dir resumes from its latest checkpoint.",
+    ]
+    return "\n".join(lines)
+
+
+def describe(name: str, algorithm: types.ModuleType) -> str:
+    """``rl NAME --help``: every key of the algorithm's config with its type and default."""
+    from omegaconf import OmegaConf
+
+    from rl_distributed.config import load_config
+
+    defaults = OmegaConf.to_container(load_config(algorithm.DEFAULT_RECIPE), resolve=False)
+    lines = [
+        USAGE.replace("ALGORITHM", name, 1).splitlines()[0],
+        "",
+        f"{ALGORITHMS[name][1]}.",
+        f"default recipe: {algorithm.DEFAULT_RECIPE}",
+        "",
+        "config keys (type = default; ??? or 'required' must be given):",
+    ]
+    for group, field in algorithm.MasterConfig.model_fields.items():
+        lines.append(f"{group}:")
+        lines += _field_lines(field.annotation, defaults.get(group), field, "  ")
+    return "\n".join(lines)
+
+
+def _field_lines(annotation: Any, recipe: Any, field: Any, indent: str) -> list[str]:
+    model = _single_model(annotation)
+    if model is None:
+        return []
+    out = []
+    for key, sub in model.model_fields.items():
+        value = recipe.get(key) if isinstance(recipe, dict) else None
+        nested = _single_model(sub.annotation)
+        if nested is not None:
+            out.append(f"{indent}{key}:")
+            out += _field_lines(sub.annotation, value, sub, indent + "  ")
+            continue
+        if isinstance(recipe, dict) and key in recipe:
+            default = value
+        elif sub.is_required():
+            default = "required"
+        else:
+            default = sub.get_default(call_default_factory=True)
+        out.append(f"{indent}{key}: {_type_name(sub.annotation)} = {default!r}")
+    return out
+
+
+def _single_model(annotation: Any) -> Any:
+    from pydantic import BaseModel
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type) and not typing.get_args(annotation):
+        return annotation.__name__
+    return repr(annotation).replace("typing.", "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

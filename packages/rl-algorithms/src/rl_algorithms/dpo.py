@@ -1,0 +1,83 @@
+"""Direct preference optimisation against the frozen initial policy.
+
+    rl dpo --config examples/configs/dpo_cpu.yaml dpo.reference_policy_kl_penalty=0.1
+
+Each step takes ``policy.train_global_batch_size`` preference *pairs* (2x as many rows: chosen
+and rejected interleaved, as ``preference_collate`` lays them out), scores both responses under
+the reference policy (``policy.reference_policy.enabled``, a frozen copy of the initial
+weights), and trains one optimiser step on the DPO loss (``rl_algorithms.losses.DPOLoss``),
+optionally plus an SFT term on the chosen responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import Field, model_validator
+
+from rl_algorithms.config import LoopConfig, SupervisedRunConfig, recipe_path
+from rl_algorithms.losses.dpo import DPOLossConfig
+from rl_algorithms.utils.run import SupervisedRun, setup_supervised, train_loop
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.policy.config import PolicyConfig
+
+DEFAULT_RECIPE = recipe_path("dpo")
+
+
+class DPOConfig(LoopConfig, DPOLossConfig):
+    """The DPO loop and its loss (NeMo RL's ``dpo.*`` keys)."""
+
+    def loss_config(self) -> DPOLossConfig:
+        return DPOLossConfig(**{k: getattr(self, k) for k in DPOLossConfig.model_fields})
+
+
+class MasterConfig(SupervisedRunConfig):
+    policy: PolicyConfig
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+
+    @model_validator(mode="after")
+    def _needs_reference(self) -> MasterConfig:
+        if not self.policy.reference_policy.enabled:
+            raise ValueError("DPO needs policy.reference_policy.enabled: true")
+        if self.policy.sequence_packing.enabled or self.policy.dynamic_batching.enabled:
+            raise ValueError(
+                "DPO keeps each (chosen, rejected) pair in one micro-batch: disable "
+                "policy.sequence_packing and policy.dynamic_batching"
+            )
+        return self
+
+
+def setup(config: MasterConfig) -> SupervisedRun:
+    """Tokenizer, preference pairs, cluster, policy + reference, logger, checkpoints."""
+    from rl_data.collate import preference_collate
+
+    return setup_supervised(config, config.dpo, "preference", preference_collate, name="dpo")
+
+
+def with_reference_logprobs(run: SupervisedRun) -> Callable[[BatchedDataDict], BatchedDataDict]:
+    """Batch preparation: response-token mask and the reference policy's log-probs."""
+
+    def prepare(batch: BatchedDataDict) -> BatchedDataDict:
+        batch["token_mask"] = batch["loss_mask"]  # the log-ratio sums over response tokens
+        run.policy.prepare_for_lp_inference()
+        reference = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
+        batch["reference_policy_logprobs"] = reference
+        return batch
+
+    return prepare
+
+
+def dpo_train(run: SupervisedRun) -> dict[str, float]:
+    """Train until ``dpo.max_num_steps`` or ``dpo.max_num_epochs``; the last train metrics."""
+    from rl_algorithms.losses.dpo import DPOLoss
+
+    loss_fn = DPOLoss(run.config.dpo.loss_config())
+    return train_loop(run, loss_fn, with_reference_logprobs(run), rows_per_sample=2)
+
+
+def main(config: MasterConfig) -> dict[str, float]:
+    run = setup(config)
+    try:
+        return dpo_train(run)
+    finally:
+        run.shutdown()

@@ -1,0 +1,86 @@
+"""The ``env`` section of a recipe: one environment actor per task name.
+
+    env:
+      arithmetic: {kind: math, config: {num_workers: 1}}
+      sliding_puzzle: {config: {max_turns: 4}}          # kind defaults to the task name
+
+``kind`` is a known environment name or an import path ``module:Class`` (a subclass of
+``rl_envs.interfaces.EnvironmentInterface`` whose constructor takes its config). Samples are
+routed by their ``task_name``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any
+
+from pydantic import Field
+
+from rl_distributed.config import ConfigModel
+
+# kind -> (environment class, its config class)
+KNOWN_ENVIRONMENTS = {
+    "math": ("rl_envs.math_env:MathEnvironment", "rl_envs.math_env:MathEnvConfig"),
+    "sliding_puzzle": (
+        "rl_envs.sliding_puzzle:SlidingPuzzleEnvironment",
+        "rl_envs.sliding_puzzle:SlidingPuzzleConfig",
+    ),
+    "reasoning_gym": (
+        "rl_envs.reasoning_gym_env:ReasoningGymEnvironment",
+        "rl_envs.reasoning_gym_env:ReasoningGymEnvConfig",
+    ),
+    "code": ("rl_envs.code.env:CodeEnvironment", "rl_envs.code.env:CodeEnvConfig"),
+    "reward_model": (
+        "rl_envs.reward_model_env:RewardModelEnvironment",
+        "rl_envs.reward_model_env:RewardModelEnvConfig",
+    ),
+}
+
+
+class EnvSpec(ConfigModel):
+    kind: str | None = None  # None: the task name
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+def _import(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def environment_class(task: str, spec: EnvSpec) -> tuple[type, Any]:
+    """The environment class of ``env.<task>`` and its validated config."""
+    kind = spec.kind or task
+    if kind in KNOWN_ENVIRONMENTS:
+        cls_path, cfg_path = KNOWN_ENVIRONMENTS[kind]
+        cls, cfg_cls = _import(cls_path), _import(cfg_path)
+        return cls, cfg_cls.model_validate(spec.config)
+    if ":" not in kind:
+        raise ValueError(
+            f"env.{task}.kind is {kind!r}; expected one of {sorted(KNOWN_ENVIRONMENTS)} or an "
+            "import path 'module:Class'"
+        )
+    try:
+        cls = _import(kind)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env.{task}.kind: cannot import {kind!r}: {e}") from None
+    return cls, spec.config
+
+
+def start_environments(env: dict[str, EnvSpec]) -> dict[str, Any]:
+    """One Ray actor per task name."""
+    actors = {}
+    for task, spec in env.items():
+        cls, cfg = environment_class(task, spec)
+        actors[task] = cls.as_actor(cfg)
+    return actors
+
+
+def stop_environments(actors: dict[str, Any]) -> None:
+    import ray
+
+    for actor in actors.values():
+        # Best effort (an environment may own worker pools); the kill below is what counts.
+        with contextlib.suppress(Exception):
+            ray.get(actor.shutdown.remote(), timeout=30)
+        ray.kill(actor)

@@ -1,0 +1,307 @@
+"""Evaluation: pass@k and majority-vote accuracy of a model on a dataset.
+
+    rl eval --config examples/configs/eval_cpu.yaml checkpoint=results/sft/checkpoints
+
+Each prompt is answered ``eval.num_tests_per_prompt`` (n) times by the generator; the
+environment of its task scores every answer (rollouts as in GRPO, possibly multi-turn). A
+sample is correct when its reward reaches ``eval.success_threshold``. Per prompt with c correct
+of n, pass@k is the unbiased estimate ``1 - C(n-c, k) / C(n, k)`` (``rl_envs.metrics``), averaged
+over prompts. Majority vote takes, per prompt, the answer the environment extracted most often
+(ties: the one seen first) and counts the prompt correct when that answer was scored correct.
+
+The model is ``model`` (a model directory or a config to build), or, with ``checkpoint``, the
+policy weights of a checkpoint: a ``step_<n>`` directory, or a checkpoint directory (its latest).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from rl_algorithms.config import ClusterConfig, TokenizerConfig, recipe_path, set_seed
+from rl_algorithms.environments import EnvSpec, start_environments, stop_environments
+from rl_algorithms.utils.logger import Logger, LoggerConfig
+from rl_data.datasets import DatasetConfig
+from rl_distributed.config import ConfigModel
+from rl_models.generation.config import GenerationConfig
+from rl_models.policy.config import ModelConfig
+
+DEFAULT_RECIPE = recipe_path("eval")
+
+
+class EvalConfig(ConfigModel):
+    """What is measured (NeMo RL's ``eval.*`` keys where it has them)."""
+
+    num_tests_per_prompt: int = Field(8, ge=1)  # n samples per prompt
+    pass_k_value: list[int] = Field(default_factory=lambda: [1])  # the k of pass@k (each <= n)
+    max_num_prompts: int | None = Field(None, ge=1)  # None: the whole dataset
+    prompts_per_batch: int = Field(8, ge=1)  # prompts per generate call (x n rows)
+    max_rollout_turns: int = Field(1, ge=1)
+    max_total_sequence_length: int = Field(2048, ge=2)  # prompt + all turns
+    success_threshold: float = 1.0  # reward >= this: correct
+    greedy: bool = False
+    seed: int = 42
+    output_file: str | None = None  # per-sample JSONL (prompt, response, reward, answer)
+
+    @field_validator("pass_k_value", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, int) else value
+
+    @field_validator("pass_k_value")
+    @classmethod
+    def _k_within_n(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        n = info.data.get("num_tests_per_prompt")
+        bad = [k for k in value if n is not None and not 1 <= k <= n]
+        if bad:
+            raise ValueError(f"each k must lie in [1, num_tests_per_prompt={n}]; got {bad}")
+        return value
+
+
+class EvalDataConfig(ConfigModel):
+    dataset: DatasetConfig
+    max_seq_length: int | None = Field(None, ge=1)  # longer prompts are cut
+
+
+class MasterConfig(ConfigModel):
+    model: ModelConfig | None = None
+    checkpoint: str | None = None  # a step_<n> directory or a checkpoint directory (latest)
+    tokenizer: TokenizerConfig
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    env: dict[str, EnvSpec]
+    data: EvalDataConfig
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+    @model_validator(mode="after")
+    def _one_model(self) -> MasterConfig:
+        if (self.model is None) == (self.checkpoint is None):
+            raise ValueError("give exactly one of model (path or hf_config) and checkpoint")
+        if not self.env:
+            raise ValueError("env: configure at least one environment (task_name: {kind: ...})")
+        if self.generation.tokenizer is None:
+            self.generation.tokenizer = self.tokenizer.path  # stop tokens and padding
+        return self
+
+
+def model_to_evaluate(config: MasterConfig) -> ModelConfig:
+    """``model``, or the policy weights of ``checkpoint`` (its latest step when it is a
+    checkpoint directory)."""
+    if config.model is not None:
+        return config.model
+    from rl_algorithms.utils.checkpoint import (
+        POLICY_DIR,
+        CheckpointingConfig,
+        CheckpointManager,
+    )
+
+    path = Path(config.checkpoint or "")
+    if not (path / POLICY_DIR).is_dir():
+        manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(path), enabled=False))
+        latest = manager.latest()
+        if latest is None:
+            raise FileNotFoundError(f"checkpoint {path}: no complete checkpoint found there")
+        path = latest
+    return ModelConfig(path=str((path / POLICY_DIR).resolve()))
+
+
+# -- the metrics ---------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptOutcome:
+    """The n samples of one prompt: which were correct, and the answers extracted."""
+
+    correct: list[bool]
+    answers: list[str | None]
+
+
+def majority_vote_correct(outcome: PromptOutcome) -> bool:
+    """Whether the most frequent extracted answer (ties: first seen) was scored correct."""
+    votes = Counter(a.strip() for a in outcome.answers if a is not None and a.strip())
+    if not votes:
+        return False
+    top = max(votes.values())
+    winner = next(a.strip() for a in outcome.answers if a and votes.get(a.strip()) == top)
+    return any(
+        ok
+        for ok, a in zip(outcome.correct, outcome.answers, strict=True)
+        if a and a.strip() == winner
+    )
+
+
+def summarize(outcomes: Sequence[PromptOutcome], ks: Sequence[int]) -> dict[str, float]:
+    """pass@k for each k, majority-vote accuracy and the mean sample accuracy."""
+    from rl_envs.metrics import pass_at_k
+
+    if not outcomes:
+        raise ValueError("no prompts were evaluated")
+    metrics = {}
+    for k in ks:
+        values = [pass_at_k(len(o.correct), sum(o.correct), k) for o in outcomes]
+        metrics[f"pass@{k}"] = sum(values) / len(values)
+    metrics["majority_vote_accuracy"] = sum(map(majority_vote_correct, outcomes)) / len(outcomes)
+    samples = [ok for o in outcomes for ok in o.correct]
+    metrics["sample_accuracy"] = sum(samples) / len(samples)
+    metrics["num_prompts"] = float(len(outcomes))
+    metrics["num_samples"] = float(len(samples))
+    return metrics
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalRun:
+    config: MasterConfig
+    cluster: Any
+    generation: Any
+    envs: dict[str, Any]
+    tokenizer: Any
+    template: Any
+    loader: Any
+    logger: Logger
+
+    def shutdown(self) -> None:
+        self.logger.close()
+        stop_environments(self.envs)
+        self.generation.shutdown()
+        self.cluster.shutdown()
+
+
+def make_generator(cluster: Any, config: GenerationConfig, model: ModelConfig) -> Any:
+    """The generation backend ``generation.backend`` names (``hf`` or ``vllm``)."""
+    if config.backend == "hf":
+        from rl_models.generation.hf_generation import HfGeneration
+
+        return HfGeneration(cluster, config, model=model, name_prefix="eval-generation")
+    from rl_models.generation.vllm_generation import VllmGeneration  # the vllm extra
+
+    return VllmGeneration(cluster, config, model=model, name_prefix="eval-generation")
+
+
+def setup(config: MasterConfig) -> EvalRun:
+    """Prompts, cluster, generator (with the model or checkpoint) and environments."""
+    from rl_algorithms.utils.run import start_cluster
+    from rl_data.collate import rl_collate
+    from rl_data.datasets import load_dataset
+    from rl_data.loader import StatefulDataLoader
+    from rl_data.processors import ProcessedDataset
+    from rl_data.templates import ChatTemplate
+    from rl_data.tokenizers import load_tokenizer
+
+    cfg = config.eval
+    set_seed(cfg.seed)
+    model = model_to_evaluate(config)
+    tokenizer = load_tokenizer(config.tokenizer)
+    template = ChatTemplate.from_config(config.tokenizer.chat_template, tokenizer)
+    rows = load_dataset(config.data.dataset)
+    if cfg.max_num_prompts is not None and cfg.max_num_prompts < len(rows):
+        rows = rows.select(range(cfg.max_num_prompts))
+    prompts = ProcessedDataset(
+        rows, tokenizer, template, "prompt", max_seq_length=config.data.max_seq_length
+    )
+    collate = partial(rl_collate, pad_token_id=tokenizer.pad_token_id)
+    loader = StatefulDataLoader(
+        prompts, cfg.prompts_per_batch, collate, shuffle=False, drop_last=False
+    )
+    cluster = start_cluster(config.cluster, name="eval-cluster")
+    generation = make_generator(
+        cluster, config.generation.model_copy(update={"seed": cfg.seed}), model
+    )
+    envs = start_environments(config.env)
+    logger = Logger(config.logger, run_config=config.model_dump(mode="json"))
+    return EvalRun(config, cluster, generation, envs, tokenizer, template, loader, logger)
+
+
+def evaluate(run: EvalRun) -> dict[str, float]:
+    """Sample, score and summarise every prompt; logs ``eval/*`` at step 0."""
+    from rl_algorithms.rollouts import run_rollouts
+
+    cfg = run.config.eval
+    n = cfg.num_tests_per_prompt
+    outcomes: list[PromptOutcome] = []
+    records: list[dict[str, Any]] = []
+    run.logger.progress.start(len(run.loader), description="eval")
+    for batch_number, prompts in enumerate(run.loader, start=1):
+        with run.logger.timer("generation"):
+            run.generation.prepare_for_generation()
+            try:
+                result = run_rollouts(
+                    run.generation,
+                    prompts.repeat_interleave(n),
+                    run.tokenizer,
+                    run.template,
+                    run.envs,
+                    max_seq_len=cfg.max_total_sequence_length,
+                    max_turns=cfg.max_rollout_turns,
+                    greedy=cfg.greedy,
+                )
+            finally:
+                run.generation.finish_generation()
+        correct = (result.rewards >= cfg.success_threshold).tolist()
+        for p in range(prompts.size):
+            rows = range(p * n, (p + 1) * n)
+            outcomes.append(
+                PromptOutcome([correct[r] for r in rows], [result.answers[r] for r in rows])
+            )
+            if cfg.output_file is not None:
+                records += [
+                    {
+                        "prompt_idx": int(prompts["idx"][p]),
+                        "sample": r - p * n,
+                        "response": _response_text(
+                            result.message_logs[r], len(prompts["message_log"][p])
+                        ),
+                        "reward": float(result.rewards[r]),
+                        "correct": correct[r],
+                        "answer": result.answers[r],
+                    }
+                    for r in rows
+                ]
+        run.logger.progress.update(batch_number, {})
+    run.logger.progress.stop()
+    metrics = {**summarize(outcomes, cfg.pass_k_value), **run.logger.timer.pop()}
+    run.logger.log_metrics(metrics, step=0, prefix="eval")
+    if cfg.output_file is not None:
+        path = Path(cfg.output_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return metrics
+
+
+def _response_text(log: list[dict[str, Any]], prompt_messages: int) -> str:
+    return "".join(m.get("content", "") for m in log[prompt_messages:])
+
+
+def print_report(metrics: dict[str, float]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rl eval")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        if not key.startswith("timing/"):
+            table.add_row(
+                key, f"{value:.4f}" if key not in ("num_prompts", "num_samples") else f"{value:.0f}"
+            )
+    Console().print(table)
+
+
+def main(config: MasterConfig) -> dict[str, float]:
+    run = setup(config)
+    try:
+        metrics = evaluate(run)
+    finally:
+        run.shutdown()
+    print_report(metrics)
+    return metrics

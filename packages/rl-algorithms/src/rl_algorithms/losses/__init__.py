@@ -1,0 +1,20 @@
+"""Loss functions (``rl_models.interfaces.LossFunction``) of the training algorithms.
+
+``NLLLoss`` (SFT) is rl-models' own; the others live here. See each module for the batch keys
+it reads. Metrics follow the convention of ``common.py``: additive, or ``*_min`` / ``*_max``.
+"""
+
+from rl_algorithms.losses.clipped_pg import ClippedPGLossConfig, ClippedPGLossFn, kl_estimate
+from rl_algorithms.losses.dpo import DPOLoss, DPOLossConfig
+from rl_algorithms.losses.preference import BradleyTerryLoss
+from rl_models.losses import NLLLoss
+
+__all__ = [
+    "BradleyTerryLoss",
+    "ClippedPGLossConfig",
+    "ClippedPGLossFn",
+    "DPOLoss",
+    "DPOLossConfig",
+    "NLLLoss",
+    "kl_estimate",
+]

@@ -1,0 +1,203 @@
+"""The clipped policy-gradient loss of GRPO / PPO-style training, with a KL to the reference.
+
+Data (``[B, S]`` tensors aligned like the policy's log-probs, see ``rl_models.interfaces``):
+
+- ``input_ids``, ``input_lengths``, ``token_mask`` (1 on generated tokens), ``sample_mask``;
+- ``advantages`` ``[B, S]`` (a per-sample advantage broadcast over its tokens, or per token);
+- ``prev_logprobs``: log-probs of the policy that the batch is trained from (pi_old), taken by
+  the training backend before the first optimiser step;
+- ``generation_logprobs``: the generator's log-probs of the sampled tokens (for the
+  importance-sampling correction and ``token_mult_prob_error``);
+- ``reference_policy_logprobs``: the frozen reference (only when the KL penalty is on).
+
+Per token, with ``ratio = pi / pi_old`` and ``A`` the advantage::
+
+    pg   = max(-A * ratio, -A * clamp(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max))
+    pg   = min(pg, -A * ratio_clip_c)            where A < 0 (dual clip, if ratio_clip_c)
+    loss = w * pg + reference_policy_kl_penalty * kl(pi, pi_ref)
+
+``w`` is the importance weight ``pi_old / pi_gen`` (detached) that corrects for a generator whose
+numerics differ from the trainer's (``use_importance_sampling_correction``), capped at
+``truncated_importance_sampling_ratio`` (TIS). With ``sequence_level_importance_ratios`` (GSPO)
+both ratios are per sequence: the geometric mean over its tokens, ``exp(mean_t log ratio)``.
+
+``kl`` is the k1, k2 or k3 estimator of KL(pi || pi_ref) per token from ``d = log pi_ref - log
+pi`` (clamped to ``±kl_input_clamp_value``): k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1, each
+then clamped to ``±kl_output_clamp_value``. ``use_on_policy_kl_approximation`` weights it by
+``pi / pi_gen`` (detached), making it an estimate of the KL of the current policy, not the
+generator's.
+
+Normalisation: ``token_level_loss`` sums every token's loss and divides by the global count of
+loss tokens; otherwise each sample's loss is its token mean, summed and divided by the global
+count of samples (each sample weighs the same, whatever its length).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from rl_algorithms.losses.common import (
+    global_count,
+    loss_token_mask,
+    masked_extreme,
+    sample_valid_mask,
+)
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_distributed.config import ConfigModel
+
+
+class ClippedPGLossConfig(ConfigModel):
+    ratio_clip_min: float = Field(0.2, ge=0)  # ratio is clipped below at 1 - ratio_clip_min
+    ratio_clip_max: float = Field(0.2, ge=0)  # and above at 1 + ratio_clip_max
+    ratio_clip_c: float | None = Field(None, gt=1)  # dual clip (None: off); > 1 by definition
+    reference_policy_kl_penalty: float = Field(0.0, ge=0)
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_input_clamp_value: float | None = Field(20.0, gt=0)
+    kl_output_clamp_value: float | None = Field(10.0, gt=0)
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
+    sequence_level_importance_ratios: bool = False
+    token_level_loss: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClippedPGLossConfig:
+        if self.ratio_clip_min >= 1:
+            raise ValueError(f"ratio_clip_min must be < 1, got {self.ratio_clip_min}")
+        if (
+            self.truncated_importance_sampling_ratio is not None
+            and not self.use_importance_sampling_correction
+        ):
+            raise ValueError(
+                "truncated_importance_sampling_ratio needs use_importance_sampling_correction: true"
+            )
+        return self
+
+
+def kl_estimate(
+    logprobs: torch.Tensor, reference: torch.Tensor, config: ClippedPGLossConfig
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) (see the module docstring)."""
+    d = reference - logprobs
+    if config.kl_input_clamp_value is not None:
+        d = d.clamp(-config.kl_input_clamp_value, config.kl_input_clamp_value)
+    if config.reference_policy_kl_type == "k1":
+        kl = -d
+    elif config.reference_policy_kl_type == "k2":
+        kl = 0.5 * d.square()
+    else:
+        kl = torch.exp(d) - d - 1
+    if config.kl_output_clamp_value is not None:
+        kl = kl.clamp(-config.kl_output_clamp_value, config.kl_output_clamp_value)
+    return kl
+
+
+def _per_sequence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` -> each sequence's mean log-ratio over its loss tokens, broadcast back."""
+    mean = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return mean[:, None].expand_as(log_ratio)
+
+
+class ClippedPGLossFn:
+    """``loss_fn`` for ``Policy.train`` on GRPO batches (module docstring for the keys)."""
+
+    def __init__(self, config: ClippedPGLossConfig | dict | None = None) -> None:
+        self.config = ClippedPGLossConfig.model_validate(config or {})
+
+    def _need(
+        self, data: BatchedDataDict, key: str, width: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        if key not in data:
+            raise KeyError(f"ClippedPGLossFn needs {key!r} [B, S] in the batch")
+        return data[key][:, :width].to(like)
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.config
+        width = logprobs.shape[1]
+        mask = loss_token_mask(data).to(logprobs)
+        advantages = self._need(data, "advantages", width, logprobs)
+        prev = self._need(data, "prev_logprobs", width, logprobs)
+        needs_gen = cfg.use_importance_sampling_correction or cfg.use_on_policy_kl_approximation
+        gen = (
+            self._need(data, "generation_logprobs", width, logprobs)
+            if (needs_gen or "generation_logprobs" in data)
+            else None
+        )
+
+        log_ratio = (logprobs - prev) * mask
+        if cfg.sequence_level_importance_ratios:
+            log_ratio = _per_sequence(log_ratio, mask)
+        ratio = torch.exp(log_ratio)
+        clipped = ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+        pg = torch.maximum(-advantages * ratio, -advantages * clipped)
+        if cfg.ratio_clip_c is not None:
+            dual = torch.minimum(pg, -advantages * cfg.ratio_clip_c)
+            pg = torch.where(advantages < 0, dual, pg)
+
+        if cfg.use_importance_sampling_correction:
+            assert gen is not None
+            is_log = (prev - gen) * mask
+            if cfg.sequence_level_importance_ratios:
+                is_log = _per_sequence(is_log, mask)
+            weight = torch.exp(is_log).detach()
+            if cfg.truncated_importance_sampling_ratio is not None:
+                weight = weight.clamp(max=cfg.truncated_importance_sampling_ratio)
+            pg = pg * weight
+
+        per_token = pg
+        kl = torch.zeros_like(logprobs)
+        if cfg.reference_policy_kl_penalty > 0:
+            reference = self._need(data, "reference_policy_logprobs", width, logprobs)
+            kl = kl_estimate(logprobs, reference, cfg)
+            if cfg.use_on_policy_kl_approximation:
+                assert gen is not None
+                kl = kl * torch.exp((logprobs - gen) * mask).detach()
+            per_token = per_token + cfg.reference_policy_kl_penalty * kl
+
+        toks = global_count(global_valid_toks, logprobs)
+        seqs = global_count(global_valid_seqs, logprobs)
+        if cfg.token_level_loss:
+
+            def reduce(x: torch.Tensor) -> torch.Tensor:
+                return (x * mask).sum() / toks
+        else:
+            sample_tokens = mask.sum(dim=1).clamp(min=1)
+            samples = sample_valid_mask(data).to(logprobs)
+
+            def reduce(x: torch.Tensor) -> torch.Tensor:
+                return ((x * mask).sum(dim=1) / sample_tokens * samples).sum() / seqs
+
+        loss = reduce(per_token)
+        metrics = self._metrics(loss, ratio, clipped, kl, prev, gen, mask, toks, reduce)
+        return loss, metrics
+
+    def _metrics(self, loss, ratio, clipped, kl, prev, gen, mask, toks, reduce) -> dict[str, float]:
+        """Token means are divided by the global token count (additive over micro-batches)."""
+        ratio = ratio.detach()
+
+        def token_mean(x: torch.Tensor) -> float:
+            return float((x.detach() * mask).sum() / toks)
+
+        metrics = {
+            "loss": float(loss.detach()),
+            "kl_penalty": float(reduce(kl.detach())),
+            "probs_ratio": token_mean(ratio),
+            "probs_ratio_min": masked_extreme(ratio, mask, "min"),
+            "probs_ratio_max": masked_extreme(ratio, mask, "max"),
+            "probs_ratio_clamped": token_mean(clipped.detach()),
+            "clip_fraction": token_mean((ratio != clipped.detach()).to(ratio)),
+        }
+        if gen is not None:
+            # Mean of exp|log pi_old - log pi_gen| over tokens: 1 when the trainer and the
+            # generator agree exactly on the sampled tokens' probabilities.
+            metrics["token_mult_prob_error"] = token_mean(torch.exp((prev - gen).abs()))
+        return metrics

@@ -1,0 +1,52 @@
+"""Small helpers the losses share: masks, pair layout checks and metric conventions.
+
+Metric convention: every metric a loss returns is either *additive* (already divided by the
+global count, like the loss itself, so summing it over micro-batches and data-parallel ranks
+gives the global-batch value) or an extreme whose key ends in ``_min`` / ``_max`` (combined by
+min / max). The policy worker reduces the metrics of a step by that rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.losses import loss_token_mask, sample_valid_mask
+
+__all__ = ["check_pairs", "loss_token_mask", "masked_extreme", "sample_valid_mask"]
+
+
+def check_pairs(data: BatchedDataDict, rows: int, what: str) -> None:
+    """Preference rows come as (chosen, rejected) pairs: row 2i and row 2i + 1.
+
+    A micro-batch with an odd row count, or whose paired rows have different dataset ``idx``,
+    means the batch was cut or reordered across a pair (e.g. by dynamic batching).
+    """
+    if rows % 2:
+        raise ValueError(
+            f"{what}: a micro-batch of {rows} rows cannot hold whole (chosen, rejected) pairs; "
+            "use even micro-batch and global batch sizes and no dynamic batching or packing"
+        )
+    if "idx" in data:
+        idx = data["idx"]
+        if not torch.equal(idx[0::2], idx[1::2]):
+            raise ValueError(
+                f"{what}: rows 2i and 2i+1 must be the chosen and rejected response of the same "
+                f"pair, but their idx differ ({idx.tolist()}); keep the order preference_collate "
+                "gives"
+            )
+
+
+def masked_extreme(values: torch.Tensor, mask: torch.Tensor, kind: str) -> float:
+    """min or max of ``values`` where ``mask`` > 0 (+inf / -inf when nothing is masked in, so
+    that an empty micro-batch does not win the reduction)."""
+    picked = values.detach()[mask > 0]
+    if picked.numel() == 0:
+        return float("inf") if kind == "min" else float("-inf")
+    return float(picked.min() if kind == "min" else picked.max())
+
+
+def global_count(count: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A global count as a divisor of ``like``'s dtype (at least 1: an all-masked batch gives 0
+    loss rather than NaN)."""
+    return count.to(like).clamp(min=1)

@@ -1,0 +1,71 @@
+"""Reward-model training: a sequence classifier scores chosen above rejected (Bradley-Terry).
+
+    rl rm --config examples/configs/rm_cpu.yaml
+
+The policy is a ``sequence_classification`` model (``policy.model.kind``) whose first score is
+the reward. Each step takes ``policy.train_global_batch_size`` preference pairs (chosen and
+rejected rows interleaved) and trains one optimiser step on ``-log sigmoid(r_chosen -
+r_rejected)`` (``rl_algorithms.losses.BradleyTerryLoss``); validation reports the loss and the
+share of pairs ranked right. The checkpoint is a Hugging Face sequence-classification model,
+which rl-envs' reward-model environment can load.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from rl_algorithms.config import LoopConfig, SupervisedRunConfig, recipe_path
+from rl_algorithms.utils.run import SupervisedRun, setup_supervised, train_loop
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.policy.config import PolicyConfig
+
+DEFAULT_RECIPE = recipe_path("rm")
+
+
+class RMConfig(LoopConfig):
+    """The reward-model loop (``rm.*`` keys, as ``sft.*``)."""
+
+
+class MasterConfig(SupervisedRunConfig):
+    policy: PolicyConfig
+    rm: RMConfig = Field(default_factory=RMConfig)
+
+    @model_validator(mode="after")
+    def _needs_a_classifier(self) -> MasterConfig:
+        if self.policy.model.kind != "sequence_classification":
+            raise ValueError(
+                "reward-model training needs policy.model.kind: sequence_classification"
+            )
+        if self.policy.sequence_packing.enabled or self.policy.dynamic_batching.enabled:
+            raise ValueError(
+                "the Bradley-Terry loss keeps each (chosen, rejected) pair in one micro-batch: "
+                "disable policy.sequence_packing and policy.dynamic_batching"
+            )
+        return self
+
+
+def setup(config: MasterConfig) -> SupervisedRun:
+    """Tokenizer, preference pairs, cluster, reward model, logger, checkpoints."""
+    from rl_data.collate import preference_collate
+
+    return setup_supervised(config, config.rm, "preference", preference_collate, name="rm")
+
+
+def rm_batch(batch: BatchedDataDict) -> BatchedDataDict:
+    """Scores are read at each row's last real token; nothing to add to the batch."""
+    return batch
+
+
+def rm_train(run: SupervisedRun) -> dict[str, float]:
+    """Train until ``rm.max_num_steps`` or ``rm.max_num_epochs``; the last train metrics."""
+    from rl_algorithms.losses.preference import BradleyTerryLoss
+
+    return train_loop(run, BradleyTerryLoss(), rm_batch, rows_per_sample=2)
+
+
+def main(config: MasterConfig) -> dict[str, float]:
+    run = setup(config)
+    try:
+        return rm_train(run)
+    finally:
+        run.shutdown()

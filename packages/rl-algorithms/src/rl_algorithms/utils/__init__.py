@@ -1,0 +1,1 @@
+"""Run infrastructure shared by every algorithm: logging and checkpoints."""

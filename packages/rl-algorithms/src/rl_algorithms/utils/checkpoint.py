@@ -1,0 +1,222 @@
+"""Checkpoints of a training run that a crash can never corrupt, and automatic resume.
+
+Layout of ``checkpoint_dir``::
+
+    step_40/                 a complete checkpoint (only complete ones have this name)
+        policy/              Policy.save_checkpoint: HF weights, optimizer, scheduler
+        training_state.pt    step, data-loader position, RNG states, extra state
+        info.json            step and metrics (written last, before the rename)
+    .tmp-step_60-1234/       being written (or left by a killed run): never loaded
+
+A checkpoint is written into a hidden temporary directory and renamed to ``step_<n>`` only
+when everything is on disk, so a run killed mid-write leaves nothing that resume picks up;
+leftover temporaries are removed when the next run opens the directory. After each save the
+latest checkpoint and the ``keep_top_k`` best by ``metric_name`` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from rl_distributed.config import ConfigModel
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_PREFIX = ".tmp-"
+POLICY_DIR = "policy"
+STATE_FILE = "training_state.pt"
+INFO_FILE = "info.json"
+
+
+class CheckpointingConfig(ConfigModel):
+    """When and where checkpoints are written, and which are kept (NeMo RL's key names)."""
+
+    enabled: bool = True
+    checkpoint_dir: str = "results/checkpoints"
+    save_period: int = Field(10, ge=1)  # steps between checkpoints (and one at the end)
+    # Keep the best k by metric_name, plus always the latest; None keeps every checkpoint.
+    keep_top_k: int | None = Field(3, ge=1)
+    metric_name: str | None = None  # e.g. "val/loss"; None ranks by step (the k newest)
+    higher_is_better: bool = False
+
+
+class SupportsCheckpoint(Protocol):
+    def save_checkpoint(self, path: str) -> None: ...
+    def load_checkpoint(self, path: str) -> None: ...
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def rng_states() -> dict[str, Any]:
+    """The controller's random generators (Python, NumPy, torch CPU and CUDA)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_states(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    """Saves, prunes and finds checkpoints in ``config.checkpoint_dir``."""
+
+    def __init__(self, config: CheckpointingConfig) -> None:
+        self.config = config
+        self.root = Path(config.checkpoint_dir)
+        if config.enabled:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for leftover in self.root.glob(f"{TMP_PREFIX}*"):
+                log.warning("removing incomplete checkpoint %s (a run stopped mid-write)", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    # -- finding -------------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest step first."""
+        if not self.root.is_dir():
+            return []
+        found = [
+            p
+            for p in self.root.iterdir()
+            if p.is_dir() and STEP_DIR.match(p.name) and (p / INFO_FILE).is_file()
+        ]
+        return sorted(found, key=_step_of)
+
+    def latest(self) -> Path | None:
+        """The complete checkpoint with the highest step, or None."""
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def should_save(self, step: int, last_step: bool = False) -> bool:
+        return self.config.enabled and (last_step or step % self.config.save_period == 0)
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        policy: SupportsCheckpoint | None,
+        *,
+        dataloader: Stateful | None = None,
+        metrics: Mapping[str, float] | None = None,
+        extra_state: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write the checkpoint of ``step`` atomically and prune old ones; returns its path."""
+        final = self.root / f"step_{step}"
+        tmp = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if policy is not None:
+            policy.save_checkpoint(str((tmp / POLICY_DIR).resolve()))
+        state = {
+            "step": step,
+            "rng": rng_states(),
+            "dataloader": dataloader.state_dict() if dataloader is not None else None,
+            "extra": dict(extra_state or {}),
+        }
+        torch.save(state, tmp / STATE_FILE)
+        info = {"step": step, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
+        _write_synced(tmp / INFO_FILE, json.dumps(info, indent=1))
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. re-running a finished run)
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic: a reader sees the whole checkpoint or none
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        k = self.config.keep_top_k
+        found = self.checkpoints()
+        if k is None or len(found) <= k:
+            return
+        latest = found[-1]
+        keep = set(sorted(found, key=self._rank_key, reverse=True)[:k]) | {latest}
+        for path in found:
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _rank_key(self, path: Path) -> tuple[int, float, int]:
+        """Bigger is better: checkpoints missing the metric rank below all that have it."""
+        if self.config.metric_name is None:
+            return (1, 0.0, _step_of(path))
+        value = read_info(path)["metrics"].get(self.config.metric_name)
+        if value is None:
+            return (0, 0.0, _step_of(path))
+        return (1, value if self.config.higher_is_better else -value, _step_of(path))
+
+    # -- resuming ------------------------------------------------------------------------------
+
+    def load(
+        self,
+        path: Path,
+        policy: SupportsCheckpoint | None,
+        *,
+        dataloader: Stateful | None = None,
+        restore_rng: bool = True,
+    ) -> dict[str, Any]:
+        """Restore a checkpoint into ``policy`` and ``dataloader`` (and the RNGs).
+
+        Returns ``{"step", "extra", "metrics"}``: the step to continue after and the extra
+        state saved with it.
+        """
+        state = torch.load(path / STATE_FILE, weights_only=False)  # our own file
+        if policy is not None:
+            policy.load_checkpoint(str((path / POLICY_DIR).resolve()))
+        if dataloader is not None and state["dataloader"] is not None:
+            dataloader.load_state_dict(state["dataloader"])
+        if restore_rng:
+            set_rng_states(state["rng"])
+        return {"step": state["step"], "extra": state["extra"], **read_info(path)}
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    return json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+
+
+def _step_of(path: Path) -> int:
+    match = STEP_DIR.match(path.name)
+    assert match is not None
+    return int(match.group(1))
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    # Make the rename itself durable: a power cut after it must not undo it.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

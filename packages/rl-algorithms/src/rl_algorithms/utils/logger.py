@@ -1,0 +1,382 @@
+"""One logger for a training run, fanning out to every enabled backend.
+
+Backends: a JSONL file (always on unless disabled: what the tests and quick scripts read),
+TensorBoard (``torch.utils.tensorboard``), Weights & Biases (offline when no API key is set,
+so a run never needs the network) and MLflow (a local file store unless a tracking URI is
+given; needs the ``rl-algorithms[mlflow]`` extra). Besides metrics it times the phases of a step
+(:class:`Timer`), draws a rich progress bar with an ETA and the key metrics, and reports GPU
+memory and utilisation where CUDA devices exist.
+
+    logger = Logger(LoggerConfig(log_dir="logs/run1", tensorboard_enabled=True))
+    with logger.timer("generation"):
+        ...
+    logger.log_metrics({"loss": 0.3, **logger.timer.pop()}, step=1, prefix="train")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import Field
+
+from rl_distributed.config import ConfigModel
+
+
+class WandbConfig(ConfigModel):
+    project: str = "rl"
+    name: str | None = None  # None: W&B picks one
+    # None: "online" when WANDB_API_KEY is set, else "offline" (files under log_dir/wandb).
+    mode: str | None = None
+
+
+class TensorboardConfig(ConfigModel):
+    log_dir: str | None = None  # None: log_dir/tensorboard
+
+
+class MlflowConfig(ConfigModel):
+    experiment_name: str = "rl"
+    run_name: str | None = None
+    tracking_uri: str | None = None  # None: a file store under log_dir/mlruns
+
+
+class LoggerConfig(ConfigModel):
+    """Which backends a run logs to (NeMo RL's key names)."""
+
+    log_dir: str = "logs"
+    jsonl_enabled: bool = True  # log_dir/metrics.jsonl, one line per log_metrics call
+    tensorboard_enabled: bool = False
+    wandb_enabled: bool = False
+    mlflow_enabled: bool = False
+    monitor_gpus: bool = True  # GPU memory/utilisation with each log call (no-op without CUDA)
+    progress_bar: bool = True
+    # Metrics shown next to the progress bar (names without prefix, e.g. "loss").
+    progress_metrics: list[str] = Field(default_factory=lambda: ["loss"])
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+
+
+class Backend(Protocol):
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The finite-or-not real numbers among ``metrics`` (tensors and numpy scalars included)."""
+    out = {}
+    for key, value in metrics.items():
+        value = _plain(value)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """Tensors and numpy values as Python numbers or lists (for JSON and the backends)."""
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+class JsonlBackend:
+    """Appends ``{"step": n, "<prefix>/<name>": value, ...}`` lines (resumed runs append)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        record = {"step": step, **{k: _json_safe(_plain(v)) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # readable while the run goes on, and up to date if it is killed
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _json_safe(value: Any) -> Any:
+    # JSON has no NaN/inf: write them as strings so a diverged run's log still parses.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class TensorboardBackend:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        for key, value in scalar_metrics(metrics).items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbBackend:
+    def __init__(
+        self,
+        cfg: WandbConfig,
+        log_dir: Path,
+        run_config: Mapping[str, Any] | None,
+        run_id: str | None,
+    ) -> None:
+        import wandb
+
+        mode = cfg.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=cfg.project,
+            name=cfg.name,
+            dir=str(log_dir),
+            mode=mode,
+            config=dict(run_config or {}),
+            id=run_id,  # a resumed run keeps writing to the same W&B run
+            resume="allow" if run_id else None,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        self.run.log(scalar_metrics(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowBackend:
+    def __init__(
+        self,
+        cfg: MlflowConfig,
+        log_dir: Path,
+        run_config: Mapping[str, Any] | None,
+        run_id: str | None,
+    ) -> None:
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise ImportError(
+                "logger.mlflow_enabled needs MLflow: install rl-algorithms[mlflow]"
+            ) from None
+        uri = cfg.tracking_uri
+        if uri is None:
+            # A local file store needs no server and no SQL stack; MLflow 3 keeps it behind an
+            # opt-in flag (it still works, in maintenance mode).
+            uri = (log_dir.resolve() / "mlruns").as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        if run_id is None:
+            experiment = self.client.get_experiment_by_name(cfg.experiment_name)
+            experiment_id = (
+                experiment.experiment_id
+                if experiment is not None
+                else self.client.create_experiment(cfg.experiment_name)
+            )
+            run_id = self.client.create_run(experiment_id, run_name=cfg.run_name).info.run_id
+            for key, value in _flatten(run_config or {}).items():
+                self.client.log_param(run_id, key, str(value)[:500])  # MLflow caps param values
+        self.run_id = run_id
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(key, value, now, step)
+            for key, value in scalar_metrics(metrics).items()
+            if math.isfinite(value)
+        ]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class Timer:
+    """Wall time per named phase, summed until :meth:`pop` hands the totals out.
+
+    ``with timer("generation"): ...`` may run several times in one step; the step's timing is
+    the sum. Timings come out as ``timing/<phase>`` seconds, ready to log.
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._totals[phase] += time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        """``{"timing/<phase>": seconds}`` since the last pop, then start afresh."""
+        out = {f"timing/{phase}": seconds for phase, seconds in self._totals.items()}
+        self._totals.clear()
+        return out
+
+
+def gpu_metrics() -> dict[str, float]:
+    """Memory in use (GiB) and utilisation (%) of each visible CUDA device; empty without.
+
+    Read through NVML (as ``nvidia-smi`` does), so the driver process, which holds no CUDA
+    context of its own, sees what the workers on its node use; a device NVML cannot read is
+    left out rather than failing the step.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    out: dict[str, float] = {}
+    for i in range(torch.cuda.device_count()):
+        try:
+            out[f"gpu/{i}/memory_used_gib"] = torch.cuda.device_memory_used(i) / 2**30
+            out[f"gpu/{i}/utilization_pct"] = float(torch.cuda.utilization(i))
+        except Exception:  # no NVML (pynvml missing, MIG, permissions): nothing to report
+            continue
+    return out
+
+
+class ProgressBar:
+    """A rich progress bar with ETA and a few metrics; draws nothing when disabled."""
+
+    def __init__(self, enabled: bool, shown: list[str]) -> None:
+        self.enabled = enabled
+        self.shown = shown
+        self._progress: Any = None
+        self._task: Any = None
+
+    def start(self, total: int, done: int = 0, description: str = "train") -> None:
+        if not self.enabled:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[metrics]}"),
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=total, completed=done, metrics="")
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._progress is None:
+            return
+        scalars = scalar_metrics(metrics)
+        text = " ".join(
+            f"{name}={value:.4g}"
+            for name in self.shown
+            for key, value in scalars.items()
+            if key == name or key.endswith(f"/{name}")
+        )
+        self._progress.update(self._task, completed=step, metrics=text)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class Logger:
+    """Fans ``log_metrics`` out to the enabled backends; times phases; draws progress.
+
+    ``run_config`` (the resolved run config) is recorded by W&B and MLflow. ``state_dict`` /
+    ``load_state_dict`` carry the W&B and MLflow run ids through a checkpoint, so a resumed run
+    goes on writing to the same runs; create the Logger with the state to resume.
+    """
+
+    def __init__(
+        self,
+        config: LoggerConfig,
+        run_config: Mapping[str, Any] | None = None,
+        state: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.log_dir = Path(config.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        state = dict(state or {})
+        self.timer = Timer()
+        self.progress = ProgressBar(config.progress_bar, config.progress_metrics)
+        self.backends: dict[str, Backend] = {}
+        if config.jsonl_enabled:
+            self.backends["jsonl"] = JsonlBackend(self.log_dir / "metrics.jsonl")
+        if config.tensorboard_enabled:
+            tb_dir = Path(config.tensorboard.log_dir or self.log_dir / "tensorboard")
+            self.backends["tensorboard"] = TensorboardBackend(tb_dir)
+        if config.wandb_enabled:
+            self.backends["wandb"] = WandbBackend(
+                config.wandb, self.log_dir / "wandb", run_config, state.get("wandb_run_id")
+            )
+        if config.mlflow_enabled:
+            self.backends["mlflow"] = MlflowBackend(
+                config.mlflow, self.log_dir, run_config, state.get("mlflow_run_id")
+            )
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        """Log ``metrics`` at ``step`` under ``prefix/`` (plus GPU metrics if monitored)."""
+        named = {f"{prefix}/{k}" if prefix else k: v for k, v in metrics.items()}
+        if self.config.monitor_gpus:
+            named.update(gpu_metrics())
+        for backend in self.backends.values():
+            backend.log(named, step)
+        if prefix in ("", "train"):
+            self.progress.update(step, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if "wandb" in self.backends:
+            state["wandb_run_id"] = self.backends["wandb"].run.id  # type: ignore[attr-defined]
+        if "mlflow" in self.backends:
+            state["mlflow_run_id"] = self.backends["mlflow"].run_id  # type: ignore[attr-defined]
+        return state
+
+    def close(self) -> None:
+        self.progress.stop()
+        for backend in self.backends.values():
+            backend.close()
+        self.backends.clear()
+
+    def __enter__(self) -> Logger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,121 @@
+"""Advantage estimators against plain float64 loops over groups and tokens."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from rl_algorithms.advantages import (
+    groups_with_signal,
+    grpo_advantages,
+    overlong_filter,
+    overlong_penalty,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+)
+
+REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0, 0.0, 1.0, 1.0, 3.0])
+
+
+def reference_grpo(rewards, G, leave_one_out, normalize_std, eps=1e-6):
+    out = []
+    values = [float(r) for r in rewards]
+    for g in range(0, len(values), G):
+        group = values[g : g + G]
+        std = statistics.stdev(group)
+        for i, r in enumerate(group):
+            others = group[:i] + group[i + 1 :]
+            baseline = sum(others) / len(others) if leave_one_out else sum(group) / G
+            adv = r - baseline
+            if normalize_std:
+                adv = adv / (std + eps) if std > eps else 0.0
+            out.append(adv)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+@pytest.mark.parametrize("normalize_std", [False, True])
+def test_grpo_matches_the_reference(leave_one_out, normalize_std):
+    got = grpo_advantages(REWARDS.double(), 4, leave_one_out, normalize_std)
+    expected = reference_grpo(REWARDS, 4, leave_one_out, normalize_std)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_group_with_one_reward_has_zero_advantage():
+    adv = grpo_advantages(REWARDS, 4)
+    assert adv[4:8].abs().sum() == 0
+    assert adv.dtype == REWARDS.dtype
+
+
+def test_rloo_is_each_sample_against_the_rest():
+    got = rloo_advantages(REWARDS.double(), 4)
+    assert float(got[0]) == pytest.approx(1.0 - (0.0 + 0.5 + 0.5) / 3)
+    torch.testing.assert_close(got, reference_grpo(REWARDS, 4, True, False))
+
+
+def test_bad_group_size_names_the_config_key():
+    with pytest.raises(ValueError, match="num_generations_per_prompt"):
+        grpo_advantages(REWARDS, 5)
+
+
+def reference_reinforce_pp(rewards, mask, G, kl, kl_coef, eps=1e-8):
+    N, S = mask.shape
+    r = [float(x) for x in rewards]
+    if G:
+        r = [r[i] - sum(r[(i // G) * G : (i // G) * G + G]) / G for i in range(N)]
+    returns = {}
+    for b in range(N):
+        for t in range(S):
+            if mask[b, t]:
+                to_go = sum(float(kl[b, s]) for s in range(t, S) if mask[b, s]) if kl_coef else 0
+                returns[(b, t)] = r[b] - kl_coef * to_go
+    values = list(returns.values())
+    mean, std = statistics.fmean(values), statistics.stdev(values)
+    out = torch.zeros(N, S, dtype=torch.float64)
+    for (b, t), v in returns.items():
+        out[b, t] = (v - mean) / (std + eps)
+    return out
+
+
+@pytest.mark.parametrize("group_size", [None, 4])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.2])
+def test_reinforce_plus_plus_matches_the_reference(group_size, kl_coef):
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(12, 7, generator=g) > 0.3
+    mask[3] = False  # a sample with no response tokens
+    kl = torch.rand(12, 7, generator=g, dtype=torch.float64)
+    got = reinforce_plus_plus_advantages(REWARDS.double(), mask, group_size, kl, kl_coef)
+    expected = reference_reinforce_pp(REWARDS, mask, group_size, kl, kl_coef)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    # Whitened over the batch's tokens: mean 0, std 1.
+    values = got[mask]
+    assert float(values.mean()) == pytest.approx(0.0, abs=1e-12)
+    assert float(values.std()) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
+    assert groups_with_signal(REWARDS, 4).tolist() == [True, False, True]
+    assert groups_with_signal(torch.zeros(6), 2).tolist() == [False, False, False]
+
+
+def test_overlong_filter_masks_truncated_samples_out():
+    mask = overlong_filter(torch.tensor([False, True, False]), torch.tensor([1.0, 1.0, 0.0]))
+    assert mask.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_overlong_penalty_is_dapos_soft_ramp():
+    lengths = torch.tensor([10, 60, 61, 70, 80, 100, 120])
+    got = overlong_penalty(lengths, max_response_length=100, buffer_length=40)
+    expected = []
+    for n in lengths.tolist():
+        if n <= 60:
+            expected.append(0.0)
+        elif n <= 100:
+            expected.append((60 - n) / 40)
+        else:
+            expected.append(-1.0)
+    assert got.tolist() == pytest.approx(expected)
+    assert math.isclose(float(got[3]), -0.25)
+    with pytest.raises(ValueError, match="buffer_length"):
+        overlong_penalty(lengths, 100, 0)

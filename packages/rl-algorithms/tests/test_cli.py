@@ -1,0 +1,115 @@
+"""The `rl` command: help, and config errors that name the key before anything starts."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_algorithms import cli
+
+RL = shutil.which("rl") or str(Path(sys.executable).with_name("rl"))
+
+
+def run_rl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([RL, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_the_algorithms_and_config_groups():
+    out = run_rl("--help")
+    assert out.returncode == 0
+    for word in ("sft", "dpo", "rm", "policy", "checkpointing", "logger", "cluster"):
+        assert word in out.stdout
+
+
+def test_algorithm_help_lists_its_keys(capsys):
+    assert cli.main(["dpo", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "reference_policy_kl_penalty: float = 0.05" in text
+    assert "checkpoint_dir: str = 'results/dpo/checkpoints'" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "expected"),
+    [
+        (["sft", "sft.max_num_steps=banana"], "sft.max_num_steps", "expected int"),
+        (
+            ["dpo", "dpo.reference_policy_kl_penalty=-1"],
+            "dpo.reference_policy_kl_penalty",
+            "greater than 0",
+        ),
+        (["rm", "logger.tensorboard_enabled=maybe"], "logger.tensorboard_enabled", "bool"),
+    ],
+)
+def test_a_bad_value_exits_nonzero_naming_the_key(argv, key, expected, capsys):
+    assert cli.main(argv) == cli.CONFIG_ERROR_EXIT
+    first_problem = capsys.readouterr().err.splitlines()[1].strip()
+    assert first_problem.startswith(f"{key}: got"), first_problem
+    assert expected in first_problem
+
+
+def test_grpo_banana_fails_before_ray_or_any_worker_starts():
+    # A fresh interpreter: after the error, no Ray cluster was ever started or joined.
+    code = (
+        "import sys; from rl_algorithms import cli\n"
+        "rc = cli.main(sys.argv[1:])\n"
+        "ray = sys.modules.get('ray')\n"
+        "print('ray started:', bool(ray and ray.is_initialized()))\n"
+        "sys.exit(rc)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "grpo", "grpo.num_generations_per_prompt=banana"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    first_problem = out.stderr.splitlines()[1].strip()
+    assert first_problem == "grpo.num_generations_per_prompt: got 'banana' — expected int"
+    assert "ray started: False" in out.stdout
+
+
+def test_the_console_script_reports_an_unknown_key_with_a_suggestion():
+    out = run_rl("sft", "sft.max_num_stepz=3")
+    assert out.returncode == 2
+    assert "sft.max_num_stepz" in out.stderr and "did you mean 'sft.max_num_steps'" in out.stderr
+
+
+def test_unknown_key_in_a_config_file_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("sft:\n  max_num_step: 3\n")
+    out = run_rl("sft", "--config", str(path))
+    assert out.returncode == 2
+    assert "sft.max_num_step: got 3 — unknown key; did you mean 'max_num_steps'" in out.stderr
+
+
+def test_print_config_resolves_without_running(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = run_rl(
+        "sft",
+        "--print-config",
+        "tokenizer.path=tok",
+        "+policy.model.hf_config={model_type: llama}",
+        "+data.train={source: arithmetic, size: 4}",
+        "sft.max_num_steps=7",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "max_num_steps: 7" in out.stdout
+    assert not os.path.exists(tmp_path / "results")
+
+
+def test_a_key_the_recipe_leaves_out_but_the_model_has_can_be_overridden(capsys):
+    argv = [
+        "sft",
+        "--print-config",
+        "tokenizer.path=tok",
+        "+policy.model.hf_config={model_type: llama}",
+        "+data.train={source: arithmetic, size: 4}",
+        "cluster.ray_num_cpus=3",
+        "logger.wandb.project=demo",
+    ]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "ray_num_cpus: 3" in out and "project: demo" in out

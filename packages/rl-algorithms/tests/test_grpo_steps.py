@@ -1,0 +1,200 @@
+"""GRPO's steps without Ray: dynamic sampling refills, advantages and masks go into the batch."""
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from rl_algorithms import grpo
+from rl_algorithms.advantages import grpo_advantages
+from rl_algorithms.utils.logger import Logger, LoggerConfig
+from rl_data.collate import rl_collate
+from rl_data.loader import StatefulDataLoader
+from rl_envs.sliding_puzzle import SlidingPuzzleEnvironment
+
+from .test_rollouts import NEAR_SOLVED, ScriptedGeneration, puzzle_batch
+
+
+class CyclingGeneration(ScriptedGeneration):
+    """Sample k's n-th response over all calls is ``script[k][n % len]``: the G copies of one
+    prompt can answer differently."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer, script)
+        self.seen = defaultdict(int)
+
+    def reply_for(self, sample, turn):
+        replies = self.script[sample]
+        self.seen[sample] += 1
+        return replies[(self.seen[sample] - 1) % len(replies)]
+
+
+def solved_reply():
+    return "<action>right</action>"
+
+
+SCRIPT = {0: [solved_reply(), "no"], 1: ["no"], 2: [solved_reply()]}
+
+
+@pytest.fixture
+def make_run(tokenizer, template, tmp_path):
+    def make(samples, **grpo_overrides):
+        batch = puzzle_batch(tokenizer, template, samples=samples)
+        datums = [
+            {
+                "message_log": log,
+                "length": sum(len(m["token_ids"]) for m in log),
+                "extra_env_info": dict(NEAR_SOLVED),
+                "loss_multiplier": 1.0,
+                "idx": i,
+                "task_name": "puzzle",
+            }
+            for i, log in enumerate(batch["message_log"])
+        ]
+        config = grpo.MasterConfig.model_validate(
+            {
+                "policy": {
+                    "model": {"hf_config": {"model_type": "llama"}},
+                    "train_global_batch_size": 4,
+                    "max_total_sequence_length": 512,
+                },
+                "tokenizer": {"path": str(tmp_path)},
+                "generation": {"backend": "hf"},
+                "loss_fn": {"reference_policy_kl_penalty": 0.0},
+                "env": {"puzzle": {"kind": "sliding_puzzle"}},
+                "data": {"train": {"source": "arithmetic"}},
+                "grpo": {
+                    "num_prompts_per_step": 2,
+                    "num_generations_per_prompt": 2,
+                    "max_num_steps": 1,
+                    **grpo_overrides,
+                },
+            }
+        )
+        loader = StatefulDataLoader(
+            datums, 2, lambda b: rl_collate(b, tokenizer.pad_token_id), shuffle=False
+        )
+        return grpo.GRPORun(
+            config=config,
+            policy=type("P", (), {"weight_version": 0})(),
+            generation=CyclingGeneration(tokenizer, SCRIPT),
+            clusters=[],
+            envs={"puzzle": SlidingPuzzleEnvironment()},
+            tokenizer=tokenizer,
+            template=template,
+            train_loader=loader,
+            val_loader=None,
+            logger=Logger(LoggerConfig(log_dir=str(tmp_path / "logs"), progress_bar=False)),
+            checkpointer=None,
+            loss_fn=None,
+        )
+
+    return make
+
+
+def test_dynamic_sampling_refills_with_groups_that_carry_a_signal(make_run):
+    run = make_run((0, 1, 2, 0), use_dynamic_sampling=True)
+    result, metrics = grpo.generate_rollouts(run)
+    # round 1: prompts 0 (rewards 1, 0: kept) and 1 (0, 0: set aside); round 2: prompts 2
+    # (1, 1: set aside) and 0 (kept): two groups with a signal after two rounds.
+    assert metrics["generation_rounds"] == 2.0
+    assert result.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert metrics["dynamic_sampling/groups_with_signal"] == 2.0
+
+
+def test_dynamic_sampling_stops_at_its_round_limit_and_fills_up(make_run):
+    run = make_run((0, 1, 2, 0), use_dynamic_sampling=True, dynamic_sampling_max_gen_batches=1)
+    result, metrics = grpo.generate_rollouts(run)
+    assert metrics["generation_rounds"] == 1.0
+    assert metrics["dynamic_sampling/groups_with_signal"] == 1.0
+    assert result.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]  # group 0, then set-aside group 1
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    grpo.compute_advantages(run, result, batch)
+    per_row = (batch["advantages"] * batch["token_mask"]).sum(1)
+    assert per_row[2:].abs().sum() == 0  # the filler group adds no gradient
+
+
+def test_without_dynamic_sampling_one_round_is_trained(make_run):
+    run = make_run((1, 2))
+    result, metrics = grpo.generate_rollouts(run)
+    assert metrics["generation_rounds"] == 1.0
+    assert result.rewards.tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_advantages_sit_on_the_sampled_tokens_and_truncated_samples_drop_out(make_run):
+    run = make_run((0, 1), overlong_filtering=True, use_leave_one_out_baseline=True)
+    result, _ = grpo.generate_rollouts(run)
+    result.truncated[3] = True  # as if sample 3 had hit the length limit
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    metrics = grpo.compute_advantages(run, result, batch)
+    expected = grpo_advantages(result.rewards, 2, leave_one_out=True)
+    torch.testing.assert_close(
+        batch["advantages"], (expected[:, None] * batch["token_mask"]).float()
+    )
+    assert batch["sample_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert metrics["reward_mean"] == pytest.approx(float(result.rewards.mean()))
+
+
+def test_overlong_reward_shaping_penalises_long_responses(make_run):
+    run = make_run(
+        (0, 1),
+        reward_shaping={
+            "enabled": True,
+            "max_response_length": 5,
+            "overlong_buffer_length": 2,
+        },
+    )
+    result, _ = grpo.generate_rollouts(run)
+    lengths = [grpo.response_length(log) for log in result.message_logs]
+    shaped = grpo.shaped_rewards(run, result)
+    for r, s, n in zip(result.rewards.tolist(), shaped.tolist(), lengths, strict=True):
+        assert s == pytest.approx(r + max(-1.0, min(0.0, (3 - n) / 2)))
+    # "no" + EOS (3 tokens) is within the budget; the action answers are past it.
+    penalties = sorted(
+        {round(s - r, 6) for r, s in zip(result.rewards.tolist(), shaped.tolist(), strict=True)}
+    )
+    assert penalties == [-1.0, 0.0], (lengths, penalties)
+
+
+def minimal_config(**sections) -> dict:
+    config = {
+        "policy": {
+            "model": {"hf_config": {"model_type": "llama"}},
+            "train_global_batch_size": 4,
+            "max_total_sequence_length": 64,
+        },
+        "tokenizer": {"path": "/tok"},
+        "generation": {"backend": "hf", "sampling": {"temperature": 0.7}},
+        "env": {"arithmetic": {"kind": "math"}},
+        "data": {"train": {"source": "arithmetic"}},
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 1},
+    }
+    for name, value in sections.items():
+        config[name] = {**config[name], **value}
+    return config
+
+
+def test_the_trainer_scores_at_the_generation_temperature_with_the_generators_tokenizer():
+    config = grpo.MasterConfig.model_validate(minimal_config())
+    assert config.policy.logprob_temperature == 0.7
+    assert config.generation.tokenizer == "/tok"
+    assert config.generation.seed == config.policy.seed  # same initial weights
+    assert "max_total_sequence_length" not in config.policy.worker_config().model_dump()
+    assert "num_workers" not in config.generation.engine_config().model_dump()
+
+
+@pytest.mark.parametrize(
+    ("sections", "named"),
+    [
+        ({"loss_fn": {"reference_policy_kl_penalty": 0.1}}, "reference_policy.enabled"),
+        ({"policy": {"train_global_batch_size": 3}}, "train_global_batch_size"),
+        ({"generation": {"backend": "vllm"}}, "policy.model.path"),
+        ({"policy": {"logprob_temperature": 0.5}}, "logprob_temperature"),
+    ],
+)
+def test_inconsistent_sections_are_refused_naming_the_keys(sections, named):
+    config = minimal_config(**{k: v for k, v in sections.items() if k != "loss_fn"})
+    if "loss_fn" in sections:
+        config["loss_fn"] = sections["loss_fn"]
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        grpo.MasterConfig.model_validate(config)

@@ -1,0 +1,259 @@
+"""Rollout bookkeeping with a scripted generator (a test double for the generator only) and the
+real sliding-puzzle environment run in-process."""
+
+import re
+
+import pytest
+import torch
+
+from rl_algorithms.rollouts import run_rollouts
+from rl_data.messages import tokenize_message_logs
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_envs.sliding_puzzle import SlidingPuzzleConfig, SlidingPuzzleEnvironment, first_prompt
+from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
+
+
+class ScriptedGeneration(GenerationInterface):
+    """Answers sample k's turn t with ``script[k][t]`` (the sample's id is in its prompt), plus
+    the EOS token, with log-prob -0.25 per token; records what it was asked."""
+
+    def __init__(self, tokenizer, script, weight_version=0, cut=False):
+        self.tokenizer, self.script, self.cut = tokenizer, script, cut
+        self.weight_version = weight_version
+        self.calls = []
+
+    def generate(self, data, greedy=False, *, expected_weight_version=None):
+        if expected_weight_version is not None and expected_weight_version != self.weight_version:
+            raise StaleWeightsError(self.weight_version, expected_weight_version)
+        self.calls.append(data)
+        rows, lengths = [], []
+        for b in range(data.size):
+            prompt = data["input_ids"][b, : data["input_lengths"][b]]
+            text = self.tokenizer.decode(prompt.tolist())
+            sample = int(re.search(r"\[sample (\d+)\]", text).group(1))
+            turn = text.count("<|im_start|>assistant") - 1
+            reply = self.tokenizer.encode(self.reply_for(sample, turn), add_special_tokens=False)
+            reply = [*reply, self.tokenizer.eos_token_id]
+            rows.append(torch.cat([prompt, torch.tensor(reply)]))
+            lengths.append(len(reply))
+        width = max(len(r) for r in rows)
+        out = torch.full((len(rows), width), self.tokenizer.pad_token_id)
+        logprobs = torch.zeros(len(rows), width)
+        for b, row in enumerate(rows):
+            out[b, : len(row)] = row
+            logprobs[b, len(row) - lengths[b] : len(row)] = -0.25
+        gen_lengths = torch.tensor(lengths)
+        return BatchedDataDict(
+            output_ids=out,
+            generation_lengths=gen_lengths,
+            unpadded_sequence_lengths=data["input_lengths"] + gen_lengths,
+            logprobs=logprobs,
+            truncated=torch.full((len(rows),), self.cut),  # as if max_new_tokens was hit
+        )
+
+    def reply_for(self, sample, turn):
+        return self.script[sample][turn]
+
+    def prepare_for_generation(self):
+        pass
+
+    def finish_generation(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+# Blank one step left of its solved place: "right" solves it; "left" then "right right" too.
+NEAR_SOLVED = {"board": [[1, 2, 3], [4, 5, 6], [7, 0, 8]], "turn": 0}
+SCRIPT = {
+    0: ["<action>right</action>"],
+    1: ["<action>left</action>", "<action>right right</action>"],
+    2: ["no idea", "still no idea"],
+}
+
+
+def puzzle_batch(tokenizer, template, samples=(0, 1, 2)):
+    logs = [
+        [{"role": "user", "content": f"[sample {k}] {first_prompt(NEAR_SOLVED)}"}] for k in samples
+    ]
+    tokenize_message_logs(logs, tokenizer, template, add_generation_prompt=True)
+    return BatchedDataDict(
+        message_log=logs,
+        extra_env_info=[dict(NEAR_SOLVED) for _ in samples],
+        task_name=["puzzle"] * len(samples),
+    )
+
+
+def test_two_turn_rollout_stops_each_sample_at_its_own_end(tokenizer, template):
+    batch = puzzle_batch(tokenizer, template)
+    prompt_ids = [log[0]["token_ids"].clone() for log in batch["message_log"]]
+    gen = ScriptedGeneration(tokenizer, SCRIPT)
+    env = SlidingPuzzleEnvironment(SlidingPuzzleConfig(max_turns=8))
+    result = run_rollouts(
+        gen, batch, tokenizer, template, {"puzzle": env}, max_seq_len=512, max_turns=2
+    )
+
+    assert result.rewards.tolist() == [1.0, 1.0, 0.0]
+    assert result.terminated.tolist() == [True, True, False]  # sample 2 hit the turn limit
+    assert result.truncated.tolist() == [False, False, False]
+    assert result.turns.tolist() == [1, 2, 2]
+    roles = [[m["role"] for m in log] for log in result.message_logs]
+    assert roles == [
+        ["user", "assistant"],
+        ["user", "assistant", "environment", "assistant"],
+        ["user", "assistant", "environment", "assistant"],
+    ]
+    # Turn 2 generated for the two samples still playing, with the environment's stop strings.
+    assert [c.size for c in gen.calls] == [3, 2]
+    assert gen.calls[1]["stop_strings"] == [["</action>"], ["</action>"]]
+    # The input's logs are untouched; the prompt's ids were carried, not re-tokenised.
+    assert [len(log) for log in batch["message_log"]] == [1, 1, 1]
+    for log, ids in zip(result.message_logs, prompt_ids, strict=True):
+        assert torch.equal(log[0]["token_ids"], ids)
+    assert result.metrics["turn_1/active_samples"] == 2.0
+    assert result.metrics["mean_turns"] == pytest.approx(5 / 3)
+
+
+def test_token_ids_are_the_generated_ids_and_turn_two_extends_turn_one(tokenizer, template):
+    gen = ScriptedGeneration(tokenizer, SCRIPT)
+    env = SlidingPuzzleEnvironment()
+    batch = puzzle_batch(tokenizer, template, samples=(1,))
+    result = run_rollouts(
+        gen, batch, tokenizer, template, {"puzzle": env}, max_seq_len=512, max_turns=2
+    )
+    log = result.message_logs[0]
+    first = gen.calls[0]
+    sampled = first["input_lengths"][0]
+    reply = [*tokenizer.encode(SCRIPT[1][0], add_special_tokens=False), tokenizer.eos_token_id]
+    assistant = log[1]
+    n = len(reply)
+    assert assistant["token_ids"][:n].tolist() == reply
+    assert assistant["token_loss_mask"][:n].tolist() == [1] * n
+    # ChatML closes the turn with "<|im_end|>\n": the "\n" is kept, out of the loss.
+    assert assistant["token_loss_mask"][n:].sum() == 0 and len(assistant["token_ids"]) > n
+    assert assistant["generation_logprobs"][:n].tolist() == [-0.25] * n
+    assert int(sampled) == len(log[0]["token_ids"])
+    # The second call's prompt is exactly the concatenation of every message's ids so far.
+    second = gen.calls[1]
+    carried = torch.cat([m["token_ids"] for m in log[:3]])
+    assert torch.equal(second["input_ids"][0, : second["input_lengths"][0]], carried)
+    # The rendered conversation is what the template gives for the same messages.
+    text = tokenizer.decode(torch.cat([m["token_ids"] for m in log]).tolist())
+    assert text.startswith(template.render(log[:3], add_generation_prompt=True))
+
+
+def test_training_batch_masks_all_but_sampled_tokens(tokenizer, template):
+    gen = ScriptedGeneration(tokenizer, SCRIPT)
+    batch = puzzle_batch(tokenizer, template)
+    result = run_rollouts(
+        gen,
+        batch,
+        tokenizer,
+        template,
+        {"puzzle": SlidingPuzzleEnvironment()},
+        max_seq_len=512,
+        max_turns=2,
+    )
+    train = result.training_batch(tokenizer.pad_token_id)
+    for b, log in enumerate(result.message_logs):
+        sampled = sum(
+            int(m.get("token_loss_mask", torch.zeros(1)).sum())
+            for m in log
+            if m["role"] == "assistant"
+        )
+        assert int(train["token_mask"][b].sum()) == sampled
+        # generation log-probs sit exactly on the loss tokens
+        on = train["token_mask"][b] > 0
+        assert torch.all(train["generation_logprobs"][b][on] == -0.25)
+        assert torch.all(train["generation_logprobs"][b][~on] == 0)
+        assert int(train["input_lengths"][b]) == sum(len(m["token_ids"]) for m in log)
+
+
+def test_a_sample_at_the_length_limit_is_truncated_and_stops(tokenizer, template):
+    batch = puzzle_batch(tokenizer, template, samples=(1, 2))
+    prompt_len = len(batch["message_log"][0][0]["token_ids"])
+    gen = ScriptedGeneration(tokenizer, SCRIPT)
+    result = run_rollouts(
+        gen,
+        batch,
+        tokenizer,
+        template,
+        {"puzzle": SlidingPuzzleEnvironment()},
+        max_seq_len=prompt_len + 3,
+        max_turns=3,
+    )
+    assert result.truncated.tolist() == [True, True]
+    assert result.turns.tolist() == [1, 1]
+    for log in result.message_logs:
+        assert sum(len(m["token_ids"]) for m in log) <= prompt_len + 3
+    assert result.metrics["truncated_fraction"] == 1.0
+
+
+class CountingEnv(SlidingPuzzleEnvironment):
+    def __init__(self):
+        super().__init__()
+        self.batch_sizes = []
+
+    def step(self, message_log_batch, metadata):
+        self.batch_sizes.append(len(message_log_batch))
+        return super().step(message_log_batch, metadata)
+
+
+def test_environment_steps_are_batched_per_task(tokenizer, template):
+    batch = puzzle_batch(tokenizer, template, samples=(0, 1, 2, 1))
+    batch["task_name"] = ["a", "b", "a", "b"]
+    envs = {"a": CountingEnv(), "b": CountingEnv()}
+    result = run_rollouts(
+        ScriptedGeneration(tokenizer, SCRIPT),
+        batch,
+        tokenizer,
+        template,
+        envs,
+        max_seq_len=512,
+        max_turns=2,
+    )
+    assert envs["a"].batch_sizes == [2, 1]  # samples 0 and 2, then 2 alone
+    assert envs["b"].batch_sizes == [2, 2]
+    assert result.rewards.tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_unknown_task_and_stale_weights_are_errors(tokenizer, template):
+    batch = puzzle_batch(tokenizer, template, samples=(0,))
+    batch["task_name"] = ["nope"]
+    with pytest.raises(KeyError, match="nope"):
+        run_rollouts(
+            ScriptedGeneration(tokenizer, SCRIPT),
+            batch,
+            tokenizer,
+            template,
+            {"puzzle": SlidingPuzzleEnvironment()},
+            max_seq_len=512,
+        )
+    batch["task_name"] = ["puzzle"]
+    with pytest.raises(StaleWeightsError):
+        run_rollouts(
+            ScriptedGeneration(tokenizer, SCRIPT, weight_version=1),
+            batch,
+            tokenizer,
+            template,
+            {"puzzle": SlidingPuzzleEnvironment()},
+            max_seq_len=512,
+            expected_weight_version=2,
+        )
+
+
+def test_a_response_cut_at_max_new_tokens_is_flagged_but_the_episode_goes_on(tokenizer, template):
+    batch = puzzle_batch(tokenizer, template, samples=(1, 2))
+    result = run_rollouts(
+        ScriptedGeneration(tokenizer, SCRIPT, cut=True),
+        batch,
+        tokenizer,
+        template,
+        {"puzzle": SlidingPuzzleEnvironment()},
+        max_seq_len=512,
+        max_turns=2,
+    )
+    assert result.truncated.tolist() == [True, True]
+    assert result.turns.tolist() == [2, 2]
+    assert result.rewards.tolist() == [1.0, 0.0]

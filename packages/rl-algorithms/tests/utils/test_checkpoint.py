@@ -1,0 +1,119 @@
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import torch
+
+from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from rl_data.loader import StatefulDataLoader
+
+
+class LinearPolicy:
+    """Saves and loads real weights + optimiser state the way Policy.save_checkpoint does."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Linear(4, 2)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.1)
+
+    def step(self) -> None:
+        self.optimizer.zero_grad()
+        self.model(torch.ones(1, 4)).sum().backward()
+        self.optimizer.step()
+
+    def save_checkpoint(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        torch.save(
+            {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()},
+            os.path.join(path, "state.pt"),
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "state.pt"))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+
+
+def manager(tmp_path, **kw) -> CheckpointManager:
+    return CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"), **kw))
+
+
+def test_resume_restores_weights_optimizer_loader_rng_and_extra_state(tmp_path):
+    policy = LinearPolicy()
+    loader = StatefulDataLoader(list(range(20)), batch_size=4, seed=3)
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+        policy.step()
+    ckpts = manager(tmp_path)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    ckpts.save(2, policy, dataloader=loader, extra_state={"history": [1.0, 0.5]})
+    expected_batch = next(it)
+    expected_draws = (random.random(), np.random.rand(), torch.rand(1))
+    policy.step()
+    expected_weight = policy.model.weight.detach().clone()
+
+    fresh, fresh_loader = LinearPolicy(seed=1), StatefulDataLoader(list(range(20)), 4, seed=3)
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    resumed = manager(tmp_path)
+    state = resumed.load(resumed.latest(), fresh, dataloader=fresh_loader)
+    assert state["step"] == 2 and state["extra"] == {"history": [1.0, 0.5]}
+    assert next(iter(fresh_loader)) == expected_batch
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected_draws
+    fresh.step()  # Adam's moments came back too, so the next step lands on the same weights
+    torch.testing.assert_close(fresh.model.weight, expected_weight, rtol=0, atol=0)
+
+
+def test_keeps_the_top_k_by_metric_plus_the_latest(tmp_path):
+    ckpts = manager(tmp_path, keep_top_k=2, metric_name="val/loss", higher_is_better=False)
+    losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7, 5: 0.8}
+    for step, loss in losses.items():
+        ckpts.save(step, None, metrics={"val/loss": loss})
+    assert [p.name for p in ckpts.checkpoints()] == ["step_2", "step_3", "step_5"]
+    assert ckpts.latest().name == "step_5"
+
+
+def test_without_a_metric_keeps_the_newest(tmp_path):
+    ckpts = manager(tmp_path, keep_top_k=2)
+    for step in range(1, 5):
+        ckpts.save(step, None)
+    assert [p.name for p in ckpts.checkpoints()] == ["step_3", "step_4"]
+
+
+def test_a_checkpoint_killed_mid_write_is_never_resumed_from(tmp_path):
+    """A real SIGKILL while the policy is being written; the next run sees only step_1."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
+
+        class SlowPolicy:
+            def save_checkpoint(self, path):
+                os.makedirs(path)
+                with open(os.path.join(path, "model.safetensors"), "wb") as f:
+                    f.write(b"x" * 1000)
+                    f.flush()
+                    print("writing", flush=True)
+                    time.sleep(60)  # killed here
+
+        m = CheckpointManager(CheckpointingConfig(checkpoint_dir={str(tmp_path / "ckpt")!r}))
+        m.save(1, None)
+        m.save(2, SlowPolicy())
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        assert any(p.name.startswith(".tmp-step_2") for p in (tmp_path / "ckpt").iterdir())
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    time.sleep(0.1)
+    resumed = manager(tmp_path)
+    assert resumed.latest().name == "step_1"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]  # leftover gone

@@ -1,0 +1,90 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from rl_algorithms.utils.logger import Logger, LoggerConfig, Timer
+
+
+def test_jsonl_and_tensorboard_files_hold_the_logged_metrics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = LoggerConfig(log_dir=str(tmp_path), tensorboard_enabled=True, progress_bar=False)
+    with Logger(cfg) as logger:
+        for step in range(1, 4):
+            logger.log_metrics({"loss": 1.0 / step, "lr": 0.1}, step=step, prefix="train")
+        logger.log_metrics({"loss": float("nan")}, step=4, prefix="val")
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert lines[1]["train/loss"] == pytest.approx(0.5)
+    assert lines[3]["val/loss"] == "nan"  # still valid JSON
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("train/loss")
+    assert [(e.step, round(e.value, 6)) for e in scalars] == [(1, 1.0), (2, 0.5), (3, 0.333333)]
+
+
+def test_wandb_offline_run_directory_is_written(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = LoggerConfig(
+        log_dir=str(tmp_path), wandb_enabled=True, jsonl_enabled=False, progress_bar=False
+    )
+    with Logger(cfg, run_config={"policy": {"lr": 1e-3}}) as logger:
+        logger.log_metrics({"loss": 2.0}, step=1, prefix="train")
+        run_id = logger.state_dict()["wandb_run_id"]
+    runs = list((tmp_path / "wandb" / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("*.wandb")), "the offline run holds no .wandb data file"
+
+
+def test_mlflow_file_store_gets_metrics_and_resumes_the_same_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    cfg = LoggerConfig(
+        log_dir=str(tmp_path), mlflow_enabled=True, jsonl_enabled=False, progress_bar=False
+    )
+    with Logger(cfg, run_config={"sft": {"max_num_steps": 3}}) as logger:
+        logger.log_metrics({"loss": 3.0}, step=1, prefix="train")
+        state = logger.state_dict()
+    with Logger(cfg, state=state) as logger:  # a resumed run
+        logger.log_metrics({"loss": 2.0}, step=2, prefix="train")
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    history = client.get_metric_history(state["mlflow_run_id"], "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 3.0), (2, 2.0)]
+    assert client.get_run(state["mlflow_run_id"]).data.params["sft.max_num_steps"] == "3"
+
+
+def test_timer_sums_each_phase_until_popped():
+    timer = Timer()
+    for _ in range(2):
+        with timer("generation"):
+            sum(range(10_000))
+    with timer("train"):
+        pass
+    timing = timer.pop()
+    assert set(timing) == {"timing/generation", "timing/train"}
+    assert all(v >= 0 and math.isfinite(v) for v in timing.values())
+    assert timer.pop() == {}
+
+
+def test_gpu_metrics_are_empty_without_cuda(tmp_path):
+    import torch
+
+    from rl_algorithms.utils.logger import gpu_metrics
+
+    if torch.cuda.is_available():
+        assert any(k.endswith("memory_used_gib") for k in gpu_metrics())
+    else:
+        assert gpu_metrics() == {}
+
+
+def test_progress_bar_runs_with_rich(tmp_path, capsys):
+    cfg = LoggerConfig(log_dir=str(tmp_path), progress_bar=True)
+    with Logger(cfg) as logger:
+        logger.progress.start(total=2)
+        logger.log_metrics({"loss": 0.5}, step=1, prefix="train")
+        logger.log_metrics({"loss": 0.25}, step=2, prefix="train")
+    assert Path(tmp_path / "metrics.jsonl").exists()
