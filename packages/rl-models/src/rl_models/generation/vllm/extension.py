@@ -1,0 +1,52 @@
+"""Methods added to vLLM's own worker class, reached with ``collective_rpc``.
+
+Why this path: vLLM 0.32's public mechanism for running our code inside its workers is
+``worker_extension_cls`` (the class is mixed into vLLM's worker) plus ``LLM.collective_rpc`` /
+``AsyncLLM.collective_rpc`` by method name. Its RL weight-transfer API
+(``init_weight_transfer_engine`` / ``update_weights``) only offers NCCL and CUDA-IPC style
+backends; a callable passed to ``collective_rpc`` needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``.
+So the bucket goes in as plain data (slot tuples and one ``uint8`` array, both of which vLLM's
+msgpack encoder carries natively when the engine runs in another process, and which are passed
+by reference when it runs in ours) and is loaded with the model's own ``load_weights``, which
+maps Hugging Face names onto vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rl_models.generation.weights import PackedBucket, TensorSlot, unpack_bucket
+
+
+def bucket_to_wire(bucket: PackedBucket) -> tuple[list[tuple[Any, ...]], np.ndarray]:
+    """A bucket as msgpack-friendly values: slot tuples and the byte buffer."""
+    slots = [(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in bucket.slots]
+    return slots, bucket.buffer
+
+
+def bucket_from_wire(slots: list, buffer: np.ndarray) -> PackedBucket:
+    return PackedBucket(
+        tuple(
+            TensorSlot(name, dtype, tuple(shape), offset, nbytes)
+            for name, dtype, shape, offset, nbytes in slots
+        ),
+        np.asarray(buffer, dtype=np.uint8),
+    )
+
+
+class WeightUpdateExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is that worker."""
+
+    def rl_load_packed_bucket(self, slots: list, buffer: np.ndarray) -> int:
+        """Load one packed bucket of HF-named full tensors; returns the tensors loaded."""
+        bucket = bucket_from_wire(slots, buffer)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        model.load_weights(weights=unpack_bucket(bucket))
+        return len(bucket.slots)
+
+    def rl_named_parameter_checksum(self) -> float:
+        """Sum of every parameter in float64 (a cheap fingerprint for tests)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
