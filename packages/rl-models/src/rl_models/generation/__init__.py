@@ -1,12 +1,26 @@
-"""Generation backends (vLLM, Hugging Face) behind one interface, and the weight-refit channel."""
+"""Generation backends (vLLM, Hugging Face) behind one interface, and the weight-refit channel.
+
+``HfGeneration`` (``rl_models.generation.hf_generation``) and ``refit``
+(``rl_models.generation.refit``) import Ray worker-group machinery; import them from their
+modules.
+"""
 
 from rl_models.generation.config import GenerationConfig, SamplingConfig, VllmConfig
-from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
+from rl_models.generation.interfaces import (
+    ExportPlan,
+    GenerationInterface,
+    GenerationWorker,
+    StaleWeightsError,
+    WeightExportWorker,
+)
 
 __all__ = [
+    "ExportPlan",
     "GenerationConfig",
     "GenerationInterface",
+    "GenerationWorker",
     "SamplingConfig",
     "StaleWeightsError",
     "VllmConfig",
+    "WeightExportWorker",
 ]

@@ -56,6 +56,12 @@ class GenerationConfig(ConfigModel):
     colocated: bool = True
     # Bytes per refit bucket: peak extra memory of a refit is about one bucket.
     refit_bucket_bytes: int = Field(256 * 2**20, ge=2**16)
+    # Tokenizer directory (stop strings, default stop ids, pad id); None: model.path, if it has
+    # one. Without a tokenizer the stop ids default to the model config's eos_token_id.
+    tokenizer: str | None = None
+    # HF backend: seeds the sampler (worker r uses seed + r) and, for a model built from
+    # hf_config, its initial weights (as the policy's `seed` does, so both start equal).
+    seed: int = 0
 
     @model_validator(mode="after")
     def _vllm_only_where_it_applies(self) -> GenerationConfig:

@@ -22,8 +22,11 @@ from any other version (``StaleWeightsError``), so a skipped refit can never go 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.weights import PackedBucket
 
 
 class StaleWeightsError(RuntimeError):
@@ -38,10 +41,23 @@ class StaleWeightsError(RuntimeError):
         self.expected = expected
 
 
+@dataclass(frozen=True)
+class ExportPlan:
+    """One policy rank's part in a weight export."""
+
+    steps: int  # export_weight_bucket calls this rank takes part in (0..steps-1)
+    producer: bool  # whether its calls return buckets (else None)
+    nbytes: int = 0  # bytes this rank will produce in all
+
+
 class GenerationInterface(ABC):
     """A sampler over a worker group, whatever engine runs inside."""
 
     weight_version: int  # the version of the weights the workers hold now
+    # What ``refit`` uses: the group of ``GenerationWorker`` actors and the config
+    # (``colocated``, ``refit_bucket_bytes``).
+    worker_group: Any
+    config: Any
 
     @abstractmethod
     def generate(
@@ -64,3 +80,59 @@ class GenerationInterface(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and release their resources."""
+
+
+class GenerationWorker(ABC):
+    """The methods every generation *worker* (one Ray actor of a generation backend) has.
+
+    ``refit`` (``rl_models.generation.refit``) drives a weight update through these only, so
+    any backend (HF, vLLM) that implements them is refit the same way:
+
+    1. ``prepare_for_weight_update()`` on every worker (wake the weights, not the KV cache);
+    2. for each bucket the policy exports, in order: ``load_weight_bucket(bucket)`` on every
+       worker (CPU channel), or ``receive_weight_bucket(meta)`` for the GPU channels
+       (CUDA IPC, NCCL broadcast: see ``rl_models.generation.channels``);
+    3. ``set_weight_version(version)`` on every worker once all buckets are in.
+
+    ``generate(data, greedy, expected_weight_version)`` raises ``StaleWeightsError`` when the
+    worker holds another version than the one expected.
+    """
+
+    @abstractmethod
+    def prepare_for_weight_update(self) -> None:
+        """Make the weights writable on the device (e.g. vLLM: wake weights from sleep)."""
+
+    @abstractmethod
+    def load_weight_bucket(self, bucket: PackedBucket) -> None:
+        """Copy every tensor of ``bucket`` (full tensors under HF names) into the model."""
+
+    @abstractmethod
+    def set_weight_version(self, version: int) -> None:
+        """Record the policy version the weights now equal (after the last bucket)."""
+
+    @abstractmethod
+    def get_weight_version(self) -> int:
+        """The version of the weights this worker holds."""
+
+
+class WeightExportWorker(ABC):
+    """The methods a *policy* worker has for streaming its weights out (both backends).
+
+    A collective over the policy's ranks: the controller calls each method on every rank.
+
+    - ``weight_export_plan(bucket_bytes, dtype)`` -> ``ExportPlan``: cut the model into
+      buckets (each rank of one collective group plans the same number of steps);
+    - ``export_weight_bucket(step)`` -> ``PackedBucket | None``: gather the full tensors of
+      step ``step`` (FSDP2 ``full_tensor``; Megatron tensor-parallel gather + HF conversion) and
+      pack them; only ``producer`` ranks return a bucket, the others return ``None``;
+    - ``finish_weight_export()`` -> ``dict``: drop the plan; statistics of the export.
+    """
+
+    @abstractmethod
+    def weight_export_plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan: ...
+
+    @abstractmethod
+    def export_weight_bucket(self, step: int) -> PackedBucket | None: ...
+
+    @abstractmethod
+    def finish_weight_export(self) -> dict[str, int]: ...

@@ -2,15 +2,44 @@
 
 One contiguous ``uint8`` numpy array travels through Ray's shared-memory object store without a
 pickle copy, and a reader on the same node maps it zero-copy; the tensors are views into it.
+
+A refit streams a model as a sequence of such buckets. ``plan_buckets`` cuts the model's tensor
+list (names, shapes, dtypes: known before any weight is gathered) into buckets of at most
+``bucket_bytes``; ``pack_planned`` then fills one bucket as its tensors arrive one at a time, so
+a producer holds at most one bucket plus the one full tensor being copied in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+ALIGN = 8  # every tensor starts at a multiple of 8 bytes: aligned views of any dtype
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a tensor will be, before its data exists (a full, gathered HF-named weight)."""
+
+    name: str  # Hugging Face parameter name
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> TensorSpec:
+        return cls(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
 
 @dataclass(frozen=True)
@@ -31,27 +60,83 @@ class PackedBucket:
     def nbytes(self) -> int:
         return int(self.buffer.nbytes)
 
+    @property
+    def names(self) -> list[str]:
+        return [slot.name for slot in self.slots]
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[list[TensorSpec]]:
+    """``specs`` cut, in order, into buckets of at most ``bucket_bytes`` each.
+
+    A tensor larger than a bucket travels alone in a bucket of its own size.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    used = 0
+    for spec in specs:
+        size = _aligned(spec.nbytes)
+        if current and used + size > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(spec)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def pack_planned(specs: Sequence[TensorSpec], tensors: Iterable[torch.Tensor]) -> PackedBucket:
+    """One bucket holding ``tensors`` (one per spec, in order), copied in as they arrive.
+
+    ``tensors`` may be a generator that gathers each full tensor only when asked for it: each
+    is copied into the buffer and can be freed before the next is made.
+    """
+    slots, offset = [], 0
+    for spec in specs:
+        slots.append(TensorSlot(spec.name, spec.dtype, spec.shape, offset, spec.nbytes))
+        offset += _aligned(spec.nbytes)
+    buffer = np.empty(offset, dtype=np.uint8)
+    flat = torch.from_numpy(buffer)
+    count = 0
+    for slot, t in zip(slots, tensors, strict=False):
+        count += 1
+        if tuple(t.shape) != slot.shape or str(t.dtype).removeprefix("torch.") != slot.dtype:
+            raise ValueError(
+                f"tensor {slot.name!r} is {t.dtype} {tuple(t.shape)} but its bucket slot was "
+                f"planned as {slot.dtype} {slot.shape}"
+            )
+        dst = flat[slot.offset : slot.offset + slot.nbytes]
+        dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    if count != len(slots):
+        raise ValueError(f"bucket planned for {len(slots)} tensors received {count}")
+    return PackedBucket(tuple(slots), buffer)
+
 
 def pack_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PackedBucket:
     """Copy ``(name, tensor)`` pairs into one buffer (each tensor 8-byte aligned)."""
     items = [(name, t.detach().contiguous().cpu()) for name, t in named_tensors]
-    slots, offset = [], 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        slots.append(
-            TensorSlot(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes)
-        )
-        offset += (nbytes + 7) // 8 * 8
-    buffer = np.empty(offset, dtype=np.uint8)
-    flat = torch.from_numpy(buffer)
-    for slot, (_, t) in zip(slots, items, strict=True):
-        flat[slot.offset : slot.offset + slot.nbytes].copy_(t.reshape(-1).view(torch.uint8))
-    return PackedBucket(tuple(slots), buffer)
+    return pack_planned([TensorSpec.of(n, t) for n, t in items], (t for _, t in items))
 
 
 def unpack_bucket(bucket: PackedBucket) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views into the bucket's buffer (no copy; read-only if it is)."""
-    flat = torch.frombuffer(memoryview(bucket.buffer), dtype=torch.uint8) if bucket.nbytes else None
+    flat = _as_uint8_tensor(bucket.buffer) if bucket.nbytes else None
     for slot in bucket.slots:
         raw = flat[slot.offset : slot.offset + slot.nbytes]
         yield slot.name, raw.view(getattr(torch, slot.dtype)).reshape(slot.shape)
+
+
+def _as_uint8_tensor(buffer: np.ndarray) -> torch.Tensor:
+    """A tensor over ``buffer``'s memory, also when it is read-only (Ray's shared memory).
+
+    torch warns that writing to a read-only buffer is undefined; the views are only read.
+    """
+    if buffer.flags.writeable:
+        return torch.from_numpy(buffer)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(memoryview(buffer), dtype=torch.uint8)

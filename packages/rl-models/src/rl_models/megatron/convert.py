@@ -23,7 +23,7 @@ Tensors are only sliced, stacked and reshaped, so HF -> Megatron -> HF is bit-ex
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +149,32 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: GPTLayout) -> dict[st
     return out
 
 
+def megatron_layer_to_hf(
+    take: Callable[[str], torch.Tensor], i: int, layout: GPTLayout
+) -> dict[str, torch.Tensor]:
+    """Decoder layer ``i`` under HF names; ``take(name)`` gives its whole Megatron tensors.
+
+    One layer at a time, so a weight export can convert layer by layer (``megatron_to_hf``
+    applies it to every layer).
+    """
+    h, m = _layer_names(i)
+    attn, mlp = h + "self_attn.", h + "mlp."
+    out = {
+        h + "input_layernorm.weight": take(m + "input_layernorm.weight"),
+        h + "post_attention_layernorm.weight": take(m + "pre_mlp_layernorm.weight"),
+    }
+    q, k, v = _split_qkv(take(m + "self_attention.linear_qkv.weight"), layout)
+    out |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v}
+    if layout.qkv_bias:
+        q, k, v = _split_qkv(take(m + "self_attention.linear_qkv.bias"), layout)
+        out |= {attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v}
+    out[attn + "o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
+    gate, up = torch.chunk(take(m + "mlp.linear_fc1.weight"), 2, dim=0)
+    out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = gate, up
+    out[mlp + "down_proj.weight"] = take(m + "mlp.linear_fc2.weight")
+    return out
+
+
 def megatron_to_hf(meg: Mapping[str, torch.Tensor], layout: GPTLayout) -> dict[str, torch.Tensor]:
     """The HF state dict ``hf_to_megatron`` came from (``lm_head.weight`` always included).
 
@@ -170,19 +196,7 @@ def megatron_to_hf(meg: Mapping[str, torch.Tensor], layout: GPTLayout) -> dict[s
         "model.norm.weight": take("decoder.final_layernorm.weight"),
     }
     for i in range(layout.num_layers):
-        h, m = _layer_names(i)
-        attn, mlp = h + "self_attn.", h + "mlp."
-        out[h + "input_layernorm.weight"] = take(m + "input_layernorm.weight")
-        out[h + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
-        q, k, v = _split_qkv(take(m + "self_attention.linear_qkv.weight"), layout)
-        out |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v}
-        if layout.qkv_bias:
-            q, k, v = _split_qkv(take(m + "self_attention.linear_qkv.bias"), layout)
-            out |= {attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v}
-        out[attn + "o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
-        gate, up = torch.chunk(take(m + "mlp.linear_fc1.weight"), 2, dim=0)
-        out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = gate, up
-        out[mlp + "down_proj.weight"] = take(m + "mlp.linear_fc2.weight")
+        out |= megatron_layer_to_hf(take, i, layout)
     if layout.tied_embeddings:
         used.add("output_layer.weight")  # present (and equal) when Megatron lists it anyway
         out["lm_head.weight"] = embed

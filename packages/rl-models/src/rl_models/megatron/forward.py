@@ -110,8 +110,13 @@ def make_inputs(mb: BatchedDataDict, packed: bool, multiple: int = 1) -> Inputs:
     return Inputs(mb, p.input_ids.to(dev), ~allowed, p)
 
 
-def logprobs_from_logits(logits: torch.Tensor, inp: Inputs, vocab_size: int) -> torch.Tensor:
-    """``[B, S]`` next-token log-probs of the micro-batch (0 at position 0 and on padding)."""
+def logprobs_from_logits(
+    logits: torch.Tensor, inp: Inputs, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """``[B, S]`` next-token log-probs of the micro-batch (0 at position 0 and on padding),
+    under ``softmax(logits / temperature)``."""
+    if temperature != 1.0:
+        logits = logits / temperature
     ids, lengths = inp.data["input_ids"], inp.data["input_lengths"]
     width = ids.shape[1]
     if inp.packed is None:
@@ -156,6 +161,7 @@ def run_pipeline(
     vocab_size: int,
     forward_only: bool,
     output: str = "logprobs",
+    temperature: float = 1.0,
 ) -> None:
     """Forward (and unless ``forward_only``, backward) every micro-batch through the stages.
 
@@ -177,7 +183,7 @@ def run_pipeline(
             if output == "logits":
                 values = aligned_logits(logits, inp, vocab_size)
             else:
-                values = logprobs_from_logits(logits, inp, vocab_size)
+                values = logprobs_from_logits(logits, inp, vocab_size, temperature)
             loss = on_output(values, inp)
             if loss is None:  # inference: the schedule only needs a number
                 loss = values.new_zeros(())

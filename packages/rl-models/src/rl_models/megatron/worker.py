@@ -52,6 +52,7 @@ from rl_models.megatron.parallel import (
     load_weights,
     sync_grads,
 )
+from rl_models.megatron.weight_export import MegatronWeightExporter, tp_gather_to
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -149,7 +150,14 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             result[offset : offset + lp.shape[0], : lp.shape[1]] = lp.cpu()
             offset += lp.shape[0]
 
-        run_pipeline(model, inputs, keep, self.hf_config.vocab_size, forward_only=True)
+        run_pipeline(
+            model,
+            inputs,
+            keep,
+            self.hf_config.vocab_size,
+            forward_only=True,
+            temperature=self.config.logprob_temperature,
+        )
         # Only the last stage computed them; every rank of the replica returns them.
         result = broadcast_from_last_stage(result.to(self.device)).cpu()
         return result[torch.tensor(restore)] if restore is not None else result
@@ -194,6 +202,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             self.hf_config.vocab_size,
             forward_only=eval_mode,
             output=loss_input_type(loss_fn),
+            temperature=self.config.logprob_temperature,
         )
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
         return broadcast_from_last_stage(loss_sum.to(self.device))
@@ -215,6 +224,25 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         state = gather_hf_state(self.model, self.layout, self.ranks, to_all=True)
         assert state is not None
         return state
+
+    def _weight_exporter(self) -> MegatronWeightExporter:
+        """Stage by stage, layer by layer, gathered onto tensor-parallel rank 0 only."""
+        r = self.ranks
+        gather = tp_gather_to(
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_tensor_model_parallel_src_rank(),
+            r.tp,
+        )
+        return MegatronWeightExporter(
+            self.model,
+            self.layout,
+            tp=r.tp,
+            tp_rank=r.tp_rank,
+            pp=r.pp,
+            pp_rank=r.pp_rank,
+            dp_rank=r.dp_rank,
+            gather=gather,
+        )
 
     def _optimizer_file(self) -> str:
         """One file per model-parallel rank (their optimiser states hold different shards)."""

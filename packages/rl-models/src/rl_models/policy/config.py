@@ -176,6 +176,9 @@ class PolicyConfig(ConfigModel):
     # model.dtype (normally float32): FSDP2's MixedPrecisionPolicy when sharded, autocast alone.
     mixed_precision: Literal["bfloat16"] | None = None
     reference_policy: ReferencePolicyConfig = Field(default_factory=ReferencePolicyConfig)
+    # Log-probs (get_logprobs and logprob losses) of softmax(logits / T): set it to the
+    # generator's sampling temperature, so on-policy importance ratios are exactly 1.
+    logprob_temperature: float = Field(1.0, gt=0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

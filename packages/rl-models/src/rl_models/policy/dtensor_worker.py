@@ -27,12 +27,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.interfaces import ExportPlan
+from rl_models.generation.weights import PackedBucket
 from rl_models.interfaces import LossFunction, loss_input_type
 from rl_models.losses import loss_token_mask, sample_valid_mask
 from rl_models.policy import checkpoint, lora, offload
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.forward import build_model, forward_logits, forward_logprobs, forward_scores
+from rl_models.policy.weight_export import DTensorWeightExporter
 
 
 def microbatch_args(config: PolicyConfig, training: bool) -> dict[str, Any]:
@@ -190,8 +193,9 @@ class DTensorPolicyWorker:
         if (output == "scores") != (self.config.model.kind == "sequence_classification"):
             raise ValueError(f"a {self.config.model.kind} model has no {output}")
         packed = self.config.sequence_packing.enabled
+        extra = {"temperature": self.config.logprob_temperature} if output == "logprobs" else {}
         with self._autocast():
-            out = forward[output](model, mb, packed, self.config.model.attn_implementation)
+            out = forward[output](model, mb, packed, self.config.model.attn_implementation, **extra)
         # Losses and metrics in at least the weights' precision, whatever the compute dtype.
         return out.to(torch.promote_types(out.dtype, self.config.model.torch_dtype))
 
@@ -354,6 +358,24 @@ class DTensorPolicyWorker:
         offload.move_module(self.model, self.device, copy=False)
         offload.move_optimizer_state(self.optimizer, self.device, copy=False)
         offload.synchronize()
+
+    # -- weight export (refit: rl_models.generation.refit) -------------------------------------
+
+    def _weight_exporter(self) -> DTensorWeightExporter:
+        return DTensorWeightExporter(self.model, self.lora, self.rank)
+
+    def weight_export_plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan:
+        """Start an export of the weights in buckets (``generation.interfaces``)."""
+        self._exporter = self._weight_exporter()
+        return self._exporter.plan(bucket_bytes, dtype)
+
+    def export_weight_bucket(self, step: int) -> PackedBucket | None:
+        return self._exporter.bucket(step)
+
+    def finish_weight_export(self) -> dict[str, int]:
+        stats = self._exporter.finish()
+        self._exporter = None
+        return stats
 
     def save_checkpoint(self, path: str) -> None:
         """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler.

@@ -54,10 +54,14 @@ def build_model(config: PolicyConfig) -> PreTrainedModel:
     return auto.from_config(hf_config, dtype=cfg.torch_dtype)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets) under ``logits``; half precisions are upcast for a stable softmax."""
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(targets) under ``softmax(logits / temperature)``; half precisions are upcast."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -88,17 +92,22 @@ def _packed_inputs(
 
 
 def forward_logprobs(
-    model: torch.nn.Module, mb: BatchedDataDict, packed: bool, attn_implementation: str = "sdpa"
+    model: torch.nn.Module,
+    mb: BatchedDataDict,
+    packed: bool,
+    attn_implementation: str = "sdpa",
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding)."""
+    """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding),
+    under the temperature-scaled distribution (``PolicyConfig.logprob_temperature``)."""
     ids, lengths = mb["input_ids"], mb["input_lengths"]
     if not packed:
         real = _padding_mask(mb)
         logits = model(input_ids=ids, attention_mask=real.long(), use_cache=False).logits
-        return F.pad(token_logprobs(logits[:, :-1], ids[:, 1:]), (1, 0)) * real
+        return F.pad(token_logprobs(logits[:, :-1], ids[:, 1:], temperature), (1, 0)) * real
     p, inputs = _packed_inputs(mb, attn_implementation)
     logits = model(**inputs).logits
-    lp = F.pad(token_logprobs(logits[0, :-1], p.input_ids[0, 1:]), (1, 0))
+    lp = F.pad(token_logprobs(logits[0, :-1], p.input_ids[0, 1:], temperature), (1, 0))
     lp = lp * (p.position_ids[0] > 0)  # a sequence's first token has no log-prob
     return unpack_sequences(lp[None], p.cu_seqlens, lengths, ids.shape[1])
 

@@ -57,6 +57,9 @@ class Policy(PolicyInterface):
             sharding_annotations=worker_sharding(self.config, cluster.world_size()),
         )
         self.dp_size = self.worker_group.sharding_annotations.get_axis_size("data_parallel")
+        # Counts changes of the weights (optimiser steps, checkpoint loads): a refit stamps it
+        # on the generator, which refuses to sample from any other version.
+        self.weight_version = 0
 
     def _shard(
         self, data: BatchedDataDict, batch_size: int | None, training: bool
@@ -109,6 +112,8 @@ class Policy(PolicyInterface):
         gbs = gbs or self.config.train_global_batch_size
         shards, _ = self._shard(data, gbs, training=True)
         results = self._run("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
+        if not eval_mode:
+            self.weight_version += len(results[0].get("grad_norm", []))
         return results[0]  # the metrics are all-reduced: every rank returns the same
 
     def prepare_for_training(self) -> None:
@@ -122,6 +127,7 @@ class Policy(PolicyInterface):
 
     def load_checkpoint(self, path: str) -> None:
         self._all("load_checkpoint", path=path)
+        self.weight_version += 1  # other weights: a generator must be refit
 
     def _all(self, method: str, **kwargs: Any) -> list[Any]:
         group = self.worker_group

@@ -1,0 +1,79 @@
+"""``HfGeneration``: the Hugging Face generation backend over a group of data-parallel workers.
+
+The reference in tests and the fallback where vLLM is not installed: each worker holds a whole
+``transformers`` model and samples its shard of the batch with a KV cache (``sampling.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_distributed.virtual_cluster import RayVirtualCluster
+from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
+from rl_models.generation.config import GenerationConfig
+from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
+from rl_models.policy.config import ModelConfig
+
+WORKER = "rl_models.generation.hf_worker.HfGenerationWorker"
+
+
+class HfGeneration(GenerationInterface):
+    """One worker per bundle of ``cluster``; the batch is split evenly (the first workers take
+    one row more when it does not divide)."""
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        config: GenerationConfig | dict[str, Any],
+        model: ModelConfig | dict[str, Any] | None = None,
+        name_prefix: str = "hf-generation",
+    ) -> None:
+        self.config = GenerationConfig.model_validate(config)
+        if self.config.backend != "hf":
+            raise ValueError(
+                f"HfGeneration needs generation.backend: hf, not {self.config.backend!r}"
+            )
+        model_config = self.config.model or (
+            ModelConfig.model_validate(model) if model is not None else None
+        )
+        if model_config is None:
+            raise ValueError("give generation.model or the policy's model config (model=...)")
+        self.worker_group = RayWorkerGroup(
+            cluster,
+            RayWorkerBuilder(WORKER, self.config.model_dump(), model_config.model_dump()),
+            name_prefix=name_prefix,
+        )
+        self.weight_version = 0  # built like the policy: its initial weights
+
+    def generate(
+        self,
+        data: BatchedDataDict,
+        greedy: bool = False,
+        *,
+        expected_weight_version: int | None = None,
+    ) -> BatchedDataDict:
+        if expected_weight_version is not None and expected_weight_version != self.weight_version:
+            raise StaleWeightsError(self.weight_version, expected_weight_version)
+        group = self.worker_group
+        shards = data.shard_by_batch_size(group.dp_size, allow_uneven_shards=True)
+        futures = group.run_all_workers_multiple_data(
+            "generate",
+            data=shards,
+            greedy=[greedy] * len(shards),
+            expected_weight_version=[expected_weight_version] * len(shards),
+        )
+        return BatchedDataDict.from_batches(group.get_all_worker_results(futures))
+
+    def prepare_for_generation(self) -> None:
+        self._all("prepare_for_generation")
+
+    def finish_generation(self) -> None:
+        self._all("finish_generation")
+
+    def _all(self, method: str, **kwargs: Any) -> list[Any]:
+        group = self.worker_group
+        return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
+
+    def shutdown(self) -> None:
+        self.worker_group.shutdown(cleanup_method="shutdown")

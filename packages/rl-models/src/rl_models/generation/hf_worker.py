@@ -1,0 +1,138 @@
+"""The Hugging Face generation worker: one data-parallel rank of ``HfGeneration``.
+
+Holds a ``transformers`` causal LM (built as the policy builds it, from the same model config
+and seed) and samples with ``sampling.sample``. Implements ``GenerationWorker``, so ``refit``
+streams the policy's weights into it bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.config import GenerationConfig
+from rl_models.generation.interfaces import GenerationWorker, StaleWeightsError
+from rl_models.generation.sampling import StopStrings, sample
+from rl_models.generation.weights import PackedBucket, unpack_bucket
+from rl_models.policy.config import ModelConfig, PolicyConfig
+from rl_models.policy.forward import build_model
+
+
+def load_tokenizer(path: str | None):
+    """The tokenizer under ``path``, or None when there is none to load."""
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+class HfGenerationWorker(GenerationWorker):
+    def __init__(self, config: dict[str, Any], model: dict[str, Any]) -> None:
+        self.config = GenerationConfig.model_validate(config)
+        model_config = ModelConfig.model_validate(model)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        rank = int(os.environ.get("RANK", "0"))
+        # The policy's builder, so a model from hf_config starts with the policy's weights.
+        policy_like = PolicyConfig(
+            model=model_config, train_global_batch_size=1, seed=self.config.seed
+        )
+        self.model = build_model(policy_like).eval().requires_grad_(False).to(self.device)
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.tokenizer = load_tokenizer(self.config.tokenizer or model_config.path)
+        self.stop_token_ids = self._stop_token_ids()
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else 0
+        self.generator = torch.Generator(self.device).manual_seed(self.config.seed + rank)
+        self.version = 0
+
+    def _stop_token_ids(self) -> list[int]:
+        """The configured ids, else the tokenizer's EOS, else ``config.json``'s eos_token_id.
+
+        ``generation_config.json`` is never read.
+        """
+        configured = self.config.sampling.stop_token_ids
+        if configured is not None:
+            return list(configured)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        data: BatchedDataDict,
+        greedy: bool = False,
+        expected_weight_version: int | None = None,
+    ) -> BatchedDataDict:
+        if expected_weight_version is not None and expected_weight_version != self.version:
+            raise StaleWeightsError(self.version, expected_weight_version)
+        base = self.config.sampling.stop_strings
+        per_row = data.get("stop_strings") or [None] * data.size
+        stop_strings = StopStrings(self.tokenizer, [base + list(s or []) for s in per_row])
+        out = sample(
+            self.model,
+            data["input_ids"],
+            data["input_lengths"],
+            self.config.sampling,
+            greedy=greedy,
+            stop_token_ids=self.stop_token_ids,
+            stop_strings=stop_strings,
+            pad_token_id=self.pad_token_id,
+            generator=self.generator,
+        )
+        return BatchedDataDict(
+            output_ids=out.output_ids,
+            logprobs=out.logprobs,
+            generation_lengths=out.generation_lengths,
+            unpadded_sequence_lengths=data["input_lengths"].cpu().long() + out.generation_lengths,
+            truncated=out.truncated,
+        )
+
+    def prepare_for_generation(self) -> None:
+        self.model.to(self.device)
+
+    def finish_generation(self) -> None:
+        """Colocated with a policy on an accelerator: give its memory back."""
+        if self.config.colocated and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    # -- weights (GenerationWorker) ------------------------------------------------------------
+
+    def prepare_for_weight_update(self) -> None:
+        self.prepare_for_generation()
+
+    @torch.no_grad()
+    def load_weight_bucket(self, bucket: PackedBucket) -> None:
+        for name, tensor in unpack_bucket(bucket):
+            param = self.params.get(name)
+            if param is None:
+                raise KeyError(f"refit sent weight {name!r}, which the generation model lacks")
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"refit sent {name!r} of shape {tuple(tensor.shape)}; the generation model's "
+                    f"is {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+
+    def set_weight_version(self, version: int) -> None:
+        self.version = version
+
+    def get_weight_version(self) -> int:
+        return self.version
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,137 @@
+"""Refit: copy the policy's current weights into every generation worker, then stamp them.
+
+The controller drives the transfer bucket by bucket (``GenerationWorker`` and
+``WeightExportWorker`` in ``interfaces.py`` are the two sides)::
+
+    plan  = every policy rank: weight_export_plan(bucket_bytes, dtype)
+    for step in plan:
+        bucket = every policy rank: export_weight_bucket(step)    # producers return one
+        every generation worker: load_weight_bucket(bucket)        # shared memory, zero-copy
+    every generation worker: set_weight_version(policy.weight_version)
+
+Buckets travel through Ray's object store: a producer's return value is written to shared
+memory once and each generation worker on that node maps it without a copy (other nodes get it
+over the network). At most ``pipeline_depth`` steps are in flight (default 2: the next bucket is
+gathered while the previous one is loaded), and each bucket is released as soon as every
+generation worker has loaded it, so the extra memory of a refit is about ``pipeline_depth``
+buckets, never the model.
+
+Colocated (the generator shares the policy's bundles): the policy first moves its optimiser
+state off the device, the generator wakes its weights, the buckets flow, and the policy then
+offloads its weights; ``policy.prepare_for_training()`` brings them back before the next step.
+
+GPU channels (CUDA IPC, NCCL broadcast) are in ``channels.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rl_distributed.worker_groups import RayWorkerGroup
+from rl_distributed.worker_host import SharedArg
+from rl_models.generation.interfaces import ExportPlan, GenerationInterface
+
+
+@dataclass
+class RefitStats:
+    version: int
+    buckets: int = 0
+    bytes: int = 0  # bytes of weights moved (each bucket counted once)
+    seconds: float = 0.0
+    export: list[dict[str, int]] = field(default_factory=list)  # per policy rank
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.bytes / self.seconds if self.seconds else 0.0
+
+
+def _all(group: RayWorkerGroup, method: str, **kwargs: Any) -> list[Any]:
+    return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
+
+
+def refit(
+    policy: Any,
+    generation: GenerationInterface,
+    *,
+    bucket_bytes: int | None = None,
+    dtype: str | None = None,
+    pipeline_depth: int = 2,
+    offload_policy: bool | None = None,
+) -> RefitStats:
+    """Make every generation worker hold ``policy``'s current weights, version included.
+
+    ``policy`` is a ``Policy`` (``policy.worker_group`` of ``WeightExportWorker`` ranks,
+    ``policy.weight_version``); ``generation`` any backend whose ``worker_group`` holds
+    ``GenerationWorker`` actors. ``bucket_bytes`` defaults to the generation config's
+    ``refit_bucket_bytes``; ``dtype`` casts the exported weights (None: the policy's dtype);
+    ``offload_policy`` defaults to whether the generator is colocated.
+    """
+    if pipeline_depth < 1:
+        raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
+    config = generation.config
+    bucket_bytes = bucket_bytes or config.refit_bucket_bytes
+    colocated = config.colocated if offload_policy is None else offload_policy
+    src: RayWorkerGroup = policy.worker_group
+    dst: RayWorkerGroup = generation.worker_group
+    stats = RefitStats(version=policy.weight_version)
+    start = time.perf_counter()
+
+    if colocated:
+        _all(src, "offload_optimizer_state")  # room on the device for the generator's weights
+    _all(dst, "prepare_for_weight_update")
+    plans: list[ExportPlan] = _all(
+        src, "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
+    )
+    producers = [rank for rank, plan in enumerate(plans) if plan.producer]
+    if not producers:
+        raise RuntimeError("no policy rank produces weights to export")
+    stats.bytes = sum(plan.nbytes for plan in plans)
+    in_flight: deque[tuple[list, list]] = deque()
+    for step in range(max(plan.steps for plan in plans)):
+        exports = src.run_all_workers_single_data("export_weight_bucket", step=step)
+        loads = [
+            dst.run_all_workers_single_data("load_weight_bucket", bucket=SharedArg(exports[rank]))
+            for rank in producers
+            if step < plans[rank].steps
+        ]
+        stats.buckets += len(loads)
+        in_flight.append((exports, loads))
+        if len(in_flight) >= pipeline_depth:
+            _wait(src, dst, *in_flight.popleft(), producers)
+    while in_flight:
+        _wait(src, dst, *in_flight.popleft(), producers)
+    stats.export = _all(src, "finish_weight_export")
+    _all(dst, "set_weight_version", version=policy.weight_version)
+    generation.weight_version = policy.weight_version
+    if colocated:
+        _all(src, "offload_weights")
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _wait(
+    src: RayWorkerGroup, dst: RayWorkerGroup, exports: list, loads: list, producers: list[int]
+) -> None:
+    """Wait until every generation worker loaded this step's buckets; then they are freed.
+
+    The loads fail (naming the worker) if an export failed, since they read its result. The
+    other ranks' exports return None and are collected normally; the producers' buckets are
+    never fetched into the controller.
+    """
+    for load in loads:
+        dst.get_all_worker_results(load)
+    others = [i for i in range(len(exports)) if i not in producers]
+    if others:
+        src.get_all_worker_results(_subset(exports, others))
+    ray.wait([exports[r] for r in producers], num_returns=len(producers), fetch_local=False)
+
+
+def _subset(futures: Any, ranks: list[int]) -> Any:
+    from rl_distributed.worker_groups import WorkerFutures
+
+    return WorkerFutures([futures[r] for r in ranks], ranks, futures.method)

@@ -1,0 +1,182 @@
+"""Streaming a Megatron (tensor + pipeline parallel) policy's weights out under HF names.
+
+Pure torch, like ``convert``: the tensor-parallel gather is passed in, so the logic runs (and is
+tested) without megatron-core.
+
+Each pipeline stage exports its own layers (the first stage also the embedding, the last the
+final norm and, unless tied to the embedding, the LM head). Within a stage, one *unit* at a time
+(the embedding, one decoder layer, the final norm, the output layer) is gathered from the
+tensor-parallel ranks onto tensor-parallel rank 0 (``dist.gather``, never to every rank), put
+back together (``convert._tp_whole``) and converted to HF tensors
+(``convert.megatron_layer_to_hf``); the HF tensors are copied into the current bucket and the
+unit is dropped when the next one is gathered. A rank so holds at most one bucket plus one
+layer, never the model. Only tensor-parallel rank 0 of data-parallel replica 0 of each stage
+produces buckets; the other tensor-parallel ranks of replica 0 take part in the gathers; other
+replicas (same weights) do nothing.
+
+Bucket boundaries are planned over HF tensors from shapes alone (meta tensors run through the
+same conversion), so a layer larger than a bucket is spread over several buckets, gathered once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rl_models.generation.interfaces import ExportPlan
+from rl_models.generation.weights import PackedBucket, TensorSpec, pack_planned, plan_buckets
+from rl_models.megatron.convert import GPTLayout, _tp_whole, megatron_layer_to_hf, stage_layers
+
+#: Gathers this rank's tensor over the tensor-parallel group: the list of every rank's part on
+#: the destination rank (tensor-parallel rank 0), None elsewhere.
+TpGather = Callable[[torch.Tensor], "list[torch.Tensor] | None"]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    local_names: tuple[str, ...]  # this rank's GPTModel state-dict keys it is made of
+    layer: int | None  # global decoder layer number (None: embedding / norm / output layer)
+
+
+class MegatronWeightExporter:
+    """One rank's part in exporting the model it holds a piece of (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layout: GPTLayout,
+        *,
+        tp: int,
+        tp_rank: int,
+        pp: int,
+        pp_rank: int,
+        dp_rank: int,
+        gather: TpGather,
+    ) -> None:
+        self.model, self.layout, self.tp, self.gather = model, layout, tp, gather
+        self.active = dp_rank == 0
+        self.producer = self.active and tp_rank == 0
+        self.layers = stage_layers(layout.num_layers, pp, pp_rank)
+        self.first, self.last = pp_rank == 0, pp_rank == pp - 1
+        self._plan: list[list[TensorSpec]] | None = None
+        self._owner: dict[str, _Unit] = {}  # HF name -> the unit that makes it
+        self._cached: tuple[_Unit, dict[str, torch.Tensor]] | None = None
+        self._dtype: torch.dtype | None = None
+        self.peak_held_bytes = 0  # largest converted unit held at once (bytes)
+
+    def _local(self) -> dict[str, torch.Tensor]:
+        state = self.model.state_dict()
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+    def _units(self, local: Mapping[str, torch.Tensor]) -> list[_Unit]:
+        units = []
+        if self.first:
+            units.append(_Unit(("embedding.word_embeddings.weight",), None))
+        for j, i in enumerate(self.layers):
+            prefix = f"decoder.layers.{j}."
+            names = tuple(
+                k for k in local if k.startswith(prefix) and not k.endswith("_extra_state")
+            )
+            units.append(_Unit(names, i))
+        if self.last:
+            units.append(_Unit(("decoder.final_layernorm.weight",), None))
+            if not self.layout.tied_embeddings:
+                units.append(_Unit(("output_layer.weight",), None))
+        return units
+
+    def _convert(self, unit: _Unit, whole: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF tensors of ``unit`` from its whole (tensor-parallel merged) Megatron tensors."""
+        if unit.layer is None:
+            (name,) = unit.local_names
+            hf_name = {
+                "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                "decoder.final_layernorm.weight": "model.norm.weight",
+                "output_layer.weight": "lm_head.weight",
+            }[name]
+            return {hf_name: whole[name]}
+        offset = self.layers.start
+
+        def take(name: str) -> torch.Tensor:
+            j = int(name.split(".")[2]) - offset
+            local = f"decoder.layers.{j}." + name.split(".", 3)[3]
+            if local not in whole:
+                raise KeyError(f"pipeline stage holding layers {self.layers} has no {local!r}")
+            return whole[local]
+
+        return megatron_layer_to_hf(take, unit.layer, self.layout)
+
+    def plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan:
+        if not self.active:
+            self._plan = []
+            return ExportPlan(steps=0, producer=False)
+        self._dtype = getattr(torch, dtype) if dtype else None
+        local = self._local()
+        specs, self._owner = [], {}
+        for unit in self._units(local):
+            meta = {
+                n: _tp_whole(n, [torch.empty_like(local[n], device="meta")] * self.tp, self.layout)
+                for n in unit.local_names
+            }
+            for hf_name, t in self._convert(unit, meta).items():
+                out_dtype = str(self._dtype or t.dtype).removeprefix("torch.")
+                specs.append(TensorSpec(hf_name, out_dtype, tuple(t.shape)))
+                self._owner[hf_name] = unit
+        self._plan = plan_buckets(specs, bucket_bytes)
+        nbytes = sum(s.nbytes for s in specs) if self.producer else 0
+        return ExportPlan(steps=len(self._plan), producer=self.producer, nbytes=nbytes)
+
+    def _gathered(self, unit: _Unit) -> dict[str, torch.Tensor]:
+        """HF tensors of ``unit`` on the producer (empty elsewhere); the last unit is kept."""
+        if self._cached is not None and self._cached[0] == unit:
+            return self._cached[1]
+        self._cached = None  # free the previous unit before gathering the next
+        local = self._local()
+        parts = {n: self.gather(local[n].detach().contiguous()) for n in unit.local_names}
+        converted: dict[str, torch.Tensor] = {}
+        if self.producer:
+            whole = {n: _tp_whole(n, p, self.layout) for n, p in parts.items()}
+            converted = self._convert(unit, whole)
+            if self._dtype is not None:
+                converted = {k: v.to(self._dtype) for k, v in converted.items()}
+            held = sum(t.numel() * t.element_size() for t in converted.values())
+            self.peak_held_bytes = max(self.peak_held_bytes, held)
+        self._cached = (unit, converted)
+        return converted
+
+    def _tensors(self, specs: list[TensorSpec]) -> Iterator[torch.Tensor]:
+        for spec in specs:
+            yield self._gathered(self._owner[spec.name])[spec.name]
+
+    def bucket(self, step: int) -> PackedBucket | None:
+        if self._plan is None:
+            raise RuntimeError("export_weight_bucket before weight_export_plan")
+        if step >= len(self._plan):
+            return None
+        specs = self._plan[step]
+        with torch.no_grad():
+            if self.producer:
+                return pack_planned(specs, self._tensors(specs))
+            for spec in specs:  # take part in the gathers
+                self._gathered(self._owner[spec.name])
+        return None
+
+    def finish(self) -> dict[str, int]:
+        self._plan, self._cached = None, None
+        return {"peak_held_bytes": self.peak_held_bytes}
+
+
+def tp_gather_to(group, dst: int, tp: int) -> TpGather:
+    """A ``TpGather`` over ``group`` onto global rank ``dst`` (``torch.distributed.gather``)."""
+    import torch.distributed as dist
+
+    def gather(t: torch.Tensor) -> list[torch.Tensor] | None:
+        if tp == 1:
+            return [t]
+        here = dist.get_rank() == dst
+        parts = [torch.empty_like(t) for _ in range(tp)] if here else None
+        dist.gather(t, parts, dst=dst, group=group)
+        return parts
+
+    return gather

@@ -1,0 +1,123 @@
+"""Streaming a DTensor/FSDP2 policy's weights out as HF-named full tensors, bucket by bucket.
+
+The plan (names, full shapes, dtypes) comes from the sharded parameters' metadata, with no
+communication. Each export step then gathers the full tensors of one bucket, one parameter at a
+time (``DTensor.full_tensor()``, an all-gather every rank takes part in), and rank 0 copies
+each into the bucket's buffer before the next is gathered: a rank never holds more than one
+bucket plus one full parameter, whatever the model's size.
+
+LoRA (peft) models export the merged weights ``W + scaling * B @ A`` under the plain HF names
+(``lora.merged_state_dict`` applied to one adapted layer at a time), so the generator needs no
+adapter support. Tied weights (embedding and LM head) are one parameter and are exported once,
+under the first name (``model.embed_tokens.weight``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from rl_models.generation.interfaces import ExportPlan
+from rl_models.generation.weights import PackedBucket, TensorSpec, pack_planned, plan_buckets
+from rl_models.policy import lora
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a collective all-gather for a DTensor, the tensor itself otherwise."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One exported tensor and the (possibly sharded) live tensors it is made of."""
+
+    spec: TensorSpec
+    sources: tuple[str, ...]  # state-dict keys: one, or W, A, B of a LoRA layer
+    module: str = ""  # peft module name (LoRA units only), for its scaling
+
+
+class DTensorWeightExporter:
+    """Plans and produces the buckets of one rank's model (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, lora_enabled: bool, rank: int) -> None:
+        self.model = model
+        self.lora_enabled = lora_enabled
+        self.producer = rank == 0
+        self._plan: list[list[_Unit]] | None = None
+        self._dtype: torch.dtype | None = None
+        self.peak_held_bytes = 0  # largest number of bytes of full tensors held at once
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        """State-dict entries (parameters kept as objects, so tied ones dedupe by identity)."""
+        seen: set[int] = set()
+        out = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            out[name] = value
+        return out
+
+    def _units(self, dtype: torch.dtype | None) -> list[_Unit]:
+        live = self._live()
+        units = []
+        for key, value in live.items():
+            if ".lora_" in key:
+                continue  # merged into its base layer's unit
+            name = key.removeprefix(_PEFT_PREFIX) if self.lora_enabled else key
+            out_dtype = str(dtype or value.dtype).removeprefix("torch.")
+            module, _, leaf = key.rpartition(".")
+            if self.lora_enabled and module.endswith(".base_layer") and leaf == "weight":
+                adapted = module.removesuffix(".base_layer")
+                a = f"{adapted}.lora_A.{lora.ADAPTER_NAME}.weight"
+                b = f"{adapted}.lora_B.{lora.ADAPTER_NAME}.weight"
+                spec = TensorSpec(name.replace(".base_layer.", "."), out_dtype, tuple(value.shape))
+                units.append(_Unit(spec, (key, a, b), adapted))
+            else:
+                units.append(_Unit(TensorSpec(name, out_dtype, tuple(value.shape)), (key,)))
+        return units
+
+    def plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan:
+        self._dtype = getattr(torch, dtype) if dtype else None
+        units = self._units(self._dtype)
+        by_name = {u.spec.name: u for u in units}
+        specs = plan_buckets([u.spec for u in units], bucket_bytes)
+        self._plan = [[by_name[s.name] for s in bucket] for bucket in specs]
+        self.peak_held_bytes = 0
+        nbytes = sum(s.nbytes for bucket in specs for s in bucket) if self.producer else 0
+        return ExportPlan(steps=len(specs), producer=self.producer, nbytes=nbytes)
+
+    def _tensors(self, units: list[_Unit]) -> Iterator[torch.Tensor]:
+        live = self._live()
+        scalings = lora.lora_scalings(self.model) if self.lora_enabled else {}
+        for unit in units:
+            if len(unit.sources) == 1:
+                full = _full(live[unit.sources[0]].detach())
+            else:
+                w, a, b = (_full(live[k].detach()) for k in unit.sources)
+                mini = {unit.sources[0]: w, unit.sources[1]: a, unit.sources[2]: b}
+                (full,) = lora.merged_state_dict(
+                    mini, {unit.module: scalings[unit.module]}
+                ).values()
+            full = full.to(self._dtype) if self._dtype else full
+            self.peak_held_bytes = max(self.peak_held_bytes, full.numel() * full.element_size())
+            yield full
+
+    def bucket(self, step: int) -> PackedBucket | None:
+        if self._plan is None:
+            raise RuntimeError("export_weight_bucket before weight_export_plan")
+        units = self._plan[step]
+        with torch.no_grad():
+            if self.producer:
+                return pack_planned([u.spec for u in units], self._tensors(units))
+            for _ in self._tensors(units):  # take part in the all-gathers, keep nothing
+                pass
+        return None
+
+    def finish(self) -> dict[str, int]:
+        self._plan = None
+        return {"peak_held_bytes": self.peak_held_bytes}

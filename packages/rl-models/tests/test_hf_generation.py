@@ -1,0 +1,226 @@
+"""The HF generation backend in one process: sampling rules, log-probs, stops, refit loads.
+
+Every reference here is computed independently in float64 from the model's full forward pass
+(no KV cache), never from the sampler itself.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.config import GenerationConfig
+from rl_models.generation.hf_worker import HfGenerationWorker
+from rl_models.generation.interfaces import StaleWeightsError
+from rl_models.generation.sampling import filter_logits
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.policy.weight_export import DTensorWeightExporter
+
+from .conftest import TINY_LLAMA, tiny_config
+
+VOCAB = TINY_LLAMA["vocab_size"]
+
+
+def peaky_model_dir(tmp_path, vocab=VOCAB, scale=25.0, generation_config=None) -> str:
+    """A tiny float64 Llama whose next-token distributions are far from uniform."""
+    torch.manual_seed(0)
+    hf = {**TINY_LLAMA, "vocab_size": vocab}
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(tmp_path)
+    if generation_config is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation_config))
+    return str(tmp_path)
+
+
+def worker(path, **sampling) -> HfGenerationWorker:
+    config = GenerationConfig(backend="hf", sampling=sampling)
+    return HfGenerationWorker(config.model_dump(), {"path": path, "dtype": "float64"})
+
+
+def prompts(lengths=(3, 7, 1, 5), seed=1) -> BatchedDataDict:
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(1, VOCAB, (len(lengths), width), generator=gen)
+    ids = ids * (torch.arange(width)[None] < torch.tensor(lengths)[:, None])
+    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lengths))
+
+
+def full_forward_logprobs(model, ids, temperature=1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each next token, from one uncached forward in float64."""
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0].double() / temperature
+    return torch.log_softmax(logits, -1)
+
+
+def word_tokenizer():
+    """One word per token ("t0" .. "t127"), so every token decodes to clean text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="t0", pad_token="t0", eos_token="t1"
+    )
+
+
+def reference_filter(p: torch.Tensor, top_k, top_p) -> torch.Tensor:
+    """Top-k then nucleus truncation of probabilities ``p`` (float64, plain loops)."""
+    order = sorted(range(len(p)), key=lambda i: -float(p[i]))
+    keep = set(order[:top_k] if top_k else order)
+    if top_p < 1:
+        q = torch.zeros_like(p)
+        q[list(keep)] = p[list(keep)]
+        q /= q.sum()
+        mass, nucleus = 0.0, set()
+        for i in order:
+            if i not in keep or mass >= top_p:
+                continue
+            nucleus.add(i)
+            mass += float(q[i])
+        keep = nucleus
+    out = torch.zeros_like(p)
+    out[list(keep)] = p[list(keep)]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, None, 1.0), (0.7, None, 1.0), (1.3, 5, 1.0), (1.0, None, 0.8)]
+)
+def test_sampled_token_frequencies_follow_the_float64_distribution(
+    tmp_path, temperature, top_k, top_p
+):
+    path = peaky_model_dir(tmp_path)
+    gen = worker(path, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
+    n = 4000
+    prefix = torch.tensor([5, 17, 42])
+    data = BatchedDataDict(input_ids=prefix.repeat(n, 1), input_lengths=torch.full((n,), 3))
+    out = gen.generate(data)
+    tokens = out["output_ids"][:, 3]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    logp = full_forward_logprobs(model, prefix, temperature)[-1]
+    expected = reference_filter(logp.exp(), top_k, top_p)
+    freq = torch.bincount(tokens, minlength=VOCAB).double() / n
+    assert (freq[expected == 0] == 0).all(), "sampled a token outside the top-k/top-p set"
+    # Each frequency within 5 standard errors of its probability.
+    se = (expected * (1 - expected) / n).sqrt()
+    assert ((freq - expected).abs() <= 5 * se + 1e-3).all()
+    assert float(expected.max()) < 0.9  # the check is not trivially about one token
+    # Reported log-probs: temperature-scaled, untruncated distribution, at the sampled token.
+    torch.testing.assert_close(out["logprobs"][:, 3].double(), logp[tokens], rtol=0, atol=1e-6)
+
+
+def test_filter_logits_keeps_the_top_k_and_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, top_k=None, top_p=0.8))
+    assert kept.tolist() == [[True, True, True, False, False]]  # 0.5+0.2 < 0.8 <= +0.15
+    kept = torch.isfinite(filter_logits(logits, top_k=2, top_p=1.0))
+    assert kept.tolist() == [[True, True, False, False, False]]
+
+
+def test_greedy_generation_matches_an_uncached_float64_decode(tmp_path):
+    path = peaky_model_dir(tmp_path, scale=3.0)
+    data = prompts()
+    out = worker(path, max_new_tokens=6, stop_token_ids=[]).generate(data, greedy=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    assert out["truncated"].all() and (out["generation_lengths"] == 6).all()
+    for row, n in enumerate(data["input_lengths"].tolist()):
+        seq = data["input_ids"][row, :n]
+        for _ in range(6):  # argmax continuation, recomputed from scratch each step
+            seq = torch.cat([seq, full_forward_logprobs(model, seq)[-1].argmax()[None]])
+        assert torch.equal(out["output_ids"][row, : n + 6], seq)
+        assert (out["output_ids"][row, n + 6 :] == 0).all()  # right padding
+        expected = full_forward_logprobs(model, seq)[:-1].gather(-1, seq[1:, None])[:, 0]
+        got = out["logprobs"][row]
+        torch.testing.assert_close(got[n : n + 6].double(), expected[n - 1 :], rtol=0, atol=1e-6)
+        assert (got[:n] == 0).all() and (got[n + 6 :] == 0).all()
+    torch.testing.assert_close(out["unpadded_sequence_lengths"], data["input_lengths"] + 6)
+
+
+def test_stop_token_ids_end_a_row_and_keep_the_stop_token(tmp_path):
+    path = peaky_model_dir(tmp_path, scale=3.0)
+    data = prompts()
+    free = worker(path, max_new_tokens=8, stop_token_ids=[]).generate(data, greedy=True)
+    n0 = int(data["input_lengths"][0])
+    stop = int(free["output_ids"][0, n0 + 2])  # row 0's third response token
+    first = (free["output_ids"][0, n0 : n0 + 8] == stop).nonzero()[0].item()
+    out = worker(path, max_new_tokens=8, stop_token_ids=[stop]).generate(data, greedy=True)
+    assert out["generation_lengths"][0] == first + 1 and not out["truncated"][0]
+    assert out["output_ids"][0, n0 + first] == stop
+    assert torch.equal(
+        out["output_ids"][0, : n0 + first + 1], free["output_ids"][0, : n0 + first + 1]
+    )
+
+
+def test_stop_strings_from_config_and_per_sample(tmp_path):
+    tokenizer = word_tokenizer()
+    path = peaky_model_dir(tmp_path, scale=3.0)
+    tokenizer.save_pretrained(path)
+    data = prompts(lengths=(4, 4))
+    free = worker(path, max_new_tokens=10, stop_token_ids=[]).generate(data, greedy=True)
+    response = free["output_ids"][0, 4:14].tolist()
+    text = tokenizer.decode(response)
+    # A stop string made of two consecutive response tokens, clean text, not seen before them.
+    k, stop = next(
+        (k, tokenizer.decode(response[k : k + 2]))
+        for k in range(1, 8)
+        if "\ufffd" not in tokenizer.decode(response[k : k + 2])
+        and tokenizer.decode(response[k : k + 2]) not in tokenizer.decode(response[: k + 1])
+    )
+    per_sample = BatchedDataDict({**data, "stop_strings": [[stop], None]})
+    out = worker(path, max_new_tokens=10, stop_token_ids=[]).generate(per_sample, greedy=True)
+    assert out["generation_lengths"].tolist() == [k + 2, 10]
+    assert out["truncated"].tolist() == [False, True]
+    assert stop in tokenizer.decode(out["output_ids"][0, 4 : 4 + k + 2].tolist()) and stop in text
+    # The same string from the config applies to every row.
+    both = worker(path, max_new_tokens=10, stop_token_ids=[], stop_strings=[stop])
+    assert both.generate(data, greedy=True)["generation_lengths"][0] == k + 2
+
+
+def test_generation_config_json_changes_nothing(tmp_path):
+    plain = peaky_model_dir(tmp_path / "plain")
+    hostile = peaky_model_dir(
+        tmp_path / "hostile",
+        generation_config={
+            "temperature": 0.01,
+            "top_k": 1,
+            "top_p": 0.1,
+            "max_new_tokens": 2,
+            "eos_token_id": list(range(VOCAB)),
+            "do_sample": False,
+        },
+    )
+    data = prompts()
+    outs = [worker(p, max_new_tokens=5, stop_token_ids=[]).generate(data) for p in (plain, hostile)]
+    for key in ("output_ids", "logprobs", "generation_lengths"):
+        assert torch.equal(outs[0][key], outs[1][key]), key
+    assert (outs[1]["generation_lengths"] == 5).all()
+
+
+def test_stale_weights_are_refused_and_a_refit_load_replaces_the_weights():
+    config = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float32"})
+    policy = DTensorPolicyWorker(config)
+    gen_config = GenerationConfig(
+        backend="hf", sampling={"max_new_tokens": 4, "stop_token_ids": []}
+    )
+    gen = HfGenerationWorker(gen_config.model_dump(), config.model.model_dump())
+    with torch.no_grad():  # the policy moves on
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    with pytest.raises(StaleWeightsError, match="holds weight version 0 but version 1"):
+        gen.generate(prompts(), greedy=True, expected_weight_version=1)
+    exporter = DTensorWeightExporter(policy.model, False, 0)
+    for step in range(exporter.plan(bucket_bytes=20_000).steps):
+        gen.load_weight_bucket(exporter.bucket(step))
+    gen.set_weight_version(1)
+    out = gen.generate(prompts(), greedy=True, expected_weight_version=1)
+    lp = policy.get_logprobs(
+        BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
+    )["logprobs"]
+    response = out["logprobs"] != 0
+    torch.testing.assert_close(out["logprobs"][response], lp[response].float(), rtol=0, atol=1e-5)
