@@ -19,10 +19,22 @@ from rl_data.tokenizers import build_tokenizer
 from rl_distributed import RayVirtualCluster
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation import StaleWeightsError
+from rl_models.generation.refit import refit
 from rl_models.generation.vllm import VllmGeneration
 from rl_models.generation.weights import pack_bucket
+from rl_models.losses import NLLLoss
+from rl_models.policy.lm_policy import Policy
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
+from .conftest import skewed_batch, tiny_config
+
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("ray_session"),
+    # The first test also waits for three engines to start: ~75 s on an idle 2-core machine,
+    # several minutes on a busy one.
+    pytest.mark.timeout(900),
+]
 TEMPERATURE = 0.7
 MAX_NEW = 12
 ATOL = 2e-4
@@ -66,31 +78,28 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(models):
-    cluster = RayVirtualCluster([3], use_gpus=False, max_colocated_worker_groups=2)
+    # The sync engines share their two bundles with the policy of the refit test (colocated);
+    # the async engine has a bundle of its own (non-colocated).
+    shared = RayVirtualCluster([2], use_gpus=False, max_colocated_worker_groups=2)
+    own = RayVirtualCluster([1], use_gpus=False)
     config = {
         "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW},
         "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
     }
     sync = VllmGeneration(
-        cluster,
-        config,
-        model={"path": models["initial"], "dtype": "float32"},
-        bundle_indices_list=[(0, [0]), (0, [1])],
-        name_prefix="vllm-dp",
+        shared, config, model={"path": models["initial"], "dtype": "float32"}, name_prefix="vllm-dp"
     )
     config["vllm"]["async_engine"] = True
+    config["colocated"] = False
     async_ = VllmGeneration(
-        cluster,
-        config,
-        model={"path": models["other"], "dtype": "float32"},
-        bundle_indices_list=[(0, [2])],
-        name_prefix="vllm-async",
+        own, config, model={"path": models["other"], "dtype": "float32"}, name_prefix="vllm-async"
     )
     print(f"engine start-up seconds: sync {sync.startup_seconds}, async {async_.startup_seconds}")
-    yield {"sync": sync, "async": async_}
+    yield {"sync": sync, "async": async_, "shared": shared}
     sync.shutdown()
     async_.shutdown()
-    cluster.shutdown()
+    shared.shutdown()
+    own.shutdown()
 
 
 def prompts(tokenizer, texts) -> BatchedDataDict:
@@ -191,7 +200,7 @@ def test_weights_from_buckets_equal_a_fresh_engine_and_stale_weights_are_refused
     for part in (names[: len(names) // 2], names[len(names) // 2 :]):  # two buckets
         sync.load_weight_bucket(pack_bucket((name, state[name]) for name in part))
     sync.set_weight_version(1)
-    assert sync.weight_version == 1
+    assert sync.weight_version == 1 and sync.engine_weight_versions() == [1, 1]
     after = sync.generate(data, greedy=True, expected_weight_version=1)
     reference = fresh.generate(data, greedy=True)
     assert not torch.equal(before["output_ids"], after["output_ids"])
@@ -224,3 +233,49 @@ def test_generate_async_yields_each_sample_as_it_finishes(engines, models):
         assert torch.equal(one["output_ids"][0, :n], whole["output_ids"][row, :n])
         if row != 3:
             torch.testing.assert_close(one["logprobs"][0, :n], whole["logprobs"][row, :n])
+
+
+def token_mult_prob_error(gen_logprobs, policy_logprobs, mask) -> tuple[float, float]:
+    """Mean over response tokens of exp|gen - policy| log-prob, and the per-sequence maximum."""
+    err = torch.exp((gen_logprobs.double() - policy_logprobs.double()).abs())
+    per_seq = (err * mask).sum(1) / mask.sum(1)
+    return float((err * mask).sum() / mask.sum()), float(per_seq.max())
+
+
+def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models):
+    """One SGD step on a 2-rank FSDP2 policy; refit into the colocated sync engines and the
+    separate async engine; both then sample with the policy's log-probs (float32 both sides:
+    seen token_mult_prob_error ~1.00001)."""
+    config = tiny_config(
+        model={"path": models["initial"], "dtype": "float32"},
+        optimizer={"name": "SGD", "kwargs": {"lr": 0.1}},
+        logprob_temperature=TEMPERATURE,
+    )
+    policy = Policy(engines["shared"], config)
+    try:
+        policy.train(skewed_batch(), NLLLoss())
+        assert policy.weight_version == 1
+        data = prompts(models["tokenizer"], [*BATCH, "quick brown"])  # 6 rows: 3 per policy rank
+        for name in ("sync", "async"):
+            gen = engines[name]
+            gen.weight_version = 0  # as if never refit: the policy is one step ahead
+            with pytest.raises(StaleWeightsError, match="version 0 but version 1"):
+                gen.generate(data, expected_weight_version=policy.weight_version)
+            stats = refit(policy, gen, bucket_bytes=64 * 1024)
+            assert stats.buckets > 3 and gen.engine_weight_versions() == [1] * len(gen.leaders)
+            policy.prepare_for_lp_inference()  # back from the colocated offload
+            out = gen.generate(data, expected_weight_version=policy.weight_version)
+            policy_lp = policy.get_logprobs(
+                BatchedDataDict(
+                    input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"]
+                )
+            )["logprobs"]
+            positions = torch.arange(out["output_ids"].shape[1])[None]
+            mask = (positions >= data["input_lengths"][:, None]) & (
+                positions < out["unpadded_sequence_lengths"][:, None]
+            )
+            mean, worst = token_mult_prob_error(out["logprobs"], policy_lp, mask.double())
+            print(f"{name}: token_mult_prob_error {mean:.7f}, worst sequence {worst:.7f}")
+            assert mean < 1.05 and worst < 1.05
+    finally:
+        policy.shutdown()

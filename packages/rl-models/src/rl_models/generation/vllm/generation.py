@@ -97,6 +97,7 @@ class VllmGeneration(GenerationInterface):
             ),
             env_vars=env_vars,
         )
+        self.weight_version = 0  # the weights on disk; refit stamps the policy's version
         try:
             self._start_engines()
         except BaseException:
@@ -126,19 +127,14 @@ class VllmGeneration(GenerationInterface):
 
     # -- weights ------------------------------------------------------------------------------
 
-    @property
-    def weight_version(self) -> int:
-        """The version every engine holds (an error if they disagree: a refit went wrong)."""
-        versions = self._all("get_weight_version")
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"the vLLM engines hold different weight versions: {versions}")
-        return versions[0]
+    def engine_weight_versions(self) -> list[int]:
+        """The version each worker holds (``weight_version`` is what the controller expects)."""
+        return self._all("get_weight_version")
 
     def _check_version(self, expected: int | None) -> None:
-        if expected is not None:
-            loaded = self.weight_version
-            if loaded != expected:
-                raise StaleWeightsError(loaded, expected)
+        # The workers check too (they hold the weights); this names the error without a call.
+        if expected is not None and self.weight_version != expected:
+            raise StaleWeightsError(self.weight_version, expected)
 
     def prepare_for_weight_update(self) -> None:
         self._all("prepare_for_weight_update")
@@ -149,6 +145,7 @@ class VllmGeneration(GenerationInterface):
 
     def set_weight_version(self, version: int) -> None:
         self._all("set_weight_version", version=version)
+        self.weight_version = version
 
     # -- generation ---------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import SamplingConfig, VllmConfig
-from rl_models.generation.interfaces import StaleWeightsError
+from rl_models.generation.interfaces import GenerationWorker, StaleWeightsError
 from rl_models.generation.vllm.extension import bucket_to_wire
 from rl_models.generation.vllm.sampling import (
     Response,
@@ -45,7 +45,7 @@ from rl_models.generation.weights import PackedBucket
 EXTENSION = "rl_models.generation.vllm.extension.WeightUpdateExtension"
 
 
-class VllmGenerationWorker:
+class VllmGenerationWorker(GenerationWorker):
     """A vLLM engine (or, off the leader of a tensor-parallel group, a GPU placeholder)."""
 
     def __init__(
