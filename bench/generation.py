@@ -7,7 +7,7 @@ user writes: ``vllm.LLM(...)`` and one batched ``LLM.generate`` in one process (
 ``vllm`` worker environment, since the driver has no vLLM). Ours is ``VllmGeneration`` with one
 engine in a Ray worker. They run one after the other (the machine has 2 cores), the direct
 engine freed before ours starts. Prints generated tokens per second of each, then the HF
-backend's if ``rl_models.generation`` has one, and the ratio ours/direct last.
+backend's (``HfGeneration``, same prompts and settings), and the ratio ours/direct last.
 
     uv run python bench/generation.py [--prompts 32] [--new-tokens 64]
 """
@@ -104,10 +104,7 @@ def direct(model_dir: str, prompts: list[list[int]], new_tokens: int, repeats: i
 
 
 def ours(model_dir: str, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    import torch
-
     from rl_distributed import RayVirtualCluster
-    from rl_distributed.batched_data_dict import BatchedDataDict
     from rl_distributed.virtual_cluster import init_ray
     from rl_models.generation.vllm import VllmGeneration
 
@@ -129,26 +126,53 @@ def ours(model_dir: str, prompts: list[list[int]], new_tokens: int, repeats: int
         model={"path": model_dir},
     )
     startup = time.perf_counter() - start
-    width = max(map(len, prompts))
-    data = BatchedDataDict(
-        input_ids=torch.tensor([p + [0] * (width - len(p)) for p in prompts]),
-        input_lengths=torch.tensor([len(p) for p in prompts]),
+    data = batch(prompts)
+    gen.generate(data)  # warm-up
+    start = time.perf_counter()
+    tokens = sum(int(gen.generate(data)["generation_lengths"].sum()) for _ in range(repeats))
+    elapsed = time.perf_counter() - start
+    gen.shutdown()
+    cluster.shutdown()  # the Ray session stays up for the HF backend
+    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "startup_s": startup}
+
+
+def hf_backend(model_dir: str, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    """The HF backend (``HfGeneration``, one worker) on the same prompts and settings."""
+    import ray
+
+    from rl_distributed import RayVirtualCluster
+    from rl_models.generation.hf_generation import HfGeneration
+
+    cluster = RayVirtualCluster([1], use_gpus=False)
+    gen = HfGeneration(
+        cluster,
+        {
+            "backend": "hf",
+            "sampling": {"temperature": 1.0, "max_new_tokens": new_tokens, "stop_token_ids": []},
+        },
+        model={"path": model_dir, "dtype": DTYPE},
     )
+    data = batch(prompts)
     gen.generate(data)  # warm-up
     start = time.perf_counter()
     tokens = sum(int(gen.generate(data)["generation_lengths"].sum()) for _ in range(repeats))
     elapsed = time.perf_counter() - start
     gen.shutdown()
     cluster.shutdown()
-    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "startup_s": startup}
+    ray.shutdown()
+    return {"tokens_per_s": tokens / elapsed, "tokens": tokens}
 
 
-def hf_backend(model_dir: str, prompts: list[list[int]], new_tokens: int) -> dict | None:
-    """The HF backend's tokens/s, once ``rl_models.generation`` has one (another branch)."""
-    if importlib.util.find_spec("rl_models.generation.hf") is None:
-        return None
-    # TODO(merge): time rl_models.generation.hf here with the same prompts and settings.
-    return None
+def batch(prompts: list[list[int]]):
+    import torch
+
+    from rl_distributed.batched_data_dict import BatchedDataDict
+
+    width = max(map(len, prompts))
+    return BatchedDataDict(
+        input_ids=torch.tensor([p + [0] * (width - len(p)) for p in prompts]),
+        input_lengths=torch.tensor([len(p) for p in prompts]),
+    )
 
 
 def main() -> None:
@@ -195,11 +219,8 @@ def main() -> None:
         f"(engine start {mine['startup_s']:.1f} s)",
         flush=True,
     )
-    hf = hf_backend(model_dir, prompts, args.new_tokens)
-    if hf is None:
-        print("HF backend: not measured (rl_models.generation has no HF backend on this branch)")
-    else:
-        print(f"HF backend: {hf['tokens_per_s']:8.1f} tokens/s")
+    hf = hf_backend(model_dir, prompts, **settings)
+    print(f"HF backend (HfGeneration, 1 worker): {hf['tokens_per_s']:8.1f} tokens/s", flush=True)
     print(f"ratio ours/direct: {mine['tokens_per_s'] / base['tokens_per_s']:.3f}")
 
 

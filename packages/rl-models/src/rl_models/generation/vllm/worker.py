@@ -24,6 +24,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -43,6 +44,13 @@ from rl_models.generation.vllm.sampling import (
 from rl_models.generation.weights import PackedBucket
 
 EXTENSION = "rl_models.generation.vllm.extension.WeightUpdateExtension"
+
+
+@dataclass
+class _Stream:
+    done: queue.Queue  # (row, Response | exception) as each request finishes
+    data: BatchedDataDict
+    remaining: int
 
 
 class VllmGenerationWorker(GenerationWorker):
@@ -67,6 +75,8 @@ class VllmGenerationWorker(GenerationWorker):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_gpu = torch.cuda.is_available()
         self.sleeping = False
+        self.updating = False  # between prepare_for_weight_update and set_weight_version
+        self.streams: dict[str, _Stream] = {}  # generate_async batches still being sampled
 
     # -- start / stop -------------------------------------------------------------------------
 
@@ -226,25 +236,52 @@ class VllmGenerationWorker(GenerationWorker):
             responses = [self._response(out.outputs[0]) for out in outputs]
         return assemble(data["input_ids"], data["input_lengths"], responses, self._pad_id())
 
-    def generate_stream(
+    def start_stream(
         self,
         data: BatchedDataDict | None,
         greedy: bool = False,
         expected_weight_version: int | None = None,
-    ) -> Iterator[tuple[int, BatchedDataDict]]:
-        """Each sample as soon as it finishes: ``(row in data, one-row generate() result)``."""
-        if data is None:
-            return
+    ) -> str | None:
+        """Submit a batch to the async engine; ``next_finished`` then hands out its samples.
+
+        (The worker host calls methods synchronously and cannot be a Ray streaming generator,
+        so the controller polls: each poll returns as soon as at least one sample is done.)
+        """
+        if data is None or data.size == 0:
+            return None
         self._check_version(expected_weight_version)
         self._check_awake()
         if self.engine is None:
-            raise RuntimeError("generate_stream needs the async engine (vllm.async_engine: true)")
-        pad = self._pad_id()
-        for row, response in self._stream(data, greedy):
-            one = data.select_indices([row])
-            yield row, assemble(one["input_ids"], one["input_lengths"], [response], pad)
+            raise RuntimeError("generate_async needs the async engine (vllm.async_engine: true)")
+        stream_id = uuid.uuid4().hex
+        self.streams[stream_id] = _Stream(self._submit(data, greedy), data, data.size)
+        return stream_id
 
-    def _stream(self, data: BatchedDataDict, greedy: bool) -> Iterator[tuple[int, Response]]:
+    def next_finished(self, stream_id: str) -> tuple[list[tuple[int, BatchedDataDict]], bool]:
+        """The samples finished since the last call (waits for at least one), and whether the
+        batch is complete."""
+        stream = self.streams[stream_id]
+        items = [stream.done.get()]
+        while True:
+            try:
+                items.append(stream.done.get_nowait())
+            except queue.Empty:
+                break
+        pad, out = self._pad_id(), []
+        for row, result in items:
+            if isinstance(result, BaseException):
+                del self.streams[stream_id]
+                raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
+            one = stream.data.select_indices([row])
+            out.append((row, assemble(one["input_ids"], one["input_lengths"], [result], pad)))
+        stream.remaining -= len(items)
+        if stream.remaining == 0:
+            del self.streams[stream_id]
+        return out, stream.remaining == 0
+
+    def _submit(self, data: BatchedDataDict, greedy: bool) -> queue.Queue:
+        """Start every row on the async engine; finished ``(row, Response | error)`` arrive
+        on the returned queue."""
         prompts, params = self._requests(data, greedy, final_only=True)
         done: queue.Queue = queue.Queue()
         batch_id = uuid.uuid4().hex
@@ -261,7 +298,11 @@ class VllmGenerationWorker(GenerationWorker):
 
         for row in range(len(prompts)):
             asyncio.run_coroutine_threadsafe(one(row), self.loop)
-        for _ in range(len(prompts)):
+        return done
+
+    def _stream(self, data: BatchedDataDict, greedy: bool) -> Iterator[tuple[int, Response]]:
+        done = self._submit(data, greedy)
+        for _ in range(data.size):
             row, result = done.get()
             if isinstance(result, BaseException):
                 raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
@@ -275,17 +316,28 @@ class VllmGenerationWorker(GenerationWorker):
         return self.llm.collective_rpc(method, args=args)
 
     def prepare_for_weight_update(self) -> None:
-        """GPU: bring the weights back from a sleep (the KV cache stays released)."""
+        """Start a weight update (GPU: bring the weights back from a sleep first; the KV cache
+        stays released)."""
+        if self.llm is None and self.engine is None:
+            return  # a tensor-parallel follower: the leader's engine loads for the group
         if self.on_gpu and self.sleeping:
             self._wake(["weights"])
+        if not self.updating:
+            self._rpc("rl_start_weight_update")
+            self.updating = True
 
     def load_weight_bucket(self, bucket: PackedBucket) -> int:
         if self.llm is None and self.engine is None:
-            return 0  # a tensor-parallel follower: the leader's engine loads for the group
+            return 0
+        self.prepare_for_weight_update()  # no-op when the refit already started it
         return sum(self._rpc("rl_load_packed_bucket", *bucket_to_wire(bucket)))
 
     def set_weight_version(self, version: int) -> None:
-        """Stamp the version after a refit; the prefix cache (KV of the old weights) is reset."""
+        """Finish the update and stamp its version; the prefix cache (KV computed with the old
+        weights) is dropped."""
+        if self.updating:
+            self._rpc("rl_finish_weight_update")
+            self.updating = False
         if self.engine is not None:
             self._run(self.engine.reset_prefix_cache())
         elif self.llm is not None:
