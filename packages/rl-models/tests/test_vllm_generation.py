@@ -218,16 +218,23 @@ def test_generate_async_yields_each_sample_as_it_finishes(engines, models):
     gen, tokenizer = engines["async"], models["tokenizer"]
     data = prompts(tokenizer, BATCH)
     whole = gen.generate(data, greedy=True)
-    # Row 3 stops after its first response token; the others run to max_new_tokens.
+    # Row 3 stops early, at the first of its response tokens that spells out plain ASCII text;
+    # the others run to max_new_tokens.
     n3 = int(data["input_lengths"][3])
-    data["stop_strings"] = [None, None, None, [tokenizer.decode(whole["output_ids"][3, n3])], None]
+    early = next(
+        piece
+        for k in range(MAX_NEW // 2)
+        if (piece := tokenizer.decode(whole["output_ids"][3, n3 + k : n3 + k + 1])).isascii()
+        and piece.strip()
+    )
+    data["stop_strings"] = [None, None, None, [early], None]
 
     async def collect():
         return [item async for item in gen.generate_async(data, greedy=True)]
 
     arrived = asyncio.run(collect())
     assert sorted(row for row, _ in arrived) == list(range(len(BATCH)))
-    assert arrived[0][0] == 3 and int(arrived[0][1]["generation_lengths"][0]) == 1
+    assert arrived[0][0] == 3 and int(arrived[0][1]["generation_lengths"][0]) <= MAX_NEW // 2
     for row, one in arrived:
         n = int(one["unpadded_sequence_lengths"][0])
         assert torch.equal(one["output_ids"][0, :n], whole["output_ids"][row, :n])
@@ -243,9 +250,9 @@ def token_mult_prob_error(gen_logprobs, policy_logprobs, mask) -> tuple[float, f
 
 
 def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models):
-    """One SGD step on a 2-rank FSDP2 policy; refit into the colocated sync engines and the
+    """SGD steps on a 2-rank FSDP2 policy; refit into the colocated sync engines and the
     separate async engine; both then sample with the policy's log-probs (float32 both sides:
-    seen token_mult_prob_error ~1.00001)."""
+    seen token_mult_prob_error 1.0000010, worst sequence 1.0000016, on the sync engines)."""
     config = tiny_config(
         model={"path": models["initial"], "dtype": "float32"},
         optimizer={"name": "SGD", "kwargs": {"lr": 0.1}},
@@ -253,16 +260,18 @@ def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models)
     )
     policy = Policy(engines["shared"], config)
     try:
-        policy.train(skewed_batch(), NLLLoss())
-        assert policy.weight_version == 1
+        for _ in range(2):  # ahead of both generators (versions 1 and 0 by now)
+            policy.train(skewed_batch(), NLLLoss())
+        assert policy.weight_version == 2
         data = prompts(models["tokenizer"], [*BATCH, "quick brown"])  # 6 rows: 3 per policy rank
         for name in ("sync", "async"):
             gen = engines[name]
-            gen.weight_version = 0  # as if never refit: the policy is one step ahead
-            with pytest.raises(StaleWeightsError, match="version 0 but version 1"):
+            with pytest.raises(
+                StaleWeightsError, match=f"version {gen.weight_version} but version 2"
+            ):
                 gen.generate(data, expected_weight_version=policy.weight_version)
             stats = refit(policy, gen, bucket_bytes=64 * 1024)
-            assert stats.buckets > 3 and gen.engine_weight_versions() == [1] * len(gen.leaders)
+            assert stats.buckets > 3 and gen.engine_weight_versions() == [2] * len(gen.leaders)
             policy.prepare_for_lp_inference()  # back from the colocated offload
             out = gen.generate(data, expected_weight_version=policy.weight_version)
             policy_lp = policy.get_logprobs(

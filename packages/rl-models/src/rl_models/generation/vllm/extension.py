@@ -5,7 +5,7 @@ Why this path: vLLM 0.32's public mechanism for running our code inside its work
 ``AsyncLLM.collective_rpc`` by method name. Its RL weight-transfer API
 (``init_weight_transfer_engine`` / ``update_weights``) only offers NCCL and CUDA-IPC style
 backends; a callable passed to ``collective_rpc`` needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``.
-So the bucket goes in as plain data (slot tuples and one ``uint8`` array, both of which vLLM's
+So the bucket goes in as plain data (its slots as JSON text and one ``uint8`` array, which vLLM's
 msgpack encoder carries natively when the engine runs in another process, and which are passed
 by reference when it runs in ours) and is loaded with the model's own ``load_weights``, which
 maps Hugging Face names onto vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``, ...).
@@ -21,24 +21,27 @@ the engine holds about one bucket (plus one layer) extra, never a second model.
 
 from __future__ import annotations
 
-from typing import Any
+import json
 
 import numpy as np
 
 from rl_models.generation.weights import PackedBucket, TensorSlot, unpack_bucket
 
 
-def bucket_to_wire(bucket: PackedBucket) -> tuple[list[tuple[Any, ...]], np.ndarray]:
-    """A bucket as msgpack-friendly values: slot tuples and the byte buffer."""
-    slots = [(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in bucket.slots]
-    return slots, bucket.buffer
+def bucket_to_wire(bucket: PackedBucket) -> tuple[str, np.ndarray]:
+    """A bucket as msgpack-friendly values: the slots as JSON text and the byte buffer.
+
+    (Nested lists do not survive vLLM's msgpack decoder, which turns them into arrays.)
+    """
+    slots = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in bucket.slots]
+    return json.dumps(slots), bucket.buffer
 
 
-def bucket_from_wire(slots: list, buffer: np.ndarray) -> PackedBucket:
+def bucket_from_wire(slots: str, buffer: np.ndarray) -> PackedBucket:
     return PackedBucket(
         tuple(
             TensorSlot(name, dtype, tuple(shape), offset, nbytes)
-            for name, dtype, shape, offset, nbytes in slots
+            for name, dtype, shape, offset, nbytes in json.loads(slots)
         ),
         np.asarray(buffer, dtype=np.uint8),
     )
@@ -54,7 +57,7 @@ class WeightUpdateExtension:
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             initialize_layerwise_reload(self.model_runner.get_model())  # type: ignore[attr-defined]
 
-    def rl_load_packed_bucket(self, slots: list, buffer: np.ndarray) -> int:
+    def rl_load_packed_bucket(self, slots: str, buffer: np.ndarray) -> int:
         """Load one packed bucket of HF-named full tensors; returns the tensors loaded."""
         from vllm.config import set_current_vllm_config
 
