@@ -1,6 +1,5 @@
 """The parts of the vLLM backend that run without vLLM: request settings and result layout."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -61,13 +60,15 @@ def test_bad_prompts_are_named():
 
 def test_a_bucket_survives_the_trip_to_a_vllm_worker():
     tensors = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.arange(7, dtype=torch.bfloat16))]
-    slots, buffer = bucket_to_wire(pack_bucket(tensors))
-    # What vLLM's msgpack encoder carries unchanged: a string and a uint8 array.
-    assert isinstance(slots, str) and buffer.dtype == np.uint8
-    for (name, t), (name2, t2) in zip(
-        tensors, unpack_bucket(bucket_from_wire(slots, buffer)), strict=True
-    ):
-        assert name == name2 and torch.equal(t, t2)
+    bucket = pack_bucket(tensors)
+    for other_process in (False, True):
+        slots, buffer = bucket_to_wire(bucket, other_process)
+        # What vLLM's RPC carries unchanged: text, and bytes to another process.
+        assert isinstance(slots, str)
+        assert isinstance(buffer, bytes) if other_process else buffer is bucket.buffer
+        unpacked = unpack_bucket(bucket_from_wire(slots, buffer))
+        for (name, t), (name2, t2) in zip(tensors, unpacked, strict=True):
+            assert name == name2 and torch.equal(t, t2)
 
 
 def test_engine_placement_and_model_errors():

@@ -5,9 +5,8 @@ Why this path: vLLM 0.32's public mechanism for running our code inside its work
 ``AsyncLLM.collective_rpc`` by method name. Its RL weight-transfer API
 (``init_weight_transfer_engine`` / ``update_weights``) only offers NCCL and CUDA-IPC style
 backends; a callable passed to ``collective_rpc`` needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``.
-So the bucket goes in as plain data (its slots as JSON text and one ``uint8`` array, which vLLM's
-msgpack encoder carries natively when the engine runs in another process, and which are passed
-by reference when it runs in ours) and is loaded with the model's own ``load_weights``, which
+So the bucket goes in as plain data (its slots as JSON text and its bytes; see
+``bucket_to_wire``) and is loaded with the model's own ``load_weights``, which
 maps Hugging Face names onto vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``, ...).
 
 A plain second ``load_weights`` is not enough: after the first load vLLM post-processes some
@@ -28,22 +27,27 @@ import numpy as np
 from rl_models.generation.weights import PackedBucket, TensorSlot, unpack_bucket
 
 
-def bucket_to_wire(bucket: PackedBucket) -> tuple[str, np.ndarray]:
-    """A bucket as msgpack-friendly values: the slots as JSON text and the byte buffer.
-
-    (Nested lists do not survive vLLM's msgpack decoder, which turns them into arrays.)
+def bucket_to_wire(
+    bucket: PackedBucket, other_process: bool = False
+) -> tuple[str, np.ndarray | bytes]:
+    """A bucket as values ``collective_rpc`` carries intact: the slots as JSON text, and the
+    buffer as is (same process: passed by reference) or as ``bytes`` (to another process:
+    vLLM's msgpack decoder, given no type for an RPC argument, would turn an array or a nested
+    list into plain lists).
     """
     slots = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in bucket.slots]
-    return json.dumps(slots), bucket.buffer
+    return json.dumps(slots), bucket.buffer.tobytes() if other_process else bucket.buffer
 
 
-def bucket_from_wire(slots: str, buffer: np.ndarray) -> PackedBucket:
+def bucket_from_wire(slots: str, buffer: np.ndarray | bytes) -> PackedBucket:
+    if isinstance(buffer, bytes | bytearray | memoryview):
+        buffer = np.frombuffer(buffer, dtype=np.uint8)
     return PackedBucket(
         tuple(
             TensorSlot(name, dtype, tuple(shape), offset, nbytes)
             for name, dtype, shape, offset, nbytes in json.loads(slots)
         ),
-        np.asarray(buffer, dtype=np.uint8),
+        buffer,
     )
 
 
@@ -57,7 +61,7 @@ class WeightUpdateExtension:
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             initialize_layerwise_reload(self.model_runner.get_model())  # type: ignore[attr-defined]
 
-    def rl_load_packed_bucket(self, slots: str, buffer: np.ndarray) -> int:
+    def rl_load_packed_bucket(self, slots: str, buffer: np.ndarray | bytes) -> int:
         """Load one packed bucket of HF-named full tensors; returns the tensors loaded."""
         from vllm.config import set_current_vllm_config
 

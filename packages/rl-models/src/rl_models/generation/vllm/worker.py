@@ -76,6 +76,7 @@ class VllmGenerationWorker(GenerationWorker):
         self.on_gpu = torch.cuda.is_available()
         self.sleeping = False
         self.updating = False  # between prepare_for_weight_update and set_weight_version
+        self._multiprocess = False  # whether vLLM's workers run in other processes
         self.streams: dict[str, _Stream] = {}  # generate_async batches still being sampled
 
     # -- start / stop -------------------------------------------------------------------------
@@ -118,6 +119,7 @@ class VllmGenerationWorker(GenerationWorker):
         if visible_devices:  # a tensor-parallel leader sees its whole tied group's GPUs
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
         kwargs = self.engine_kwargs()
+        self._multiprocess = kwargs.get("distributed_executor_backend") != "uni"
         if self.config.async_engine:
             self._start_async(kwargs)
         else:
@@ -330,7 +332,9 @@ class VllmGenerationWorker(GenerationWorker):
         if self.llm is None and self.engine is None:
             return 0
         self.prepare_for_weight_update()  # no-op when the refit already started it
-        return sum(self._rpc("rl_load_packed_bucket", *bucket_to_wire(bucket)))
+        # The async engine's vLLM workers are other processes; the sync engine's is this one.
+        wire = bucket_to_wire(bucket, other_process=self.engine is not None or self._multiprocess)
+        return sum(self._rpc("rl_load_packed_bucket", *wire))
 
     def set_weight_version(self, version: int) -> None:
         """Finish the update and stamp its version; the prefix cache (KV computed with the old
