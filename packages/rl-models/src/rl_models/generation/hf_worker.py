@@ -8,15 +8,16 @@ streams the policy's weights into it bucket by bucket.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.channels import ChannelReceiver
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationWorker, StaleWeightsError
 from rl_models.generation.sampling import StopStrings, sample
-from rl_models.generation.weights import PackedBucket, unpack_bucket
 from rl_models.policy.config import ModelConfig, PolicyConfig
 from rl_models.policy.forward import build_model
 
@@ -33,7 +34,7 @@ def load_tokenizer(path: str | None):
         return None
 
 
-class HfGenerationWorker(GenerationWorker):
+class HfGenerationWorker(ChannelReceiver, GenerationWorker):
     def __init__(self, config: dict[str, Any], model: dict[str, Any]) -> None:
         self.config = GenerationConfig.model_validate(config)
         model_config = ModelConfig.model_validate(model)
@@ -116,8 +117,9 @@ class HfGenerationWorker(GenerationWorker):
         self.prepare_for_generation()
 
     @torch.no_grad()
-    def load_weight_bucket(self, bucket: PackedBucket) -> None:
-        for name, tensor in unpack_bucket(bucket):
+    def load_named_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full HF-named tensors into the model (every receive channel ends here)."""
+        for name, tensor in named:
             param = self.params.get(name)
             if param is None:
                 raise KeyError(f"refit sent weight {name!r}, which the generation model lacks")

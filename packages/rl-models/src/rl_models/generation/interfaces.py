@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation.weights import PackedBucket
+from rl_models.generation.weights import PackedBucket, TensorSpec
 
 
 class StaleWeightsError(RuntimeError):
@@ -40,6 +40,9 @@ class StaleWeightsError(RuntimeError):
         self.loaded = loaded
         self.expected = expected
 
+    def __reduce__(self):  # crosses process boundaries (Ray) with both versions intact
+        return type(self), (self.loaded, self.expected)
+
 
 @dataclass(frozen=True)
 class ExportPlan:
@@ -48,6 +51,8 @@ class ExportPlan:
     steps: int  # export_weight_bucket calls this rank takes part in (0..steps-1)
     producer: bool  # whether its calls return buckets (else None)
     nbytes: int = 0  # bytes this rank will produce in all
+    # Producers: the tensors of each bucket (the broadcast channel sizes receive buffers by it).
+    buckets: tuple[tuple[TensorSpec, ...], ...] = ()
 
 
 class GenerationInterface(ABC):

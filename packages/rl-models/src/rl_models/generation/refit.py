@@ -28,18 +28,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import ray
 
-from rl_distributed.worker_groups import RayWorkerGroup
+from rl_distributed.worker_groups import RayWorkerGroup, WorkerFutures
 from rl_distributed.worker_host import SharedArg
 from rl_models.generation.interfaces import ExportPlan, GenerationInterface
+from rl_models.generation.weights import slots_of
 
 
 @dataclass
 class RefitStats:
     version: int
+    channel: str = "object_store"
     buckets: int = 0
     bytes: int = 0  # bytes of weights moved (each bucket counted once)
     seconds: float = 0.0
@@ -54,6 +56,19 @@ def _all(group: RayWorkerGroup, method: str, **kwargs: Any) -> list[Any]:
     return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
 
 
+Channel = Literal["auto", "object_store", "cuda_ipc", "broadcast"]
+
+
+def pick_channel(channel: Channel, colocated: bool, use_gpus: bool) -> str:
+    """``auto``: the object store on CPU clusters; on GPUs, CUDA IPC when colocated, else an
+    NCCL broadcast."""
+    if channel != "auto":
+        return channel
+    if not use_gpus:
+        return "object_store"
+    return "cuda_ipc" if colocated else "broadcast"
+
+
 def refit(
     policy: Any,
     generation: GenerationInterface,
@@ -62,6 +77,7 @@ def refit(
     dtype: str | None = None,
     pipeline_depth: int = 2,
     offload_policy: bool | None = None,
+    channel: Channel = "auto",
 ) -> RefitStats:
     """Make every generation worker hold ``policy``'s current weights, version included.
 
@@ -69,7 +85,8 @@ def refit(
     ``policy.weight_version``); ``generation`` any backend whose ``worker_group`` holds
     ``GenerationWorker`` actors. ``bucket_bytes`` defaults to the generation config's
     ``refit_bucket_bytes``; ``dtype`` casts the exported weights (None: the policy's dtype);
-    ``offload_policy`` defaults to whether the generator is colocated.
+    ``offload_policy`` defaults to whether the generator is colocated; ``channel`` see
+    ``pick_channel`` and ``channels.py``.
     """
     if pipeline_depth < 1:
         raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
@@ -78,7 +95,8 @@ def refit(
     colocated = config.colocated if offload_policy is None else offload_policy
     src: RayWorkerGroup = policy.worker_group
     dst: RayWorkerGroup = generation.worker_group
-    stats = RefitStats(version=policy.weight_version)
+    channel = pick_channel(channel, config.colocated, src.cluster.use_gpus)
+    stats = RefitStats(version=policy.weight_version, channel=channel)
     start = time.perf_counter()
 
     if colocated:
@@ -91,14 +109,15 @@ def refit(
     if not producers:
         raise RuntimeError("no policy rank produces weights to export")
     stats.bytes = sum(plan.nbytes for plan in plans)
+    if channel == "broadcast":
+        _open_broadcast(src, dst, producers, "nccl" if src.cluster.use_gpus else "gloo")
+    elif channel == "cuda_ipc":
+        pipeline_depth = min(pipeline_depth, 2)  # producers keep their last two buffers alive
+    elif channel != "object_store":
+        raise ValueError(f"unknown refit channel {channel!r}")
     in_flight: deque[tuple[list, list]] = deque()
     for step in range(max(plan.steps for plan in plans)):
-        exports = src.run_all_workers_single_data("export_weight_bucket", step=step)
-        loads = [
-            dst.run_all_workers_single_data("load_weight_bucket", bucket=SharedArg(exports[rank]))
-            for rank in producers
-            if step < plans[rank].steps
-        ]
+        exports, loads = _step(src, dst, channel, step, plans, producers)
         stats.buckets += len(loads)
         in_flight.append((exports, loads))
         if len(in_flight) >= pipeline_depth:
@@ -114,24 +133,80 @@ def refit(
     return stats
 
 
+def _step(
+    src: RayWorkerGroup,
+    dst: RayWorkerGroup,
+    channel: str,
+    step: int,
+    plans: list[ExportPlan],
+    producers: list[int],
+) -> tuple[list, list]:
+    """Start one export step on every policy rank and the matching receives."""
+    with_bucket = [rank for rank in producers if step < plans[rank].steps]
+    if channel == "broadcast":
+        # One producer at a time per channel; all calls run concurrently and meet inside it.
+        exports = src.run_all_workers_single_data("export_weight_bucket_broadcast", step=step)
+        loads = [
+            dst.run_all_workers_single_data(
+                "receive_weight_bucket_broadcast",
+                slots=slots_of(plans[rank].buckets[step]),
+                key=rank,
+            )
+            for rank in with_bucket
+        ]
+        return exports, loads
+    method, receive = {
+        "object_store": ("export_weight_bucket", "load_weight_bucket"),
+        "cuda_ipc": ("export_weight_bucket_ipc", "receive_weight_bucket_ipc"),
+    }[channel]
+    exports = src.run_all_workers_single_data(method, step=step)
+    loads = [
+        dst.run_all_workers_single_data(receive, bucket=SharedArg(exports[rank]))
+        for rank in with_bucket
+    ]
+    return exports, loads
+
+
+def _open_broadcast(
+    src: RayWorkerGroup, dst: RayWorkerGroup, producers: list[int], backend: str
+) -> None:
+    """One process group per producer: the producer (rank 0) and every generation worker."""
+    n = dst.world_size
+    for producer in producers:
+        host = src.worker_metadata[producer].placement["node_ip"]
+        _, port = src.cluster.get_master_address_and_port()
+        sender = src.workers[producer].execute.remote(
+            "init_weight_broadcast",
+            (),
+            {"host": host, "port": port, "world": 1 + n, "backend": backend},
+        )
+        receivers = dst.run_all_workers_multiple_data(
+            "init_weight_broadcast",
+            host=[host] * n,
+            port=[port] * n,
+            rank=list(range(1, n + 1)),
+            world=[1 + n] * n,
+            backend=[backend] * n,
+            key=[producer] * n,
+        )
+        src.get_all_worker_results(WorkerFutures([sender], [producer], "init_weight_broadcast"))
+        dst.get_all_worker_results(receivers)
+
+
 def _wait(
     src: RayWorkerGroup, dst: RayWorkerGroup, exports: list, loads: list, producers: list[int]
 ) -> None:
     """Wait until every generation worker loaded this step's buckets; then they are freed.
 
-    The loads fail (naming the worker) if an export failed, since they read its result. The
-    other ranks' exports return None and are collected normally; the producers' buckets are
-    never fetched into the controller.
+    The loads fail (naming the worker) if a producer's export failed, since they read its
+    result; the other ranks' results (None) are checked normally. Producers' buckets are never
+    fetched into the controller.
     """
     for load in loads:
         dst.get_all_worker_results(load)
-    others = [i for i in range(len(exports)) if i not in producers]
+    others = [rank for rank in range(len(exports)) if rank not in producers]
     if others:
-        src.get_all_worker_results(_subset(exports, others))
+        src.get_all_worker_results(
+            WorkerFutures([exports[r] for r in others], others, exports.method)
+        )
     ray.wait([exports[r] for r in producers], num_returns=len(producers), fetch_local=False)
-
-
-def _subset(futures: Any, ranks: list[int]) -> Any:
-    from rl_distributed.worker_groups import WorkerFutures
-
-    return WorkerFutures([futures[r] for r in ranks], ranks, futures.method)

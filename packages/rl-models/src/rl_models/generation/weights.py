@@ -87,17 +87,23 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[list[Te
     return buckets
 
 
+def slots_of(specs: Sequence[TensorSpec]) -> tuple[TensorSlot, ...]:
+    """Where each planned tensor goes in its bucket's buffer (8-byte aligned, in order)."""
+    slots, offset = [], 0
+    for spec in specs:
+        slots.append(TensorSlot(spec.name, spec.dtype, spec.shape, offset, spec.nbytes))
+        offset += _aligned(spec.nbytes)
+    return tuple(slots)
+
+
 def pack_planned(specs: Sequence[TensorSpec], tensors: Iterable[torch.Tensor]) -> PackedBucket:
     """One bucket holding ``tensors`` (one per spec, in order), copied in as they arrive.
 
     ``tensors`` may be a generator that gathers each full tensor only when asked for it: each
     is copied into the buffer and can be freed before the next is made.
     """
-    slots, offset = [], 0
-    for spec in specs:
-        slots.append(TensorSlot(spec.name, spec.dtype, spec.shape, offset, spec.nbytes))
-        offset += _aligned(spec.nbytes)
-    buffer = np.empty(offset, dtype=np.uint8)
+    slots = slots_of(specs)
+    buffer = np.empty(sum(_aligned(s.nbytes) for s in slots), dtype=np.uint8)
     flat = torch.from_numpy(buffer)
     count = 0
     for slot, t in zip(slots, tensors, strict=False):

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rl_models.generation.interfaces import ExportPlan
-from rl_models.generation.weights import PackedBucket, TensorSpec, pack_planned, plan_buckets
+from rl_models.generation.weights import TensorSpec, pack_planned, plan_buckets
 from rl_models.megatron.convert import GPTLayout, _tp_whole, megatron_layer_to_hf, stage_layers
+from rl_models.policy.weight_export import Packer
 
 #: Gathers this rank's tensor over the tensor-parallel group: the list of every rank's part on
 #: the destination rank (tensor-parallel rank 0), None elsewhere.
@@ -124,8 +126,10 @@ class MegatronWeightExporter:
                 specs.append(TensorSpec(hf_name, out_dtype, tuple(t.shape)))
                 self._owner[hf_name] = unit
         self._plan = plan_buckets(specs, bucket_bytes)
-        nbytes = sum(s.nbytes for s in specs) if self.producer else 0
-        return ExportPlan(steps=len(self._plan), producer=self.producer, nbytes=nbytes)
+        if not self.producer:
+            return ExportPlan(steps=len(self._plan), producer=False)
+        nbytes = sum(s.nbytes for s in specs)
+        return ExportPlan(len(self._plan), True, nbytes, tuple(tuple(b) for b in self._plan))
 
     def _gathered(self, unit: _Unit) -> dict[str, torch.Tensor]:
         """HF tensors of ``unit`` on the producer (empty elsewhere); the last unit is kept."""
@@ -149,7 +153,8 @@ class MegatronWeightExporter:
         for spec in specs:
             yield self._gathered(self._owner[spec.name])[spec.name]
 
-    def bucket(self, step: int) -> PackedBucket | None:
+    def bucket(self, step: int, pack: Packer = pack_planned) -> Any:
+        """Step ``step``'s bucket, made by ``pack(specs, tensors)`` (producer; else None)."""
         if self._plan is None:
             raise RuntimeError("export_weight_bucket before weight_export_plan")
         if step >= len(self._plan):
@@ -157,7 +162,7 @@ class MegatronWeightExporter:
         specs = self._plan[step]
         with torch.no_grad():
             if self.producer:
-                return pack_planned(specs, self._tensors(specs))
+                return pack(specs, self._tensors(specs))
             for spec in specs:  # take part in the gathers
                 self._gathered(self._owner[spec.name])
         return None

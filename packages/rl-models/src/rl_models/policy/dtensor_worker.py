@@ -27,15 +27,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation.interfaces import ExportPlan
-from rl_models.generation.weights import PackedBucket
 from rl_models.interfaces import LossFunction, loss_input_type
 from rl_models.losses import loss_token_mask, sample_valid_mask
 from rl_models.policy import checkpoint, lora, offload
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.forward import build_model, forward_logits, forward_logprobs, forward_scores
-from rl_models.policy.weight_export import DTensorWeightExporter
+from rl_models.policy.weight_export import DTensorWeightExporter, WeightExportMethods
 
 
 def microbatch_args(config: PolicyConfig, training: bool) -> dict[str, Any]:
@@ -68,7 +66,7 @@ def microbatch_args(config: PolicyConfig, training: bool) -> dict[str, Any]:
     return {}
 
 
-class DTensorPolicyWorker:
+class DTensorPolicyWorker(WeightExportMethods):
     """Holds one rank of the policy (and optionally a frozen reference copy)."""
 
     def __init__(self, config: PolicyConfig | dict[str, Any]) -> None:
@@ -363,19 +361,6 @@ class DTensorPolicyWorker:
 
     def _weight_exporter(self) -> DTensorWeightExporter:
         return DTensorWeightExporter(self.model, self.lora, self.rank)
-
-    def weight_export_plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan:
-        """Start an export of the weights in buckets (``generation.interfaces``)."""
-        self._exporter = self._weight_exporter()
-        return self._exporter.plan(bucket_bytes, dtype)
-
-    def export_weight_bucket(self, step: int) -> PackedBucket | None:
-        return self._exporter.bucket(step)
-
-    def finish_weight_export(self) -> dict[str, int]:
-        stats = self._exporter.finish()
-        self._exporter = None
-        return stats
 
     def save_checkpoint(self, path: str) -> None:
         """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler.

@@ -14,16 +14,20 @@ under the first name (``model.embed_tokens.weight``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rl_models.generation.interfaces import ExportPlan
-from rl_models.generation.weights import PackedBucket, TensorSpec, pack_planned, plan_buckets
+from rl_models.generation.weights import TensorSpec, pack_planned, plan_buckets
 from rl_models.policy import lora
 
 _PEFT_PREFIX = "base_model.model."
+
+#: Makes one bucket from its planned specs and the full tensors (as they are gathered).
+Packer = Callable[[list[TensorSpec], Iterator[torch.Tensor]], Any]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -88,8 +92,10 @@ class DTensorWeightExporter:
         specs = plan_buckets([u.spec for u in units], bucket_bytes)
         self._plan = [[by_name[s.name] for s in bucket] for bucket in specs]
         self.peak_held_bytes = 0
-        nbytes = sum(s.nbytes for bucket in specs for s in bucket) if self.producer else 0
-        return ExportPlan(steps=len(specs), producer=self.producer, nbytes=nbytes)
+        if not self.producer:
+            return ExportPlan(steps=len(specs), producer=False)
+        nbytes = sum(s.nbytes for bucket in specs for s in bucket)
+        return ExportPlan(len(specs), True, nbytes, tuple(tuple(b) for b in specs))
 
     def _tensors(self, units: list[_Unit]) -> Iterator[torch.Tensor]:
         live = self._live()
@@ -107,13 +113,14 @@ class DTensorWeightExporter:
             self.peak_held_bytes = max(self.peak_held_bytes, full.numel() * full.element_size())
             yield full
 
-    def bucket(self, step: int) -> PackedBucket | None:
+    def bucket(self, step: int, pack: Packer = pack_planned) -> Any:
+        """Step ``step``'s bucket, made by ``pack(specs, tensors)`` (producer; else None)."""
         if self._plan is None:
             raise RuntimeError("export_weight_bucket before weight_export_plan")
         units = self._plan[step]
         with torch.no_grad():
             if self.producer:
-                return pack_planned([u.spec for u in units], self._tensors(units))
+                return pack([u.spec for u in units], self._tensors(units))
             for _ in self._tensors(units):  # take part in the all-gathers, keep nothing
                 pass
         return None
@@ -121,3 +128,69 @@ class DTensorWeightExporter:
     def finish(self) -> dict[str, int]:
         self._plan = None
         return {"peak_held_bytes": self.peak_held_bytes}
+
+
+class WeightExportMethods:
+    """The ``WeightExportWorker`` methods of a policy worker, for every channel.
+
+    The worker supplies ``_weight_exporter()`` (its backend's exporter) and ``device``.
+    """
+
+    device: torch.device
+    _exporter: Any = None
+    _ipc_buffers: Any = None  # the last IPC buffers, alive while consumers may read them
+    _channel: Any = None
+
+    def _weight_exporter(self) -> Any:
+        raise NotImplementedError
+
+    def weight_export_plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan:
+        """Start an export of the weights in buckets (``generation.interfaces``)."""
+        self._exporter = self._weight_exporter()
+        return self._exporter.plan(bucket_bytes, dtype)
+
+    def export_weight_bucket(self, step: int) -> Any:
+        """Object-store channel: a ``PackedBucket`` (numpy) on producers, None elsewhere."""
+        return self._exporter.bucket(step)
+
+    def export_weight_bucket_ipc(self, step: int) -> Any:
+        """CUDA IPC channel: an ``IpcBucket`` handle to a device buffer (kept alive for two
+        steps, the refit pipeline's depth) on producers, None elsewhere."""
+        from collections import deque
+
+        from rl_models.generation.channels import pack_into_tensor, share_buffer
+
+        if self._ipc_buffers is None:
+            self._ipc_buffers = deque(maxlen=2)
+
+        def pack(specs, tensors):
+            slots, buffer = pack_into_tensor(specs, tensors, self.device, shared=True)
+            if buffer.is_cuda:
+                torch.cuda.synchronize(buffer.device)  # written before anyone reads it
+            self._ipc_buffers.append(buffer)
+            return share_buffer(slots, buffer)
+
+        return self._exporter.bucket(step, pack)
+
+    def init_weight_broadcast(self, host: str, port: int, world: int, backend: str) -> None:
+        """Broadcast channel: a producer opens its own as rank 0 (called on producers only)."""
+        from rl_models.generation.channels import BroadcastChannel
+
+        if self._exporter is None or not self._exporter.producer:
+            return
+        self._channel = BroadcastChannel(host, port, 0, world, backend)
+
+    def export_weight_bucket_broadcast(self, step: int) -> None:
+        """Broadcast channel: producers pack the bucket on the device and broadcast it."""
+        from rl_models.generation.channels import pack_into_tensor
+
+        def pack(specs, tensors):
+            _, buffer = pack_into_tensor(specs, tensors, self.device)
+            self._channel.broadcast(buffer)
+
+        self._exporter.bucket(step, pack)
+
+    def finish_weight_export(self) -> dict[str, int]:
+        stats = self._exporter.finish()
+        self._exporter, self._ipc_buffers, self._channel = None, None, None
+        return stats
