@@ -19,6 +19,7 @@ from rl_data.tokenizers import build_tokenizer
 from rl_distributed import RayVirtualCluster
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation import StaleWeightsError
+from rl_models.generation.metrics import logprob_mismatch_metrics, response_mask
 from rl_models.generation.refit import refit
 from rl_models.generation.vllm import VllmGeneration
 from rl_models.generation.weights import pack_bucket
@@ -242,13 +243,6 @@ def test_generate_async_yields_each_sample_as_it_finishes(engines, models):
             torch.testing.assert_close(one["logprobs"][0, :n], whole["logprobs"][row, :n])
 
 
-def token_mult_prob_error(gen_logprobs, policy_logprobs, mask) -> tuple[float, float]:
-    """Mean over response tokens of exp|gen - policy| log-prob, and the per-sequence maximum."""
-    err = torch.exp((gen_logprobs.double() - policy_logprobs.double()).abs())
-    per_seq = (err * mask).sum(1) / mask.sum(1)
-    return float((err * mask).sum() / mask.sum()), float(per_seq.max())
-
-
 def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models):
     """SGD steps on a 2-rank FSDP2 policy; refit into the colocated sync engines and the
     separate async engine; both then sample with the policy's log-probs (float32 both sides:
@@ -271,7 +265,10 @@ def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models)
                 StaleWeightsError, match=f"version {gen.weight_version} but version 2"
             ):
                 gen.generate(data, expected_weight_version=policy.weight_version)
-            stats = refit(policy, gen, bucket_bytes=64 * 1024)
+            # Non-colocated: the broadcast channel (gloo here, NCCL on GPUs), which ends in
+            # load_named_weights; colocated: the object store, which ends in load_weight_bucket.
+            channel = "object_store" if name == "sync" else "broadcast"
+            stats = refit(policy, gen, bucket_bytes=64 * 1024, channel=channel)
             assert stats.buckets > 3 and gen.engine_weight_versions() == [2] * len(gen.leaders)
             policy.prepare_for_lp_inference()  # back from the colocated offload
             out = gen.generate(data, expected_weight_version=policy.weight_version)
@@ -280,12 +277,12 @@ def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models)
                     input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"]
                 )
             )["logprobs"]
-            positions = torch.arange(out["output_ids"].shape[1])[None]
-            mask = (positions >= data["input_lengths"][:, None]) & (
-                positions < out["unpadded_sequence_lengths"][:, None]
+            mask = response_mask(
+                data["input_lengths"], out["generation_lengths"], out["output_ids"].shape[1]
             )
-            mean, worst = token_mult_prob_error(out["logprobs"], policy_lp, mask.double())
-            print(f"{name}: token_mult_prob_error {mean:.7f}, worst sequence {worst:.7f}")
-            assert mean < 1.05 and worst < 1.05
+            metrics = logprob_mismatch_metrics(out["logprobs"], policy_lp, mask)
+            print(f"{name}: {metrics}")
+            assert metrics["token_mult_prob_error"] < 1.05
+            assert metrics["token_mult_prob_error_max_seq"] < 1.05
     finally:
         policy.shutdown()

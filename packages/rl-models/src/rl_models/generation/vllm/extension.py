@@ -70,6 +70,14 @@ class WeightUpdateExtension:
             self.model_runner.get_model().load_weights(weights=unpack_bucket(bucket))  # type: ignore[attr-defined]
         return len(bucket.slots)
 
+    def rl_load_named_weights(self, named: list) -> int:
+        """Load ``(name, tensor)`` pairs handed over in this process (by reference)."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            self.model_runner.get_model().load_weights(weights=named)  # type: ignore[attr-defined]
+        return len(named)
+
     def rl_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ import ray
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.channels import ChannelReceiver
 from rl_models.generation.config import SamplingConfig, VllmConfig
 from rl_models.generation.interfaces import GenerationWorker, StaleWeightsError
 from rl_models.generation.vllm.extension import bucket_to_wire
@@ -41,7 +42,7 @@ from rl_models.generation.vllm.sampling import (
     sampling_kwargs,
     stop_strings_of,
 )
-from rl_models.generation.weights import PackedBucket
+from rl_models.generation.weights import PackedBucket, pack_bucket
 
 EXTENSION = "rl_models.generation.vllm.extension.WeightUpdateExtension"
 
@@ -53,7 +54,7 @@ class _Stream:
     remaining: int
 
 
-class VllmGenerationWorker(GenerationWorker):
+class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
     """A vLLM engine (or, off the leader of a tensor-parallel group, a GPU placeholder)."""
 
     def __init__(
@@ -74,6 +75,7 @@ class VllmGenerationWorker(GenerationWorker):
         self.engine = None  # AsyncLLM (async engine)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", 0) if self.on_gpu else torch.device("cpu")
         self.sleeping = False
         self.updating = False  # between prepare_for_weight_update and set_weight_version
         self._multiprocess = False  # whether vLLM's workers run in other processes
@@ -335,6 +337,20 @@ class VllmGenerationWorker(GenerationWorker):
         # The async engine's vLLM workers are other processes; the sync engine's is this one.
         wire = bucket_to_wire(bucket, other_process=self.engine is not None or self._multiprocess)
         return sum(self._rpc("rl_load_packed_bucket", *wire))
+
+    def load_named_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Where the GPU refit channels (CUDA IPC, broadcast: ``ChannelReceiver``) end.
+
+        An in-process engine takes the tensors as they are (device tensors included); a
+        multiprocess one (tensor parallel) gets them packed into a host bucket. Untested on GPU.
+        """
+        if self.llm is None and self.engine is None:
+            return
+        self.prepare_for_weight_update()
+        if self._multiprocess:
+            self.load_weight_bucket(pack_bucket(named))
+        else:
+            self._rpc("rl_load_named_weights", list(named))
 
     def set_weight_version(self, version: int) -> None:
         """Finish the update and stamp its version; the prefix cache (KV computed with the old
