@@ -224,3 +224,21 @@ def test_stale_weights_are_refused_and_a_refit_load_replaces_the_weights():
     )["logprobs"]
     response = out["logprobs"] != 0
     torch.testing.assert_close(out["logprobs"][response], lp[response].float(), rtol=0, atol=1e-5)
+
+
+def test_policy_logprob_temperature_makes_on_policy_ratios_one():
+    """Sampled at temperature 0.7; the policy with logprob_temperature 0.7 gives the same
+    log-probs on those tokens (ratio 1), and at temperature 1 it does not."""
+    model = {"hf_config": TINY_LLAMA, "dtype": "float64"}
+    sampling = {"temperature": 0.7, "max_new_tokens": 6, "stop_token_ids": []}
+    gen = HfGenerationWorker(GenerationConfig(backend="hf", sampling=sampling).model_dump(), model)
+    out = gen.generate(prompts())
+    seqs = BatchedDataDict(
+        input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"]
+    )
+    response = out["logprobs"] != 0
+    for temperature, equal in ((0.7, True), (1.0, False)):
+        policy = DTensorPolicyWorker(tiny_config(model=model, logprob_temperature=temperature))
+        lp = policy.get_logprobs(seqs)["logprobs"].float()
+        ratio = torch.exp(lp[response] - out["logprobs"][response])
+        assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5) is equal

@@ -45,6 +45,10 @@ class HfGeneration(GenerationInterface):
             name_prefix=name_prefix,
         )
         self.weight_version = 0  # built like the policy: its initial weights
+        group = self.worker_group
+        (self.pad_token_id, *_) = group.get_all_worker_results(
+            group.run_all_workers_single_data("get_pad_token_id")
+        )
 
     def generate(
         self,
@@ -63,7 +67,9 @@ class HfGeneration(GenerationInterface):
             greedy=[greedy] * len(shards),
             expected_weight_version=[expected_weight_version] * len(shards),
         )
-        return BatchedDataDict.from_batches(group.get_all_worker_results(futures))
+        return BatchedDataDict.from_batches(
+            group.get_all_worker_results(futures), pad_value_dict={"output_ids": self.pad_token_id}
+        )
 
     def prepare_for_generation(self) -> None:
         self._all("prepare_for_generation")

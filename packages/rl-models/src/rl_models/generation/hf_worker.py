@@ -102,6 +102,10 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
             truncated=out.truncated,
         )
 
+    def get_pad_token_id(self) -> int:
+        """What right-pads ``output_ids``: the tokenizer's pad id, else 0."""
+        return self.pad_token_id
+
     def prepare_for_generation(self) -> None:
         self.model.to(self.device)
 

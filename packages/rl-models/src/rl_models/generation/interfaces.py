@@ -94,10 +94,16 @@ class GenerationWorker(ABC):
     any backend (HF, vLLM) that implements them is refit the same way:
 
     1. ``prepare_for_weight_update()`` on every worker (wake the weights, not the KV cache);
-    2. for each bucket the policy exports, in order: ``load_weight_bucket(bucket)`` on every
-       worker (CPU channel), or ``receive_weight_bucket(meta)`` for the GPU channels
-       (CUDA IPC, NCCL broadcast: see ``rl_models.generation.channels``);
+    2. for each bucket the policy exports, in order, on every worker, by channel:
+       ``load_weight_bucket(bucket: PackedBucket)`` (object store, the CPU default),
+       ``receive_weight_bucket_ipc(bucket: IpcBucket)`` (CUDA IPC), or, after
+       ``init_weight_broadcast(host, port, rank, world, backend, key)`` once per refit,
+       ``receive_weight_bucket_broadcast(slots, key)`` (NCCL/gloo broadcast);
     3. ``set_weight_version(version)`` on every worker once all buckets are in.
+
+    ``channels.ChannelReceiver`` implements every step-2 method on top of one method a backend
+    writes, ``load_named_weights(named: Iterable[tuple[str, Tensor]])`` (full tensors under
+    HF names; a vLLM worker passes them to its model's ``load_weights``).
 
     ``generate(data, greedy, expected_weight_version)`` raises ``StaleWeightsError`` when the
     worker holds another version than the one expected.
