@@ -70,7 +70,8 @@ def main() -> None:
 
     init_ray(num_cpus=4, log_to_driver=False)
     cluster = RayVirtualCluster([2], use_gpus=False)
-    stamp = Path(tempfile.mkdtemp(prefix="rl-bench-failures-")) / "fault-time"
+    scratch = tempfile.TemporaryDirectory(prefix="rl-bench-failures-")
+    stamp = Path(scratch.name) / "fault-time"
     worst = (0.0, "")
     try:
         for fault in FAULTS:
@@ -84,6 +85,7 @@ def main() -> None:
             worst = max(worst, (max(times), fault))
     finally:
         cluster.shutdown()
+        scratch.cleanup()
     print(f"worst case: {worst[0]:.2f} s ({worst[1]}; target <= 10 s)")
 
 
