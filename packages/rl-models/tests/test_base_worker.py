@@ -47,7 +47,8 @@ def test_without_cuda_the_worker_runs_on_the_cpu(monkeypatch):
 
 
 def _class_bases(path: str, name: str) -> list[str]:
-    tree = ast.parse(open(path).read())
+    with open(path) as f:
+        tree = ast.parse(f.read())
     [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
     return [ast.unparse(b) for b in cls.bases]
 

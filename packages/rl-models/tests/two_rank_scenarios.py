@@ -107,7 +107,7 @@ def one_step(half) -> dict:
     return {
         "gradient_reductions": len(reductions),
         "fsdp_groups": sum(isinstance(m, FSDPModule) for m in worker.model.modules()),
-        "grads_after_step": [p.grad for p in worker.model.parameters()],
+        "grads_freed_after_step": [p.grad is None for p in worker.model.parameters()],
         "trained_weights": get_model_state_dict(
             worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         ),

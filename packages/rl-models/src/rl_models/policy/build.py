@@ -99,22 +99,23 @@ def _post_order(module: torch.nn.Module, owner: PreTrainedModel):
 def init_weights_by_module(model: torch.nn.Module, seed: int) -> None:
     """Hugging Face's initialisation of every module, one at a time, from ``seed``.
 
-    Sharded (DTensor) parameters and buffers are swapped for full-size temporaries while their
-    module is initialised; this rank then keeps its slices of them. Every rank draws the same
-    random numbers in the same order, so the shards fit together.
+    The numbers are drawn on the CPU, so they do not depend on the device either: sharded
+    (DTensor) and device-resident parameters and buffers are swapped for full-size CPU
+    temporaries while their module is initialised, then copied in (a sharded tensor keeps its
+    slices only). Every rank draws the same numbers in the same order, so the shards fit.
     """
     torch.manual_seed(seed)
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     for module, owner in _post_order(hf_model, hf_model):
-        swapped: dict[tuple[str, str], DTensor] = {}
+        swapped: dict[tuple[str, str], torch.Tensor] = {}
         for kind in ("_parameters", "_buffers"):
             tensors = getattr(module, kind)
             for name, t in list(tensors.items()):
                 if t is None:
                     continue
                 t._is_hf_initialized = False  # HF's guarded init skips tensors flagged done
-                if isinstance(t, DTensor):
-                    full = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+                if isinstance(t, DTensor) or t.device.type != "cpu":
+                    full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
                     swapped[(kind, name)] = t
                     tensors[name] = (
                         torch.nn.Parameter(full, requires_grad=t.requires_grad)
@@ -122,13 +123,17 @@ def init_weights_by_module(model: torch.nn.Module, seed: int) -> None:
                         else full
                     )
         owner._init_weights(module)
-        for (kind, name), sharded in swapped.items():
-            full = getattr(module, kind)[name]
-            mine = distribute_tensor(
-                full.detach(), sharded.device_mesh, sharded.placements, src_data_rank=None
-            )
-            sharded.to_local().copy_(mine.to_local())
-            getattr(module, kind)[name] = sharded
+        for (kind, name), real in swapped.items():
+            full = getattr(module, kind)[name].detach()
+            if isinstance(real, DTensor):
+                local = real.to_local()
+                mine = distribute_tensor(
+                    full.to(local.device), real.device_mesh, real.placements, src_data_rank=None
+                )
+                local.copy_(mine.to_local())
+            else:
+                real.copy_(full)
+            getattr(module, kind)[name] = real
 
 
 def load_hf_weights(model: torch.nn.Module, path: str) -> None:

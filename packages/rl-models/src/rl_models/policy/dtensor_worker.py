@@ -197,8 +197,8 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         for i, mb in enumerate(mbs):
             if self.dp_size > 1 and not eval_mode:
                 # Gradients accumulate unsharded on each rank and are reduce-scattered once,
-                # after the step's last micro-batch (one collective per step, not per
-                # micro-batch; the price is a full gradient buffer per layer meanwhile).
+                # after the step's last micro-batch: one collective per step rather than per
+                # micro-batch, at the price of unsharded gradients held until then.
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)
             if mb is None:
                 loss = self._dummy_logits(self.model).sum() * 0.0
