@@ -371,3 +371,33 @@ def test_a_program_that_writes_garbage_on_the_report_channel_earns_nothing():
         """
     result = run(program, [SECRET_CASE, CallCase(function="answer", expected="wrong")])
     assert result.passed == [False, True]
+
+
+def test_forked_processes_together_cannot_hold_more_than_the_memory_limit():
+    # RLIMIT_AS bounds one process; a program that forks max_processes children, each just
+    # under it, would otherwise hold max_processes x memory_mb of the host's memory.
+    limits = LIMITS.model_copy(update={"memory_mb": 128, "case_time_s": 5, "wall_time_s": 10})
+    program = """
+        import os, time
+        def answer():
+            r, w = os.pipe()
+            for _ in range(8):
+                if os.fork() == 0:
+                    try:
+                        block = bytearray(100 * 2**20)  # zeroed, so resident
+                        os.write(w, b"1")
+                    except BaseException:
+                        os.write(w, b"0")
+                    time.sleep(3)
+                    os._exit(0)
+            got = b""
+            while len(got) < 8:
+                got += os.read(r, 8)
+            return got.count(b"1") * 100
+        """
+    result = run(program, [CallCase(function="answer", expected=800)], limits)
+    assert result.memory_limited
+    assert result.outputs == [None], "the program held 8 x 100 MB with a 128 MB limit"
+    # An honest program well under the limit is not stopped by the watch.
+    honest = run(ADD, ADD_CASES[:2], limits)
+    assert honest.passed == [True, True] and not honest.memory_limited

@@ -15,6 +15,9 @@ uses unprivileged user namespaces. Each run gets
   directory) and ``/dev/shm``; nothing of the host is writable, no home, no project files;
 * an empty network namespace: not even the host's loopback (Ray's ports) is reachable;
 * a cleared environment; resource limits on memory, CPU, processes, file size, open files;
+* a watch on the resident memory of all its processes together (``RLIMIT_AS`` holds one
+  process only, and a program may fork up to ``max_processes`` of them): over ``memory_mb``,
+  the whole sandbox is killed;
 * a whole-sandbox kill: SIGKILL to the PID namespace's init takes every process of the run
   with it, however it forked or daemonised. Nothing is ever killed by uid.
 
@@ -58,6 +61,8 @@ LAUNCHER = (Path(__file__).parent / "_launcher.py").read_text()
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache")
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
 STDERR_KEPT_BYTES = 16384
+MEMORY_CHECK_S = 0.1  # how often the sandbox's total resident memory is summed
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -70,7 +75,7 @@ class SandboxLimits(ConfigModel):
     cpu_time_s: int = 5  # CPU seconds per process (function-call cases share one process)
     case_time_s: float = 5.0  # wall seconds per test case
     wall_time_s: float = 20.0  # wall seconds for the whole run, all cases
-    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    memory_mb: int = 1024  # address space per process, and resident memory of all together
     max_processes: int = 16  # processes and threads in the sandbox
     max_file_size_mb: int = 16
     tmp_size_mb: int = 64  # the private /tmp (working directory) and /dev/shm, each
@@ -90,6 +95,7 @@ class SandboxResult:
     isolated: bool
     isolation: str  # how it ran, in words
     output_limited: bool = False  # its output ran over the limit and was cut
+    memory_limited: bool = False  # its processes together held more than ``memory_mb``
 
     @property
     def reward(self) -> float:
@@ -240,14 +246,45 @@ class _Channel:
                     self.records.setdefault(case, record)  # the first word on a case counts
 
 
-def _drain(proc: subprocess.Popen[bytes], channel: _Channel, deadline: float) -> tuple[bytes, bool]:
-    """Read the report and stderr until the launcher is done, exits, or the time is up."""
+def _resident_bytes(init_pid: int) -> int:
+    """Resident memory of every process in the sandbox whose PID-namespace init is
+    ``init_pid``, read from the sandbox's own /proc (it lists exactly its processes)."""
+    proc = f"/proc/{init_pid}/root/proc"
+    total = 0
+    with contextlib.suppress(OSError):
+        # Until bubblewrap has switched to the sandbox's root, that path is our own /proc.
+        if os.stat(proc).st_dev == os.stat("/proc").st_dev:
+            return 0
+        for name in os.listdir(proc):
+            if name.isdigit():
+                with (
+                    contextlib.suppress(OSError, ValueError, IndexError),
+                    open(f"{proc}/{name}/statm", "rb") as f,
+                ):
+                    total += int(f.read().split()[1]) * PAGE_BYTES
+    return total
+
+
+def _drain(
+    proc: subprocess.Popen[bytes],
+    channel: _Channel,
+    deadline: float,
+    init_pid: int | None = None,
+    memory_bytes: int = 0,
+) -> tuple[bytes, bool, bool]:
+    """Read the report and stderr until the launcher is done, exits, the time is up, or
+    (``init_pid`` given) the sandbox's processes together hold more than ``memory_bytes``.
+    Returns stderr, whether the time ran out, whether the memory did."""
     stderr = bytearray()
     streams = [proc.stdout, proc.stderr]
     while streams and not channel.done and not channel.over_budget:
         left = deadline - time.monotonic()
         if left <= 0:
-            return bytes(stderr), True
+            return bytes(stderr), True, False
+        if init_pid is not None:
+            if _resident_bytes(init_pid) > memory_bytes:
+                return bytes(stderr), False, True
+            left = min(left, MEMORY_CHECK_S)
         for stream in select.select(streams, [], [], left)[0]:
             data = os.read(stream.fileno(), 1 << 16)
             if not data:
@@ -256,11 +293,12 @@ def _drain(proc: subprocess.Popen[bytes], channel: _Channel, deadline: float) ->
                 channel.feed(data)
             elif len(stderr) < STDERR_KEPT_BYTES:
                 stderr += data[: STDERR_KEPT_BYTES - len(stderr)]
-    return bytes(stderr), False
+    return bytes(stderr), False, False
 
 
-def _sandbox_pidfd(info_r: int, deadline: float) -> int | None:
-    """A pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report."""
+def _sandbox_init(info_r: int, deadline: float) -> tuple[int, int] | None:
+    """The pid of the sandbox's PID-namespace init and a pidfd of it, from bwrap's
+    ``--info-fd`` report."""
     data = b""
     while select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
         chunk = os.read(info_r, 4096)
@@ -268,7 +306,8 @@ def _sandbox_pidfd(info_r: int, deadline: float) -> int | None:
             break
         data += chunk
         with contextlib.suppress(ValueError):
-            return os.pidfd_open(json.loads(data)["child-pid"])
+            pid = json.loads(data)["child-pid"]
+            return pid, os.pidfd_open(pid)
     return None
 
 
@@ -316,7 +355,7 @@ def run_code(
     deadline = time.monotonic() + limits.wall_time_s
     workdir = None if isolated else tempfile.mkdtemp(prefix="rl-sandbox-")
     info_r, info_w = os.pipe()
-    pidfd = None
+    pidfd = init_pid = None
     try:
         if isolated:
             command = [*bwrap_command(isolation.bwrap, isolation.python, limits, info_w), LAUNCHER]
@@ -338,15 +377,19 @@ def run_code(
         try:
             if isolated:
                 # Before the job is sent: the launcher waits for it, so the init is still alive.
-                pidfd = _sandbox_pidfd(info_r, deadline)
-                if pidfd is None:
+                init = _sandbox_init(info_r, deadline)
+                if init is None:
                     proc.kill()
                     err = proc.communicate(timeout=10)[1].decode(errors="replace")
                     raise RuntimeError(f"bubblewrap did not start the sandbox: {err.strip()}")
+                init_pid, pidfd = init
             threading.Thread(target=_feed, args=(proc, job), daemon=True).start()
             budget = len(tests) * (6 * limits.max_output_bytes + 1024) + 4096
             channel = _Channel(len(tests), budget)
-            stderr, timed_out = _drain(proc, channel, deadline)
+            memory_bytes = limits.memory_mb << 20
+            stderr, timed_out, memory_limited = _drain(
+                proc, channel, deadline, init_pid, memory_bytes
+            )
         finally:
             _stop(proc, pidfd, isolated)
             proc.stdout.close()
@@ -366,4 +409,5 @@ def run_code(
         isolated=isolated,
         isolation=isolation.description,
         output_limited=channel.over_budget,
+        memory_limited=memory_limited,
     )
