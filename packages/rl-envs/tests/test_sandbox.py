@@ -401,3 +401,30 @@ def test_forked_processes_together_cannot_hold_more_than_the_memory_limit():
     # An honest program well under the limit is not stopped by the watch.
     honest = run(ADD, ADD_CASES[:2], limits)
     assert honest.passed == [True, True] and not honest.memory_limited
+
+
+def test_the_kernel_keyring_carries_nothing_from_one_run_to_the_next():
+    # bubblewrap has no keyring namespace: every run would share (and could write) the
+    # session keyring of the process that starts it, as a login session has one.
+    if sandbox.KEYCTL_SYSCALL is None:
+        pytest.skip(f"keyctl's syscall number is not known on {os.uname().machine}")
+    import ctypes
+
+    ctypes.CDLL(None).syscall(sandbox.KEYCTL_SYSCALL, sandbox.KEYCTL_JOIN_SESSION_KEYRING, None)
+    program = f"""
+        import ctypes
+        libc = ctypes.CDLL(None)
+        SESSION_KEYRING = -3
+        def store(text):
+            return libc.syscall({{add_key}}, b"user", b"rl-note", text.encode(), len(text),
+                                SESSION_KEYRING) > 0
+        def load():
+            key = libc.syscall({sandbox.KEYCTL_SYSCALL}, 10, SESSION_KEYRING, b"user",
+                               b"rl-note", 0)  # KEYCTL_SEARCH
+            buffer = ctypes.create_string_buffer(100)
+            size = libc.syscall({sandbox.KEYCTL_SYSCALL}, 11, key, buffer, 100)  # KEYCTL_READ
+            return buffer.raw[: max(size, 0)].decode() if key > 0 else "nothing"
+        """.replace("{add_key}", {"x86_64": "248", "aarch64": "217"}[os.uname().machine])
+    run(program, [CallCase(function="store", args=[SECRET], expected=True)])
+    result = run(program, [CallCase(function="load", expected=SECRET)])
+    assert result.outputs[0]["value"] == "nothing"

@@ -18,6 +18,9 @@ uses unprivileged user namespaces. Each run gets
 * a watch on the resident memory of all its processes together (``RLIMIT_AS`` holds one
   process only, and a program may fork up to ``max_processes`` of them): over ``memory_mb``,
   the whole sandbox is killed;
+* a fresh, empty kernel session keyring: bubblewrap has no keyring namespace, and the
+  caller's session keyring (shared by every run it starts) would otherwise be readable and
+  writable by each program, a channel from one sample's run to the next;
 * a whole-sandbox kill: SIGKILL to the PID namespace's init takes every process of the run
   with it, however it forked or daemonised. Nothing is ever killed by uid.
 
@@ -34,10 +37,12 @@ but the caller's uid, network and files) and every result says ``isolated=False`
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import logging
 import os
+import platform
 import pwd
 import select
 import shutil
@@ -63,6 +68,9 @@ SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "
 STDERR_KEPT_BYTES = 16384
 MEMORY_CHECK_S = 0.1  # how often the sandbox's total resident memory is summed
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+# keyctl(2) has no libc wrapper (it lives in libkeyutils): its syscall number, per machine.
+KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
+KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -181,6 +189,13 @@ def _probe(bwrap: str, python: str, run_as: int | None) -> str:
 
 def _user_args(uid: int | None) -> dict[str, Any]:
     return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+
+
+def _join_fresh_session_keyring() -> None:
+    """In the child, before bwrap: a new anonymous session keyring, so the sandbox possesses
+    neither ours nor one an earlier run wrote to."""
+    if KEYCTL_SYSCALL is not None:
+        ctypes.CDLL(None).syscall(KEYCTL_SYSCALL, KEYCTL_JOIN_SESSION_KEYRING, None)
 
 
 @functools.cache
@@ -370,6 +385,7 @@ def run_code(
             cwd="/" if isolated else workdir,
             pass_fds=(info_w,) if isolated else (),
             start_new_session=not isolated,
+            preexec_fn=_join_fresh_session_keyring if isolated else None,
             **_user_args(isolation.run_as if isolated else None),
         )
         os.close(info_w)
