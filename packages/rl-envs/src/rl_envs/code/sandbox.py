@@ -232,15 +232,17 @@ def require_isolation(limits: SandboxLimits) -> Isolation:
 
 
 class _Channel:
-    """The launcher's report lines, parsed as they arrive, within a byte budget."""
+    """The launcher's report lines, parsed as they arrive, within a byte budget for all of
+    them and one for each line (an endless line is cut, not re-scanned chunk after chunk)."""
 
-    def __init__(self, n_cases: int, budget: int) -> None:
+    def __init__(self, n_cases: int, budget: int, max_line: int) -> None:
         self.records: dict[int, dict[str, Any]] = {}
         self.n_cases = n_cases
         self.budget = budget
+        self.max_line = max_line
         self.done = False
         self.over_budget = False
-        self._buffer = b""
+        self._buffer = bytearray()
 
     def feed(self, data: bytes) -> None:
         self.budget -= len(data)
@@ -248,7 +250,11 @@ class _Channel:
             self.over_budget = True
             return
         self._buffer += data
-        *lines, self._buffer = self._buffer.split(b"\n")
+        if b"\n" not in data:
+            self.over_budget = len(self._buffer) > self.max_line
+            return
+        *lines, rest = self._buffer.split(b"\n")
+        self._buffer = bytearray(rest)
         for line in lines:
             with contextlib.suppress(ValueError, RecursionError):  # garbage is no answer
                 record = json.loads(line)
@@ -400,8 +406,9 @@ def run_code(
                     raise RuntimeError(f"bubblewrap did not start the sandbox: {err.strip()}")
                 init_pid, pidfd = init
             threading.Thread(target=_feed, args=(proc, job), daemon=True).start()
-            budget = len(tests) * (6 * limits.max_output_bytes + 1024) + 4096
-            channel = _Channel(len(tests), budget)
+            # A case's line: its output JSON-escaped (up to 6 bytes a character), and a little.
+            max_line = 6 * limits.max_output_bytes + 1024
+            channel = _Channel(len(tests), len(tests) * max_line + 4096, max_line)
             memory_bytes = limits.memory_mb << 20
             stderr, timed_out, memory_limited = _drain(
                 proc, channel, deadline, init_pid, memory_bytes
