@@ -432,3 +432,43 @@ def test_the_kernel_keyring_carries_nothing_from_one_run_to_the_next():
     run(program, [CallCase(function="store", args=[SECRET], expected=True)])
     result = run(program, [CallCase(function="load", expected=SECRET)])
     assert result.outputs[0]["value"] == "nothing"
+
+
+def test_memory_no_process_shows_cannot_be_held():
+    # A detached System V segment or an unmapped memfd is in no process's resident set and
+    # outside RLIMIT_AS: one program could hold gigabytes of the host's memory that way.
+    limits = LIMITS.model_copy(update={"memory_mb": 128, "case_time_s": 5, "wall_time_s": 10})
+    program = """
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        MB = 2**20
+        def shared_memory():
+            held = 0
+            for _ in range(3):
+                segment = libc.shmget(0, 100 * MB, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+                address = libc.shmat(segment, None, 0) if segment >= 0 else None
+                if address in (None, ctypes.c_void_p(-1).value):
+                    break
+                ctypes.memset(address, 1, 100 * MB)
+                libc.shmdt(ctypes.c_void_p(address))
+                held += 100
+            return held
+        def memfds():
+            held, fds = 0, []
+            for _ in range(20):
+                try:
+                    fds.append(os.memfd_create("held"))
+                    for _ in range(16):
+                        os.write(fds[-1], b"x" * MB)
+                        held += 1
+                except OSError:
+                    break
+            return held
+        """
+    cases = [
+        CallCase(function="shared_memory", expected=300),
+        CallCase(function="memfds", expected=320),
+    ]
+    result = run(program, cases, limits)
+    assert result.outputs[0]["value"] == 0 and result.outputs[1]["value"] == 0

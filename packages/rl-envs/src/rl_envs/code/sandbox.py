@@ -18,6 +18,10 @@ uses unprivileged user namespaces. Each run gets
 * a watch on the resident memory of all its processes together (``RLIMIT_AS`` holds one
   process only, and a program may fork up to ``max_processes`` of them): over ``memory_mb``,
   the whole sandbox is killed;
+* a seccomp filter refusing the two ways to hold memory that no process's resident set shows
+  (and ``RLIMIT_AS`` does not bound): System V shared memory (``shmget``; a segment lives on,
+  detached, until its IPC namespace ends) and ``memfd_create``; and every system call of a
+  foreign ABI (32-bit, x32), whose numbers the filter does not know;
 * a fresh, empty kernel session keyring: bubblewrap has no keyring namespace, and the
   caller's session keyring (shared by every run it starts) would otherwise be readable and
   writable by each program, a channel from one sample's run to the next;
@@ -47,6 +51,7 @@ import pwd
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -71,6 +76,12 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 # keyctl(2) has no libc wrapper (it lives in libkeyutils): its syscall number, per machine.
 KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
 KEYCTL_JOIN_SESSION_KEYRING = 1
+# Per machine: the seccomp audit arch, and the system calls the sandbox refuses
+# (shmget, memfd_create).
+SECCOMP_ABI = {
+    "x86_64": (0xC000003E, (29, 319)),
+    "aarch64": (0xC00000B7, (194, 279)),
+}.get(platform.machine())
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -132,7 +143,42 @@ def _nobody() -> int:
         return 65534
 
 
-def bwrap_command(bwrap: str, python: str, limits: SandboxLimits, info_fd: int) -> list[str]:
+def seccomp_filter() -> bytes:
+    """A classic-BPF seccomp program (``struct sock_filter[]``) for ``bwrap --seccomp``:
+    native-ABI calls pass except :data:`SECCOMP_ABI`'s (EPERM); a foreign ABI kills."""
+    if SECCOMP_ABI is None:
+        raise SandboxUnavailableError(
+            f"no seccomp filter for {platform.machine()}: the sandbox cannot refuse shared "
+            "memory there"
+        )
+    arch, refused = SECCOMP_ABI
+    load_word, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, errno_eperm, kill = 0x7FFF0000, 0x00050001, 0x80000000
+    n = len(refused)
+    program = [
+        (load_word, 0, 0, 4),  # seccomp_data.arch
+        (jump_eq, 1, 0, arch),
+        (ret, 0, 0, kill),
+        (load_word, 0, 0, 0),  # seccomp_data.nr
+        (jump_ge, n + 1, 0, 0x40000000),  # the x32 ABI's numbers
+        *((jump_eq, n - i, 0, nr) for i, nr in enumerate(refused)),
+        (ret, 0, 0, allow),
+        (ret, 0, 0, errno_eperm),
+    ]
+    return b"".join(struct.pack("=HBBI", *insn) for insn in program)
+
+
+def _seccomp_fd() -> int:
+    """A pipe holding the filter, for bwrap to read (it reads it whole, once)."""
+    r, w = os.pipe()
+    os.write(w, seccomp_filter())
+    os.close(w)
+    return r
+
+
+def bwrap_command(
+    bwrap: str, python: str, limits: SandboxLimits, info_fd: int, seccomp_fd: int
+) -> list[str]:
     tmp_bytes = str(limits.tmp_size_mb << 20)
     cmd = [
         bwrap,
@@ -159,21 +205,23 @@ def bwrap_command(bwrap: str, python: str, limits: SandboxLimits, info_fd: int) 
     cmd += ["--proc", "/proc", "--dev", "/dev"]
     cmd += ["--size", tmp_bytes, "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     cmd += ["--size", tmp_bytes, "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp"]
-    cmd += ["--info-fd", str(info_fd), "--", python, "-I", "-c"]
+    cmd += ["--info-fd", str(info_fd), "--seccomp", str(seccomp_fd)]
+    cmd += ["--", python, "-I", "-c"]
     return cmd
 
 
 def _probe(bwrap: str, python: str, run_as: int | None) -> str:
     """ "" when ``python`` runs in the sandbox, else why not."""
     r, w = os.pipe()
+    seccomp = _seccomp_fd()
     try:
         proc = subprocess.run(
             [
-                *bwrap_command(bwrap, python, SandboxLimits(), w),
+                *bwrap_command(bwrap, python, SandboxLimits(), w, seccomp),
                 "import json, resource, subprocess",
             ],
             capture_output=True,
-            pass_fds=(w,),
+            pass_fds=(w, seccomp),
             env=SANDBOX_ENV,
             cwd="/",
             timeout=60,
@@ -184,6 +232,7 @@ def _probe(bwrap: str, python: str, run_as: int | None) -> str:
     finally:
         os.close(r)
         os.close(w)
+        os.close(seccomp)
     return "" if proc.returncode == 0 else proc.stderr.decode(errors="replace").strip()[-300:]
 
 
@@ -208,6 +257,9 @@ def find_isolation(python: str | None = None) -> Isolation:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         return Isolation(None, candidates[0], None, "bubblewrap (bwrap) is not installed")
+    if SECCOMP_ABI is None:
+        why = f"no seccomp filter for {platform.machine()} (the sandbox's shared memory)"
+        return Isolation(None, candidates[0], None, why)
     run_as = _nobody() if os.geteuid() == 0 else None
     problems = []
     for candidate in dict.fromkeys(candidates):
@@ -376,10 +428,12 @@ def run_code(
     deadline = time.monotonic() + limits.wall_time_s
     workdir = None if isolated else tempfile.mkdtemp(prefix="rl-sandbox-")
     info_r, info_w = os.pipe()
+    seccomp = _seccomp_fd() if isolated else -1
     pidfd = init_pid = None
     try:
         if isolated:
-            command = [*bwrap_command(isolation.bwrap, isolation.python, limits, info_w), LAUNCHER]
+            bwrap = bwrap_command(isolation.bwrap, isolation.python, limits, info_w, seccomp)
+            command = [*bwrap, LAUNCHER]
         else:
             command = [isolation.python, "-I", "-c", LAUNCHER]
         proc = subprocess.Popen(
@@ -389,13 +443,16 @@ def run_code(
             stderr=subprocess.PIPE,
             env=SANDBOX_ENV if isolated else {**SANDBOX_ENV, "HOME": workdir},
             cwd="/" if isolated else workdir,
-            pass_fds=(info_w,) if isolated else (),
+            pass_fds=(info_w, seccomp) if isolated else (),
             start_new_session=not isolated,
             preexec_fn=_join_fresh_session_keyring if isolated else None,
             **_user_args(isolation.run_as if isolated else None),
         )
         os.close(info_w)
         info_w = -1
+        if seccomp >= 0:
+            os.close(seccomp)
+            seccomp = -1
         try:
             if isolated:
                 # Before the job is sent: the launcher waits for it, so the init is still alive.
@@ -421,6 +478,8 @@ def run_code(
         os.close(info_r)
         if info_w >= 0:
             os.close(info_w)
+        if seccomp >= 0:
+            os.close(seccomp)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
     outputs = [channel.records.get(i) for i in range(len(tests))]
