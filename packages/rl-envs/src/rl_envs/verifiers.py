@@ -77,6 +77,8 @@ def score_code(response: str, tests: list[dict], limits: dict[str, Any]) -> tupl
     # A program stopped by a limit is the program's failure (reward for what passed), not a
     # verifier timeout: the verifier did its job.
     note = " (stopped by the time limit)" if result.timed_out else ""
+    if result.memory_limited:
+        note += " (stopped by the memory limit)"
     if not result.isolated:
         note += " [UNISOLATED: allow_unisolated]"
     return result.reward, f"{sum(result.passed)}/{len(result.passed)} tests passed{note}"

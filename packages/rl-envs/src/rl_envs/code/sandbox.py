@@ -15,6 +15,16 @@ uses unprivileged user namespaces. Each run gets
   directory) and ``/dev/shm``; nothing of the host is writable, no home, no project files;
 * an empty network namespace: not even the host's loopback (Ray's ports) is reachable;
 * a cleared environment; resource limits on memory, CPU, processes, file size, open files;
+* a watch on the resident memory of all its processes together (``RLIMIT_AS`` holds one
+  process only, and a program may fork up to ``max_processes`` of them): over ``memory_mb``,
+  the whole sandbox is killed;
+* a seccomp filter refusing the two ways to hold memory that no process's resident set shows
+  (and ``RLIMIT_AS`` does not bound): System V shared memory (``shmget``; a segment lives on,
+  detached, until its IPC namespace ends) and ``memfd_create``; and every system call of a
+  foreign ABI (32-bit, x32), whose numbers the filter does not know;
+* a fresh, empty kernel session keyring: bubblewrap has no keyring namespace, and the
+  caller's session keyring (shared by every run it starts) would otherwise be readable and
+  writable by each program, a channel from one sample's run to the next;
 * a whole-sandbox kill: SIGKILL to the PID namespace's init takes every process of the run
   with it, however it forked or daemonised. Nothing is ever killed by uid.
 
@@ -31,14 +41,17 @@ but the caller's uid, network and files) and every result says ``isolated=False`
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import logging
 import os
+import platform
 import pwd
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -58,6 +71,17 @@ LAUNCHER = (Path(__file__).parent / "_launcher.py").read_text()
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache")
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
 STDERR_KEPT_BYTES = 16384
+MEMORY_CHECK_S = 0.1  # how often the sandbox's total resident memory is summed
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+# keyctl(2) has no libc wrapper (it lives in libkeyutils): its syscall number, per machine.
+KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
+KEYCTL_JOIN_SESSION_KEYRING = 1
+# Per machine: the seccomp audit arch, and the system calls the sandbox refuses
+# (shmget, memfd_create).
+SECCOMP_ABI = {
+    "x86_64": (0xC000003E, (29, 319)),
+    "aarch64": (0xC00000B7, (194, 279)),
+}.get(platform.machine())
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -70,7 +94,7 @@ class SandboxLimits(ConfigModel):
     cpu_time_s: int = 5  # CPU seconds per process (function-call cases share one process)
     case_time_s: float = 5.0  # wall seconds per test case
     wall_time_s: float = 20.0  # wall seconds for the whole run, all cases
-    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    memory_mb: int = 1024  # address space per process, and resident memory of all together
     max_processes: int = 16  # processes and threads in the sandbox
     max_file_size_mb: int = 16
     tmp_size_mb: int = 64  # the private /tmp (working directory) and /dev/shm, each
@@ -90,6 +114,7 @@ class SandboxResult:
     isolated: bool
     isolation: str  # how it ran, in words
     output_limited: bool = False  # its output ran over the limit and was cut
+    memory_limited: bool = False  # its processes together held more than ``memory_mb``
 
     @property
     def reward(self) -> float:
@@ -118,7 +143,42 @@ def _nobody() -> int:
         return 65534
 
 
-def bwrap_command(bwrap: str, python: str, limits: SandboxLimits, info_fd: int) -> list[str]:
+def seccomp_filter() -> bytes:
+    """A classic-BPF seccomp program (``struct sock_filter[]``) for ``bwrap --seccomp``:
+    native-ABI calls pass except :data:`SECCOMP_ABI`'s (EPERM); a foreign ABI kills."""
+    if SECCOMP_ABI is None:
+        raise SandboxUnavailableError(
+            f"no seccomp filter for {platform.machine()}: the sandbox cannot refuse shared "
+            "memory there"
+        )
+    arch, refused = SECCOMP_ABI
+    load_word, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, errno_eperm, kill = 0x7FFF0000, 0x00050001, 0x80000000
+    n = len(refused)
+    program = [
+        (load_word, 0, 0, 4),  # seccomp_data.arch
+        (jump_eq, 1, 0, arch),
+        (ret, 0, 0, kill),
+        (load_word, 0, 0, 0),  # seccomp_data.nr
+        (jump_ge, n + 1, 0, 0x40000000),  # the x32 ABI's numbers
+        *((jump_eq, n - i, 0, nr) for i, nr in enumerate(refused)),
+        (ret, 0, 0, allow),
+        (ret, 0, 0, errno_eperm),
+    ]
+    return b"".join(struct.pack("=HBBI", *insn) for insn in program)
+
+
+def _seccomp_fd() -> int:
+    """A pipe holding the filter, for bwrap to read (it reads it whole, once)."""
+    r, w = os.pipe()
+    os.write(w, seccomp_filter())
+    os.close(w)
+    return r
+
+
+def bwrap_command(
+    bwrap: str, python: str, limits: SandboxLimits, info_fd: int, seccomp_fd: int
+) -> list[str]:
     tmp_bytes = str(limits.tmp_size_mb << 20)
     cmd = [
         bwrap,
@@ -145,21 +205,23 @@ def bwrap_command(bwrap: str, python: str, limits: SandboxLimits, info_fd: int) 
     cmd += ["--proc", "/proc", "--dev", "/dev"]
     cmd += ["--size", tmp_bytes, "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     cmd += ["--size", tmp_bytes, "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp"]
-    cmd += ["--info-fd", str(info_fd), "--", python, "-I", "-c"]
+    cmd += ["--info-fd", str(info_fd), "--seccomp", str(seccomp_fd)]
+    cmd += ["--", python, "-I", "-c"]
     return cmd
 
 
 def _probe(bwrap: str, python: str, run_as: int | None) -> str:
     """ "" when ``python`` runs in the sandbox, else why not."""
     r, w = os.pipe()
+    seccomp = _seccomp_fd()
     try:
         proc = subprocess.run(
             [
-                *bwrap_command(bwrap, python, SandboxLimits(), w),
+                *bwrap_command(bwrap, python, SandboxLimits(), w, seccomp),
                 "import json, resource, subprocess",
             ],
             capture_output=True,
-            pass_fds=(w,),
+            pass_fds=(w, seccomp),
             env=SANDBOX_ENV,
             cwd="/",
             timeout=60,
@@ -170,11 +232,19 @@ def _probe(bwrap: str, python: str, run_as: int | None) -> str:
     finally:
         os.close(r)
         os.close(w)
+        os.close(seccomp)
     return "" if proc.returncode == 0 else proc.stderr.decode(errors="replace").strip()[-300:]
 
 
 def _user_args(uid: int | None) -> dict[str, Any]:
     return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+
+
+def _join_fresh_session_keyring() -> None:
+    """In the child, before bwrap: a new anonymous session keyring, so the sandbox possesses
+    neither ours nor one an earlier run wrote to."""
+    if KEYCTL_SYSCALL is not None:
+        ctypes.CDLL(None).syscall(KEYCTL_SYSCALL, KEYCTL_JOIN_SESSION_KEYRING, None)
 
 
 @functools.cache
@@ -187,6 +257,9 @@ def find_isolation(python: str | None = None) -> Isolation:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         return Isolation(None, candidates[0], None, "bubblewrap (bwrap) is not installed")
+    if SECCOMP_ABI is None:
+        why = f"no seccomp filter for {platform.machine()} (the sandbox's shared memory)"
+        return Isolation(None, candidates[0], None, why)
     run_as = _nobody() if os.geteuid() == 0 else None
     problems = []
     for candidate in dict.fromkeys(candidates):
@@ -211,15 +284,17 @@ def require_isolation(limits: SandboxLimits) -> Isolation:
 
 
 class _Channel:
-    """The launcher's report lines, parsed as they arrive, within a byte budget."""
+    """The launcher's report lines, parsed as they arrive, within a byte budget for all of
+    them and one for each line (an endless line is cut, not re-scanned chunk after chunk)."""
 
-    def __init__(self, n_cases: int, budget: int) -> None:
+    def __init__(self, n_cases: int, budget: int, max_line: int) -> None:
         self.records: dict[int, dict[str, Any]] = {}
         self.n_cases = n_cases
         self.budget = budget
+        self.max_line = max_line
         self.done = False
         self.over_budget = False
-        self._buffer = b""
+        self._buffer = bytearray()
 
     def feed(self, data: bytes) -> None:
         self.budget -= len(data)
@@ -227,7 +302,11 @@ class _Channel:
             self.over_budget = True
             return
         self._buffer += data
-        *lines, self._buffer = self._buffer.split(b"\n")
+        if b"\n" not in data:
+            self.over_budget = len(self._buffer) > self.max_line
+            return
+        *lines, rest = self._buffer.split(b"\n")
+        self._buffer = bytearray(rest)
         for line in lines:
             with contextlib.suppress(ValueError, RecursionError):  # garbage is no answer
                 record = json.loads(line)
@@ -240,14 +319,49 @@ class _Channel:
                     self.records.setdefault(case, record)  # the first word on a case counts
 
 
-def _drain(proc: subprocess.Popen[bytes], channel: _Channel, deadline: float) -> tuple[bytes, bool]:
-    """Read the report and stderr until the launcher is done, exits, or the time is up."""
+def _resident_bytes(init_pid: int) -> int:
+    """Resident memory of every process in the sandbox whose PID-namespace init is
+    ``init_pid``, read from the sandbox's own /proc (it lists exactly its processes)."""
+    proc = f"/proc/{init_pid}/root/proc"
+    total = 0
+    with contextlib.suppress(OSError):
+        # Until bubblewrap has switched to the sandbox's root, that path is our own /proc.
+        if os.stat(proc).st_dev == os.stat("/proc").st_dev:
+            return 0
+        for name in os.listdir(proc):
+            if name.isdigit():
+                with (
+                    contextlib.suppress(OSError, ValueError, IndexError),
+                    open(f"{proc}/{name}/statm", "rb") as f,
+                ):
+                    total += int(f.read().split()[1]) * PAGE_BYTES
+    return total
+
+
+def _drain(
+    proc: subprocess.Popen[bytes],
+    channel: _Channel,
+    deadline: float,
+    init_pid: int | None = None,
+    memory_bytes: int = 0,
+) -> tuple[bytes, bool, bool]:
+    """Read the report and stderr until the launcher is done, exits, the time is up, or
+    (``init_pid`` given) the sandbox's processes together hold more than ``memory_bytes``.
+    Returns stderr, whether the time ran out, whether the memory did."""
     stderr = bytearray()
     streams = [proc.stdout, proc.stderr]
+    next_check = 0.0
     while streams and not channel.done and not channel.over_budget:
         left = deadline - time.monotonic()
         if left <= 0:
-            return bytes(stderr), True
+            return bytes(stderr), True, False
+        if init_pid is not None:
+            # At most every MEMORY_CHECK_S, however fast the program writes.
+            if time.monotonic() >= next_check:
+                if _resident_bytes(init_pid) > memory_bytes:
+                    return bytes(stderr), False, True
+                next_check = time.monotonic() + MEMORY_CHECK_S
+            left = min(left, max(0.0, next_check - time.monotonic()))
         for stream in select.select(streams, [], [], left)[0]:
             data = os.read(stream.fileno(), 1 << 16)
             if not data:
@@ -256,11 +370,12 @@ def _drain(proc: subprocess.Popen[bytes], channel: _Channel, deadline: float) ->
                 channel.feed(data)
             elif len(stderr) < STDERR_KEPT_BYTES:
                 stderr += data[: STDERR_KEPT_BYTES - len(stderr)]
-    return bytes(stderr), False
+    return bytes(stderr), False, False
 
 
-def _sandbox_pidfd(info_r: int, deadline: float) -> int | None:
-    """A pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report."""
+def _sandbox_init(info_r: int, deadline: float) -> tuple[int, int] | None:
+    """The pid of the sandbox's PID-namespace init and a pidfd of it, from bwrap's
+    ``--info-fd`` report."""
     data = b""
     while select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
         chunk = os.read(info_r, 4096)
@@ -268,7 +383,8 @@ def _sandbox_pidfd(info_r: int, deadline: float) -> int | None:
             break
         data += chunk
         with contextlib.suppress(ValueError):
-            return os.pidfd_open(json.loads(data)["child-pid"])
+            pid = json.loads(data)["child-pid"]
+            return pid, os.pidfd_open(pid)
     return None
 
 
@@ -316,10 +432,12 @@ def run_code(
     deadline = time.monotonic() + limits.wall_time_s
     workdir = None if isolated else tempfile.mkdtemp(prefix="rl-sandbox-")
     info_r, info_w = os.pipe()
-    pidfd = None
+    seccomp = _seccomp_fd() if isolated else -1
+    pidfd = init_pid = None
     try:
         if isolated:
-            command = [*bwrap_command(isolation.bwrap, isolation.python, limits, info_w), LAUNCHER]
+            bwrap = bwrap_command(isolation.bwrap, isolation.python, limits, info_w, seccomp)
+            command = [*bwrap, LAUNCHER]
         else:
             command = [isolation.python, "-I", "-c", LAUNCHER]
         proc = subprocess.Popen(
@@ -329,24 +447,33 @@ def run_code(
             stderr=subprocess.PIPE,
             env=SANDBOX_ENV if isolated else {**SANDBOX_ENV, "HOME": workdir},
             cwd="/" if isolated else workdir,
-            pass_fds=(info_w,) if isolated else (),
+            pass_fds=(info_w, seccomp) if isolated else (),
             start_new_session=not isolated,
+            preexec_fn=_join_fresh_session_keyring if isolated else None,
             **_user_args(isolation.run_as if isolated else None),
         )
         os.close(info_w)
         info_w = -1
+        if seccomp >= 0:
+            os.close(seccomp)
+            seccomp = -1
         try:
             if isolated:
                 # Before the job is sent: the launcher waits for it, so the init is still alive.
-                pidfd = _sandbox_pidfd(info_r, deadline)
-                if pidfd is None:
+                init = _sandbox_init(info_r, deadline)
+                if init is None:
                     proc.kill()
                     err = proc.communicate(timeout=10)[1].decode(errors="replace")
                     raise RuntimeError(f"bubblewrap did not start the sandbox: {err.strip()}")
+                init_pid, pidfd = init
             threading.Thread(target=_feed, args=(proc, job), daemon=True).start()
-            budget = len(tests) * (6 * limits.max_output_bytes + 1024) + 4096
-            channel = _Channel(len(tests), budget)
-            stderr, timed_out = _drain(proc, channel, deadline)
+            # A case's line: its output JSON-escaped (up to 6 bytes a character), and a little.
+            max_line = 6 * limits.max_output_bytes + 1024
+            channel = _Channel(len(tests), len(tests) * max_line + 4096, max_line)
+            memory_bytes = limits.memory_mb << 20
+            stderr, timed_out, memory_limited = _drain(
+                proc, channel, deadline, init_pid, memory_bytes
+            )
         finally:
             _stop(proc, pidfd, isolated)
             proc.stdout.close()
@@ -355,6 +482,8 @@ def run_code(
         os.close(info_r)
         if info_w >= 0:
             os.close(info_w)
+        if seccomp >= 0:
+            os.close(seccomp)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
     outputs = [channel.records.get(i) for i in range(len(tests))]
@@ -366,4 +495,5 @@ def run_code(
         isolated=isolated,
         isolation=isolation.description,
         output_limited=channel.over_budget,
+        memory_limited=memory_limited,
     )
