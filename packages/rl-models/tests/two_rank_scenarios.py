@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import TINY_LLAMA, skewed_batch, tiny_config
+from conftest import TINY_LLAMA, initial_model, skewed_batch, tiny_config
 
 from rl_models.losses import NLLLoss
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -114,6 +114,19 @@ def one_step(half) -> dict:
     }
 
 
+def pretrained(half, out: str) -> dict:
+    """A saved model, loaded by each rank as slices of the safetensors file (tied output
+    layer: the file holds the embedding only)."""
+    path = os.path.join(out, "pretrained")
+    if int(os.environ["RANK"]) == 0:
+        initial_model(
+            seed=3, hf_config={**TINY_LLAMA, "tie_word_embeddings": True}
+        ).save_pretrained(path)
+    torch.distributed.barrier()
+    worker = DTensorPolicyWorker(tiny_config(model={"path": path, "dtype": "float64"}))
+    return {"logprobs": worker.get_logprobs(half)["logprobs"]}
+
+
 def main(out: str) -> None:
     """Every scenario runs even if another fails; a failure is saved as its message."""
     rank = int(os.environ["RANK"])
@@ -124,6 +137,7 @@ def main(out: str) -> None:
         "reward_scores": lambda: reward_scores(half),
         "bf16_reference": lambda: bf16_reference(half),
         "one_step": lambda: one_step(half),
+        "pretrained": lambda: pretrained(half, out),
     }
     for name, scenario in scenarios.items():
         try:

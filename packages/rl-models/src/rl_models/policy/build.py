@@ -79,6 +79,8 @@ def build_model(
     if shard is not None:
         model = shard(model)
     model.to_empty(device=device)
+    if shard is None:  # to_empty replaces an unsharded model's parameters, tied ones apart
+        model.tie_weights()
     # Buffers computed at construction (rotary frequencies) are re-made here too.
     init_weights_by_module(model, config.seed)
     if cfg.path is not None:
@@ -156,12 +158,17 @@ def load_hf_weights(model: torch.nn.Module, path: str) -> None:
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
-    tied_elsewhere = {
-        name for names in names_of.values() if set(names) & stored for name in names
-    } - stored
-    missing = sorted(set(state) - stored - tied_elsewhere)
+    # For each state key, the name the files hold it under (itself, or a tied twin's).
+    file_name = {key: key for key in state if key in stored}
+    for names in names_of.values():
+        in_state = [n for n in names if n in state]
+        in_files = [n for n in names if n in stored]
+        for key in in_state if in_files else []:
+            file_name[key] = in_files[0]
+    missing = sorted(set(state) - set(file_name))
     if missing:
         raise ValueError(f"{path}: the safetensors files lack the weights {missing}")
-    wanted = {k: v for k, v in state.items() if k in stored}
+    wanted = {file_name[key]: state[key] for key in file_name}
     dcp.load(wanted, storage_reader=reader)
-    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
+    loaded = {key: wanted[file_name[key]] for key in file_name}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
