@@ -75,6 +75,19 @@ def test_cache_key_follows_what_defines_the_env(cache, tmp_path, monkeypatch):
     assert before.parent == cache
 
 
+def test_two_checkouts_with_the_same_lock_do_not_share_an_environment(cache, tmp_path, monkeypatch):
+    # Extras install the workspace's packages editable: another checkout's environment would
+    # run the other checkout's code.
+    dirs = []
+    for name in ("checkout-a", "checkout-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "pyproject.toml").write_text("[project]\nname='x'\n")
+        (tmp_path / name / "uv.lock").write_text("version = 1\n")
+        monkeypatch.setenv("RL_WORKSPACE_ROOT", str(tmp_path / name))
+        dirs.append(env_dir(PythonEnv("mcore", extras=("mcore",))))
+    assert dirs[0] != dirs[1]
+
+
 def test_build_once_reuse_and_rebuild(cache):
     python = ensure_env(SIX_OLD)
     out = subprocess.run(

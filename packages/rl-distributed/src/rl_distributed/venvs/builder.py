@@ -156,11 +156,22 @@ def env_key(env: PythonEnv, resolution: str | None = None) -> str:
     spec = {
         "extras": sorted(env.extras),
         "resolution": resolution or "",
+        # The environment links (requirements) or installs editable (extras) the source tree it
+        # was built from; two checkouts with the same lock must not share one, or workers of
+        # one checkout would silently run the other's code.
+        "source": str(_source_tree(env)),
         "python": sys.version.split()[0],
         "ray": ray.__version__,
     }
     digest.update(json.dumps(spec, sort_keys=True).encode())
     return digest.hexdigest()[:16]
+
+
+def _source_tree(env: PythonEnv) -> Path:
+    """Where the environment's own code comes from: the workspace for extras, else the
+    rl_distributed package that gets linked in."""
+    root = workspace_root() if env.extras else None
+    return root or Path(rl_distributed.__file__).resolve().parent
 
 
 def env_dir(env: PythonEnv, resolution: str | None = None) -> Path:
