@@ -111,8 +111,12 @@ def test_sampled_token_frequencies_follow_the_float64_distribution(
     se = (expected * (1 - expected) / n).sqrt()
     assert ((freq - expected).abs() <= 5 * se + 1e-3).all()
     assert float(expected.max()) < 0.9  # the check is not trivially about one token
-    # Reported log-probs: temperature-scaled, untruncated distribution, at the sampled token.
-    torch.testing.assert_close(out["logprobs"][:, 3].double(), logp[tokens], rtol=0, atol=1e-6)
+    # Reported log-probs: those of the distribution sampled from (temperature-scaled, then
+    # truncated by top-k/top-p and renormalised), as vLLM's processed_logprobs reports them.
+    sampled_from = expected.log()
+    torch.testing.assert_close(
+        out["logprobs"][:, 3].double(), sampled_from[tokens], rtol=0, atol=1e-6
+    )
 
 
 def test_filter_logits_keeps_the_top_k_and_the_nucleus():
@@ -123,10 +127,14 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus():
     assert kept.tolist() == [[True, True, False, False, False]]
 
 
-def test_greedy_generation_matches_an_uncached_float64_decode(tmp_path):
+@pytest.mark.parametrize("temperature,top_k", [(1.0, None), (0.5, 2)])
+def test_greedy_generation_matches_an_uncached_float64_decode(tmp_path, temperature, top_k):
+    """Greedy rows report the model's own log-probs (temperature 1, untruncated), whatever the
+    configured sampling temperature / top-k (vLLM's convention for greedy requests)."""
     path = peaky_model_dir(tmp_path, scale=3.0)
     data = prompts()
-    out = worker(path, max_new_tokens=6, stop_token_ids=[]).generate(data, greedy=True)
+    gen = worker(path, max_new_tokens=6, stop_token_ids=[], temperature=temperature, top_k=top_k)
+    out = gen.generate(data, greedy=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     assert out["truncated"].all() and (out["generation_lengths"] == 6).all()
     for row, n in enumerate(data["input_lengths"].tolist()):

@@ -11,7 +11,9 @@ and returns a ``BatchedDataDict`` with
 - ``generation_lengths`` ``[B]``: response tokens generated (stop token included if produced);
 - ``unpadded_sequence_lengths`` ``[B]``: ``input_lengths + generation_lengths``;
 - ``logprobs`` ``[B, S + T]`` float32: each response token's log-prob under the distribution it
-  was sampled from (temperature applied), 0 on prompt tokens and padding;
+  was sampled from (temperature applied, then top-k / top-p truncation and renormalisation);
+  greedy rows report the model's own log-prob (temperature 1, untruncated); 0 on prompt tokens
+  and padding. Both backends follow this convention;
 - ``truncated`` ``[B]`` bool: the response hit ``max_new_tokens`` without stopping.
 
 Weights carry a version: the policy counts its optimiser steps, a refit stamps the version it
