@@ -187,7 +187,7 @@ def main() -> None:
         print("RESULT " + json.dumps(direct(**job)), flush=True)
         return
 
-    from rl_distributed.envs import ensure_env, registry
+    from rl_distributed.venvs import ensure_env, registry
 
     model_dir = smollm2_dir()
     prompts = chat_prompts(model_dir, args.prompts)

@@ -11,7 +11,7 @@ vLLM; untested here). Importing this package registers every class under
 
 import torch
 
-from rl_distributed.envs import define_env, register_worker_env
+from rl_distributed.venvs import define_env, register_worker_env
 from rl_models.generation.vllm.generation import VllmGeneration
 
 define_env("vllm-cuda", extras=["vllm-cuda"])
