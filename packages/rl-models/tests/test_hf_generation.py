@@ -13,8 +13,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.hf_worker import HfGenerationWorker
-from rl_models.generation.interfaces import StaleWeightsError
+from rl_models.generation.interfaces import IncompleteRefitError, StaleWeightsError
 from rl_models.generation.sampling import filter_logits
+from rl_models.generation.weights import PackedBucket, TensorSlot
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.weight_export import DTensorWeightExporter
 
@@ -250,3 +251,41 @@ def test_policy_logprob_temperature_makes_on_policy_ratios_one():
         lp = policy.get_logprobs(seqs)["logprobs"].float()
         ratio = torch.exp(lp[response] - out["logprobs"][response])
         assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5) is equal
+
+
+def test_a_refit_that_fails_midway_leaves_a_generator_that_refuses_to_sample():
+    """Buckets loaded, then a failure: the model is a mix of two versions, so generate refuses
+    whatever version it is asked for (the old one included) until a complete refit."""
+    config = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float32"})
+    policy = DTensorPolicyWorker(config)
+    gen_config = GenerationConfig(
+        backend="hf", sampling={"max_new_tokens": 3, "stop_token_ids": []}
+    )
+    gen = HfGenerationWorker(gen_config.model_dump(), config.model.model_dump())
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    exporter = DTensorWeightExporter(policy.model, False, 0)
+    steps = exporter.plan(bucket_bytes=20_000).steps
+    assert steps >= 3
+    gen.prepare_for_weight_update()
+    gen.load_weight_bucket(exporter.bucket(0))
+    good = exporter.bucket(1)
+    renamed = tuple(
+        TensorSlot("no." + s.name, s.dtype, s.shape, s.offset, s.nbytes) for s in good.slots
+    )
+    with pytest.raises(KeyError, match=r"'no\.model"):
+        gen.load_weight_bucket(PackedBucket(renamed, good.buffer))
+    for expected in (0, 1, None):
+        with pytest.raises(IncompleteRefitError, match="mix of version 0 and a newer one"):
+            gen.generate(prompts(), greedy=True, expected_weight_version=expected)
+    gen.prepare_for_weight_update()
+    for step in range(steps):
+        gen.load_weight_bucket(exporter.bucket(step))
+    gen.set_weight_version(1)
+    out = gen.generate(prompts(), greedy=True, expected_weight_version=1)
+    lp = policy.get_logprobs(
+        BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
+    )["logprobs"]
+    response = out["logprobs"] != 0
+    torch.testing.assert_close(out["logprobs"][response], lp[response].float(), rtol=0, atol=1e-5)

@@ -46,6 +46,21 @@ class StaleWeightsError(RuntimeError):
         return type(self), (self.loaded, self.expected)
 
 
+class IncompleteRefitError(StaleWeightsError):
+    """A refit started loading weights but never stamped its version (it failed midway): the
+    generator holds a mix of two versions and samples from neither."""
+
+    def __init__(self, loaded: int, expected: int | None = None) -> None:
+        RuntimeError.__init__(
+            self,
+            f"generation weights are a mix of version {loaded} and a newer one: a refit started "
+            "loading weights but did not finish (no set_weight_version); refit again before "
+            "generating",
+        )
+        self.loaded = loaded
+        self.expected = expected
+
+
 @dataclass(frozen=True)
 class ExportPlan:
     """One policy rank's part in a weight export."""
