@@ -186,6 +186,10 @@ def test_stop_strings_from_config_and_per_sample(tmp_path):
     assert out["generation_lengths"].tolist() == [k + 2, 10]
     assert out["truncated"].tolist() == [False, True]
     assert stop in tokenizer.decode(out["output_ids"][0, 4 : 4 + k + 2].tolist()) and stop in text
+    # A bare string is refused (not split into one stop string per character), by name.
+    bare = BatchedDataDict({**data, "stop_strings": [stop, None]})
+    with pytest.raises(TypeError, match=f"stop_strings of row 0 must be a list.*got {stop!r}"):
+        worker(path, max_new_tokens=10, stop_token_ids=[]).generate(bare, greedy=True)
     # The same string from the config applies to every row.
     both = worker(path, max_new_tokens=10, stop_token_ids=[], stop_strings=[stop])
     assert both.generate(data, greedy=True)["generation_lengths"][0] == k + 2

@@ -20,6 +20,7 @@ from rl_models.generation.interfaces import (
     GenerationWorker,
     IncompleteRefitError,
     StaleWeightsError,
+    stop_strings_of,
 )
 from rl_models.generation.sampling import StopStrings, sample
 from rl_models.policy.config import ModelConfig, PolicyConfig
@@ -90,7 +91,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         if expected_weight_version is not None and expected_weight_version != self.version:
             raise StaleWeightsError(self.version, expected_weight_version)
         base = self.config.sampling.stop_strings
-        per_row = data.get("stop_strings") or [None] * data.size
+        per_row = stop_strings_of(data)  # validated: a bare str is not split into characters
         stop_strings = StopStrings(self.tokenizer, [base + list(s or []) for s in per_row])
         out = sample(
             self.model,

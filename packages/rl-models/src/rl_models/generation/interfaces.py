@@ -31,6 +31,25 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.weights import PackedBucket, TensorSpec
 
 
+def stop_strings_of(data: BatchedDataDict) -> list[list[str] | None]:
+    """Per-row extra stop strings (``data["stop_strings"]``), or ``None`` for every row."""
+    if "stop_strings" not in data:
+        return [None] * data.size
+    per_row = data["stop_strings"]
+    if len(per_row) != data.size:
+        raise ValueError(
+            f"generate: stop_strings has {len(per_row)} entries for a batch of {data.size} rows"
+        )
+    for row, value in enumerate(per_row):
+        if value is not None and not (
+            isinstance(value, list | tuple) and all(isinstance(s, str) for s in value)
+        ):
+            raise TypeError(
+                f"generate: stop_strings of row {row} must be a list of str or None, got {value!r}"
+            )
+    return [None if value is None else list(value) for value in per_row]
+
+
 class StaleWeightsError(RuntimeError):
     """The generator holds other weights than the controller expects."""
 

@@ -81,19 +81,6 @@ def prompts_of(data: BatchedDataDict) -> list[list[int]]:
     return prompts
 
 
-def stop_strings_of(data: BatchedDataDict) -> list[list[str] | None]:
-    """Per-row extra stop strings (``data["stop_strings"]``), or ``None`` for every row."""
-    if "stop_strings" not in data:
-        return [None] * data.size
-    per_row = data["stop_strings"]
-    for row, value in enumerate(per_row):
-        if value is not None and not (
-            isinstance(value, list | tuple) and all(isinstance(s, str) for s in value)
-        ):
-            raise TypeError(f"generate: stop_strings of row {row} must be a list of str or None")
-    return list(per_row)
-
-
 def assemble(
     input_ids: torch.Tensor,
     input_lengths: torch.Tensor,

@@ -37,6 +37,7 @@ from rl_models.generation.interfaces import (
     GenerationWorker,
     IncompleteRefitError,
     StaleWeightsError,
+    stop_strings_of,
 )
 from rl_models.generation.vllm.extension import bucket_to_wire
 from rl_models.generation.vllm.sampling import (
@@ -44,7 +45,6 @@ from rl_models.generation.vllm.sampling import (
     assemble,
     prompts_of,
     sampling_kwargs,
-    stop_strings_of,
 )
 from rl_models.generation.weights import PackedBucket, pack_bucket
 
