@@ -14,6 +14,7 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.generation.interfaces import IncompleteRefitError, StaleWeightsError
+from rl_models.generation.metrics import response_mask
 from rl_models.generation.sampling import filter_logits
 from rl_models.generation.weights import PackedBucket, TensorSlot
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -56,6 +57,15 @@ def full_forward_logprobs(model, ids, temperature=1.0) -> torch.Tensor:
     with torch.no_grad():
         logits = model(ids[None]).logits[0].double() / temperature
     return torch.log_softmax(logits, -1)
+
+
+def generated(out: BatchedDataDict) -> torch.Tensor:
+    """Where the response tokens are (from the lengths, not from non-zero log-probs, so a
+    comparison can never be vacuous)."""
+    prompt = out["unpadded_sequence_lengths"] - out["generation_lengths"]
+    mask = response_mask(prompt, out["generation_lengths"], out["output_ids"].shape[1])
+    assert mask.any()
+    return mask
 
 
 def word_tokenizer():
@@ -235,7 +245,7 @@ def test_stale_weights_are_refused_and_a_refit_load_replaces_the_weights():
     lp = policy.get_logprobs(
         BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
     )["logprobs"]
-    response = out["logprobs"] != 0
+    response = generated(out)
     torch.testing.assert_close(out["logprobs"][response], lp[response].float(), rtol=0, atol=1e-5)
 
 
@@ -249,7 +259,7 @@ def test_policy_logprob_temperature_makes_on_policy_ratios_one():
     seqs = BatchedDataDict(
         input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"]
     )
-    response = out["logprobs"] != 0
+    response = generated(out)
     for temperature, equal in ((0.7, True), (1.0, False)):
         policy = DTensorPolicyWorker(tiny_config(model=model, logprob_temperature=temperature))
         lp = policy.get_logprobs(seqs)["logprobs"].float()
@@ -291,5 +301,5 @@ def test_a_refit_that_fails_midway_leaves_a_generator_that_refuses_to_sample():
     lp = policy.get_logprobs(
         BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
     )["logprobs"]
-    response = out["logprobs"] != 0
+    response = generated(out)
     torch.testing.assert_close(out["logprobs"][response], lp[response].float(), rtol=0, atol=1e-5)
