@@ -303,3 +303,13 @@ def test_a_refit_that_fails_midway_leaves_a_generator_that_refuses_to_sample():
     )["logprobs"]
     response = generated(out)
     torch.testing.assert_close(out["logprobs"][response], lp[response].float(), rtol=0, atol=1e-5)
+
+
+def test_malformed_batches_are_refused_naming_the_key_or_row(tmp_path):
+    gen = worker(peaky_model_dir(tmp_path), max_new_tokens=2)
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(KeyError, match="no 'input_lengths'"):
+        gen.generate(BatchedDataDict(input_ids=ids))
+    too_long = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match=r"row 1 has input_lengths 4, outside 1\.\.3"):
+        gen.generate(too_long)

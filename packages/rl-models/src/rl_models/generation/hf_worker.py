@@ -20,6 +20,7 @@ from rl_models.generation.interfaces import (
     GenerationWorker,
     IncompleteRefitError,
     StaleWeightsError,
+    check_generate_input,
     stop_strings_of,
 )
 from rl_models.generation.sampling import StopStrings, sample
@@ -90,6 +91,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
             raise IncompleteRefitError(self.version, expected_weight_version)
         if expected_weight_version is not None and expected_weight_version != self.version:
             raise StaleWeightsError(self.version, expected_weight_version)
+        check_generate_input(data)
         base = self.config.sampling.stop_strings
         per_row = stop_strings_of(data)  # validated: a bare str is not split into characters
         stop_strings = StopStrings(self.tokenizer, [base + list(s or []) for s in per_row])

@@ -31,6 +31,24 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.weights import PackedBucket, TensorSpec
 
 
+def check_generate_input(data: BatchedDataDict) -> None:
+    """A clear error, naming the key or row, on a malformed ``generate`` batch."""
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            raise KeyError(f"generate: the batch has no {key!r} (keys: {sorted(data.keys())})")
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    if ids.ndim != 2 or lengths.shape != (ids.shape[0],):
+        raise ValueError(
+            f"generate: input_ids must be [B, S] and input_lengths [B]; got "
+            f"{tuple(ids.shape)} and {tuple(lengths.shape)}"
+        )
+    for row, n in enumerate(lengths.tolist()):
+        if not 1 <= n <= ids.shape[1]:
+            raise ValueError(
+                f"generate: row {row} has input_lengths {n}, outside 1..{ids.shape[1]}"
+            )
+
+
 def stop_strings_of(data: BatchedDataDict) -> list[list[str] | None]:
     """Per-row extra stop strings (``data["stop_strings"]``), or ``None`` for every row."""
     if "stop_strings" not in data:
