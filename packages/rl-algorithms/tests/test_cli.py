@@ -77,26 +77,26 @@ def test_the_console_script_reports_an_unknown_key_with_a_suggestion():
     assert "sft.max_num_stepz" in out.stderr and "did you mean 'sft.max_num_steps'" in out.stderr
 
 
-def test_unknown_key_in_a_config_file_is_named(tmp_path):
+def test_unknown_key_in_a_config_file_is_named(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("sft:\n  max_num_step: 3\n")
-    out = run_rl("sft", "--config", str(path))
-    assert out.returncode == 2
-    assert "sft.max_num_step: got 3 — unknown key; did you mean 'max_num_steps'" in out.stderr
+    assert cli.main(["sft", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "sft.max_num_step: got 3 — unknown key; did you mean 'max_num_steps'" in err
 
 
-def test_print_config_resolves_without_running(tmp_path, monkeypatch):
+def test_print_config_resolves_without_running(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    out = run_rl(
+    argv = [
         "sft",
         "--print-config",
         "tokenizer.path=tok",
         "+policy.model.hf_config={model_type: llama}",
         "+data.train={source: arithmetic, size: 4}",
         "sft.max_num_steps=7",
-    )
-    assert out.returncode == 0, out.stderr
-    assert "max_num_steps: 7" in out.stdout
+    ]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert "max_num_steps: 7" in capsys.readouterr().out
     assert not os.path.exists(tmp_path / "results")
 
 

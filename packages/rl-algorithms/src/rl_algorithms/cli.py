@@ -70,7 +70,8 @@ def _allow_schema_keys(cfg: Any, model: type, override: str) -> str:
     if override.startswith(("+", "~")) or "=" not in override:
         return override
     key = override.split("=", 1)[0]
-    if OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT:
+    found = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_resolution_failure=False)
+    if found is not _ABSENT:
         return override
     return f"++{override}" if _schema_has(model, key.split(".")) else override
 

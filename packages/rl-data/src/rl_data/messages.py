@@ -9,9 +9,11 @@ boundaries and shift them).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from rl_data.templates import ChatTemplate
@@ -81,10 +83,17 @@ def tokenize_message_logs(
             continue
         pending.append((log, start))
         texts.extend(template.message_texts(log, add_generation_prompt, start=start))
-    ids = iter(encode_texts(tokenizer, texts)) if texts else iter(())
+    if not texts:
+        return
+    encoded = encode_texts(tokenizer, texts)
+    # One tensor for all ids, cut per message; each piece is cloned so that a message never
+    # holds a view of the whole batch's storage (pickling a view sends all of it).
+    lengths = [len(ids) for ids in encoded]
+    flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64, count=sum(lengths))
+    pieces = iter(torch.from_numpy(flat).split(lengths))
     for log, start in pending:
         for message in log[start:]:
-            message["token_ids"] = torch.tensor(next(ids), dtype=torch.long)
+            message["token_ids"] = next(pieces).clone()
 
 
 def message_log_length(log: MessageLog) -> int:

@@ -73,10 +73,11 @@ class SequencePackingConfig(ConfigModel):
     """Pack each micro-batch's sequences into one row of at most this many tokens.
 
     Which layout to use: on a CPU (sdpa with a dense block-diagonal mask, whose attention cost
-    grows with the square of the packed row) ``bench/train_step.py`` measured packing no faster
-    than dynamic batching (0.99x; both ~1.4x over fixed micro-batches trimmed to their longest
-    row), so on CPU prefer ``dynamic_batching``, which needs no mask. Packing pays with the
-    flash-attention kernels (GPU), which run packed rows as variable-length sequences.
+    grows with the square of the packed row) ``bench/train_step.py`` measured packing slower
+    than dynamic batching (0.84x-0.99x over two runs on a shared 2-core machine; packing was
+    1.4x-1.7x over fixed micro-batches trimmed to their longest row), so on CPU prefer
+    ``dynamic_batching``, which needs no mask. Packing is meant for the flash-attention kernels
+    (GPU), which run packed rows as variable-length sequences (not measured here).
     Neither is on by default: fixed micro-batches of ``train_micro_batch_size`` rows, each cut
     to its own longest row, are.
     """
