@@ -46,3 +46,15 @@ def test_equal_logprobs_give_one_and_zero_and_an_empty_mask_is_an_error():
 def test_response_mask_marks_generated_tokens():
     mask = response_mask(torch.tensor([2, 1]), torch.tensor([2, 3]), width=5)
     assert mask.int().tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]]
+
+
+def test_padding_values_never_reach_the_metrics():
+    """-inf or huge log-probs on padding (a masked-out position) must not turn into nan."""
+    gen = torch.tensor([[-1.0, 0.0, 0.0], [-0.5, -0.25, 0.0]])
+    pol = torch.tensor([[-1.25, float("-inf"), 2000.0], [-0.5, -0.5, float("nan")]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0]])
+    m = logprob_mismatch_metrics(gen, pol, mask)
+    mult = [math.exp(0.25), 1.0, math.exp(0.25)]
+    assert m["token_mult_prob_error"] == pytest.approx(sum(mult) / 3, rel=1e-6)
+    assert m["token_mult_prob_error_max_token"] == pytest.approx(math.exp(0.25), rel=1e-6)
+    assert math.isfinite(m["gen_policy_kl"]) and m["gen_policy_kl"] > 0

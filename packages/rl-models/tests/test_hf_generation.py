@@ -13,8 +13,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.hf_worker import HfGenerationWorker
-from rl_models.generation.interfaces import StaleWeightsError
+from rl_models.generation.interfaces import IncompleteRefitError, StaleWeightsError
+from rl_models.generation.metrics import response_mask
 from rl_models.generation.sampling import filter_logits
+from rl_models.generation.weights import PackedBucket, TensorSlot
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.weight_export import DTensorWeightExporter
 
@@ -55,6 +57,15 @@ def full_forward_logprobs(model, ids, temperature=1.0) -> torch.Tensor:
     with torch.no_grad():
         logits = model(ids[None]).logits[0].double() / temperature
     return torch.log_softmax(logits, -1)
+
+
+def generated(out: BatchedDataDict) -> torch.Tensor:
+    """Where the response tokens are (from the lengths, not from non-zero log-probs, so a
+    comparison can never be vacuous)."""
+    prompt = out["unpadded_sequence_lengths"] - out["generation_lengths"]
+    mask = response_mask(prompt, out["generation_lengths"], out["output_ids"].shape[1])
+    assert mask.any()
+    return mask
 
 
 def word_tokenizer():
@@ -111,8 +122,12 @@ def test_sampled_token_frequencies_follow_the_float64_distribution(
     se = (expected * (1 - expected) / n).sqrt()
     assert ((freq - expected).abs() <= 5 * se + 1e-3).all()
     assert float(expected.max()) < 0.9  # the check is not trivially about one token
-    # Reported log-probs: temperature-scaled, untruncated distribution, at the sampled token.
-    torch.testing.assert_close(out["logprobs"][:, 3].double(), logp[tokens], rtol=0, atol=1e-6)
+    # Reported log-probs: those of the distribution sampled from (temperature-scaled, then
+    # truncated by top-k/top-p and renormalised), as vLLM's processed_logprobs reports them.
+    sampled_from = expected.log()
+    torch.testing.assert_close(
+        out["logprobs"][:, 3].double(), sampled_from[tokens], rtol=0, atol=1e-6
+    )
 
 
 def test_filter_logits_keeps_the_top_k_and_the_nucleus():
@@ -123,10 +138,14 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus():
     assert kept.tolist() == [[True, True, False, False, False]]
 
 
-def test_greedy_generation_matches_an_uncached_float64_decode(tmp_path):
+@pytest.mark.parametrize("temperature,top_k", [(1.0, None), (0.5, 2)])
+def test_greedy_generation_matches_an_uncached_float64_decode(tmp_path, temperature, top_k):
+    """Greedy rows report the model's own log-probs (temperature 1, untruncated), whatever the
+    configured sampling temperature / top-k (vLLM's convention for greedy requests)."""
     path = peaky_model_dir(tmp_path, scale=3.0)
     data = prompts()
-    out = worker(path, max_new_tokens=6, stop_token_ids=[]).generate(data, greedy=True)
+    gen = worker(path, max_new_tokens=6, stop_token_ids=[], temperature=temperature, top_k=top_k)
+    out = gen.generate(data, greedy=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     assert out["truncated"].all() and (out["generation_lengths"] == 6).all()
     for row, n in enumerate(data["input_lengths"].tolist()):
@@ -177,6 +196,10 @@ def test_stop_strings_from_config_and_per_sample(tmp_path):
     assert out["generation_lengths"].tolist() == [k + 2, 10]
     assert out["truncated"].tolist() == [False, True]
     assert stop in tokenizer.decode(out["output_ids"][0, 4 : 4 + k + 2].tolist()) and stop in text
+    # A bare string is refused (not split into one stop string per character), by name.
+    bare = BatchedDataDict({**data, "stop_strings": [stop, None]})
+    with pytest.raises(TypeError, match=f"stop_strings of row 0 must be a list.*got {stop!r}"):
+        worker(path, max_new_tokens=10, stop_token_ids=[]).generate(bare, greedy=True)
     # The same string from the config applies to every row.
     both = worker(path, max_new_tokens=10, stop_token_ids=[], stop_strings=[stop])
     assert both.generate(data, greedy=True)["generation_lengths"][0] == k + 2
@@ -222,7 +245,7 @@ def test_stale_weights_are_refused_and_a_refit_load_replaces_the_weights():
     lp = policy.get_logprobs(
         BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
     )["logprobs"]
-    response = out["logprobs"] != 0
+    response = generated(out)
     torch.testing.assert_close(out["logprobs"][response], lp[response].float(), rtol=0, atol=1e-5)
 
 
@@ -236,9 +259,57 @@ def test_policy_logprob_temperature_makes_on_policy_ratios_one():
     seqs = BatchedDataDict(
         input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"]
     )
-    response = out["logprobs"] != 0
+    response = generated(out)
     for temperature, equal in ((0.7, True), (1.0, False)):
         policy = DTensorPolicyWorker(tiny_config(model=model, logprob_temperature=temperature))
         lp = policy.get_logprobs(seqs)["logprobs"].float()
         ratio = torch.exp(lp[response] - out["logprobs"][response])
         assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5) is equal
+
+
+def test_a_refit_that_fails_midway_leaves_a_generator_that_refuses_to_sample():
+    """Buckets loaded, then a failure: the model is a mix of two versions, so generate refuses
+    whatever version it is asked for (the old one included) until a complete refit."""
+    config = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float32"})
+    policy = DTensorPolicyWorker(config)
+    gen_config = GenerationConfig(
+        backend="hf", sampling={"max_new_tokens": 3, "stop_token_ids": []}
+    )
+    gen = HfGenerationWorker(gen_config.model_dump(), config.model.model_dump())
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    exporter = DTensorWeightExporter(policy.model, False, 0)
+    steps = exporter.plan(bucket_bytes=20_000).steps
+    assert steps >= 3
+    gen.prepare_for_weight_update()
+    gen.load_weight_bucket(exporter.bucket(0))
+    good = exporter.bucket(1)
+    renamed = tuple(
+        TensorSlot("no." + s.name, s.dtype, s.shape, s.offset, s.nbytes) for s in good.slots
+    )
+    with pytest.raises(KeyError, match=r"'no\.model"):
+        gen.load_weight_bucket(PackedBucket(renamed, good.buffer))
+    for expected in (0, 1, None):
+        with pytest.raises(IncompleteRefitError, match="mix of version 0 and a newer one"):
+            gen.generate(prompts(), greedy=True, expected_weight_version=expected)
+    gen.prepare_for_weight_update()
+    for step in range(steps):
+        gen.load_weight_bucket(exporter.bucket(step))
+    gen.set_weight_version(1)
+    out = gen.generate(prompts(), greedy=True, expected_weight_version=1)
+    lp = policy.get_logprobs(
+        BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
+    )["logprobs"]
+    response = generated(out)
+    torch.testing.assert_close(out["logprobs"][response], lp[response].float(), rtol=0, atol=1e-5)
+
+
+def test_malformed_batches_are_refused_naming_the_key_or_row(tmp_path):
+    gen = worker(peaky_model_dir(tmp_path), max_new_tokens=2)
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(KeyError, match="no 'input_lengths'"):
+        gen.generate(BatchedDataDict(input_ids=ids))
+    too_long = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match=r"row 1 has input_lengths 4, outside 1\.\.3"):
+        gen.generate(too_long)

@@ -6,10 +6,12 @@ import torch
 from rl_distributed import RayVirtualCluster
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation import SamplingConfig
+from rl_models.generation.interfaces import IncompleteRefitError
 from rl_models.generation.vllm import VllmGeneration
 from rl_models.generation.vllm.extension import bucket_from_wire, bucket_to_wire
 from rl_models.generation.vllm.generation import _tensor_parallel_groups
 from rl_models.generation.vllm.sampling import Response, assemble, prompts_of, sampling_kwargs
+from rl_models.generation.vllm.worker import VllmGenerationWorker
 from rl_models.generation.weights import pack_bucket, unpack_bucket
 
 
@@ -84,3 +86,17 @@ def test_engine_placement_and_model_errors():
             RayVirtualCluster.__new__(RayVirtualCluster),
             {"model": {"hf_config": {"model_type": "llama"}}},
         )
+
+
+def test_a_vllm_worker_mid_update_refuses_to_generate():
+    """Between prepare_for_weight_update and set_weight_version (a refit that failed midway
+    stays there) the engine holds a mix of two versions: generate refuses, the old version
+    included. (No engine here: the check runs before the engine is touched.)"""
+    worker = VllmGenerationWorker("unused", "float32", {}, {})
+    worker.updating = True  # what prepare_for_weight_update sets on a worker with an engine
+    data = BatchedDataDict(
+        input_ids=torch.ones(1, 2, dtype=torch.long), input_lengths=torch.tensor([2])
+    )
+    for expected in (0, None):
+        with pytest.raises(IncompleteRefitError, match="mix of version 0"):
+            worker.generate(data, expected_weight_version=expected)

@@ -58,6 +58,14 @@ def test_pack_unpack_round_trip_keeps_dtype_shape_and_values():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
 
 
+def test_zero_size_tensors_round_trip_alone_or_with_others():
+    empty = torch.empty(0, 3, dtype=torch.bfloat16)
+    for named in ([("e", empty)], [("a", torch.arange(3.0)), ("e", empty)]):
+        back = dict(unpack_bucket(pack_bucket(named)))
+        for name, t in named:
+            assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
 def test_dtensor_export_equals_the_state_dict_in_small_buckets():
     worker = DTensorPolicyWorker(tiny_config())
     state = worker.model.state_dict()

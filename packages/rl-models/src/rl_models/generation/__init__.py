@@ -10,6 +10,7 @@ from rl_models.generation.interfaces import (
     ExportPlan,
     GenerationInterface,
     GenerationWorker,
+    IncompleteRefitError,
     StaleWeightsError,
     WeightExportWorker,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "GenerationConfig",
     "GenerationInterface",
     "GenerationWorker",
+    "IncompleteRefitError",
     "SamplingConfig",
     "StaleWeightsError",
     "VllmConfig",

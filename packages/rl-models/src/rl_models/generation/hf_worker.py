@@ -16,7 +16,13 @@ import torch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.channels import ChannelReceiver
 from rl_models.generation.config import GenerationConfig
-from rl_models.generation.interfaces import GenerationWorker, StaleWeightsError
+from rl_models.generation.interfaces import (
+    GenerationWorker,
+    IncompleteRefitError,
+    StaleWeightsError,
+    check_generate_input,
+    stop_strings_of,
+)
 from rl_models.generation.sampling import StopStrings, sample
 from rl_models.policy.config import ModelConfig, PolicyConfig
 from rl_models.policy.forward import build_model
@@ -54,6 +60,9 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         self.pad_token_id = int(pad) if pad is not None else 0
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed + rank)
         self.version = 0
+        # Between the first weight loaded and set_weight_version the model is a mix of two
+        # versions; a refit that fails midway leaves it so, and generate then refuses.
+        self.updating = False
 
     def _stop_token_ids(self) -> list[int]:
         """The configured ids, else the tokenizer's EOS, else ``config.json``'s eos_token_id.
@@ -78,10 +87,13 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         greedy: bool = False,
         expected_weight_version: int | None = None,
     ) -> BatchedDataDict:
+        if self.updating:
+            raise IncompleteRefitError(self.version, expected_weight_version)
         if expected_weight_version is not None and expected_weight_version != self.version:
             raise StaleWeightsError(self.version, expected_weight_version)
+        check_generate_input(data)
         base = self.config.sampling.stop_strings
-        per_row = data.get("stop_strings") or [None] * data.size
+        per_row = stop_strings_of(data)  # validated: a bare str is not split into characters
         stop_strings = StopStrings(self.tokenizer, [base + list(s or []) for s in per_row])
         out = sample(
             self.model,
@@ -119,10 +131,12 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def prepare_for_weight_update(self) -> None:
         self.prepare_for_generation()
+        self.updating = True
 
     @torch.no_grad()
     def load_named_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full HF-named tensors into the model (every receive channel ends here)."""
+        self.updating = True  # until set_weight_version stamps the finished refit
         for name, tensor in named:
             param = self.params.get(name)
             if param is None:
@@ -136,6 +150,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def set_weight_version(self, version: int) -> None:
         self.version = version
+        self.updating = False
 
     def get_weight_version(self) -> int:
         return self.version

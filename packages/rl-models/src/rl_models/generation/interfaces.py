@@ -11,7 +11,9 @@ and returns a ``BatchedDataDict`` with
 - ``generation_lengths`` ``[B]``: response tokens generated (stop token included if produced);
 - ``unpadded_sequence_lengths`` ``[B]``: ``input_lengths + generation_lengths``;
 - ``logprobs`` ``[B, S + T]`` float32: each response token's log-prob under the distribution it
-  was sampled from (temperature applied), 0 on prompt tokens and padding;
+  was sampled from (temperature applied, then top-k / top-p truncation and renormalisation);
+  greedy rows report the model's own log-prob (temperature 1, untruncated); 0 on prompt tokens
+  and padding. Both backends follow this convention;
 - ``truncated`` ``[B]`` bool: the response hit ``max_new_tokens`` without stopping.
 
 Weights carry a version: the policy counts its optimiser steps, a refit stamps the version it
@@ -29,6 +31,43 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.weights import PackedBucket, TensorSpec
 
 
+def check_generate_input(data: BatchedDataDict) -> None:
+    """A clear error, naming the key or row, on a malformed ``generate`` batch."""
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            raise KeyError(f"generate: the batch has no {key!r} (keys: {sorted(data.keys())})")
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    if ids.ndim != 2 or lengths.shape != (ids.shape[0],):
+        raise ValueError(
+            f"generate: input_ids must be [B, S] and input_lengths [B]; got "
+            f"{tuple(ids.shape)} and {tuple(lengths.shape)}"
+        )
+    for row, n in enumerate(lengths.tolist()):
+        if not 1 <= n <= ids.shape[1]:
+            raise ValueError(
+                f"generate: row {row} has input_lengths {n}, outside 1..{ids.shape[1]}"
+            )
+
+
+def stop_strings_of(data: BatchedDataDict) -> list[list[str] | None]:
+    """Per-row extra stop strings (``data["stop_strings"]``), or ``None`` for every row."""
+    if "stop_strings" not in data:
+        return [None] * data.size
+    per_row = data["stop_strings"]
+    if len(per_row) != data.size:
+        raise ValueError(
+            f"generate: stop_strings has {len(per_row)} entries for a batch of {data.size} rows"
+        )
+    for row, value in enumerate(per_row):
+        if value is not None and not (
+            isinstance(value, list | tuple) and all(isinstance(s, str) for s in value)
+        ):
+            raise TypeError(
+                f"generate: stop_strings of row {row} must be a list of str or None, got {value!r}"
+            )
+    return [None if value is None else list(value) for value in per_row]
+
+
 class StaleWeightsError(RuntimeError):
     """The generator holds other weights than the controller expects."""
 
@@ -42,6 +81,21 @@ class StaleWeightsError(RuntimeError):
 
     def __reduce__(self):  # crosses process boundaries (Ray) with both versions intact
         return type(self), (self.loaded, self.expected)
+
+
+class IncompleteRefitError(StaleWeightsError):
+    """A refit started loading weights but never stamped its version (it failed midway): the
+    generator holds a mix of two versions and samples from neither."""
+
+    def __init__(self, loaded: int, expected: int | None = None) -> None:
+        RuntimeError.__init__(
+            self,
+            f"generation weights are a mix of version {loaded} and a newer one: a refit started "
+            "loading weights but did not finish (no set_weight_version); refit again before "
+            "generating",
+        )
+        self.loaded = loaded
+        self.expected = expected
 
 
 @dataclass(frozen=True)

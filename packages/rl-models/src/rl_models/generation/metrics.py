@@ -26,8 +26,12 @@ def logprob_mismatch_metrics(
 
     Computed in float64. Sequences without valid tokens are left out of the maximum.
     """
-    mask = mask.to(torch.float64)
-    gen, pol = generation_logprobs.to(torch.float64), policy_logprobs.to(torch.float64)
+    valid = mask.bool()
+    mask = valid.to(torch.float64)
+    # Padding is zeroed before any exp: a -inf or huge log-prob there must not turn into
+    # inf * 0 = nan.
+    gen = torch.where(valid, generation_logprobs.to(torch.float64), 0.0)
+    pol = torch.where(valid, policy_logprobs.to(torch.float64), 0.0)
     count = mask.sum()
     if count == 0:
         raise ValueError("no valid tokens to compare (the mask is all zero)")

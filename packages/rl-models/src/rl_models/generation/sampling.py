@@ -8,13 +8,14 @@ Prompts arrive right-padded; they are left-padded here (attention mask and posit
 ``0..L-1`` per row) so every row's next token sits in the last column, and the result is
 right-padded again: row ``i`` holds its ``L_i`` prompt tokens, then its response, then padding.
 
-Log-probs: ``log_softmax(logits / temperature)`` at the sampled token: the policy's
-``get_logprobs`` with ``logprob_temperature = temperature`` computes the same quantity, so
-on-policy importance ratios are 1. With ``top_k``/``top_p`` the token is drawn from the
-truncated, renormalised distribution, but the log-prob reported is still the one under the
-temperature-scaled *full* distribution (what the policy can compute); it is then lower than
-the log-prob under the truncated distribution by ``log`` of the kept probability mass. Greedy
-decoding takes the argmax and reports the same temperature-scaled log-prob.
+Log-probs (the same convention as the vLLM backend, whose ``processed_logprobs`` it follows):
+each token's log-prob under the distribution it was actually drawn from, that is
+``log_softmax(filter(logits / temperature))`` where ``filter`` is the top-k / top-p truncation.
+Without truncation this is what the policy's ``get_logprobs`` with ``logprob_temperature =
+temperature`` computes, so on-policy importance ratios are 1; with ``top_k``/``top_p`` it is
+higher than the policy's value by ``-log`` of the kept probability mass. Greedy decoding takes
+the argmax and reports its log-prob under the model's own distribution (temperature 1, no
+truncation), as vLLM does for greedy requests.
 """
 
 from __future__ import annotations
@@ -55,14 +56,13 @@ def choose_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens ``[B]`` and their log-probs ``[B]`` (see the module docstring)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    scaled = logits / sampling.temperature
-    logprobs = torch.log_softmax(scaled, dim=-1)
     if greedy:
-        tokens = scaled.argmax(dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
     else:
-        kept = filter_logits(scaled, sampling.top_k, sampling.top_p)
-        probs = torch.softmax(kept, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        kept = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+        logprobs = torch.log_softmax(kept, dim=-1)
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 

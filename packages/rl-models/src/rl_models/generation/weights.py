@@ -128,7 +128,8 @@ def pack_bucket(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PackedBuck
 
 def unpack_bucket(bucket: PackedBucket) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views into the bucket's buffer (no copy; read-only if it is)."""
-    flat = _as_uint8_tensor(bucket.buffer) if bucket.nbytes else None
+    # A bucket of only zero-size tensors has an empty buffer: still give each its empty view.
+    flat = _as_uint8_tensor(bucket.buffer) if bucket.nbytes else torch.empty(0, dtype=torch.uint8)
     for slot in bucket.slots:
         raw = flat[slot.offset : slot.offset + slot.nbytes]
         yield slot.name, raw.view(getattr(torch, slot.dtype)).reshape(slot.shape)

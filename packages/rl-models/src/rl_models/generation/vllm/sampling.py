@@ -18,6 +18,7 @@ import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import SamplingConfig
+from rl_models.generation.interfaces import check_generate_input
 
 
 def sampling_kwargs(
@@ -62,36 +63,9 @@ class Response:
 
 def prompts_of(data: BatchedDataDict) -> list[list[int]]:
     """The unpadded prompt of each row; a clear error on malformed input."""
-    for key in ("input_ids", "input_lengths"):
-        if key not in data:
-            raise KeyError(f"generate: the batch has no {key!r} (keys: {sorted(data.keys())})")
+    check_generate_input(data)
     ids, lengths = data["input_ids"], data["input_lengths"]
-    if ids.ndim != 2 or lengths.shape != (ids.shape[0],):
-        raise ValueError(
-            f"generate: input_ids must be [B, S] and input_lengths [B]; got "
-            f"{tuple(ids.shape)} and {tuple(lengths.shape)}"
-        )
-    prompts = []
-    for row, n in enumerate(lengths.tolist()):
-        if not 1 <= n <= ids.shape[1]:
-            raise ValueError(
-                f"generate: row {row} has input_lengths {n}, outside 1..{ids.shape[1]}"
-            )
-        prompts.append(ids[row, :n].tolist())
-    return prompts
-
-
-def stop_strings_of(data: BatchedDataDict) -> list[list[str] | None]:
-    """Per-row extra stop strings (``data["stop_strings"]``), or ``None`` for every row."""
-    if "stop_strings" not in data:
-        return [None] * data.size
-    per_row = data["stop_strings"]
-    for row, value in enumerate(per_row):
-        if value is not None and not (
-            isinstance(value, list | tuple) and all(isinstance(s, str) for s in value)
-        ):
-            raise TypeError(f"generate: stop_strings of row {row} must be a list of str or None")
-    return list(per_row)
+    return [ids[row, :n].tolist() for row, n in enumerate(lengths.tolist())]
 
 
 def assemble(

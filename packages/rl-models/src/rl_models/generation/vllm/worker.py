@@ -33,14 +33,18 @@ import torch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.channels import ChannelReceiver
 from rl_models.generation.config import SamplingConfig, VllmConfig
-from rl_models.generation.interfaces import GenerationWorker, StaleWeightsError
+from rl_models.generation.interfaces import (
+    GenerationWorker,
+    IncompleteRefitError,
+    StaleWeightsError,
+    stop_strings_of,
+)
 from rl_models.generation.vllm.extension import bucket_to_wire
 from rl_models.generation.vllm.sampling import (
     Response,
     assemble,
     prompts_of,
     sampling_kwargs,
-    stop_strings_of,
 )
 from rl_models.generation.weights import PackedBucket, pack_bucket
 
@@ -175,6 +179,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
     # -- generation ---------------------------------------------------------------------------
 
     def _check_version(self, expected: int | None) -> None:
+        if self.updating:  # a refit failed midway: the weights are a mix of two versions
+            raise IncompleteRefitError(self.weight_version, expected)
         if expected is not None and expected != self.weight_version:
             raise StaleWeightsError(self.weight_version, expected)
 
