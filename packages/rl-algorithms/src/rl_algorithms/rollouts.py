@@ -59,7 +59,9 @@ class RolloutResult:
     def training_batch(self, pad_token_id: int) -> BatchedDataDict:
         """Right-padded ``input_ids`` with ``token_mask`` on sampled tokens only and the
         generator's ``generation_logprobs`` aligned to them (0 elsewhere)."""
-        flat = flatten_message_logs(self.message_logs, pad_token_id)
+        # Only tokens carrying a ``token_loss_mask`` (the sampled ones) are trained on: an
+        # assistant turn that came with the prompt (few-shot) was never sampled.
+        flat = flatten_message_logs(self.message_logs, pad_token_id, loss_roles=())
         width = flat["input_ids"].shape[1]
         gen_lp = torch.zeros(len(self.message_logs), width, dtype=torch.float32)
         for b, log in enumerate(self.message_logs):
@@ -264,8 +266,7 @@ def run_rollouts(
         active = [i for i in going if not out_of_room[i]]
 
     lengths = [
-        sum(int(m["token_loss_mask"].sum()) for m in log if m["role"] == "assistant")
-        for log in logs
+        sum(int(m["token_loss_mask"].sum()) for m in log if "token_loss_mask" in m) for log in logs
     ]
     metrics.update(
         {
