@@ -10,6 +10,7 @@ import pytest
 
 from rl_algorithms import cli
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "configs"
 RL = shutil.which("rl") or str(Path(sys.executable).with_name("rl"))
 
 
@@ -113,3 +114,18 @@ def test_a_key_the_recipe_leaves_out_but_the_model_has_can_be_overridden(capsys)
     assert cli.main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "ray_num_cpus: 3" in out and "project: demo" in out
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("env.arithmetic.config.num_workers=banana", "env.arithmetic.config.num_workers: "),
+        ("env.arithmetic.kind=mathh", "env.arithmetic.kind is 'mathh'"),
+    ],
+)
+def test_a_bad_environment_config_fails_with_the_config(override, expected, capsys):
+    # Environments start after the cluster and the policy workers: their config must be
+    # checked with the rest, not when the actors are made.
+    argv = ["grpo", "--config", str(EXAMPLES / "grpo_math_cpu.yaml"), override, "--print-config"]
+    assert cli.main(argv) == cli.CONFIG_ERROR_EXIT
+    assert expected in capsys.readouterr().err

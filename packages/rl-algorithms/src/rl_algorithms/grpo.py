@@ -35,7 +35,7 @@ from rl_algorithms.advantages import (
     reinforce_plus_plus_advantages,
 )
 from rl_algorithms.config import DataSection, RunConfig, TokenizerConfig, recipe_path, set_seed
-from rl_algorithms.environments import EnvSpec, start_environments, stop_environments
+from rl_algorithms.environments import EnvSection, start_environments, stop_environments
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_algorithms.rollouts import RolloutResult, run_rollouts
 from rl_algorithms.utils.checkpoint import CheckpointManager
@@ -99,7 +99,7 @@ class MasterConfig(RunConfig):
     tokenizer: TokenizerConfig
     generation: GRPOGenerationConfig = Field(default_factory=GRPOGenerationConfig)
     loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
-    env: dict[str, EnvSpec]
+    env: EnvSection
     data: DataSection
     grpo: GRPOConfig
 
