@@ -236,6 +236,11 @@ def setup(config: MasterConfig) -> GRPORun:
             prompts("validation"), g.val_batch_size, collate, shuffle=False, drop_last=False
         )
 
+    checkpointer = CheckpointManager(config.checkpointing)
+    latest = checkpointer.latest() if config.checkpointing.enabled else None
+    if latest is not None:
+        checkpointer.check_resumable(latest, config.model_dump(mode="json"))  # before workers
+
     cc = config.cluster
     init_ray(num_cpus=cc.ray_num_cpus)
     colocated = config.generation.colocated
@@ -260,9 +265,7 @@ def setup(config: MasterConfig) -> GRPORun:
     generation = make_generation(gen_cluster, config)
     envs = start_environments(config.env)
 
-    checkpointer = CheckpointManager(config.checkpointing)
     step, extra = 0, {}
-    latest = checkpointer.latest() if config.checkpointing.enabled else None
     if latest is not None:
         state = checkpointer.load(latest, policy, dataloader=train_loader)
         step, extra = state["step"], state["extra"]
@@ -473,6 +476,7 @@ def save_checkpoint(run: GRPORun, metrics: dict[str, float]) -> None:
         dataloader=run.train_loader,
         metrics=metrics,
         extra_state={**run.extra, "logger": run.logger.state_dict()},
+        run_config=run.config.model_dump(mode="json"),
     )
 
 

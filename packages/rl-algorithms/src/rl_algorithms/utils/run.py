@@ -100,15 +100,17 @@ def setup_supervised(
             dataset("validation"), loop.val_global_batch_size, collate_fn, shuffle=False
         )
 
+    run_config = config.model_dump(mode="json")
+    checkpointer = CheckpointManager(config.checkpointing)
+    latest = checkpointer.latest() if config.checkpointing.enabled else None
+    if latest is not None:
+        checkpointer.check_resumable(latest, run_config)  # before any worker starts
     cluster = start_cluster(config.cluster, name=f"{name}-cluster")
     policy = Policy(cluster, config.policy, name_prefix=f"{name}-policy")
-    checkpointer = CheckpointManager(config.checkpointing)
     step, extra = 0, {}
-    latest = checkpointer.latest() if config.checkpointing.enabled else None
     if latest is not None:
         state = checkpointer.load(latest, policy, dataloader=train_loader)
         step, extra = state["step"], state["extra"]
-    run_config = config.model_dump(mode="json")
     logger = Logger(config.logger, run_config=run_config, state=extra.get("logger"))
     if latest is not None:
         logger.log_metrics({"resumed_from_step": step}, step=step, prefix="run")
@@ -238,4 +240,5 @@ def save_checkpoint(run: SupervisedRun, metrics: Mapping[str, float]) -> None:
         dataloader=run.train_loader,
         metrics=metrics,
         extra_state={**run.extra, "logger": run.logger.state_dict()},
+        run_config=run.config.model_dump(mode="json"),
     )
