@@ -57,6 +57,15 @@ class RewardShapingConfig(ConfigModel):
     overlong_buffer_length: int = Field(128, ge=1)
     overlong_buffer_penalty: float = Field(1.0, ge=0)  # the penalty at full length
 
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> RewardShapingConfig:
+        if self.overlong_buffer_length > self.max_response_length:
+            raise ValueError(
+                f"grpo.reward_shaping.overlong_buffer_length ({self.overlong_buffer_length}) "
+                f"must be <= grpo.reward_shaping.max_response_length ({self.max_response_length})"
+            )
+        return self
+
 
 class GRPOConfig(ConfigModel):
     """The loop (NeMo RL's ``grpo.*`` keys)."""
