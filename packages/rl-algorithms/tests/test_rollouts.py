@@ -283,3 +283,34 @@ def test_assistant_messages_of_the_prompt_stay_out_of_the_loss(tokenizer, templa
     assert int(train["token_mask"][0].sum()) == int(sampled["token_loss_mask"].sum())
     on = train["token_mask"][0] > 0
     assert torch.all(train["generation_logprobs"][0][on] == -0.25)
+
+
+def test_an_observation_past_the_length_limit_is_cut_to_it(tokenizer, template):
+    """The turn fits but the environment's answer does not: the sample stops, truncated, and
+    its log (the training batch's row) never exceeds max_seq_len."""
+    batch = puzzle_batch(tokenizer, template, samples=(1,))
+    first = run_rollouts(
+        ScriptedGeneration(tokenizer, SCRIPT),
+        puzzle_batch(tokenizer, template, samples=(1,)),
+        tokenizer,
+        template,
+        {"puzzle": SlidingPuzzleEnvironment()},
+        max_seq_len=512,
+        max_turns=1,
+    )
+    after_turn_one = sum(len(m["token_ids"]) for m in first.message_logs[0])
+    limit = after_turn_one + 2  # room for the turn, not for the observation that follows it
+    result = run_rollouts(
+        ScriptedGeneration(tokenizer, SCRIPT),
+        batch,
+        tokenizer,
+        template,
+        {"puzzle": SlidingPuzzleEnvironment()},
+        max_seq_len=limit,
+        max_turns=3,
+    )
+    assert result.truncated.tolist() == [True] and result.turns.tolist() == [1]
+    log = result.message_logs[0]
+    assert sum(len(m["token_ids"]) for m in log) == limit
+    train = result.training_batch(tokenizer.pad_token_id)
+    assert train["input_ids"].shape[1] == limit

@@ -11,7 +11,8 @@ assistant header, as ``rl_data`` processors make them) and runs up to ``max_turn
 4. rewards add up; a terminated sample stops; the others get the observation appended,
    tokenised on its own (``rl_data.messages.tokenize_message_logs``), and go on.
 
-A sample also stops when its log reaches ``max_seq_len`` tokens, or at the turn limit. It is
+A sample also stops when its log reaches ``max_seq_len`` tokens (an observation that does not
+fit is cut to the limit), or at the turn limit. It is
 *truncated* when a response was cut: by ``max_seq_len`` or by the generator's
 ``max_new_tokens`` (such a multi-turn sample still goes on to its next turn: the environment
 answers whatever it got).
@@ -34,7 +35,7 @@ import ray
 import torch
 
 from rl_data.collate import flatten_message_logs
-from rl_data.messages import tokenize_message_logs
+from rl_data.messages import tokenize_message_logs, truncate_message_log
 from rl_data.templates import ChatTemplate
 from rl_data.tokenizers import encode_texts
 from rl_data.types import MessageLog
@@ -263,6 +264,8 @@ def run_rollouts(
             for i in going:
                 if _length(logs[i]) >= max_seq_len:  # the episode is cut short
                     out_of_room[i] = truncated[i] = True
+                    # and the observation cut to the limit: no row may outgrow max_seq_len
+                    logs[i][:] = truncate_message_log(logs[i], max_seq_len)
         active = [i for i in going if not out_of_room[i]]
 
     lengths = [
