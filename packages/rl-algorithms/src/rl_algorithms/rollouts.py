@@ -12,10 +12,9 @@ assistant header, as ``rl_data`` processors make them) and runs up to ``max_turn
    tokenised on its own (``rl_data.messages.tokenize_message_logs``), and go on.
 
 A sample also stops when its log reaches ``max_seq_len`` tokens (an observation that does not
-fit is cut to the limit), or at the turn limit. It is
-*truncated* when a response was cut: by ``max_seq_len`` or by the generator's
-``max_new_tokens`` (such a multi-turn sample still goes on to its next turn: the environment
-answers whatever it got).
+fit is cut to the limit), or at the turn limit. It is *truncated* when a response was cut: by
+``max_seq_len`` or by the generator's ``max_new_tokens`` (such a multi-turn sample still goes
+on to its next turn: the environment answers whatever it got).
 
 The template's text for an assistant turn may continue after the generated stop token (ChatML
 writes ``<|im_end|>\\n``); that remainder is tokenised and appended to the assistant message with
