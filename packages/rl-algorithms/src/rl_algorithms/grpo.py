@@ -497,11 +497,9 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
     g, timer, logger = run.config.grpo, run.logger.timer, run.logger
     total = min(g.max_num_steps, g.max_num_epochs * len(run.train_loader))
     logger.progress.start(total, done=run.step, description="grpo")
-    val_metrics: dict[str, float] = {}
     if g.val_at_start and run.step == 0 and run.val_loader is not None:
         with timer("validation"):
-            val_metrics = validate(run)
-        logger.log_metrics(val_metrics, step=0, prefix="val")
+            logger.log_metrics(validate(run), step=0, prefix="val")
     last: dict[str, float] = {}
     while run.step < total:
         with timer("refit"):
@@ -520,6 +518,7 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
         last = {**train_metrics, **reward_metrics, **rollout_metrics, **refit_metrics}
         logger.log_metrics({**last, **timer.pop()}, step=run.step, prefix="train")
         done = run.step >= total
+        val_metrics: dict[str, float] = {}  # a checkpoint carries its own weights' validation
         if g.val_period and (run.step % g.val_period == 0 or done):
             with timer("validation"):
                 val_metrics = validate(run)

@@ -208,7 +208,8 @@ def train_loop(
 
     logger.progress.start(run.total_steps, done=run.step)
     last: dict[str, float] = {}
-    val_metrics = run_validation() if loop.val_at_start and run.step == 0 else {}
+    if loop.val_at_start and run.step == 0:
+        run_validation()
     while run.step < run.total_steps:
         for batch in run.train_loader:  # the rest of this epoch
             with timer("prepare"):
@@ -221,6 +222,9 @@ def train_loop(
             logger.log_metrics({**last, **timer.pop()}, step=run.step, prefix="train")
 
             done = run.step >= run.total_steps
+            # A checkpoint is ranked by the validation of its own weights only, never an
+            # earlier step's (val_period and save_period need not line up).
+            val_metrics = {}
             if loop.val_period and (run.step % loop.val_period == 0 or done):
                 val_metrics = run_validation()
             if run.checkpointer.should_save(run.step, last_step=done):
