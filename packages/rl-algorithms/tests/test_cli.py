@@ -32,6 +32,11 @@ def test_algorithm_help_lists_its_keys(capsys):
     assert "checkpoint_dir: str = 'results/dpo/checkpoints'" in text
 
 
+def test_grpo_help_shows_what_the_env_section_holds(capsys):
+    assert cli.main(["grpo", "--help"]) == 0
+    assert "env: dict[str, rl_algorithms.environments.EnvSpec]" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "key", "expected"),
     [

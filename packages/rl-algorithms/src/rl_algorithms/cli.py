@@ -238,6 +238,9 @@ def describe(name: str, algorithm: types.ModuleType) -> str:
         "config keys (type = default; ??? or 'required' must be given):",
     ]
     for group, field in algorithm.MasterConfig.model_fields.items():
+        if _single_model(field.annotation) is None:  # e.g. env: a mapping, not a fixed section
+            lines.append(f"{group}: {_type_name(field.annotation)}")
+            continue
         lines.append(f"{group}:")
         lines += _field_lines(field.annotation, defaults.get(group), field, "  ")
     return "\n".join(lines)
