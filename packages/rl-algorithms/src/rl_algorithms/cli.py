@@ -217,7 +217,7 @@ def _overview() -> str:
         "",
         "overrides: a.b=1 changes a key, +a.b=1 adds one, ++a.b=1 adds or changes, ~a.b deletes.",
         "Re-running with the same checkpointing.checkpoint_dir resumes from its latest checkpoint",
-        "(refused if it was written with another policy.model, tokenizer or data).",
+        "(refused if it was written with another model, tokenizer or training data).",
     ]
     return "\n".join(lines)
 

@@ -130,11 +130,15 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     ckpt = manager(tmp_path)
     path = ckpt.save(4, None, run_config=run)
     # The same run, continued for longer with another learning rate: resumable.
-    longer = {**run, "sft": {"max_num_steps": 20}, "policy": {**run["policy"], "lr": 2e-5}}
+    longer = {
+        **run,
+        "sft": {"max_num_steps": 20},
+        "policy": {"model": {"path": "models/a", "dtype": "bfloat16"}, "lr": 2e-5},
+    }
     ckpt.check_resumable(path, longer)
     other_model = {**run, "policy": {**run["policy"], "model": {"path": "models/b"}}}
-    with pytest.raises(ValueError, match=r"another run .*policy\.model: checkpoint"):
+    with pytest.raises(ValueError, match=r"another run .*policy\.model\.path: checkpoint"):
         ckpt.check_resumable(path, other_model)
     other_data = {**run, "data": {"train": {"path": "other.jsonl"}}}
-    with pytest.raises(ValueError, match=r"data: checkpoint .*'train.jsonl'.*'other.jsonl'"):
+    with pytest.raises(ValueError, match=r"data\.train: checkpoint .*'train.jsonl'.*'other.jsonl'"):
         ckpt.check_resumable(path, other_data)

@@ -39,9 +39,16 @@ TMP_PREFIX = ".tmp-"
 POLICY_DIR = "policy"
 STATE_FILE = "training_state.pt"
 INFO_FILE = "info.json"
-# Config sections that make a run what it is: a checkpoint directory written with other values
-# belongs to another run, and resuming from it would silently mix the two.
-IDENTITY_KEYS = ("policy.model", "tokenizer", "data")
+# Config keys that make a run what it is: a checkpoint directory written with other values
+# belongs to another run, and resuming from it would silently mix the two. (Keys that a resumed
+# run may change, such as the step limit, dtype or attention kernel, are not among them.)
+IDENTITY_KEYS = (
+    "policy.model.path",
+    "policy.model.hf_config",
+    "policy.model.kind",
+    "tokenizer",
+    "data.train",
+)
 
 
 class CheckpointingConfig(ConfigModel):
@@ -134,7 +141,7 @@ class CheckpointManager:
         """Write the checkpoint of ``step`` atomically and prune old ones; returns its path.
 
         ``run_config`` (the run's config as JSON-able data) has its ``IDENTITY_KEYS`` kept in
-        ``info.json`` so that resuming with another model, tokenizer or data is refused."""
+        ``info.json`` so that resuming with another model, tokenizer or training data is refused."""
         final = self.root / f"step_{step}"
         tmp = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
