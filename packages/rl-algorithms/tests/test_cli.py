@@ -10,6 +10,7 @@ import pytest
 
 from rl_algorithms import cli
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "configs"
 RL = shutil.which("rl") or str(Path(sys.executable).with_name("rl"))
 
 
@@ -29,6 +30,11 @@ def test_algorithm_help_lists_its_keys(capsys):
     text = capsys.readouterr().out
     assert "reference_policy_kl_penalty: float = 0.05" in text
     assert "checkpoint_dir: str = 'results/dpo/checkpoints'" in text
+
+
+def test_grpo_help_shows_what_the_env_section_holds(capsys):
+    assert cli.main(["grpo", "--help"]) == 0
+    assert "env: dict[str, rl_algorithms.environments.EnvSpec]" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -113,3 +119,18 @@ def test_a_key_the_recipe_leaves_out_but_the_model_has_can_be_overridden(capsys)
     assert cli.main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "ray_num_cpus: 3" in out and "project: demo" in out
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("env.arithmetic.config.num_workers=banana", "env.arithmetic.config.num_workers: "),
+        ("env.arithmetic.kind=mathh", "env.arithmetic.kind is 'mathh'"),
+    ],
+)
+def test_a_bad_environment_config_fails_with_the_config(override, expected, capsys):
+    # Environments start after the cluster and the policy workers: their config must be
+    # checked with the rest, not when the actors are made.
+    argv = ["grpo", "--config", str(EXAMPLES / "grpo_math_cpu.yaml"), override, "--print-config"]
+    assert cli.main(argv) == cli.CONFIG_ERROR_EXIT
+    assert expected in capsys.readouterr().err

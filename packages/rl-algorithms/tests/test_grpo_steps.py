@@ -190,6 +190,10 @@ def test_the_trainer_scores_at_the_generation_temperature_with_the_generators_to
         ({"policy": {"train_global_batch_size": 3}}, "train_global_batch_size"),
         ({"generation": {"backend": "vllm"}}, "policy.model.path"),
         ({"policy": {"logprob_temperature": 0.5}}, "logprob_temperature"),
+        (  # refused with the config, not at the first step's reward shaping
+            {"grpo": {"reward_shaping": {"enabled": True, "max_response_length": 64}}},
+            "overlong_buffer_length",
+        ),
     ],
 )
 def test_inconsistent_sections_are_refused_naming_the_keys(sections, named):

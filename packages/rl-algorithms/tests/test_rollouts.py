@@ -257,3 +257,60 @@ def test_a_response_cut_at_max_new_tokens_is_flagged_but_the_episode_goes_on(tok
     assert result.truncated.tolist() == [True, True]
     assert result.turns.tolist() == [2, 2]
     assert result.rewards.tolist() == [1.0, 0.0]
+
+
+def test_assistant_messages_of_the_prompt_stay_out_of_the_loss(tokenizer, template):
+    """A few-shot prompt holds assistant turns the generator never sampled: they must not be
+    trained on (they have no generation log-probs and no advantage of their own)."""
+    logs = [
+        [
+            {"role": "user", "content": "[sample 0] Solve this 3x3 sliding puzzle"},
+            {"role": "assistant", "content": "<action>up</action>"},
+            {"role": "user", "content": f"[sample 0] {first_prompt(NEAR_SOLVED)}"},
+        ]
+    ]
+    tokenize_message_logs(logs, tokenizer, template, add_generation_prompt=True)
+    batch = BatchedDataDict(
+        message_log=logs, extra_env_info=[dict(NEAR_SOLVED)], task_name=["puzzle"]
+    )
+    # The few-shot turn makes the generator's first turn count as its second.
+    gen = ScriptedGeneration(tokenizer, {0: ["unused", "<action>right</action>"]})
+    result = run_rollouts(
+        gen, batch, tokenizer, template, {"puzzle": SlidingPuzzleEnvironment()}, max_seq_len=512
+    )
+    train = result.training_batch(tokenizer.pad_token_id)
+    sampled = result.message_logs[0][-1]
+    assert int(train["token_mask"][0].sum()) == int(sampled["token_loss_mask"].sum())
+    on = train["token_mask"][0] > 0
+    assert torch.all(train["generation_logprobs"][0][on] == -0.25)
+
+
+def test_an_observation_past_the_length_limit_is_cut_to_it(tokenizer, template):
+    """The turn fits but the environment's answer does not: the sample stops, truncated, and
+    its log (the training batch's row) never exceeds max_seq_len."""
+    batch = puzzle_batch(tokenizer, template, samples=(1,))
+    first = run_rollouts(
+        ScriptedGeneration(tokenizer, SCRIPT),
+        puzzle_batch(tokenizer, template, samples=(1,)),
+        tokenizer,
+        template,
+        {"puzzle": SlidingPuzzleEnvironment()},
+        max_seq_len=512,
+        max_turns=1,
+    )
+    after_turn_one = sum(len(m["token_ids"]) for m in first.message_logs[0])
+    limit = after_turn_one + 2  # room for the turn, not for the observation that follows it
+    result = run_rollouts(
+        ScriptedGeneration(tokenizer, SCRIPT),
+        batch,
+        tokenizer,
+        template,
+        {"puzzle": SlidingPuzzleEnvironment()},
+        max_seq_len=limit,
+        max_turns=3,
+    )
+    assert result.truncated.tolist() == [True] and result.turns.tolist() == [1]
+    log = result.message_logs[0]
+    assert sum(len(m["token_ids"]) for m in log) == limit
+    train = result.training_batch(tokenizer.pad_token_id)
+    assert train["input_ids"].shape[1] == limit

@@ -138,3 +138,33 @@ def test_templates_that_change_contents_are_never_framed():
         t.message_texts([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     assert smol._frames[roles] is not None
     assert trim._frames[roles] is None and think._frames[roles] is None
+
+
+def _content_filter(expression: str) -> str:
+    return (
+        "{% for m in messages %}<{{ m['role'] }}>{{ " + expression + " }}</{{ m['role'] }}>"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+
+
+# Content rewrites that leave the other probes untouched: Qwen3's template strips the newlines
+# a final assistant turn starts with; others lower-case, truncate or normalise line ends.
+SUBTLE = {
+    "lstrip-newlines": _content_filter("m['content'].lstrip('\\n')"),
+    "lower": _content_filter("m['content'] | lower"),
+    "truncate": _content_filter("m['content'] | truncate(255)"),
+    "crlf": _content_filter("m['content'].replace('\\r\\n', '\\n')"),
+}
+SUBTLE_CONVERSATION = [
+    {"role": "user", "content": "\nWhat is 2+2? " + "Think it through. " * 20 + "\r\n"},
+    {"role": "assistant", "content": "\n\nFour."},
+]
+
+
+@pytest.mark.parametrize("source", SUBTLE.values(), ids=SUBTLE.keys())
+def test_subtle_content_rewrites_are_not_framed(source):
+    framed, rendered = ChatTemplate(source), ChatTemplate(source, cache_frames=False)
+    for gen in (False, True):
+        for start in range(len(SUBTLE_CONVERSATION)):
+            want = rendered.message_texts(SUBTLE_CONVERSATION, gen, start=start)
+            assert framed.message_texts(SUBTLE_CONVERSATION, gen, start=start) == want

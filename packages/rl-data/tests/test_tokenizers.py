@@ -6,7 +6,7 @@ import pytest
 
 from rl_data.messages import tokenize_message_logs
 from rl_data.templates import ChatTemplate, ChatTemplateConfig
-from rl_data.tokenizers import TokenizerConfig, load_tokenizer
+from rl_data.tokenizers import TokenizerConfig, build_tokenizer, encode_texts, load_tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -81,3 +81,13 @@ def test_encode_texts_with_repeats_equals_encoding_each_text_alone(tokenizer):
     alone = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert encode_texts(tokenizer, texts) == alone
     assert encode_texts(tokenizer, texts[::-1]) == alone[::-1]  # now from the recent texts
+
+
+def test_encode_texts_forgets_ids_when_tokens_are_added():
+    tok = build_tokenizer(["hello world <tool> again"] * 20, vocab_size=300)
+    text = "say <tool> now"
+    assert encode_texts(tok, [text])[0] == tok(text, add_special_tokens=False)["input_ids"]
+    tok.add_tokens(["<tool>"])  # "<tool>" is one token from now on
+    want = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.convert_tokens_to_ids("<tool>") in want
+    assert encode_texts(tok, [text])[0] == want

@@ -216,7 +216,8 @@ def _overview() -> str:
     lines += [
         "",
         "overrides: a.b=1 changes a key, +a.b=1 adds one, ++a.b=1 adds or changes, ~a.b deletes.",
-        "Re-running with the same checkpointing.checkpoint_dir resumes from its latest checkpoint.",
+        "Re-running with the same checkpointing.checkpoint_dir resumes from its latest checkpoint",
+        "(refused if it was written with another model, tokenizer or training data).",
     ]
     return "\n".join(lines)
 
@@ -237,6 +238,9 @@ def describe(name: str, algorithm: types.ModuleType) -> str:
         "config keys (type = default; ??? or 'required' must be given):",
     ]
     for group, field in algorithm.MasterConfig.model_fields.items():
+        if _single_model(field.annotation) is None:  # e.g. env: a mapping, not a fixed section
+            lines.append(f"{group}: {_type_name(field.annotation)}")
+            continue
         lines.append(f"{group}:")
         lines += _field_lines(field.annotation, defaults.get(group), field, "  ")
     return "\n".join(lines)

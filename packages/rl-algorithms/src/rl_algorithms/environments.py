@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, ValidationError
 
 from rl_distributed.config import ConfigModel
 
@@ -65,6 +65,25 @@ def environment_class(task: str, spec: EnvSpec) -> tuple[type, Any]:
     except (ImportError, AttributeError) as e:
         raise ValueError(f"env.{task}.kind: cannot import {kind!r}: {e}") from None
     return cls, spec.config
+
+
+def check_environments(env: dict[str, EnvSpec]) -> dict[str, EnvSpec]:
+    """Every ``env.<task>`` names an importable environment whose config validates, so that a
+    typo fails with the config, before any Ray worker starts (environments start last)."""
+    for task, spec in env.items():
+        try:
+            environment_class(task, spec)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"env.{task}.config.{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                for err in e.errors()
+            )
+            raise ValueError(problems) from None
+    return env
+
+
+# The ``env`` field of a recipe, checked when the config is validated.
+EnvSection = Annotated[dict[str, EnvSpec], AfterValidator(check_environments)]
 
 
 def start_environments(env: dict[str, EnvSpec]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rl_algorithms.config import ClusterConfig, TokenizerConfig, recipe_path, set_seed
-from rl_algorithms.environments import EnvSpec, start_environments, stop_environments
+from rl_algorithms.environments import EnvSection, start_environments, stop_environments
 from rl_algorithms.utils.logger import Logger, LoggerConfig
 from rl_data.datasets import DatasetConfig
 from rl_distributed.config import ConfigModel
@@ -75,7 +75,7 @@ class MasterConfig(ConfigModel):
     checkpoint: str | None = None  # a step_<n> directory or a checkpoint directory (latest)
     tokenizer: TokenizerConfig
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    env: dict[str, EnvSpec]
+    env: EnvSection
     data: EvalDataConfig
     eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)

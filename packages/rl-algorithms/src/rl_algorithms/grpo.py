@@ -35,7 +35,7 @@ from rl_algorithms.advantages import (
     reinforce_plus_plus_advantages,
 )
 from rl_algorithms.config import DataSection, RunConfig, TokenizerConfig, recipe_path, set_seed
-from rl_algorithms.environments import EnvSpec, start_environments, stop_environments
+from rl_algorithms.environments import EnvSection, start_environments, stop_environments
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_algorithms.rollouts import RolloutResult, run_rollouts
 from rl_algorithms.utils.checkpoint import CheckpointManager
@@ -56,6 +56,15 @@ class RewardShapingConfig(ConfigModel):
     max_response_length: int = Field(512, ge=1)
     overlong_buffer_length: int = Field(128, ge=1)
     overlong_buffer_penalty: float = Field(1.0, ge=0)  # the penalty at full length
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> RewardShapingConfig:
+        if self.overlong_buffer_length > self.max_response_length:
+            raise ValueError(
+                f"grpo.reward_shaping.overlong_buffer_length ({self.overlong_buffer_length}) "
+                f"must be <= grpo.reward_shaping.max_response_length ({self.max_response_length})"
+            )
+        return self
 
 
 class GRPOConfig(ConfigModel):
@@ -99,7 +108,7 @@ class MasterConfig(RunConfig):
     tokenizer: TokenizerConfig
     generation: GRPOGenerationConfig = Field(default_factory=GRPOGenerationConfig)
     loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
-    env: dict[str, EnvSpec]
+    env: EnvSection
     data: DataSection
     grpo: GRPOConfig
 
@@ -236,6 +245,11 @@ def setup(config: MasterConfig) -> GRPORun:
             prompts("validation"), g.val_batch_size, collate, shuffle=False, drop_last=False
         )
 
+    checkpointer = CheckpointManager(config.checkpointing)
+    latest = checkpointer.latest() if config.checkpointing.enabled else None
+    if latest is not None:
+        checkpointer.check_resumable(latest, config.model_dump(mode="json"))  # before workers
+
     cc = config.cluster
     init_ray(num_cpus=cc.ray_num_cpus)
     colocated = config.generation.colocated
@@ -260,9 +274,7 @@ def setup(config: MasterConfig) -> GRPORun:
     generation = make_generation(gen_cluster, config)
     envs = start_environments(config.env)
 
-    checkpointer = CheckpointManager(config.checkpointing)
     step, extra = 0, {}
-    latest = checkpointer.latest() if config.checkpointing.enabled else None
     if latest is not None:
         state = checkpointer.load(latest, policy, dataloader=train_loader)
         step, extra = state["step"], state["extra"]
@@ -473,6 +485,7 @@ def save_checkpoint(run: GRPORun, metrics: dict[str, float]) -> None:
         dataloader=run.train_loader,
         metrics=metrics,
         extra_state={**run.extra, "logger": run.logger.state_dict()},
+        run_config=run.config.model_dump(mode="json"),
     )
 
 
@@ -484,11 +497,9 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
     g, timer, logger = run.config.grpo, run.logger.timer, run.logger
     total = min(g.max_num_steps, g.max_num_epochs * len(run.train_loader))
     logger.progress.start(total, done=run.step, description="grpo")
-    val_metrics: dict[str, float] = {}
     if g.val_at_start and run.step == 0 and run.val_loader is not None:
         with timer("validation"):
-            val_metrics = validate(run)
-        logger.log_metrics(val_metrics, step=0, prefix="val")
+            logger.log_metrics(validate(run), step=0, prefix="val")
     last: dict[str, float] = {}
     while run.step < total:
         with timer("refit"):
@@ -507,6 +518,7 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
         last = {**train_metrics, **reward_metrics, **rollout_metrics, **refit_metrics}
         logger.log_metrics({**last, **timer.pop()}, step=run.step, prefix="train")
         done = run.step >= total
+        val_metrics: dict[str, float] = {}  # a checkpoint carries its own weights' validation
         if g.val_period and (run.step % g.val_period == 0 or done):
             with timer("validation"):
                 val_metrics = validate(run)

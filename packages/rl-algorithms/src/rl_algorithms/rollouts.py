@@ -11,10 +11,10 @@ assistant header, as ``rl_data`` processors make them) and runs up to ``max_turn
 4. rewards add up; a terminated sample stops; the others get the observation appended,
    tokenised on its own (``rl_data.messages.tokenize_message_logs``), and go on.
 
-A sample also stops when its log reaches ``max_seq_len`` tokens, or at the turn limit. It is
-*truncated* when a response was cut: by ``max_seq_len`` or by the generator's
-``max_new_tokens`` (such a multi-turn sample still goes on to its next turn: the environment
-answers whatever it got).
+A sample also stops when its log reaches ``max_seq_len`` tokens (an observation that does not
+fit is cut to the limit), or at the turn limit. It is *truncated* when a response was cut: by
+``max_seq_len`` or by the generator's ``max_new_tokens`` (such a multi-turn sample still goes
+on to its next turn: the environment answers whatever it got).
 
 The template's text for an assistant turn may continue after the generated stop token (ChatML
 writes ``<|im_end|>\\n``); that remainder is tokenised and appended to the assistant message with
@@ -34,7 +34,7 @@ import ray
 import torch
 
 from rl_data.collate import flatten_message_logs
-from rl_data.messages import tokenize_message_logs
+from rl_data.messages import tokenize_message_logs, truncate_message_log
 from rl_data.templates import ChatTemplate
 from rl_data.tokenizers import encode_texts
 from rl_data.types import MessageLog
@@ -59,7 +59,9 @@ class RolloutResult:
     def training_batch(self, pad_token_id: int) -> BatchedDataDict:
         """Right-padded ``input_ids`` with ``token_mask`` on sampled tokens only and the
         generator's ``generation_logprobs`` aligned to them (0 elsewhere)."""
-        flat = flatten_message_logs(self.message_logs, pad_token_id)
+        # Only tokens carrying a ``token_loss_mask`` (the sampled ones) are trained on: an
+        # assistant turn that came with the prompt (few-shot) was never sampled.
+        flat = flatten_message_logs(self.message_logs, pad_token_id, loss_roles=())
         width = flat["input_ids"].shape[1]
         gen_lp = torch.zeros(len(self.message_logs), width, dtype=torch.float32)
         for b, log in enumerate(self.message_logs):
@@ -261,11 +263,12 @@ def run_rollouts(
             for i in going:
                 if _length(logs[i]) >= max_seq_len:  # the episode is cut short
                     out_of_room[i] = truncated[i] = True
+                    # and the observation cut to the limit: no row may outgrow max_seq_len
+                    logs[i][:] = truncate_message_log(logs[i], max_seq_len)
         active = [i for i in going if not out_of_room[i]]
 
     lengths = [
-        sum(int(m["token_loss_mask"].sum()) for m in log if m["role"] == "assistant")
-        for log in logs
+        sum(int(m["token_loss_mask"].sum()) for m in log if "token_loss_mask" in m) for log in logs
     ]
     metrics.update(
         {

@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
@@ -117,3 +118,27 @@ def test_a_checkpoint_killed_mid_write_is_never_resumed_from(tmp_path):
     resumed = manager(tmp_path)
     assert resumed.latest().name == "step_1"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]  # leftover gone
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path):
+    run = {
+        "policy": {"model": {"path": "models/a", "dtype": "float32"}, "lr": 1e-5},
+        "tokenizer": {"path": "models/a"},
+        "data": {"train": {"path": "train.jsonl"}},
+        "sft": {"max_num_steps": 10},
+    }
+    ckpt = manager(tmp_path)
+    path = ckpt.save(4, None, run_config=run)
+    # The same run, continued for longer with another learning rate: resumable.
+    longer = {
+        **run,
+        "sft": {"max_num_steps": 20},
+        "policy": {"model": {"path": "models/a", "dtype": "bfloat16"}, "lr": 2e-5},
+    }
+    ckpt.check_resumable(path, longer)
+    other_model = {**run, "policy": {**run["policy"], "model": {"path": "models/b"}}}
+    with pytest.raises(ValueError, match=r"another run .*policy\.model\.path: checkpoint"):
+        ckpt.check_resumable(path, other_model)
+    other_data = {**run, "data": {"train": {"path": "other.jsonl"}}}
+    with pytest.raises(ValueError, match=r"data\.train: checkpoint .*'train.jsonl'.*'other.jsonl'"):
+        ckpt.check_resumable(path, other_data)

@@ -44,8 +44,8 @@ class ChatTemplateConfig(ConfigModel):
     template: str | None = None  # the Jinja source, for kind=jinja only
     # Render the fixed text around messages once per sequence of roles and reuse it (see
     # ChatTemplate.message_texts). Switch off for a template whose output depends on what a
-    # message says beyond inserting it (the probes catch trimming, escaping and think-tag
-    # splitting, not every possible test on the content).
+    # message says beyond inserting it (the probes catch trimming, escaping, think-tag splitting,
+    # case changes and truncation, not every possible test on the content).
     cache_frames: bool = True
 
     @model_validator(mode="after")
@@ -80,11 +80,14 @@ def _compile(source: str) -> jinja2.Template:
 
 
 # Probe contents for ChatTemplate frames ({i}: the message's index). Private-use characters
-# make each unique; the others catch templates that trim, escape or split what a message says.
+# make each unique; the others catch templates that trim, escape or split what a message says,
+# or that strip leading newlines (Qwen3's last assistant turn), change case, normalise line
+# ends or truncate (Jinja's ``truncate`` keeps 255 characters).
 _PROBE_VARIANTS = (
     "\ue000{i}\ue001",
     "  \n\ue002{i}\ue003 \n\n",
     "<think>\ue004{i}</think>{{{{ x }}}}<tool_call>\ue005",
+    "\n\r\n\tAb\ue006{i}\ue007" + "Probe Text. " * 25 + "Z\r\n",
 )
 
 
@@ -157,7 +160,8 @@ class ChatTemplate:
         Rendering costs more than tokenising, so the text a template puts around each message
         (headers, end-of-turn markers, a default system prompt) is found once per sequence of
         roles, by rendering probe contents, and reused: each message's text is then its frame's
-        ``before + content + after``. Probes with whitespace, braces and think/tool tags must
+        ``before + content + after``. Probes with whitespace, line ends, mixed case, braces,
+        think/tool tags and more than 255 characters must
         all come out verbatim in the same frame, else that sequence is rendered every time, as
         are messages with empty content.
         """

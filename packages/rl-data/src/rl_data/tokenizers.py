@@ -106,7 +106,8 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> li
     # a backend configured to pad or truncate would change the ids: let transformers handle it
     if backend is None or backend.padding is not None or backend.truncation is not None:
         return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    recent = _recent_texts(tokenizer)
+    # tokens added since (add_tokens, add_special_tokens) change the ids: forget the old ones
+    recent = _recent_texts(tokenizer, backend.get_vocab_size(with_added_tokens=True))
     known: dict[str, list[int]] = {}
     todo: list[str] = []
     for text in texts:
@@ -133,7 +134,8 @@ class _RecentTexts:
     MAX_ENTRIES = 4096
     MAX_CHARS = 4096  # long texts rarely repeat: not worth keeping
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
         self._ids: OrderedDict[str, list[int]] = OrderedDict()
 
     def get(self, text: str) -> list[int] | None:
@@ -153,9 +155,12 @@ class _RecentTexts:
 _RECENT: weakref.WeakKeyDictionary[Any, _RecentTexts] = weakref.WeakKeyDictionary()
 
 
-def _recent_texts(tokenizer: Any) -> _RecentTexts:
-    # keyed by the tokenizer object: its vocabulary and settings decide the ids
+def _recent_texts(tokenizer: Any, vocab_size: int) -> _RecentTexts:
+    # keyed by the tokenizer object and its vocabulary size: they decide the ids
     try:
-        return _RECENT.setdefault(tokenizer, _RecentTexts())
+        recent = _RECENT.get(tokenizer)
+        if recent is None or recent.vocab_size != vocab_size:
+            recent = _RECENT[tokenizer] = _RecentTexts(vocab_size)
+        return recent
     except TypeError:  # an object that cannot be weakly referenced: no memory across calls
-        return _RecentTexts()
+        return _RecentTexts(vocab_size)

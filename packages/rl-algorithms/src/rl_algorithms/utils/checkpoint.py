@@ -39,6 +39,16 @@ TMP_PREFIX = ".tmp-"
 POLICY_DIR = "policy"
 STATE_FILE = "training_state.pt"
 INFO_FILE = "info.json"
+# Config keys that make a run what it is: a checkpoint directory written with other values
+# belongs to another run, and resuming from it would silently mix the two. (Keys that a resumed
+# run may change, such as the step limit, dtype or attention kernel, are not among them.)
+IDENTITY_KEYS = (
+    "policy.model.path",
+    "policy.model.hf_config",
+    "policy.model.kind",
+    "tokenizer",
+    "data.train",
+)
 
 
 class CheckpointingConfig(ConfigModel):
@@ -126,8 +136,12 @@ class CheckpointManager:
         dataloader: Stateful | None = None,
         metrics: Mapping[str, float] | None = None,
         extra_state: Mapping[str, Any] | None = None,
+        run_config: Mapping[str, Any] | None = None,
     ) -> Path:
-        """Write the checkpoint of ``step`` atomically and prune old ones; returns its path."""
+        """Write the checkpoint of ``step`` atomically and prune old ones; returns its path.
+
+        ``run_config`` (the run's config as JSON-able data) has its ``IDENTITY_KEYS`` kept in
+        ``info.json`` so that resuming with another model, tokenizer or training data is refused."""
         final = self.root / f"step_{step}"
         tmp = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -141,7 +155,12 @@ class CheckpointManager:
             "extra": dict(extra_state or {}),
         }
         torch.save(state, tmp / STATE_FILE)
-        info = {"step": step, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
+        info: dict[str, Any] = {
+            "step": step,
+            "metrics": {k: float(v) for k, v in (metrics or {}).items()},
+        }
+        if run_config is not None:
+            info["identity"] = run_identity(run_config)
         _write_synced(tmp / INFO_FILE, json.dumps(info, indent=1))
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. re-running a finished run)
@@ -173,6 +192,25 @@ class CheckpointManager:
 
     # -- resuming ------------------------------------------------------------------------------
 
+    def check_resumable(self, path: Path, run_config: Mapping[str, Any]) -> None:
+        """Refuse to resume from ``path`` if it was written with another model, tokenizer or
+        data (``IDENTITY_KEYS``); call it before any worker starts."""
+        saved = read_info(path).get("identity")
+        if saved is None:  # written without a config: nothing to compare
+            return
+        mine = run_identity(run_config)
+        differ = [key for key in IDENTITY_KEYS if saved.get(key) != mine.get(key)]
+        if differ:
+            details = "; ".join(
+                f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
+                for key in differ
+            )
+            raise ValueError(
+                f"checkpointing.checkpoint_dir {str(self.root)!r} holds a checkpoint of another "
+                f"run ({path.name}: {details}); use a new checkpoint_dir, or the same config to "
+                "resume"
+            )
+
     def load(
         self,
         path: Path,
@@ -194,6 +232,17 @@ class CheckpointManager:
         if restore_rng:
             set_rng_states(state["rng"])
         return {"step": state["step"], "extra": state["extra"], **read_info(path)}
+
+
+def run_identity(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``IDENTITY_KEYS`` sections of a config dump (``None`` where absent)."""
+    out: dict[str, Any] = {}
+    for key in IDENTITY_KEYS:
+        node: Any = run_config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        out[key] = node
+    return out
 
 
 def read_info(path: Path) -> dict[str, Any]:

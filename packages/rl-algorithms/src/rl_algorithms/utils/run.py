@@ -100,15 +100,17 @@ def setup_supervised(
             dataset("validation"), loop.val_global_batch_size, collate_fn, shuffle=False
         )
 
+    run_config = config.model_dump(mode="json")
+    checkpointer = CheckpointManager(config.checkpointing)
+    latest = checkpointer.latest() if config.checkpointing.enabled else None
+    if latest is not None:
+        checkpointer.check_resumable(latest, run_config)  # before any worker starts
     cluster = start_cluster(config.cluster, name=f"{name}-cluster")
     policy = Policy(cluster, config.policy, name_prefix=f"{name}-policy")
-    checkpointer = CheckpointManager(config.checkpointing)
     step, extra = 0, {}
-    latest = checkpointer.latest() if config.checkpointing.enabled else None
     if latest is not None:
         state = checkpointer.load(latest, policy, dataloader=train_loader)
         step, extra = state["step"], state["extra"]
-    run_config = config.model_dump(mode="json")
     logger = Logger(config.logger, run_config=run_config, state=extra.get("logger"))
     if latest is not None:
         logger.log_metrics({"resumed_from_step": step}, step=step, prefix="run")
@@ -206,7 +208,8 @@ def train_loop(
 
     logger.progress.start(run.total_steps, done=run.step)
     last: dict[str, float] = {}
-    val_metrics = run_validation() if loop.val_at_start and run.step == 0 else {}
+    if loop.val_at_start and run.step == 0:
+        run_validation()
     while run.step < run.total_steps:
         for batch in run.train_loader:  # the rest of this epoch
             with timer("prepare"):
@@ -219,6 +222,9 @@ def train_loop(
             logger.log_metrics({**last, **timer.pop()}, step=run.step, prefix="train")
 
             done = run.step >= run.total_steps
+            # A checkpoint is ranked by the validation of its own weights only, never an
+            # earlier step's (val_period and save_period need not line up).
+            val_metrics = {}
             if loop.val_period and (run.step % loop.val_period == 0 or done):
                 val_metrics = run_validation()
             if run.checkpointer.should_save(run.step, last_step=done):
@@ -238,4 +244,5 @@ def save_checkpoint(run: SupervisedRun, metrics: Mapping[str, float]) -> None:
         dataloader=run.train_loader,
         metrics=metrics,
         extra_state={**run.extra, "logger": run.logger.state_dict()},
+        run_config=run.config.model_dump(mode="json"),
     )
