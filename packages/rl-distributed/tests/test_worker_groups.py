@@ -338,3 +338,32 @@ def test_without_ptrace_the_stack_comes_from_faulthandler(cluster, monkeypatch):
         r"a stopped process cannot run its faulthandler",
         report,
     )
+
+
+def test_a_slow_worker_past_the_deadline_can_still_be_waited_for(cluster):
+    """The deadline cannot tell slow from stuck; the error hands back the calls still running
+    so a caller who reads the report and sees a healthy worker can keep waiting."""
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), workers_per_node=2, name_prefix="slow")
+    try:
+        futures = group.run_all_workers_multiple_data("sleep", seconds=[0, 4])
+        with pytest.raises(WorkerTimeoutError) as err:
+            results(group, futures, timeout=1)
+        assert err.value.ranks == [1]
+        assert err.value.pending.method == "sleep"
+        assert results(group, err.value.pending) == [4]
+    finally:
+        group.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize(
+    "placement, message",
+    [
+        ({"workers_per_node": 0}, r"'empty' places no worker: workers_per_node=0"),
+        ({"bundle_indices_list": [(0, [])]}, r"entry for node 0 lists no bundle"),
+    ],
+)
+def test_a_group_without_workers_is_refused_with_a_reason(cluster, placement, message):
+    with pytest.raises(ValueError, match=message):
+        RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), name_prefix="empty", **placement)
+    # Nothing was claimed: a full-size group still fits next to the module's other groups.
+    assert all(len(owners) < 2 for owners in cluster._bundle_owners.values())

@@ -65,7 +65,17 @@ class WorkerCallError(WorkerGroupError):
 
 class WorkerTimeoutError(WorkerGroupError):
     """Workers did not answer within the deadline; the message names each one, the method it
-    is running and its current Python stack."""
+    is running and its current Python stack.
+
+    A deadline cannot tell a slow worker from a stuck one; the report (stack, process state)
+    lets a human tell. ``ranks`` are the workers still busy and ``pending`` their calls, still
+    running: ``group.get_all_worker_results(err.pending)`` keeps waiting for them.
+    """
+
+    def __init__(self, message: str, ranks: list[int | None], pending: WorkerFutures) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.pending = pending
 
 
 class RayWorkerBuilder:
@@ -197,6 +207,11 @@ class RayWorkerGroup:
             else self._fill_nodes(workers_per_node)
         )
         world_size = sum(len(bundles) for _, bundles in placements)
+        if world_size == 0:
+            raise ValueError(
+                f"worker group {self.name_prefix!r} places no worker: workers_per_node="
+                f"{workers_per_node!r}, bundle_indices_list={bundle_indices_list!r}"
+            )
         if sharding_annotations is None:
             sharding_annotations = NamedSharding(np.arange(world_size), ["data_parallel"])
         if sharding_annotations.size != world_size:
@@ -248,6 +263,11 @@ class RayWorkerGroup:
         nodes = self._nodes()
         seen = set()
         for node_idx, bundles in bundle_indices_list:
+            if not bundles:
+                raise ValueError(
+                    f"bundle_indices_list entry for node {node_idx} lists no bundle; "
+                    f"every tied group needs at least one"
+                )
             if not 0 <= node_idx < len(nodes):
                 raise ValueError(
                     f"bundle_indices_list names node {node_idx}; cluster has {len(nodes)}"
@@ -483,7 +503,9 @@ class RayWorkerGroup:
                 raise self._worker_error(failures[first], ranks[first], method)
             if pending and deadline is not None and time.monotonic() >= deadline:
                 stuck = sorted(positions[ref][0] for ref in pending)
-                raise self._hang_error([ranks[i] for i in stuck], method, timeout, len(refs))
+                stuck_ranks = [ranks[i] for i in stuck]
+                still_running = WorkerFutures([refs[i] for i in stuck], stuck_ranks, method)
+                raise self._hang_error(stuck_ranks, method, timeout, len(refs), still_running)
         return results
 
     def _describe(self, rank: int | None) -> str:
@@ -527,7 +549,12 @@ class RayWorkerGroup:
         return err
 
     def _hang_error(
-        self, ranks: list[int | None], method: str, timeout: float, total: int
+        self,
+        ranks: list[int | None],
+        method: str,
+        timeout: float,
+        total: int,
+        pending: WorkerFutures,
     ) -> WorkerTimeoutError:
         """Name each stuck worker, the method it is running and its current Python stack."""
         known = [r for r in ranks if r is not None and 0 <= r < len(self.worker_metadata)]
@@ -546,7 +573,7 @@ class RayWorkerGroup:
             running = self._running_method(rank) or method
             stack = stacks.get(rank, "no Python stack: unknown worker")
             parts.append(f"--- {self._describe(rank)} is running {running!r}: {stack}".rstrip())
-        return WorkerTimeoutError("\n".join(parts))
+        return WorkerTimeoutError("\n".join(parts), ranks, pending)
 
     # -- teardown ----------------------------------------------------------------------------
 
