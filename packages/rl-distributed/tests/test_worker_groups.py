@@ -367,3 +367,21 @@ def test_a_group_without_workers_is_refused_with_a_reason(cluster, placement, me
         RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), name_prefix="empty", **placement)
     # Nothing was claimed: a full-size group still fits next to the module's other groups.
     assert all(len(owners) < 2 for owners in cluster._bundle_owners.values())
+
+
+def test_results_the_caller_let_go_of_are_not_kept_alive_by_the_group(cluster):
+    """The group remembers calls to say what a stuck worker runs; it must not pin finished
+    results in the object store (256 big batches per worker would fill it)."""
+    import gc
+
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), workers_per_node=1, name_prefix="gc")
+    try:
+        futures = group.run_all_workers_single_data("echo", blob=b"x" * 200_000)
+        assert len(results(group, futures)[0]["blob"]) == 200_000
+        ids = {ref.hex().encode() for ref in futures}
+        del futures
+        gc.collect()
+        counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
+        assert ids and not ids & set(counts)
+    finally:
+        group.shutdown(timeout=5)

@@ -370,8 +370,23 @@ class RayWorkerGroup:
 
     def _call(self, rank: int, method: str, kwargs: dict[str, Any]):
         ref = self.workers[rank].execute.remote(method, (), kwargs)
+        self._forget_finished(rank)
         self._calls[rank].append((ref, method))
         return ref
+
+    def _forget_finished(self, rank: int) -> None:
+        """Drop worker ``rank``'s finished calls from the record: holding their refs would keep
+        their results (batches, logprobs…) alive in the object store after the caller let go."""
+        calls = self._calls[rank]
+        if not calls:
+            return
+        refs = [ref for ref, _ in calls]
+        _, unfinished = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        if len(unfinished) < len(refs):
+            still_running = set(unfinished)
+            kept = [(ref, method) for ref, method in calls if ref in still_running]
+            calls.clear()
+            calls.extend(kept)
 
     def _running_method(self, rank: int | None) -> str | None:
         """The method worker ``rank`` is busy with: its oldest call that has not finished."""
@@ -506,6 +521,9 @@ class RayWorkerGroup:
                 stuck_ranks = [ranks[i] for i in stuck]
                 still_running = WorkerFutures([refs[i] for i in stuck], stuck_ranks, method)
                 raise self._hang_error(stuck_ranks, method, timeout, len(refs), still_running)
+        for rank in dict.fromkeys(ranks):
+            if rank is not None and 0 <= rank < len(self._calls):
+                self._forget_finished(rank)
         return results
 
     def _describe(self, rank: int | None) -> str:
