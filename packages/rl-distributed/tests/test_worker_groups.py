@@ -298,6 +298,9 @@ def test_a_stuck_worker_is_reported_with_its_method_and_python_stack(cluster, ho
     try:
         group.run_all_workers_multiple_data("hang", how=[None, how])  # never awaited
         ping = group.run_all_workers_single_data("ping")
+        # The healthy worker has answered before the deadline starts, however loaded the
+        # machine: otherwise a slow start would report both workers, not the stuck one.
+        ray.get(ping[0], timeout=120)
         with pytest.raises(WorkerTimeoutError) as err:
             results(group, ping, timeout=3 if how == "stop" else None)
     finally:
