@@ -388,3 +388,28 @@ def test_results_the_caller_let_go_of_are_not_kept_alive_by_the_group(cluster):
         assert ids and not ids & set(counts)
     finally:
         group.shutdown(timeout=5)
+
+
+def test_a_dead_worker_whose_output_is_dropped_is_still_reported(cluster):
+    """Replicated outputs come back once, but a tensor-parallel peer that dies must still be
+    reported at once, not waited for behind its partners blocked in the collective."""
+    sharding = NamedSharding([[0, 1], [2, 3]], ["data_parallel", "tensor_parallel"])
+    group = RayWorkerGroup(
+        cluster, RayWorkerBuilder(ECHO), name_prefix="tp", sharding_annotations=sharding
+    )
+    try:
+        futures = group.run_all_workers_sharded_data(
+            "die_or_block",
+            output_is_replicated=["tensor_parallel"],
+            common_kwargs={"victim_rank": 1, "how": "exit"},
+        )
+        assert futures.worker_ranks == [0, 2]  # rank 1's output would be dropped
+        with pytest.raises(WorkerDiedError, match=r"worker 'tp-1' \(rank 1 .*'die_or_block'"):
+            results(group, futures, timeout=60)
+    finally:
+        group.shutdown(timeout=5)
+
+
+def test_replicated_outputs_still_come_back_once(echo4):
+    futures = echo4.run_all_workers_sharded_data("env", output_is_replicated=["tensor_parallel"])
+    assert [e["RANK"] for e in results(echo4, futures)] == ["0", "2"]

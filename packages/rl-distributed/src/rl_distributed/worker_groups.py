@@ -161,10 +161,20 @@ class WorkerFutures(list):
     name the worker when a result turns out to be a failure.
     """
 
-    def __init__(self, refs: Sequence, worker_ranks: Sequence[int], method: str) -> None:
+    def __init__(
+        self,
+        refs: Sequence,
+        worker_ranks: Sequence[int],
+        method: str,
+        watched: Sequence[tuple[Any, int]] = (),
+    ) -> None:
         super().__init__(refs)
         self.worker_ranks = list(worker_ranks)
         self.method = method
+        # Calls whose results are dropped (replicated outputs) but whose failure still counts:
+        # a dead tensor-parallel peer must be reported, not waited for behind its blocked
+        # partners. ``(ref, rank)`` pairs.
+        self.watched = list(watched)
 
 
 class RayWorkerGroup:
@@ -448,7 +458,7 @@ class RayWorkerGroup:
         free_axes = [a for a in sharding.names if a not in (*in_sharded_axes, *replicate_on_axes)]
         common = share_large_values(common_kwargs or {}, copies=len(self.workers))
 
-        refs, ranks = [], []
+        refs, ranks, watched = [], [], []
         for rank in range(len(self.workers)):
             coords = sharding.get_worker_coords(rank)
             gets_data = all(coords[a] == 0 for a in free_axes)
@@ -461,7 +471,9 @@ class RayWorkerGroup:
             if all(coords[a] == 0 for a in output_is_replicated):
                 refs.append(ref)
                 ranks.append(rank)
-        return WorkerFutures(refs, ranks, method)
+            else:
+                watched.append((ref, rank))
+        return WorkerFutures(refs, ranks, method, watched)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -474,8 +486,11 @@ class RayWorkerGroup:
         passes, ``WorkerTimeoutError`` names every worker still busy, the method it is
         running, and its current Python stack.
         """
-        refs = list(futures)
-        ranks = list(getattr(futures, "worker_ranks", None) or [None] * len(refs))
+        returned = len(futures)
+        watched = list(getattr(futures, "watched", ()))
+        refs = [*futures, *(ref for ref, _ in watched)]
+        ranks = list(getattr(futures, "worker_ranks", None) or [None] * returned)
+        ranks += [rank for _, rank in watched]
         method = getattr(futures, "method", "?")
         timeout = self.call_timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -514,7 +529,8 @@ class RayWorkerGroup:
                         pending, num_returns=len(pending), timeout=GRACE_ON_FAILURE_S
                     )
                     collect(late)
-                first = min(failures)
+                # By rank where known: watched calls sit after the returned ones.
+                first = min(failures, key=lambda i: (ranks[i] is None, ranks[i] or 0, i))
                 raise self._worker_error(failures[first], ranks[first], method)
             if pending and deadline is not None and time.monotonic() >= deadline:
                 stuck = sorted(positions[ref][0] for ref in pending)
@@ -524,7 +540,7 @@ class RayWorkerGroup:
         for rank in dict.fromkeys(ranks):
             if rank is not None and 0 <= rank < len(self._calls):
                 self._forget_finished(rank)
-        return results
+        return results[:returned]
 
     def _describe(self, rank: int | None) -> str:
         if rank is None or not 0 <= rank < len(self.worker_metadata):
