@@ -216,3 +216,21 @@ def test_requirements_are_resolved_once_and_every_node_builds_the_same_versions(
     assert "rl-pin-probe==1.1" in upgraded
     assert env_dir(env, upgraded).name != env_dir(env, resolution).name
     assert resolve(env) == upgraded
+
+
+def test_a_resolve_killed_while_storing_leaves_no_half_resolution(cache, monkeypatch):
+    """The stored resolution is reused on every later run, so it must be whole or absent."""
+    full = "ray==2.0.0\nsix==1.16.0\n"
+    monkeypatch.setattr(builder, "_compile", lambda env: full)
+    real_write_text = Path.write_text
+
+    def killed_halfway(self, text, *args, **kwargs):
+        real_write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt  # the driver is stopped in the middle of writing
+
+    monkeypatch.setattr(Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        resolve(SIX_OLD)
+    monkeypatch.setattr(Path, "write_text", real_write_text)
+    assert resolve(SIX_OLD) == full
+    assert builder.resolution_path(SIX_OLD).read_text() == full

@@ -298,6 +298,9 @@ def test_a_stuck_worker_is_reported_with_its_method_and_python_stack(cluster, ho
     try:
         group.run_all_workers_multiple_data("hang", how=[None, how])  # never awaited
         ping = group.run_all_workers_single_data("ping")
+        # The healthy worker has answered before the deadline starts, however loaded the
+        # machine: otherwise a slow start would report both workers, not the stuck one.
+        ray.get(ping[0], timeout=120)
         with pytest.raises(WorkerTimeoutError) as err:
             results(group, ping, timeout=3 if how == "stop" else None)
     finally:
@@ -338,3 +341,75 @@ def test_without_ptrace_the_stack_comes_from_faulthandler(cluster, monkeypatch):
         r"a stopped process cannot run its faulthandler",
         report,
     )
+
+
+def test_a_slow_worker_past_the_deadline_can_still_be_waited_for(cluster):
+    """The deadline cannot tell slow from stuck; the error hands back the calls still running
+    so a caller who reads the report and sees a healthy worker can keep waiting."""
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), workers_per_node=2, name_prefix="slow")
+    try:
+        futures = group.run_all_workers_multiple_data("sleep", seconds=[0, 4])
+        with pytest.raises(WorkerTimeoutError) as err:
+            results(group, futures, timeout=1)
+        assert err.value.ranks == [1]
+        assert err.value.pending.method == "sleep"
+        assert results(group, err.value.pending) == [4]
+    finally:
+        group.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize(
+    "placement, message",
+    [
+        ({"workers_per_node": 0}, r"'empty' places no worker: workers_per_node=0"),
+        ({"bundle_indices_list": [(0, [])]}, r"entry for node 0 lists no bundle"),
+    ],
+)
+def test_a_group_without_workers_is_refused_with_a_reason(cluster, placement, message):
+    with pytest.raises(ValueError, match=message):
+        RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), name_prefix="empty", **placement)
+    # Nothing was claimed: a full-size group still fits next to the module's other groups.
+    assert all(len(owners) < 2 for owners in cluster._bundle_owners.values())
+
+
+def test_results_the_caller_let_go_of_are_not_kept_alive_by_the_group(cluster):
+    """The group remembers calls to say what a stuck worker runs; it must not pin finished
+    results in the object store (256 big batches per worker would fill it)."""
+    import gc
+
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), workers_per_node=1, name_prefix="gc")
+    try:
+        futures = group.run_all_workers_single_data("echo", blob=b"x" * 200_000)
+        assert len(results(group, futures)[0]["blob"]) == 200_000
+        ids = {ref.hex().encode() for ref in futures}
+        del futures
+        gc.collect()
+        counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
+        assert ids and not ids & set(counts)
+    finally:
+        group.shutdown(timeout=5)
+
+
+def test_a_dead_worker_whose_output_is_dropped_is_still_reported(cluster):
+    """Replicated outputs come back once, but a tensor-parallel peer that dies must still be
+    reported at once, not waited for behind its partners blocked in the collective."""
+    sharding = NamedSharding([[0, 1], [2, 3]], ["data_parallel", "tensor_parallel"])
+    group = RayWorkerGroup(
+        cluster, RayWorkerBuilder(ECHO), name_prefix="tp", sharding_annotations=sharding
+    )
+    try:
+        futures = group.run_all_workers_sharded_data(
+            "die_or_block",
+            output_is_replicated=["tensor_parallel"],
+            common_kwargs={"victim_rank": 1, "how": "exit"},
+        )
+        assert futures.worker_ranks == [0, 2]  # rank 1's output would be dropped
+        with pytest.raises(WorkerDiedError, match=r"worker 'tp-1' \(rank 1 .*'die_or_block'"):
+            results(group, futures, timeout=60)
+    finally:
+        group.shutdown(timeout=5)
+
+
+def test_replicated_outputs_still_come_back_once(echo4):
+    futures = echo4.run_all_workers_sharded_data("env", output_is_replicated=["tensor_parallel"])
+    assert [e["RANK"] for e in results(echo4, futures)] == ["0", "2"]

@@ -114,38 +114,44 @@ def python_stack(pid: int, stderr_path: str | None, tools: tuple[str, ...]) -> s
     return f"process {pid} is {state}; no Python stack: {'; '.join(reasons)}"
 
 
+#: How long a hang report waits for all stacks together: the workers are read in parallel, each
+#: by at most py-spy then faulthandler, so this does not grow with the number of workers.
+STACKS_TIMEOUT_S = DUMP_TIMEOUT_S + 5.0 + 10.0
+
+
 @ray.remote(num_cpus=0)
-def _stacks_on_this_node(
-    targets: list[tuple[int, str | None]], tools: tuple[str, ...]
-) -> list[str]:
-    return [python_stack(pid, stderr, tools) for pid, stderr in targets]
+def _stack_on_its_node(pid: int, stderr_path: str | None, tools: tuple[str, ...]) -> str:
+    return python_stack(pid, stderr_path, tools)
 
 
-def collect_stacks(placements: list[dict]) -> list[str]:
+def collect_stacks(placements: list[dict], timeout: float | None = None) -> list[str]:
     """The stack of each worker (``placement`` as from ``WorkerHost.describe``), read on its node.
 
-    Never raises: a stack that cannot be read says why instead.
+    One small task per worker, all at once, under one deadline (``timeout``, default
+    ``STACKS_TIMEOUT_S``): a worker whose stack cannot be read in time costs neither the others
+    their stacks nor the report more time. Never raises: a stack that cannot be read says why.
     """
-    by_node: dict[str, list[int]] = {}
-    for i, info in enumerate(placements):
-        by_node.setdefault(info.get("node_id") or "", []).append(i)
+    timeout = STACKS_TIMEOUT_S if timeout is None else timeout
     stacks = ["no Python stack: the worker never reported where it runs"] * len(placements)
-    tasks = []
-    for node, indices in by_node.items():
-        if not node:
+    tasks = {}
+    for i, info in enumerate(placements):
+        if not info.get("node_id"):
             continue
-        targets = [(placements[i]["pid"], placements[i].get("stderr")) for i in indices]
-        task = _stacks_on_this_node.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-        ).remote(targets, STACK_TOOLS)
-        tasks.append((indices, task))
-    for indices, task in tasks:
+        task = _stack_on_its_node.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=False)
+        ).remote(info["pid"], info.get("stderr"), STACK_TOOLS)
+        tasks[task] = i
+    if not tasks:
+        return stacks
+    ready, late = ray.wait(list(tasks), num_returns=len(tasks), timeout=timeout)
+    for task in ready:
         try:
-            found = ray.get(task, timeout=DUMP_TIMEOUT_S * len(indices) * 2 + 30)
+            stacks[tasks[task]] = ray.get(task)
         except Exception as err:  # the node may be gone too; the report must still come out
-            found = [f"no Python stack: reading it failed ({type(err).__name__}: {err})"] * len(
-                indices
+            stacks[tasks[task]] = (
+                f"no Python stack: reading it failed ({type(err).__name__}: {err})"
             )
-        for i, text in zip(indices, found, strict=True):
-            stacks[i] = text
+    for task in late:
+        stacks[tasks[task]] = f"no Python stack: reading it took longer than {timeout:.0f}s"
+        ray.cancel(task)  # a stuck reader is not left behind (its py-spy is killed with it)
     return stacks

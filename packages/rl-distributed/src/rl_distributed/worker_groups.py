@@ -65,7 +65,17 @@ class WorkerCallError(WorkerGroupError):
 
 class WorkerTimeoutError(WorkerGroupError):
     """Workers did not answer within the deadline; the message names each one, the method it
-    is running and its current Python stack."""
+    is running and its current Python stack.
+
+    A deadline cannot tell a slow worker from a stuck one; the report (stack, process state)
+    lets a human tell. ``ranks`` are the workers still busy and ``pending`` their calls, still
+    running: ``group.get_all_worker_results(err.pending)`` keeps waiting for them.
+    """
+
+    def __init__(self, message: str, ranks: list[int | None], pending: WorkerFutures) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.pending = pending
 
 
 class RayWorkerBuilder:
@@ -151,10 +161,20 @@ class WorkerFutures(list):
     name the worker when a result turns out to be a failure.
     """
 
-    def __init__(self, refs: Sequence, worker_ranks: Sequence[int], method: str) -> None:
+    def __init__(
+        self,
+        refs: Sequence,
+        worker_ranks: Sequence[int],
+        method: str,
+        watched: Sequence[tuple[Any, int]] = (),
+    ) -> None:
         super().__init__(refs)
         self.worker_ranks = list(worker_ranks)
         self.method = method
+        # Calls whose results are dropped (replicated outputs) but whose failure still counts:
+        # a dead tensor-parallel peer must be reported, not waited for behind its blocked
+        # partners. ``(ref, rank)`` pairs.
+        self.watched = list(watched)
 
 
 class RayWorkerGroup:
@@ -197,6 +217,11 @@ class RayWorkerGroup:
             else self._fill_nodes(workers_per_node)
         )
         world_size = sum(len(bundles) for _, bundles in placements)
+        if world_size == 0:
+            raise ValueError(
+                f"worker group {self.name_prefix!r} places no worker: workers_per_node="
+                f"{workers_per_node!r}, bundle_indices_list={bundle_indices_list!r}"
+            )
         if sharding_annotations is None:
             sharding_annotations = NamedSharding(np.arange(world_size), ["data_parallel"])
         if sharding_annotations.size != world_size:
@@ -248,6 +273,11 @@ class RayWorkerGroup:
         nodes = self._nodes()
         seen = set()
         for node_idx, bundles in bundle_indices_list:
+            if not bundles:
+                raise ValueError(
+                    f"bundle_indices_list entry for node {node_idx} lists no bundle; "
+                    f"every tied group needs at least one"
+                )
             if not 0 <= node_idx < len(nodes):
                 raise ValueError(
                     f"bundle_indices_list names node {node_idx}; cluster has {len(nodes)}"
@@ -350,8 +380,23 @@ class RayWorkerGroup:
 
     def _call(self, rank: int, method: str, kwargs: dict[str, Any]):
         ref = self.workers[rank].execute.remote(method, (), kwargs)
+        self._forget_finished(rank)
         self._calls[rank].append((ref, method))
         return ref
+
+    def _forget_finished(self, rank: int) -> None:
+        """Drop worker ``rank``'s finished calls from the record: holding their refs would keep
+        their results (batches, logprobs…) alive in the object store after the caller let go."""
+        calls = self._calls[rank]
+        if not calls:
+            return
+        refs = [ref for ref, _ in calls]
+        _, unfinished = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        if len(unfinished) < len(refs):
+            still_running = set(unfinished)
+            kept = [(ref, method) for ref, method in calls if ref in still_running]
+            calls.clear()
+            calls.extend(kept)
 
     def _running_method(self, rank: int | None) -> str | None:
         """The method worker ``rank`` is busy with: its oldest call that has not finished."""
@@ -413,7 +458,7 @@ class RayWorkerGroup:
         free_axes = [a for a in sharding.names if a not in (*in_sharded_axes, *replicate_on_axes)]
         common = share_large_values(common_kwargs or {}, copies=len(self.workers))
 
-        refs, ranks = [], []
+        refs, ranks, watched = [], [], []
         for rank in range(len(self.workers)):
             coords = sharding.get_worker_coords(rank)
             gets_data = all(coords[a] == 0 for a in free_axes)
@@ -426,7 +471,9 @@ class RayWorkerGroup:
             if all(coords[a] == 0 for a in output_is_replicated):
                 refs.append(ref)
                 ranks.append(rank)
-        return WorkerFutures(refs, ranks, method)
+            else:
+                watched.append((ref, rank))
+        return WorkerFutures(refs, ranks, method, watched)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -439,8 +486,11 @@ class RayWorkerGroup:
         passes, ``WorkerTimeoutError`` names every worker still busy, the method it is
         running, and its current Python stack.
         """
-        refs = list(futures)
-        ranks = list(getattr(futures, "worker_ranks", None) or [None] * len(refs))
+        returned = len(futures)
+        watched = list(getattr(futures, "watched", ()))
+        refs = [*futures, *(ref for ref, _ in watched)]
+        ranks = list(getattr(futures, "worker_ranks", None) or [None] * returned)
+        ranks += [rank for _, rank in watched]
         method = getattr(futures, "method", "?")
         timeout = self.call_timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -479,12 +529,18 @@ class RayWorkerGroup:
                         pending, num_returns=len(pending), timeout=GRACE_ON_FAILURE_S
                     )
                     collect(late)
-                first = min(failures)
+                # By rank where known: watched calls sit after the returned ones.
+                first = min(failures, key=lambda i: (ranks[i] is None, ranks[i] or 0, i))
                 raise self._worker_error(failures[first], ranks[first], method)
             if pending and deadline is not None and time.monotonic() >= deadline:
                 stuck = sorted(positions[ref][0] for ref in pending)
-                raise self._hang_error([ranks[i] for i in stuck], method, timeout, len(refs))
-        return results
+                stuck_ranks = [ranks[i] for i in stuck]
+                still_running = WorkerFutures([refs[i] for i in stuck], stuck_ranks, method)
+                raise self._hang_error(stuck_ranks, method, timeout, len(refs), still_running)
+        for rank in dict.fromkeys(ranks):
+            if rank is not None and 0 <= rank < len(self._calls):
+                self._forget_finished(rank)
+        return results[:returned]
 
     def _describe(self, rank: int | None) -> str:
         if rank is None or not 0 <= rank < len(self.worker_metadata):
@@ -527,7 +583,12 @@ class RayWorkerGroup:
         return err
 
     def _hang_error(
-        self, ranks: list[int | None], method: str, timeout: float, total: int
+        self,
+        ranks: list[int | None],
+        method: str,
+        timeout: float,
+        total: int,
+        pending: WorkerFutures,
     ) -> WorkerTimeoutError:
         """Name each stuck worker, the method it is running and its current Python stack."""
         known = [r for r in ranks if r is not None and 0 <= r < len(self.worker_metadata)]
@@ -546,7 +607,7 @@ class RayWorkerGroup:
             running = self._running_method(rank) or method
             stack = stacks.get(rank, "no Python stack: unknown worker")
             parts.append(f"--- {self._describe(rank)} is running {running!r}: {stack}".rstrip())
-        return WorkerTimeoutError("\n".join(parts))
+        return WorkerTimeoutError("\n".join(parts), ranks, pending)
 
     # -- teardown ----------------------------------------------------------------------------
 

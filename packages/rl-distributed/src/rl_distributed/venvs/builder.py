@@ -122,7 +122,11 @@ def resolve(env: PythonEnv, upgrade: bool = False) -> str | None:
         if path.is_file() and not upgrade:
             return path.read_text()
         text = _compile(env)
-        path.write_text(text)
+        # Whole or not at all: a resolve killed mid-write must not leave half a resolution
+        # that every later run would reuse (and install) as the pinned set.
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(text)
+        os.replace(partial, path)
     return text
 
 
