@@ -40,7 +40,7 @@ from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_algorithms.rollouts import RolloutResult, run_rollouts
 from rl_algorithms.utils.checkpoint import CheckpointManager
 from rl_algorithms.utils.logger import Logger
-from rl_algorithms.utils.run import reduce_step_metrics
+from rl_algorithms.utils.run import reduce_step_metrics, save_checkpoint
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.config import ConfigModel
 from rl_models.generation.config import GenerationConfig
@@ -476,17 +476,6 @@ def validate(run: GRPORun) -> dict[str, float]:
         "mean_turns": float(torch.cat(turns).mean()),
         "num_samples": float(len(r)),
     }
-
-
-def save_checkpoint(run: GRPORun, metrics: dict[str, float]) -> None:
-    run.checkpointer.save(
-        run.step,
-        run.policy,
-        dataloader=run.train_loader,
-        metrics=metrics,
-        extra_state={**run.extra, "logger": run.logger.state_dict()},
-        run_config=run.config.model_dump(mode="json"),
-    )
 
 
 # -- the loop ------------------------------------------------------------------------------------

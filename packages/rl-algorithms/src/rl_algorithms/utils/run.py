@@ -237,7 +237,9 @@ def train_loop(
     return last
 
 
-def save_checkpoint(run: SupervisedRun, metrics: Mapping[str, float]) -> None:
+def save_checkpoint(run: Any, metrics: Mapping[str, float]) -> None:
+    """Checkpoint a run (supervised or GRPO: both hold step, policy, train_loader, logger,
+    checkpointer, extra and config) with its loader position and logger state."""
     run.checkpointer.save(
         run.step,
         run.policy,
