@@ -19,7 +19,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,14 @@ from rl_distributed._arguments import check_shard_shape, share_large_values
 from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_host import WorkerHost
+from rl_distributed.worker_types import (
+    WorkerCallError,
+    WorkerDiedError,
+    WorkerFutures,
+    WorkerGroupError,
+    WorkerMetadata,
+    WorkerTimeoutError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,33 +56,6 @@ GRACE_ON_FAILURE_S = 1.0
 STARTUP_TIMEOUT_S = float(os.environ.get("RL_WORKER_STARTUP_TIMEOUT_S", "600"))
 
 _RemoteWorkerHost = ray.remote(WorkerHost)
-
-
-class WorkerGroupError(RuntimeError):
-    """Base class for failures of a worker group's workers."""
-
-
-class WorkerDiedError(WorkerGroupError):
-    """A worker process ended (killed, crashed, out of memory) or never started."""
-
-
-class WorkerCallError(WorkerGroupError):
-    """A worker's method raised; the remote traceback is in the message and ``__cause__``."""
-
-
-class WorkerTimeoutError(WorkerGroupError):
-    """Workers did not answer within the deadline; the message names each one, the method it
-    is running and its current Python stack.
-
-    A deadline cannot tell a slow worker from a stuck one; the report (stack, process state)
-    lets a human tell. ``ranks`` are the workers still busy and ``pending`` their calls, still
-    running: ``group.get_all_worker_results(err.pending)`` keeps waiting for them.
-    """
-
-    def __init__(self, message: str, ranks: list[int | None], pending: WorkerFutures) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-        self.pending = pending
 
 
 class RayWorkerBuilder:
@@ -132,49 +112,6 @@ class RayWorkerBuilder:
 
     def __repr__(self) -> str:
         return f"RayWorkerBuilder({self.actor_class_fqn!r})"
-
-
-@dataclass
-class WorkerMetadata:
-    """Where one worker sits: in the group, on the cluster and in its tied group."""
-
-    rank: int
-    name: str
-    node_idx: int
-    local_rank: int
-    bundle_index: int
-    tied_group: int
-    placement: dict[str, Any] = field(default_factory=dict)  # pid, host, node id once started
-
-    def describe(self) -> str:
-        where = self.placement.get("hostname") or f"virtual node {self.node_idx}"
-        pid = self.placement.get("pid")
-        return f"worker {self.name!r} (rank {self.rank} on {where}" + (
-            f", pid {pid})" if pid else ")"
-        )
-
-
-class WorkerFutures(list):
-    """A list of ``ObjectRef`` that remembers which worker and method each came from.
-
-    It is a plain list to Ray (``ray.get`` works on it); the group uses the extra fields to
-    name the worker when a result turns out to be a failure.
-    """
-
-    def __init__(
-        self,
-        refs: Sequence,
-        worker_ranks: Sequence[int],
-        method: str,
-        watched: Sequence[tuple[Any, int]] = (),
-    ) -> None:
-        super().__init__(refs)
-        self.worker_ranks = list(worker_ranks)
-        self.method = method
-        # Calls whose results are dropped (replicated outputs) but whose failure still counts:
-        # a dead tensor-parallel peer must be reported, not waited for behind its blocked
-        # partners. ``(ref, rank)`` pairs.
-        self.watched = list(watched)
 
 
 class RayWorkerGroup:
