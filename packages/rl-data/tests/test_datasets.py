@@ -254,3 +254,35 @@ def test_empty_and_missing_files(tmp_path):
     all_bad = _lines(tmp_path / "bad.jsonl", ["{", "{"])
     with pytest.raises(DataError, match=r"no usable rows \(2 skipped\)"):
         load_dataset(ChatFileConfig(path=all_bad, on_bad_row="skip"))
+
+
+def test_arithmetic_operand_range_prompt_and_distinct_questions():
+    cfg = ArithmeticConfig(
+        size=300,
+        seed=5,
+        min_operand=10,
+        max_operand=99,
+        operations=["+"],
+        prompt="What is {a} + {b}? Answer with just the number.",
+        distinct=True,
+    )
+    rows = load_dataset(cfg)
+    questions = [r["messages"][0]["content"] for r in rows]
+    assert len(set(questions)) == 300  # no question twice
+    for q, row in zip(questions, rows, strict=True):
+        assert q.endswith("? Answer with just the number.")
+        a, b = (int(x) for x in q.removeprefix("What is ").split("?")[0].split(" + "))
+        assert 10 <= a <= 99 and 10 <= b <= 99
+        assert row["extra_env_info"]["ground_truth"] == str(a + b)
+    # Without `distinct` the same range repeats questions at this size (birthday bound).
+    repeated = load_dataset(cfg.model_copy(update={"distinct": False, "size": 2000}))
+    assert len({r["messages"][0]["content"] for r in repeated}) < 2000
+
+
+def test_arithmetic_bad_settings_name_the_key():
+    with pytest.raises(ValidationError, match="min_operand"):
+        ArithmeticConfig(min_operand=50, max_operand=10)
+    with pytest.raises(ValidationError, match=r"arithmetic.prompt"):
+        ArithmeticConfig(prompt="What is {x}?")
+    with pytest.raises(ValidationError, match="distinct questions"):
+        ArithmeticConfig(size=10, min_operand=1, max_operand=2, operations=["+"], distinct=True)

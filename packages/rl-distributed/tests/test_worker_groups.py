@@ -413,3 +413,29 @@ def test_a_dead_worker_whose_output_is_dropped_is_still_reported(cluster):
 def test_replicated_outputs_still_come_back_once(echo4):
     futures = echo4.run_all_workers_sharded_data("env", output_is_replicated=["tensor_parallel"])
     assert [e["RANK"] for e in results(echo4, futures)] == ["0", "2"]
+
+
+def test_cpu_workers_share_the_cores_of_their_node_as_threads(monkeypatch):
+    """Ray alone would give the worker of a one-CPU bundle one thread; it gets the node's
+    cores (shared by the group's workers there: colocated groups take turns). The driver's
+    own OMP_NUM_THREADS wins."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    one = RayVirtualCluster([1], use_gpus=False, max_colocated_worker_groups=2, name="threads")
+    two = RayVirtualCluster([2], use_gpus=False, name="threads-2")
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for cluster, expected in ((one, cores), (two, max(1, cores // 2))):
+            group = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), name_prefix="threads")
+            envs = results(group, group.run_all_workers_single_data("env"))
+            group.shutdown()
+            assert {e["OMP_NUM_THREADS"] for e in envs} == {str(expected)}
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        group = RayWorkerGroup(one, RayWorkerBuilder(ECHO), name_prefix="threads-set")
+        envs = results(group, group.run_all_workers_single_data("env"))
+        group.shutdown()
+        assert {e["OMP_NUM_THREADS"] for e in envs} == {"3"}
+    finally:
+        one.shutdown()
+        two.shutdown()

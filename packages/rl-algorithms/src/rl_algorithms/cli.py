@@ -54,6 +54,8 @@ def build_config(algorithm: types.ModuleType, argv: Sequence[str]) -> Any:
 
     path, overrides = parse_cli(argv)
     cfg = load_config(algorithm.DEFAULT_RECIPE)
+    if path is None:  # an algorithm may ship a complete job to run with no --config at all
+        path = getattr(algorithm, "MAIN_RECIPE", None)
     if path is not None:
         cfg = OmegaConf.merge(cfg, load_config(path))
     overrides = [_allow_schema_keys(cfg, algorithm.MasterConfig, o) for o in overrides]

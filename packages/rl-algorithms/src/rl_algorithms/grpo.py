@@ -47,6 +47,8 @@ from rl_models.generation.config import GenerationConfig
 from rl_models.policy.config import PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("grpo")
+# `rl grpo` with no --config: SmolLM2-135M-Instruct learns two-digit addition on a CPU.
+MAIN_RECIPE = recipe_path("grpo_main")
 
 
 class RewardShapingConfig(ConfigModel):
@@ -293,7 +295,7 @@ def setup(config: MasterConfig) -> GRPORun:
         val_loader=val_loader,
         logger=logger,
         checkpointer=checkpointer,
-        loss_fn=ClippedPGLossFn(config.loss_fn),
+        loss_fn=ClippedPGLossFn(config.loss_fn, pi_old_is_current=single_update_per_batch(config)),
         step=step,
         extra=extra,
     )
@@ -308,7 +310,13 @@ def refit_if_stale(run: GRPORun) -> dict[str, float]:
         return {}
     from rl_models.generation.refit import refit
 
-    stats = refit(run.policy, run.generation)
+    # A generator that samples in a narrower dtype than the policy trains in gets its weights
+    # cast on the way: half the bytes to move for a bf16 generator of an fp32 policy.
+    model = run.config.generation.model
+    dtype = (
+        model.dtype if model is not None and model.dtype != run.config.policy.model.dtype else None
+    )
+    stats = refit(run.policy, run.generation, dtype=dtype)
     return {"refit_bytes": float(stats.bytes), "refit_seconds": stats.seconds}
 
 
@@ -440,12 +448,29 @@ def compute_advantages(
     }
 
 
+def single_update_per_batch(config: MasterConfig) -> bool:
+    """One optimiser step per rollout batch: the policy that trains on it is pi_old itself."""
+    g = config.grpo
+    return (
+        config.policy.train_global_batch_size
+        == g.num_prompts_per_step * g.num_generations_per_prompt
+    )
+
+
 def compute_logprobs(run: GRPORun, batch: BatchedDataDict) -> None:
     """``prev_logprobs`` (the policy before this step) and, for the KL penalty, the
-    reference policy's log-probs, into ``batch``."""
+    reference policy's log-probs, into ``batch``.
+
+    With a single optimiser step per batch pi_old is the policy being trained, so its
+    log-probs come out of the train step's own forward pass (see ``ClippedPGLossFn``).
+    """
+    need_reference = run.config.loss_fn.reference_policy_kl_penalty > 0
+    if single_update_per_batch(run.config) and not need_reference:
+        return
     run.policy.prepare_for_lp_inference()
-    batch["prev_logprobs"] = run.policy.get_logprobs(batch)["logprobs"]
-    if run.config.loss_fn.reference_policy_kl_penalty > 0:
+    if not single_update_per_batch(run.config):
+        batch["prev_logprobs"] = run.policy.get_logprobs(batch)["logprobs"]
+    if need_reference:
         ref = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
         batch["reference_policy_logprobs"] = ref
 
@@ -520,9 +545,36 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
     return last
 
 
+PHASES = ("refit", "generation", "rewards_and_advantages", "logprobs", "train")
+
+
+def report(run: GRPORun) -> None:
+    """The end of a run: a summary table, a plot of reward and validation accuracy against
+    steps (from the JSONL log, so a resumed run's earlier steps count) and, when the run
+    validated at its start and end, the line ``validation accuracy: BEFORE -> AFTER``."""
+    from rl_algorithms.utils.report import plot_curves, print_summary, read_history, summary_rows
+
+    jsonl = run.logger.log_dir / "metrics.jsonl"
+    if not run.config.logger.jsonl_enabled or not jsonl.is_file():
+        return
+    history = read_history(jsonl)
+    paths = {"logs": str(run.logger.log_dir)}
+    if history.get("train/reward_mean"):
+        paths["plot"] = str(plot_curves(history, run.logger.log_dir / "curves.png", title="GRPO"))
+    latest = run.checkpointer.latest() if run.config.checkpointing.enabled else None
+    if latest is not None:
+        paths["checkpoint (transformers)"] = str(latest / "policy")
+    print_summary(summary_rows(history, PHASES), paths, title="GRPO run")
+    accuracy = history.get("val/accuracy", [])
+    if len(accuracy) >= 2 and accuracy[0][0] == 0:
+        print(f"validation accuracy: {accuracy[0][1]:.3f} -> {accuracy[-1][1]:.3f}")
+
+
 def main(config: MasterConfig) -> dict[str, float]:
     run = setup(config)
     try:
-        return grpo_train(run)
+        last = grpo_train(run)
     finally:
         run.shutdown()
+    report(run)
+    return last

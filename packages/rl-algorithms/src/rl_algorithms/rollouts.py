@@ -276,6 +276,7 @@ def run_rollouts(
             "truncated_fraction": float(truncated.double().mean()),
             "terminated_fraction": float(terminated.double().mean()),
             "mean_generated_tokens": sum(lengths) / n,
+            "completion_tokens": float(sum(lengths)),
             "reward_mean": float(rewards.double().mean()),
         }
     )

@@ -214,3 +214,26 @@ def test_bad_config_and_missing_keys_are_named():
     del data["prev_logprobs"]
     with pytest.raises(KeyError, match="prev_logprobs"):
         ClippedPGLossFn({})(lp, data, torch.tensor(1.0), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize(
+    "name", ["defaults", "kl-k3-clamped", "is-token-truncated", "gspo-sequence"]
+)
+def test_without_prev_logprobs_pi_old_is_the_current_policy(name):
+    """One optimiser step per batch: the loss is scored against the detached current
+    log-probs, which is the reference computed with ``prev_logprobs = logprobs`` (float64)."""
+    cfg = ClippedPGLossConfig.model_validate(CONFIGS[name])
+    lp, data = pg_batch(seed=3)
+    del data["prev_logprobs"]
+    seqs, toks = global_counts(data)
+    loss, metrics = ClippedPGLossFn(cfg, pi_old_is_current=True)(lp, data, seqs, toks)
+    (grad,) = torch.autograd.grad(loss, lp)
+    ref_data = BatchedDataDict({**data, "prev_logprobs": lp.detach().clone()})
+    expected = reference_loss(lp, ref_data, cfg)
+    (expected_grad,) = torch.autograd.grad(expected, lp)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
+    assert metrics["probs_ratio_min"] == metrics["probs_ratio_max"] == 1.0
+    # Off (the default), a batch without pi_old's log-probs is an error, not a silent ratio 1.
+    with pytest.raises(KeyError, match="prev_logprobs"):
+        ClippedPGLossFn(cfg)(lp, data, seqs, toks)

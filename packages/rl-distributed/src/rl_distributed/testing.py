@@ -29,7 +29,8 @@ class EchoWorker:
         return kwargs
 
     def env(self) -> dict[str, str]:
-        return {k: os.environ[k] for k in (*_DIST_ENV, "MASTER_PORT", "RL_WORKER_NAME")}
+        env = {k: os.environ[k] for k in (*_DIST_ENV, "MASTER_PORT", "RL_WORKER_NAME")}
+        return {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "")}
 
     def python(self) -> dict[str, str]:
         return {"executable": sys.executable, "version": sys.version.split()[0]}

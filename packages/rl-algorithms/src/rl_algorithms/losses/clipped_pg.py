@@ -5,7 +5,8 @@ Data (``[B, S]`` tensors aligned like the policy's log-probs, see ``rl_models.in
 - ``input_ids``, ``input_lengths``, ``token_mask`` (1 on generated tokens), ``sample_mask``;
 - ``advantages`` ``[B, S]`` (a per-sample advantage broadcast over its tokens, or per token);
 - ``prev_logprobs``: log-probs of the policy that the batch is trained from (pi_old), taken by
-  the training backend before the first optimiser step;
+  the training backend before the first optimiser step (with ``pi_old_is_current``, when the
+  batch gets one optimiser step, it may be left out: pi_old is then the current policy);
 - ``generation_logprobs``: the generator's log-probs of the sampled tokens (for the
   importance-sampling correction and ``token_mult_prob_error``);
 - ``reference_policy_logprobs``: the frozen reference (only when the KL penalty is on).
@@ -104,8 +105,14 @@ def _per_sequence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class ClippedPGLossFn:
     """``loss_fn`` for ``Policy.train`` on GRPO batches (module docstring for the keys)."""
 
-    def __init__(self, config: ClippedPGLossConfig | dict | None = None) -> None:
+    def __init__(
+        self, config: ClippedPGLossConfig | dict | None = None, *, pi_old_is_current: bool = False
+    ) -> None:
         self.config = ClippedPGLossConfig.model_validate(config or {})
+        # A batch trained with a single optimiser step is scored by pi_old itself: without
+        # ``prev_logprobs`` in the batch, the current log-probs (detached) stand in for them,
+        # which saves the trainer a whole forward pass per step. Off, a missing key is an error.
+        self.pi_old_is_current = pi_old_is_current
 
     def _need(
         self, data: BatchedDataDict, key: str, width: int, like: torch.Tensor
@@ -125,7 +132,10 @@ class ClippedPGLossFn:
         width = logprobs.shape[1]
         mask = loss_token_mask(data).to(logprobs)
         advantages = self._need(data, "advantages", width, logprobs)
-        prev = self._need(data, "prev_logprobs", width, logprobs)
+        if "prev_logprobs" not in data and self.pi_old_is_current:
+            prev = logprobs.detach()
+        else:
+            prev = self._need(data, "prev_logprobs", width, logprobs)
         needs_gen = cfg.use_importance_sampling_correction or cfg.use_on_policy_kl_approximation
         gen = (
             self._need(data, "generation_logprobs", width, logprobs)

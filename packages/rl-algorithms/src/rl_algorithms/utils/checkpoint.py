@@ -137,17 +137,22 @@ class CheckpointManager:
         metrics: Mapping[str, float] | None = None,
         extra_state: Mapping[str, Any] | None = None,
         run_config: Mapping[str, Any] | None = None,
+        tokenizer: Any | None = None,
     ) -> Path:
         """Write the checkpoint of ``step`` atomically and prune old ones; returns its path.
 
         ``run_config`` (the run's config as JSON-able data) has its ``IDENTITY_KEYS`` kept in
-        ``info.json`` so that resuming with another model, tokenizer or training data is refused."""
+        ``info.json`` so that resuming with another model, tokenizer or training data is refused.
+        ``tokenizer`` is saved beside the policy's weights, so that ``transformers`` loads the
+        checkpoint's ``policy`` directory as it is."""
         final = self.root / f"step_{step}"
         tmp = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         if policy is not None:
             policy.save_checkpoint(str((tmp / POLICY_DIR).resolve()))
+            if tokenizer is not None:  # the weights' directory is then a whole HF model
+                tokenizer.save_pretrained(tmp / POLICY_DIR)
         state = {
             "step": step,
             "rng": rng_states(),

@@ -302,12 +302,17 @@ class ProgressBar:
         if self._progress is None:
             return
         scalars = scalar_metrics(metrics)
-        text = " ".join(
-            f"{name}={value:.4g}"
-            for name in self.shown
-            for key, value in scalars.items()
-            if key == name or key.endswith(f"/{name}")
-        )
+        shown = []
+        for name in self.shown:
+            # The metric itself, else one logged under a prefix ("turn_0/reward_mean"): once.
+            key = (
+                name
+                if name in scalars
+                else next((k for k in scalars if k.endswith(f"/{name}")), None)
+            )
+            if key is not None:
+                shown.append(f"{name}={scalars[key]:.4g}")
+        text = " ".join(shown)
         self._progress.update(self._task, completed=step, metrics=text)
 
     def stop(self) -> None:

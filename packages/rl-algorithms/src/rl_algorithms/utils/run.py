@@ -247,4 +247,5 @@ def save_checkpoint(run: Any, metrics: Mapping[str, float]) -> None:
         metrics=metrics,
         extra_state={**run.extra, "logger": run.logger.state_dict()},
         run_config=run.config.model_dump(mode="json"),
+        tokenizer=getattr(run, "tokenizer", None),
     )

@@ -12,7 +12,7 @@ import random
 import warnings
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rl_data.datasets.base import RowDataset
 from rl_distributed.config import ConfigModel
@@ -79,25 +79,56 @@ _OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
 class ArithmeticConfig(ConfigModel):
-    """``size`` questions ``a <op> b`` with integer operands in ``[0, max_operand]``."""
+    """``size`` questions ``a <op> b`` with integer operands in ``[min_operand, max_operand]``,
+    asked in the words of ``prompt`` (``{a}``, ``{op}`` and ``{b}`` are filled in)."""
 
     source: Literal["arithmetic"] = "arithmetic"
     size: int = Field(1000, gt=0)
     seed: int = 0
+    min_operand: int = Field(0, ge=0)
     max_operand: int = Field(100, gt=0)
     operations: list[Literal["+", "-", "*"]] = ["+", "-", "*"]
+    prompt: str = "What is {a} {op} {b}? Answer with the number only."
+    # No question twice, so rows held out for validation are never seen in training.
+    distinct: bool = False
     task_name: str = "arithmetic"
+
+    @model_validator(mode="after")
+    def _valid(self) -> ArithmeticConfig:
+        if self.min_operand > self.max_operand:
+            raise ValueError(
+                f"arithmetic: min_operand ({self.min_operand}) > max_operand ({self.max_operand})"
+            )
+        try:
+            self.prompt.format(a=1, op="+", b=2)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"arithmetic.prompt {self.prompt!r}: only {{a}}, {{op}} and {{b}} may be "
+                f"filled in ({e!r})"
+            ) from None
+        if self.distinct:
+            count = (self.max_operand - self.min_operand + 1) ** 2 * len(set(self.operations))
+            if self.size > count:
+                raise ValueError(
+                    f"arithmetic: size {self.size} > the {count} distinct questions there are"
+                )
+        return self
 
 
 def load_arithmetic(cfg: ArithmeticConfig) -> RowDataset:
     if not cfg.operations:
         raise ValueError("arithmetic needs at least one operation")
     rng = random.Random(cfg.seed)  # its own generator: the global one is nobody's to reseed
-    rows = []
-    for _ in range(cfg.size):
-        a, b = rng.randint(0, cfg.max_operand), rng.randint(0, cfg.max_operand)
+    rows, seen = [], set()
+    while len(rows) < cfg.size:
+        a = rng.randint(cfg.min_operand, cfg.max_operand)
+        b = rng.randint(cfg.min_operand, cfg.max_operand)
         op = rng.choice(cfg.operations)
-        question = f"What is {a} {op} {b}? Answer with the number only."
+        if cfg.distinct:
+            if (a, op, b) in seen:
+                continue
+            seen.add((a, op, b))
+        question = cfg.prompt.format(a=a, op=op, b=b)
         rows.append(
             {
                 "messages": [{"role": "user", "content": question}],

@@ -13,6 +13,7 @@ from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
+from rl_models.model_files import materialize
 from rl_models.policy.config import ModelConfig
 
 WORKER = "rl_models.generation.hf_worker.HfGenerationWorker"
@@ -39,6 +40,7 @@ class HfGeneration(GenerationInterface):
         )
         if model_config is None:
             raise ValueError("give generation.model or the policy's model config (model=...)")
+        model_config = materialize(model_config)
         self.worker_group = RayWorkerGroup(
             cluster,
             RayWorkerBuilder(WORKER, self.config.model_dump(), model_config.model_dump()),

@@ -16,6 +16,9 @@ class ModelConfig(ConfigModel):
     """Either a local Hugging Face model directory or an HF config to build fresh weights from."""
 
     path: str | None = None
+    # A GGUF file inside `path` (or an absolute path): converted once to safetensors in a cache
+    # (rl_models.model_files) that every worker and vLLM then load as an HF directory.
+    gguf_file: str | None = None
     # e.g. {"model_type": "llama", "hidden_size": 64, ...}; weights are initialised from `seed`.
     hf_config: dict[str, Any] | None = None
     dtype: DType = "float32"
@@ -32,8 +35,10 @@ class ModelConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
-        if (self.path is None) == (self.hf_config is None):
-            raise ValueError("give exactly one of model.path and model.hf_config")
+        if (self.path is None and self.gguf_file is None) == (self.hf_config is None):
+            raise ValueError(
+                "give exactly one of model.path (or model.gguf_file) and model.hf_config"
+            )
         if self.hf_config is not None and "model_type" not in self.hf_config:
             raise ValueError("model.hf_config needs a 'model_type' (e.g. 'llama')")
         return self

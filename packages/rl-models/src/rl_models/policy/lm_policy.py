@@ -17,6 +17,7 @@ from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from rl_models.interfaces import LossFunction, PolicyInterface
+from rl_models.model_files import materialize
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.dtensor_worker import microbatch_args
 
@@ -50,6 +51,7 @@ class Policy(PolicyInterface):
         name_prefix: str = "policy",
     ) -> None:
         self.config = PolicyConfig.model_validate(config)
+        self.config.model = materialize(self.config.model)  # a GGUF file: converted once
         self.worker_group = RayWorkerGroup(
             cluster,
             RayWorkerBuilder(WORKER_CLASSES[self.config.backend], self.config.model_dump()),

