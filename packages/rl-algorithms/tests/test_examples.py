@@ -13,6 +13,7 @@ FILL = {
     "dpo_gpu": ["policy.model.path=/m", "tokenizer.path=/m", "data.train.path=/d.jsonl"],
     "rm_gpu": ["policy.model.path=/m", "tokenizer.path=/m", "data.train.path=/d.jsonl"],
     "grpo_math": ["policy.model.path=/m", "tokenizer.path=/m"],
+    "grpo_arithmetic_gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
     "eval_gpu": ["model.path=/m", "tokenizer.path=/m"],
 }
 

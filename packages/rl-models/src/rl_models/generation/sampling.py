@@ -20,6 +20,7 @@ truncation), as vLLM does for greedy requests.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,6 +98,10 @@ class Samples:
 
 
 @torch.no_grad()
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def sample(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -130,8 +135,15 @@ def sample(
     left, mask = left.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
+    # The prompt's last position is the only one sampled from: asking for its logits alone
+    # spares the LM head [batch, width, vocab] (the largest matmul of a small model's prefill).
+    last_only = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
     logits = model(
-        input_ids=left, attention_mask=mask, position_ids=positions, past_key_values=cache
+        input_ids=left,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        **last_only,
     ).logits[:, -1]
     next_position = positions[:, -1:] + 1
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
