@@ -16,10 +16,13 @@ warm-up and is not timed.
   (``bf16=True``: autocast, as ours uses), or both.
 - Ours: ``rl grpo``'s main recipe (``rl_algorithms/recipes/grpo_main.yaml``: float32 master
   weights under bf16 autocast, a bf16 HF generator colocated on the same cores, refit every
-  step) with validation and checkpoints off.
+  step) with validation and checkpoints off; and "ours fp32", the same in float32 throughout
+  (no autocast, a float32 generator), to compare with TRL's float32 at equal precision.
 
-Prints seconds per step and completion tokens/s of each, and last the ratio of ours to the
-*fastest* TRL variant run, in completion tokens/s (target >= 1.5).
+Seconds per step are wall-clock, from the end of the warm-up step to the end of the last (TRL:
+``on_step_end``; ours: the loop's ``step_seconds``). Prints seconds per step and completion
+tokens/s of each, the ratios, and last the ratio of ours to the *fastest* TRL variant run, in
+completion tokens/s (target >= 1.5).
 """
 
 from __future__ import annotations
@@ -49,21 +52,24 @@ def recipe_overrides(steps: int, out: Path) -> list[str]:
         "checkpointing.enabled=false",
         "logger.tensorboard_enabled=false",
         "logger.progress_bar=false",
-        f"logger.log_dir={out / 'ours'}",
     ]
 
 
-def ours(steps: int, out: Path) -> tuple[float, float]:
-    """(seconds per timed step, completion tokens per second) of ``rl grpo``."""
+def ours(steps: int, out: Path, fp32: bool) -> tuple[float, float]:
+    """(seconds per timed step, completion tokens per second) of ``rl grpo``; ``fp32``: no
+    bf16 anywhere (float32 policy without autocast, float32 generator), like TRL's float32."""
     from rl_algorithms import grpo
     from rl_algorithms.cli import build_config
 
-    config = build_config(grpo, recipe_overrides(steps, out))
-    grpo.main(config)
-    with open(out / "ours" / "metrics.jsonl") as f:
+    name = "ours-fp32" if fp32 else "ours"
+    overrides = [*recipe_overrides(steps, out), f"logger.log_dir={out / name}"]
+    if fp32:
+        overrides += ["policy.mixed_precision=null", "generation.dtype=null"]
+    grpo.main(build_config(grpo, overrides))
+    with open(out / name / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     rows = [r for r in rows if "train/completion_tokens" in r][1:]  # step 1 is warm-up
-    seconds = sum(sum(v for k, v in r.items() if k.startswith("train/timing/")) for r in rows)
+    seconds = sum(r["train/step_seconds"] for r in rows)  # each step's wall clock
     tokens = sum(r["train/completion_tokens"] for r in rows)
     return seconds / len(rows), tokens / seconds
 
@@ -144,6 +150,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS_DEFAULT)
     parser.add_argument("--trl-precision", choices=["fp32", "bf16", "both"], default="both")
+    parser.add_argument(
+        "--no-ours-fp32", dest="ours_fp32", action="store_false", help="skip ours in float32"
+    )
     args = parser.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is warm-up)")
@@ -168,15 +177,29 @@ def main() -> None:
     for variant in variants:
         results[f"TRL {variant}"] = trl(args.steps, out, model_dir, rows, bf16=variant == "bf16")
         print(f"TRL {variant}: {results[f'TRL {variant}'][0]:.1f} s/step", flush=True)
-    results["ours"] = ours(args.steps, out)
+    if args.ours_fp32:
+        results["ours fp32"] = ours(args.steps, out, fp32=True)
+    results["ours"] = ours(args.steps, out, fp32=False)
 
-    print(f"\n{'':12}{'s/step':>10}{'completion tok/s':>20}")
+    print(f"\n{'':12}{'s/step':>10}{'completion tok/s':>20}   (threads: torch {threads()})")
     for name, (sec, tps) in results.items():
         print(f"{name:12}{sec:10.2f}{tps:20.1f}")
-    best = max((k for k in results if k != "ours"), key=lambda k: results[k][1])
-    for name in (k for k in results if k not in ("ours", best)):
-        print(f"ours / {name} (tokens/s): {results['ours'][1] / results[name][1]:.2f}")
+    trl_runs = [k for k in results if k.startswith("TRL")]
+    if "ours fp32" in results and "TRL fp32" in results:
+        ratio = results["ours fp32"][1] / results["TRL fp32"][1]
+        print(f"ours fp32 / TRL fp32 (tokens/s, same precision): {ratio:.2f}")
+    for name in trl_runs:
+        tokens = results["ours"][1] / results[name][1]
+        steps = results[name][0] / results["ours"][0]
+        print(f"ours / {name}: tokens/s {tokens:.2f}, steps/s {steps:.2f}")
+    best = max(trl_runs, key=lambda k: results[k][1])
     print(f"ours / {best}, the faster TRL (tokens/s): {results['ours'][1] / results[best][1]:.2f}")
+
+
+def threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 if __name__ == "__main__":

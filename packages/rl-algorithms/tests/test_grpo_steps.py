@@ -202,3 +202,50 @@ def test_inconsistent_sections_are_refused_naming_the_keys(sections, named):
         config["loss_fn"] = sections["loss_fn"]
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         grpo.MasterConfig.model_validate(config)
+
+
+class CountingPolicy:
+    """Records which log-prob passes the loop asks the policy for."""
+
+    weight_version = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def prepare_for_lp_inference(self):
+        pass
+
+    def get_logprobs(self, batch):
+        self.calls.append("policy")
+        return {"logprobs": torch.zeros_like(batch["input_ids"], dtype=torch.float32)}
+
+    def get_reference_policy_logprobs(self, batch):
+        self.calls.append("reference")
+        return {"reference_logprobs": torch.zeros_like(batch["input_ids"], dtype=torch.float32)}
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "kl", "expected_calls", "pi_old_in_batch"),
+    [
+        (4, 0.0, [], False),  # one optimiser step per batch: the train step's forward is pi_old
+        (4, 0.1, ["reference"], False),
+        (2, 0.0, ["policy"], True),  # two steps: pi_old must be taken before the first
+        (2, 0.1, ["policy", "reference"], True),
+    ],
+)
+def test_the_pi_old_pass_runs_only_when_a_batch_gets_several_optimiser_steps(
+    make_run, global_batch, kl, expected_calls, pi_old_in_batch
+):
+    run = make_run((0, 1))
+    config = run.config.model_dump()
+    config["policy"]["train_global_batch_size"] = global_batch
+    config["loss_fn"]["reference_policy_kl_penalty"] = kl
+    config["policy"]["reference_policy"] = {"enabled": kl > 0}
+    run.config = grpo.MasterConfig.model_validate(config)
+    run.policy = CountingPolicy()
+    result, _ = grpo.generate_rollouts(run)
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    grpo.compute_logprobs(run, batch)
+    assert run.policy.calls == expected_calls
+    assert ("prev_logprobs" in batch) == pi_old_in_batch
+    assert grpo.single_update_per_batch(run.config) == (global_batch == 4)

@@ -20,6 +20,7 @@ prompts are rolled out, up to ``grpo.dynamic_sampling_max_gen_batches`` rounds.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -44,7 +45,7 @@ from rl_algorithms.utils.run import reduce_step_metrics, save_checkpoint
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.config import ConfigModel
 from rl_models.generation.config import GenerationConfig
-from rl_models.policy.config import PolicyConfig
+from rl_models.policy.config import DType, PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("grpo")
 # `rl grpo` with no --config: SmolLM2-135M-Instruct learns two-digit addition on a CPU.
@@ -100,9 +101,12 @@ class GRPOPolicyConfig(PolicyConfig):
 
 class GRPOGenerationConfig(GenerationConfig):
     num_workers: int = Field(1, ge=1)  # generation workers when not colocated
+    # The generator's copy of the policy's model in another dtype (e.g. bfloat16 sampling for
+    # a float32 policy: refit casts on the way); None: the policy's dtype.
+    dtype: DType | None = None
 
     def engine_config(self) -> GenerationConfig:
-        return GenerationConfig.model_validate(self.model_dump(exclude={"num_workers"}))
+        return GenerationConfig.model_validate(self.model_dump(exclude={"num_workers", "dtype"}))
 
 
 class MasterConfig(RunConfig):
@@ -146,8 +150,15 @@ class MasterConfig(RunConfig):
                 f"generation.sampling.temperature ({temperature}) (or be left out)"
             )
         self.policy.logprob_temperature = temperature
-        if self.generation.tokenizer is None:
-            self.generation.tokenizer = self.tokenizer.path  # stop tokens and padding
+        if self.generation.model is not None and self.generation.dtype is not None:
+            raise ValueError("give generation.dtype or generation.model, not both")
+        if self.generation.tokenizer is None and self.tokenizer.gguf_file is None:
+            # Stop tokens and padding. A GGUF tokenizer is read from the model's converted
+            # directory instead (rl_models.model_files), which holds its files.
+            self.generation.tokenizer = self.tokenizer.path
+        if "seed" not in self.generation.model_fields_set:
+            # One seed for the run: grpo.seed orders the prompts and seeds the sampler.
+            self.generation.seed = self.grpo.seed
         if self.policy.model.hf_config is not None:
             # A model built from a config is initialised from the seed: the same weights on
             # both sides, so the first step needs no refit.
@@ -200,6 +211,8 @@ def make_generation(cluster: Any, config: MasterConfig) -> Any:
     """The generation backend ``generation.backend`` names, on ``cluster``."""
     engine = config.generation.engine_config()
     model = config.policy.model
+    if config.generation.dtype is not None:
+        model = model.model_copy(update={"dtype": config.generation.dtype})
     if engine.backend == "hf":
         from rl_models.generation.hf_generation import HfGeneration
 
@@ -312,10 +325,9 @@ def refit_if_stale(run: GRPORun) -> dict[str, float]:
 
     # A generator that samples in a narrower dtype than the policy trains in gets its weights
     # cast on the way: half the bytes to move for a bf16 generator of an fp32 policy.
-    model = run.config.generation.model
-    dtype = (
-        model.dtype if model is not None and model.dtype != run.config.policy.model.dtype else None
-    )
+    gen = run.config.generation
+    dtype = gen.dtype or (gen.model.dtype if gen.model is not None else None)
+    dtype = dtype if dtype != run.config.policy.model.dtype else None
     stats = refit(run.policy, run.generation, dtype=dtype)
     return {"refit_bytes": float(stats.bytes), "refit_seconds": stats.seconds}
 
@@ -516,6 +528,7 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
             logger.log_metrics(validate(run), step=0, prefix="val")
     last: dict[str, float] = {}
     while run.step < total:
+        step_start = time.perf_counter()
         with timer("refit"):
             refit_metrics = refit_if_stale(run)
         with timer("generation"):
@@ -530,6 +543,7 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
         run.step += 1
 
         last = {**train_metrics, **reward_metrics, **rollout_metrics, **refit_metrics}
+        last["step_seconds"] = time.perf_counter() - step_start  # wall clock, all phases
         logger.log_metrics({**last, **timer.pop()}, step=run.step, prefix="train")
         done = run.step >= total
         val_metrics: dict[str, float] = {}  # a checkpoint carries its own weights' validation
@@ -548,7 +562,7 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
 PHASES = ("refit", "generation", "rewards_and_advantages", "logprobs", "train")
 
 
-def report(run: GRPORun) -> None:
+def report(run: GRPORun, resumed_at: int = 0) -> None:
     """The end of a run: a summary table, a plot of reward and validation accuracy against
     steps (from the JSONL log, so a resumed run's earlier steps count) and, when the run
     validated at its start and end, the line ``validation accuracy: BEFORE -> AFTER``."""
@@ -557,7 +571,18 @@ def report(run: GRPORun) -> None:
     jsonl = run.logger.log_dir / "metrics.jsonl"
     if not run.config.logger.jsonl_enabled or not jsonl.is_file():
         return
-    history = read_history(jsonl)
+    # Only this run's steps: a log directory reused by an earlier, longer run (its
+    # checkpoints deleted) keeps that run's later steps in the file.
+    history = {
+        key: kept
+        for key, values in read_history(jsonl).items()
+        if (kept := [(s, v) for s, v in values if s <= run.step])
+    }
+    if run.step == resumed_at:
+        print(
+            f"nothing to train: this run finished at step {run.step} (checkpoints in "
+            f"{run.config.checkpointing.checkpoint_dir}); its results:"
+        )
     paths = {"logs": str(run.logger.log_dir)}
     if history.get("train/reward_mean"):
         paths["plot"] = str(plot_curves(history, run.logger.log_dir / "curves.png", title="GRPO"))
@@ -572,9 +597,13 @@ def report(run: GRPORun) -> None:
 
 def main(config: MasterConfig) -> dict[str, float]:
     run = setup(config)
+    resumed_at = run.step
     try:
         last = grpo_train(run)
     finally:
         run.shutdown()
-    report(run)
+    try:
+        report(run, resumed_at)
+    except Exception as e:  # the run itself succeeded: a failed plot must not turn it red
+        print(f"could not write the run's report: {e!r}")
     return last

@@ -20,8 +20,9 @@ def grpo_config(tmp_path, assets) -> dict:
         "policy": {
             "model": {"hf_config": TINY_LLAMA, "dtype": "float32"},
             "max_total_sequence_length": 128,
-            # All 16 rows of a step in one optimiser step: the update is on-policy.
-            "train_global_batch_size": 16,
+            # Two optimiser steps of 8 rows per 16 rollouts: pi_old is taken by a separate
+            # log-prob pass, and the second step's ratios show the first step's change.
+            "train_global_batch_size": 8,
             "train_micro_batch_size": 4,
             "optimizer": {"name": "AdamW", "kwargs": {"lr": 1.0e-3}},
             "reference_policy": {"enabled": True},

@@ -31,15 +31,18 @@ def gguf_path(cfg: ModelConfig) -> Path:
     if not gguf.is_absolute():
         gguf = Path(cfg.path or ".") / gguf
     if not gguf.is_file():
-        raise FileNotFoundError(f"policy.model.gguf_file: no such file {gguf}")
+        raise FileNotFoundError(f"model.gguf_file: no such file {gguf} (model.path: {cfg.path})")
     return gguf
 
 
 def converted_dir(gguf: Path) -> Path:
     """The cache directory of ``gguf``: keyed by its resolved path, size and mtime, so a
-    changed file is converted again rather than served stale."""
+    changed file is converted again rather than served stale, and by the converter's
+    (transformers') version, whose dequantisation it is."""
+    import transformers
+
     stat = gguf.stat()
-    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / f"{gguf.stem}-{digest}"
 

@@ -82,8 +82,10 @@ def summary_rows(history: History, phases: Sequence[str]) -> list[tuple[str, str
     rows: list[tuple[str, str]] = []
     steps = [s for s, _ in history.get("train/reward_mean", [])]
     rows.append(("steps", str(len(steps))))
+    wall = dict(history.get("train/step_seconds", []))  # a step's wall clock, when logged
     step_seconds = [
-        sum(v for k in phases for s2, v in history.get(f"train/timing/{k}", []) if s2 == s)
+        wall.get(s)
+        or sum(v for k in phases for s2, v in history.get(f"train/timing/{k}", []) if s2 == s)
         for s in steps
     ]
     if steps:

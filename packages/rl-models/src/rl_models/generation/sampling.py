@@ -97,11 +97,11 @@ class Samples:
     truncated: torch.Tensor  # [B] bool
 
 
-@torch.no_grad()
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+@torch.no_grad()
 def sample(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
