@@ -197,6 +197,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             self.hf_config.vocab_size,
             forward_only=True,
             temperature=self.config.logprob_temperature,
+            chunk_size=self.config.logprob_chunk_size,
         )
         # Only the last stage computed them; every rank of the replica returns them.
         result = broadcast_from_last_stage(result.to(self.device)).cpu()
@@ -243,6 +244,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             forward_only=eval_mode,
             output=loss_input_type(loss_fn),
             temperature=self.config.logprob_temperature,
+            chunk_size=self.config.logprob_chunk_size,
         )
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
         return broadcast_from_last_stage(loss_sum.to(self.device))

@@ -182,6 +182,8 @@ class PolicyConfig(ConfigModel):
     logprob_micro_batch_size: int | None = Field(None, ge=1)  # None: train_micro_batch_size
     # Log-probs are computed this many tokens at a time in the output layer (recomputed in
     # backward), so no [tokens, vocab] float32 logits exist at once; None: all tokens at once.
+    # Both backends; Megatron with tensor parallelism makes [chunk, vocab / tp] logits per rank
+    # and all-reduces the log-softmax over the vocabulary shards.
     # Losses that ask for whole logits (loss_input_type "logits") always get them in full.
     logprob_chunk_size: int | None = Field(1024, ge=1)
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
