@@ -296,7 +296,9 @@ def load_from_fresh_init(
             return  # a tied weight: the last module to initialise it decides its value
         for name in names_of[key]:
             for part in wanted.get(name, ()):
-                have[part] = part.of(full).clone()
+                cut = part.of(full)
+                # A slice is copied so the full temporary can go; the whole tensor is kept.
+                have[part] = cut if cut.numel() == full.numel() else cut.clone()
         for piece in [p for p in pending if all(part in have for part in p.parts)]:
             pending.remove(piece)
             tensors = [have[part] for part in piece.parts]
