@@ -13,6 +13,8 @@ over its size just before:
    and from safetensors files. The baseline is what the worker did before: build the whole HF
    model on every rank, convert it and cut the rank's shard out (``shard_megatron``); ours
    allocates only the rank's ``GPTModel`` piece and fills it from slices (``loading.py``).
+   From safetensors, the resident set also counts the pages of the memory-mapped files that
+   were read (page cache, reclaimable): a column slice touches every page of its tensor.
 3. **A training step whose loss needs log-probs** over one micro-batch with a large
    vocabulary, with the whole ``[tokens, vocab]`` logits (``logprob_chunk_size: null``, the
    previous path) and chunked (``logprob_chunk_size``, the default).
