@@ -186,3 +186,59 @@ def test_auto_picks_shared_memory_only_on_one_cpu_node():
     assert _one_node(group("n1", "n1"), group("n1"))
     assert not _one_node(group("n1", "n1"), group("n2"))
     assert not _one_node(group("n1"), group(None))  # not started: unknown
+
+
+def test_megatron_stages_write_their_gathered_layers_into_one_region(tmp_path):
+    """A simulated tp=2 x pp=2 Megatron grid: each stage's tensor-parallel rank 0 writes its
+    layers (gathered and converted to HF) into the slots of one region laid out over both
+    stages' plans, as ``refit`` lays it out; the region equals the HF state dict."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl_models.megatron.convert import GPTLayout, hf_to_megatron, shard_megatron
+    from rl_models.megatron.weight_export import MegatronWeightExporter
+    from rl_models.policy.weight_export import WeightExportMethods
+
+    from .test_weight_export import _Shard
+
+    tp, pp = 2, 2
+    torch.manual_seed(0)
+    hf = dict(TINY_LLAMA, vocab_size=127)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    mlayout = GPTLayout.from_hf_config(config)
+    full = hf_to_megatron(model.state_dict(), mlayout)
+    grid = [
+        [shard_megatron(full, mlayout, tp=tp, tp_rank=t, pp=pp, pp_rank=p) for t in range(tp)]
+        for p in range(pp)
+    ]
+
+    def gather_for(p, t):
+        def gather(tensor):
+            name = next(n for n, v in grid[p][t].items() if v.equal(tensor))
+            return [grid[p][r][name] for r in range(tp)] if t == 0 else None
+
+        return gather
+
+    class Rank(WeightExportMethods):
+        def __init__(self, p, t):
+            self.exporter = MegatronWeightExporter(
+                _Shard(grid[p][t]), mlayout, tp=tp, tp_rank=t, pp=pp, pp_rank=p, dp_rank=0,
+                gather=gather_for(p, t),
+            )  # fmt: skip
+
+        def _weight_exporter(self):
+            return self.exporter
+
+    ranks = [Rank(p, t) for p in range(pp) for t in range(tp)]
+    plans = [r.weight_export_plan(bucket_bytes=1 << 14) for r in ranks]
+    for r in ranks:
+        r.finish_weight_export()
+    layout = RegionLayout.of([s for p in plans for bucket in p.buckets for s in bucket])
+    path = create_region(layout.nbytes, str(tmp_path))
+    written = [r.write_weights_to_region(path, layout, bucket_bytes=1 << 14) for r in ranks]
+    assert [w["bytes_written"] > 0 for w in written] == [True, False, True, False]
+    region = MappedRegion(path, layout).views
+    expected = model.state_dict()
+    assert set(region) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(region[name], tensor), name
