@@ -14,6 +14,8 @@ under the first name (``model.embed_tokens.weight``).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -189,6 +191,24 @@ class DTensorWeightExporter:
         return {"peak_held_bytes": self.peak_held_bytes}
 
 
+@contextlib.contextmanager
+def _copy_threads() -> Iterator[None]:
+    """Intra-op threads for a refit's copies: this rank's share of the node's cores.
+
+    A Ray worker runs torch with as many threads as CPUs it reserved (often 1), but a refit is
+    a memory-bound copy during which the policy does not train and the generator does not
+    sample, so the ranks on a node split its cores between them (``LOCAL_WORLD_SIZE``).
+    """
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(max(before, share))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class WeightExportMethods:
     """The ``WeightExportWorker`` methods of a policy worker, for every channel.
 
@@ -266,6 +286,10 @@ class WeightExportMethods:
         if region is None or region.path != path or region.digest != layout.digest:
             self._region = None  # unmap the old region before mapping the new one
             self._region = region = MappedRegion(path, layout)
+        with _copy_threads():
+            return self._write_region(region, bucket_bytes, dtype)
+
+    def _write_region(self, region: Any, bucket_bytes: int, dtype: str | None) -> dict[str, int]:
         exporter = self._weight_exporter()
         if hasattr(exporter, "write_region"):
             written = exporter.write_region(region.views, dtype)
