@@ -1,13 +1,17 @@
 """Refit throughput: policy worker group -> generation worker group, versus a plain copy.
 
 A ~100M-parameter Llama (float32, built from a config) lives in a DTensor policy worker group
-and an HF generation worker group (separate workers on one node). Ours: ``refit`` (export in
-buckets, Ray shared-memory object store, load into the generator's parameters), bytes moved
-per second. Baseline, in this process: ``dst.copy_(src)`` over tensors of the same shapes, the
-least any refit must do (every byte written once into the generator's weights). Both sides
-are timed in alternating rounds; the best round of each counts.
+and an HF generation worker group (separate workers on one node). Ours: ``refit`` with the
+channel it picks itself (``--channel auto``): on one CPU node that is the shared-memory weight
+region (``generation/shared_memory.py``: the policy ranks write the weights straight into a
+``/dev/shm`` region whose views are the generator's parameters; three small Ray calls), bytes
+moved per second. ``--channel object_store`` measures the bucketed object-store path instead
+(export in ``--bucket-mb`` buckets, Ray's object store, load into the generator's parameters).
+Baseline, in this process: ``dst.copy_(src)`` over tensors of the same shapes, the least any
+refit must do (every byte written once into the generator's weights). Both sides are timed in
+alternating rounds; the best round of each counts.
 
-    uv run python bench/refit.py [--rounds 3] [--bucket-mb 64] [--policy-ranks 1]
+    uv run python bench/refit.py [--rounds 3] [--bucket-mb 64] [--policy-ranks 1] [--channel auto]
 
 Target: ratio (ours / plain) >= 0.5.
 """
@@ -55,6 +59,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--policy-ranks", type=int, default=1)
+    parser.add_argument(
+        "--channel", default="auto", choices=["auto", "shared_memory", "object_store"]
+    )
     args = parser.parse_args()
 
     config = PolicyConfig.model_validate(
@@ -71,10 +78,11 @@ def main() -> None:
         model=config.model,
     )
     try:
-        refit(policy, generation)  # warm-up: object-store pages, lazy allocations
+        # warm-up: object-store pages, lazy allocations, the shared region's creation
+        refit(policy, generation, channel=args.channel)
         ours, plain = [], []
         for _ in range(args.rounds):
-            stats = refit(policy, generation)
+            stats = refit(policy, generation, channel=args.channel)
             ours.append(stats.bytes / stats.seconds)
             seconds, nbytes = plain_copy_seconds(config)
             plain.append(nbytes / seconds)
@@ -86,7 +94,10 @@ def main() -> None:
 
     gb = 1e9
     print(f"model: {params / 1e6:.1f}M parameters, {stats.bytes / 2**20:.0f} MiB float32")
-    print(f"buckets per refit: {stats.buckets} of <= {args.bucket_mb} MiB")
+    if stats.channel == "shared_memory":
+        print("channel: shared_memory (one /dev/shm weight region, no buckets)")
+    else:
+        print(f"channel: {stats.channel}, {stats.buckets} buckets of <= {args.bucket_mb} MiB")
     print(
         f"ours  (refit, {args.policy_ranks} policy rank(s) -> 1 generator): {max(ours) / gb:.2f} GB/s"
     )

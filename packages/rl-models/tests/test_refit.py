@@ -1,5 +1,6 @@
 """Refit from a 2-rank FSDP2 policy into HF generation workers, colocated and not."""
 
+import os
 import threading
 import time
 
@@ -76,7 +77,9 @@ def test_generator_samples_the_trained_policy_after_refit(colocated, tmp_path):
             )
 
         stats = refit(policy, generation, bucket_bytes=64 * 1024)
-        assert stats.version == 1 and stats.buckets > 3 and generation.weight_version == 1
+        # One node, CPUs: the weights go through a shared-memory region, chosen automatically.
+        assert stats.channel == "shared_memory" and stats.fallback is None
+        assert stats.version == 1 and generation.weight_version == 1
         policy.prepare_for_lp_inference()  # weights back from their colocated offload
         after = generation.generate(data, greedy=True, expected_weight_version=1)
 
@@ -99,11 +102,27 @@ def test_generator_samples_the_trained_policy_after_refit(colocated, tmp_path):
         for row, seq in enumerate(greedy_reference(ckpt, data, steps=5)):
             assert torch.equal(after["output_ids"][row, : len(seq)], seq)
         assert not torch.equal(after["output_ids"], before["output_ids"])
+        assert_generator_weights_equal(generation, ckpt)
     finally:
         generation.shutdown()
         policy.shutdown()
         for cluster in set(clusters):
             cluster.shutdown()
+
+
+def assert_generator_weights_equal(generation, checkpoint: str) -> None:
+    """Every generation worker's parameters equal the policy's saved ones bit for bit."""
+    from safetensors.torch import load_file
+
+    saved = {}
+    for name in os.listdir(checkpoint):
+        if name.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(checkpoint, name)))
+    group = generation.worker_group
+    for weights in group.get_all_worker_results(group.run_all_workers_single_data("get_weights")):
+        assert set(saved) <= set(weights)
+        for name, tensor in saved.items():
+            assert weights[name].dtype == torch.float32 and torch.equal(weights[name], tensor), name
 
 
 def assert_generator_matches_policy(policy, generation, data) -> None:
@@ -118,9 +137,10 @@ def assert_generator_matches_policy(policy, generation, data) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_every_channel_delivers_the_trained_weights():
-    """Object store, IPC handles (CPU shared memory here, CUDA IPC on GPUs) and a broadcast
-    process group (gloo here, NCCL on GPUs): a training step, then a refit through each."""
+def test_every_channel_delivers_the_trained_weights(tmp_path):
+    """A shared-memory weight region, the object store, IPC handles (CPU shared memory here,
+    CUDA IPC on GPUs) and a broadcast process group (gloo here, NCCL on GPUs): a training step,
+    then a refit through each (the later ones write into the region-backed parameters)."""
     config = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float32"})
     clusters = [RayVirtualCluster([2], use_gpus=False) for _ in range(2)]
     policy = Policy(clusters[0], config)
@@ -133,14 +153,32 @@ def test_every_channel_delivers_the_trained_weights():
         },
         model=config.model,
     )
+    running = True
     try:
-        for channel in ("object_store", "cuda_ipc", "broadcast"):
+        for channel in ("shared_memory", "object_store", "cuda_ipc", "broadcast"):
             policy.train(skewed_batch(), NLLLoss())
             stats = refit(policy, generation, bucket_bytes=64 * 1024, channel=channel)
-            assert stats.channel == channel and stats.buckets > 3
+            assert stats.channel == channel
+            assert stats.buckets > 3 or channel == "shared_memory"
             assert_generator_matches_policy(policy, generation, prompts())
-    finally:
+            policy.save_checkpoint(str(tmp_path / channel))
+            assert_generator_weights_equal(generation, str(tmp_path / channel))
+
+        # A generator whose weights cannot live in the region (bfloat16 export, float32 model):
+        # auto falls back to the object store and says why; asked for explicitly, it fails.
+        stats = refit(policy, generation, bucket_bytes=1 << 20, dtype="bfloat16")
+        assert stats.channel == "object_store" and "as bfloat16" in stats.fallback
+        with pytest.raises(ValueError, match="'shared_memory' cannot be used"):
+            refit(policy, generation, dtype="bfloat16", channel="shared_memory")
+
+        region = generation._weight_region.path
+        assert os.path.exists(region)
         generation.shutdown()
+        running = False
+        assert not os.path.exists(region)  # no /dev/shm file outlives the generator
+    finally:
+        if running:
+            generation.shutdown()
         policy.shutdown()
         for cluster in clusters:
             cluster.shutdown()
@@ -201,9 +239,13 @@ class RssSampler:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_refit_peak_memory_is_about_one_bucket_not_one_model():
+@pytest.mark.parametrize("channel", ["object_store", "shared_memory"])
+def test_refit_peak_memory_is_about_one_bucket_not_one_model(channel):
     """A 36 MB model refit in 2 MB buckets: no process (policy ranks, generation workers) grows
-    by more than the buckets in flight plus one parameter; materialising the model would."""
+    by more than the buckets in flight plus one parameter; materialising the model would.
+
+    Shared memory: the generation workers' weights *are* the one region (both map it), which
+    the policy ranks write their rows into; a refit adds no private memory anywhere."""
     config = tiny_config(model={"hf_config": WIDE_LLAMA, "dtype": "float32"})
     bucket = 2 * MB
     cluster = RayVirtualCluster([2], use_gpus=False, max_colocated_worker_groups=2)
@@ -212,12 +254,16 @@ def test_refit_peak_memory_is_about_one_bucket_not_one_model():
         cluster, {"backend": "hf", "colocated": False, "refit_bucket_bytes": bucket}, config.model
     )
     try:
-        refit(policy, generation)  # warm-up: first-touch of the object store, lazy allocations
+        # warm-up: first-touch of the object store, lazy allocations, the region's creation
+        refit(policy, generation, channel=channel)
         pids = [
             m.placement["pid"] for g in (policy, generation) for m in g.worker_group.worker_metadata
         ]
         with RssSampler(pids) as rss:
-            stats = refit(policy, generation)
+            stats = refit(policy, generation, channel=channel)
+        assert stats.channel == channel
+        if channel == "shared_memory":
+            assert os.stat(generation._weight_region.path).st_size == stats.bytes
         model_bytes = stats.bytes
         assert model_bytes > 15 * bucket
         for pid in pids:

@@ -96,3 +96,17 @@ def test_a_pretrained_model_is_loaded_in_slices_by_each_rank(ranks):
             logp = torch.log_softmax(hf(ids[None, :n]).logits[0], dim=-1)
             expected[row, 1:n] = logp[:-1].gather(-1, ids[1:n, None])[:, 0]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
+def test_both_ranks_write_their_own_rows_into_the_shared_weight_region(ranks):
+    """Shared-memory refit channel: no gather, each rank writes its rows (about half the bytes),
+    and the region equals the trained model exactly, uneven shards included."""
+    results = scenario(ranks, "region_write")
+    total = sum(t.numel() * t.element_size() for t in results[0]["full"].values())
+    assert sum(r["bytes_written"] for r in results) == total
+    assert all(r["bytes_written"] > 0.4 * total for r in results)
+    full = results[0]["full"]  # gathered onto rank 0 only
+    for r in results:  # both ranks map the same memory
+        assert set(r["region"]) == set(full)
+        for name, tensor in full.items():
+            assert torch.equal(r["region"][name], tensor), name

@@ -127,6 +127,33 @@ def pretrained(half, out: str) -> dict:
     return {"logprobs": worker.get_logprobs(half)["logprobs"]}
 
 
+def region_write(half, out: str) -> dict:
+    """After a training step, both ranks write their row shards of an FSDP2 model with uneven
+    shards (vocabulary 131: rows 0..65 and 66..130) into one shared weight region."""
+    from rl_models.generation.shared_memory import MappedRegion, RegionLayout, create_region
+
+    config = tiny_config(
+        model={"hf_config": {**TINY_LLAMA, "vocab_size": 131, "intermediate_size": 100}}
+    )
+    worker = DTensorPolicyWorker(config)
+    worker.train(half, NLLLoss())
+    plan = worker.weight_export_plan(bucket_bytes=1 << 16)
+    worker.finish_weight_export()
+    shared = [None]
+    if int(os.environ["RANK"]) == 0:
+        layout = RegionLayout.of([s for bucket in plan.buckets for s in bucket])
+        shared = [(create_region(layout.nbytes, out), layout)]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    path, layout = shared[0]
+    stats = worker.write_weights_to_region(path, layout, bucket_bytes=1 << 16)
+    torch.distributed.barrier()
+    full = get_model_state_dict(
+        worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    region = {n: t.clone() for n, t in MappedRegion(path, layout).views.items()}
+    return {"bytes_written": stats["bytes_written"], "region": region, "full": full}
+
+
 def main(out: str) -> None:
     """Every scenario runs even if another fails; a failure is saved as its message."""
     rank = int(os.environ["RANK"])
@@ -138,6 +165,7 @@ def main(out: str) -> None:
         "bf16_reference": lambda: bf16_reference(half),
         "one_step": lambda: one_step(half),
         "pretrained": lambda: pretrained(half, out),
+        "region_write": lambda: region_write(half, out),
     }
     for name, scenario in scenarios.items():
         try:

@@ -23,6 +23,10 @@ class HfGeneration(GenerationInterface):
     """One worker per bundle of ``cluster``; the batch is split evenly (the first workers take
     one row more when it does not divide)."""
 
+    # On one CPU node ``refit`` may make the workers' parameters views of a shared weight region
+    # that the policy writes into (``shared_memory.py``).
+    shares_weight_memory = True
+
     def __init__(
         self,
         cluster: RayVirtualCluster,

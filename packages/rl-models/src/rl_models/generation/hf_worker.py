@@ -7,6 +7,7 @@ streams the policy's weights into it bucket by bucket.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -24,6 +25,12 @@ from rl_models.generation.interfaces import (
     stop_strings_of,
 )
 from rl_models.generation.sampling import StopStrings, sample
+from rl_models.generation.shared_memory import (
+    MappedRegion,
+    RegionLayout,
+    create_region,
+    remove_region,
+)
 from rl_models.policy.config import ModelConfig, PolicyConfig
 from rl_models.policy.forward import build_model
 
@@ -63,6 +70,8 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         # Between the first weight loaded and set_weight_version the model is a mix of two
         # versions; a refit that fails midway leaves it so, and generate then refuses.
         self.updating = False
+        self.region: MappedRegion | None = None  # shared-memory channel: our weights live here
+        self.owns_region = False  # this worker created the region file (and removes it)
 
     def _stop_token_ids(self) -> list[int]:
         """The configured ids, else the tokenizer's EOS, else ``config.json``'s eos_token_id.
@@ -155,5 +164,76 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
     def get_weight_version(self) -> int:
         return self.version
 
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of every parameter by HF name, on the host (checks and debugging)."""
+        return {name: p.detach().cpu().clone() for name, p in self.params.items()}
+
+    # -- the shared-memory channel (``shared_memory.py``) --------------------------------------
+
+    def _cannot_share(self, layout: RegionLayout) -> str | None:
+        """Why this model's parameters cannot be views of a region with ``layout`` (or None)."""
+        if self.device.type != "cpu":
+            return f"the generation model is on {self.device}, not in host memory"
+        for slot in layout.slots:
+            param = self.params.get(slot.name)
+            if param is None:
+                return f"the region holds {slot.name!r}, which the generation model lacks"
+            dtype = str(param.dtype).removeprefix("torch.")
+            if tuple(param.shape) != slot.shape or dtype != slot.dtype:
+                return (
+                    f"the region holds {slot.name!r} as {slot.dtype} {slot.shape}; the generation "
+                    f"model's is {dtype} {tuple(param.shape)}"
+                )
+        return None
+
+    @torch.no_grad()
+    def map_weight_region(
+        self, path: str | None, layout: RegionLayout
+    ) -> tuple[str | None, str | None]:
+        """Make the parameters named in ``layout`` views of a shared weight region.
+
+        ``path`` None: create the region and copy the current weights in (one parameter at a
+        time, each freed as it moves, so the model is never held twice); else map the region
+        another worker of this group created (its contents are about to be overwritten by the
+        refit). Returns ``(path, None)``, or ``(None, reason)`` when this model cannot share
+        (other dtypes, not on the host); then nothing changed.
+        """
+        reason = self._cannot_share(layout)
+        if reason is not None:
+            return None, reason
+        region = self.region
+        if region is not None and region.path == path and region.digest == layout.digest:
+            return path, None
+        self.updating = True  # parameters are about to point at memory the policy writes
+        created = path is None
+        if created:
+            path = create_region(layout.nbytes)
+            atexit.register(remove_region, path)
+        region = MappedRegion(path, layout)
+        for name, view in region.views.items():
+            param = self.params[name]
+            if created:
+                view.copy_(param)
+            param.data = view
+        self._release_region()
+        self.region, self.owns_region = region, created
+        return path, None
+
+    def commit_weight_region(self, path: str, digest: str, version: int) -> None:
+        """End a shared-memory refit: the policy has written the region; check that it is the
+        one these parameters map, with the same layout, and stamp ``version``."""
+        region = self.region
+        if region is None or region.path != path or region.digest != digest:
+            mapped = None if region is None else f"{region.path} ({region.digest})"
+            raise RuntimeError(
+                f"refit committed weight region {path} ({digest}) but this worker maps {mapped}"
+            )
+        self.set_weight_version(version)
+
+    def _release_region(self) -> None:
+        if self.region is not None and self.owns_region:
+            remove_region(self.region.path)
+        self.region, self.owns_region = None, False
+
     def shutdown(self) -> None:
-        pass
+        self._release_region()  # the memory itself goes once no process maps it

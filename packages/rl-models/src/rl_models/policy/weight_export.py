@@ -14,7 +14,9 @@ under the first name (``model.embed_tokens.weight``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,30 @@ Packer = Callable[[list[TensorSpec], Iterator[torch.Tensor]], Any]
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a collective all-gather for a DTensor, the tensor itself otherwise."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _own_rows(t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """For a DTensor sharded by rows over a 1-D mesh (FSDP2's ``Shard(0)``): the first row this
+    rank holds and its local rows; None for any other tensor (it must be gathered).
+
+    ``Shard(0)`` splits like ``torch.chunk``: rank r holds rows ``[r*c, min((r+1)*c, n))`` with
+    ``c = ceil(n / world)`` (possibly none). The decision depends only on placements and shapes,
+    which every rank shares, so all ranks take the same path (collectives stay matched).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        return None
+    n, world = t.shape[0], t.device_mesh.size()
+    chunk = -(-n // world)
+    first = min(t.device_mesh.get_local_rank() * chunk, n)
+    local = t.to_local()
+    if tuple(local.shape) != (min(chunk, n - first), *t.shape[1:]):
+        raise RuntimeError(
+            f"a Shard(0) parameter of shape {tuple(t.shape)} has a local shard of shape "
+            f"{tuple(local.shape)} on this rank; expected rows {first}..{first + chunk}"
+        )
+    return first, local
 
 
 @dataclass(frozen=True)
@@ -125,9 +151,62 @@ class DTensorWeightExporter:
                 pass
         return None
 
+    def write_region(self, views: Mapping[str, torch.Tensor], dtype: str | None = None) -> int:
+        """Shared-memory channel: write every exported tensor into its view of the weight
+        region (``generation.shared_memory``); returns the bytes this rank wrote.
+
+        A row-sharded (FSDP2) parameter is written by every rank, each its own rows, with no
+        communication; anything else (a LoRA merge, other placements) is gathered as for a
+        bucket and written by the producer. Called on every rank.
+        """
+        self._dtype = getattr(torch, dtype) if dtype else None
+        self.peak_held_bytes = 0
+        units = self._units(self._dtype)
+        for unit in units:
+            view = views.get(unit.spec.name)
+            if view is None or tuple(view.shape) != unit.spec.shape:
+                raise ValueError(
+                    f"the weight region has no slot for {unit.spec.name!r} of shape "
+                    f"{unit.spec.shape} (it was laid out for another model)"
+                )
+        live = self._live()
+        written = 0
+        with torch.no_grad():
+            for unit in units:
+                view = views[unit.spec.name]
+                own = _own_rows(live[unit.sources[0]]) if len(unit.sources) == 1 else None
+                if own is not None:
+                    first, local = own
+                    view[first : first + local.shape[0]].copy_(local.detach())
+                    written += local.numel() * view.element_size()
+                    continue
+                (full,) = self._tensors([unit])  # a collective on every rank
+                if self.producer:
+                    view.copy_(full)
+                    written += view.numel() * view.element_size()
+        return written
+
     def finish(self) -> dict[str, int]:
         self._plan = None
         return {"peak_held_bytes": self.peak_held_bytes}
+
+
+@contextlib.contextmanager
+def _copy_threads() -> Iterator[None]:
+    """Intra-op threads for a refit's copies: this rank's share of the node's cores.
+
+    A Ray worker runs torch with as many threads as CPUs it reserved (often 1), but a refit is
+    a memory-bound copy during which the policy does not train and the generator does not
+    sample, so the ranks on a node split its cores between them (``LOCAL_WORLD_SIZE``).
+    """
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    torch.set_num_threads(max(before, share))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class WeightExportMethods:
@@ -140,6 +219,7 @@ class WeightExportMethods:
     _exporter: Any = None
     _ipc_buffers: Any = None  # the last IPC buffers, alive while consumers may read them
     _channel: Any = None
+    _region: Any = None  # the shared-memory weight region this rank last wrote (mapped)
 
     def _weight_exporter(self) -> Any:
         raise NotImplementedError
@@ -189,6 +269,45 @@ class WeightExportMethods:
             self._channel.broadcast(buffer)
 
         self._exporter.bucket(step, pack)
+
+    def write_weights_to_region(
+        self, path: str, layout: Any, bucket_bytes: int, dtype: str | None = None
+    ) -> dict[str, int]:
+        """Shared-memory channel: write this rank's part of the weights straight into the weight
+        region at ``path`` (laid out by ``layout``, a ``shared_memory.RegionLayout``).
+
+        The mapping is kept for the next refit into the same region. An exporter with
+        ``write_region`` (DTensor) writes row shards in parallel; any other (Megatron) runs its
+        bucket export and writes each gathered tensor into its slot instead of a bucket.
+        """
+        from rl_models.generation.shared_memory import MappedRegion
+
+        region = self._region
+        if region is None or region.path != path or region.digest != layout.digest:
+            self._region = None  # unmap the old region before mapping the new one
+            self._region = region = MappedRegion(path, layout)
+        with _copy_threads():
+            return self._write_region(region, bucket_bytes, dtype)
+
+    def _write_region(self, region: Any, bucket_bytes: int, dtype: str | None) -> dict[str, int]:
+        exporter = self._weight_exporter()
+        if hasattr(exporter, "write_region"):
+            written = exporter.write_region(region.views, dtype)
+            return {"bytes_written": written, **exporter.finish()}
+        written = 0
+
+        def write(specs, tensors):
+            nonlocal written
+            for spec, tensor in zip(specs, tensors, strict=True):
+                view = region.views.get(spec.name)
+                if view is None or tuple(view.shape) != spec.shape:
+                    raise ValueError(f"the weight region has no slot for {spec.name!r}")
+                view.copy_(tensor)
+                written += view.numel() * view.element_size()
+
+        for step in range(exporter.plan(bucket_bytes, dtype).steps):
+            exporter.bucket(step, write)
+        return {"bytes_written": written, **exporter.finish()}
 
     def finish_weight_export(self) -> dict[str, int]:
         stats = self._exporter.finish()

@@ -1,0 +1,135 @@
+"""The shared-memory refit channel: one weight region that policy and generator both map.
+
+When every policy rank and every generation worker run on one node (and on CPUs), the weights
+need not travel at all. A *weight region* is a file in ``/dev/shm`` (memory, not disk) sized for
+the whole exported model and laid out like one big bucket (``RegionLayout``: each HF-named tensor
+at an 8-byte aligned offset). Each side maps it with ``MAP_SHARED``:
+
+- the HF generation workers point their parameters at views of it once (the first refit copies
+  their current values in, one parameter at a time), so the region *is* their weights: no second
+  copy of the model exists, and a later refit needs no load at all;
+- every policy rank writes straight into it: an FSDP2 rank its own row slice of each
+  ``Shard(0)`` parameter (all ranks in parallel, no collective), and gathered tensors (LoRA
+  merges, other placements, Megatron layers) are written by the producing rank. One copy of
+  each byte, no pickling, no object store.
+
+A refit is then three small Ray calls: ``prepare_for_weight_update`` on the generators (from
+here on they refuse to sample: their weights are being overwritten), ``write_weights_to_region``
+on the policy ranks, and ``commit_weight_region(path, digest, version)`` on the generators, which
+checks the layout they map and stamps the version. A refit that fails before the commit leaves
+the generators refusing with ``IncompleteRefitError``, as on every other channel.
+
+Region files are named ``rl-refit-<creator pid>-<random>``. The creating generation worker
+removes its file on ``shutdown`` (and at interpreter exit); a file whose creator died without
+either (SIGKILL) is removed by the next ``create_region`` on that machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rl_models.generation.weights import TensorSlot, TensorSpec, slots_of
+
+REGION_DIR = "/dev/shm"
+PREFIX = "rl-refit-"
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """Where each exported tensor lives in the region (the policy's export order)."""
+
+    slots: tuple[TensorSlot, ...]
+
+    @classmethod
+    def of(cls, specs: Sequence[TensorSpec]) -> RegionLayout:
+        return cls(slots_of(specs))
+
+    @property
+    def nbytes(self) -> int:
+        return max((s.offset + s.nbytes for s in self.slots), default=0)
+
+    @property
+    def digest(self) -> str:
+        """A fingerprint of names, dtypes, shapes and offsets: both sides must agree on it."""
+        text = ";".join(f"{s.name}:{s.dtype}:{s.shape}:{s.offset}" for s in self.slots)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _creator_pid(filename: str) -> int | None:
+    if not filename.startswith(PREFIX):
+        return None
+    pid = filename.removeprefix(PREFIX).split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def remove_stale_regions(directory: str = REGION_DIR) -> list[str]:
+    """Remove region files whose creating process is gone; returns their paths."""
+    removed = []
+    for filename in os.listdir(directory):
+        pid = _creator_pid(filename)
+        if pid is None or os.path.exists(f"/proc/{pid}"):
+            continue
+        path = os.path.join(directory, filename)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass  # another process swept it first
+    return removed
+
+
+def create_region(nbytes: int, directory: str = REGION_DIR) -> str:
+    """A new zero-filled region file of ``nbytes`` (pages are allocated on first write)."""
+    remove_stale_regions(directory)
+    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return path
+
+
+def map_region(path: str, nbytes: int) -> torch.Tensor:
+    """The region as a ``uint8`` tensor over a shared mapping of the file (writes are seen by
+    every process that maps it)."""
+    size = os.stat(path).st_size
+    if size < nbytes:
+        raise ValueError(f"weight region {path} holds {size} bytes; the layout needs {nbytes}")
+    return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+
+
+def region_views(region: torch.Tensor, layout: RegionLayout) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` views into the mapped region, one per slot (no copy)."""
+    views = {}
+    for slot in layout.slots:
+        raw = region[slot.offset : slot.offset + slot.nbytes]
+        views[slot.name] = raw.view(getattr(torch, slot.dtype)).reshape(slot.shape)
+    return views
+
+
+def remove_region(path: str | None) -> None:
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class MappedRegion:
+    """One process's mapping of a region, kept across refits (re-mapping costs page faults on
+    every page, as much time as the copy itself)."""
+
+    def __init__(self, path: str, layout: RegionLayout) -> None:
+        self.path, self.layout = path, layout
+        self.digest = layout.digest
+        self.tensor = map_region(path, layout.nbytes)
+        self.views = region_views(self.tensor, layout)
