@@ -34,6 +34,7 @@ from rl_algorithms.advantages import (
     overlong_penalty,
     reinforce_plus_plus_advantages,
 )
+from rl_algorithms.async_config import AsyncGRPOConfig, check_async_config
 from rl_algorithms.config import DataSection, RunConfig, TokenizerConfig, recipe_path, set_seed
 from rl_algorithms.environments import EnvSection, start_environments, stop_environments
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
@@ -87,6 +88,7 @@ class GRPOConfig(ConfigModel):
     val_batch_size: int = Field(8, ge=1)
     max_val_samples: int = Field(64, ge=1)
     seed: int = 42
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)  # see async_grpo.py
 
 
 class GRPOPolicyConfig(PolicyConfig):
@@ -135,6 +137,7 @@ class MasterConfig(RunConfig):
             )
         if not self.env:
             raise ValueError("env: configure at least one environment (task_name: {kind: ...})")
+        check_async_config(self)
         # On-policy ratios are 1 only if the trainer scores tokens under the distribution the
         # generator sampled from: the same temperature.
         temperature = self.generation.sampling.temperature
@@ -523,6 +526,10 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
 def main(config: MasterConfig) -> dict[str, float]:
     run = setup(config)
     try:
+        if config.grpo.async_grpo.enabled:
+            from rl_algorithms.async_grpo import async_grpo_train
+
+            return async_grpo_train(run)
         return grpo_train(run)
     finally:
         run.shutdown()
