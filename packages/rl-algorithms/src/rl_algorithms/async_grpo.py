@@ -99,7 +99,9 @@ class Trajectories:
             self.consumed += self.buffer.dropped_groups - dropped
             if groups is not None:
                 self.consumed += n
-                return groups, time.monotonic() - start
+                waited = time.monotonic() - start
+                self.pull(timeout=0)  # tell the collector at once: it may start more groups
+                return groups, waited
             waited = time.monotonic() - start
             if self.max_wait and waited > self.max_wait:
                 raise CollectorError(
