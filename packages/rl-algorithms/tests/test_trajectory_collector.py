@@ -122,7 +122,9 @@ def start(tokenizer, template, n_prompts: int, hang_first: bool, name: str, **kw
     return client, engine
 
 
-def test_a_generation_that_never_finishes_is_cancelled_and_its_prompt_requeued(tokenizer, template):
+def test_a_hung_generation_is_requeued_then_every_prompt_scored_then_running_out_raises(
+    tokenizer, template
+):
     client, engine = start(
         tokenizer, template, 4, hang_first=True, name="collector-hang", max_group_seconds=2.0
     )
