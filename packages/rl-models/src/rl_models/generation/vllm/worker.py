@@ -326,8 +326,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
                 final = None
                 async for out in self.engine.generate(prompts[row], params[row], request_ids[row]):
                     final = out
-                if final is None or not final.finished:  # aborted (cancel_stream)
-                    return
+                if final is None or final.outputs[0].finish_reason == "abort":
+                    return  # aborted (cancel_stream): nobody reads this stream any more
                 done.put((row, self._response(final.outputs[0]), self.weight_version))
             except asyncio.CancelledError:
                 return
