@@ -62,7 +62,7 @@ class _Group:
 
 
 class TrajectoryCollector:
-    """Run as a Ray actor (``start_collector``); every public method is a remote call."""
+    """Run as a Ray actor (``CollectorClient`` starts it); every public method is a remote call."""
 
     def __init__(
         self,
