@@ -168,3 +168,13 @@ def test_subtle_content_rewrites_are_not_framed(source):
         for start in range(len(SUBTLE_CONVERSATION)):
             want = rendered.message_texts(SUBTLE_CONVERSATION, gen, start=start)
             assert framed.message_texts(SUBTLE_CONVERSATION, gen, start=start) == want
+
+
+def test_a_template_pickles_and_renders_the_same(template):
+    # Templates travel to Ray actors (the async GRPO collector renders prompts there).
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(template))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert copy.render(messages) == template.render(messages)
+    assert copy.special_tokens == template.special_tokens

@@ -35,12 +35,14 @@ from rl_algorithms.advantages import (
     overlong_penalty,
     reinforce_plus_plus_advantages,
 )
+from rl_algorithms.async_config import AsyncGRPOConfig, check_async_config
 from rl_algorithms.config import DataSection, RunConfig, TokenizerConfig, recipe_path, set_seed
 from rl_algorithms.environments import EnvSection, start_environments, stop_environments
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_algorithms.rollouts import RolloutResult, run_rollouts
 from rl_algorithms.utils.checkpoint import CheckpointManager
 from rl_algorithms.utils.logger import Logger
+from rl_algorithms.utils.report import report_run
 from rl_algorithms.utils.run import reduce_step_metrics, save_checkpoint
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.config import ConfigModel
@@ -48,6 +50,7 @@ from rl_models.generation.config import GenerationConfig
 from rl_models.policy.config import DType, PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("grpo")
+PHASES = ("refit", "generation", "rewards_and_advantages", "logprobs", "train")
 # `rl grpo` with no --config: SmolLM2-135M-Instruct learns two-digit addition on a CPU.
 MAIN_RECIPE = recipe_path("grpo_main")
 
@@ -90,6 +93,7 @@ class GRPOConfig(ConfigModel):
     val_batch_size: int = Field(8, ge=1)
     max_val_samples: int = Field(64, ge=1)
     seed: int = 42
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)  # see async_grpo.py
 
 
 class GRPOPolicyConfig(PolicyConfig):
@@ -141,6 +145,7 @@ class MasterConfig(RunConfig):
             )
         if not self.env:
             raise ValueError("env: configure at least one environment (task_name: {kind: ...})")
+        check_async_config(self)
         # On-policy ratios are 1 only if the trainer scores tokens under the distribution the
         # generator sampled from: the same temperature.
         temperature = self.generation.sampling.temperature
@@ -559,51 +564,20 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
     return last
 
 
-PHASES = ("refit", "generation", "rewards_and_advantages", "logprobs", "train")
-
-
-def report(run: GRPORun, resumed_at: int = 0) -> None:
-    """The end of a run: a summary table, a plot of reward and validation accuracy against
-    steps (from the JSONL log, so a resumed run's earlier steps count) and, when the run
-    validated at its start and end, the line ``validation accuracy: BEFORE -> AFTER``."""
-    from rl_algorithms.utils.report import plot_curves, print_summary, read_history, summary_rows
-
-    jsonl = run.logger.log_dir / "metrics.jsonl"
-    if not run.config.logger.jsonl_enabled or not jsonl.is_file():
-        return
-    # Only this run's steps: a log directory reused by an earlier, longer run (its
-    # checkpoints deleted) keeps that run's later steps in the file.
-    history = {
-        key: kept
-        for key, values in read_history(jsonl).items()
-        if (kept := [(s, v) for s, v in values if s <= run.step])
-    }
-    if run.step == resumed_at:
-        print(
-            f"nothing to train: this run finished at step {run.step} (checkpoints in "
-            f"{run.config.checkpointing.checkpoint_dir}); its results:"
-        )
-    paths = {"logs": str(run.logger.log_dir)}
-    if history.get("train/reward_mean"):
-        paths["plot"] = str(plot_curves(history, run.logger.log_dir / "curves.png", title="GRPO"))
-    latest = run.checkpointer.latest() if run.config.checkpointing.enabled else None
-    if latest is not None:
-        paths["checkpoint (transformers)"] = str(latest / "policy")
-    print_summary(summary_rows(history, PHASES), paths, title="GRPO run")
-    accuracy = history.get("val/accuracy", [])
-    if len(accuracy) >= 2 and accuracy[0][0] == 0:
-        print(f"validation accuracy: {accuracy[0][1]:.3f} -> {accuracy[-1][1]:.3f}")
-
-
 def main(config: MasterConfig) -> dict[str, float]:
     run = setup(config)
     resumed_at = run.step
     try:
-        last = grpo_train(run)
+        if config.grpo.async_grpo.enabled:
+            from rl_algorithms.async_grpo import async_grpo_train
+
+            last = async_grpo_train(run)
+        else:
+            last = grpo_train(run)
     finally:
         run.shutdown()
     try:
-        report(run, resumed_at)
+        report_run(run, resumed_at, PHASES, title="GRPO run")
     except Exception as e:  # the run itself succeeded: a failed plot must not turn it red
         print(f"could not write the run's report: {e!r}")
     return last

@@ -108,6 +108,11 @@ class ChatTemplate:
         # None where the template does not insert contents verbatim (then: render each time)
         self._frames: dict[tuple[tuple[str, ...], bool, int], list[tuple[str, str]] | None] = {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The compiled Jinja template does not pickle: rebuild it from its source (a template
+        # travels to Ray actors, e.g. with a data loader whose dataset renders prompts).
+        return type(self), (self.source, self.special_tokens, self.cache_frames)
+
     @classmethod
     def from_config(cls, cfg: ChatTemplateConfig, tokenizer: Any = None) -> ChatTemplate:
         """The template ``cfg`` names; ``tokenizer`` supplies its own template and special tokens."""

@@ -10,6 +10,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 History = dict[str, list[tuple[int, float]]]  # metric name -> [(step, value)], by step
 
@@ -130,3 +131,37 @@ def print_summary(rows: Sequence[tuple[str, str]], paths: Mapping[str, str], tit
     for name, path in paths.items():
         table.add_row(name, path)
     Console().print(table)
+
+
+def report_run(run: Any, resumed_at: int, phases: Sequence[str], title: str) -> None:
+    """The end of a run: a summary table, a plot of reward and validation accuracy against
+    steps (from the JSONL log, so a resumed run's earlier steps count) and, when the run
+    validated at its start and end, the line ``validation accuracy: BEFORE -> AFTER``.
+
+    ``run`` has ``step``, ``config`` (logger, checkpointing), ``logger`` and ``checkpointer``.
+    """
+    jsonl = run.logger.log_dir / "metrics.jsonl"
+    if not run.config.logger.jsonl_enabled or not jsonl.is_file():
+        return
+    # Only this run's steps: a log directory reused by an earlier, longer run (its
+    # checkpoints deleted) keeps that run's later steps in the file.
+    history = {
+        key: kept
+        for key, values in read_history(jsonl).items()
+        if (kept := [(s, v) for s, v in values if s <= run.step])
+    }
+    if run.step == resumed_at:
+        print(
+            f"nothing to train: this run finished at step {run.step} (checkpoints in "
+            f"{run.config.checkpointing.checkpoint_dir}); its results:"
+        )
+    paths = {"logs": str(run.logger.log_dir)}
+    if history.get("train/reward_mean"):
+        paths["plot"] = str(plot_curves(history, run.logger.log_dir / "curves.png", title=title))
+    latest = run.checkpointer.latest() if run.config.checkpointing.enabled else None
+    if latest is not None:
+        paths["checkpoint (transformers)"] = str(latest / "policy")
+    print_summary(summary_rows(history, phases), paths, title=title)
+    accuracy = history.get("val/accuracy", [])
+    if len(accuracy) >= 2 and accuracy[0][0] == 0:
+        print(f"validation accuracy: {accuracy[0][1]:.3f} -> {accuracy[-1][1]:.3f}")

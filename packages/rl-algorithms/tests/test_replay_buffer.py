@@ -1,0 +1,129 @@
+"""The replay buffer of asynchronous GRPO: ages in trainer steps, stale groups dropped and
+counted, oldest groups first, and a checkpoint round trip across a resumed policy's fresh
+weight-version numbering."""
+
+import pickle
+
+import pytest
+import torch
+
+from rl_algorithms.replay_buffer import ReplayBuffer, TrajectoryGroup
+from rl_algorithms.rollouts import RolloutResult
+from rl_distributed.batched_data_dict import BatchedDataDict
+
+G = 2
+
+
+def group(
+    version_min: list[int], version_max: list[int] | None = None, tag: str = ""
+) -> TrajectoryGroup:
+    result = RolloutResult(
+        message_logs=[[{"role": "assistant", "content": tag}] for _ in version_min],
+        rewards=torch.zeros(len(version_min)),
+        truncated=torch.zeros(len(version_min), dtype=torch.bool),
+        terminated=torch.ones(len(version_min), dtype=torch.bool),
+        turns=torch.ones(len(version_min), dtype=torch.long),
+        env_metadata=[None] * len(version_min),
+        answers=[None] * len(version_min),
+    )
+    return TrajectoryGroup(
+        prompt=BatchedDataDict(tag=[tag]),
+        result=result,
+        version_min=torch.tensor(version_min),
+        version_max=torch.tensor(version_max or version_min),
+    )
+
+
+def tags(groups):
+    return [g.prompt["tag"][0] for g in groups]
+
+
+def test_ages_count_trainer_steps_not_optimiser_steps():
+    buffer = ReplayBuffer(max_age_steps=1)
+    # Two optimiser steps per GRPO step: versions 0, 2, 4 at steps 0, 1, 2.
+    for step, version in [(0, 0), (1, 2), (2, 4)]:
+        buffer.record_step(step, version)
+    # A sample started on version 2 and finished on 4 (an in-flight update): its age counts
+    # from its oldest tokens.
+    g = group([2, 4], [4, 4])
+    buffer.add([g])
+    assert buffer.ages(g, 2).tolist() == [1, 0]
+    assert buffer.ages(g, 3).tolist() == [2, 1]
+
+
+def test_take_gives_the_oldest_fresh_groups_and_drops_stale_ones():
+    buffer = ReplayBuffer(max_age_steps=1)
+    buffer.record_step(0, 0)
+    buffer.add([group([0, 0], tag="a"), group([0, 0], tag="b")])
+    buffer.record_step(1, 1)
+    buffer.add([group([1, 1], tag="c")])
+    assert tags(buffer.take(1, step=1)) == ["a"]  # age 1 still allowed
+    buffer.record_step(2, 2)
+    buffer.add([group([1, 2], [2, 2], tag="d"), group([2, 2], tag="e")])
+    # At step 2, "b" (version 0) is two steps old: dropped and counted, never handed out.
+    assert tags(buffer.take(2, step=2)) == ["c", "d"]
+    assert (buffer.dropped_groups, buffer.dropped_samples) == (1, G)
+    assert buffer.take(2, step=2) is None  # only "e" is left: not enough
+    assert len(buffer) == 1
+
+
+def test_zero_age_bound_keeps_only_current_weights():
+    buffer = ReplayBuffer(max_age_steps=0)
+    buffer.record_step(0, 0)
+    buffer.add([group([0, 0], tag="old")])
+    buffer.record_step(1, 1)
+    buffer.add([group([0, 1], [1, 1], tag="mixed"), group([1, 1], tag="new")])
+    assert tags(buffer.take(1, step=1)) == ["new"]
+    assert buffer.dropped_groups == 2
+
+
+def test_histogram_of_sample_ages():
+    buffer = ReplayBuffer(max_age_steps=2)
+    for step in range(3):
+        buffer.record_step(step, step)
+    groups = [group([0, 1]), group([2, 2])]
+    buffer.add(groups)
+    assert buffer.age_histogram(groups, step=2) == {0: 2, 1: 1, 2: 1}
+
+
+def test_state_round_trip_survives_a_resumed_policy_numbering_versions_again():
+    buffer = ReplayBuffer(max_age_steps=1)
+    for step in range(4):
+        buffer.record_step(step, 10 + step)
+    buffer.add([group([12, 13], tag="x"), group([13, 13], tag="y")])
+    state = pickle.loads(pickle.dumps(buffer.state_dict()))  # it goes through torch.save
+
+    resumed = ReplayBuffer(max_age_steps=1)
+    resumed.load_state_dict(state)
+    # The resumed policy starts again at version 1 (loaded weights), at step 4.
+    resumed.record_step(4, 1)
+    assert tags(resumed.take(1, step=4)) == ["y"]  # "x" (oldest tokens: step 2) is too old
+    assert (resumed.dropped_groups, resumed.dropped_samples) == (1, G)
+
+
+def test_record_step_refuses_versions_going_back():
+    buffer = ReplayBuffer(max_age_steps=1)
+    buffer.record_step(0, 3)
+    with pytest.raises(ValueError, match="went back from 3 to 1"):
+        buffer.record_step(1, 1)
+
+
+def test_async_mode_without_importance_sampling_is_a_config_error_naming_the_key(capsys):
+    from rl_algorithms import cli
+
+    code = cli.main(
+        [
+            "grpo",
+            "policy.model.path=/nonexistent",
+            "tokenizer.path=/nonexistent",
+            "data.train={source: arithmetic, size: 8}",
+            "env={arithmetic: {kind: math}}",
+            "generation.colocated=false",
+            "generation.vllm.async_engine=true",
+            "grpo.async_grpo.enabled=true",
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "loss_fn.use_importance_sampling_correction" in err
+    assert "grpo.async_grpo.enabled" in err
