@@ -172,6 +172,31 @@ def test_a_generator_that_cannot_share_says_why_and_changes_nothing():
     assert gen.region is None and not gen.updating
 
 
+def test_no_room_in_shared_memory_is_a_fallback_not_a_crash(monkeypatch):
+    """A /dev/shm smaller than the model (Docker's default is 64 MiB): the region's pages are
+    reserved up front, so the failure is ENOSPC at creation and the generator keeps its own
+    weights, instead of SIGBUS in whichever process writes first."""
+    import errno
+
+    from rl_models.generation import shared_memory
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared_memory.os, "posix_fallocate", no_space)
+    config = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float32"})
+    gen = generation_worker(config)
+    before = {n: p.detach().clone() for n, p in gen.model.named_parameters()}
+    layout = exporter_layout(DTensorPolicyWorker(config))
+    leftovers = set(os.listdir("/dev/shm"))
+    path, reason = gen.map_weight_region(None, layout)
+    assert path is None and "No space left" in reason
+    assert gen.region is None and not gen.updating
+    assert set(os.listdir("/dev/shm")) == leftovers  # the half-made file was removed
+    for name, p in gen.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
 def test_auto_picks_shared_memory_only_on_one_cpu_node():
     assert pick_channel("auto", colocated=False, use_gpus=False, one_node_shared=True) == (
         "shared_memory"

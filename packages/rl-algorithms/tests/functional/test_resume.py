@@ -21,7 +21,9 @@ from rl_algorithms import cli
 from .conftest import base_config, read_metrics, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
-STEPS = 6
+# Long enough that the kill, sent within ~50 ms of the third checkpoint appearing, always lands
+# well before the end (a 6-step run once finished in that window).
+STEPS = 16  # two epochs of the 8-step data set
 
 
 def losses_by_step(log_dir) -> dict[int, list[float]]:
@@ -36,7 +38,10 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_one(tmp_path, assets):
     straight = tmp_path / "straight"
     straight.mkdir()
     cfg = write_config(straight, base_config(straight, assets))
-    assert cli.main(["sft", "--config", cfg, f"sft.max_num_steps={STEPS}"]) == 0
+    assert (
+        cli.main(["sft", "--config", cfg, f"sft.max_num_steps={STEPS}", "sft.max_num_epochs=2"])
+        == 0
+    )
 
     killed = tmp_path / "killed"
     killed.mkdir()
@@ -46,6 +51,7 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_one(tmp_path, assets):
         "--config",
         cfg,
         f"sft.max_num_steps={STEPS}",
+        "sft.max_num_epochs=2",
         "checkpointing.save_period=1",
         "checkpointing.keep_top_k=10",
     ]
@@ -63,7 +69,7 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_one(tmp_path, assets):
         while not (killed / "ckpt" / "step_3").exists():
             assert proc.poll() is None, f"the run ended early:\n{proc.stderr.read()}"
             assert time.monotonic() < deadline, "no third checkpoint within 4 minutes"
-            time.sleep(0.2)
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -207,7 +207,11 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         self.updating = True  # parameters are about to point at memory the policy writes
         created = path is None
         if created:
-            path = create_region(layout.nbytes)
+            try:
+                path = create_region(layout.nbytes)
+            except OSError as e:  # e.g. ENOSPC: /dev/shm smaller than the model
+                self.updating = False  # nothing changed: the weights are still whole
+                return None, f"cannot create a {layout.nbytes}-byte region in shared memory ({e})"
             atexit.register(remove_region, path)
         region = MappedRegion(path, layout)
         for name, view in region.views.items():

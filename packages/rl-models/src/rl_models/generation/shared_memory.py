@@ -92,6 +92,10 @@ def create_region(nbytes: int, directory: str = REGION_DIR) -> str:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, max(nbytes, 1))
+        # Reserve the pages now: a sparse file on a small /dev/shm (Docker's default is
+        # 64 MiB) would otherwise fail later with SIGBUS in whichever process writes first,
+        # instead of here with ENOSPC, which the refit turns into a fallback.
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
     except OSError:
         os.close(fd)
         os.unlink(path)
