@@ -126,7 +126,7 @@ def test_a_hung_generation_is_requeued_then_every_prompt_scored_then_running_out
     tokenizer, template
 ):
     client, engine = start(
-        tokenizer, template, 4, hang_first=True, name="collector-hang", max_group_seconds=2.0
+        tokenizer, template, 4, hang_first=True, name="collector-hang", max_group_seconds=10.0
     )
     groups, consumed = [], 0
     try:
