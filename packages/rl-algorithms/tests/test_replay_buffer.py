@@ -118,6 +118,7 @@ def test_async_mode_without_importance_sampling_is_a_config_error_naming_the_key
             "tokenizer.path=/nonexistent",
             "data.train={source: arithmetic, size: 8}",
             "env={arithmetic: {kind: math}}",
+            "generation.backend=vllm",
             "generation.colocated=false",
             "generation.vllm.async_engine=true",
             "grpo.async_grpo.enabled=true",

