@@ -72,7 +72,10 @@ def test_rl_grpo_is_on_policy_and_the_generator_agrees_with_the_trainer(tmp_path
     steps = [r for r in records if "train/loss" in r]
     assert len(steps) == 3
     for r in steps:
-        assert 0.8 <= r["train/probs_ratio_min"] <= 1.0 <= r["train/probs_ratio_max"] <= 1.2, r
+        # The first update is on-policy (ratio 1); the second sees the first one's change
+        # (lr 1e-3 on a tiny model moves it visibly), within the range clipping handles.
+        assert 0.5 <= r["train/probs_ratio_min"] <= 1.0 <= r["train/probs_ratio_max"] <= 2.0, r
+        assert 0.9 <= r["train/probs_ratio"] <= 1.1, r
         assert 1.0 <= r["train/token_mult_prob_error"] < 1.05, r
         for key in ("loss", "reward_mean", "shaped_reward_mean", "kl_penalty", "grad_norm"):
             assert math.isfinite(r[f"train/{key}"]), key
@@ -94,7 +97,7 @@ def test_rl_grpo_is_on_policy_and_the_generator_agrees_with_the_trainer(tmp_path
     assert series(records, "run/resumed_from_step") == [3]
     (step4,) = [r for r in records if r.get("step") == 4 and "train/loss" in r]
     assert step4["train/refit_seconds"] > 0
-    assert 0.8 <= step4["train/probs_ratio_min"] <= step4["train/probs_ratio_max"] <= 1.2
+    assert 0.5 <= step4["train/probs_ratio_min"] <= 1.0 <= step4["train/probs_ratio_max"] <= 2.0
     assert step4["train/token_mult_prob_error"] < 1.05
 
 
