@@ -38,6 +38,7 @@ from rl_distributed.worker_types import (
     WorkerGroupError,
     WorkerMetadata,
     WorkerTimeoutError,
+    cpu_threads_env,
 )
 
 logger = logging.getLogger(__name__)
@@ -228,22 +229,6 @@ class RayWorkerGroup:
                 seen.add((node_idx, b))
         return [(node_idx, list(bundles)) for node_idx, bundles in bundle_indices_list]
 
-    def _cpu_threads(self, workers_on_node: int) -> dict[str, str]:
-        """``OMP_NUM_THREADS`` for a worker on a CPU-only cluster: the node's cores shared by
-        the group's workers there.
-
-        Ray would give a worker as many threads as CPUs it reserved, which is one (or a
-        fraction, so one) for a CPU bundle: colocated groups, which take turns, would each use
-        one core of the machine. A GPU worker keeps Ray's default (its CPU work is light).
-        ``OMP_NUM_THREADS`` set for the driver wins, on every worker.
-        """
-        if "OMP_NUM_THREADS" in os.environ:
-            return {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
-        if self.cluster.use_gpus:
-            return {}
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return {"OMP_NUM_THREADS": str(max(1, (cores or 1) // max(1, workers_on_node)))}
-
     def _start_workers(self, placements, world_size: int, extra_env: dict[str, str]) -> None:
         pgs = self.cluster.get_placement_groups()
         python_env = self.builder.resolve_python_env()
@@ -280,7 +265,7 @@ class RayWorkerGroup:
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
                     "RL_WORKER_NAME": meta.name,
-                    **self._cpu_threads(workers_on_node[pg_idx]),
+                    **cpu_threads_env(self.cluster.use_gpus, workers_on_node[pg_idx]),
                     **extra_env,
                 }
                 runtime_env = {}

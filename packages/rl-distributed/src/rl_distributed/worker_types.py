@@ -3,6 +3,7 @@ errors that name the worker behind a failure (the dispatch itself is in ``worker
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,3 +77,20 @@ class WorkerFutures(list):
         # a dead tensor-parallel peer must be reported, not waited for behind its blocked
         # partners. ``(ref, rank)`` pairs.
         self.watched = list(watched)
+
+
+def cpu_threads_env(use_gpus: bool, workers_on_node: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for a worker on a CPU-only cluster: the node's cores shared by
+    the group's workers there.
+
+    Ray would give a worker as many threads as CPUs it reserved, which is one (or a
+    fraction, so one) for a CPU bundle: colocated groups, which take turns, would each use
+    one core of the machine. A GPU worker keeps Ray's default (its CPU work is light).
+    ``OMP_NUM_THREADS`` set for the driver wins, on every worker.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
+    if use_gpus:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"OMP_NUM_THREADS": str(max(1, (cores or 1) // max(1, workers_on_node)))}
