@@ -284,5 +284,7 @@ def test_arithmetic_bad_settings_name_the_key():
         ArithmeticConfig(min_operand=50, max_operand=10)
     with pytest.raises(ValidationError, match=r"arithmetic.prompt"):
         ArithmeticConfig(prompt="What is {x}?")
+    with pytest.raises(ValidationError, match=r"arithmetic.prompt"):
+        ArithmeticConfig(prompt="What is {a.__class__.__mro__}?")
     with pytest.raises(ValidationError, match="distinct questions"):
         ArithmeticConfig(size=10, min_operand=1, max_operand=2, operations=["+"], distinct=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import operator
 import random
+import string
 import warnings
 from typing import Any, Literal
 
@@ -100,6 +101,10 @@ class ArithmeticConfig(ConfigModel):
                 f"arithmetic: min_operand ({self.min_operand}) > max_operand ({self.max_operand})"
             )
         try:
+            # Only the bare names: str.format would also follow "{a.__class__}" and the like.
+            fields = {f for _, f, _, _ in string.Formatter().parse(self.prompt) if f is not None}
+            if not fields <= {"a", "op", "b"}:
+                raise KeyError(", ".join(sorted(fields - {"a", "op", "b"})))
             self.prompt.format(a=1, op="+", b=2)
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(
