@@ -5,7 +5,7 @@ import torch
 
 from rl_models.interfaces import loss_input_type
 from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss, loss_token_mask
-from rl_models.policy import forward
+from rl_models.policy import forward, logprobs
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
 from .conftest import TINY_LLAMA, initial_model, skewed_batch, tiny_config
@@ -78,12 +78,69 @@ def label_smoothed_reference_step(data, smoothing: float) -> dict[str, torch.Ten
 def test_a_logits_loss_trains_like_the_hand_written_reference(split):
     data = skewed_batch()
     loss = LabelSmoothedNLLLoss(smoothing=0.2)
-    assert loss_input_type(loss) == "logits" and loss_input_type(NLLLoss()) == "logprobs"
+    assert loss_input_type(loss) == "logits"
+    assert loss_input_type(NLLLoss()) == "loss_token_logprobs"
     worker = DTensorPolicyWorker(tiny_config(**split))
     worker.train(data, loss)
     expected = label_smoothed_reference_step(data, smoothing=0.2)
     got = {k: p.detach() for k, p in worker.model.named_parameters()}
     assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 1e-10
+
+
+class FullNLLLoss(NLLLoss):
+    input_type = "logprobs"  # every position's log-prob computed
+
+
+def nll_reference_step(data) -> dict[str, torch.Tensor]:
+    """One SGD step (lr=1) of the loss-token NLL on the float64 reference model."""
+    model = reference_model()
+    mask = loss_token_mask(data)
+    total = torch.zeros((), dtype=torch.float64)
+    for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
+        logp = torch.log_softmax(model(ids[None, :n]).logits[0, : n - 1], -1)
+        total = total - (logp.gather(-1, ids[1:n, None])[:, 0] * mask[row, 1:n]).sum()
+    (total / mask.sum()).backward()
+    with torch.no_grad():
+        return {k: p - p.grad for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        {"train_micro_batch_size": 3},
+        {"train_micro_batch_size": 3, "logprob_chunk_size": None},
+        {"sequence_packing": {"enabled": True}, "logprob_chunk_size": 7},
+    ],
+    ids=["microbatches", "unchunked", "packed-chunked"],
+)
+def test_loss_token_logprobs_skip_the_prompt_and_train_exactly_like_full_logprobs(
+    split, monkeypatch
+):
+    """A loss with ``input_type = "loss_token_logprobs"`` gets log-probs at its tokens only: the
+    output layer sees just those hidden states, and the step equals the float64 reference."""
+    data = skewed_batch()
+    seen = []
+    chunk = logprobs._chunk_logprobs
+
+    def counted(hidden, *args):
+        seen.append(hidden.shape[0])  # the output layer's rows
+        return chunk(hidden, *args)
+
+    monkeypatch.setattr(logprobs, "_chunk_logprobs", counted)
+    worker = DTensorPolicyWorker(tiny_config(**split))
+    worker.train(data, NLLLoss())
+    loss_tokens = int(loss_token_mask(data).ne(0).sum())
+    assert loss_tokens < int(data["input_lengths"].sum()) // 2 + 8
+    # Once each (twice where chunks are recomputed in backward), never a prompt token.
+    assert sum(seen) in (loss_tokens, 2 * loss_tokens)
+    expected = nll_reference_step(data)
+    got = {k: p.detach() for k, p in worker.model.named_parameters()}
+    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 1e-10
+    # And the same step as a loss given every position's log-prob.
+    full = DTensorPolicyWorker(tiny_config(**split))
+    full.train(data, FullNLLLoss())
+    for k, p in full.model.named_parameters():
+        torch.testing.assert_close(p.detach(), got[k], rtol=0, atol=1e-12)
 
 
 def test_label_smoothing_zero_is_plain_nll():

@@ -15,7 +15,7 @@ from rl_models.generation.config import GenerationConfig
 from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.generation.interfaces import IncompleteRefitError, StaleWeightsError
 from rl_models.generation.metrics import response_mask
-from rl_models.generation.sampling import filter_logits
+from rl_models.generation.sampling import draw, filter_logits
 from rl_models.generation.weights import PackedBucket, TensorSlot
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.weight_export import DTensorWeightExporter
@@ -130,6 +130,18 @@ def test_sampled_token_frequencies_follow_the_float64_distribution(
     )
 
 
+def test_draw_never_picks_a_token_of_probability_zero_even_when_rounding_hits_the_total(
+    monkeypatch,
+):
+    probs = torch.tensor([[0.0, 0.2, 0.8, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.5]])
+    # The largest uniform number there is, then one that rounds u * total up to the total.
+    for u in (1 - 2**-53, 1.0):
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(a[:2], u).double())
+        assert draw(probs).tolist() == [2, 4]
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(a[:2]).double())
+    assert draw(probs).tolist() == [1, 0]
+
+
 def test_filter_logits_keeps_the_top_k_and_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     kept = torch.isfinite(filter_logits(logits, top_k=None, top_p=0.8))
@@ -174,6 +186,42 @@ def test_stop_token_ids_end_a_row_and_keep_the_stop_token(tmp_path):
     assert torch.equal(
         out["output_ids"][0, : n0 + first + 1], free["output_ids"][0, : n0 + first + 1]
     )
+
+
+def test_groups_sharing_a_prompt_and_rows_leaving_the_batch_keep_every_logprob_exact(tmp_path):
+    """Rows with the same prompt share one prefill (its KV cache copied per row) and stopped
+    rows leave the decode batch; every sampled token's reported log-prob must still be the
+    float64 full-forward value of that row's own sequence (a row reading another row's cache
+    would not match), and every row must stop exactly at its first stop token."""
+    path = peaky_model_dir(tmp_path, scale=3.0)
+    base = prompts(lengths=(3, 7, 5))
+    group = 6
+    data = BatchedDataDict(
+        input_ids=base["input_ids"].repeat_interleave(group, dim=0),
+        input_lengths=base["input_lengths"].repeat_interleave(group),
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    # Stop tokens the prompts make likely: rows stop at varied steps.
+    pairs = zip(base["input_ids"], base["input_lengths"].tolist(), strict=True)
+    first = [full_forward_logprobs(model, ids[:n])[-1] for ids, n in pairs]
+    stops = torch.stack(first).exp().mean(0).topk(8).indices.tolist()
+    gen = worker(path, max_new_tokens=10, stop_token_ids=stops, temperature=1.0)
+    out = gen.generate(data)
+    lengths = out["generation_lengths"]
+    assert len(set(lengths.tolist())) >= 3, "rows should stop at different steps"
+    # Over half the rows stop early, so rows left the batch (a quarter gone triggers it).
+    assert (lengths < 10).sum() > len(lengths) // 2 and (lengths == 10).any()
+    for row in range(len(lengths)):
+        n, g = int(data["input_lengths"][row]), int(lengths[row])
+        seq = out["output_ids"][row, : n + g]
+        assert torch.equal(seq[:n], data["input_ids"][row, :n])
+        response = seq[n:].tolist()
+        assert not set(stops) & set(response[:-1])
+        assert (response[-1] in stops) != bool(out["truncated"][row])
+        expected = full_forward_logprobs(model, seq)[:-1].gather(-1, seq[1:, None])[:, 0]
+        got = out["logprobs"][row, n : n + g].double()
+        torch.testing.assert_close(got, expected[n - 1 :], rtol=0, atol=1e-6)
+        assert (out["output_ids"][row, n + g :] == 0).all()
 
 
 def test_stop_strings_from_config_and_per_sample(tmp_path):

@@ -19,7 +19,7 @@ import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 
-LossInput = Literal["logprobs", "logits"]
+LossInput = Literal["logprobs", "loss_token_logprobs", "logits"]
 
 
 @runtime_checkable
@@ -29,8 +29,13 @@ class LossFunction(Protocol):
     What the first argument holds: by default ``[B, S]`` next-token log-probs (see the module
     docstring). A loss with the class attribute ``input_type = "logits"`` gets ``[B, S, V]``
     next-token logits aligned the same way (``[:, t]`` predicts token ``t``; zeros at position
-    0 and on padding), for losses over the whole vocabulary (entropy, distillation). A
-    sequence-classifier policy (reward model) always passes its ``[B, num_labels]`` scores.
+    0 and on padding), for losses over the whole vocabulary (entropy, distillation). A loss
+    that reads log-probs only where ``losses.loss_token_mask`` is non-zero (and multiplies
+    them by it) may say ``input_type = "loss_token_logprobs"``: the policy then computes the
+    output layer and its log-softmax at those tokens alone (the response, not the prompt) and
+    passes 0 elsewhere; a backend without that saving passes every log-prob, which such a
+    loss must accept as well. A sequence-classifier policy (reward model) always passes its
+    ``[B, num_labels]`` scores.
 
     ``global_valid_seqs`` and ``global_valid_toks`` count the valid samples and loss tokens of
     the whole *global* batch (all micro-batches, all data-parallel ranks). A token-level loss
@@ -49,11 +54,13 @@ class LossFunction(Protocol):
 
 
 def loss_input_type(loss_fn: LossFunction) -> LossInput:
-    """What ``loss_fn`` wants to be given: "logprobs" (the default) or "logits"."""
+    """What ``loss_fn`` wants to be given: "logprobs" (the default), "loss_token_logprobs"
+    or "logits"."""
     kind = getattr(loss_fn, "input_type", "logprobs")
-    if kind not in ("logprobs", "logits"):
+    if kind not in ("logprobs", "loss_token_logprobs", "logits"):
         raise ValueError(
-            f"{type(loss_fn).__name__}.input_type is {kind!r}; expected 'logprobs' or 'logits'"
+            f"{type(loss_fn).__name__}.input_type is {kind!r}; expected 'logprobs', "
+            "'loss_token_logprobs' or 'logits'"
         )
     return kind
 

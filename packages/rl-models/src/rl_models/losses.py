@@ -36,6 +36,8 @@ def sample_valid_mask(data: BatchedDataDict) -> torch.Tensor:
 class NLLLoss:
     """Mean negative log-likelihood over the loss tokens of the global batch (SFT)."""
 
+    input_type = "loss_token_logprobs"  # reads log-probs at the loss tokens only
+
     def __call__(
         self,
         logprobs: torch.Tensor,

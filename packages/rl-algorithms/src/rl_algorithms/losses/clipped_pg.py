@@ -105,6 +105,10 @@ def _per_sequence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class ClippedPGLossFn:
     """``loss_fn`` for ``Policy.train`` on GRPO batches (module docstring for the keys)."""
 
+    # Every log-prob read is multiplied by (or selected with) the loss-token mask: the policy
+    # may skip the output layer on prompt tokens.
+    input_type = "loss_token_logprobs"
+
     def __init__(
         self, config: ClippedPGLossConfig | dict | None = None, *, pi_old_is_current: bool = False
     ) -> None:
@@ -195,7 +199,8 @@ class ClippedPGLossFn:
         ratio = ratio.detach()
 
         def token_mean(x: torch.Tensor) -> float:
-            return float((x.detach() * mask).sum() / toks)
+            # where, not a product: a prompt token's exp|prev - gen| may overflow to inf
+            return float(torch.where(mask > 0, x.detach(), 0.0).sum() / toks)
 
         metrics = {
             "loss": float(loss.detach()),

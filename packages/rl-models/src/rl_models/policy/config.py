@@ -189,6 +189,11 @@ class PolicyConfig(ConfigModel):
     # backward), so no [tokens, vocab] float32 logits exist at once; None: all tokens at once.
     # Losses that ask for whole logits (loss_input_type "logits") always get them in full.
     logprob_chunk_size: int | None = Field(1024, ge=1)
+    # Losses that read the loss tokens' log-probs only (GRPO's, SFT's): rows of a micro-batch
+    # that share their tokens before the first loss token (a GRPO group's prompt) run those
+    # tokens once, their keys and values copied to each row (policy/shared_prefix.py). Exact;
+    # padded micro-batches of Hugging Face models without activation checkpointing.
+    share_prompt_prefix: bool = True
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     activation_checkpointing: bool = False

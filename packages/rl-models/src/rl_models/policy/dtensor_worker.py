@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.interfaces import LossFunction, loss_input_type
+from rl_models.losses import loss_token_mask
 from rl_models.policy import checkpoint, lora, offload
 from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-export)
     PolicyWorker,
@@ -117,7 +118,11 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         return model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
 
     def _forward(self, model: torch.nn.Module, mb: BatchedDataDict, output: str) -> torch.Tensor:
-        """``output`` ("logprobs", "logits" or "scores") of one micro-batch on this device."""
+        """``output`` ("logprobs", "loss_token_logprobs", "logits" or "scores") of one
+        micro-batch on this device."""
+        wanted = None
+        if output == "loss_token_logprobs":  # log-probs of the loss's tokens only
+            wanted, output = loss_token_mask(mb) > 0, "logprobs"
         forward = {"logprobs": forward_logprobs, "logits": forward_logits, "scores": forward_scores}
         if (output == "scores") != (self.config.model.kind == "sequence_classification"):
             raise ValueError(f"a {self.config.model.kind} model has no {output}")
@@ -127,6 +132,12 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             kwargs = {
                 "chunk_size": self.config.logprob_chunk_size,
                 "temperature": self.config.logprob_temperature,
+                "wanted": wanted,
+                # HF drops the KV cache under activation checkpointing; FSDP2 sees one
+                # forward per micro-batch elsewhere, so sharing stays on one rank for now.
+                "share_prefix": self.config.share_prompt_prefix
+                and not self.config.activation_checkpointing
+                and self.dp_size == 1,
             }
         with self._autocast():
             out = forward[output](

@@ -28,6 +28,7 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
 from rl_models.policy.build import build_model  # noqa: F401 (re-export)
 from rl_models.policy.logprobs import output_layer_computes_logprobs, supports_chunked_logprobs
+from rl_models.policy.shared_prefix import shared_prefix_logprobs, worth_sharing
 
 DENSE_MASK_KERNELS = ("sdpa", "eager")
 
@@ -76,26 +77,40 @@ def forward_logprobs(
     attn_implementation: str = "sdpa",
     chunk_size: int | None = None,
     temperature: float = 1.0,
+    wanted: torch.Tensor | None = None,
+    share_prefix: bool = False,
 ) -> torch.Tensor:
     """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding),
     under the temperature-scaled distribution (``PolicyConfig.logprob_temperature``).
 
     ``chunk_size``: the output layer computes the log-probs that many tokens at a time inside
     the model's forward (``logprobs.py``), so no ``[tokens, vocab]`` logits exist at once.
+    ``wanted``: ``[B, S]`` bool, the positions whose log-prob is needed (a loss's tokens); the
+    others are 0 and, with a chunkable output layer, never reach it (for a GRPO batch that is
+    the whole prompt: most of the output layer's and the log-softmax's work).
+    ``share_prefix``: rows of a padded micro-batch that start with the same tokens before their
+    first wanted one (a GRPO group's prompt) run those tokens once (``shared_prefix.py``).
     """
     ids, lengths = mb["input_ids"], mb["input_lengths"]
-    chunked = chunk_size is not None and supports_chunked_logprobs(model)
+    # The output layer computes log-probs itself only where its output is the plain logits.
+    in_head = supports_chunked_logprobs(model) and (chunk_size is not None or wanted is not None)
+    wanted = wanted if in_head else None
     if not packed:
         real = _padding_mask(mb)
+        if share_prefix and wanted is not None and worth_sharing(wanted, lengths, ids):
+            return shared_prefix_logprobs(model, mb, wanted & real, chunk_size, temperature)
         inputs = {"input_ids": ids, "attention_mask": real.long(), "use_cache": False}
         row_ids = ids
+        row_wanted = wanted
     else:
         p, inputs = _packed_inputs(mb, attn_implementation)
         row_ids = p.input_ids
-    if chunked:
-        # Position t's output is log p(token t+1); the last position has no next token.
+        row_wanted = None if wanted is None else pack_sequences(wanted, lengths).input_ids
+    # Position t's output is log p(token t+1); the last position has no next token.
+    keep = None if row_wanted is None else F.pad(row_wanted[:, 1:].bool(), (0, 1))
+    if in_head:
         targets = F.pad(row_ids[:, 1:], (0, 1))
-        with output_layer_computes_logprobs(model, targets, chunk_size, temperature):
+        with output_layer_computes_logprobs(model, targets, chunk_size, temperature, keep):
             lp = model(**inputs).logits[:, :-1]
     else:
         lp = token_logprobs(model(**inputs).logits[:, :-1], row_ids[:, 1:], temperature)

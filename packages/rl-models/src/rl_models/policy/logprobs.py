@@ -78,15 +78,25 @@ def output_layer_computes_logprobs(
     targets: torch.Tensor,
     chunk_size: int | None,
     temperature: float = 1.0,
+    keep: torch.Tensor | None = None,
 ) -> Iterator[None]:
     """While inside, ``model``'s output layer returns log-probs of ``targets`` (``[B, S]``)
-    instead of logits: ``model(...).logits`` is then ``log p(targets)`` at every position."""
+    instead of logits: ``model(...).logits`` is then ``log p(targets)`` at every position, or,
+    given a ``[B, S]`` bool ``keep``, at the kept positions only (0 elsewhere): the output
+    layer then never sees the other positions' hidden states."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"chunked log-probs need a Linear output layer, not {type(head)}")
 
     def logprobs_forward(hidden: torch.Tensor) -> torch.Tensor:
-        return chunked_logprobs(hidden, head.weight, targets, chunk_size, head.bias, temperature)
+        if keep is None:
+            return chunked_logprobs(
+                hidden, head.weight, targets, chunk_size, head.bias, temperature
+            )
+        kept = chunked_logprobs(
+            hidden[keep], head.weight, targets[keep], chunk_size, head.bias, temperature
+        )
+        return kept.new_zeros(targets.shape).masked_scatter(keep, kept)
 
     head.forward = logprobs_forward
     try:
