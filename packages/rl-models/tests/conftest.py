@@ -64,6 +64,51 @@ def skewed_batch(lengths=(3, 61, 5, 7, 2, 40, 9, 4), seed: int = 0) -> BatchedDa
     )
 
 
+def grouped_batch(seed: int = 0) -> BatchedDataDict:
+    """Three prompts (5, 9 and 12 tokens) x 4 responses of uneven lengths, the loss on the
+    responses; plus one row switched off (nothing wanted) and one whose loss starts at token 1
+    (an empty prefix)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = TINY_LLAMA["vocab_size"]
+    rows, masks = [], []
+    for prompt_len in (5, 9, 12):
+        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen)
+        for _ in range(4):
+            n = int(torch.randint(1, 9, (), generator=gen))
+            rows.append(torch.cat([prompt, torch.randint(1, vocab, (n,), generator=gen)]))
+            masks.append(torch.arange(len(rows[-1])) >= prompt_len)
+    rows.append(torch.randint(1, vocab, (6,), generator=gen))
+    masks.append(torch.arange(6) >= 1)
+    lengths = torch.tensor([len(r) for r in rows])
+    width = int(lengths.max())
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    token_mask = torch.zeros(len(rows), width)
+    for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
+        ids[i, : len(r)], token_mask[i, : len(r)] = r, m.double()
+    sample_mask = torch.ones(len(rows))
+    sample_mask[2] = 0  # one sample off: nothing of it is wanted
+    return BatchedDataDict(
+        input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=sample_mask
+    )
+
+
+def float64_rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm in the input's own precision (Hugging Face's casts to float32)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture
+def float64_norms(monkeypatch):
+    """Hugging Face's Llama RMSNorm computes in float32 even in a float64 model. Its backward
+    is then exact only to float32, and summing a group's gradients before it (one prompt pass)
+    rather than after (one per row) differs at ~1e-8: a comparison at 1e-10 needs the norm in
+    the model's own precision. (Forward values are bitwise the same either way.)"""
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", float64_rms_norm)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for the whole test process (starting Ray takes seconds)."""

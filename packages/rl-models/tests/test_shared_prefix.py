@@ -4,56 +4,12 @@ forward, checked against a float64 reference that runs every row alone."""
 import pytest
 import torch
 
-from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.losses import NLLLoss, loss_token_mask
 from rl_models.policy import forward
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.shared_prefix import prefix_lengths, shared_prefixes
 
-from .conftest import TINY_LLAMA, initial_model, tiny_config
-
-
-def grouped_batch(seed: int = 0) -> BatchedDataDict:
-    """Three prompts (5, 9 and 12 tokens) x 4 responses of uneven lengths, the loss on the
-    responses; plus one row switched off (nothing wanted) and one whose loss starts at token 1
-    (an empty prefix)."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = TINY_LLAMA["vocab_size"]
-    rows, masks = [], []
-    for prompt_len in (5, 9, 12):
-        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen)
-        for _ in range(4):
-            n = int(torch.randint(1, 9, (), generator=gen))
-            rows.append(torch.cat([prompt, torch.randint(1, vocab, (n,), generator=gen)]))
-            masks.append(torch.arange(len(rows[-1])) >= prompt_len)
-    rows.append(torch.randint(1, vocab, (6,), generator=gen))
-    masks.append(torch.arange(6) >= 1)
-    lengths = torch.tensor([len(r) for r in rows])
-    width = int(lengths.max())
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    token_mask = torch.zeros(len(rows), width)
-    for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
-        ids[i, : len(r)], token_mask[i, : len(r)] = r, m.double()
-    sample_mask = torch.ones(len(rows))
-    sample_mask[2] = 0  # one sample off: nothing of it is wanted
-    return BatchedDataDict(
-        input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=sample_mask
-    )
-
-
-@pytest.fixture
-def float64_norms(monkeypatch):
-    """Hugging Face's Llama RMSNorm computes in float32 even in a float64 model. Its backward
-    is then exact only to float32, and summing a group's gradients before it (one prompt pass)
-    rather than after (one per row) differs at ~1e-8: a comparison at 1e-10 needs the norm in
-    the model's own precision. (Forward values are bitwise the same either way.)"""
-    from transformers.models.llama import modeling_llama
-
-    def forward(self, hidden_states):
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+from .conftest import grouped_batch, initial_model, tiny_config
 
 
 def reference_step(data, temperature: float = 1.0) -> dict[str, torch.Tensor]:
@@ -106,9 +62,10 @@ def test_a_step_with_shared_prompts_equals_the_float64_reference_and_runs_prompt
     got = {k: p.detach() for k, p in worker.model.named_parameters()}
     expected = reference_step(data)
     assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 1e-10
-    # Two passes: the three prompts (padded to the longest prefix), then every row's rest.
-    assert len(embedded) == 2 and embedded[0] == 3 * 11
-    assert sum(embedded) < data["input_ids"].numel() * 2 // 3
+    # One pass over the three prompts once (4 + 8 + 11 tokens) and every row's other tokens.
+    prefix = [4, 4, 0, 4] + [8] * 4 + [11] * 4 + [0]
+    assert embedded == [int(data["input_lengths"].sum()) - sum(prefix) + 4 + 8 + 11]
+    assert embedded[0] < data["input_ids"].numel() // 2
 
 
 def test_sharing_can_be_turned_off():

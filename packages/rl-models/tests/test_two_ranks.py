@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from .conftest import TINY_LLAMA, initial_model, skewed_batch
+from .conftest import TINY_LLAMA, grouped_batch, initial_model, skewed_batch
 from .test_normalisation import weights_after_one_step
 from .test_reward_model import reference_scores
 
@@ -69,6 +69,19 @@ def test_gradients_are_reduced_once_per_step_and_give_the_one_process_step(ranks
     assert set(got) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-10, msg=name)
+
+
+def test_groups_share_their_prompt_pass_on_two_ranks(ranks, float64_norms):
+    """Each rank runs its groups' prompts once under FSDP2; the step equals the float64
+    reference that runs every row alone."""
+    from .test_shared_prefix import reference_step
+
+    ranks = scenario(ranks, "shared_prefix_step")
+    assert all(r["forward_passes"] == 1 for r in ranks)
+    expected = reference_step(grouped_batch().slice(0, 12))
+    for name, tensor in expected.items():
+        got = ranks[0]["trained_weights"][name]
+        torch.testing.assert_close(got, tensor, rtol=0, atol=1e-10, msg=name)
 
 
 def test_gradients_are_freed_after_the_step(ranks):

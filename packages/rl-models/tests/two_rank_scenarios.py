@@ -18,7 +18,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import TINY_LLAMA, initial_model, skewed_batch, tiny_config
+from conftest import (
+    TINY_LLAMA,
+    float64_rms_norm,
+    grouped_batch,
+    initial_model,
+    skewed_batch,
+    tiny_config,
+)
 
 from rl_models.losses import NLLLoss
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -114,6 +121,30 @@ def one_step(half) -> dict:
     }
 
 
+def shared_prefix_step(rank: int) -> dict:
+    """One SGD step on GRPO-like groups (6 rows per rank), each rank running its groups'
+    prompts once (RMSNorm in float64, see ``conftest.float64_rms_norm``)."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaRMSNorm.forward
+    modeling_llama.LlamaRMSNorm.forward = float64_rms_norm
+    try:
+        half = grouped_batch().slice(rank * 6, rank * 6 + 6)
+        config = tiny_config(train_global_batch_size=12, train_micro_batch_size=6)
+        worker = DTensorPolicyWorker(config)
+        embedded = []
+        worker.model.get_input_embeddings().register_forward_pre_hook(
+            lambda _m, args: embedded.append(int(args[0].numel()))
+        )
+        worker.train(half, NLLLoss())
+        weights = get_model_state_dict(
+            worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return {"trained_weights": weights, "forward_passes": len(embedded)}
+    finally:
+        modeling_llama.LlamaRMSNorm.forward = original
+
+
 def pretrained(half, out: str) -> dict:
     """A saved model, loaded by each rank as slices of the safetensors file (tied output
     layer: the file holds the embedding only)."""
@@ -164,6 +195,7 @@ def main(out: str) -> None:
         "reward_scores": lambda: reward_scores(half),
         "bf16_reference": lambda: bf16_reference(half),
         "one_step": lambda: one_step(half),
+        "shared_prefix_step": lambda: shared_prefix_step(rank),
         "pretrained": lambda: pretrained(half, out),
         "region_write": lambda: region_write(half, out),
     }

@@ -37,7 +37,13 @@ from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-ex
 )
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
-from rl_models.policy.forward import build_model, forward_logits, forward_logprobs, forward_scores
+from rl_models.policy.forward import (
+    DENSE_MASK_KERNELS,
+    build_model,
+    forward_logits,
+    forward_logprobs,
+    forward_scores,
+)
 from rl_models.policy.weight_export import DTensorWeightExporter, WeightExportMethods
 
 
@@ -133,11 +139,8 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                 "chunk_size": self.config.logprob_chunk_size,
                 "temperature": self.config.logprob_temperature,
                 "wanted": wanted,
-                # HF drops the KV cache under activation checkpointing; FSDP2 sees one
-                # forward per micro-batch elsewhere, so sharing stays on one rank for now.
                 "share_prefix": self.config.share_prompt_prefix
-                and not self.config.activation_checkpointing
-                and self.dp_size == 1,
+                and self.config.model.attn_implementation in DENSE_MASK_KERNELS,
             }
         with self._autocast():
             out = forward[output](

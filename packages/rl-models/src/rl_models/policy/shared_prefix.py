@@ -2,22 +2,20 @@
 
 A GRPO micro-batch holds several samples of one prompt: ``G`` rows whose first ``P`` tokens
 are the same, and whose loss reads only the response tokens after them. A plain forward runs
-the transformer over the prompt ``G`` times. Here each distinct prompt is run once, its
-per-layer keys and values are copied to every row that starts with it (a KV cache, as in
-generation, but with gradients: backward sums the rows' contributions into the one prompt
-pass), and the rows' remaining tokens are run on top of it. The result, and its gradients,
-are those of the plain forward up to float rounding; at ``G = 8`` and a prompt twice as long
-as its responses the transformer does about 40 % of the work.
+the transformer over the prompt ``G`` times. Here each distinct prompt is run once and every
+row's remaining tokens attend to it: one packed row (the prompts, then each row's rest) under
+a block mask. Backward sums the rows' contributions into the one prompt pass. Log-probs and
+gradients are those of the plain forward up to float rounding; at ``G = 8`` and a prompt
+twice as long as its responses the transformer does about 40 % of the work.
 
 Which tokens are shared: a row's *prefix* is everything before the output position of its
 first wanted log-prob (log p(token t) is read at position t - 1), so every wanted log-prob is
-computed in the second pass. Rows whose prefixes are identical share the first pass.
+read from the row's own remaining tokens. Rows whose prefixes are identical share one copy.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.policy.logprobs import output_layer_computes_logprobs
@@ -65,55 +63,53 @@ def shared_prefix_logprobs(
 ) -> torch.Tensor:
     """``[B, S]`` log-probs at the ``wanted`` positions (0 elsewhere) of a right-padded
     micro-batch, each distinct prefix run once (module docstring). ``model`` is a Hugging
-    Face causal LM whose output layer returns plain logits (``supports_chunked_logprobs``)."""
+    Face causal LM with a dense-mask attention kernel (sdpa, eager) whose output layer returns
+    plain logits (``supports_chunked_logprobs``).
+
+    One forward pass over one packed row: the distinct prefixes, then every row's remaining
+    tokens, with a mask that lets each remaining token see its own row's earlier remaining
+    tokens and its prefix (one call, so FSDP2 and activation checkpointing see an ordinary
+    forward).
+    """
     ids, lengths = mb["input_ids"], mb["input_lengths"].to(mb["input_ids"].device)
     device, (batch, width) = ids.device, ids.shape
     prefix = prefix_lengths(wanted, lengths)
     firsts, group = shared_prefixes(ids, prefix)
-    group_t = torch.tensor(group, device=device)
-    longest = int(prefix.max())
-    steps = torch.arange(width, device=device)
-
-    # 1. Each distinct prefix once, right-padded; no output is needed from it.
-    first_rows = torch.tensor(firsts, device=device, dtype=torch.long)
-    prefix_real = steps[None, :longest] < prefix[first_rows][:, None]
-    cache = DynamicCache(config=model.config)
-    nothing = torch.zeros(len(firsts), longest, dtype=torch.bool, device=device)
-    with output_layer_computes_logprobs(model, ids[first_rows, :longest], None, 1.0, nothing):
-        model(
-            input_ids=ids[first_rows, :longest] * prefix_real,
-            attention_mask=prefix_real.long(),
-            position_ids=steps[:longest].expand(len(firsts), -1),
-            past_key_values=cache,
-            use_cache=True,
-        )
-    # Every row gets its prefix's keys and values (gradients flow back through the copy); a
-    # row with an empty prefix borrows the first one's, all masked out.
-    cache.reorder_cache(group_t.clamp(min=0))
-    prefix_mask = prefix_real[group_t.clamp(min=0)] & (group_t >= 0)[:, None]
-
-    # 2. The rest of every row on top of its prefix: row i's positions prefix[i] .. len - 1.
-    rest = lengths - prefix
-    rest_width = int(rest.max())
-    cols = prefix[:, None] + steps[None, :rest_width]
-    rest_real = steps[None, :rest_width] < rest[:, None]
-    cols = torch.where(rest_real, cols, 0)
-    rest_ids = ids.gather(1, cols) * rest_real
-    # The output at position t predicts token t + 1.
-    next_cols = (cols + 1).clamp(max=width - 1)
-    targets = ids.gather(1, next_cols)
-    keep = wanted.gather(1, next_cols) & rest_real & (cols + 1 < lengths[:, None])
-    with output_layer_computes_logprobs(model, targets, chunk_size, temperature, keep):
+    # Where each token of the packed row comes from, its segment (a prefix, or a row's rest)
+    # and, for a rest, the segment of its prefix (-1: none).
+    rows, cols, segment, parent = [], [], [], []
+    for u, i in enumerate(firsts):
+        p = int(prefix[i])
+        rows += [i] * p
+        cols += range(p)
+        segment += [u] * p
+        parent += [-1] * p
+    for i in range(batch):
+        start, end = int(prefix[i]), int(lengths[i])
+        rows += [i] * (end - start)
+        cols += range(start, end)
+        segment += [len(firsts) + i] * (end - start)
+        parent += [group[i]] * (end - start)
+    rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+    seg, par = torch.tensor(segment, device=device), torch.tensor(parent, device=device)
+    order = torch.arange(len(rows), device=device)
+    causal = order[None, :] <= order[:, None]
+    mask = (causal & (seg[:, None] == seg[None, :])) | (par[:, None] == seg[None, :])
+    # The output at a token predicts the next one of its row: kept where that one is wanted
+    # (never for prefix tokens, by the choice of prefix).
+    next_cols = (cols_t + 1).clamp(max=width - 1)
+    keep = wanted[rows_t, next_cols] & (cols_t + 1 < lengths[rows_t]) & (seg >= len(firsts))
+    with output_layer_computes_logprobs(
+        model, ids[rows_t, next_cols][None], chunk_size, temperature, keep[None]
+    ):
         out = model(
-            input_ids=rest_ids,
-            attention_mask=torch.cat([prefix_mask, rest_real], dim=1).long(),
-            position_ids=cols,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits
-    if cache.get_seq_length() != longest + rest_width:
-        raise RuntimeError("the model did not keep the prefix's keys and values (a KV cache)")
-    # Back to the row layout: out[i, j] is the log-prob of token prefix[i] + j + 1 (0 where
-    # not kept); the unkept ones all land in a spare last column, then dropped.
-    target_cols = torch.where(keep, next_cols, width)
-    return out.new_zeros(batch, width + 1).scatter(1, target_cols, out)[:, :width]
+            input_ids=ids[rows_t, cols_t][None],
+            position_ids=cols_t[None],
+            attention_mask=mask[None, None],
+            use_cache=False,
+        ).logits[0]
+    # Back to the row layout: the log-prob of token (row, col + 1); the unkept ones land in a
+    # spare last column, then dropped.
+    flat = torch.where(keep, rows_t * (width + 1) + next_cols, batch * (width + 1))
+    lp = out.new_zeros(batch * (width + 1) + 1).scatter(0, flat, out)
+    return lp[:-1].view(batch, width + 1)[:, :width]
