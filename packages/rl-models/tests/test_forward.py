@@ -54,6 +54,17 @@ def test_packed_rows_without_a_mask_are_split_by_their_position_ids(monkeypatch)
     torch.testing.assert_close(got, unpacked, rtol=0, atol=1e-10)
 
 
+def test_packed_rows_under_eager_attention_are_kept_apart():
+    """Eager attention adds its 4-D mask to the scores: a boolean one would mask nothing."""
+    data = skewed_batch()
+    model = reference_model()
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        packed = forward.forward_logprobs(model, data, packed=True, attn_implementation="eager")
+        padded = forward.forward_logprobs(model, data, packed=False, attn_implementation="eager")
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-6)  # eager softmax: float32
+
+
 def label_smoothed_reference_step(data, smoothing: float) -> dict[str, torch.Tensor]:
     """One SGD step (lr=1) on the float64 reference model, the loss written out by hand."""
     model = reference_model()

@@ -3,13 +3,20 @@ forward, checked against a float64 reference that runs every row alone."""
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.losses import NLLLoss, loss_token_mask
 from rl_models.policy import forward
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
-from rl_models.policy.shared_prefix import prefix_lengths, shared_prefixes
+from rl_models.policy.shared_prefix import (
+    prefix_lengths,
+    shared_prefixes,
+    sharing_pays,
+    supports_shared_prefix,
+)
 
-from .conftest import grouped_batch, initial_model, tiny_config
+from .conftest import TINY_LLAMA, grouped_batch, initial_model, tiny_config
 
 
 def reference_step(data, temperature: float = 1.0) -> dict[str, torch.Tensor]:
@@ -62,10 +69,43 @@ def test_a_step_with_shared_prompts_equals_the_float64_reference_and_runs_prompt
     got = {k: p.detach() for k, p in worker.model.named_parameters()}
     expected = reference_step(data)
     assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 1e-10
-    # One pass over the three prompts once (4 + 8 + 11 tokens) and every row's other tokens.
-    prefix = [4, 4, 0, 4] + [8] * 4 + [11] * 4 + [0]
-    assert embedded == [int(data["input_lengths"].sum()) - sum(prefix) + 4 + 8 + 11]
-    assert embedded[0] < data["input_ids"].numel() // 2
+    # One pass: 5 packed rows (the three groups, each prompt once, and the two rows with an
+    # empty prefix), padded to the longest, against 13 padded rows of the plain forward.
+    groups = [[0, 1, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    lengths, prefix = data["input_lengths"].tolist(), [4, 8, 11]
+    packed = [p + sum(lengths[i] - p for i in g) for p, g in zip(prefix, groups, strict=True)]
+    packed += [lengths[2], lengths[12]]
+    assert embedded == [5 * max(packed)]
+    assert embedded[0] < data["input_ids"].numel()
+
+
+def test_sharing_runs_only_where_it_pays_and_where_the_mask_is_right():
+    data = grouped_batch()
+    wanted = loss_token_mask(data) > 0
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    model = initial_model()
+    assert sharing_pays(model, wanted, lengths, ids)
+    assert supports_shared_prefix(model, "sdpa")
+    # Eager attention adds a 4-D mask to its scores; sliding-window layers need their window.
+    assert not supports_shared_prefix(model, "eager")
+    mistral = AutoConfig.for_model(**{**TINY_LLAMA, "model_type": "mistral", "sliding_window": 4})
+    sliding = AutoModelForCausalLM.from_config(mistral)
+    assert not supports_shared_prefix(sliding, "sdpa")
+    # Long responses behind a short shared prompt: the dense packed attention costs more.
+    long = BatchedDataDict(
+        input_ids=torch.randint(1, 100, (8, 200)).index_fill(1, torch.arange(4), 7),
+        input_lengths=torch.full((8,), 200),
+    )
+    long_wanted = torch.arange(200)[None, :].expand(8, -1) >= 4
+    assert not sharing_pays(model, long_wanted, long["input_lengths"], long["input_ids"])
+    with torch.no_grad():
+        for impl in ("eager", "sdpa"):
+            model.config._attn_implementation = impl
+            plain = forward.forward_logprobs(model, data, packed=False)
+            got = forward.forward_logprobs(
+                model, data, False, impl, wanted=wanted, share_prefix=True
+            )
+            torch.testing.assert_close(got, plain * wanted, rtol=0, atol=1e-12)
 
 
 def test_sharing_can_be_turned_off():

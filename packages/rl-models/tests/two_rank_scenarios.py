@@ -140,7 +140,7 @@ def shared_prefix_step(rank: int) -> dict:
         weights = get_model_state_dict(
             worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return {"trained_weights": weights, "forward_passes": len(embedded)}
+        return {"trained_weights": weights, "embedded": embedded}
     finally:
         modeling_llama.LlamaRMSNorm.forward = original
 

@@ -50,14 +50,18 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torc
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``probs [B, V]`` (unnormalised, non-negative), exactly as
-    ``torch.multinomial(probs, 1)`` would draw it, by inverting each row's CDF.
+    """One token per row of ``probs [B, V]`` (unnormalised, non-negative), from the
+    distribution ``torch.multinomial(probs, 1)`` draws from, by inverting each row's CDF (a
+    row of NaN, infinite or all-zero probabilities is an error, as there).
 
     One uniform number per row rather than the many ``multinomial`` uses: on a CPU it is about
     ten times faster at a 50k vocabulary, which matters once per generated token. A token of
     probability 0 is never drawn (a float64 CDF is flat over it).
     """
     cdf = probs.to(torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise ValueError("cannot sample: a row's probabilities are NaN, infinite or all zero")
     u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     tokens = tokens.clamp(max=probs.shape[-1] - 1)

@@ -191,8 +191,8 @@ class PolicyConfig(ConfigModel):
     logprob_chunk_size: int | None = Field(1024, ge=1)
     # Losses that read the loss tokens' log-probs only (GRPO's, SFT's): rows of a micro-batch
     # that share their tokens before the first loss token (a GRPO group's prompt) run those
-    # tokens once, the rows' other tokens attending to it (policy/shared_prefix.py). Exact up
-    # to float rounding; padded micro-batches under a dense-mask attention kernel (sdpa, eager).
+    # tokens once, the rows' other tokens attending to it (policy/shared_prefix.py), where it
+    # saves FLOPs. Equal up to float rounding; padded micro-batches, sdpa, no sliding windows.
     share_prompt_prefix: bool = True
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)

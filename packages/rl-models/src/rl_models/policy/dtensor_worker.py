@@ -38,7 +38,6 @@ from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-ex
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.forward import (
-    DENSE_MASK_KERNELS,
     build_model,
     forward_logits,
     forward_logprobs,
@@ -139,8 +138,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                 "chunk_size": self.config.logprob_chunk_size,
                 "temperature": self.config.logprob_temperature,
                 "wanted": wanted,
-                "share_prefix": self.config.share_prompt_prefix
-                and self.config.model.attn_implementation in DENSE_MASK_KERNELS,
+                "share_prefix": self.config.share_prompt_prefix,
             }
         with self._autocast():
             out = forward[output](

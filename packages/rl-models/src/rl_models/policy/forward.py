@@ -28,7 +28,11 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
 from rl_models.policy.build import build_model  # noqa: F401 (re-export)
 from rl_models.policy.logprobs import output_layer_computes_logprobs, supports_chunked_logprobs
-from rl_models.policy.shared_prefix import shared_prefix_logprobs, worth_sharing
+from rl_models.policy.shared_prefix import (
+    shared_prefix_logprobs,
+    sharing_pays,
+    supports_shared_prefix,
+)
 
 DENSE_MASK_KERNELS = ("sdpa", "eager")
 
@@ -65,6 +69,9 @@ def _packed_inputs(
         )
         causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=ids.device).tril()
         mask = (causal & (seq[:, None] == seq[None, :]))[None, None]
+        if attn_implementation == "eager":
+            # Eager attention adds a 4-D mask to the scores (sdpa takes booleans as given).
+            mask = torch.zeros(mask.shape, device=ids.device).masked_fill(~mask, float("-inf"))
     # No KV cache: with one, Hugging Face skips its packed-sequence detection.
     inputs = {"input_ids": p.input_ids, "position_ids": p.position_ids, "attention_mask": mask}
     return p, {**inputs, "use_cache": False}
@@ -97,8 +104,12 @@ def forward_logprobs(
     wanted = wanted if in_head else None
     if not packed:
         real = _padding_mask(mb)
-        if share_prefix and wanted is not None and worth_sharing(wanted, lengths, ids):
-            return shared_prefix_logprobs(model, mb, wanted & real, chunk_size, temperature)
+        if share_prefix and wanted is not None:
+            wanted = wanted & real
+            if supports_shared_prefix(model, attn_implementation) and sharing_pays(
+                model, wanted, lengths, ids
+            ):
+                return shared_prefix_logprobs(model, mb, wanted, chunk_size, temperature)
         inputs = {"input_ids": ids, "attention_mask": real.long(), "use_cache": False}
         row_ids = ids
         row_wanted = wanted

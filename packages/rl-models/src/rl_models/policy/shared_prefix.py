@@ -2,15 +2,24 @@
 
 A GRPO micro-batch holds several samples of one prompt: ``G`` rows whose first ``P`` tokens
 are the same, and whose loss reads only the response tokens after them. A plain forward runs
-the transformer over the prompt ``G`` times. Here each distinct prompt is run once and every
-row's remaining tokens attend to it: one packed row (the prompts, then each row's rest) under
-a block mask. Backward sums the rows' contributions into the one prompt pass. Log-probs and
-gradients are those of the plain forward up to float rounding; at ``G = 8`` and a prompt
-twice as long as its responses the transformer does about 40 % of the work.
+the transformer over the prompt ``G`` times. Here each group of rows with the same prompt
+becomes one packed row: the prompt once, then each row's remaining tokens, under a block mask
+that lets every remaining token see its prompt and its own row's earlier tokens. Backward sums
+the rows' contributions into the one prompt pass. Log-probs and gradients are those of the
+plain forward up to float rounding.
+
+What it saves and costs: the per-token work (projections, MLP) drops from ``G (P + R)`` to
+``P + G R`` tokens, but attention is dense over each packed row, ``(P + G R)^2`` pairs against
+``G (P + R)^2``. ``sharing_pays`` weighs the two for the micro-batch at hand (for SmolLM2-135M,
+``G = 8``, ``P = 46``, ``R = 23``, it is ~40 % of the plain forward's FLOPs; for long
+responses it declines and the plain forward runs).
 
 Which tokens are shared: a row's *prefix* is everything before the output position of its
 first wanted log-prob (log p(token t) is read at position t - 1), so every wanted log-prob is
 read from the row's own remaining tokens. Rows whose prefixes are identical share one copy.
+
+Where it applies: Hugging Face models under the sdpa kernel (which takes a boolean 4-D mask as
+given) without sliding-window layers (a hand-made mask would bypass their windows).
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ def prefix_lengths(wanted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     a row with nothing wanted: it has nothing to share)."""
     any_wanted = wanted.any(dim=1)
     first = wanted.to(torch.uint8).argmax(dim=1)
-    return torch.where(any_wanted, (first - 1).clamp(min=0), 0).clamp(max=lengths - 1)
+    prefix = torch.where(any_wanted, (first - 1).clamp(min=0), 0)
+    return torch.minimum(prefix, (lengths - 1).clamp(min=0))
 
 
 def shared_prefixes(ids: torch.Tensor, prefix: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -47,11 +57,53 @@ def shared_prefixes(ids: torch.Tensor, prefix: torch.Tensor) -> tuple[list[int],
     return firsts, group
 
 
-def worth_sharing(wanted: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor) -> bool:
-    """Whether some prefix is shared by two rows at all (else the plain forward is as good)."""
+def supports_shared_prefix(model: torch.nn.Module, attn_implementation: str) -> bool:
+    """sdpa (a boolean mask is used as given; eager would add it to the scores) and no
+    sliding-window layers (the block mask would let them see past their window)."""
+    config = model.config.get_text_config()
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(
+        config, "use_sliding_window", True
+    )
+    sliding |= any("sliding" in t for t in getattr(config, "layer_types", None) or ())
+    return attn_implementation == "sdpa" and not sliding
+
+
+def _packed_rows(
+    prefix: torch.Tensor, lengths: torch.Tensor, firsts: list[int], group: list[int]
+) -> list[list[tuple[int, int, int, int]]]:
+    """Each packed row as (row, col, segment, parent) per token: a shared prefix (segment
+    ``-1 - g``) then the rest of every row with that prefix (segment ``i``, parent ``-1 - g``);
+    a row with an empty prefix is a packed row of its own. A parent of ``B + 1`` is none."""
+    none = len(group) + 1
+    packed: list[list[tuple[int, int, int, int]]] = [
+        [(i, c, -1 - g, none) for c in range(int(prefix[i]))] for g, i in enumerate(firsts)
+    ]
+    for i, g in enumerate(group):
+        parent = -1 - g if g >= 0 else none
+        rest = [(i, c, i, parent) for c in range(int(prefix[i]), int(lengths[i]))]
+        if g >= 0:
+            packed[g] += rest
+        else:
+            packed.append(rest)
+    return packed
+
+
+def sharing_pays(
+    model: torch.nn.Module, wanted: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor
+) -> bool:
+    """Whether the packed rows cost clearly fewer FLOPs than the padded batch: per layer,
+    ~24 h^2 per token (projections and MLP) plus ~4 h per attended pair, every pair of a dense
+    square counted (sdpa computes masked pairs too)."""
     prefix = prefix_lengths(wanted, lengths)
     firsts, group = shared_prefixes(ids, prefix)
-    return len(firsts) < sum(g >= 0 for g in group)
+    if len(firsts) == sum(g >= 0 for g in group):
+        return False  # nothing shared
+    hidden = model.config.get_text_config().hidden_size
+    rows = [len(r) for r in _packed_rows(prefix, lengths, firsts, group)]
+    width, batch = int(lengths.max()), len(lengths)
+    shared = 24 * hidden * sum(rows) + 4 * len(rows) * max(rows) ** 2
+    plain = 24 * hidden * batch * width + 4 * batch * width**2
+    return shared < 0.8 * plain
 
 
 def shared_prefix_logprobs(
@@ -63,53 +115,37 @@ def shared_prefix_logprobs(
 ) -> torch.Tensor:
     """``[B, S]`` log-probs at the ``wanted`` positions (0 elsewhere) of a right-padded
     micro-batch, each distinct prefix run once (module docstring). ``model`` is a Hugging
-    Face causal LM with a dense-mask attention kernel (sdpa, eager) whose output layer returns
-    plain logits (``supports_chunked_logprobs``).
-
-    One forward pass over one packed row: the distinct prefixes, then every row's remaining
-    tokens, with a mask that lets each remaining token see its own row's earlier remaining
-    tokens and its prefix (one call, so FSDP2 and activation checkpointing see an ordinary
-    forward).
-    """
+    Face causal LM for which ``supports_shared_prefix`` holds and whose output layer returns
+    plain logits (``supports_chunked_logprobs``). One ordinary forward call, so FSDP2 and
+    activation checkpointing see nothing unusual."""
     ids, lengths = mb["input_ids"], mb["input_lengths"].to(mb["input_ids"].device)
     device, (batch, width) = ids.device, ids.shape
     prefix = prefix_lengths(wanted, lengths)
     firsts, group = shared_prefixes(ids, prefix)
-    # Where each token of the packed row comes from, its segment (a prefix, or a row's rest)
-    # and, for a rest, the segment of its prefix (-1: none).
-    rows, cols, segment, parent = [], [], [], []
-    for u, i in enumerate(firsts):
-        p = int(prefix[i])
-        rows += [i] * p
-        cols += range(p)
-        segment += [u] * p
-        parent += [-1] * p
-    for i in range(batch):
-        start, end = int(prefix[i]), int(lengths[i])
-        rows += [i] * (end - start)
-        cols += range(start, end)
-        segment += [len(firsts) + i] * (end - start)
-        parent += [group[i]] * (end - start)
-    rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
-    seg, par = torch.tensor(segment, device=device), torch.tensor(parent, device=device)
-    order = torch.arange(len(rows), device=device)
-    causal = order[None, :] <= order[:, None]
-    mask = (causal & (seg[:, None] == seg[None, :])) | (par[:, None] == seg[None, :])
+    packed = _packed_rows(prefix, lengths, firsts, group)
+    longest = max(len(r) for r in packed)
+    # Padding tokens: row 0, col 0, a segment of their own (each sees itself: no empty row in
+    # the attention softmax), never kept.
+    pad = (0, 0, batch, batch + 1)
+    table = torch.tensor([r + [pad] * (longest - len(r)) for r in packed], device=device)
+    rows, cols, seg, parent = table.unbind(-1)
+    real = torch.tensor([[k < len(r) for k in range(longest)] for r in packed], device=device)
+    causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+    own = seg[:, :, None] == seg[:, None, :]
+    mask = causal & (own | (parent[:, :, None] == seg[:, None, :]))
     # The output at a token predicts the next one of its row: kept where that one is wanted
     # (never for prefix tokens, by the choice of prefix).
-    next_cols = (cols_t + 1).clamp(max=width - 1)
-    keep = wanted[rows_t, next_cols] & (cols_t + 1 < lengths[rows_t]) & (seg >= len(firsts))
-    with output_layer_computes_logprobs(
-        model, ids[rows_t, next_cols][None], chunk_size, temperature, keep[None]
-    ):
+    next_cols = (cols + 1).clamp(max=width - 1)
+    keep = real & (seg >= 0) & (cols + 1 < lengths[rows]) & wanted[rows, next_cols]
+    with output_layer_computes_logprobs(model, ids[rows, next_cols], chunk_size, temperature, keep):
         out = model(
-            input_ids=ids[rows_t, cols_t][None],
-            position_ids=cols_t[None],
-            attention_mask=mask[None, None],
+            input_ids=ids[rows, cols] * real,
+            position_ids=cols,
+            attention_mask=mask[:, None],
             use_cache=False,
-        ).logits[0]
+        ).logits
     # Back to the row layout: the log-prob of token (row, col + 1); the unkept ones land in a
-    # spare last column, then dropped.
-    flat = torch.where(keep, rows_t * (width + 1) + next_cols, batch * (width + 1))
-    lp = out.new_zeros(batch * (width + 1) + 1).scatter(0, flat, out)
+    # spare last slot, then dropped.
+    flat = torch.where(keep, rows * (width + 1) + next_cols, batch * (width + 1))
+    lp = out.new_zeros(batch * (width + 1) + 1).scatter(0, flat.flatten(), out.flatten())
     return lp[:-1].view(batch, width + 1)[:, :width]
