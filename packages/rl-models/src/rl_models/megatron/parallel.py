@@ -122,6 +122,9 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        # Every weight is overwritten by the loader (loading.py): drawing Megatron's own
+        # random init first would only cost time.
+        perform_initialization=False,
         tensor_model_parallel_size=cfg.tensor_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
@@ -188,12 +191,33 @@ def build_gpt(hf: PretrainedConfig, dtype: torch.dtype, cfg: MegatronConfig | No
     )
 
 
-def load_weights(gpt: GPTModel, weights: dict[str, torch.Tensor]) -> None:
-    """Copy converted weights in; every parameter must be given (``_extra_state`` aside)."""
-    missing, unexpected = gpt.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith("._extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
+class ShardFiller:
+    """Copies pieces into a ``GPTModel`` as the loader emits them (``loading.Emit``), then
+    ``check()`` that every weight was given once (``_extra_state`` entries aside)."""
+
+    def __init__(self, gpt: GPTModel) -> None:
+        self.targets = {
+            k: v for k, v in gpt.state_dict().items() if isinstance(v, torch.Tensor)
+        }  # views of the parameters: copying into them fills the model
+        self.filled: set[str] = set()
+
+    @torch.no_grad()
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.targets.get(name)
+        if target is None:
+            raise RuntimeError(f"weights do not fit: this rank's model has no {name!r}")
+        if target.shape != tensor.shape:
+            raise RuntimeError(
+                f"weights do not fit: {name} is {tuple(target.shape)} here, the loader gave "
+                f"{tuple(tensor.shape)}"
+            )
+        target.copy_(tensor)
+        self.filled.add(name)
+
+    def check(self) -> None:
+        missing = sorted(k for k in set(self.targets) - self.filled if "_extra_state" not in k)
+        if missing:
+            raise RuntimeError(f"weights do not fit: nothing loaded into {missing[:8]}")
 
 
 def local_state(gpt: GPTModel) -> dict[str, torch.Tensor]:
