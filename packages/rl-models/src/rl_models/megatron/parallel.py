@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    param_is_not_tensor_parallel_duplicate,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -178,8 +185,9 @@ def build_gpt(hf: PretrainedConfig, dtype: torch.dtype, cfg: MegatronConfig | No
     rope = getattr(hf, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     ranks = Ranks.current()
-    return GPTModel(
-        transformer_config(hf, dtype, cfg),
+    config = transformer_config(hf, dtype, cfg)
+    gpt = GPTModel(
+        config,
         _layer_spec(hf, cfg, ranks.pp, ranks.pp_rank),
         vocab_size=padded_vocab_size(hf.vocab_size, ranks.tp),
         max_sequence_length=hf.max_position_embeddings,
@@ -189,6 +197,31 @@ def build_gpt(hf: PretrainedConfig, dtype: torch.dtype, cfg: MegatronConfig | No
         rotary_base=theta,
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings) and ranks.pp == 1,
     )
+    tag_tensor_parallel_weights(gpt, config)
+    return gpt
+
+
+def tag_tensor_parallel_weights(gpt: GPTModel, config: TransformerConfig) -> None:
+    """Mark each tensor-parallel layer's weight as split over the tensor-parallel ranks.
+
+    Megatron sets these attributes only while it initialises a weight, and ``build_gpt`` asks
+    it not to (``perform_initialization=False``: the loader overwrites every weight). Without
+    them every weight would look like a tensor-parallel duplicate, and ``clip_grads`` would
+    count the gradient norm of the shards on tensor rank 0 only.
+    """
+    strides = {}
+    if config.gated_linear_unit:  # fc1 holds [gate_r; up_r]: Megatron's stride 2
+        strides = {id(m.linear_fc1): 2 for m in gpt.modules() if isinstance(m, MLP)}
+    for module in gpt.modules():
+        if isinstance(module, VocabParallelEmbedding | ColumnParallelLinear):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, strides.get(id(module), 1))
 
 
 class ShardFiller:
