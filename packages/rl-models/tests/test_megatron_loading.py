@@ -105,6 +105,7 @@ def test_fresh_init_shard_equals_the_initial_model(tp, pp, tied):
     layout = GPTLayout.from_hf_config(config)
     state = reference.state_dict()
     largest = max(t.numel() * t.element_size() for t in state.values())
+    model_bytes = sum(t.numel() * t.element_size() for t in reference.parameters())
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             with torch.device("meta"):
@@ -123,6 +124,8 @@ def test_fresh_init_shard_equals_the_initial_model(tp, pp, tied):
             assert set(got) == set(expected)
             for name, tensor in expected.items():
                 assert torch.equal(got[name], tensor), name
-            # Full tensors existed one at a time, never the whole model.
-            assert stats.peak_full_bytes <= largest
+            # The loader held whole tensors only briefly: at most two at once (up_proj while
+            # gate_proj's part waits for it), never the whole model (~11 of the largest
+            # tensors here); every tensor was materialised whole once, so at least the largest.
+            assert largest <= stats.peak_full_bytes <= 2 * largest < model_bytes / 4
             assert not any(p.device.type != "meta" for p in meta.parameters())

@@ -65,5 +65,6 @@ def test_each_rank_builds_and_loads_only_its_shard(tiny_llama, case):
             assert rank_stats["bytes_initialised"] == 0
         else:
             assert rank_stats["bytes_read"] == 0
-            # Full tensors existed one at a time (the largest: the embedding).
-            assert 0 < rank_stats["peak_full_bytes"] <= largest
+            # Whole HF tensors were held at most two at a time (up_proj while gate_proj's
+            # part waits for it), never the whole model; each once, so at least the largest.
+            assert largest <= rank_stats["peak_full_bytes"] <= 2 * largest < full_bytes / 4

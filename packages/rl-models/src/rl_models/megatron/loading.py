@@ -77,7 +77,9 @@ class LoadStats:
     bytes_read: int = 0
     #: bytes of full HF tensors materialised (fresh-init source: one module at a time).
     bytes_initialised: int = 0
-    #: the most bytes of full (unsliced) HF tensors alive at once.
+    #: fresh-init source: the most bytes of HF tensor storage the loader held at once (the
+    #: full tensor being cut, plus the parts kept for pieces not yet complete; a part that is a
+    #: view counts the whole tensor it keeps alive).
     peak_full_bytes: int = 0
     #: bytes of the pieces handed to the model.
     bytes_emitted: int = 0
@@ -195,6 +197,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view keeps its whole base)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 class _SafetensorsFiles:
     """Name -> open ``safe_open`` handle over a model directory's safetensors files."""
 
@@ -290,7 +298,6 @@ def load_from_fresh_init(
         if key not in holders_left:
             return  # a buffer (rotary frequencies): not a weight
         stats.bytes_initialised += _nbytes(full)
-        stats.peak_full_bytes = max(stats.peak_full_bytes, _nbytes(full))
         holders_left[key] -= 1
         if holders_left[key]:
             return  # a tied weight: the last module to initialise it decides its value
@@ -299,6 +306,8 @@ def load_from_fresh_init(
                 cut = part.of(full)
                 # A slice is copied so the full temporary can go; the whole tensor is kept.
                 have[part] = cut if cut.numel() == full.numel() else cut.clone()
+        held = _storage_bytes([full, *have.values()])
+        stats.peak_full_bytes = max(stats.peak_full_bytes, held)
         for piece in [p for p in pending if all(part in have for part in p.parts)]:
             pending.remove(piece)
             tensors = [have[part] for part in piece.parts]
