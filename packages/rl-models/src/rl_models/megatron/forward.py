@@ -283,10 +283,12 @@ def run_pipeline(
     """Forward (and unless ``forward_only``, backward) every micro-batch through the stages.
 
     ``on_output`` runs on the last pipeline stage only and gets ``output`` ("logprobs" or
-    "logits", see ``aligned_logits``). Log-probs with a ``chunk_size`` are computed from the
-    output layer's input, ``chunk_size`` tokens at a time (``logprobs_from_hidden``); whole
-    logits are only made for "logits" or ``chunk_size=None``. Gradients accumulate in the
-    parameters' ``.grad``; nothing is reduced across data-parallel ranks here.
+    "logits", see ``aligned_logits``; any other log-prob request, such as a loss's
+    "loss_token_logprobs", gets every position's log-prob). Log-probs with a ``chunk_size`` are
+    computed from the output layer's input, ``chunk_size`` tokens at a time
+    (``logprobs_from_hidden``); whole logits are only made for "logits" or ``chunk_size=None``.
+    Gradients accumulate in the parameters' ``.grad``; nothing is reduced across data-parallel
+    ranks here.
     """
     if not inputs:
         return
@@ -296,7 +298,7 @@ def run_pipeline(
         inp = next(batches)
         width = inp.shape[1]
         pos = torch.arange(width, device=inp.input_ids.device)[None].expand(*inp.shape)
-        chunked = output == "logprobs" and chunk_size is not None
+        chunked = output != "logits" and chunk_size is not None
         with output_layer_returns_hidden(gpt) if chunked else contextlib.nullcontext() as weight:
             out = gpt(input_ids=inp.input_ids, position_ids=pos, attention_mask=inp.mask)
 
