@@ -34,3 +34,17 @@ def test_every_algorithm_has_a_cpu_and_a_gpu_recipe():
     for algorithm in cli.ALGORITHMS:
         assert any(n.startswith(algorithm) and "cpu" in n for n in names), algorithm
         assert any(n.startswith(algorithm) and "cpu" not in n for n in names), algorithm
+
+
+@pytest.mark.parametrize("recipe", ["dpo_cpu", "rm_cpu"])
+def test_pair_losses_keep_fixed_micro_batches_under_auto_batching(recipe):
+    """``dynamic_batching.enabled: auto`` would mean dynamic batching on CPU; DPO and reward
+    models need each (chosen, rejected) pair in one micro-batch, so it resolves to fixed."""
+    from rl_distributed.config import ConfigError
+
+    algorithm = cli.load_algorithm(recipe.split("_")[0])
+    argv = ["--config", str(EXAMPLES / f"{recipe}.yaml"), "tokenizer.path=/tokenizer"]
+    config = cli.build_config(algorithm, argv)
+    assert config.policy.dynamic_batching.enabled is False
+    with pytest.raises(ConfigError, match="dynamic_batching"):
+        cli.build_config(algorithm, [*argv, "policy.dynamic_batching.enabled=true"])

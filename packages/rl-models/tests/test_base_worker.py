@@ -68,7 +68,9 @@ def test_both_backends_share_the_training_loop_base_class():
 
 def test_fixed_micro_batches_are_cut_to_their_own_longest_row():
     data = skewed_batch()  # lengths 3, 61, 5, 7, 2, 40, 9, 4
-    worker = DTensorPolicyWorker(tiny_config(logprob_micro_batch_size=2))
+    # Fixed micro-batches explicitly: on CPU the default (`auto`) is dynamic batching.
+    config = tiny_config(logprob_micro_batch_size=2, dynamic_batching={"enabled": False})
+    worker = DTensorPolicyWorker(config)
     shapes = []
     worker.model.register_forward_pre_hook(
         lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True

@@ -25,7 +25,8 @@ class MeanPerMicrobatchNLL:
 
 
 def weights_after_one_step(loss_fn=None, **config) -> dict[str, torch.Tensor]:
-    worker = DTensorPolicyWorker(tiny_config(**config))
+    # Fixed micro-batches unless a test asks otherwise (the CPU default `auto` is dynamic).
+    worker = DTensorPolicyWorker(tiny_config(**{"dynamic_batching": {"enabled": False}, **config}))
     worker.train(skewed_batch(), loss_fn or NLLLoss())
     return {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
 
@@ -75,7 +76,7 @@ def test_per_microbatch_normalisation_would_be_caught(one_microbatch):
     "batching",
     # Each Ray worker group costs ~25 s on 2 cores: only the padded variant runs in the main tier.
     [
-        {"train_micro_batch_size": 1},
+        {"train_micro_batch_size": 1, "dynamic_batching": {"enabled": False}},
         pytest.param(
             {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 64}},
             marks=pytest.mark.slow,

@@ -39,6 +39,10 @@ class MasterConfig(SupervisedRunConfig):
     def _needs_reference(self) -> MasterConfig:
         if not self.policy.reference_policy.enabled:
             raise ValueError("DPO needs policy.reference_policy.enabled: true")
+        if self.policy.dynamic_batching.enabled == "auto":
+            # Pairs must share a micro-batch, so `auto` (dynamic batching on CPU) means fixed
+            # micro-batches here.
+            self.policy.dynamic_batching.enabled = False
         if self.policy.sequence_packing.enabled or self.policy.dynamic_batching.enabled:
             raise ValueError(
                 "DPO keeps each (chosen, rejected) pair in one micro-batch: disable "

@@ -36,6 +36,10 @@ class MasterConfig(SupervisedRunConfig):
             raise ValueError(
                 "reward-model training needs policy.model.kind: sequence_classification"
             )
+        if self.policy.dynamic_batching.enabled == "auto":
+            # Pairs must share a micro-batch, so `auto` (dynamic batching on CPU) means fixed
+            # micro-batches here.
+            self.policy.dynamic_batching.enabled = False
         if self.policy.sequence_packing.enabled or self.policy.dynamic_batching.enabled:
             raise ValueError(
                 "the Bradley-Terry loss keeps each (chosen, rejected) pair in one micro-batch: "

@@ -4,7 +4,9 @@ Every rank of a model replica is given the same micro-batches; each builds the m
 itself (token ids, positions, attention mask), so pipeline stages exchange only activations.
 Megatron's schedule (``get_forward_backward_func``: plain loop for one stage, 1F1B for
 several) runs the passes; the last stage turns its vocab-parallel logits into log-probs and
-hands them to the loss (or keeps them, for inference).
+hands them to the loss (or keeps them, for inference). With ``logprob_chunk_size`` the output
+layer returns its input instead, and the log-probs are computed from it a chunk of tokens at a
+time (``logprobs_from_hidden``), so no ``[tokens, vocab]`` logits tensor is ever made.
 
 Masks: Megatron's ``attention_mask`` is True where attention is *not* allowed. Unpacked rows get
 causal attention over their real tokens; a packed row gets a block-diagonal causal mask, so no
@@ -17,7 +19,8 @@ tensor-parallel size (padding tokens are masked keys, and their log-probs are dr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,20 +29,23 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import (
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
+from rl_models.policy.logprobs import over_token_chunks
 
 HALF = (torch.float16, torch.bfloat16)
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0
 ) -> torch.Tensor:
-    """``log p(targets)`` from this rank's slice ``[..., V/tp]`` of the logits.
+    """``log p(targets)`` under ``softmax(logits / temperature)`` from this rank's slice
+    ``[..., V/tp]`` of the logits.
 
     A log-softmax over the whole (unpadded) vocabulary: the max and the sum of exponentials
     are all-reduced over the tensor-parallel group, and the target's logit comes from the rank
@@ -50,6 +56,8 @@ def vocab_parallel_logprobs(
     """
     if logits.dtype in HALF:
         logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     part = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * part
     if start + part > vocab_size:  # the vocabulary's padding rows are not tokens
@@ -110,24 +118,132 @@ def make_inputs(mb: BatchedDataDict, packed: bool, multiple: int = 1) -> Inputs:
     return Inputs(mb, p.input_ids.to(dev), ~allowed, p)
 
 
+def _hidden_chunk_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    vocab_size: int,
+    temperature: float,
+) -> torch.Tensor:
+    """One chunk: this rank's vocab slice of the logits, then the distributed log-softmax."""
+    return vocab_parallel_logprobs(F.linear(hidden, weight), targets, vocab_size, temperature)
+
+
+def chunked_vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    chunk_size: int | None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``log p(targets)`` from the output layer's input ``hidden [..., H]`` (the whole
+    sequence, as every tensor-parallel rank has it) and this rank's vocab slice ``weight
+    [V/tp, H]``, ``chunk_size`` tokens at a time: at most ``[chunk_size, V/tp]`` logits exist
+    at once (recomputed in backward), never ``[tokens, V]``."""
+    return over_token_chunks(
+        _hidden_chunk_logprobs, hidden, targets, chunk_size, weight, vocab_size, temperature
+    )
+
+
+LogprobsOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _next_token_logprobs(values: torch.Tensor, inp: Inputs, logprobs_of: LogprobsOf):
+    """``[B, S]`` next-token log-probs (0 at position 0 and on padding); ``values`` are the
+    model's per-position outputs (logits or hidden states) and ``logprobs_of(values, targets)``
+    turns those of the positions before each target into its log-prob."""
+    ids, lengths = inp.data["input_ids"], inp.data["input_lengths"]
+    width = ids.shape[1]
+    if inp.packed is None:
+        lp = logprobs_of(values[:, : width - 1], ids[:, 1:])
+        real = torch.arange(width, device=ids.device)[None, :] < lengths[:, None].to(ids.device)
+        return F.pad(lp, (1, 0)) * real
+    p = inp.packed
+    row = p.input_ids[0].to(values.device)
+    lp = F.pad(logprobs_of(values[0, :-1], row[1:]), (1, 0))
+    lp = lp * (p.position_ids[0].to(lp.device) > 0)  # a sequence's first token has none
+    return unpack_sequences(lp[None], p.cu_seqlens, lengths, width)
+
+
 def logprobs_from_logits(
     logits: torch.Tensor, inp: Inputs, vocab_size: int, temperature: float = 1.0
 ) -> torch.Tensor:
     """``[B, S]`` next-token log-probs of the micro-batch (0 at position 0 and on padding),
-    under ``softmax(logits / temperature)``."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    ids, lengths = inp.data["input_ids"], inp.data["input_lengths"]
-    width = ids.shape[1]
-    if inp.packed is None:
-        lp = vocab_parallel_logprobs(logits[:, : width - 1], ids[:, 1:], vocab_size)
-        real = torch.arange(width, device=ids.device)[None, :] < lengths[:, None].to(ids.device)
-        return F.pad(lp, (1, 0)) * real
-    p = inp.packed
-    row = p.input_ids[0].to(logits.device)
-    lp = F.pad(vocab_parallel_logprobs(logits[0, :-1], row[1:], vocab_size), (1, 0))
-    lp = lp * (p.position_ids[0].to(lp.device) > 0)  # a sequence's first token has none
-    return unpack_sequences(lp[None], p.cu_seqlens, lengths, width)
+    under ``softmax(logits / temperature)``, from the whole (vocab-parallel) logits."""
+    return _next_token_logprobs(
+        logits, inp, lambda v, t: vocab_parallel_logprobs(v, t, vocab_size, temperature)
+    )
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    inp: Inputs,
+    vocab_size: int,
+    chunk_size: int | None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """As ``logprobs_from_logits``, from the output layer's input and weight, in chunks."""
+    return _next_token_logprobs(
+        hidden,
+        inp,
+        lambda h, t: chunked_vocab_parallel_logprobs(
+            h, weight, t, vocab_size, chunk_size, temperature
+        ),
+    )
+
+
+class _SumGradOverTensorRanks(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tensor-parallel group.
+
+    Megatron's ``copy_to_tensor_model_parallel_region`` does the same but all-reduces
+    ``grad.contiguous()`` in place: for the non-contiguous gradient that reaches the hidden
+    states here (GPTModel transposes its output) the sum lands in a temporary copy and is lost.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
+@contextlib.contextmanager
+def output_layer_returns_hidden(gpt: torch.nn.Module) -> Iterator[torch.Tensor | None]:
+    """While inside, ``gpt(...)`` returns its output layer's input ``[b, s, H]`` instead of the
+    logits; yields the output layer's weight (``None`` on stages without one).
+
+    The hidden states go through what ``ColumnParallelLinear`` does to its input first: the
+    all-gather of the sequence (sequence parallelism), or the identity whose backward sums the
+    input gradients over the tensor-parallel ranks; so the gradients are the output layer's.
+    """
+    if not getattr(gpt, "post_process", False):
+        yield None
+        return
+    layer = gpt.output_layer
+    weight = (
+        gpt.shared_embedding_or_output_weight()
+        if gpt.share_embeddings_and_output_weights
+        else layer.weight
+    )
+
+    def hidden_forward(input_, weight=None, runtime_gather_output=None):
+        if layer.sequence_parallel:  # its backward reduce-scatters a contiguous copy: fine
+            return gather_from_sequence_parallel_region(input_), None
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            return _SumGradOverTensorRanks.apply(input_), None
+        return input_, None
+
+    layer.forward = hidden_forward
+    try:
+        yield weight
+    finally:
+        del layer.forward  # back to the class's forward
 
 
 def aligned_logits(logits: torch.Tensor, inp: Inputs, vocab_size: int) -> torch.Tensor:
@@ -162,12 +278,17 @@ def run_pipeline(
     forward_only: bool,
     output: str = "logprobs",
     temperature: float = 1.0,
+    chunk_size: int | None = None,
 ) -> None:
     """Forward (and unless ``forward_only``, backward) every micro-batch through the stages.
 
     ``on_output`` runs on the last pipeline stage only and gets ``output`` ("logprobs" or
-    "logits", see ``aligned_logits``). Gradients accumulate in the
-    parameters' ``.grad``; nothing is reduced across data-parallel ranks here.
+    "logits", see ``aligned_logits``; any other log-prob request, such as a loss's
+    "loss_token_logprobs", gets every position's log-prob). Log-probs with a ``chunk_size`` are
+    computed from the output layer's input, ``chunk_size`` tokens at a time
+    (``logprobs_from_hidden``); whole logits are only made for "logits" or ``chunk_size=None``.
+    Gradients accumulate in the parameters' ``.grad``; nothing is reduced across data-parallel
+    ranks here.
     """
     if not inputs:
         return
@@ -177,11 +298,17 @@ def run_pipeline(
         inp = next(batches)
         width = inp.shape[1]
         pos = torch.arange(width, device=inp.input_ids.device)[None].expand(*inp.shape)
-        out = gpt(input_ids=inp.input_ids, position_ids=pos, attention_mask=inp.mask)
+        chunked = output != "logits" and chunk_size is not None
+        with output_layer_returns_hidden(gpt) if chunked else contextlib.nullcontext() as weight:
+            out = gpt(input_ids=inp.input_ids, position_ids=pos, attention_mask=inp.mask)
 
         def loss_func(logits):
             if output == "logits":
                 values = aligned_logits(logits, inp, vocab_size)
+            elif chunked:  # ``logits`` holds the output layer's input here
+                values = logprobs_from_hidden(
+                    logits, weight, inp, vocab_size, chunk_size, temperature
+                )
             else:
                 values = logprobs_from_logits(logits, inp, vocab_size, temperature)
             loss = on_output(values, inp)

@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    param_is_not_tensor_parallel_duplicate,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -122,6 +129,9 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        # Every weight is overwritten by the loader (loading.py): drawing Megatron's own
+        # random init first would only cost time.
+        perform_initialization=False,
         tensor_model_parallel_size=cfg.tensor_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
@@ -175,8 +185,9 @@ def build_gpt(hf: PretrainedConfig, dtype: torch.dtype, cfg: MegatronConfig | No
     rope = getattr(hf, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     ranks = Ranks.current()
-    return GPTModel(
-        transformer_config(hf, dtype, cfg),
+    config = transformer_config(hf, dtype, cfg)
+    gpt = GPTModel(
+        config,
         _layer_spec(hf, cfg, ranks.pp, ranks.pp_rank),
         vocab_size=padded_vocab_size(hf.vocab_size, ranks.tp),
         max_sequence_length=hf.max_position_embeddings,
@@ -186,14 +197,60 @@ def build_gpt(hf: PretrainedConfig, dtype: torch.dtype, cfg: MegatronConfig | No
         rotary_base=theta,
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings) and ranks.pp == 1,
     )
+    tag_tensor_parallel_weights(gpt, config)
+    return gpt
 
 
-def load_weights(gpt: GPTModel, weights: dict[str, torch.Tensor]) -> None:
-    """Copy converted weights in; every parameter must be given (``_extra_state`` aside)."""
-    missing, unexpected = gpt.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith("._extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
+def tag_tensor_parallel_weights(gpt: GPTModel, config: TransformerConfig) -> None:
+    """Mark each tensor-parallel layer's weight as split over the tensor-parallel ranks.
+
+    Megatron sets these attributes only while it initialises a weight, and ``build_gpt`` asks
+    it not to (``perform_initialization=False``: the loader overwrites every weight). Without
+    them every weight would look like a tensor-parallel duplicate, and ``clip_grads`` would
+    count the gradient norm of the shards on tensor rank 0 only.
+    """
+    strides = {}
+    if config.gated_linear_unit:  # fc1 holds [gate_r; up_r]: Megatron's stride 2
+        strides = {id(m.linear_fc1): 2 for m in gpt.modules() if isinstance(m, MLP)}
+    for module in gpt.modules():
+        if isinstance(module, VocabParallelEmbedding | ColumnParallelLinear):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, strides.get(id(module), 1))
+
+
+class ShardFiller:
+    """Copies pieces into a ``GPTModel`` as the loader emits them (``loading.Emit``), then
+    ``check()`` that every weight was given once (``_extra_state`` entries aside)."""
+
+    def __init__(self, gpt: GPTModel) -> None:
+        self.targets = {
+            k: v for k, v in gpt.state_dict().items() if isinstance(v, torch.Tensor)
+        }  # views of the parameters: copying into them fills the model
+        self.filled: set[str] = set()
+
+    @torch.no_grad()
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.targets.get(name)
+        if target is None:
+            raise RuntimeError(f"weights do not fit: this rank's model has no {name!r}")
+        if target.shape != tensor.shape:
+            raise RuntimeError(
+                f"weights do not fit: {name} is {tuple(target.shape)} here, the loader gave "
+                f"{tuple(tensor.shape)}"
+            )
+        target.copy_(tensor)
+        self.filled.add(name)
+
+    def check(self) -> None:
+        missing = sorted(k for k in set(self.targets) - self.filled if "_extra_state" not in k)
+        if missing:
+            raise RuntimeError(f"weights do not fit: nothing loaded into {missing[:8]}")
 
 
 def local_state(gpt: GPTModel) -> dict[str, torch.Tensor]:

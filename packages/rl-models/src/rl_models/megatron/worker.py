@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.interfaces import LossFunction, loss_input_type
 from rl_models.megatron import cpu_shim
-from rl_models.megatron.convert import GPTLayout, hf_to_megatron, shard_megatron
+from rl_models.megatron.convert import GPTLayout
 from rl_models.megatron.forward import (
     HALF,
     Inputs,
@@ -44,17 +44,24 @@ from rl_models.megatron.forward import (
     make_inputs,
     run_pipeline,
 )
+from rl_models.megatron.loading import (
+    LoadStats,
+    Piece,
+    load_from_fresh_init,
+    load_from_safetensors,
+    shard_plan,
+)
 from rl_models.megatron.parallel import (
+    ShardFiller,
     build_gpt,
     clip_grads,
     gather_hf_state,
     init_model_parallel,
-    load_weights,
     sync_grads,
 )
 from rl_models.megatron.weight_export import MegatronWeightExporter, tp_gather_to
 from rl_models.policy.base_worker import PolicyWorker, init_distributed, local_device
-from rl_models.policy.build import build_model
+from rl_models.policy.build import hf_config_of
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.weight_export import WeightExportMethods
@@ -86,33 +93,68 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         self.dp_size = self.ranks.dp
         self.rank = dist.get_rank()
 
-        hf = build_model(self.config)  # the exact weights the DTensor worker would start from
-        self.hf_config = hf.config
-        self.layout = GPTLayout.from_hf_config(hf.config)
+        self.hf_config = hf_config_of(self.config)
+        self.layout = GPTLayout.from_hf_config(self.hf_config)
         self.tied = self.layout.tied_embeddings
-        weights = self._my_shard(hf.state_dict())
-        del hf
-        self.model = self._build(weights)
+        # Only this rank's shard is ever allocated, and filled from slices: of the
+        # safetensors files (model.path), or of the HF initialisation run module by module
+        # (model.hf_config: the exact weights the DTensor worker would start from).
+        self.model = self._empty_gpt()
+        self.load_stats = self._fill(self.model, self.config.model.path)
+        self.model.to(self.device)
         self.reference: torch.nn.Module | None = None
         if self.config.reference_policy.enabled:
-            self.reference = self._build(weights).eval().requires_grad_(False)
+            self.reference = self._empty_gpt().eval().requires_grad_(False)
+            self.reference.load_state_dict(self.model.state_dict())
             ref_device = "cpu" if self.config.reference_policy.offload_to_cpu else self.device
             self.reference.to(ref_device)
         self._make_optimizer()
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _my_shard(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _empty_gpt(self) -> torch.nn.Module:
+        """This rank's ``GPTModel`` piece, allocated (on the CPU) but not initialised."""
+        return build_gpt(self.hf_config, self.config.model.torch_dtype, self.config.megatron)
+
+    def _plan(self) -> list[Piece]:
         r = self.ranks
-        full = hf_to_megatron(hf_state, self.layout)
-        return shard_megatron(
-            full, self.layout, tp=r.tp, tp_rank=r.tp_rank, pp=r.pp, pp_rank=r.pp_rank
+        return shard_plan(
+            self.layout,
+            vocab_size=self.hf_config.vocab_size,
+            ffn_size=self.hf_config.intermediate_size,
+            tp=r.tp,
+            tp_rank=r.tp_rank,
+            pp=r.pp,
+            pp_rank=r.pp_rank,
         )
 
-    def _build(self, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-        gpt = build_gpt(self.hf_config, self.config.model.torch_dtype, self.config.megatron)
-        load_weights(gpt, weights)
-        return gpt.to(self.device)
+    def _fill(self, gpt: torch.nn.Module, path: str | None) -> LoadStats:
+        """Fill ``gpt`` (this rank's piece) from the safetensors in ``path``, or from a fresh
+        initialisation when ``path`` is None; what it cost, counted."""
+        fill = ShardFiller(gpt)
+        dtype, tp = self.config.model.torch_dtype, self.ranks.tp
+        if path is not None:
+            stats = load_from_safetensors(path, self._plan(), self.layout, tp, dtype, fill)
+        else:
+            with torch.device("meta"):
+                hf = AutoModelForCausalLM.from_config(self.hf_config, dtype=dtype)
+            hf.tie_weights()
+            stats = load_from_fresh_init(hf, self.config.seed, self._plan(), self.layout, tp, fill)
+        fill.check()
+        return stats
+
+    def weight_load_stats(self) -> dict[str, int]:
+        """What filling this rank's shard read or initialised (bytes; see ``LoadStats``), and
+        the number of weights in the rank's model piece, for comparison."""
+        s = self.load_stats
+        piece = sum(p.numel() for p in self.model.parameters())
+        return {
+            "bytes_read": s.bytes_read,
+            "bytes_initialised": s.bytes_initialised,
+            "peak_full_bytes": s.peak_full_bytes,
+            "bytes_emitted": s.bytes_emitted,
+            "model_piece_numel": piece,
+        }
 
     # -- collectives over the data-parallel group ----------------------------------------------
 
@@ -155,6 +197,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             self.hf_config.vocab_size,
             forward_only=True,
             temperature=self.config.logprob_temperature,
+            chunk_size=self.config.logprob_chunk_size,
         )
         # Only the last stage computed them; every rank of the replica returns them.
         result = broadcast_from_last_stage(result.to(self.device)).cpu()
@@ -201,6 +244,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             forward_only=eval_mode,
             output=loss_input_type(loss_fn),
             temperature=self.config.logprob_temperature,
+            chunk_size=self.config.logprob_chunk_size,
         )
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
         return broadcast_from_last_stage(loss_sum.to(self.device))
@@ -273,8 +317,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what ``save_checkpoint`` wrote (every rank reads ``path``)."""
-        saved = AutoModelForCausalLM.from_pretrained(path, dtype=self.config.model.torch_dtype)
-        load_weights(self.model, self._my_shard(saved.state_dict()))
+        self._fill(self.model, path)  # this rank's slices of the saved safetensors only
         optim = torch.load(os.path.join(path, self._optimizer_file()), weights_only=False)
         self.optimizer.load_state_dict(optim)
         self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE)))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -71,13 +71,58 @@ def init_distributed(device: torch.device, always: bool = False) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def microbatch_args(config: PolicyConfig, training: bool) -> dict[str, Any]:
+#: How a batch is cut into micro-batches (see ``batching_kind``).
+Batching = Literal["packed", "dynamic", "fixed"]
+
+
+def batching_kind(config: PolicyConfig, on_gpu: bool) -> Batching:
+    """The micro-batching the config asks for on this hardware.
+
+    ``dynamic_batching.enabled: auto`` means dynamic batching on the CPU (measured faster
+    there than both packing and fixed micro-batches, ``bench/train_step.py``) and fixed
+    micro-batches on GPUs; packing, when enabled, wins over ``auto``.
+    """
+    if config.sequence_packing.enabled:
+        return "packed"
+    enabled = config.dynamic_batching.enabled
+    if enabled == "auto":
+        enabled = not on_gpu
+    return "dynamic" if enabled else "fixed"
+
+
+def describe_batching(config: PolicyConfig, on_gpu: bool) -> str:
+    """One line saying which micro-batching runs and why (for the logs)."""
+    kind = batching_kind(config, on_gpu)
+    where = "GPU" if on_gpu else "CPU"
+    if config.dynamic_batching.enabled != "auto" or kind == "packed":
+        return f"policy micro-batches: {kind} (as configured)"
+    if kind == "fixed":
+        return f"policy micro-batches: fixed (dynamic_batching.enabled=auto on {where})"
+    budget = config.dynamic_batching.train_mb_tokens
+    budget_text = (
+        f"{budget} tokens (dynamic_batching.train_mb_tokens)"
+        if budget is not None
+        else f"train_micro_batch_size={config.train_micro_batch_size} x the batch's padded width"
+    )
+    return (
+        f"policy micro-batches: dynamic (dynamic_batching.enabled=auto on {where}), up to "
+        f"{budget_text} each; set policy.dynamic_batching.enabled=false for fixed micro-batches "
+        "of train_micro_batch_size rows"
+    )
+
+
+def microbatch_args(
+    config: PolicyConfig, training: bool, on_gpu: bool, width: int, rows: int | None = None
+) -> dict[str, Any]:
     """``shard_by_batch_size`` arguments for the micro-batches the config asks for.
 
     Empty for fixed-size micro-batches; otherwise a sequence-packing or dynamic-batching plan
     (the token budget of dynamic batching differs between training and log-prob inference).
+    ``width``: the batch's padded length; ``rows``: the micro-batch size in rows (default: the
+    config's), which with ``width`` gives the token budget when none is configured.
     """
-    if config.sequence_packing.enabled:
+    kind = batching_kind(config, on_gpu)
+    if kind == "packed":
         packing = config.sequence_packing
         return {
             "sequence_packing_args": {
@@ -87,14 +132,19 @@ def microbatch_args(config: PolicyConfig, training: bool) -> dict[str, Any]:
                 "algorithm": packing.algorithm,
             }
         }
-    if config.dynamic_batching.enabled:
+    if kind == "dynamic":
         dyn = config.dynamic_batching
-        budget = dyn.train_mb_tokens if training else dyn.logprob_mb_tokens or dyn.train_mb_tokens
+        if training:
+            budget = dyn.train_mb_tokens
+            rows = rows or config.train_micro_batch_size
+        else:
+            budget = dyn.logprob_mb_tokens or dyn.train_mb_tokens
+            rows = rows or config.lp_micro_batch_size
         return {
             "dynamic_batching_args": {
                 "input_key": "input_ids",
                 "input_lengths_key": "input_lengths",
-                "max_tokens_per_microbatch": budget,
+                "max_tokens_per_microbatch": budget or rows * max(width, 1),
                 "sequence_length_round": dyn.sequence_length_round,
             }
         }
@@ -134,6 +184,15 @@ class PolicyWorker(abc.ABC):
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def batching(self) -> Batching:
+        """The micro-batching this worker uses (``dynamic_batching.enabled: auto`` resolved)."""
+        return batching_kind(self.config, self.on_gpu)
+
     def _make_optimizer(self) -> None:
         """The optimiser over the trainable parameters, and its scheduler, from the config."""
         opt = self.config.optimizer
@@ -172,7 +231,8 @@ class PolicyWorker(abc.ABC):
         it and there is none, and otherwise cuts ``mbs`` rows at a time, each micro-batch as
         wide as its own longest row.
         """
-        args = microbatch_args(self.config, training)
+        width = data["input_ids"].shape[1]
+        args = microbatch_args(self.config, training, self.on_gpu, width, rows=mbs)
         if not args:
             steps = [data.slice(s, s + rows_per_step) for s in range(0, data.size, rows_per_step)]
             return [

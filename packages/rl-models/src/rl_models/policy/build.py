@@ -98,13 +98,19 @@ def _post_order(module: torch.nn.Module, owner: PreTrainedModel):
 
 
 @torch.no_grad()
-def init_weights_by_module(model: torch.nn.Module, seed: int) -> None:
+def init_weights_by_module(
+    model: torch.nn.Module,
+    seed: int,
+    on_init: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> None:
     """Hugging Face's initialisation of every module, one at a time, from ``seed``.
 
     The numbers are drawn on the CPU, so they do not depend on the device either: sharded
     (DTensor) and device-resident parameters and buffers are swapped for full-size CPU
     temporaries while their module is initialised, then copied in (a sharded tensor keeps its
-    slices only). Every rank draws the same numbers in the same order, so the shards fit.
+    slices only; a ``meta`` tensor keeps nothing). Every rank draws the same numbers in the
+    same order, so the shards fit. ``on_init(real, full)`` sees each temporary right after its
+    module's initialisation (the Megatron worker cuts its slices from it there).
     """
     torch.manual_seed(seed)
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -127,6 +133,8 @@ def init_weights_by_module(model: torch.nn.Module, seed: int) -> None:
         owner._init_weights(module)
         for (kind, name), real in swapped.items():
             full = getattr(module, kind)[name].detach()
+            if on_init is not None:
+                on_init(real, full)
             if isinstance(real, DTensor):
                 local = real.to_local()
                 mine = distribute_tensor(

@@ -77,14 +77,12 @@ class SchedulerConfig(ConfigModel):
 class SequencePackingConfig(ConfigModel):
     """Pack each micro-batch's sequences into one row of at most this many tokens.
 
-    Which layout to use: on a CPU (sdpa with a dense block-diagonal mask, whose attention cost
-    grows with the square of the packed row) ``bench/train_step.py`` measured packing slower
-    than dynamic batching (0.84x-0.99x over two runs on a shared 2-core machine; packing was
-    1.4x-1.7x over fixed micro-batches trimmed to their longest row), so on CPU prefer
-    ``dynamic_batching``, which needs no mask. Packing is meant for the flash-attention kernels
-    (GPU), which run packed rows as variable-length sequences (not measured here).
-    Neither is on by default: fixed micro-batches of ``train_micro_batch_size`` rows, each cut
-    to its own longest row, are.
+    Meant for the flash-attention kernels (GPU), which run packed rows as variable-length
+    sequences (not measured here). On a CPU (sdpa with a dense block-diagonal mask, whose
+    attention cost grows with the square of the packed row) ``bench/train_step.py`` measured
+    packing slower than dynamic batching (0.84x-0.99x over two runs on a shared 2-core
+    machine; packing was 1.4x-1.7x over fixed micro-batches trimmed to their longest row), so
+    the CPU default is dynamic batching (``dynamic_batching.enabled: auto``).
     """
 
     enabled: bool = False
@@ -97,11 +95,21 @@ class DynamicBatchingConfig(ConfigModel):
 
     Rows are sorted by length within each global batch and cut so that ``rows * padded length``
     stays under the budget; each micro-batch is padded only to its own longest row.
+
+    ``enabled``: true, false, or ``auto`` (the default): dynamic batching when the policy runs
+    on the CPU, where it measured fastest (see ``SequencePackingConfig``), fixed micro-batches
+    of ``train_micro_batch_size`` rows on GPUs; always fixed when ``sequence_packing`` is on.
+    The choice is logged, and is ``Policy.batching`` / the worker's ``batching``.
+
+    Token budgets left unset (None) are ``train_micro_batch_size`` (for log-probs
+    ``logprob_micro_batch_size``) times the batch's padded width: no micro-batch then holds
+    more tokens than a fixed micro-batch of that many rows would, so the micro-batch size
+    still bounds memory.
     """
 
-    enabled: bool = False
-    train_mb_tokens: int = Field(4096, ge=1)
-    logprob_mb_tokens: int | None = Field(None, ge=1)  # None: train_mb_tokens
+    enabled: bool | Literal["auto"] = "auto"
+    train_mb_tokens: int | None = Field(None, ge=1)
+    logprob_mb_tokens: int | None = Field(None, ge=1)  # None: train_mb_tokens if set
     sequence_length_round: int = Field(1, ge=1)  # pad each micro-batch to a multiple of this
 
 
@@ -187,6 +195,8 @@ class PolicyConfig(ConfigModel):
     logprob_micro_batch_size: int | None = Field(None, ge=1)  # None: train_micro_batch_size
     # Log-probs are computed this many tokens at a time in the output layer (recomputed in
     # backward), so no [tokens, vocab] float32 logits exist at once; None: all tokens at once.
+    # Both backends; Megatron with tensor parallelism makes [chunk, vocab / tp] logits per rank
+    # and all-reduces the log-softmax over the vocabulary shards.
     # Losses that ask for whole logits (loss_input_type "logits") always get them in full.
     logprob_chunk_size: int | None = Field(1024, ge=1)
     # Losses that read the loss tokens' log-probs only (GRPO's, SFT's): rows of a micro-batch
@@ -211,7 +221,7 @@ class PolicyConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _compatible(self) -> PolicyConfig:
-        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled is True:
             raise ValueError("enable sequence_packing or dynamic_batching, not both")
         if self.backend == "megatron":
             # mixed_precision would need fp32 master weights behind Megatron's bf16 model

@@ -8,6 +8,7 @@ model replica, and every rank of a replica returns the same result, which comes 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,15 @@ from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from rl_models.interfaces import LossFunction, PolicyInterface
 from rl_models.model_files import materialize
+from rl_models.policy.base_worker import (
+    Batching,
+    batching_kind,
+    describe_batching,
+    microbatch_args,
+)
 from rl_models.policy.config import PolicyConfig
-from rl_models.policy.dtensor_worker import microbatch_args
+
+logger = logging.getLogger(__name__)
 
 WORKER_CLASSES = {
     "dtensor": "rl_models.policy.dtensor_worker.DTensorPolicyWorker",
@@ -59,12 +67,28 @@ class Policy(PolicyInterface):
             sharding_annotations=worker_sharding(self.config, cluster.world_size()),
         )
         self.dp_size = self.worker_group.sharding_annotations.get_axis_size("data_parallel")
+        self.on_gpu = cluster.use_gpus
+        #: The micro-batching in use (``dynamic_batching.enabled: auto`` resolved for this
+        #: hardware: dynamic on CPU, fixed on GPU), also logged here.
+        self.batching: Batching = batching_kind(self.config, self.on_gpu)
+        # Loud when `auto` turned dynamic batching on: micro-batches are then token budgets,
+        # not train_micro_batch_size rows (the pre-`auto` default).
+        chose_dynamic = (
+            self.config.dynamic_batching.enabled == "auto" and self.batching == "dynamic"
+        )
+        (logger.warning if chose_dynamic else logger.info)(
+            describe_batching(self.config, self.on_gpu)
+        )
         # Counts changes of the weights (optimiser steps, checkpoint loads): a refit stamps it
         # on the generator, which refuses to sample from any other version.
         self.weight_version = 0
 
     def _shard(
-        self, data: BatchedDataDict, batch_size: int | None, training: bool
+        self,
+        data: BatchedDataDict,
+        batch_size: int | None,
+        training: bool,
+        mbs: int | None = None,
     ) -> tuple[list[BatchedDataDict], list[int] | None]:
         """Per-rank shards; with packing or dynamic batching, also the order that restores
         per-row outputs.
@@ -72,7 +96,8 @@ class Policy(PolicyInterface):
         Such micro-batches are planned here, over all ranks at once, so that every rank gets the
         same number per global batch (FSDP needs the ranks' forward passes to pair up).
         """
-        args = microbatch_args(self.config, training)
+        width = data["input_ids"].shape[1]
+        args = microbatch_args(self.config, training, self.on_gpu, width, rows=mbs)
         if args:
             return data.shard_by_batch_size(self.dp_size, batch_size=batch_size, **args)
         return data.shard_by_batch_size(self.dp_size, batch_size=batch_size), None
@@ -112,7 +137,7 @@ class Policy(PolicyInterface):
         mbs: int | None = None,
     ) -> dict[str, Any]:
         gbs = gbs or self.config.train_global_batch_size
-        shards, _ = self._shard(data, gbs, training=True)
+        shards, _ = self._shard(data, gbs, training=True, mbs=mbs)
         results = self._run("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
         if not eval_mode:
             self.weight_version += len(results[0].get("grad_norm", []))

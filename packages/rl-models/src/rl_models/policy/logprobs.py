@@ -16,7 +16,8 @@ output (``logits`` then holds the ``[B, S]`` log-probs of ``targets``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,9 @@ HALF = (torch.float16, torch.bfloat16)
 
 def _chunk_logprobs(
     hidden: torch.Tensor,
+    targets: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    targets: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias)
@@ -41,6 +42,42 @@ def _chunk_logprobs(
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def over_token_chunks(
+    fn: Callable[..., torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int | None,
+    *args: Any,
+) -> torch.Tensor:
+    """``fn(hidden [n, H], targets [n], *args) -> [n]`` over ``hidden [..., H]``, ``targets
+    [...]``, ``chunk_size`` tokens at a time (``None``: all at once); the result has
+    ``targets``' shape. With gradients each chunk is recomputed in backward (checkpointed), so
+    whatever ``fn`` makes (the chunk's logits) lives only while that chunk is computed.
+    ``fn`` may run collectives (the Megatron worker's vocab-parallel log-softmax): every rank
+    of the group must then use the same chunks, which it does when their token counts agree.
+    """
+    shape = targets.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    tokens = flat_targets.numel()
+    if chunk_size is None or chunk_size >= tokens:
+        return fn(flat_hidden, flat_targets, *args).view(shape)
+    # Checkpointing only pays when backward will run; without grad the chunks already free
+    # their logits as they go.
+    grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, *args)
+    )
+    out = []
+    for start in range(0, tokens, chunk_size):
+        h = flat_hidden[start : start + chunk_size]
+        t = flat_targets[start : start + chunk_size]
+        if grad:
+            out.append(checkpoint(fn, h, t, *args, use_reentrant=False))
+        else:
+            out.append(fn(h, t, *args))
+    return torch.cat(out).view(shape)
+
+
 def chunked_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -49,27 +86,12 @@ def chunked_logprobs(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """``log softmax(hidden @ weight.T + bias)[targets]`` for ``hidden [..., H]``, ``targets
-    [...]``, computed ``chunk_size`` tokens at a time (``None``: all at once)."""
-    shape = targets.shape
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1)
-    tokens = flat_targets.numel()
-    if chunk_size is None or chunk_size >= tokens:
-        return _chunk_logprobs(flat_hidden, weight, bias, flat_targets, temperature).view(shape)
-    # Checkpointing only pays when backward will run; without grad the chunks already free
-    # their logits as they go.
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    out = []
-    for start in range(0, tokens, chunk_size):
-        h = flat_hidden[start : start + chunk_size]
-        t = flat_targets[start : start + chunk_size]
-        if grad:
-            lp = checkpoint(_chunk_logprobs, h, weight, bias, t, temperature, use_reentrant=False)
-        else:
-            lp = _chunk_logprobs(h, weight, bias, t, temperature)
-        out.append(lp)
-    return torch.cat(out).view(shape)
+    """``log softmax((hidden @ weight.T + bias) / temperature)[targets]`` for ``hidden
+    [..., H]``, ``targets [...]``, computed ``chunk_size`` tokens at a time (``None``: all at
+    once)."""
+    return over_token_chunks(
+        _chunk_logprobs, hidden, targets, chunk_size, weight, bias, temperature
+    )
 
 
 @contextlib.contextmanager
