@@ -219,9 +219,10 @@ def test_generator_parameters_become_views_of_the_region_and_refits_need_no_load
         gen.commit_weight_region(path, layout.digest, 2)
         again = gen.generate(prompts, greedy=True, expected_weight_version=2)
         assert torch.equal(again["output_ids"], out["output_ids"])
-        other = DTensorPolicyWorker(config)  # a rank that did not map it in time cannot now
+        # A rank that no longer (or never) mapped the nameless region cannot reach it: it says so.
+        policy.release_weight_region(path)
         with pytest.raises(FileNotFoundError, match="not mapped by this policy rank"):
-            other.write_weights_to_region(path, layout, bucket_bytes=1 << 20)
+            policy.write_weights_to_region(path, layout, bucket_bytes=1 << 20)
     finally:
         gen.shutdown()
     assert not os.path.exists(path)

@@ -30,6 +30,7 @@ parameters cannot be views of a region.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections import deque
@@ -38,11 +39,13 @@ from typing import Any, Literal
 
 import ray
 
-from rl_distributed.worker_groups import RayWorkerGroup, WorkerFutures
+from rl_distributed.worker_groups import RayWorkerGroup, WorkerFutures, WorkerGroupError
 from rl_distributed.worker_host import SharedArg
 from rl_models.generation.interfaces import ExportPlan, GenerationInterface
 from rl_models.generation.shared_memory import RegionLayout
 from rl_models.generation.weights import slots_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,7 +113,10 @@ def release_weight_region(generation: Any) -> None:
     generation._weight_region = None
     src = region.policy() if region is not None else None
     if src is not None and src.workers:  # (a policy shut down has no mappings left)
-        _all(src, "release_weight_region", path=region.path)
+        try:
+            _all(src, "release_weight_region", path=region.path)
+        except WorkerGroupError as err:  # a dead rank's mapping went with its process
+            logger.warning("policy ranks could not unmap weight region %s: %s", region.path, err)
 
 
 def refit(
