@@ -1,6 +1,7 @@
 """Refit from a 2-rank FSDP2 policy into HF generation workers, colocated and not."""
 
 import os
+import signal
 import threading
 import time
 
@@ -14,6 +15,7 @@ from rl_distributed.worker_groups import WorkerCallError
 from rl_models.generation.hf_generation import HfGeneration
 from rl_models.generation.interfaces import StaleWeightsError
 from rl_models.generation.refit import refit
+from rl_models.generation.shared_memory import PREFIX
 from rl_models.losses import NLLLoss
 from rl_models.policy.lm_policy import Policy
 
@@ -153,12 +155,13 @@ def test_every_channel_delivers_the_trained_weights(tmp_path):
         },
         model=config.model,
     )
-    running = True
     try:
         for channel in ("shared_memory", "object_store", "cuda_ipc", "broadcast"):
             policy.train(skewed_batch(), NLLLoss())
             stats = refit(policy, generation, bucket_bytes=64 * 1024, channel=channel)
             assert stats.channel == channel
+            # The region's file is gone once both sides map it; the weights live on.
+            assert not os.path.exists(generation._weight_region.path)
             assert stats.buckets > 3 or channel == "shared_memory"
             assert_generator_matches_policy(policy, generation, prompts())
             policy.save_checkpoint(str(tmp_path / channel))
@@ -170,18 +173,72 @@ def test_every_channel_delivers_the_trained_weights(tmp_path):
         assert stats.channel == "object_store" and "as bfloat16" in stats.fallback
         with pytest.raises(ValueError, match="'shared_memory' cannot be used"):
             refit(policy, generation, dtype="bfloat16", channel="shared_memory")
-
-        region = generation._weight_region.path
-        assert os.path.exists(region)
-        generation.shutdown()
-        running = False
-        assert not os.path.exists(region)  # no /dev/shm file outlives the generator
+        # The policy ranks dropped their mappings of the float32 region: a float32 refit sets
+        # up a new one (the old one's memory goes with the generation workers' last mapping).
+        assert generation._weight_region is None
+        stats = refit(policy, generation, channel="shared_memory")
+        assert stats.channel == "shared_memory"
+        assert_generator_weights_equal(generation, str(tmp_path / "broadcast"))
     finally:
-        if running:
-            generation.shutdown()
+        generation.shutdown()
         policy.shutdown()
         for cluster in clusters:
             cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_no_region_file_outlives_its_set_up_and_a_killed_worker_leaves_nothing(tmp_path):
+    """The shared-memory channel leaves nothing in /dev/shm that a SIGKILL could strand: the
+    region's file is removed once the 2 generation workers and the 2 policy ranks map it, and
+    refits into the nameless region stay exact. Then the worker that created it is SIGKILLed
+    (no shutdown, no atexit): nothing of it is left."""
+    config = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float32"})
+    cluster = RayVirtualCluster([2], use_gpus=False, max_colocated_worker_groups=2)
+    policy = Policy(cluster, config)
+    generation = HfGeneration(
+        cluster,
+        {
+            "backend": "hf",
+            "colocated": False,
+            "sampling": {"max_new_tokens": 4, "stop_token_ids": []},
+        },
+        model=config.model,
+    )
+    pids = [m.placement["pid"] for m in generation.worker_group.worker_metadata]
+
+    def region_files(pid: int) -> list[str]:
+        return [f for f in os.listdir("/dev/shm") if f.startswith(f"{PREFIX}{pid}-")]
+
+    try:
+        for step in range(2):
+            policy.train(skewed_batch(seed=step), NLLLoss())
+            stats = refit(policy, generation, channel="shared_memory")
+            assert stats.channel == "shared_memory"
+            assert [region_files(pid) for pid in pids] == [[], []]
+            policy.save_checkpoint(str(tmp_path / str(step)))
+            assert_generator_weights_equal(generation, str(tmp_path / str(step)))
+            assert_generator_matches_policy(policy, generation, prompts())
+
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while running(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(pids[0])
+        assert region_files(pids[0]) == []
+    finally:
+        generation.shutdown()
+        policy.shutdown()
+        cluster.shutdown()
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -263,7 +320,7 @@ def test_refit_peak_memory_is_about_one_bucket_not_one_model(channel):
             stats = refit(policy, generation, channel=channel)
         assert stats.channel == channel
         if channel == "shared_memory":
-            assert os.stat(generation._weight_region.path).st_size == stats.bytes
+            assert stats.bytes == generation._weight_region.layout.nbytes
         model_bytes = stats.bytes
         assert model_bytes > 15 * bucket
         for pid in pids:

@@ -6,9 +6,11 @@ process) reads. The Ray end-to-end runs (2-rank policy, train step, refit, exact
 """
 
 import os
+import signal
 import subprocess
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -16,11 +18,12 @@ import torch
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.generation.interfaces import IncompleteRefitError, StaleWeightsError
-from rl_models.generation.refit import _one_node, pick_channel
+from rl_models.generation.refit import _one_node, _Region, pick_channel, release_weight_region
 from rl_models.generation.shared_memory import (
     PREFIX,
     MappedRegion,
     RegionLayout,
+    _start_time,
     create_region,
     map_region,
     remove_stale_regions,
@@ -62,17 +65,70 @@ def test_a_region_write_is_seen_by_another_process(tmp_path):
 
 
 def test_region_files_of_dead_creators_are_swept(tmp_path):
+    """A creator is a pid *and* its start time: a file of a pid now used by another process
+    (here: ours, with another start time) is stale too."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f"{PREFIX}{dead.pid}-abc"
-    alive = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    me = os.getpid()
+    stale = tmp_path / f"{PREFIX}{dead.pid}-123-abc"
+    reused_pid = tmp_path / f"{PREFIX}{me}-1-abc"
+    alive = tmp_path / f"{PREFIX}{me}-{_start_time(me)}-def"
     other = tmp_path / "unrelated-1"
-    for f in (stale, alive, other):
+    for f in (stale, reused_pid, alive, other):
         f.write_bytes(b"x")
     path = create_region(16, str(tmp_path))
-    assert not stale.exists() and alive.exists() and other.exists()
-    assert os.path.basename(path).startswith(f"{PREFIX}{os.getpid()}-")
+    assert not stale.exists() and not reused_pid.exists()
+    assert alive.exists() and other.exists()
+    assert os.path.basename(path).startswith(f"{PREFIX}{me}-{_start_time(me)}-")
     assert remove_stale_regions(str(tmp_path)) == []
+
+
+def test_a_creator_killed_while_its_region_is_named_leaves_it_to_the_next_creation(tmp_path):
+    """The one window in which a region has a name (its set-up): a creator SIGKILLed there
+    leaves the file, and the next region created on the machine removes it."""
+    script = (
+        "import sys, time\n"
+        "from rl_models.generation.shared_memory import create_region\n"
+        "print(create_region(1 << 16, sys.argv[1]), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    creator = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        path = creator.stdout.readline().strip()
+        assert os.path.exists(path)
+    finally:
+        creator.kill()
+        creator.wait()
+    assert creator.returncode == -signal.SIGKILL
+    assert os.path.exists(path)  # nothing ran in the creator after the kill
+    create_region(16, str(tmp_path))
+    assert not os.path.exists(path)
+
+
+def test_a_region_serves_only_the_policy_group_it_was_made_for_even_at_a_reused_id():
+    """``refit`` keeps a generator's region for the policy worker group it was set up with
+    (whose ranks map it). A new group at the address, so the ``id()``, of a collected one is
+    another policy, whose ranks never mapped the region: it must get a new one."""
+
+    class Group:
+        workers = ()
+
+    made_for = Group()
+    region = _Region(weakref.ref(made_for), None, "/dev/shm/unused", RegionLayout.of(SPECS))
+    assert region.serves(made_for, None) and not region.serves(made_for, "bfloat16")
+    assert not region.serves(Group(), None)
+    stale_id = id(made_for)
+    del made_for
+    # CPython hands a freed object's memory to the next object of its size: ids are reused.
+    reused = next((g for g in (Group() for _ in range(10_000)) if id(g) == stale_id), None)
+    assert reused is not None, "no object reused the collected group's id"
+    assert region.policy() is None
+    assert not region.serves(reused, None)
+    generation = types.SimpleNamespace(_weight_region=region)
+    release_weight_region(generation)  # the policy is gone: nothing to call, nothing kept
+    assert generation._weight_region is None
 
 
 def exporter_layout(worker) -> RegionLayout:
@@ -137,6 +193,11 @@ def test_generator_parameters_become_views_of_the_region_and_refits_need_no_load
         with pytest.raises(IncompleteRefitError):  # parameters in shared memory: not stamped
             gen.generate(prompts, greedy=True)
 
+        # Both sides map the region; then its name goes (what refit does): nothing is left in
+        # /dev/shm, whichever process is killed, and the mappings still share the memory.
+        policy.map_weight_region(path, layout)
+        gen.unlink_weight_region(path)
+        assert not os.path.exists(path)
         with torch.no_grad():  # the policy moves on and writes into the region: that is all
             for p in policy.model.parameters():
                 p.add_(torch.randn_like(p) * 0.5)
@@ -158,9 +219,13 @@ def test_generator_parameters_become_views_of_the_region_and_refits_need_no_load
         gen.commit_weight_region(path, layout.digest, 2)
         again = gen.generate(prompts, greedy=True, expected_weight_version=2)
         assert torch.equal(again["output_ids"], out["output_ids"])
+        # A rank that no longer (or never) mapped the nameless region cannot reach it: it says so.
+        policy.release_weight_region(path)
+        with pytest.raises(FileNotFoundError, match="not mapped by this policy rank"):
+            policy.write_weights_to_region(path, layout, bucket_bytes=1 << 20)
     finally:
         gen.shutdown()
-    assert not os.path.exists(path)  # the creator removes the file
+    assert not os.path.exists(path)
 
 
 def test_a_generator_that_cannot_share_says_why_and_changes_nothing():

@@ -13,6 +13,7 @@ from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
+from rl_models.generation.refit import release_weight_region
 from rl_models.model_files import materialize
 from rl_models.policy.config import ModelConfig
 
@@ -88,4 +89,5 @@ class HfGeneration(GenerationInterface):
         return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
 
     def shutdown(self) -> None:
+        release_weight_region(self)  # the policy ranks' mappings of our shared weights
         self.worker_group.shutdown(cleanup_method="shutdown")

@@ -71,7 +71,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         # versions; a refit that fails midway leaves it so, and generate then refuses.
         self.updating = False
         self.region: MappedRegion | None = None  # shared-memory channel: our weights live here
-        self.owns_region = False  # this worker created the region file (and removes it)
+        self.owns_region = False  # this worker created the region file (and unlinks it)
 
     def _stop_token_ids(self) -> list[int]:
         """The configured ids, else the tokenizer's EOS, else ``config.json``'s eos_token_id.
@@ -233,6 +233,15 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
                 f"refit committed weight region {path} ({digest}) but this worker maps {mapped}"
             )
         self.set_weight_version(version)
+
+    def unlink_weight_region(self, path: str) -> None:
+        """Remove the name of the region this worker created, once every process that uses it
+        has mapped it: the parameters keep their memory, and no kill of any process can leave
+        the region behind in ``/dev/shm`` (its pages go with the last mapping)."""
+        region = self.region
+        if region is None or region.path != path or not self.owns_region:
+            raise RuntimeError(f"weight region {path} was not created by this worker")
+        remove_region(path)
 
     def _release_region(self) -> None:
         if self.region is not None and self.owns_region:

@@ -157,9 +157,10 @@ class GenerationWorker(ABC):
 
     A backend whose controller sets ``shares_weight_memory = True`` (HF) also offers the
     shared-memory channel (``shared_memory.py``, the CPU default on one node):
-    ``map_weight_region(path, layout)`` once (its parameters become views of the region), then
-    per refit ``prepare_for_weight_update()`` and ``commit_weight_region(path, digest, version)``
-    around the policy's writes.
+    ``map_weight_region(path, layout)`` once (its parameters become views of the region; with
+    ``path=None`` the worker creates it, and ``unlink_weight_region(path)`` later removes its
+    file once every process maps it), then per refit ``prepare_for_weight_update()`` and
+    ``commit_weight_region(path, digest, version)`` around the policy's writes.
 
     ``channels.ChannelReceiver`` implements every step-2 method on top of one method a backend
     writes, ``load_named_weights(named: Iterable[tuple[str, Tensor]])`` (full tensors under
@@ -199,7 +200,9 @@ class WeightExportWorker(ABC):
     - ``finish_weight_export()`` -> ``dict``: drop the plan; statistics of the export;
     - ``write_weights_to_region(path, layout, bucket_bytes, dtype)`` -> ``dict``: the
       shared-memory channel, every rank writes its part straight into a mapped region
-      (``policy.weight_export.WeightExportMethods``).
+      (``policy.weight_export.WeightExportMethods``), which it mapped with
+      ``map_weight_region(path, layout)`` while the region's file still existed, and keeps
+      mapped until ``release_weight_region(path)``.
     """
 
     @abstractmethod

@@ -30,18 +30,22 @@ parameters cannot be views of a region.
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
 
-from rl_distributed.worker_groups import RayWorkerGroup, WorkerFutures
+from rl_distributed.worker_groups import RayWorkerGroup, WorkerFutures, WorkerGroupError
 from rl_distributed.worker_host import SharedArg
 from rl_models.generation.interfaces import ExportPlan, GenerationInterface
 from rl_models.generation.shared_memory import RegionLayout
 from rl_models.generation.weights import slots_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,11 +90,33 @@ def _one_node(*groups: RayWorkerGroup) -> bool:
 
 @dataclass
 class _Region:
-    """The controller's record of a generator's shared weight region (``shared_memory.py``)."""
+    """The controller's record of a generator's shared weight region (``shared_memory.py``).
 
-    key: tuple  # (policy worker group, export dtype) it was laid out for
-    path: str
+    The policy worker group it was laid out for is held by a weak reference and compared by
+    identity: a new group (a new policy) gets a new region even where it reuses the memory, and
+    so the ``id()``, of a collected one, whose ranks mapped the old region and the new ranks
+    never did."""
+
+    policy: weakref.ref[RayWorkerGroup]
+    dtype: str | None  # the export dtype it was laid out for
+    path: str  # the region's file while it was set up (removed since; the key of its mappings)
     layout: RegionLayout
+
+    def serves(self, src: RayWorkerGroup, dtype: str | None) -> bool:
+        return self.policy() is src and self.dtype == dtype
+
+
+def release_weight_region(generation: Any) -> None:
+    """Drop the policy ranks' mappings of ``generation``'s weight region, if it has one (its
+    memory is freed once the generation workers' mappings go too: at their shutdown)."""
+    region: _Region | None = getattr(generation, "_weight_region", None)
+    generation._weight_region = None
+    src = region.policy() if region is not None else None
+    if src is not None and src.workers:  # (a policy shut down has no mappings left)
+        try:
+            _all(src, "release_weight_region", path=region.path)
+        except WorkerGroupError as err:  # a dead rank's mapping went with its process
+            logger.warning("policy ranks could not unmap weight region %s: %s", region.path, err)
 
 
 def refit(
@@ -187,28 +213,12 @@ def _refit_through_region(
 ) -> bool:
     """The shared-memory channel (generation workers already prepared). False, with
     ``stats.fallback`` saying why, when the generator cannot keep its weights in a region."""
-    key = (id(src), dtype)
     region: _Region | None = getattr(generation, "_weight_region", None)
-    if region is None or region.key != key:
-        # First refit into this generator: lay the region out from the export plan, create it
-        # on one generation worker (which moves its weights in) and map it on the others.
-        plans: list[ExportPlan] = _all(
-            src, "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
-        )
-        _all(src, "finish_weight_export")
-        layout = RegionLayout.of([s for p in plans for bucket in p.buckets for s in bucket])
-        first = dst.workers[0].execute.remote(
-            "map_weight_region", (), {"path": None, "layout": layout}
-        )
-        ((path, reason),) = dst.get_all_worker_results(
-            WorkerFutures([first], [0], "map_weight_region")
-        )
-        if path is None:
-            stats.fallback = reason
+    if region is None or not region.serves(src, dtype):
+        release_weight_region(generation)
+        region = _set_up_region(src, dst, bucket_bytes, dtype, stats)
+        if region is None:
             return False
-        if dst.world_size > 1:  # the others map the same region (re-mapping worker 0 is a no-op)
-            _all(dst, "map_weight_region", path=path, layout=layout)
-        region = _Region(key, path, layout)
         generation._weight_region = region  # type: ignore[attr-defined]
     stats.export = _all(
         src,
@@ -229,6 +239,44 @@ def _refit_through_region(
     )
     generation.weight_version = policy.weight_version
     return True
+
+
+def _set_up_region(
+    src: RayWorkerGroup,
+    dst: RayWorkerGroup,
+    bucket_bytes: int,
+    dtype: str | None,
+    stats: RefitStats,
+) -> _Region | None:
+    """First refit into this generator from ``src``: lay the region out from the export plan,
+    create it on one generation worker (which moves its weights in), map it on the other
+    generation workers and on every policy rank, then remove its file. None, with
+    ``stats.fallback`` saying why, when the generator cannot keep its weights in a region."""
+    plans: list[ExportPlan] = _all(
+        src, "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
+    )
+    _all(src, "finish_weight_export")
+    layout = RegionLayout.of([s for p in plans for bucket in p.buckets for s in bucket])
+    ((path, reason),) = _on_first(dst, "map_weight_region", path=None, layout=layout)
+    if path is None:
+        stats.fallback = reason
+        return None
+    try:
+        if dst.world_size > 1:  # (re-mapping worker 0 is a no-op)
+            _all(dst, "map_weight_region", path=path, layout=layout)
+        _all(src, "map_weight_region", path=path, layout=layout)
+    finally:
+        # Every process that will touch the region maps it now: its name can go. The memory
+        # lives as long as a mapping does, so from here on no kill of any process (driver,
+        # policy rank, generation worker) can leave it in /dev/shm.
+        _on_first(dst, "unlink_weight_region", path=path)
+    return _Region(weakref.ref(src), dtype, path, layout)
+
+
+def _on_first(group: RayWorkerGroup, method: str, **kwargs: Any) -> list[Any]:
+    """``method`` on the group's first worker only."""
+    future = group.workers[0].execute.remote(method, (), kwargs)
+    return group.get_all_worker_results(WorkerFutures([future], [0], method))
 
 
 def _step(

@@ -19,9 +19,18 @@ on the policy ranks, and ``commit_weight_region(path, digest, version)`` on the 
 checks the layout they map and stamps the version. A refit that fails before the commit leaves
 the generators refusing with ``IncompleteRefitError``, as on every other channel.
 
-Region files are named ``rl-refit-<creator pid>-<random>``. The creating generation worker
-removes its file on ``shutdown`` (and at interpreter exit); a file whose creator died without
-either (SIGKILL) is removed by the next ``create_region`` on that machine.
+Lifecycle of a region's *name* (its file in ``/dev/shm``): the memory lives as long as any
+process maps it, the name only while processes still have to find it. ``refit`` creates the
+region on one generation worker (``create_region``), maps it on the other generation workers and
+on every policy rank, then has the creator ``unlink`` it: from then on the region has no name,
+and the kernel frees its pages when the last mapping goes, however its processes end (shutdown,
+exception, SIGKILL). Only during that set-up (one copy of the weights) is the file named, as
+``rl-refit-<creator pid>-<creator start time>-<random>``; if its creator dies within that
+window, the next ``create_region`` on the machine removes it (a file whose creator process, pid
+*and* start time, no longer exists), and so does the creator's ``shutdown`` or interpreter exit.
+The policy ranks drop their mappings at ``refit.release_weight_region`` (the generator's
+``shutdown``, or a refit from another policy or in another dtype), the generation workers when
+they map another region or exit.
 """
 
 from __future__ import annotations
@@ -62,19 +71,36 @@ class RegionLayout:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _creator_pid(filename: str) -> int | None:
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or
+    None if there is no such process. With the pid it names one process, even after pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # fields from 3 on follow the ")" of the name
+
+
+def _creator_alive(filename: str) -> bool | None:
+    """Whether the process that created region file ``filename`` still runs (None: not a
+    region file)."""
     if not filename.startswith(PREFIX):
         return None
-    pid = filename.removeprefix(PREFIX).split("-", 1)[0]
-    return int(pid) if pid.isdigit() else None
+    pid, *rest = filename.removeprefix(PREFIX).split("-")
+    if not pid.isdigit():
+        return None
+    started = _start_time(int(pid))
+    if started is None:
+        return False
+    return len(rest) < 2 or rest[0] == started  # (a name without a start time: the pid alone)
 
 
 def remove_stale_regions(directory: str = REGION_DIR) -> list[str]:
     """Remove region files whose creating process is gone; returns their paths."""
     removed = []
     for filename in os.listdir(directory):
-        pid = _creator_pid(filename)
-        if pid is None or os.path.exists(f"/proc/{pid}"):
+        if _creator_alive(filename) is not False:
             continue
         path = os.path.join(directory, filename)
         try:
@@ -86,9 +112,14 @@ def remove_stale_regions(directory: str = REGION_DIR) -> list[str]:
 
 
 def create_region(nbytes: int, directory: str = REGION_DIR) -> str:
-    """A new zero-filled region file of ``nbytes`` (pages are allocated on first write)."""
+    """A new zero-filled region file of ``nbytes`` (pages are allocated on first write).
+
+    The caller maps it, has the other processes map it, and then ``remove_region``s the name
+    (see the module's docstring)."""
     remove_stale_regions(directory)
-    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    pid = os.getpid()
+    name = f"{PREFIX}{pid}-{_start_time(pid)}-{uuid.uuid4().hex[:12]}"
+    path = os.path.join(directory, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, max(nbytes, 1))
@@ -123,6 +154,7 @@ def region_views(region: torch.Tensor, layout: RegionLayout) -> dict[str, torch.
 
 
 def remove_region(path: str | None) -> None:
+    """Remove a region's name; mappings of it stay valid (its memory goes with the last)."""
     if path is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

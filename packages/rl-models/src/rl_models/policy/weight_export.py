@@ -219,7 +219,7 @@ class WeightExportMethods:
     _exporter: Any = None
     _ipc_buffers: Any = None  # the last IPC buffers, alive while consumers may read them
     _channel: Any = None
-    _region: Any = None  # the shared-memory weight region this rank last wrote (mapped)
+    _regions: dict[str, Any] | None = None  # shared-memory weight regions mapped, by path
 
     def _weight_exporter(self) -> Any:
         raise NotImplementedError
@@ -270,22 +270,44 @@ class WeightExportMethods:
 
         self._exporter.bucket(step, pack)
 
+    def map_weight_region(self, path: str, layout: Any) -> None:
+        """Shared-memory channel: map the weight region at ``path`` (a ``shared_memory``
+        ``RegionLayout``) and keep the mapping, which outlives the file's name: ``refit`` has
+        the file removed as soon as every process has mapped it."""
+        from rl_models.generation.shared_memory import MappedRegion
+
+        if self._regions is None:
+            self._regions = {}
+        region = self._regions.get(path)
+        if region is None or region.digest != layout.digest:
+            self._regions.pop(path, None)  # unmap an old layout before mapping the new one
+            self._regions[path] = MappedRegion(path, layout)
+
+    def release_weight_region(self, path: str) -> None:
+        """Drop this rank's mapping of the region at ``path`` (its memory goes with the last)."""
+        (self._regions or {}).pop(path, None)
+
     def write_weights_to_region(
         self, path: str, layout: Any, bucket_bytes: int, dtype: str | None = None
     ) -> dict[str, int]:
         """Shared-memory channel: write this rank's part of the weights straight into the weight
         region at ``path`` (laid out by ``layout``, a ``shared_memory.RegionLayout``).
 
-        The mapping is kept for the next refit into the same region. An exporter with
-        ``write_region`` (DTensor) writes row shards in parallel; any other (Megatron) runs its
-        bucket export and writes each gathered tensor into its slot instead of a bucket.
+        The region is mapped on first use (``map_weight_region``) and the mapping kept for the
+        next refits. An exporter with ``write_region`` (DTensor) writes row shards in parallel;
+        any other (Megatron) runs its bucket export and writes each gathered tensor into its
+        slot instead of a bucket.
         """
-        from rl_models.generation.shared_memory import MappedRegion
-
-        region = self._region
-        if region is None or region.path != path or region.digest != layout.digest:
-            self._region = None  # unmap the old region before mapping the new one
-            self._region = region = MappedRegion(path, layout)
+        region = (self._regions or {}).get(path)
+        if region is None or region.digest != layout.digest:
+            if not os.path.exists(path):
+                raise FileNotFoundError(
+                    f"weight region {path} is not mapped by this policy rank and its file is "
+                    "gone (refit removes it once every worker has mapped it; this rank must "
+                    "map_weight_region before that)"
+                )
+            self.map_weight_region(path, layout)
+            region = self._regions[path]
         with _copy_threads():
             return self._write_region(region, bucket_bytes, dtype)
 
