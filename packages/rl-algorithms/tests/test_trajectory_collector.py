@@ -292,8 +292,16 @@ def test_a_wedged_engine_is_reported_by_name_within_seconds(tokenizer, template)
 
 
 def test_no_generation_starts_between_a_drain_and_the_resume_after_it(tokenizer, template):
+    # One group out at a time: while the next one is being submitted none is generating, the
+    # moment a drain that only looked at running groups would wrongly call drained.
     client, engine = start(
-        tokenizer, template, 16, hang_first=False, start_seconds=0.3, name="c-drain"
+        tokenizer,
+        template,
+        16,
+        hang_first=False,
+        start_seconds=0.5,
+        name="c-drain",
+        max_groups_ahead=1,
     )
     try:
         consumed, deadline = 0, time.monotonic() + 1.5

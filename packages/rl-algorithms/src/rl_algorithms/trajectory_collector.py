@@ -284,8 +284,8 @@ class TrajectoryCollector:
         collector stops with an error naming it instead. True if queued."""
         if requeues >= self.max_requeues:
             self.error = (
-                f"{describe_prompt(prompt)} was queued again {requeues} times "
-                f"(grpo.async_grpo.max_requeues_per_prompt); the last time {why}"
+                f"{describe_prompt(prompt)} was already queued again {requeues} times "
+                f"(grpo.async_grpo.max_requeues_per_prompt: {self.max_requeues}) and now {why}"
             )
             self.cond.notify_all()
             return False
