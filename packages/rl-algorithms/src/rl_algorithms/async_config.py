@@ -32,8 +32,9 @@ class AsyncGRPOConfig(ConfigModel):
     # stalled or exhausted collector is reported within seconds regardless.
     max_wait_seconds: float = Field(900.0, gt=0)
     # One call of the collector on a generation engine (submit, poll, cancel); an engine that
-    # takes longer is reported as wedged, naming its worker.
-    engine_call_seconds: float = Field(60.0, gt=0)
+    # takes longer is reported as wedged, naming its worker. A worker answers one call at a
+    # time, so this must exceed the longest refit or validation generation it runs meanwhile.
+    engine_call_seconds: float = Field(300.0, gt=0)
     # Groups the collector may run ahead of the trainer (None: num_prompts_per_step times
     # max(1, max_trajectory_age_steps), what the trainer can use before they grow too old).
     max_groups_ahead: int | None = Field(None, ge=1)

@@ -103,7 +103,7 @@ class TrajectoryCollector:
         max_group_seconds: float,
         max_groups_ahead: int,
         in_flight_weight_updates: bool,
-        engine_call_seconds: float = 60.0,
+        engine_call_seconds: float = 300.0,
         max_requeues: int = 3,
         worker_names: list[str] | None = None,
         pending_prompts: list[BatchedDataDict] | None = None,
@@ -295,6 +295,7 @@ class TrajectoryCollector:
     def _engine_call(self, worker: Any, method: str, **kwargs: Any) -> Any:
         """One call on a generation worker, waiting at most ``engine_call_seconds``."""
         name = next(n for w, n in zip(self.workers, self.worker_names, strict=True) if w is worker)
+        self.heartbeat = time.monotonic()  # a beat per call: one call is all the loop waits on
         self.doing = f"{method} on {name}"
         try:
             return ray.get(
@@ -456,7 +457,7 @@ class CollectorClient:
             name=name, num_cpus=0, max_concurrency=4, max_restarts=0
         )
         self.name = name
-        self.heartbeat_timeout = kwargs.get("engine_call_seconds", 60.0) + HEARTBEAT_GRACE_SECONDS
+        self.heartbeat_timeout = kwargs.get("engine_call_seconds", 300.0) + HEARTBEAT_GRACE_SECONDS
         self.actor = actor.remote(*args, **kwargs)
         self.pid = self.call("pid", timeout=300)
 
