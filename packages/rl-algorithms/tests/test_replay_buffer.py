@@ -62,6 +62,8 @@ def test_take_gives_the_oldest_fresh_groups_and_drops_stale_ones():
     buffer.add([group([1, 2], [2, 2], tag="d"), group([2, 2], tag="e")])
     # At step 2, "b" (version 0) is two steps old: dropped and counted, never handed out.
     assert tags(buffer.take(2, step=2)) == ["c", "d"]
+    # The dropped groups wait to be handed back (their prompts are generated again), once.
+    assert tags(buffer.pop_stale()) == ["b"] and buffer.pop_stale() == []
     assert (buffer.dropped_groups, buffer.dropped_samples) == (1, G)
     assert buffer.take(2, step=2) is None  # only "e" is left: not enough
     assert len(buffer) == 1
@@ -128,3 +130,28 @@ def test_async_mode_without_importance_sampling_is_a_config_error_naming_the_key
     err = capsys.readouterr().err
     assert "loss_fn.use_importance_sampling_correction" in err
     assert "grpo.async_grpo.enabled" in err
+
+
+def test_a_wait_limit_below_the_group_limit_is_a_config_error_naming_both_keys(capsys):
+    from rl_algorithms import cli
+
+    code = cli.main(
+        [
+            "grpo",
+            "policy.model.path=/nonexistent",
+            "tokenizer.path=/nonexistent",
+            "data.train={source: arithmetic, size: 8}",
+            "env={arithmetic: {kind: math}}",
+            "generation.backend=vllm",
+            "generation.colocated=false",
+            "generation.vllm.async_engine=true",
+            "loss_fn.use_importance_sampling_correction=true",
+            "grpo.async_grpo.enabled=true",
+            "grpo.async_grpo.max_group_seconds=60",
+            "grpo.async_grpo.max_wait_seconds=30",
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "grpo.async_grpo.max_wait_seconds (30.0) must exceed" in err
+    assert "grpo.async_grpo.max_group_seconds (60.0)" in err

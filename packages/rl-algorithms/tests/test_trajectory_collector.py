@@ -3,9 +3,13 @@ sliding-puzzle environment, and a scripted engine standing in for the vLLM worke
 double for the engine only; the real async engine runs in ``functional/test_async_grpo.py``).
 
 Shown: every prompt comes back as a scored group tagged with its weight versions; a group whose
-generation never finishes is cancelled on the engine and its prompt generated again; running
-out of prompts and a killed collector each raise in the trainer, naming the collector, instead
-of leaving it waiting; a checkpoint holds every prompt drawn but not yet handed over.
+generation never finishes is cancelled on the engine and its prompt generated again; so is one
+vLLM aborted on its own, and one the trainer dropped as too stale (until a prompt has been
+queued again too often: an error naming it); a prompt too long to generate from carries the
+engine's weight version; running out of prompts, a killed collector and a wedged engine each
+raise in the trainer, naming the collector (and the engine), instead of leaving it waiting; a
+drain lets no generation start until the refit after it ends; a checkpoint holds every prompt
+drawn but not yet handed over.
 """
 
 import sys
@@ -15,11 +19,14 @@ import pytest
 import ray
 import torch
 
+from rl_algorithms.async_grpo import Trajectories
+from rl_algorithms.replay_buffer import ReplayBuffer
 from rl_algorithms.trajectory_collector import CollectorClient, CollectorError
 from rl_data.loader import StatefulDataLoader
 from rl_data.messages import tokenize_message_logs
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_envs.sliding_puzzle import SlidingPuzzleConfig, SlidingPuzzleEnvironment, first_prompt
+from rl_models.generation import RequestAbortedError
 
 # Each test starts actors that import torch: ~30 s apiece on the busy 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
@@ -31,25 +38,45 @@ BOARD = {"board": [[1, 2, 3], [4, 5, 6], [7, 0, 8]], "turn": 0}  # "right" solve
 
 class ScriptedEngine:
     """Answers every row with ``<action>right</action>`` and EOS at weight version 3, except
-    that with ``hang_first`` the first stream never finishes; records the streams cancelled."""
+    that with ``hang_first`` the first stream never finishes, with ``abort_first`` vLLM aborts
+    it, and with ``wedged`` every poll blocks for an hour; ``start_seconds`` makes each
+    ``start_stream`` take that long. Records the streams cancelled and when each start ran."""
 
-    def __init__(self, tokenizer, hang_first: bool) -> None:
-        self.tokenizer, self.hang_first = tokenizer, hang_first
+    def __init__(
+        self, tokenizer, hang_first: bool, abort_first=False, wedged=False, start_seconds=0.0
+    ) -> None:
+        self.tokenizer, self.hang_first, self.abort_first = tokenizer, hang_first, abort_first
+        self.wedged, self.start_seconds = wedged, start_seconds
         self.streams: dict[str, tuple[BatchedDataDict, bool]] = {}
         self.started = 0
         self.cancelled: list[str] = []
+        self.starts: list[tuple[float, float]] = []  # (began, ended), time.time()
 
     def execute(self, method, args=(), kwargs=None):  # the WorkerHost's calling convention
         return getattr(self, method)(*args, **(kwargs or {}))
 
+    def get_weight_version(self):
+        return 3
+
     def start_stream(self, data, greedy=False, expected_weight_version=None):
+        began = time.time()
+        time.sleep(self.start_seconds)
         stream_id = f"s{self.started}"
         self.streams[stream_id] = (data, self.hang_first and self.started == 0)
         self.started += 1
+        self.starts.append((began, time.time()))
         return stream_id
 
+    def get_starts(self):
+        return self.starts
+
     def next_finished(self, stream_id, timeout=None):
+        if self.wedged:
+            time.sleep(3600)
         data, hangs = self.streams[stream_id]
+        if self.abort_first and stream_id == "s0":
+            del self.streams[stream_id]
+            raise RequestAbortedError(f"{stream_id}-0", 0)
         if hangs:
             return [], False
         del self.streams[stream_id]
@@ -91,8 +118,11 @@ def collate(samples: list[dict]) -> BatchedDataDict:
     )
 
 
-def prompts(tokenizer, template, n: int) -> list[dict]:
-    logs = [[{"role": "user", "content": f"{i}: {first_prompt(BOARD)}"}] for i in range(n)]
+def prompts(tokenizer, template, n: int, long_idx: int | None = None) -> list[dict]:
+    logs = [
+        [{"role": "user", "content": f"{i}: {first_prompt(BOARD) * (20 if i == long_idx else 1)}"}]
+        for i in range(n)
+    ]
     tokenize_message_logs(logs, tokenizer, template, add_generation_prompt=True)
     return [
         {"message_log": log, "extra_env_info": dict(BOARD), "task_name": "sliding_puzzle", "idx": i}
@@ -101,8 +131,16 @@ def prompts(tokenizer, template, n: int) -> list[dict]:
 
 
 def start(tokenizer, template, n_prompts: int, hang_first: bool, name: str, **kwargs):
-    engine = ray.remote(ScriptedEngine).options(num_cpus=0).remote(tokenizer, hang_first)
-    loader = StatefulDataLoader(prompts(tokenizer, template, n_prompts), 2, collate, shuffle=False)
+    engine_options = {
+        k: kwargs.pop(k) for k in ("abort_first", "wedged", "start_seconds") if k in kwargs
+    }
+    engine = (
+        ray.remote(ScriptedEngine)
+        .options(num_cpus=0)
+        .remote(tokenizer, hang_first, **engine_options)
+    )
+    data = prompts(tokenizer, template, n_prompts, kwargs.pop("long_idx", None))
+    loader = StatefulDataLoader(data, 2, collate, shuffle=False)
     client = CollectorClient(
         name,
         [engine],
@@ -113,6 +151,7 @@ def start(tokenizer, template, n_prompts: int, hang_first: bool, name: str, **kw
         loader,
         group_size=G,
         max_seq_len=512,
+        worker_names=["scripted engine 0"],
         max_epochs=1,
         max_group_seconds=kwargs.pop("max_group_seconds", 60.0),
         max_groups_ahead=kwargs.pop("max_groups_ahead", 4),
@@ -175,3 +214,110 @@ def test_checkpoint_state_holds_every_prompt_drawn_and_not_handed_over(tokenizer
     drawn = state["loader"]["position"] * 2
     assert sorted(handed + pending) == list(range(drawn))
     assert 0 in pending  # the hung group's prompt goes to the checkpoint
+
+
+def take_all(client) -> tuple[list, dict]:
+    """Every group until the collector runs out of prompts, and its last reply."""
+    groups, consumed, reply = [], 0, {}
+    with pytest.raises(CollectorError, match=r"ran out of prompts"):
+        for _ in range(200):
+            reply = client.take(consumed, timeout=0.5)
+            groups += reply["groups"]
+            consumed += len(reply["groups"])
+    return groups, reply
+
+
+def test_an_aborted_group_is_requeued_and_a_too_long_prompt_has_the_engines_version(
+    tokenizer, template
+):
+    client, _ = start(
+        tokenizer, template, 4, hang_first=False, abort_first=True, long_idx=3, name="c-abort"
+    )
+    try:
+        groups, reply = take_all(client)
+    finally:
+        client.stop()
+    assert reply["aborted_groups"] == 1 and reply["requeued_groups"] == 0
+    assert sorted(g.prompt["idx"][0] for g in groups) == [0, 1, 2, 3]
+    (again,) = [g for g in groups if g.prompt["idx"][0] == 0]
+    assert again.requeues == 1 and again.result.rewards.tolist() == [1.0] * G
+    (long,) = [g for g in groups if g.prompt["idx"][0] == 3]
+    assert bool(long.result.truncated.all())  # scored without generating
+    # Tagged with the weights the engine held, not version 0 (which would read as ancient).
+    assert long.version_min.tolist() == long.version_max.tolist() == [3] * G
+
+
+def test_stale_groups_are_generated_again_until_a_prompt_is_requeued_too_often(tokenizer, template):
+    client, _ = start(tokenizer, template, 4, hang_first=False, name="c-stale", max_requeues=2)
+    buffer = ReplayBuffer(max_age_steps=0)
+    trajectories = Trajectories(buffer, client, max_wait=60)
+    try:
+        buffer.record_step(0, 3)  # the engine's version 3 is step 0's
+        groups, _ = trajectories.take(2, step=0)
+        assert [g.requeues for g in groups] == [0, 0]
+        # The trainer moves on to version 4; the engine never changes: every group it makes
+        # from now on is a step old, dropped, and its prompt generated again, until one has
+        # been queued again twice. Without the re-queue it would run out of prompts instead.
+        buffer.record_step(1, 4)
+        with pytest.raises(CollectorError, match=r"prompt idx=\d+ .*queued again 2 times"):
+            trajectories.take(2, step=1)
+    finally:
+        client.stop()
+    reply = trajectories.last_reply
+    assert reply["stale_requeued_groups"] >= 2 and buffer.dropped_groups >= 4
+
+
+def test_a_wedged_engine_is_reported_by_name_within_seconds(tokenizer, template):
+    client, engine = start(
+        tokenizer,
+        template,
+        4,
+        hang_first=False,
+        wedged=True,
+        name="c-wedged",
+        engine_call_seconds=2.0,
+    )
+    began = time.monotonic()
+    try:
+        with pytest.raises(
+            CollectorError,
+            match=r"c-wedged.*scripted engine 0 did not answer next_finished within 2 s",
+        ):
+            for _ in range(100):
+                client.take(0, timeout=0.5)
+    finally:
+        client.stop()
+        ray.kill(engine)
+    assert time.monotonic() - began < 30  # not a hang
+
+
+def test_no_generation_starts_between_a_drain_and_the_resume_after_it(tokenizer, template):
+    # One group out at a time: while the next one is being submitted none is generating, the
+    # moment a drain that only looked at running groups would wrongly call drained.
+    client, engine = start(
+        tokenizer,
+        template,
+        16,
+        hang_first=False,
+        start_seconds=0.5,
+        name="c-drain",
+        max_groups_ahead=1,
+    )
+    try:
+        consumed, deadline = 0, time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # keep it submitting
+            consumed += len(client.take(consumed, timeout=0.2)["groups"])
+        assert client.call("drain", 10.0)
+        drained = time.time()
+        time.sleep(1.0)  # the refit
+        resumed = time.time()
+        client.call("resume")
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # and take what it makes, so it goes on
+            consumed += len(client.take(consumed, timeout=0.2)["groups"])
+        starts = ray.get(engine.get_starts.remote())
+    finally:
+        client.stop()
+    assert any(began >= resumed for began, _ in starts)  # it went on after the resume
+    inside = [(b, e) for b, e in starts if e > drained and b < resumed]
+    assert not inside, f"submissions ran during the refit: {inside} (window {drained}-{resumed})"

@@ -10,8 +10,10 @@ float64; seen on this model: log-probs within 4e-5 at temperature 0.7 (1.4e-5 gr
 """
 
 import asyncio
+import time
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -92,6 +94,9 @@ def engines(models):
         shared, config, model={"path": models["initial"], "dtype": "float32"}, name_prefix="vllm-dp"
     )
     config["vllm"]["async_engine"] = True
+    # Blocks of 32 tokens (vLLM's CPU default, 128, is longer than any prompt here): the
+    # in-flight refit test needs prompts that fill a whole block of the prefix cache.
+    config["vllm"]["block_size"] = 32
     config["colocated"] = False
     async_ = VllmGeneration(
         own, config, model={"path": models["other"], "dtype": "float32"}, name_prefix="vllm-async"
@@ -287,3 +292,53 @@ def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models)
             assert metrics["token_mult_prob_error_max_seq"] < 1.05
     finally:
         policy.shutdown()
+
+
+def stream_all(worker, data) -> dict[int, BatchedDataDict]:
+    stream_id = ray.get(worker.execute.remote("start_stream", (), {"data": data}))
+    samples, done = {}, False
+    while not done:
+        ready, done = ray.get(
+            worker.execute.remote("next_finished", (), {"stream_id": stream_id, "timeout": 30})
+        )
+        samples.update(ready)
+    return samples
+
+
+def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(engines, models):
+    """A refit while a stream is generating: the engine pauses, loads, resets its prefix cache
+    with the requests still running (vLLM's plain reset refuses then, and the old weights' KV
+    blocks would be reused under the new version), and the running samples finish tagged with
+    both versions."""
+    gen, tokenizer = engines["async"], models["tokenizer"]
+    worker = gen.worker_group.workers[gen.leaders[0]]
+    long_prompt = prompts(tokenizer, [" ".join(TEXTS * 3)])  # two whole 32-token blocks
+    assert int(long_prompt["input_lengths"][0]) >= 64
+    stream_all(worker, long_prompt)
+    again = stream_all(worker, long_prompt)[0]
+    assert int(again["prefix_cached_tokens"][0]) >= 32  # the prefix cache is on and holds it
+
+    version = gen.weight_version + 1
+    state = load_file(f"{models['other']}/model.safetensors")  # the weights it holds: a no-op
+    many = prompts(tokenizer, BATCH * 8)  # 40 rows, long enough a stream to refit under
+    stream_id = ray.get(worker.execute.remote("start_stream", (), {"data": many}))
+    time.sleep(0.05)  # let the engine schedule them: they hold KV blocks now
+    gen.prepare_for_weight_update()
+    gen.load_weight_bucket(pack_bucket(state.items()))
+    gen.set_weight_version(version)
+    samples, done = {}, False
+    while not done:
+        ready, done = ray.get(
+            worker.execute.remote("next_finished", (), {"stream_id": stream_id, "timeout": 30})
+        )
+        samples.update(ready)
+    assert sorted(samples) == list(range(many.size))
+    v_min = torch.cat([s["weight_version_min"] for s in samples.values()])
+    v_max = torch.cat([s["weight_version_max"] for s in samples.values()])
+    assert (v_min == version - 1).all()
+    # Samples running when the refit landed finished on the new weights: an in-flight update.
+    assert (v_max == version).any(), "the stream finished before the refit: nothing in flight"
+
+    after = stream_all(worker, long_prompt)[0]
+    assert int(after["weight_version_min"][0]) == version
+    assert int(after["prefix_cached_tokens"][0]) == 0  # no block from the old weights reused

@@ -25,9 +25,16 @@ class AsyncGRPOConfig(ConfigModel):
     # A group (G samples of one prompt, generation and scoring) running longer than this is
     # cancelled and its prompt queued again. Set it well above a normal group's time.
     max_group_seconds: float = Field(300.0, gt=0)
-    # The trainer raises instead of waiting longer than this for a single group (0: no limit);
-    # a dead or exhausted collector is reported within about a second regardless.
-    max_wait_seconds: float = Field(0.0, ge=0)
+    # A prompt queued again (its group hung, was aborted by vLLM, or was too stale to train
+    # on) more often than this stops the run with an error naming the prompt.
+    max_requeues_per_prompt: int = Field(3, ge=0)
+    # The trainer raises instead of waiting longer than this for one step's groups; a dead,
+    # stalled or exhausted collector is reported within seconds regardless.
+    max_wait_seconds: float = Field(900.0, gt=0)
+    # One call of the collector on a generation engine (submit, poll, cancel); an engine that
+    # takes longer is reported as wedged, naming its worker. A worker answers one call at a
+    # time, so this must exceed the longest refit or validation generation it runs meanwhile.
+    engine_call_seconds: float = Field(300.0, gt=0)
     # Groups the collector may run ahead of the trainer (None: num_prompts_per_step times
     # max(1, max_trajectory_age_steps), what the trainer can use before they grow too old).
     max_groups_ahead: int | None = Field(None, ge=1)
@@ -39,6 +46,12 @@ def check_async_config(config: Any) -> None:
     a: AsyncGRPOConfig = config.grpo.async_grpo
     if not a.enabled:
         return
+    if a.max_wait_seconds <= a.max_group_seconds:
+        raise ValueError(
+            f"grpo.async_grpo.max_wait_seconds ({a.max_wait_seconds}) must exceed "
+            f"grpo.async_grpo.max_group_seconds ({a.max_group_seconds}): a hung group is "
+            "cancelled and generated again before the trainer gives up waiting"
+        )
     if not config.loss_fn.use_importance_sampling_correction:
         raise ValueError(
             "grpo.async_grpo.enabled: true trains on samples from older weights: set "

@@ -11,12 +11,15 @@ each step, refits the generator without waiting for it. One step, top to bottom
 (``async_grpo_train``)::
 
     wait for num_prompts_per_step groups no older than max_trajectory_age_steps (older ones are
-    dropped and counted; a dead, failed, hung or exhausted collector raises here, naming it)
+    dropped, counted and their prompts generated again; a dead, failed, stalled or exhausted
+    collector, or a wait past max_wait_seconds, raises here, naming it and the cause)
     -> advantages -> log-probs under the current policy -> clipped policy-gradient step, whose
        importance weights (generator log-probs vs the trainer's) correct for the lag
     -> refit: in flight (the engine pauses between two decoding steps, running samples go on
-       with the new weights) or after draining -> metrics, validation, checkpoint (the buffer,
-       the loader position and every prompt the collector had drawn go with it)
+       with the new weights) or after draining (no generation starts from the drain to the
+       end of the refit)
+    -> metrics, validation, checkpoint (the buffer, the loader position and every prompt the
+       collector had drawn go with it)
 
 Shared with synchronous GRPO (``grpo.py``): setup, advantages, log-probs, the train step,
 validation and checkpoints.
@@ -65,29 +68,39 @@ def start_collector(run: GRPORun, buffer: ReplayBuffer, state: dict[str, Any]) -
         max_group_seconds=a.max_group_seconds,
         max_groups_ahead=max(ahead, g.num_prompts_per_step),
         in_flight_weight_updates=a.in_flight_weight_updates,
+        engine_call_seconds=a.engine_call_seconds,
+        max_requeues=a.max_requeues_per_prompt,
+        worker_names=[gen.worker_group.worker_metadata[rank].describe() for rank in gen.leaders],
         pending_prompts=state.get("pending_prompts"),
         groups_out=len(buffer),
     )
 
 
 class Trajectories:
-    """The trainer's side of the buffer: pulls from the collector, counts what it waited."""
+    """The trainer's side of the buffer: pulls from the collector, hands it back the prompts
+    of stale groups, counts what it waited."""
 
-    def __init__(self, run: GRPORun) -> None:
-        a = run.config.grpo.async_grpo
-        self.run = run
-        self.buffer = ReplayBuffer(a.max_trajectory_age_steps)
-        self.max_wait = a.max_wait_seconds
-        state = run.extra.get("async_grpo", {})
-        if "buffer" in state:
-            self.buffer.load_state_dict(state["buffer"])
-        self.restored_groups = len(self.buffer)
-        self.collector = start_collector(run, self.buffer, state.get("collector", {}))
+    def __init__(self, buffer: ReplayBuffer, collector: CollectorClient, max_wait: float) -> None:
+        self.buffer = buffer
+        self.collector = collector
+        self.max_wait = max_wait
         self.consumed = 0  # groups trained on or dropped, as the collector counts them
         self.last_reply: dict[str, Any] = {}
 
+    @classmethod
+    def start(cls, run: GRPORun) -> Trajectories:
+        """The buffer (restored from a checkpoint, if any) and the collector of ``run``."""
+        a = run.config.grpo.async_grpo
+        buffer = ReplayBuffer(a.max_trajectory_age_steps)
+        state = run.extra.get("async_grpo", {})
+        if "buffer" in state:
+            buffer.load_state_dict(state["buffer"])
+        collector = start_collector(run, buffer, state.get("collector", {}))
+        return cls(buffer, collector, a.max_wait_seconds)
+
     def pull(self, timeout: float) -> None:
-        self.last_reply = self.collector.take(self.consumed, timeout)
+        stale = [(group.prompt, group.requeues) for group in self.buffer.pop_stale()]
+        self.last_reply = self.collector.take(self.consumed, timeout, stale)
         self.buffer.add(self.last_reply["groups"])
 
     def take(self, n: int, step: int) -> tuple[list[TrajectoryGroup], float]:
@@ -103,7 +116,7 @@ class Trajectories:
                 self.pull(timeout=0)  # tell the collector at once: it may start more groups
                 return groups, waited
             waited = time.monotonic() - start
-            if self.max_wait and waited > self.max_wait:
+            if waited > self.max_wait:
                 raise CollectorError(
                     f"waited {waited:.0f} s (grpo.async_grpo.max_wait_seconds) for {n} groups "
                     f"from the {self.collector.describe()}; the buffer holds {len(self.buffer)}"
@@ -123,6 +136,7 @@ def refit_generator(run: GRPORun, trajectories: Trajectories) -> dict[str, float
     collector = trajectories.collector
     drained = collector.call("drain", a.max_group_seconds + 30, timeout=a.max_group_seconds + 90)
     if not drained:
+        trajectories.pull(timeout=0)  # raises the collector's own error, if it has one
         raise CollectorError(f"the {collector.describe()} did not drain its running groups")
     try:
         return refit_if_stale(run)
@@ -151,13 +165,11 @@ def async_grpo_train(run: GRPORun) -> dict[str, float]:
     g, timer, logger = run.config.grpo, run.logger.timer, run.logger
     total = min(g.max_num_steps, g.max_num_epochs * len(run.train_loader))
     refit_if_stale(run)  # a resumed policy's weights onto the generator before it samples
-    trajectories = Trajectories(run)
+    trajectories = Trajectories.start(run)
     buffer = trajectories.buffer
     buffer.record_step(run.step, run.policy.weight_version)
-    if trajectories.restored_groups:
-        logger.log_metrics(
-            {"restored_buffer_groups": float(trajectories.restored_groups)}, run.step, "run"
-        )
+    if len(buffer):
+        logger.log_metrics({"restored_buffer_groups": float(len(buffer))}, run.step, "run")
     logger.progress.start(total, done=run.step, description="async grpo")
     if g.val_at_start and run.step == 0 and run.val_loader is not None:
         with timer("validation"):
@@ -195,6 +207,8 @@ def async_grpo_train(run: GRPORun) -> dict[str, float]:
                 "dropped_groups": float(buffer.dropped_groups),
                 "dropped_samples": float(buffer.dropped_samples),
                 "requeued_groups": float(reply.get("requeued_groups", 0)),
+                "aborted_groups": float(reply.get("aborted_groups", 0)),
+                "stale_requeued_groups": float(reply.get("stale_requeued_groups", 0)),
                 "trainer_idle_seconds": trainer_idle,
                 "generator_idle_seconds": generator_idle - idle_before,
             }

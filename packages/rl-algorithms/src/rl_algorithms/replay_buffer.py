@@ -32,6 +32,7 @@ class TrajectoryGroup:
     version_min: torch.Tensor  # int64 [G]: oldest weight version of each sample's tokens
     version_max: torch.Tensor  # int64 [G]: newest
     seconds: float = 0.0  # from submission to scored
+    requeues: int = 0  # times its prompt had been queued again before this group
     # The trainer step of each sample's oldest version (set by ``ReplayBuffer.add``). Ages are
     # kept in steps because a resumed policy numbers its weight versions afresh.
     step_min: torch.Tensor | None = None
@@ -51,6 +52,7 @@ class ReplayBuffer:
         self.versions: list[int] = []  # the policy's weight version at each of them
         self.dropped_groups = 0
         self.dropped_samples = 0
+        self.stale: list[TrajectoryGroup] = []  # dropped, not yet handed back (pop_stale)
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -92,17 +94,24 @@ class ReplayBuffer:
         self.groups.extend(groups)
 
     def drop_stale(self, step: int) -> int:
-        """Drop (and count) every group with a sample older than ``max_age_steps``."""
+        """Drop (and count) every group with a sample older than ``max_age_steps``; they wait
+        in ``stale`` until ``pop_stale`` (their prompts are to be generated again)."""
         kept = []
         for group in self.groups:
             if int(self.ages(group, step).max()) > self.max_age_steps:
                 self.dropped_groups += 1
                 self.dropped_samples += len(group.version_min)
+                self.stale.append(group)
             else:
                 kept.append(group)
         dropped = len(self.groups) - len(kept)
         self.groups = kept
         return dropped
+
+    def pop_stale(self) -> list[TrajectoryGroup]:
+        """The groups dropped since the last call."""
+        stale, self.stale = self.stale, []
+        return stale
 
     def take(self, n: int, step: int) -> list[TrajectoryGroup] | None:
         """The ``n`` oldest groups young enough for step ``step`` (stale ones are dropped

@@ -7,12 +7,19 @@ One thread loops over::
     -> poll every stream (never blocking on one) -> a finished group is scored by the
        environments in a thread pool -> a scored group waits in ``finished`` for ``take``
     -> a group older than ``max_group_seconds`` (generation or scoring hung) is cancelled and
-       its prompt queued again (``requeued_groups``)
+       its prompt queued again (``requeued_groups``); so is one vLLM aborted on its own
+       (``aborted_groups``) and one the trainer dropped as too stale (``stale_requeued_groups``)
+       -- a prompt queued again more than ``max_requeues`` times is an error naming it
 
 The trainer pulls finished groups with ``take``, which also reports the collector's state: an
-error that stopped its thread (with the traceback) or the end of its prompts. If the actor
+error that stopped its thread (with the traceback), the end of its prompts, and how long ago
+its loop last came round (a heartbeat). Every engine call of the loop waits at most
+``engine_call_seconds`` (then the loop stops, naming the generation worker); if the actor
 itself dies, the trainer's ``ray.get`` raises at once. So a stalled collector is always
-*reported*; nothing ever polls an empty buffer forever.
+*reported*, within seconds; nothing ever polls an empty buffer forever.
+
+``drain`` (a refit without in-flight updates) and submission share one lock: once a drain has
+begun, no generation starts until ``resume``, so the refit never sees a running request.
 
 The collector owns the prompt loader: ``state_dict`` gives its position plus every prompt
 drawn but not yet handed to the trainer, so a resumed run loses no prompt.
@@ -37,6 +44,22 @@ from rl_algorithms.rollouts import RolloutResult, _generation_input, run_rollout
 from rl_distributed.batched_data_dict import BatchedDataDict
 
 POLL_SLEEP_SECONDS = 0.02  # between two rounds of polls when nothing arrived
+# The loop's heartbeat may be this much older than one engine call's limit before the trainer
+# calls the collector stalled (the loop blocks on one engine call at a time, at most).
+HEARTBEAT_GRACE_SECONDS = 30.0
+
+
+class EngineCallError(RuntimeError):
+    """A generation worker did not answer an engine call in time, or died during one."""
+
+
+def describe_prompt(prompt: BatchedDataDict) -> str:
+    """A prompt row as a person finds it again: its index (if the data has one) and text."""
+    idx = prompt["idx"][0] if "idx" in prompt else None
+    log = prompt["message_log"][0] if "message_log" in prompt else []
+    text = " ".join(str(m.get("content", "")) for m in log if m.get("role") == "user")
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"prompt idx={idx} {text!r}" if idx is not None else f"prompt {text!r}"
 
 
 class _Finished:
@@ -55,6 +78,7 @@ class _Finished:
 class _Group:
     prompt: BatchedDataDict  # one row
     started: float
+    requeues: int = 0  # times this prompt was queued again before
     worker: Any = None
     stream_id: str | None = None
     samples: dict[int, BatchedDataDict] = field(default_factory=dict)
@@ -79,10 +103,16 @@ class TrajectoryCollector:
         max_group_seconds: float,
         max_groups_ahead: int,
         in_flight_weight_updates: bool,
+        engine_call_seconds: float = 300.0,
+        max_requeues: int = 3,
+        worker_names: list[str] | None = None,
         pending_prompts: list[BatchedDataDict] | None = None,
         groups_out: int = 0,
     ) -> None:
         self.workers = workers  # one per data-parallel engine (its leader)
+        self.worker_names = worker_names or [f"generation worker {i}" for i in range(len(workers))]
+        self.engine_call_seconds = engine_call_seconds
+        self.max_requeues = max_requeues
         self.pad_token_id = pad_token_id
         self.tokenizer, self.template, self.envs = tokenizer, template, envs
         self.loader = loader
@@ -92,7 +122,10 @@ class TrajectoryCollector:
         self.max_group_seconds = max_group_seconds
         self.max_groups_ahead = max_groups_ahead
         self.in_flight_weight_updates = in_flight_weight_updates
-        self.retry: deque[BatchedDataDict] = deque(pending_prompts or [])  # before new ones
+        # Prompts to generate again, before new ones: (prompt, times queued again so far).
+        self.retry: deque[tuple[BatchedDataDict, int]] = deque(
+            (p, 0) for p in pending_prompts or []
+        )
         self.fresh: deque[BatchedDataDict] = deque()  # rest of the loader's current batch
         self.groups: list[_Group] = []  # generating or scoring
         self.finished: list[TrajectoryGroup] = []  # scored, not yet taken
@@ -101,26 +134,42 @@ class TrajectoryCollector:
         # holds ``groups_out`` already).
         self.out = groups_out
         self.consumed = 0
-        self.requeued = 0
+        self.requeued = 0  # hung groups cancelled
+        self.aborted = 0  # groups vLLM aborted without our cancel
+        self.stale_requeued = 0  # groups the trainer dropped as too old
         self.generator_idle_seconds = 0.0
         self.draining = False
         self.out_of_prompts = False
         self.error: str | None = None
         self.stopped = False
         self.next_worker = 0
-        self.submitting: BatchedDataDict | None = None  # drawn, its stream not yet started
+        # Drawn, its stream not yet started (set and cleared under ``cond``: a drain waits for
+        # it, and a checkpoint keeps its prompt).
+        self.submitting: _Group | None = None
+        self.heartbeat = time.monotonic()  # the loop's last round
+        self.doing = "starting"  # what the loop is waiting on, for a stall report
         self.pool = ThreadPoolExecutor(max_workers=2 * max_groups_ahead + 2)
         self.thread = threading.Thread(target=self._run, name="trajectory-collector", daemon=True)
         self.thread.start()
 
     # -- what the trainer calls ----------------------------------------------------------------
 
-    def take(self, consumed: int, timeout: float) -> dict[str, Any]:
+    def take(
+        self,
+        consumed: int,
+        timeout: float,
+        stale: list[tuple[BatchedDataDict, int]] | None = None,
+    ) -> dict[str, Any]:
         """Scored groups since the last call (waits up to ``timeout`` s for one) and the
-        collector's state. ``consumed``: groups the trainer has used or dropped in all."""
+        collector's state. ``consumed``: groups the trainer has used or dropped in all;
+        ``stale``: the prompts (and their re-queue counts) of groups it dropped as too old,
+        generated again."""
         with self.cond:
             self.out -= consumed - self.consumed
             self.consumed = consumed
+            for prompt, requeues in stale or []:
+                if self._requeue(prompt, requeues, "its group was too stale to train on"):
+                    self.stale_requeued += 1
             self.cond.notify_all()
             if not self.finished and self.error is None and not self._exhausted():
                 self.cond.wait(timeout)
@@ -130,22 +179,30 @@ class TrajectoryCollector:
                 "error": self.error,
                 "exhausted": self._exhausted() and not groups,
                 "requeued_groups": self.requeued,
+                "aborted_groups": self.aborted,
+                "stale_requeued_groups": self.stale_requeued,
                 "generator_idle_seconds": self.generator_idle_seconds,
                 "groups_running": len(self.groups),
+                "heartbeat_age_seconds": time.monotonic() - self.heartbeat,
+                "doing": self.doing,
             }
 
     def drain(self, timeout: float) -> bool:
-        """Stop submitting and wait until no group is generating (a refit without in-flight
-        updates); True once drained. ``resume`` lets it go on."""
+        """Stop submitting and wait until no group is generating or being submitted (a refit
+        without in-flight updates); True once drained. Nothing is submitted from then until
+        ``resume``."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            self.draining = True
-            while any(g.scoring is None for g in self.groups) and self.error is None:
+            self.draining = True  # _submit checks it under this lock before every submission
+            while self._generating() and self.error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self.cond.wait(min(left, 0.5))
-            return True
+            return not self._generating()
+
+    def _generating(self) -> bool:
+        return self.submitting is not None or any(g.scoring is None for g in self.groups)
 
     def resume(self) -> None:
         with self.cond:
@@ -157,10 +214,10 @@ class TrajectoryCollector:
         with self.cond:
             pending = [g.prompt for g in self.groups] + [g.prompt for g in self.finished]
             if self.submitting is not None:
-                pending.append(self.submitting)
+                pending.append(self.submitting.prompt)
             return {
                 "loader": self.loader.state_dict(),
-                "pending_prompts": list(self.retry) + list(self.fresh) + pending,
+                "pending_prompts": [p for p, _ in self.retry] + list(self.fresh) + pending,
             }
 
     def pid(self) -> int:
@@ -175,18 +232,26 @@ class TrajectoryCollector:
         self.thread.join(timeout=10)
         for group in self.groups:
             if group.stream_id is not None:
-                self._cancel_stream(group)
+                with contextlib.suppress(EngineCallError, ray.exceptions.RayError):
+                    self._cancel_stream(group)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the loop ------------------------------------------------------------------------------
 
     def _exhausted(self) -> bool:
-        return self.out_of_prompts and not self.groups and not self.retry and not self.fresh
+        return (
+            self.out_of_prompts
+            and self.submitting is None
+            and not self.groups
+            and not self.retry
+            and not self.fresh
+        )
 
     def _run(self) -> None:
         try:
             last = time.monotonic()
             while not self.stopped:
+                self.heartbeat = time.monotonic()
                 self._submit()
                 progressed = self._poll()
                 self._cancel_overdue()
@@ -202,7 +267,7 @@ class TrajectoryCollector:
                 self.error = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
                 self.cond.notify_all()
 
-    def _next_prompt(self) -> BatchedDataDict | None:
+    def _next_prompt(self) -> tuple[BatchedDataDict, int] | None:
         if self.retry:
             return self.retry.popleft()
         if not self.fresh:
@@ -212,33 +277,69 @@ class TrajectoryCollector:
                 return None
             batch = next(iter(loader))
             self.fresh.extend(batch.select_indices([i]) for i in range(batch.size))
-        return self.fresh.popleft()
+        return self.fresh.popleft(), 0
+
+    def _requeue(self, prompt: BatchedDataDict, requeues: int, why: str) -> bool:
+        """Queue a prompt to be generated again (under ``cond``); past ``max_requeues`` the
+        collector stops with an error naming it instead. True if queued."""
+        if requeues >= self.max_requeues:
+            self.error = (
+                f"{describe_prompt(prompt)} was already queued again {requeues} times "
+                f"(grpo.async_grpo.max_requeues_per_prompt: {self.max_requeues}) and now {why}"
+            )
+            self.cond.notify_all()
+            return False
+        self.retry.append((prompt, requeues + 1))
+        return True
+
+    def _engine_call(self, worker: Any, method: str, **kwargs: Any) -> Any:
+        """One call on a generation worker, waiting at most ``engine_call_seconds``."""
+        name = next(n for w, n in zip(self.workers, self.worker_names, strict=True) if w is worker)
+        self.heartbeat = time.monotonic()  # a beat per call: one call is all the loop waits on
+        self.doing = f"{method} on {name}"
+        try:
+            return ray.get(
+                worker.execute.remote(method, (), kwargs), timeout=self.engine_call_seconds
+            )
+        except ray.exceptions.GetTimeoutError as err:
+            raise EngineCallError(
+                f"{name} did not answer {method} within {self.engine_call_seconds:.0f} s "
+                "(grpo.async_grpo.engine_call_seconds): its engine is wedged or overloaded"
+            ) from err
+        except ray.exceptions.RayActorError as err:
+            raise EngineCallError(f"{name} died during {method}: {err}") from err
+        finally:
+            self.doing = "its own loop"
 
     def _submit(self) -> None:
-        while not self.draining and self.out < self.max_groups_ahead:
-            with self.cond:  # state_dict reads the queues from another thread
-                prompt = self.submitting = self._next_prompt()
-            if prompt is None:
-                return
-            group = _Group(prompt, time.monotonic())
-            rows = prompt.repeat_interleave(self.group_size)
+        while True:
+            with self.cond:  # drain and state_dict look at what is being submitted
+                if self.stopped or self.draining or self.out >= self.max_groups_ahead:
+                    return
+                drawn = self._next_prompt()
+                if drawn is None:
+                    return
+                group = self.submitting = _Group(drawn[0], time.monotonic(), drawn[1])
+            rows = group.prompt.repeat_interleave(self.group_size)
             logs = list(rows["message_log"])
+            worker = self.workers[self.next_worker % len(self.workers)]
             if sum(len(m["token_ids"]) for m in logs[0]) >= self.max_seq_len:
-                # Too long to generate from: scored as it is (run_rollouts marks it truncated).
-                self._score(group, None)
+                # Too long to generate from: scored as it is (run_rollouts marks it truncated),
+                # tagged with the weights the engine holds now (no drain is waiting on it).
+                group.worker = worker
+                version = self._engine_call(worker, "get_weight_version")
+                self._score(group, None, version)
             else:
                 data = _generation_input(logs, [None] * len(logs), self.tokenizer.pad_token_id)
-                worker = self.workers[self.next_worker % len(self.workers)]
                 try:
-                    group.stream_id = ray.get(
-                        worker.execute.remote("start_stream", (), {"data": data})
-                    )
+                    group.stream_id = self._engine_call(worker, "start_stream", data=data)
                 except ray.exceptions.RayTaskError as err:
                     if type(err.cause).__name__ != "IncompleteRefitError":
                         raise
                     with self.cond:  # a refit is loading weights: try again soon
-                        self.retry.appendleft(prompt)
+                        self.retry.appendleft(drawn)
                         self.submitting = None
+                        self.cond.notify_all()
                     return
                 group.worker = worker
                 self.next_worker += 1
@@ -246,16 +347,30 @@ class TrajectoryCollector:
                 self.groups.append(group)
                 self.submitting = None
                 self.out += 1
+                self.cond.notify_all()
 
     def _poll(self) -> bool:
         """Collect finished samples of every generating group; start scoring complete ones."""
         progressed = False
         for group in [g for g in self.groups if g.scoring is None]:
-            ready, done = ray.get(
-                group.worker.execute.remote(
-                    "next_finished", (), {"stream_id": group.stream_id, "timeout": 0}
+            try:
+                ready, done = self._engine_call(
+                    group.worker, "next_finished", stream_id=group.stream_id, timeout=0
                 )
-            )
+            except ray.exceptions.RayTaskError as err:
+                if type(err.cause).__name__ != "RequestAbortedError":
+                    raise
+                # vLLM aborted a request of the group on its own (the worker cancelled the
+                # rest): the group can never finish, so its prompt is generated again.
+                group.stream_id = None
+                with self.cond:
+                    self.groups.remove(group)
+                    self.out -= 1
+                    if self._requeue(group.prompt, group.requeues, f"vLLM aborted it: {err.cause}"):
+                        self.aborted += 1
+                    self.cond.notify_all()
+                progressed = True
+                continue
             group.samples.update(ready)
             progressed |= bool(ready)
             if done:
@@ -275,10 +390,10 @@ class TrajectoryCollector:
             progressed = True
         return progressed
 
-    def _score(self, group: _Group, out: BatchedDataDict | None) -> None:
-        group.scoring = self.pool.submit(self._scored, group, out)
+    def _score(self, group: _Group, out: BatchedDataDict | None, version: int = 0) -> None:
+        group.scoring = self.pool.submit(self._scored, group, out, version)
 
-    def _scored(self, group: _Group, out: BatchedDataDict | None) -> TrajectoryGroup:
+    def _scored(self, group: _Group, out: BatchedDataDict | None, version: int) -> TrajectoryGroup:
         rows = group.prompt.repeat_interleave(self.group_size)
         G = self.group_size
         generator = _Finished(out) if out is not None else None
@@ -291,14 +406,18 @@ class TrajectoryCollector:
             max_seq_len=self.max_seq_len,
             max_turns=1,
         )
-        if out is None:  # nothing generated: the current weights, by convention
-            version = torch.zeros(G, dtype=torch.long)
-            vmin = vmax = version
+        if out is None:  # nothing generated: the engine's weights when it was submitted
+            vmin = vmax = torch.full((G,), version, dtype=torch.long)
         else:
             vmin = out["weight_version_min"].to(torch.long)
             vmax = out["weight_version_max"].to(torch.long)
         return TrajectoryGroup(
-            group.prompt, result, vmin, vmax, seconds=time.monotonic() - group.started
+            group.prompt,
+            result,
+            vmin,
+            vmax,
+            seconds=time.monotonic() - group.started,
+            requeues=group.requeues,
         )
 
     def _cancel_overdue(self) -> None:
@@ -313,13 +432,14 @@ class TrajectoryCollector:
             # A hung scoring thread is abandoned: its result is never read.
             with self.cond:
                 self.groups.remove(group)
-                self.retry.append(group.prompt)
                 self.out -= 1
-                self.requeued += 1
+                why = f"it ran past max_group_seconds={self.max_group_seconds:.0f}"
+                if self._requeue(group.prompt, group.requeues, why):
+                    self.requeued += 1
                 self.cond.notify_all()
 
     def _cancel_stream(self, group: _Group) -> None:
-        ray.get(group.worker.execute.remote("cancel_stream", (), {"stream_id": group.stream_id}))
+        self._engine_call(group.worker, "cancel_stream", stream_id=group.stream_id)
         group.stream_id = None
 
 
@@ -337,6 +457,7 @@ class CollectorClient:
             name=name, num_cpus=0, max_concurrency=4, max_restarts=0
         )
         self.name = name
+        self.heartbeat_timeout = kwargs.get("engine_call_seconds", 300.0) + HEARTBEAT_GRACE_SECONDS
         self.actor = actor.remote(*args, **kwargs)
         self.pid = self.call("pid", timeout=300)
 
@@ -354,10 +475,20 @@ class CollectorClient:
                 f"the {self.describe()} did not answer {method} within {timeout:.0f} s"
             ) from err
 
-    def take(self, consumed: int, timeout: float = 1.0) -> dict[str, Any]:
-        reply = self.call("take", consumed, timeout, timeout=timeout + 60)
+    def take(
+        self,
+        consumed: int,
+        timeout: float = 1.0,
+        stale: list[tuple[BatchedDataDict, int]] | None = None,
+    ) -> dict[str, Any]:
+        reply = self.call("take", consumed, timeout, stale, timeout=timeout + 60)
         if reply["error"] is not None:
             raise CollectorError(f"the {self.describe()} stopped: {reply['error']}")
+        if reply["heartbeat_age_seconds"] > self.heartbeat_timeout:
+            raise CollectorError(
+                f"the {self.describe()} is stalled: its loop has not come round for "
+                f"{reply['heartbeat_age_seconds']:.0f} s (waiting on {reply['doing']})"
+            )
         if reply["exhausted"]:
             raise CollectorError(
                 f"the {self.describe()} ran out of prompts (data.train, grpo.max_num_epochs) "

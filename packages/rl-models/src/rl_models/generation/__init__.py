@@ -11,6 +11,7 @@ from rl_models.generation.interfaces import (
     GenerationInterface,
     GenerationWorker,
     IncompleteRefitError,
+    RequestAbortedError,
     StaleWeightsError,
     WeightExportWorker,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "GenerationInterface",
     "GenerationWorker",
     "IncompleteRefitError",
+    "RequestAbortedError",
     "SamplingConfig",
     "StaleWeightsError",
     "VllmConfig",

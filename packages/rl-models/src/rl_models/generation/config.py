@@ -36,6 +36,9 @@ class VllmConfig(ConfigModel):
     enforce_eager: bool = True
     async_engine: bool = False  # AsyncLLM: generate_async yields samples as they finish
     max_num_seqs: int = Field(256, ge=1)
+    # Tokens per KV-cache block (None: vLLM's default, 128 on CPU). Prefix caching shares only
+    # whole blocks.
+    block_size: int | None = Field(None, ge=1)
     seed: int = 0  # engine d of the data-parallel group samples with seed + d
     # "auto": the model's dtype (float64, which vLLM lacks, runs as float32).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -83,6 +83,22 @@ class StaleWeightsError(RuntimeError):
         return type(self), (self.loaded, self.expected)
 
 
+class RequestAbortedError(RuntimeError):
+    """vLLM finished a request as aborted although nobody cancelled it (an engine-side abort:
+    a pause or sleep in ``abort`` mode, a failed KV transfer, ...); its sample is lost."""
+
+    def __init__(self, request_id: str, row: int) -> None:
+        super().__init__(
+            f"vLLM aborted request {request_id!r} (row {row} of its batch) without a cancel "
+            "from the caller: its sample was never finished"
+        )
+        self.request_id = request_id
+        self.row = row
+
+    def __reduce__(self) -> tuple[Any, ...]:  # through Ray with its fields
+        return type(self), (self.request_id, self.row)
+
+
 class IncompleteRefitError(StaleWeightsError):
     """A refit started loading weights but never stamped its version (it failed midway): the
     generator holds a mix of two versions and samples from neither."""

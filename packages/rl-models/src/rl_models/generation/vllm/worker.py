@@ -36,6 +36,7 @@ from rl_models.generation.config import SamplingConfig, VllmConfig
 from rl_models.generation.interfaces import (
     GenerationWorker,
     IncompleteRefitError,
+    RequestAbortedError,
     StaleWeightsError,
     stop_strings_of,
 )
@@ -53,7 +54,8 @@ EXTENSION = "rl_models.generation.vllm.extension.WeightUpdateExtension"
 
 @dataclass
 class _Stream:
-    done: queue.Queue  # (row, Response | exception, weight version at finish) per request
+    # (row, Response | exception, weight version at finish, prefix-cached prompt tokens)
+    done: queue.Queue
     data: BatchedDataDict
     remaining: int
     version: int  # the weight version the batch started on
@@ -86,6 +88,9 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         self.updating = False  # between prepare_for_weight_update and set_weight_version
         self._multiprocess = False  # whether vLLM's workers run in other processes
         self.streams: dict[str, _Stream] = {}  # generate_async batches still being sampled
+        # Requests aborted by cancel_stream: any other abort is an error (RequestAbortedError).
+        self.cancelled: set[str] = set()
+        self.running: set[str] = set()  # requests submitted and not yet finished
 
     # -- start / stop -------------------------------------------------------------------------
 
@@ -113,6 +118,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             kwargs["enable_sleep_mode"] = True
         else:
             kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_space_gb * 2**30)
+        if c.block_size is not None:
+            kwargs["block_size"] = c.block_size
         if c.tensor_parallel_size == 1 and not c.async_engine:
             kwargs["distributed_executor_backend"] = "uni"
         return kwargs
@@ -278,7 +285,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         Waits for at least one sample, or at most ``timeout`` seconds (then the list may be
         empty), so that a caller polling several streams is never stuck on a slow one. Each
         sample carries ``weight_version_min`` / ``weight_version_max``: the versions its tokens
-        were sampled from (they differ when a refit landed while it was being generated).
+        were sampled from (they differ when a refit landed while it was being generated), and
+        ``prefix_cached_tokens``: prompt tokens whose KV came from the prefix cache.
+
+        A request vLLM aborted without our cancel raises ``RequestAbortedError`` (the rest of
+        the stream is cancelled): its sample will never come.
         """
         stream = self.streams[stream_id]
         try:
@@ -291,14 +302,17 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             except queue.Empty:
                 break
         pad, out = self._pad_id(), []
-        for row, result, version in items:
+        for row, result, version, cached in items:
             if isinstance(result, BaseException):
-                del self.streams[stream_id]
+                self.cancel_stream(stream_id)
+                if isinstance(result, RequestAbortedError):
+                    raise result
                 raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
             one = stream.data.select_indices([row])
             sample = assemble(one["input_ids"], one["input_lengths"], [result], pad)
             sample["weight_version_min"] = torch.tensor([stream.version])
             sample["weight_version_max"] = torch.tensor([version])
+            sample["prefix_cached_tokens"] = torch.tensor([cached])
             out.append((row, sample))
         stream.remaining -= len(items)
         if stream.remaining == 0:
@@ -310,39 +324,58 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         stream = self.streams.pop(stream_id, None)
         if stream is None:
             return 0
-        self._run(self.engine.abort(stream.request_ids))
+        self._abort(stream.request_ids)
         return stream.remaining
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.cancelled.update(self.running.intersection(request_ids))
+        self._run(self.engine.abort(request_ids))
 
     def _submit(self, data: BatchedDataDict, greedy: bool) -> tuple[queue.Queue, list[str]]:
         """Start every row on the async engine; finished ``(row, Response | error, weight
-        version)`` arrive on the returned queue (with the requests' ids, to abort them)."""
+        version, prefix-cached tokens)`` arrive on the returned queue (with the requests' ids,
+        to abort them). Every request puts exactly one item there unless ``cancel_stream``
+        aborted it, so a reader never waits for a sample that cannot come."""
         prompts, params = self._requests(data, greedy, final_only=True)
         done: queue.Queue = queue.Queue()
         batch_id = uuid.uuid4().hex
         request_ids = [f"{batch_id}-{row}" for row in range(len(prompts))]
 
         async def one(row: int) -> None:
+            request_id = request_ids[row]
             try:
                 final = None
-                async for out in self.engine.generate(prompts[row], params[row], request_ids[row]):
+                async for out in self.engine.generate(prompts[row], params[row], request_id):
                     final = out
                 if final is None or final.outputs[0].finish_reason == "abort":
-                    return  # aborted (cancel_stream): nobody reads this stream any more
-                done.put((row, self._response(final.outputs[0]), self.weight_version))
+                    if request_id in self.cancelled:  # cancel_stream: nobody reads it any more
+                        self.cancelled.discard(request_id)
+                        return
+                    done.put((row, RequestAbortedError(request_id, row), self.weight_version, 0))
+                    return
+                cached = final.num_cached_tokens or 0
+                done.put((row, self._response(final.outputs[0]), self.weight_version, cached))
             except asyncio.CancelledError:
+                self.cancelled.discard(request_id)
                 return
             except BaseException as err:  # reported in the caller's thread
-                done.put((row, err, self.weight_version))
+                done.put((row, err, self.weight_version, 0))
+            finally:
+                self.running.discard(request_id)
 
+        self.running.update(request_ids)
         for row in range(len(prompts)):
             asyncio.run_coroutine_threadsafe(one(row), self.loop)
         return done, request_ids
 
     def _stream(self, data: BatchedDataDict, greedy: bool) -> Iterator[tuple[int, Response]]:
-        done, _ = self._submit(data, greedy)
+        done, request_ids = self._submit(data, greedy)
         for _ in range(data.size):
-            row, result, _version = done.get()
+            row, result, _version, _cached = done.get()
             if isinstance(result, BaseException):
+                self._abort(request_ids)  # the rest of the batch is of no use now
+                if isinstance(result, RequestAbortedError):
+                    raise result
                 raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
             yield row, result
 
@@ -392,18 +425,37 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             self._rpc("rl_load_named_weights", list(named))
 
     def set_weight_version(self, version: int) -> None:
-        """Finish the update and stamp its version; the prefix cache (KV computed with the old
-        weights) is dropped."""
+        """Finish the update and stamp its version; every KV block computed with the old
+        weights is dropped (``_reset_prefix_cache``)."""
         if self.updating:
             self._rpc("rl_finish_weight_update")
             self.updating = False
-        if self.engine is not None:
-            self._run(self.engine.reset_prefix_cache())
-        elif self.llm is not None:
-            self.llm.reset_prefix_cache()
+        self._reset_prefix_cache()
         self.weight_version = int(version)
         if self.engine is not None and self._run(self.engine.is_paused()):
             self._run(self.engine.resume_generation())
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the KV cache computed with the old weights, running requests' included.
+
+        A plain ``reset_prefix_cache()`` does nothing (returns False) while requests hold KV
+        blocks, as they do during an in-flight refit: new requests would then reuse prompt
+        blocks computed with the old weights under the new version's tag. With
+        ``reset_running_requests=True`` vLLM (0.32) preempts the running requests first (they
+        recompute their KV with the new weights when they resume), so the reset always
+        happens; a False left over is an error, never ignored.
+        """
+        if self.engine is not None:
+            reset = self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
+        elif self.llm is not None:  # a sync engine has nothing running between two calls
+            reset = self.llm.reset_prefix_cache(reset_running_requests=True)
+        else:
+            return
+        if not reset:
+            raise RuntimeError(
+                "vLLM did not reset its prefix cache after a weight update (reset_prefix_cache "
+                "returned False): KV blocks computed with the old weights would be reused"
+            )
 
     def get_weight_version(self) -> int:
         return self.weight_version
