@@ -17,7 +17,11 @@ warm-up and is not timed.
 - Ours: ``rl grpo``'s main recipe (``rl_algorithms/recipes/grpo_main.yaml``: float32 master
   weights under bf16 autocast, a bf16 HF generator colocated on the same cores, refit every
   step) with validation and checkpoints off; and "ours fp32", the same in float32 throughout
-  (no autocast, a float32 generator), to compare with TRL's float32 at equal precision.
+  (no autocast, a float32 generator), to compare with TRL's float32 at equal precision. Both
+  use the library's defaults, which change no result: a group's 8 samples share one prompt
+  prefill when sampling and one prompt pass when training (``share_prompt_prefix``), the output
+  layer runs on the response tokens only, finished rows leave the decode batch. (TRL also
+  computes logits for completion tokens only; it runs each prompt once per sample.)
 
 Seconds per step are wall-clock, from the end of the warm-up step to the end of the last (TRL:
 ``on_step_end``; ours: the loop's ``step_seconds``). Prints seconds per step and completion
