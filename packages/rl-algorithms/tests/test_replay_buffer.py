@@ -110,22 +110,26 @@ def test_record_step_refuses_versions_going_back():
         buffer.record_step(1, 1)
 
 
+def async_grpo_args(*overrides: str) -> list[str]:
+    """``rl grpo`` arguments for an async run on a separate vLLM engine (rejected before any
+    file is read), plus ``overrides``."""
+    return [
+        "grpo",
+        "policy.model.path=/nonexistent",
+        "tokenizer.path=/nonexistent",
+        "data.train={source: arithmetic, size: 8}",
+        "env={arithmetic: {kind: math}}",
+        "generation.backend=vllm",
+        "generation.colocated=false",
+        "generation.vllm.async_engine=true",
+        *overrides,
+    ]
+
+
 def test_async_mode_without_importance_sampling_is_a_config_error_naming_the_key(capsys):
     from rl_algorithms import cli
 
-    code = cli.main(
-        [
-            "grpo",
-            "policy.model.path=/nonexistent",
-            "tokenizer.path=/nonexistent",
-            "data.train={source: arithmetic, size: 8}",
-            "env={arithmetic: {kind: math}}",
-            "generation.backend=vllm",
-            "generation.colocated=false",
-            "generation.vllm.async_engine=true",
-            "grpo.async_grpo.enabled=true",
-        ]
-    )
+    code = cli.main(async_grpo_args("grpo.async_grpo.enabled=true"))
     assert code == 2
     err = capsys.readouterr().err
     assert "loss_fn.use_importance_sampling_correction" in err
@@ -136,20 +140,12 @@ def test_a_wait_limit_below_the_group_limit_is_a_config_error_naming_both_keys(c
     from rl_algorithms import cli
 
     code = cli.main(
-        [
-            "grpo",
-            "policy.model.path=/nonexistent",
-            "tokenizer.path=/nonexistent",
-            "data.train={source: arithmetic, size: 8}",
-            "env={arithmetic: {kind: math}}",
-            "generation.backend=vllm",
-            "generation.colocated=false",
-            "generation.vllm.async_engine=true",
+        async_grpo_args(
             "loss_fn.use_importance_sampling_correction=true",
             "grpo.async_grpo.enabled=true",
             "grpo.async_grpo.max_group_seconds=60",
             "grpo.async_grpo.max_wait_seconds=30",
-        ]
+        )
     )
     assert code == 2
     err = capsys.readouterr().err

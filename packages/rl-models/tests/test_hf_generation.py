@@ -142,6 +142,13 @@ def test_draw_never_picks_a_token_of_probability_zero_even_when_rounding_hits_th
     assert draw(probs).tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), 0.0], ids=["nan", "all-zero"])
+def test_draw_refuses_a_row_it_cannot_sample_from(bad):
+    probs = torch.tensor([[0.3, 0.7], [bad, bad]])
+    with pytest.raises(ValueError, match="NaN, infinite or all zero"):
+        draw(probs)
+
+
 def test_filter_logits_keeps_the_top_k_and_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     kept = torch.isfinite(filter_logits(logits, top_k=None, top_p=0.8))
