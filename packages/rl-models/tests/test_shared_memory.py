@@ -119,13 +119,13 @@ def test_a_region_serves_only_the_policy_group_it_was_made_for_even_at_a_reused_
     region = _Region(weakref.ref(made_for), None, "/dev/shm/unused", RegionLayout.of(SPECS))
     assert region.serves(made_for, None) and not region.serves(made_for, "bfloat16")
     assert not region.serves(Group(), None)
-    stale_id = id(made_for)
     del made_for
-    # CPython hands a freed object's memory to the next object of its size: ids are reused.
-    reused = next((g for g in (Group() for _ in range(10_000)) if id(g) == stale_id), None)
-    assert reused is not None, "no object reused the collected group's id"
     assert region.policy() is None
-    assert not region.serves(reused, None)
+    # CPython usually hands a freed object's memory, so its id(), to the next object of its
+    # size; whether it does here is up to the allocator, so no new group may be served, and the
+    # new groups are kept alive so that each one takes a different address.
+    new_groups = [Group() for _ in range(1_000)]
+    assert not any(region.serves(g, None) for g in new_groups)
     generation = types.SimpleNamespace(_weight_region=region)
     release_weight_region(generation)  # the policy is gone: nothing to call, nothing kept
     assert generation._weight_region is None
