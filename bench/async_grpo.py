@@ -11,6 +11,7 @@ one process, one after the other. Prints steps per
 minute of each and the ratio async/sync last.
 
     uv run python bench/async_grpo.py [--steps 8] [--hidden 256] [--layers 4] [--new-tokens 32]
+        [--logs DIR]
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def run_config(root: Path, model: str, steps: int, new_tokens: int, asynchronous
 
 
 def pin_trainer(run) -> None:
-    """The trainer's worker on core 1 (Ray already gives it one OpenMP thread)."""
+    """The trainer's worker on core 1 (``main`` gives every worker one OpenMP thread)."""
     for meta in run.policy.worker_group.worker_metadata:
         pid = meta.placement.get("pid")
         if pid and hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:
@@ -140,9 +141,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--logs", help="keep each run's metrics.jsonl (timings) under this dir")
     args = parser.parse_args()
+    # One OpenMP thread per worker: each has a core of its own. (Left to the cluster, a CPU
+    # worker gets the node's cores shared by its group: 2 threads here, which pinned to one
+    # core spin against each other and make a training step ~15x slower.)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+        # Everything but the trainer on core 0: the driver, and so Ray and every process it
+        # starts (the generator's engine and its front end, the collector, the environments).
+        os.sched_setaffinity(0, {0})
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = Path(args.logs or tmp)
         model = build_model(root, args.hidden, args.layers)
         rates = {}
         for name, asynchronous in (("sync", False), ("async", True)):

@@ -100,6 +100,21 @@ class ScriptedEngine:
             out.append((row, sample))
         return out, True
 
+    def next_finished_many(self, stream_ids, timeout=0.0):
+        """As the vLLM worker's: news of every stream that has some, waiting when none has."""
+        news = {}
+        for stream_id in stream_ids:
+            try:
+                ready, done = self.next_finished(stream_id)
+            except RequestAbortedError as err:
+                news[stream_id] = err
+                continue
+            if ready or done:
+                news[stream_id] = (ready, done)
+        if not news:
+            time.sleep(timeout)
+        return news
+
     def cancel_stream(self, stream_id):
         self.cancelled.append(stream_id)
         self.streams.pop(stream_id, None)
@@ -281,7 +296,7 @@ def test_a_wedged_engine_is_reported_by_name_within_seconds(tokenizer, template)
     try:
         with pytest.raises(
             CollectorError,
-            match=r"c-wedged.*scripted engine 0 did not answer next_finished within 2 s",
+            match=r"c-wedged.*scripted engine 0 did not answer next_finished_many within 2 s",
         ):
             for _ in range(100):
                 client.take(0, timeout=0.5)

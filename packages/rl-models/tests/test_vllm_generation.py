@@ -305,6 +305,37 @@ def stream_all(worker, data) -> dict[int, BatchedDataDict]:
     return samples
 
 
+def test_one_poll_collects_every_stream(engines, models):
+    """``next_finished_many`` (the collector's poll): the samples of several streams in one call
+    each, every row exactly once, each stream forgotten once complete."""
+    gen, tokenizer = engines["async"], models["tokenizer"]
+    worker = gen.worker_group.workers[gen.leaders[0]]
+    batches = [prompts(tokenizer, BATCH), prompts(tokenizer, BATCH[::-1] * 2)]
+    ids = [ray.get(worker.execute.remote("start_stream", (), {"data": b})) for b in batches]
+    samples: dict[str, dict[int, BatchedDataDict]] = {i: {} for i in ids}
+    open_ids = set(ids)
+    while open_ids:
+        news = ray.get(
+            worker.execute.remote(
+                "next_finished_many", (), {"stream_ids": sorted(open_ids), "timeout": 30}
+            )
+        )
+        assert news and set(news) <= open_ids  # waited for news; only what was asked about
+        for stream_id, (ready, done) in news.items():
+            assert not set(dict(ready)) & set(samples[stream_id])  # each row handed out once
+            samples[stream_id].update(ready)
+            if done:
+                open_ids.discard(stream_id)
+    for stream_id, batch in zip(ids, batches, strict=True):
+        assert sorted(samples[stream_id]) == list(range(batch.size))
+        for row, sample in samples[stream_id].items():
+            n = int(batch["input_lengths"][row])
+            assert torch.equal(sample["output_ids"][0, :n], batch["input_ids"][row, :n])
+            assert int(sample["generation_lengths"][0]) > 0
+        with pytest.raises(ray.exceptions.RayTaskError, match="KeyError"):  # forgotten
+            ray.get(worker.execute.remote("next_finished_many", (), {"stream_ids": [stream_id]}))
+
+
 def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(engines, models):
     """A refit while a stream is generating: the engine pauses, loads, resets its prefix cache
     with the requests still running (vLLM's plain reset refuses then, and the old weights' KV

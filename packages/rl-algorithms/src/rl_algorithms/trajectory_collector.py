@@ -43,7 +43,11 @@ from rl_algorithms.replay_buffer import TrajectoryGroup
 from rl_algorithms.rollouts import RolloutResult, _generation_input, run_rollouts
 from rl_distributed.batched_data_dict import BatchedDataDict
 
-POLL_SLEEP_SECONDS = 0.02  # between two rounds of polls when nothing arrived
+POLL_SLEEP_SECONDS = 0.02  # between two rounds of the loop when nothing is generating
+# How long a poll waits in the engine for a finished sample when the last round found none:
+# it paces the loop while groups generate (a poll is a Ray call, and on a busy core every call
+# the engine answers slows its sampling), and bounds how late a new group is submitted.
+POLL_WAIT_SECONDS = 0.03
 # The loop's heartbeat may be this much older than one engine call's limit before the trainer
 # calls the collector stalled (the loop blocks on one engine call at a time, at most).
 HEARTBEAT_GRACE_SECONDS = 30.0
@@ -250,16 +254,18 @@ class TrajectoryCollector:
     def _run(self) -> None:
         try:
             last = time.monotonic()
+            progressed = True
             while not self.stopped:
                 self.heartbeat = time.monotonic()
                 self._submit()
-                progressed = self._poll()
+                generating = any(g.scoring is None for g in self.groups)
+                progressed = self._poll(wait=0.0 if progressed else POLL_WAIT_SECONDS)
                 self._cancel_overdue()
                 now = time.monotonic()
-                if not any(g.scoring is None for g in self.groups):
+                if not generating:
                     self.generator_idle_seconds += now - last
                 last = now
-                if not progressed:
+                if not progressed and not generating:  # (a poll that found nothing waited)
                     with self.cond:
                         self.cond.wait(POLL_SLEEP_SECONDS)
         except BaseException as err:
@@ -349,39 +355,26 @@ class TrajectoryCollector:
                 self.out += 1
                 self.cond.notify_all()
 
-    def _poll(self) -> bool:
-        """Collect finished samples of every generating group; start scoring complete ones."""
+    def _poll(self, wait: float) -> bool:
+        """Collect finished samples of every generating group (one call per engine, the first
+        waiting up to ``wait`` s for news); start scoring complete ones."""
         progressed = False
-        for group in [g for g in self.groups if g.scoring is None]:
-            try:
-                ready, done = self._engine_call(
-                    group.worker, "next_finished", stream_id=group.stream_id, timeout=0
-                )
-            except ray.exceptions.RayTaskError as err:
-                if type(err.cause).__name__ != "RequestAbortedError":
-                    raise
-                # vLLM aborted a request of the group on its own (the worker cancelled the
-                # rest): the group can never finish, so its prompt is generated again.
-                group.stream_id = None
-                with self.cond:
-                    self.groups.remove(group)
-                    self.out -= 1
-                    if self._requeue(group.prompt, group.requeues, f"vLLM aborted it: {err.cause}"):
-                        self.aborted += 1
-                    self.cond.notify_all()
-                progressed = True
-                continue
-            group.samples.update(ready)
-            progressed |= bool(ready)
-            if done:
-                out = BatchedDataDict.from_batches(
-                    [group.samples[r] for r in range(self.group_size)],
-                    pad_value_dict={"output_ids": self.pad_token_id},
-                )
-                group.stream_id = None
-                self._score(group, out)
-                with self.cond:
-                    self.cond.notify_all()  # a drain may be waiting for this
+        by_worker: dict[int, list[_Group]] = {}
+        for group in self.groups:
+            if group.scoring is None:
+                by_worker.setdefault(id(group.worker), []).append(group)
+        for groups in by_worker.values():
+            news = self._engine_call(
+                groups[0].worker,
+                "next_finished_many",
+                stream_ids=[g.stream_id for g in groups],
+                timeout=wait,
+            )
+            wait = 0.0  # the other engines' news is collected at once
+            for group in groups:
+                if group.stream_id in news:
+                    progressed = True
+                    self._take_news(group, news[group.stream_id])
         for group in [g for g in self.groups if g.scoring is not None and g.scoring.done()]:
             with self.cond:
                 self.groups.remove(group)
@@ -389,6 +382,34 @@ class TrajectoryCollector:
                 self.cond.notify_all()
             progressed = True
         return progressed
+
+    def _take_news(self, group: _Group, news: Any) -> None:
+        """A generating group's new samples (scoring it once complete), or the error that
+        ended its stream."""
+        if isinstance(news, BaseException):
+            if type(news).__name__ != "RequestAbortedError":
+                raise news
+            # vLLM aborted a request of the group on its own (the worker cancelled the rest):
+            # the group can never finish, so its prompt is generated again.
+            group.stream_id = None
+            with self.cond:
+                self.groups.remove(group)
+                self.out -= 1
+                if self._requeue(group.prompt, group.requeues, f"vLLM aborted it: {news}"):
+                    self.aborted += 1
+                self.cond.notify_all()
+            return
+        ready, done = news
+        group.samples.update(ready)
+        if done:
+            out = BatchedDataDict.from_batches(
+                [group.samples[r] for r in range(self.group_size)],
+                pad_value_dict={"output_ids": self.pad_token_id},
+            )
+            group.stream_id = None
+            self._score(group, out)
+            with self.cond:
+                self.cond.notify_all()  # a drain may be waiting for this
 
     def _score(self, group: _Group, out: BatchedDataDict | None, version: int = 0) -> None:
         group.scoring = self.pool.submit(self._scored, group, out, version)

@@ -91,6 +91,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         # Requests aborted by cancel_stream: any other abort is an error (RequestAbortedError).
         self.cancelled: set[str] = set()
         self.running: set[str] = set()  # requests submitted and not yet finished
+        # Notified whenever a request of any stream finishes (``next_finished_many`` waits on it).
+        self.finish_signal = threading.Condition()
 
     # -- start / stop -------------------------------------------------------------------------
 
@@ -296,6 +298,39 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             items = [stream.done.get(timeout=timeout)]
         except queue.Empty:
             return [], False
+        return self._hand_out(stream_id, items)
+
+    def next_finished_many(
+        self, stream_ids: list[str], timeout: float = 0.0
+    ) -> dict[str, tuple[list[tuple[int, BatchedDataDict]], bool] | RequestAbortedError]:
+        """``next_finished`` for several streams in one call (a collector polling many groups):
+        waits up to ``timeout`` s until any of them has a finished sample, then returns, for
+        each stream that has news, its samples and whether it is complete -- or, for a stream
+        vLLM aborted a request of (the rest of it cancelled), the ``RequestAbortedError``.
+        Streams with nothing new are left out; unknown ids raise ``KeyError``."""
+        streams = {stream_id: self.streams[stream_id] for stream_id in stream_ids}
+        with self.finish_signal:
+            self.finish_signal.wait_for(
+                lambda: any(not s.done.empty() for s in streams.values()), timeout
+            )
+        out: dict[str, Any] = {}
+        for stream_id, stream in streams.items():
+            try:
+                items = [stream.done.get_nowait()]
+            except queue.Empty:
+                continue
+            try:
+                out[stream_id] = self._hand_out(stream_id, items)
+            except RequestAbortedError as err:
+                out[stream_id] = err
+        return out
+
+    def _hand_out(
+        self, stream_id: str, items: list[tuple]
+    ) -> tuple[list[tuple[int, BatchedDataDict]], bool]:
+        """``items`` (already taken from the stream's queue) plus whatever else finished, as
+        one-row results; the stream is forgotten once complete."""
+        stream = self.streams[stream_id]
         while True:
             try:
                 items.append(stream.done.get_nowait())
@@ -362,6 +397,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
                 done.put((row, err, self.weight_version, 0))
             finally:
                 self.running.discard(request_id)
+                with self.finish_signal:
+                    self.finish_signal.notify_all()
 
         self.running.update(request_ids)
         for row in range(len(prompts)):
