@@ -48,6 +48,7 @@ class ScriptedEngine:
         self.tokenizer, self.hang_first, self.abort_first = tokenizer, hang_first, abort_first
         self.wedged, self.start_seconds = wedged, start_seconds
         self.streams: dict[str, tuple[BatchedDataDict, bool]] = {}
+        self.held_back: dict[str, list] = {}  # the second half of a stream's samples
         self.started = 0
         self.cancelled: list[str] = []
         self.starts: list[tuple[float, float]] = []  # (began, ended), time.time()
@@ -101,14 +102,22 @@ class ScriptedEngine:
         return out, True
 
     def next_finished_many(self, stream_ids, timeout=0.0):
-        """As the vLLM worker's: news of every stream that has some, waiting when none has."""
+        """As the vLLM worker's: news of every stream that has some, waiting when none has.
+        A stream's samples come in two polls (the first half, then the rest), as a real
+        engine's finish over several."""
         news = {}
         for stream_id in stream_ids:
+            if stream_id in self.held_back:
+                news[stream_id] = (self.held_back.pop(stream_id), True)
+                continue
             try:
                 ready, done = self.next_finished(stream_id)
             except RequestAbortedError as err:
                 news[stream_id] = err
                 continue
+            if done and len(ready) > 1:
+                half = len(ready) // 2
+                ready, self.held_back[stream_id], done = ready[:half], ready[half:], False
             if ready or done:
                 news[stream_id] = (ready, done)
         if not news:
@@ -118,6 +127,7 @@ class ScriptedEngine:
     def cancel_stream(self, stream_id):
         self.cancelled.append(stream_id)
         self.streams.pop(stream_id, None)
+        self.held_back.pop(stream_id, None)
         return G
 
     def get_cancelled(self):

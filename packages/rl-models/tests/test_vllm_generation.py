@@ -315,11 +315,15 @@ def test_one_poll_collects_every_stream(engines, models):
     samples: dict[str, dict[int, BatchedDataDict]] = {i: {} for i in ids}
     open_ids = set(ids)
     while open_ids:
+        asked = time.monotonic()
         news = ray.get(
             worker.execute.remote(
-                "next_finished_many", (), {"stream_ids": sorted(open_ids), "timeout": 30}
+                "next_finished_many", (), {"stream_ids": sorted(open_ids), "timeout": 300}
             )
         )
+        # Woken by the first finished sample, not by the time-out (a liveness bound, far
+        # above the ~1 s these samples take, far below the 300 s wait).
+        assert time.monotonic() - asked < 120
         assert news and set(news) <= open_ids  # waited for news; only what was asked about
         for stream_id, (ready, done) in news.items():
             assert not set(dict(ready)) & set(samples[stream_id])  # each row handed out once

@@ -258,14 +258,16 @@ class TrajectoryCollector:
             while not self.stopped:
                 self.heartbeat = time.monotonic()
                 self._submit()
-                generating = any(g.scoring is None for g in self.groups)
+                polled = time.monotonic()
                 progressed = self._poll(wait=0.0 if progressed else POLL_WAIT_SECONDS)
                 self._cancel_overdue()
                 now = time.monotonic()
-                if not generating:
+                if not any(g.scoring is None for g in self.groups):
                     self.generator_idle_seconds += now - last
                 last = now
-                if not progressed and not generating:  # (a poll that found nothing waited)
+                # Nothing new, and the poll did not wait for it (nothing generating, several
+                # engines, or one loading weights, which answers at once): pause the loop.
+                if not progressed and now - polled < POLL_SLEEP_SECONDS:
                     with self.cond:
                         self.cond.wait(POLL_SLEEP_SECONDS)
         except BaseException as err:
@@ -356,13 +358,15 @@ class TrajectoryCollector:
                 self.cond.notify_all()
 
     def _poll(self, wait: float) -> bool:
-        """Collect finished samples of every generating group (one call per engine, the first
-        waiting up to ``wait`` s for news); start scoring complete ones."""
+        """Collect finished samples of every generating group (one call per engine; with a
+        single engine the call waits up to ``wait`` s for news, with several none does, so no
+        engine's news waits on another's); start scoring complete ones."""
         progressed = False
         by_worker: dict[int, list[_Group]] = {}
         for group in self.groups:
             if group.scoring is None:
                 by_worker.setdefault(id(group.worker), []).append(group)
+        wait = wait if len(by_worker) == 1 else 0.0
         for groups in by_worker.values():
             news = self._engine_call(
                 groups[0].worker,
@@ -370,7 +374,6 @@ class TrajectoryCollector:
                 stream_ids=[g.stream_id for g in groups],
                 timeout=wait,
             )
-            wait = 0.0  # the other engines' news is collected at once
             for group in groups:
                 if group.stream_id in news:
                     progressed = True

@@ -55,7 +55,7 @@ class RefitStats:
     buckets: int = 0
     bytes: int = 0  # bytes of weights moved (each bucket counted once)
     seconds: float = 0.0
-    export: list[dict[str, float]] = field(default_factory=list)  # per policy rank
+    export: list[dict[str, int]] = field(default_factory=list)  # per policy rank
     fallback: str | None = None  # why ``auto`` did not use shared memory where it could have
 
     @property

@@ -307,12 +307,15 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         waits up to ``timeout`` s until any of them has a finished sample, then returns, for
         each stream that has news, its samples and whether it is complete -- or, for a stream
         vLLM aborted a request of (the rest of it cancelled), the ``RequestAbortedError``.
-        Streams with nothing new are left out; unknown ids raise ``KeyError``."""
+        Streams with nothing new are left out; unknown ids raise ``KeyError``. During a weight
+        update it does not wait: this actor runs one call at a time, and the refit's calls
+        would queue behind the wait."""
         streams = {stream_id: self.streams[stream_id] for stream_id in stream_ids}
-        with self.finish_signal:
-            self.finish_signal.wait_for(
-                lambda: any(not s.done.empty() for s in streams.values()), timeout
-            )
+        if not self.updating:  # (during a refit nothing finishes, and its calls queue behind)
+            with self.finish_signal:
+                self.finish_signal.wait_for(
+                    lambda: any(not s.done.empty() for s in streams.values()), timeout
+                )
         out: dict[str, Any] = {}
         for stream_id, stream in streams.items():
             try:
