@@ -16,7 +16,7 @@ alternating order, each giving a ratio; the median ratio async/sync is printed l
 still less than the 45-90 % of published profiles; at 32 it is ~30 %, and async can gain less.
 
     uv run python bench/async_grpo.py [--steps 8] [--hidden 256] [--layers 4] [--new-tokens 96]
-        [--repeats 3] [--logs DIR]
+        [--repeats 3] [--drain] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def build_model(root: Path, hidden: int, layers: int) -> str:
     return str(path)
 
 
-def run_config(root: Path, model: str, steps: int, new_tokens: int, asynchronous: bool) -> dict:
+def run_config(
+    root: Path, model: str, steps: int, new_tokens: int, asynchronous: bool, in_flight: bool = True
+) -> dict:
     return {
         "policy": {
             "model": {"path": model, "dtype": "float32"},
@@ -94,7 +96,11 @@ def run_config(root: Path, model: str, steps: int, new_tokens: int, asynchronous
             "max_num_steps": steps,
             "max_num_epochs": 4,
             "val_period": 0,
-            "async_grpo": {"enabled": asynchronous, "max_trajectory_age_steps": 1},
+            "async_grpo": {
+                "enabled": asynchronous,
+                "max_trajectory_age_steps": 1,
+                "in_flight_weight_updates": in_flight,
+            },
         },
         "logger": {
             "log_dir": str(root / ("async" if asynchronous else "sync") / "logs"),
@@ -149,7 +155,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3, help="rounds, in alternating order")
     parser.add_argument("--logs", help="keep each run's metrics.jsonl (timings) under this dir")
+    parser.add_argument(
+        "--drain", action="store_true", help="async refits drain the engine first (not in flight)"
+    )
     args = parser.parse_args()
+    if args.steps < 2 or args.repeats < 1:
+        parser.error("--steps must be >= 2 (the first is untimed) and --repeats >= 1")
     # One OpenMP thread per worker: each has a core of its own. (Left to the cluster, a CPU
     # worker gets the node's cores shared by its group: 2 threads here, which pinned to one
     # core spin against each other and make a training step ~15x slower.)
@@ -167,7 +178,9 @@ def main() -> None:
             order = (("sync", False), ("async", True))
             for name, asynchronous in order if repeat % 2 == 0 else order[::-1]:
                 logs = root / f"round{repeat + 1}"
-                config = run_config(logs, model, args.steps, args.new_tokens, asynchronous)
+                config = run_config(
+                    logs, model, args.steps, args.new_tokens, asynchronous, not args.drain
+                )
                 rates[name] = steps_per_minute(config)
                 print(f"{name} GRPO: {rates[name]:.2f} steps/minute", flush=True)
             ratios.append(rates["async"] / rates["sync"])

@@ -64,6 +64,8 @@ def main() -> None:
         "--channel", default="auto", choices=["auto", "shared_memory", "object_store"]
     )
     args = parser.parse_args()
+    if args.rounds < 1 or args.policy_ranks < 1 or args.bucket_mb < 1:
+        parser.error("--rounds, --policy-ranks and --bucket-mb must be >= 1")
 
     config = PolicyConfig.model_validate(
         {"model": {"hf_config": LLAMA_100M}, "train_global_batch_size": 1}
