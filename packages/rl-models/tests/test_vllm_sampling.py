@@ -100,3 +100,13 @@ def test_a_vllm_worker_mid_update_refuses_to_generate():
     for expected in (0, None):
         with pytest.raises(IncompleteRefitError, match="mix of version 0"):
             worker.generate(data, expected_weight_version=expected)
+
+
+def test_the_async_engine_runner_is_refused_without_the_async_engine():
+    from pydantic import ValidationError
+
+    from rl_models.generation.config import VllmConfig
+
+    assert VllmConfig(async_engine=True, async_engine_runner="async_llm").async_engine
+    with pytest.raises(ValidationError, match="vllm.async_engine: true"):
+        VllmConfig(async_engine_runner="in_process")

