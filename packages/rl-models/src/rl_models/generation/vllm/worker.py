@@ -42,8 +42,8 @@ from rl_models.generation.interfaces import (
     stop_strings_of,
 )
 from rl_models.generation.vllm.engines import (
-    AsyncLLMEngine,
-    InProcessEngine,
+    AsyncLLMRunner,
+    InProcessRunner,
     StreamingEngine,
 )
 from rl_models.generation.vllm.extension import bucket_to_wire
@@ -56,6 +56,22 @@ from rl_models.generation.vllm.sampling import (
 from rl_models.generation.weights import PackedBucket, pack_bucket
 
 EXTENSION = "rl_models.generation.vllm.extension.WeightUpdateExtension"
+
+
+def cpu_list(spec: str) -> set[int]:
+    """ "0-3,6" -> {0, 1, 2, 3, 6} (one list of ``vllm.cpu_threads_bind``)."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError as err:
+        raise ValueError(
+            f"vllm.cpu_threads_bind: {spec!r} is not a list of cores such as '0-3,6'"
+        ) from err
+    if not cpus:
+        raise ValueError(f"vllm.cpu_threads_bind: {spec!r} names no core")
+    return cpus
 
 
 @dataclass
@@ -140,6 +156,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         runner = self.config.async_engine_runner
         if runner == "auto":
             return "async_llm" if self.on_gpu else "in_process"
+        if runner == "in_process" and self.on_gpu:
+            raise ValueError(
+                "vllm.async_engine_runner: in_process runs on CPU only (on GPU vLLM schedules "
+                "asynchronously: a step can return with a batch still running); use async_llm"
+            )
         return runner
 
     def start_engine(self, leader: bool = True, visible_devices: list[str] | None = None) -> float:
@@ -153,8 +174,10 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
         kwargs = self.engine_kwargs()
         self._multiprocess = kwargs.get("distributed_executor_backend") != "uni"
+        if not self._multiprocess:
+            self._bind_cpu_threads()
         if self.runner() == "async_llm":
-            self.engine = AsyncLLMEngine(kwargs)
+            self.engine = AsyncLLMRunner(kwargs)
         else:
             if kwargs.get("distributed_executor_backend") == "uni":
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -162,11 +185,29 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
 
             llm = LLM(**kwargs)
             if self.runner() == "in_process":
-                self.engine = InProcessEngine(llm)
+                self.engine = InProcessRunner(llm)
             else:
                 self.llm = llm
         self._warm_up()
         return time.monotonic() - start
+
+    def _bind_cpu_threads(self) -> None:
+        """``vllm.cpu_threads_bind`` for an engine in this process: vLLM applies
+        ``VLLM_CPU_OMP_THREADS_BIND`` only in worker processes it starts itself. This thread
+        (and every thread it starts, the in-process runner's included) runs on the engine's
+        list of cores, with as many OpenMP threads."""
+        spec = self.config.cpu_threads_bind
+        if self.on_gpu or spec in (None, "auto", "nobind"):
+            return
+        lists = spec.split("|")
+        if len(lists) > 1 and self.dp_rank >= len(lists):
+            raise ValueError(
+                f"vllm.cpu_threads_bind: {spec!r} has {len(lists)} lists of cores, one per "
+                f"engine, and this is engine {self.dp_rank}"
+            )
+        cpus = cpu_list(lists[self.dp_rank if len(lists) > 1 else 0])
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
 
     def _warm_up(self) -> None:
         """One 1-token request: vLLM-cpu's first step takes seconds (lazy kernel set-up), which
@@ -358,6 +399,15 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             del self.streams[stream_id]
         return out, stream.remaining == 0
 
+    def requests_in_flight(self) -> dict[str, int]:
+        """Requests submitted and not yet reported finished, those among them cancelled, and
+        streams not yet handed out whole (a leak shows here)."""
+        return {
+            "running": len(self.running),
+            "cancelled": len(self.cancelled),
+            "streams": len(self.streams),
+        }
+
     def cancel_stream(self, stream_id: str) -> int:
         """Abort a stream's unfinished requests and forget it; returns how many were aborted."""
         stream = self.streams.pop(stream_id, None)
@@ -369,6 +419,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
     def _abort(self, request_ids: list[str]) -> None:
         self.cancelled.update(self.running.intersection(request_ids))
         self.engine.abort(request_ids)
+        # Those that finished meanwhile will not be reported again: forget them.
+        self.cancelled &= self.running
 
     def _submit(self, data: BatchedDataDict, greedy: bool) -> tuple[queue.Queue, list[str]]:
         """Start every row on the async engine; finished ``(row, Response | error, weight
@@ -382,19 +434,22 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         rows = {request_id: row for row, request_id in enumerate(request_ids)}
 
         def on_finish(request_id: str, final: Any) -> None:
-            row = rows[request_id]
+            """Runs on the engine's thread: never raises, a reader always gets one item."""
+            row, version = rows[request_id], self.weight_version
             try:
-                if final is None:  # aborted
-                    if request_id in self.cancelled:  # cancel_stream: nobody reads it any more
-                        self.cancelled.discard(request_id)
-                        return
-                    done.put((row, RequestAbortedError(request_id, row), self.weight_version, 0))
-                elif isinstance(final, BaseException):  # reported in the reader's thread
-                    done.put((row, final, self.weight_version, 0))
+                if request_id in self.cancelled:  # cancel_stream: nobody reads it any more
+                    return
+                if final is None:
+                    result: Any = RequestAbortedError(request_id, row)
+                elif isinstance(final, BaseException):
+                    result = final
                 else:
-                    cached = final.num_cached_tokens or 0
-                    done.put((row, self._response(final.outputs[0]), self.weight_version, cached))
+                    result = self._response(final.outputs[0])
+                done.put((row, result, version, getattr(final, "num_cached_tokens", 0) or 0))
+            except BaseException as err:  # reported in the reader's thread
+                done.put((row, err, version, 0))
             finally:
+                self.cancelled.discard(request_id)
                 self.running.discard(request_id)
                 with self.finish_signal:
                     self.finish_signal.notify_all()
