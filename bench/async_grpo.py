@@ -12,11 +12,18 @@ weight updates. Each loop is timed from the end of its first step to the end of 
 (engine start-up and warm-up excluded). ``--repeats`` rounds, each running both loops in
 alternating order, each giving a ratio; the median ratio async/sync is printed last.
 
+A second baseline, once per round: synchronous GRPO as a user gets it by default on this
+machine, in a fresh process with nothing pinned, where each phase has both cores (each worker
+runs the cluster's two OpenMP threads) since generation and training never overlap. Async,
+whose phases overlap on a core each, is compared with it too; with phases that split over two
+cores perfectly, overlapping them could gain nothing over this, so the ratio shows how well
+each phase uses the second core, not only what async gains.
+
 96 new tokens by default: there generation is ~40 % of a synchronous step (0.6 s of 1.5 s),
 still less than the 45-90 % of published profiles; at 32 it is ~30 %, and async can gain less.
 
     uv run python bench/async_grpo.py [--steps 8] [--hidden 256] [--layers 4] [--new-tokens 96]
-        [--repeats 3] [--drain] [--logs DIR]
+        [--repeats 3] [--drain] [--logs DIR] [--runner auto|in_process|async_llm]
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -120,6 +129,12 @@ def run_config(
     }
 
 
+def run_config_both_cores(config: dict) -> dict:
+    """The synchronous run as a user gets it by default: the engine not bound to a core."""
+    config["generation"]["vllm"].pop("cpu_threads_bind")
+    return config
+
+
 def pin_trainer(run) -> None:
     """The trainer's worker on core 1 (``main`` gives every worker one OpenMP thread)."""
     for meta in run.policy.worker_group.worker_metadata:
@@ -171,7 +186,14 @@ def main() -> None:
         default="auto",
         help="how the async engine runs (vllm.async_engine_runner; auto is in_process on CPU)",
     )
+    parser.add_argument("--sync-both-cores", nargs=2, help=argparse.SUPPRESS)  # (model, logs)
     args = parser.parse_args()
+    if args.sync_both_cores:  # the second baseline, in a process of its own (nothing pinned)
+        model, logs = args.sync_both_cores
+        config = run_config(Path(logs), model, args.steps, args.new_tokens, asynchronous=False)
+        globals()["pin_trainer"] = lambda run: None
+        print(f"steps/minute {steps_per_minute(run_config_both_cores(config))}")
+        return
     if args.steps < 2 or args.repeats < 1:
         parser.error("--steps must be >= 2 (the first is untimed) and --repeats >= 1")
     # One OpenMP thread per worker: each has a core of its own. (Left to the cluster, a CPU
@@ -185,9 +207,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.logs or tmp)
         model = build_model(root, args.hidden, args.layers)
-        ratios = []
+        ratios, ratios_both = [], []
         for repeat in range(args.repeats):
-            rates = {}
+            rates = {"sync, both cores": sync_both_cores(root, model, args, repeat)}
+            print(f"sync GRPO, both cores: {rates['sync, both cores']:.2f} steps/minute")
             order = (("sync", False), ("async", True))
             for name, asynchronous in order if repeat % 2 == 0 else order[::-1]:
                 logs = root / f"round{repeat + 1}"
@@ -203,8 +226,35 @@ def main() -> None:
                 rates[name] = steps_per_minute(config)
                 print(f"{name} GRPO: {rates[name]:.2f} steps/minute", flush=True)
             ratios.append(rates["async"] / rates["sync"])
-            print(f"round {repeat + 1}: async/sync {ratios[-1]:.2f}", flush=True)
-        print(f"async/sync (median of {args.repeats} rounds): {statistics.median(ratios):.2f}")
+            ratios_both.append(rates["async"] / rates["sync, both cores"])
+            print(
+                f"round {repeat + 1}: async/sync {ratios[-1]:.2f}, "
+                f"async/(sync, both cores) {ratios_both[-1]:.2f}",
+                flush=True,
+            )
+        print(
+            f"async/sync (median of {args.repeats} rounds): {statistics.median(ratios):.2f} "
+            f"(each on its own core); {statistics.median(ratios_both):.2f} against sync with "
+            "both cores for each phase"
+        )
+
+
+def sync_both_cores(root: Path, model: str, args: argparse.Namespace, repeat: int) -> float:
+    """Synchronous GRPO in a fresh process: a Ray cluster of its own, started unpinned."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    command = [sys.executable, __file__, "--steps", str(args.steps), "--new-tokens"]
+    command += [str(args.new_tokens), "--hidden", str(args.hidden), "--layers", str(args.layers)]
+    logs = root / f"round{repeat + 1}" / "sync-both-cores"
+    command += ["--sync-both-cores", model, str(logs)]
+    out = subprocess.run(
+        command,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, range(os.cpu_count() or 1)),
+    )
+    return float(out.stdout.strip().splitlines()[-1].split()[-1])
 
 
 if __name__ == "__main__":
