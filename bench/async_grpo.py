@@ -189,6 +189,8 @@ def main() -> None:
     parser.add_argument("--sync-both-cores", nargs=2, help=argparse.SUPPRESS)  # (model, logs)
     args = parser.parse_args()
     if args.sync_both_cores:  # the second baseline, in a process of its own (nothing pinned)
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))  # (the parent is on core 0)
         model, logs = args.sync_both_cores
         config = run_config(Path(logs), model, args.steps, args.new_tokens, asynchronous=False)
         globals()["pin_trainer"] = lambda run: None
@@ -246,14 +248,9 @@ def sync_both_cores(root: Path, model: str, args: argparse.Namespace, repeat: in
     command += [str(args.new_tokens), "--hidden", str(args.hidden), "--layers", str(args.layers)]
     logs = root / f"round{repeat + 1}" / "sync-both-cores"
     command += ["--sync-both-cores", model, str(logs)]
-    out = subprocess.run(
-        command,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        preexec_fn=lambda: os.sched_setaffinity(0, range(os.cpu_count() or 1)),
-    )
+    out = subprocess.run(command, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the sync-both-cores run failed:\n{out.stderr[-4000:]}")
     return float(out.stdout.strip().splitlines()[-1].split()[-1])
 
 

@@ -24,6 +24,12 @@ class ScriptedEngine:
         self.step_seconds = step_seconds
         self.fail_step: BaseException | None = None
         self.overlaps = 0  # engine calls made while a step ran
+        # Gated steps (``gated()``): each waits in ``in_step`` until ``proceed`` is set.
+        self.gate: tuple[threading.Event, threading.Event] | None = None
+
+    def gated(self) -> tuple[threading.Event, threading.Event]:
+        self.gate = (threading.Event(), threading.Event())
+        return self.gate
 
     def _call(self) -> None:
         self.overlaps += self.stepping
@@ -47,6 +53,11 @@ class ScriptedEngine:
         try:
             if self.fail_step is not None:
                 raise self.fail_step
+            if self.gate is not None:
+                in_step, proceed = self.gate
+                in_step.set()
+                assert proceed.wait(30), "the test never let a step go on"
+                proceed.clear()
             time.sleep(self.step_seconds)
             self.steps += 1
             out = []
@@ -108,25 +119,35 @@ def test_every_request_is_reported_once_even_when_aborts_race_its_finish():
     assert all(len(reports.got[i]) == 1 for i in ids)  # exactly once
     finished = {i for i in ids if reports.got[i][0] is not None}
     assert finished and aborted - finished  # both kinds happened
-    assert finished.isdisjoint(aborted - finished)
+    assert set(ids) - aborted <= finished  # only an aborted request is reported as aborted
     assert engine.overlaps == 0  # no engine call while a step ran
 
 
-def test_no_step_runs_while_paused_and_a_caller_waits_at_most_one_step():
-    engine = ScriptedEngine(step_seconds=0.002)
+def test_no_step_runs_while_paused_and_a_caller_waits_for_the_step_in_progress_only():
+    engine = ScriptedEngine()
+    in_step, proceed = engine.gated()
     runner, reports = runner_on(engine), Reports()
     runner.submit([("long", "p", 10_000)], reports)
-    for _ in range(20):
-        while engine.steps == 0:
-            time.sleep(0.001)
+    for _ in range(5):
+        assert in_step.wait(30)  # a step is running, held at the gate
         before = engine.steps
-        runner.pause()
-        assert engine.steps - before <= 1  # the step in progress, not a queue of them
-        paused_at = engine.steps
+        pausing = threading.Thread(target=runner.pause)
+        pausing.start()
+        deadline = time.monotonic() + 30
+        while not runner.turnstile.locked():  # pause() waits for the lock, holding its turn
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert pausing.is_alive()  # not while the step runs
+        in_step.clear()
+        proceed.set()
+        pausing.join(30)
+        assert not pausing.is_alive()
+        assert engine.steps == before + 1  # the step in progress, no further one
         assert runner.collective_rpc("rl_load", ()) == ["rl_load"]
-        time.sleep(0.02)  # ten steps' time
-        assert engine.steps == paused_at and runner.is_paused()
+        assert not in_step.wait(0.02) and engine.steps == before + 1 and runner.is_paused()
         runner.resume()
+    engine.step_seconds, engine.gate = 0.001, None  # the rest ungated (10 s to go)
+    proceed.set()  # the step waiting at the gate goes on
     runner.abort(["long"])
     reports.wait_for(["long"])
     assert reports.got["long"] == [None]
@@ -180,7 +201,26 @@ def test_a_refused_request_leaves_none_of_its_batch_behind():
     runner.shutdown()
 
 
-def test_shutdown_while_stepping_ends_the_thread_and_refuses_new_work():
+def test_a_raising_callback_during_an_abort_stops_the_runner_and_the_engine_drops_the_rest():
+    engine = ScriptedEngine()
+    runner, reports = runner_on(engine), Reports()
+
+    def broken(request_id, output):
+        raise KeyError("a bug in the caller's callback")
+
+    runner.pause()
+    runner.submit([("victim", "p", 50)], broken)
+    runner.submit([("bystander", "p", 50)], reports)
+    with pytest.raises(KeyError):
+        runner.abort(["victim"])
+    reports.wait_for(["bystander"])
+    assert isinstance(reports.got["bystander"][0], KeyError)
+    assert engine.left == {}  # nothing left for a thread to step
+    runner.thread.join(10)
+    assert not runner.thread.is_alive()
+
+
+def test_shutdown_while_stepping_ends_the_thread_tells_the_waiting_and_refuses_new_work():
     engine = ScriptedEngine(step_seconds=0.001)
     runner, reports = runner_on(engine), Reports()
     runner.submit([("long", "p", 10_000)], reports)
@@ -188,5 +228,7 @@ def test_shutdown_while_stepping_ends_the_thread_and_refuses_new_work():
         time.sleep(0.001)
     runner.shutdown()
     assert not runner.thread.is_alive()
+    reports.wait_for(["long"], timeout=1)
+    assert isinstance(reports.got["long"][0], RuntimeError)
     with pytest.raises(RuntimeError, match="shut down"):
         runner.submit([("late", "p", 1)], reports)

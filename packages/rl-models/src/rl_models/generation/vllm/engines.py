@@ -15,8 +15,9 @@ each request finishes. Both runners here give that one interface, ``StreamingEng
 
 A request is reported exactly once to its ``on_finish(request_id, output)``: vLLM's final
 ``RequestOutput``, ``None`` if it was aborted (by ``abort`` or by vLLM), or the exception that
-ended it. ``on_finish`` must not raise; if it does, the runner stops and every request still
-waiting hears of the error, as they do of a failed step.
+ended it. ``on_finish`` must not raise (the worker's never does); if it does anyway, the
+in-process runner stops and every request still waiting hears of the error, as they do of a
+failed step (``AsyncLLM``'s task for that request ends with the error unread).
 """
 
 from __future__ import annotations
@@ -92,16 +93,14 @@ class InProcessRunner:
             self.lock.release()
 
     def _step_forever(self) -> None:
-        torch.set_num_threads(self.threads)
         while True:
             with self._turn(check=False):
-                while not self.stopped and (
-                    self.paused or not self.engine.has_unfinished_requests()
-                ):
-                    self.lock.wait()
-                if self.stopped:
-                    return
                 try:
+                    torch.set_num_threads(self.threads)
+                    while self._idle():
+                        self.lock.wait()
+                    if self.stopped or self.error is not None:
+                        return
                     for output in self.engine.step():
                         if output.finished and output.request_id in self.on_finish:
                             on_finish = self.on_finish.pop(output.request_id)
@@ -110,12 +109,22 @@ class InProcessRunner:
                     self._fail(err)
                     return
 
+    def _idle(self) -> bool:
+        if self.stopped or self.error is not None:
+            return False
+        return self.paused or not self.engine.has_unfinished_requests()
+
     def _fail(self, err: BaseException) -> None:
+        """Stop for good (under the lock): every waiting request is told ``err``, and the
+        engine drops them."""
         self.error = err
         failed, self.on_finish = self.on_finish, {}
+        with contextlib.suppress(BaseException):
+            self.engine.abort_request(list(failed))
         for request_id, on_finish in failed.items():
             with contextlib.suppress(BaseException):  # the others must still hear of it
                 on_finish(request_id, err)
+        self.lock.notify_all()  # the stepping thread, if waiting, ends
 
     def _check_running(self) -> None:
         if self.error is not None:
@@ -150,7 +159,6 @@ class InProcessRunner:
                         on_finish(request_id, None)
                     except BaseException as err:
                         self._fail(err)
-                        self.lock.notify_all()  # the stepping thread ends
                         raise
 
     def pause(self) -> None:
@@ -185,8 +193,12 @@ class InProcessRunner:
     def shutdown(self) -> None:
         self.stopped = True  # read by the stepping thread under the lock, before each step
         if self.lock.acquire(timeout=30):
-            self.lock.notify_all()
-            self.lock.release()
+            try:
+                if self.on_finish:  # still waiting: told, not left hanging
+                    self._fail(RuntimeError("the vLLM engine was shut down"))
+                self.lock.notify_all()
+            finally:
+                self.lock.release()
         self.thread.join(timeout=30)
         self.llm = self.engine = None
 
@@ -227,13 +239,15 @@ class AsyncLLMRunner:
             # Every request is registered before ``submit`` returns, so an ``abort`` that
             # follows always finds it (vLLM adds a request after a hop to an executor).
             added: list[tuple[str, Any]] = []
+            tried: list[str] = []  # (a failed add may have registered it halfway)
             try:
                 for request_id, prompt, params in requests:
+                    tried.append(request_id)
                     added.append(
                         (request_id, await self.engine.add_request(request_id, prompt, params))
                     )
             except BaseException:
-                await self.engine.abort([request_id for request_id, _ in added])
+                await self.engine.abort(tried)
                 raise
             for request_id, collector in added:
                 task = self.loop.create_task(report(request_id, collector))

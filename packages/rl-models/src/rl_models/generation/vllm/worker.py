@@ -20,6 +20,7 @@ with vLLM's multiprocessing executor on them; the others only keep the GPUs rese
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -154,8 +155,9 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         if not self.config.async_engine:
             return "sync"
         runner = self.config.async_engine_runner
-        if runner == "auto":
-            return "async_llm" if self.on_gpu else "in_process"
+        if runner == "auto":  # (in_process: one process, CPU only)
+            tp = self.config.tensor_parallel_size
+            return "async_llm" if self.on_gpu or tp > 1 else "in_process"
         if runner == "in_process" and self.on_gpu:
             raise ValueError(
                 "vllm.async_engine_runner: in_process runs on CPU only (on GPU vLLM schedules "
@@ -344,11 +346,12 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def next_finished_many(
         self, stream_ids: list[str], timeout: float = 0.0
-    ) -> dict[str, tuple[list[tuple[int, BatchedDataDict]], bool] | RequestAbortedError]:
+    ) -> dict[str, tuple[list[tuple[int, BatchedDataDict]], bool] | Exception]:
         """``next_finished`` for several streams in one call (a collector polling many groups):
         waits up to ``timeout`` s until any of them has a finished sample, then returns, for
         each stream that has news, its samples and whether it is complete -- or, for a stream
-        vLLM aborted a request of (the rest of it cancelled), the ``RequestAbortedError``.
+        that ended on an error (the rest of it cancelled), the error: ``RequestAbortedError``
+        for a request vLLM aborted on its own.
         Streams with nothing new are left out; unknown ids raise ``KeyError``. During a weight
         update it does not wait: this actor runs one call at a time, and the refit's calls
         would queue behind the wait."""
@@ -366,7 +369,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
                 continue
             try:
                 out[stream_id] = self._hand_out(stream_id, items)
-            except RequestAbortedError as err:
+            except Exception as err:  # that stream's end; the others' samples still go out
                 out[stream_id] = err
         return out
 
@@ -384,7 +387,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         pad, out = self._pad_id(), []
         for row, result, version, cached in items:
             if isinstance(result, BaseException):
-                self.cancel_stream(stream_id)
+                with contextlib.suppress(Exception):  # (a dead engine: its error is below)
+                    self.cancel_stream(stream_id)
                 if isinstance(result, RequestAbortedError):
                     raise result
                 raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
@@ -418,9 +422,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def _abort(self, request_ids: list[str]) -> None:
         self.cancelled.update(self.running.intersection(request_ids))
-        self.engine.abort(request_ids)
-        # Those that finished meanwhile will not be reported again: forget them.
-        self.cancelled &= self.running
+        try:
+            self.engine.abort(request_ids)
+        finally:
+            # Those that finished meanwhile will not be reported again: forget them.
+            self.cancelled &= self.running
 
     def _submit(self, data: BatchedDataDict, greedy: bool) -> tuple[queue.Queue, list[str]]:
         """Start every row on the async engine; finished ``(row, Response | error, weight
