@@ -378,6 +378,8 @@ def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(
             worker.execute.remote("next_finished", (), {"stream_id": stream_id, "timeout": 30})
         )
         samples.update(ready)
+    # Handed out before the refit began: sampled from the old weights only.
+    assert all(int(s["weight_version_max"][0]) == version - 1 for s in samples.values())
     gen.prepare_for_weight_update()
     gen.load_weight_bucket(pack_bucket(state.items()))
     gen.set_weight_version(version)

@@ -232,3 +232,14 @@ def test_shutdown_while_stepping_ends_the_thread_tells_the_waiting_and_refuses_n
     assert isinstance(reports.got["long"][0], RuntimeError)
     with pytest.raises(RuntimeError, match="shut down"):
         runner.submit([("late", "p", 1)], reports)
+
+
+def test_cpu_threads_bind_lists_are_read_per_engine_and_bad_ones_named():
+    from rl_models.generation.vllm.engines import bind_cpu_threads, cpu_list
+
+    assert cpu_list("0-2,5") == {0, 1, 2, 5} and cpu_list("3") == {3}
+    with pytest.raises(ValueError, match="cpu_threads_bind: 'a-b'"):
+        cpu_list("a-b")
+    with pytest.raises(ValueError, match="2 lists of cores, one per engine, and this is engine 2"):
+        bind_cpu_threads("0|1", engine=2)
+    bind_cpu_threads("nobind", engine=5)  # vLLM's own words: nothing bound, nothing refused

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -284,5 +285,42 @@ class AsyncLLMRunner:
         return self._run(self.engine.wake_up(tags))
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        async def stop() -> None:  # on the loop, which also uses the engine's sockets
+            self.engine.shutdown()
+
+        self._run(stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def bind_cpu_threads(spec: str | None, engine: int) -> None:
+    """``vllm.cpu_threads_bind`` for an engine in this process (the sync engine, the in-process
+    runner): vLLM applies ``VLLM_CPU_OMP_THREADS_BIND`` only in worker processes it starts
+    itself. The calling thread, and every thread it starts (the in-process runner's included),
+    runs on engine ``engine``'s list of cores, with as many OpenMP threads."""
+    if spec in (None, "auto", "nobind"):
+        return
+    lists = spec.split("|")
+    if len(lists) > 1 and engine >= len(lists):
+        raise ValueError(
+            f"vllm.cpu_threads_bind: {spec!r} has {len(lists)} lists of cores, one per engine, "
+            f"and this is engine {engine}"
+        )
+    cpus = cpu_list(lists[engine if len(lists) > 1 else 0])
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+
+
+def cpu_list(spec: str) -> set[int]:
+    """ "0-3,6" -> {0, 1, 2, 3, 6} (one list of ``vllm.cpu_threads_bind``)."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError as err:
+        raise ValueError(
+            f"vllm.cpu_threads_bind: {spec!r} is not a list of cores such as '0-3,6'"
+        ) from err
+    if not cpus:
+        raise ValueError(f"vllm.cpu_threads_bind: {spec!r} names no core")
+    return cpus

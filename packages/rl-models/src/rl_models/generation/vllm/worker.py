@@ -46,6 +46,7 @@ from rl_models.generation.vllm.engines import (
     AsyncLLMRunner,
     InProcessRunner,
     StreamingEngine,
+    bind_cpu_threads,
 )
 from rl_models.generation.vllm.extension import bucket_to_wire
 from rl_models.generation.vllm.sampling import (
@@ -57,22 +58,6 @@ from rl_models.generation.vllm.sampling import (
 from rl_models.generation.weights import PackedBucket, pack_bucket
 
 EXTENSION = "rl_models.generation.vllm.extension.WeightUpdateExtension"
-
-
-def cpu_list(spec: str) -> set[int]:
-    """ "0-3,6" -> {0, 1, 2, 3, 6} (one list of ``vllm.cpu_threads_bind``)."""
-    cpus: set[int] = set()
-    try:
-        for part in spec.split(","):
-            first, _, last = part.strip().partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-    except ValueError as err:
-        raise ValueError(
-            f"vllm.cpu_threads_bind: {spec!r} is not a list of cores such as '0-3,6'"
-        ) from err
-    if not cpus:
-        raise ValueError(f"vllm.cpu_threads_bind: {spec!r} names no core")
-    return cpus
 
 
 @dataclass
@@ -176,8 +161,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
         kwargs = self.engine_kwargs()
         self._multiprocess = kwargs.get("distributed_executor_backend") != "uni"
-        if not self._multiprocess:
-            self._bind_cpu_threads()
+        if not self._multiprocess and not self.on_gpu:
+            bind_cpu_threads(self.config.cpu_threads_bind, self.dp_rank)
         if self.runner() == "async_llm":
             self.engine = AsyncLLMRunner(kwargs)
         else:
@@ -192,24 +177,6 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
                 self.llm = llm
         self._warm_up()
         return time.monotonic() - start
-
-    def _bind_cpu_threads(self) -> None:
-        """``vllm.cpu_threads_bind`` for an engine in this process: vLLM applies
-        ``VLLM_CPU_OMP_THREADS_BIND`` only in worker processes it starts itself. This thread
-        (and every thread it starts, the in-process runner's included) runs on the engine's
-        list of cores, with as many OpenMP threads."""
-        spec = self.config.cpu_threads_bind
-        if self.on_gpu or spec in (None, "auto", "nobind"):
-            return
-        lists = spec.split("|")
-        if len(lists) > 1 and self.dp_rank >= len(lists):
-            raise ValueError(
-                f"vllm.cpu_threads_bind: {spec!r} has {len(lists)} lists of cores, one per "
-                f"engine, and this is engine {self.dp_rank}"
-            )
-        cpus = cpu_list(lists[self.dp_rank if len(lists) > 1 else 0])
-        os.sched_setaffinity(0, cpus)
-        torch.set_num_threads(len(cpus))
 
     def _warm_up(self) -> None:
         """One 1-token request: vLLM-cpu's first step takes seconds (lazy kernel set-up), which
