@@ -99,6 +99,11 @@ class Reports:
             )
 
 
+def broken(request_id, output):
+    """A callback with a bug in it."""
+    raise KeyError("a bug in the caller's callback")
+
+
 def runner_on(engine) -> InProcessRunner:
     return InProcessRunner(SimpleNamespace(llm_engine=engine))
 
@@ -174,9 +179,6 @@ def test_a_raising_callback_stops_the_runner_loudly_not_silently():
     engine = ScriptedEngine()
     runner, reports = runner_on(engine), Reports()
 
-    def broken(request_id, output):
-        raise KeyError("a bug in the caller's callback")
-
     runner.pause()
     runner.submit([("fast", "p", 1)], broken)
     runner.submit([("slow", "p", 50)], reports)
@@ -204,9 +206,6 @@ def test_a_refused_request_leaves_none_of_its_batch_behind():
 def test_a_raising_callback_during_an_abort_stops_the_runner_and_the_engine_drops_the_rest():
     engine = ScriptedEngine()
     runner, reports = runner_on(engine), Reports()
-
-    def broken(request_id, output):
-        raise KeyError("a bug in the caller's callback")
 
     runner.pause()
     runner.submit([("victim", "p", 50)], broken)
