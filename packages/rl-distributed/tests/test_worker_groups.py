@@ -439,3 +439,49 @@ def test_cpu_workers_share_the_cores_of_their_node_as_threads(monkeypatch):
     finally:
         one.shutdown()
         two.shutdown()
+
+
+def test_call_all_and_call_one_wait_and_name_the_worker(echo4):
+    assert [r["x"] for r in echo4.call_all("echo", x=7)] == [7, 7, 7, 7]
+    assert echo4.call_one(2, "echo", x=5) == {"x": 5}
+    with pytest.raises(WorkerCallError, match=r"'echo-1'.*'fail'.*boom"):
+        echo4.call_one(1, "fail", message="boom")
+    # call_one is tracked like every call: the hang report names the method the worker runs.
+    with pytest.raises(WorkerTimeoutError, match=r"'echo-3'.*running 'sleep'"):
+        echo4.call_one(3, "sleep", timeout=1, seconds=4)
+    with pytest.raises(IndexError, match="no worker of rank 9"):
+        echo4.call_one(9, "ping")
+
+
+@ray.remote(num_cpus=0)
+def _call_from_another_process(worker, method, timeout, expected, kwargs):
+    """What the trajectory collector does: call a worker from an actor, not the driver."""
+    try:
+        return "ok", worker.call(method, timeout=timeout, expected_errors=expected, **kwargs)
+    except Exception as err:
+        return type(err).__name__, str(err)
+
+
+def test_a_remote_worker_is_called_from_another_process(echo4):
+    worker = echo4.remote_worker(1)
+    call = _call_from_another_process.remote
+    assert ray.get(call(worker, "echo", 30, (), {"x": 3})) == ("ok", {"x": 3})
+    # An expected error type reaches the caller as itself; any other names the worker.
+    kind, text = ray.get(call(worker, "fail", 30, (ValueError,), {"message": "boom"}))
+    assert (kind, text) == ("ValueError", "boom")
+    kind, text = ray.get(call(worker, "fail", 30, (), {"message": "boom"}))
+    assert kind == "WorkerCallError" and "'echo-1'" in text and "boom" in text
+    kind, text = ray.get(call(worker, "sleep", 1, (), {"seconds": 3}))
+    assert kind == "WorkerTimeoutError" and "'echo-1'" in text and "'sleep'" in text
+
+
+def test_a_remote_worker_that_died_is_named(cluster):
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO), workers_per_node=1, name_prefix="rw")
+    try:
+        worker = group.remote_worker(0)
+        kind, text = ray.get(
+            _call_from_another_process.remote(worker, "die", 60, (), {"how": "exit"})
+        )
+        assert kind == "WorkerDiedError" and "'rw-0'" in text and "'die'" in text
+    finally:
+        group.shutdown()

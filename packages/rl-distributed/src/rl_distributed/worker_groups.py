@@ -29,11 +29,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rl_distributed import hang_report, venvs
 from rl_distributed._arguments import check_shard_shape, share_large_values
 from rl_distributed.named_sharding import NamedSharding
+from rl_distributed.remote_worker import RemoteWorker, failure
 from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_host import WorkerHost
 from rl_distributed.worker_types import (
-    WorkerCallError,
-    WorkerDiedError,
+    WorkerCallError,  # noqa: F401 (re-exported: callers import the errors from here)
+    WorkerDiedError,  # noqa: F401
     WorkerFutures,
     WorkerGroupError,
     WorkerMetadata,
@@ -414,6 +415,26 @@ class RayWorkerGroup:
                 watched.append((ref, rank))
         return WorkerFutures(refs, ranks, method, watched)
 
+    def call_all(self, method: str, *, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """``method(**kwargs)`` on every worker, waited for (``get_all_worker_results``)."""
+        futures = self.run_all_workers_single_data(method, **kwargs)
+        return self.get_all_worker_results(futures, timeout=timeout)
+
+    def call_one(
+        self, rank: int, method: str, *, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
+        """``method(**kwargs)`` on worker ``rank`` alone, tracked and waited for like any call
+        of the group (a hang report names the method it runs)."""
+        if not 0 <= rank < len(self.workers):
+            raise IndexError(f"{method}: no worker of rank {rank} (world size {self.world_size})")
+        futures = WorkerFutures([self._call(rank, method, kwargs)], [rank], method)
+        return self.get_all_worker_results(futures, timeout=timeout)[0]
+
+    def remote_worker(self, rank: int) -> RemoteWorker:
+        """Worker ``rank`` as a handle another process (a Ray actor) can call."""
+        meta = self.worker_metadata[rank]
+        return RemoteWorker(self.workers[rank], meta.describe(), rank, meta.placement.get("stderr"))
+
     # -- results -----------------------------------------------------------------------------
 
     def get_all_worker_results(self, futures: Sequence, timeout: float | None = None) -> list[Any]:
@@ -486,40 +507,10 @@ class RayWorkerGroup:
             return "an unknown worker"
         return self.worker_metadata[rank].describe()
 
-    def _log_tail(self, rank: int | None, lines: int = 20) -> str:
-        """The end of the dead worker's stderr log, when it is on this machine."""
-        if rank is None:
-            return ""
-        path = self.worker_metadata[rank].placement.get("stderr")
-        try:
-            with open(path, errors="replace") as log:
-                tail = log.readlines()[-lines:]
-        except (OSError, TypeError):
-            return ""
-        return f"\n--- last lines of {path} ---\n" + "".join(tail).rstrip()
-
     def _worker_error(self, err: Exception, rank: int | None, method: str) -> Exception:
         """The error to raise for a failed call: which worker, how, and its own words."""
-        if isinstance(
-            err,
-            ray.exceptions.RayActorError
-            | ray.exceptions.WorkerCrashedError
-            | ray.exceptions.OutOfMemoryError
-            | ray.exceptions.NodeDiedError,
-        ):
-            died = WorkerDiedError(
-                f"{self._describe(rank)} died during {method!r}: {_death_cause(err)}"
-                + self._log_tail(rank)
-            )
-            died.__cause__ = err
-            return died
-        if isinstance(err, ray.exceptions.RayTaskError):
-            raised = WorkerCallError(
-                f"{self._describe(rank)} raised in {method!r}: {err.cause!r}\n{err}"
-            )
-            raised.__cause__ = err
-            return raised
-        return err
+        stderr = self.worker_metadata[rank].placement.get("stderr") if rank is not None else None
+        return failure(err, self._describe(rank), method, stderr)
 
     def _hang_error(
         self,
@@ -558,9 +549,7 @@ class RayWorkerGroup:
         clean = True
         if cleanup_method and self.workers:
             try:
-                self.get_all_worker_results(
-                    self.run_all_workers_single_data(cleanup_method), timeout=timeout
-                )
+                self.call_all(cleanup_method, timeout=timeout)
             except WorkerGroupError as err:
                 logger.warning("cleanup %r did not finish cleanly: %s", cleanup_method, err)
                 clean = False
@@ -595,15 +584,3 @@ def _wait_until_dead(workers: list, timeout: float) -> None:
             time.sleep(0.05)
     if alive:
         logger.warning("%d killed workers were still alive after %.0f s", len(alive), timeout)
-
-
-def _death_cause(err: Exception) -> str:
-    """The useful part of Ray's message on why an actor died."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if any("creation task" in line for line in lines):
-        # The constructor raised: its exception is at the end of the remote traceback.
-        return "its constructor raised: " + " ".join(lines[-2:])
-    text = " ".join(lines)
-    if "exit detail:" in text:
-        text = text[text.index("exit detail:") :]
-    return text[:600]
