@@ -145,7 +145,7 @@ def pin_trainer(run) -> None:
 
 def steps_per_minute(config: dict) -> float:
     from rl_algorithms import grpo
-    from rl_algorithms.async_grpo import async_grpo_train
+    from rl_algorithms.grpo.async_loop import async_grpo_train
 
     master = grpo.MasterConfig.model_validate(config)
     run = grpo.setup(master)

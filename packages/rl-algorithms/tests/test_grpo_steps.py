@@ -7,6 +7,7 @@ import torch
 
 from rl_algorithms import grpo
 from rl_algorithms.advantages import grpo_advantages
+from rl_algorithms.run import Run
 from rl_algorithms.utils.logger import Logger, LoggerConfig
 from rl_data.collate import rl_collate
 from rl_data.loader import StatefulDataLoader
@@ -74,7 +75,8 @@ def make_run(tokenizer, template, tmp_path):
         loader = StatefulDataLoader(
             datums, 2, lambda b: rl_collate(b, tokenizer.pad_token_id), shuffle=False
         )
-        return grpo.GRPORun(
+        return Run(
+            name="grpo",
             config=config,
             policy=type("P", (), {"weight_version": 0})(),
             generation=CyclingGeneration(tokenizer, SCRIPT),
@@ -86,7 +88,7 @@ def make_run(tokenizer, template, tmp_path):
             val_loader=None,
             logger=Logger(LoggerConfig(log_dir=str(tmp_path / "logs"), progress_bar=False)),
             checkpointer=None,
-            loss_fn=None,
+            total_steps=1,
         )
 
     return make
@@ -108,10 +110,13 @@ def test_dynamic_sampling_stops_at_its_round_limit_and_fills_up(make_run):
     assert metrics["generation_rounds"] == 1.0
     assert metrics["dynamic_sampling/groups_with_signal"] == 1.0
     assert result.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]  # group 0, then set-aside group 1
+    assert result.filler.tolist() == [False, False, True, True]
     batch = result.training_batch(run.tokenizer.pad_token_id)
-    grpo.compute_advantages(run, result, batch)
-    per_row = (batch["advantages"] * batch["token_mask"]).sum(1)
+    fields, _ = grpo.compute_advantages(run, result, batch["token_mask"])
+    per_row = (fields["advantages"] * batch["token_mask"]).sum(1)
     assert per_row[2:].abs().sum() == 0  # the filler group adds no gradient
+    # and counts nowhere: neither in the loss's token divisor nor in its KL term
+    assert fields["sample_mask"].tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_without_dynamic_sampling_one_round_is_trained(make_run):
@@ -126,12 +131,12 @@ def test_advantages_sit_on_the_sampled_tokens_and_truncated_samples_drop_out(mak
     result, _ = grpo.generate_rollouts(run)
     result.truncated[3] = True  # as if sample 3 had hit the length limit
     batch = result.training_batch(run.tokenizer.pad_token_id)
-    metrics = grpo.compute_advantages(run, result, batch)
+    fields, metrics = grpo.compute_advantages(run, result, batch["token_mask"])
     expected = grpo_advantages(result.rewards, 2, leave_one_out=True)
     torch.testing.assert_close(
-        batch["advantages"], (expected[:, None] * batch["token_mask"]).float()
+        fields["advantages"], (expected[:, None] * batch["token_mask"]).float()
     )
-    assert batch["sample_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert fields["sample_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
     assert metrics["reward_mean"] == pytest.approx(float(result.rewards.mean()))
 
 
@@ -245,7 +250,8 @@ def test_the_pi_old_pass_runs_only_when_a_batch_gets_several_optimiser_steps(
     run.policy = CountingPolicy()
     result, _ = grpo.generate_rollouts(run)
     batch = result.training_batch(run.tokenizer.pad_token_id)
-    grpo.compute_logprobs(run, batch)
+    fields = grpo.compute_logprobs(run, batch)
     assert run.policy.calls == expected_calls
-    assert ("prev_logprobs" in batch) == pi_old_in_batch
+    assert ("prev_logprobs" in fields) == pi_old_in_batch
+    assert set(fields) == grpo.steps.logprob_fields(run.config)
     assert grpo.single_update_per_batch(run.config) == (global_batch == 4)

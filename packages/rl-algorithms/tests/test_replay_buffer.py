@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from rl_algorithms.replay_buffer import ReplayBuffer, TrajectoryGroup
+from rl_algorithms.grpo.replay_buffer import ReplayBuffer, TrajectoryGroup
 from rl_algorithms.rollouts import RolloutResult
 from rl_distributed.batched_data_dict import BatchedDataDict
 

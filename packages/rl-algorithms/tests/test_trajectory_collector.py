@@ -19,14 +19,16 @@ import pytest
 import ray
 import torch
 
-from rl_algorithms.async_grpo import Trajectories
-from rl_algorithms.replay_buffer import ReplayBuffer
-from rl_algorithms.trajectory_collector import CollectorClient, CollectorError
+from rl_algorithms.grpo.async_loop import Trajectories
+from rl_algorithms.grpo.collector import CollectorClient, CollectorError
+from rl_algorithms.grpo.replay_buffer import ReplayBuffer
 from rl_data.loader import StatefulDataLoader
 from rl_data.messages import tokenize_message_logs
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_distributed.worker_types import WorkerFutures, WorkerTimeoutError
 from rl_envs.sliding_puzzle import SlidingPuzzleConfig, SlidingPuzzleEnvironment, first_prompt
 from rl_models.generation import RequestAbortedError
+from rl_models.generation.streaming import StreamingSampler, StreamNews
 
 # Each test starts actors that import torch: ~30 s apiece on the busy 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
@@ -53,13 +55,10 @@ class ScriptedEngine:
         self.cancelled: list[str] = []
         self.starts: list[tuple[float, float]] = []  # (began, ended), time.time()
 
-    def execute(self, method, args=(), kwargs=None):  # the WorkerHost's calling convention
-        return getattr(self, method)(*args, **(kwargs or {}))
-
     def get_weight_version(self):
         return 3
 
-    def start_stream(self, data, greedy=False, expected_weight_version=None):
+    def start(self, data, greedy=False):
         began = time.time()
         time.sleep(self.start_seconds)
         stream_id = f"s{self.started}"
@@ -101,30 +100,33 @@ class ScriptedEngine:
             out.append((row, sample))
         return out, True
 
-    def next_finished_many(self, stream_ids, timeout=0.0):
+    def poll(self, stream_ids, timeout=0.0):
         """As the vLLM worker's: news of every stream that has some, waiting when none has.
         A stream's samples come in two polls (the first half, then the rest), as a real
         engine's finish over several."""
         news = {}
         for stream_id in stream_ids:
             if stream_id in self.held_back:
-                news[stream_id] = (self.held_back.pop(stream_id), True)
+                news[stream_id] = StreamNews(dict(self.held_back.pop(stream_id)), True)
                 continue
             try:
                 ready, done = self.next_finished(stream_id)
             except RequestAbortedError as err:
-                news[stream_id] = err
+                news[stream_id] = StreamNews({}, False, aborted=err)
                 continue
             if done and len(ready) > 1:
                 half = len(ready) // 2
                 ready, self.held_back[stream_id], done = ready[:half], ready[half:], False
             if ready or done:
-                news[stream_id] = (ready, done)
+                news[stream_id] = StreamNews(dict(ready), done)
         if not news:
             time.sleep(timeout)
         return news
 
-    def cancel_stream(self, stream_id):
+    def weight_version(self):
+        return self.get_weight_version()
+
+    def cancel(self, stream_id):
         self.cancelled.append(stream_id)
         self.streams.pop(stream_id, None)
         self.held_back.pop(stream_id, None)
@@ -132,6 +134,42 @@ class ScriptedEngine:
 
     def get_cancelled(self):
         return self.cancelled
+
+
+class ScriptedSampler:
+    """The collector's view of the scripted engine (a Ray actor), through the same typed
+    interface as vLLM's sampler, each call with its deadline."""
+
+    name = "scripted engine 0"
+
+    def __init__(self, engine, call_timeout: float) -> None:
+        self.engine, self.call_timeout = engine, call_timeout
+
+    def _call(self, method, *args):
+        try:
+            return ray.get(getattr(self.engine, method).remote(*args), timeout=self.call_timeout)
+        except ray.exceptions.GetTimeoutError as err:
+            raise WorkerTimeoutError(
+                f"{self.name} did not answer {method!r} within {self.call_timeout:.0f} s",
+                [0],
+                WorkerFutures([], [0], method),
+            ) from err
+
+    def start(self, data, greedy=False):
+        return self._call("start", data, greedy)
+
+    def poll(self, stream_ids, timeout=0.0):
+        return self._call("poll", stream_ids, timeout)
+
+    def cancel(self, stream_id):
+        return self._call("cancel", stream_id)
+
+    def weight_version(self):
+        return self._call("weight_version")
+
+
+def test_the_scripted_sampler_is_a_streaming_sampler():
+    assert isinstance(ScriptedSampler(None, 1.0), StreamingSampler)
 
 
 def collate(samples: list[dict]) -> BatchedDataDict:
@@ -166,9 +204,10 @@ def start(tokenizer, template, n_prompts: int, hang_first: bool, name: str, **kw
     )
     data = prompts(tokenizer, template, n_prompts, kwargs.pop("long_idx", None))
     loader = StatefulDataLoader(data, 2, collate, shuffle=False)
+    sampler = ScriptedSampler(engine, kwargs.get("engine_call_seconds", 300.0))
     client = CollectorClient(
         name,
-        [engine],
+        [sampler],
         tokenizer.pad_token_id,
         tokenizer,
         template,
@@ -176,7 +215,6 @@ def start(tokenizer, template, n_prompts: int, hang_first: bool, name: str, **kw
         loader,
         group_size=G,
         max_seq_len=512,
-        worker_names=["scripted engine 0"],
         max_epochs=1,
         max_group_seconds=kwargs.pop("max_group_seconds", 60.0),
         max_groups_ahead=kwargs.pop("max_groups_ahead", 4),
@@ -306,7 +344,7 @@ def test_a_wedged_engine_is_reported_by_name_within_seconds(tokenizer, template)
     try:
         with pytest.raises(
             CollectorError,
-            match=r"c-wedged.*scripted engine 0 did not answer next_finished_many within 2 s",
+            match=r"c-wedged.*scripted engine 0 did not answer 'poll' within 2 s",
         ):
             for _ in range(100):
                 client.take(0, timeout=0.5)

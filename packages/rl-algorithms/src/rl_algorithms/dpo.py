@@ -17,7 +17,8 @@ from pydantic import Field, model_validator
 
 from rl_algorithms.config import LoopConfig, SupervisedRunConfig, recipe_path
 from rl_algorithms.losses.dpo import DPOLossConfig
-from rl_algorithms.utils.run import SupervisedRun, setup_supervised, train_loop
+from rl_algorithms.run import Run
+from rl_algorithms.supervised import setup_supervised, train_loop
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.policy.config import PolicyConfig
 
@@ -51,14 +52,16 @@ class MasterConfig(SupervisedRunConfig):
         return self
 
 
-def setup(config: MasterConfig) -> SupervisedRun:
+def setup(config: MasterConfig) -> Run:
     """Tokenizer, preference pairs, cluster, policy + reference, logger, checkpoints."""
+    from rl_algorithms.losses.dpo import DPOLoss
     from rl_data.collate import preference_collate
 
-    return setup_supervised(config, config.dpo, "preference", preference_collate, name="dpo")
+    loss_fn = DPOLoss(config.dpo.loss_config())
+    return setup_supervised(config, config.dpo, "preference", preference_collate, "dpo", loss_fn)
 
 
-def with_reference_logprobs(run: SupervisedRun) -> Callable[[BatchedDataDict], BatchedDataDict]:
+def with_reference_logprobs(run: Run) -> Callable[[BatchedDataDict], BatchedDataDict]:
     """Batch preparation: response-token mask and the reference policy's log-probs."""
 
     def prepare(batch: BatchedDataDict) -> BatchedDataDict:
@@ -71,12 +74,9 @@ def with_reference_logprobs(run: SupervisedRun) -> Callable[[BatchedDataDict], B
     return prepare
 
 
-def dpo_train(run: SupervisedRun) -> dict[str, float]:
+def dpo_train(run: Run) -> dict[str, float]:
     """Train until ``dpo.max_num_steps`` or ``dpo.max_num_epochs``; the last train metrics."""
-    from rl_algorithms.losses.dpo import DPOLoss
-
-    loss_fn = DPOLoss(run.config.dpo.loss_config())
-    return train_loop(run, loss_fn, with_reference_logprobs(run), rows_per_sample=2)
+    return train_loop(run, run.config.dpo, with_reference_logprobs(run), rows_per_sample=2)
 
 
 def main(config: MasterConfig) -> dict[str, float]:

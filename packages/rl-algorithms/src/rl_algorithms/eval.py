@@ -19,15 +19,15 @@ import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from rl_algorithms.config import ClusterConfig, TokenizerConfig, recipe_path, set_seed
-from rl_algorithms.environments import EnvSection, start_environments, stop_environments
-from rl_algorithms.utils.logger import Logger, LoggerConfig
+from rl_algorithms.config import ClusterConfig, TokenizerConfig, recipe_path
+from rl_algorithms.environments import EnvSection
+from rl_algorithms.run import DataPlan, GeneratorPlan, Run, setup_run
+from rl_algorithms.utils.logger import LoggerConfig
 from rl_data.datasets import DatasetConfig
 from rl_distributed.config import ConfigModel
 from rl_models.generation.config import GenerationConfig
@@ -159,70 +159,36 @@ def summarize(outcomes: Sequence[PromptOutcome], ks: Sequence[int]) -> dict[str,
 # -- the run -------------------------------------------------------------------------------------
 
 
-@dataclass
-class EvalRun:
-    config: MasterConfig
-    cluster: Any
-    generation: Any
-    envs: dict[str, Any]
-    tokenizer: Any
-    template: Any
-    loader: Any
-    logger: Logger
-
-    def shutdown(self) -> None:
-        self.logger.close()
-        stop_environments(self.envs)
-        self.generation.shutdown()
-        self.cluster.shutdown()
-
-
-def make_generator(cluster: Any, config: GenerationConfig, model: ModelConfig) -> Any:
-    """The generation backend ``generation.backend`` names (``hf`` or ``vllm``)."""
-    if config.backend == "hf":
-        from rl_models.generation.hf_generation import HfGeneration
-
-        return HfGeneration(cluster, config, model=model, name_prefix="eval-generation")
-    from rl_models.generation.vllm_generation import VllmGeneration  # the vllm extra
-
-    return VllmGeneration(cluster, config, model=model, name_prefix="eval-generation")
-
-
-def setup(config: MasterConfig) -> EvalRun:
+def setup(config: MasterConfig) -> Run:
     """Prompts, cluster, generator (with the model or checkpoint) and environments."""
-    from rl_algorithms.utils.run import start_cluster
     from rl_data.collate import rl_collate
     from rl_data.datasets import load_dataset
-    from rl_data.loader import StatefulDataLoader
-    from rl_data.processors import ProcessedDataset
-    from rl_data.templates import ChatTemplate
-    from rl_data.tokenizers import load_tokenizer
 
     cfg = config.eval
-    set_seed(cfg.seed)
-    model = model_to_evaluate(config)
-    tokenizer = load_tokenizer(config.tokenizer)
-    template = ChatTemplate.from_config(config.tokenizer.chat_template, tokenizer)
     rows = load_dataset(config.data.dataset)
     if cfg.max_num_prompts is not None and cfg.max_num_prompts < len(rows):
         rows = rows.select(range(cfg.max_num_prompts))
-    prompts = ProcessedDataset(
-        rows, tokenizer, template, "prompt", max_seq_length=config.data.max_seq_length
+    data = DataPlan(
+        "prompt",
+        rl_collate,
+        batch_size=cfg.prompts_per_batch,
+        val_batch_size=cfg.prompts_per_batch,
+        shuffle=False,
+        drop_last=False,
     )
-    collate = partial(rl_collate, pad_token_id=tokenizer.pad_token_id)
-    loader = StatefulDataLoader(
-        prompts, cfg.prompts_per_batch, collate, shuffle=False, drop_last=False
+    generation = config.generation.model_copy(update={"seed": cfg.seed})
+    return setup_run(
+        config,
+        name="eval",
+        seed=cfg.seed,
+        data=data,
+        generator=GeneratorPlan(generation, model_to_evaluate(config)),
+        envs=config.env,
+        splits={"train": rows},
     )
-    cluster = start_cluster(config.cluster, name="eval-cluster")
-    generation = make_generator(
-        cluster, config.generation.model_copy(update={"seed": cfg.seed}), model
-    )
-    envs = start_environments(config.env)
-    logger = Logger(config.logger, run_config=config.model_dump(mode="json"))
-    return EvalRun(config, cluster, generation, envs, tokenizer, template, loader, logger)
 
 
-def evaluate(run: EvalRun) -> dict[str, float]:
+def evaluate(run: Run) -> dict[str, float]:
     """Sample, score and summarise every prompt; logs ``eval/*`` at step 0."""
     from rl_algorithms.rollouts import run_rollouts
 
@@ -230,8 +196,8 @@ def evaluate(run: EvalRun) -> dict[str, float]:
     n = cfg.num_tests_per_prompt
     outcomes: list[PromptOutcome] = []
     records: list[dict[str, Any]] = []
-    run.logger.progress.start(len(run.loader), description="eval")
-    for batch_number, prompts in enumerate(run.loader, start=1):
+    run.logger.progress.start(len(run.train_loader), description="eval")
+    for batch_number, prompts in enumerate(run.train_loader, start=1):
         with run.logger.timer("generation"):
             run.generation.prepare_for_generation()
             try:

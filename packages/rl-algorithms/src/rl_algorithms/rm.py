@@ -15,7 +15,8 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from rl_algorithms.config import LoopConfig, SupervisedRunConfig, recipe_path
-from rl_algorithms.utils.run import SupervisedRun, setup_supervised, train_loop
+from rl_algorithms.run import Run
+from rl_algorithms.supervised import setup_supervised, train_loop
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.policy.config import PolicyConfig
 
@@ -48,11 +49,13 @@ class MasterConfig(SupervisedRunConfig):
         return self
 
 
-def setup(config: MasterConfig) -> SupervisedRun:
+def setup(config: MasterConfig) -> Run:
     """Tokenizer, preference pairs, cluster, reward model, logger, checkpoints."""
+    from rl_algorithms.losses.preference import BradleyTerryLoss
     from rl_data.collate import preference_collate
 
-    return setup_supervised(config, config.rm, "preference", preference_collate, name="rm")
+    loss_fn = BradleyTerryLoss()
+    return setup_supervised(config, config.rm, "preference", preference_collate, "rm", loss_fn)
 
 
 def rm_batch(batch: BatchedDataDict) -> BatchedDataDict:
@@ -60,11 +63,9 @@ def rm_batch(batch: BatchedDataDict) -> BatchedDataDict:
     return batch
 
 
-def rm_train(run: SupervisedRun) -> dict[str, float]:
+def rm_train(run: Run) -> dict[str, float]:
     """Train until ``rm.max_num_steps`` or ``rm.max_num_epochs``; the last train metrics."""
-    from rl_algorithms.losses.preference import BradleyTerryLoss
-
-    return train_loop(run, BradleyTerryLoss(), rm_batch, rows_per_sample=2)
+    return train_loop(run, run.config.rm, rm_batch, rows_per_sample=2)
 
 
 def main(config: MasterConfig) -> dict[str, float]:

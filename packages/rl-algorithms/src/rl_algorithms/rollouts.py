@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,47 @@ class RolloutResult:
     env_metadata: list[Any]
     answers: list[str | None]  # the last answer each environment extracted
     metrics: dict[str, float] = field(default_factory=dict)
+    # bool [N]: rows that only fill a batch up to its size (dynamic sampling's groups without
+    # a signal); they stay out of the loss.
+    filler: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.filler is None:
+            self.filler = torch.zeros(len(self.message_logs), dtype=torch.bool)
+
+    def select(self, rows: Iterable[int]) -> RolloutResult:
+        """These rows, in this order (metrics are not carried over)."""
+        rows = list(rows)
+        return RolloutResult(
+            message_logs=[self.message_logs[i] for i in rows],
+            rewards=self.rewards[rows],
+            truncated=self.truncated[rows],
+            terminated=self.terminated[rows],
+            turns=self.turns[rows],
+            env_metadata=[self.env_metadata[i] for i in rows],
+            answers=[self.answers[i] for i in rows],
+            filler=self.filler[rows],
+        )
+
+    def as_filler(self) -> RolloutResult:
+        """The same rows, marked as filler."""
+        rows = self.select(range(len(self.message_logs)))
+        rows.filler = torch.ones_like(rows.filler)
+        return rows
+
+    @staticmethod
+    def concat(parts: Sequence[RolloutResult]) -> RolloutResult:
+        """The rows of ``parts`` one after the other (metrics are not carried over)."""
+        return RolloutResult(
+            message_logs=[log for p in parts for log in p.message_logs],
+            rewards=torch.cat([p.rewards for p in parts]),
+            truncated=torch.cat([p.truncated for p in parts]),
+            terminated=torch.cat([p.terminated for p in parts]),
+            turns=torch.cat([p.turns for p in parts]),
+            env_metadata=[m for p in parts for m in p.env_metadata],
+            answers=[a for p in parts for a in p.answers],
+            filler=torch.cat([p.filler for p in parts]),
+        )
 
     def training_batch(self, pad_token_id: int) -> BatchedDataDict:
         """Right-padded ``input_ids`` with ``token_mask`` on sampled tokens only and the
@@ -167,15 +208,137 @@ def _length(log: MessageLog) -> int:
     return sum(len(m["token_ids"]) for m in log)
 
 
-def _generation_input(
+def generation_input(
     logs: Sequence[MessageLog], stops: Sequence[Any], pad_id: int
 ) -> BatchedDataDict:
+    """What a generator samples from: each log flattened to right-padded token ids, with the
+    stop strings its environment asked for."""
     rows = [torch.cat([m["token_ids"] for m in log]) for log in logs]
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
     ids = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.long)
     for b, row in enumerate(rows):
         ids[b, : len(row)] = row
     return BatchedDataDict(input_ids=ids, input_lengths=lengths, stop_strings=list(stops))
+
+
+class Episodes:
+    """The samples of one rollout while it runs: their logs, rewards and how each ended.
+
+    ``run_rollouts`` drives it turn by turn with a generator; async GRPO's collector, whose
+    engine has already sampled a group, plays that single turn with ``score_generated``.
+    """
+
+    def __init__(
+        self,
+        batch: BatchedDataDict,
+        tokenizer: Any,
+        template: ChatTemplate,
+        envs: Mapping[str, Any],
+        max_seq_len: int,
+    ) -> None:
+        # The input's message logs are copied, never changed.
+        self.logs: list[MessageLog] = [[dict(m) for m in log] for log in batch["message_log"]]  # type: ignore[misc]
+        n = len(self.logs)
+        self.metadata = [copy.deepcopy(m) for m in batch["extra_env_info"]]
+        self.tasks = list(batch["task_name"])
+        self.tokenizer, self.template, self.envs = tokenizer, template, envs
+        self.max_seq_len = max_seq_len
+        self.rewards = torch.zeros(n, dtype=torch.float32)
+        self.truncated = torch.zeros(n, dtype=torch.bool)
+        self.out_of_room = torch.zeros(n, dtype=torch.bool)  # reached max_seq_len: stops
+        self.terminated = torch.zeros(n, dtype=torch.bool)
+        self.turns = torch.zeros(n, dtype=torch.long)
+        self.answers: list[str | None] = [None] * n
+        self.stops: list[Any] = [None] * n
+        self.metrics: dict[str, float] = {}
+        for i in range(n):
+            self.out_of_room[i] = self.truncated[i] = _length(self.logs[i]) >= max_seq_len
+        self.active = [i for i in range(n) if not self.out_of_room[i]]
+
+    def generation_input(self) -> BatchedDataDict:
+        """The active samples, as the generator's input."""
+        logs = [self.logs[i] for i in self.active]
+        return generation_input(
+            logs, [self.stops[i] for i in self.active], self.tokenizer.pad_token_id
+        )
+
+    def play_turn(self, turn: int, out: BatchedDataDict, last: bool) -> None:
+        """The active samples' responses (``out``, one row each) become assistant messages,
+        the environments answer, and the samples that go on get the observation."""
+        logs, active, max_seq_len = self.logs, self.active, self.max_seq_len
+        gen_tokens = 0
+        for j, i in enumerate(active):
+            start = _length(logs[i])
+            length = int(out["generation_lengths"][j])
+            room = max_seq_len - start
+            if length >= room:
+                self.out_of_room[i] = True
+            if length > room or bool(out["truncated"][j]):
+                self.truncated[i] = True
+            length = min(length, room)
+            ids = out["output_ids"][j, start : start + length].to(torch.long)
+            lps = out["logprobs"][j, start : start + length].to(torch.float32)
+            message = _assistant_message(ids, lps, self.tokenizer, self.template, logs[i], room)
+            logs[i].append(message)  # type: ignore[arg-type]
+            self.turns[i] += 1
+            gen_tokens += length
+        # Every sample that generated is scored, truncated ones too (their reward says so).
+        results = step_environments(
+            self.envs,
+            [logs[i] for i in active],
+            [self.metadata[i] for i in active],
+            [self.tasks[i] for i in active],
+        )
+        turn_rewards = []
+        for i, (_obs, meta, stop, reward, done, answer) in zip(active, results, strict=True):
+            self.rewards[i] += reward
+            turn_rewards.append(reward)
+            self.metadata[i], self.stops[i], self.answers[i] = meta, stop, answer
+            self.terminated[i] = done
+        self.metrics[f"turn_{turn}/active_samples"] = float(len(active))
+        self.metrics[f"turn_{turn}/mean_generation_length"] = gen_tokens / len(active)
+        self.metrics[f"turn_{turn}/reward_mean"] = sum(turn_rewards) / len(turn_rewards)
+
+        going = [i for i in active if not self.terminated[i] and not self.out_of_room[i]]
+        if not last and going:
+            for i, (obs, *_rest) in zip(active, results, strict=True):
+                if i in going:
+                    logs[i].append({"role": obs["role"], "content": obs["content"]})  # type: ignore[typeddict-item]
+            tokenize_message_logs(
+                [logs[i] for i in going], self.tokenizer, self.template, add_generation_prompt=True
+            )
+            for i in going:
+                if _length(logs[i]) >= max_seq_len:  # the episode is cut short
+                    self.out_of_room[i] = self.truncated[i] = True
+                    # and the observation cut to the limit: no row may outgrow max_seq_len
+                    logs[i][:] = truncate_message_log(logs[i], max_seq_len)
+        self.active = [i for i in going if not self.out_of_room[i]]
+
+    def result(self) -> RolloutResult:
+        logs, n = self.logs, len(self.logs)
+        lengths = [
+            sum(int(m["token_loss_mask"].sum()) for m in log if "token_loss_mask" in m)
+            for log in logs
+        ]
+        metrics = {
+            **self.metrics,
+            "mean_turns": float(self.turns.double().mean()),
+            "truncated_fraction": float(self.truncated.double().mean()),
+            "terminated_fraction": float(self.terminated.double().mean()),
+            "mean_generated_tokens": sum(lengths) / n,
+            "completion_tokens": float(sum(lengths)),
+            "reward_mean": float(self.rewards.double().mean()),
+        }
+        return RolloutResult(
+            logs,
+            self.rewards,
+            self.truncated,
+            self.terminated,
+            self.turns,
+            self.metadata,
+            self.answers,
+            metrics,
+        )
 
 
 def run_rollouts(
@@ -192,92 +355,36 @@ def run_rollouts(
 ) -> RolloutResult:
     """Roll ``batch`` (``message_log``, ``extra_env_info``, ``task_name``) out to the end.
 
-    ``envs`` maps task names to environment actors (or in-process environments). The input's
-    message logs are copied, never changed.
+    ``envs`` maps task names to environment actors (or in-process environments).
     """
-    logs: list[MessageLog] = [[dict(m) for m in log] for log in batch["message_log"]]  # type: ignore[misc]
-    n = len(logs)
-    metadata = [copy.deepcopy(m) for m in batch["extra_env_info"]]
-    tasks = list(batch["task_name"])
-    pad_id = tokenizer.pad_token_id
-    rewards = torch.zeros(n, dtype=torch.float32)
-    truncated = torch.zeros(n, dtype=torch.bool)
-    out_of_room = torch.zeros(n, dtype=torch.bool)  # reached max_seq_len: stops
-    terminated = torch.zeros(n, dtype=torch.bool)
-    turns = torch.zeros(n, dtype=torch.long)
-    answers: list[str | None] = [None] * n
-    stops: list[Any] = [None] * n
-    metrics: dict[str, float] = {}
-    for i in range(n):
-        out_of_room[i] = truncated[i] = _length(logs[i]) >= max_seq_len
-    active = [i for i in range(n) if not out_of_room[i]]
-
+    episodes = Episodes(batch, tokenizer, template, envs, max_seq_len)
     for turn in range(max_turns):
-        if not active:
+        if not episodes.active:
             break
         out = generation.generate(
-            _generation_input([logs[i] for i in active], [stops[i] for i in active], pad_id),
+            episodes.generation_input(),
             greedy=greedy,
             expected_weight_version=expected_weight_version,
         )
-        gen_tokens = 0
-        for j, i in enumerate(active):
-            start = _length(logs[i])
-            length = int(out["generation_lengths"][j])
-            room = max_seq_len - start
-            if length >= room:
-                out_of_room[i] = True
-            if length > room or bool(out["truncated"][j]):
-                truncated[i] = True
-            length = min(length, room)
-            ids = out["output_ids"][j, start : start + length].to(torch.long)
-            lps = out["logprobs"][j, start : start + length].to(torch.float32)
-            logs[i].append(_assistant_message(ids, lps, tokenizer, template, logs[i], room))  # type: ignore[arg-type]
-            turns[i] += 1
-            gen_tokens += length
-        # Every sample that generated is scored, truncated ones too (their reward says so).
-        results = step_environments(
-            envs,
-            [logs[i] for i in active],
-            [metadata[i] for i in active],
-            [tasks[i] for i in active],
-        )
-        turn_rewards = []
-        for i, (_obs, meta, stop, reward, done, answer) in zip(active, results, strict=True):
-            rewards[i] += reward
-            turn_rewards.append(reward)
-            metadata[i], stops[i], answers[i] = meta, stop, answer
-            terminated[i] = done
-        metrics[f"turn_{turn}/active_samples"] = float(len(active))
-        metrics[f"turn_{turn}/mean_generation_length"] = gen_tokens / len(active)
-        metrics[f"turn_{turn}/reward_mean"] = sum(turn_rewards) / len(turn_rewards)
+        episodes.play_turn(turn, out, last=turn + 1 == max_turns)
+    return episodes.result()
 
-        going = [i for i in active if not terminated[i] and not out_of_room[i]]
-        if turn + 1 < max_turns and going:
-            for i, (obs, *_rest) in zip(active, results, strict=True):
-                if i in going:
-                    logs[i].append({"role": obs["role"], "content": obs["content"]})  # type: ignore[typeddict-item]
-            tokenize_message_logs(
-                [logs[i] for i in going], tokenizer, template, add_generation_prompt=True
-            )
-            for i in going:
-                if _length(logs[i]) >= max_seq_len:  # the episode is cut short
-                    out_of_room[i] = truncated[i] = True
-                    # and the observation cut to the limit: no row may outgrow max_seq_len
-                    logs[i][:] = truncate_message_log(logs[i], max_seq_len)
-        active = [i for i in going if not out_of_room[i]]
 
-    lengths = [
-        sum(int(m["token_loss_mask"].sum()) for m in log if "token_loss_mask" in m) for log in logs
-    ]
-    metrics.update(
-        {
-            "mean_turns": float(turns.double().mean()),
-            "truncated_fraction": float(truncated.double().mean()),
-            "terminated_fraction": float(terminated.double().mean()),
-            "mean_generated_tokens": sum(lengths) / n,
-            "completion_tokens": float(sum(lengths)),
-            "reward_mean": float(rewards.double().mean()),
-        }
-    )
-    return RolloutResult(logs, rewards, truncated, terminated, turns, metadata, answers, metrics)
+def score_generated(
+    batch: BatchedDataDict,
+    out: BatchedDataDict | None,
+    tokenizer: Any,
+    template: ChatTemplate,
+    envs: Mapping[str, Any],
+    *,
+    max_seq_len: int,
+) -> RolloutResult:
+    """A single-turn rollout whose responses were already sampled (``out``, one row per row of
+    ``batch``; ``None`` when every prompt is too long to generate from)."""
+    episodes = Episodes(batch, tokenizer, template, envs, max_seq_len)
+    if episodes.active:
+        if out is None or out.size != len(episodes.active):
+            got = "none" if out is None else out.size
+            raise ValueError(f"{len(episodes.active)} rows to score, {got} generated")
+        episodes.play_turn(0, out, last=True)
+    return episodes.result()

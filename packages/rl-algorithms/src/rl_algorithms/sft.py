@@ -13,7 +13,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from rl_algorithms.config import LoopConfig, SupervisedRunConfig, recipe_path
-from rl_algorithms.utils.run import SupervisedRun, setup_supervised, train_loop
+from rl_algorithms.run import Run
+from rl_algorithms.supervised import setup_supervised, train_loop
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.policy.config import PolicyConfig
 
@@ -29,11 +30,12 @@ class MasterConfig(SupervisedRunConfig):
     sft: SFTConfig = Field(default_factory=SFTConfig)
 
 
-def setup(config: MasterConfig) -> SupervisedRun:
+def setup(config: MasterConfig) -> Run:
     """Tokenizer, conversations, cluster, policy, logger, checkpoints (resumed if any)."""
     from rl_data.collate import sft_collate
+    from rl_models.losses import NLLLoss
 
-    return setup_supervised(config, config.sft, "sft", sft_collate, name="sft")
+    return setup_supervised(config, config.sft, "sft", sft_collate, "sft", NLLLoss())
 
 
 def sft_batch(batch: BatchedDataDict) -> BatchedDataDict:
@@ -42,11 +44,9 @@ def sft_batch(batch: BatchedDataDict) -> BatchedDataDict:
     return batch
 
 
-def sft_train(run: SupervisedRun) -> dict[str, float]:
+def sft_train(run: Run) -> dict[str, float]:
     """Train until ``sft.max_num_steps`` or ``sft.max_num_epochs``; the last train metrics."""
-    from rl_models.losses import NLLLoss
-
-    return train_loop(run, NLLLoss(), sft_batch)
+    return train_loop(run, run.config.sft, sft_batch)
 
 
 def main(config: MasterConfig) -> dict[str, float]:

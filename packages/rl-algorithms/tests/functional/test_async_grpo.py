@@ -25,8 +25,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rl_algorithms import cli
-from rl_algorithms.async_grpo import COLLECTOR_NAME
-from rl_algorithms.trajectory_collector import CollectorError
+from rl_algorithms.grpo.async_loop import COLLECTOR_NAME
+from rl_algorithms.grpo.collector import CollectorError
 from rl_algorithms.utils.checkpoint import STATE_FILE
 from rl_envs.math_env import MathEnvConfig, MathEnvironment
 

@@ -118,6 +118,20 @@ class ClippedPGLossFn:
         # which saves the trainer a whole forward pass per step. Off, a missing key is an error.
         self.pi_old_is_current = pi_old_is_current
 
+    def batch_fields(self) -> frozenset[str]:
+        """The batch fields this loss reads under its config (``token_mask`` and
+        ``sample_mask`` are optional: every real token and every sample by default), so a run
+        can check them at setup instead of failing at the first step."""
+        cfg = self.config
+        fields = {"input_ids", "input_lengths", "advantages"}
+        if not self.pi_old_is_current:
+            fields.add("prev_logprobs")
+        if cfg.use_importance_sampling_correction or cfg.use_on_policy_kl_approximation:
+            fields.add("generation_logprobs")
+        if cfg.reference_policy_kl_penalty > 0:
+            fields.add("reference_policy_logprobs")
+        return frozenset(fields)
+
     def _need(
         self, data: BatchedDataDict, key: str, width: int, like: torch.Tensor
     ) -> torch.Tensor:

@@ -4,9 +4,10 @@ import json
 from types import SimpleNamespace
 
 from rl_algorithms.config import LoopConfig
+from rl_algorithms.run import Run
+from rl_algorithms.supervised import train_loop
 from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from rl_algorithms.utils.logger import Logger, LoggerConfig
-from rl_algorithms.utils.run import SupervisedRun, train_loop
 from rl_data.loader import StatefulDataLoader
 
 
@@ -35,12 +36,15 @@ def test_a_checkpoint_carries_only_the_validation_of_its_own_weights(tmp_path):
     config = SimpleNamespace(
         policy=SimpleNamespace(train_global_batch_size=1, train_micro_batch_size=1)
     )
-    run = SupervisedRun(
+    run = Run(
+        name="sft",
         config=config,
-        loop=loop,
-        cluster=None,
+        clusters=[],
+        total_steps=4,
+        val_period=loop.val_period,
         policy=policy,
         tokenizer=None,
+        template=None,
         train_loader=StatefulDataLoader(list(range(8)), 1, list),
         val_loader=StatefulDataLoader(list(range(2)), 1, list),
         logger=Logger(LoggerConfig(log_dir=str(tmp_path / "logs"), progress_bar=False)),
@@ -51,7 +55,7 @@ def test_a_checkpoint_carries_only_the_validation_of_its_own_weights(tmp_path):
         ),
     )
     config.model_dump = lambda mode: {}
-    train_loop(run, loss_fn=None, prepare_batch=lambda batch: batch)
+    train_loop(run, loop, prepare_batch=lambda batch: batch)
     run.logger.close()
 
     def metrics(step):

@@ -11,11 +11,14 @@ One thread loops over::
        (``aborted_groups``) and one the trainer dropped as too stale (``stale_requeued_groups``)
        -- a prompt queued again more than ``max_requeues`` times is an error naming it
 
-The trainer pulls finished groups with ``take``, which also reports the collector's state: an
-error that stopped its thread (with the traceback), the end of its prompts, and how long ago
-its loop last came round (a heartbeat). Every engine call of the loop waits at most
-``engine_call_seconds`` (then the loop stops, naming the generation worker); if the actor
-itself dies, the trainer's ``ray.get`` raises at once. So a stalled collector is always
+The collector sees the engines only through ``rl_models``' typed streaming interface
+(``StreamingSampler``: start, poll, cancel, weight version), and scores a finished group with
+``rollouts.score_generated``. The trainer pulls finished groups with ``take``, which also
+reports the collector's state: an error that stopped its thread (with the traceback), the end
+of its prompts, and how long ago its loop last came round (a heartbeat). Every engine call of
+the loop waits at most ``engine_call_seconds`` (then the sampler raises, naming the generation
+worker, and the loop stops); if the actor itself dies, the trainer's ``ray.get`` raises at
+once. So a stalled collector is always
 *reported*, within seconds; nothing ever polls an empty buffer forever.
 
 ``drain`` (a refit without in-flight updates) and submission share one lock: once a drain has
@@ -39,9 +42,12 @@ from typing import Any
 import ray
 import torch
 
-from rl_algorithms.replay_buffer import TrajectoryGroup
-from rl_algorithms.rollouts import RolloutResult, _generation_input, run_rollouts
+from rl_algorithms.grpo.replay_buffer import TrajectoryGroup
+from rl_algorithms.rollouts import generation_input, score_generated
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_distributed.worker_types import WorkerGroupError
+from rl_models.generation.interfaces import IncompleteRefitError
+from rl_models.generation.streaming import StreamingSampler, StreamNews
 
 POLL_SLEEP_SECONDS = 0.02  # between two rounds of the loop when nothing is generating
 # How long a poll waits in the engine for a finished sample when the last round found none:
@@ -53,10 +59,6 @@ POLL_WAIT_SECONDS = 0.03
 HEARTBEAT_GRACE_SECONDS = 30.0
 
 
-class EngineCallError(RuntimeError):
-    """A generation worker did not answer an engine call in time, or died during one."""
-
-
 def describe_prompt(prompt: BatchedDataDict) -> str:
     """A prompt row as a person finds it again: its index (if the data has one) and text."""
     idx = prompt["idx"][0] if "idx" in prompt else None
@@ -66,24 +68,12 @@ def describe_prompt(prompt: BatchedDataDict) -> str:
     return f"prompt idx={idx} {text!r}" if idx is not None else f"prompt {text!r}"
 
 
-class _Finished:
-    """Stands in for the generator inside ``run_rollouts``: the engine already sampled."""
-
-    def __init__(self, out: BatchedDataDict) -> None:
-        self.out = out
-
-    def generate(self, data: BatchedDataDict, greedy: bool = False, **_: Any) -> BatchedDataDict:
-        if data.size != self.out.size:
-            raise RuntimeError(f"{data.size} rows to score, {self.out.size} generated")
-        return self.out
-
-
 @dataclass
 class _Group:
     prompt: BatchedDataDict  # one row
     started: float
     requeues: int = 0  # times this prompt was queued again before
-    worker: Any = None
+    sampler: StreamingSampler | None = None
     stream_id: str | None = None
     samples: dict[int, BatchedDataDict] = field(default_factory=dict)
     scoring: Future | None = None
@@ -94,7 +84,7 @@ class TrajectoryCollector:
 
     def __init__(
         self,
-        workers: list[Any],
+        samplers: list[StreamingSampler],
         pad_token_id: int,
         tokenizer: Any,
         template: Any,
@@ -109,12 +99,10 @@ class TrajectoryCollector:
         in_flight_weight_updates: bool,
         engine_call_seconds: float = 300.0,
         max_requeues: int = 3,
-        worker_names: list[str] | None = None,
         pending_prompts: list[BatchedDataDict] | None = None,
         groups_out: int = 0,
     ) -> None:
-        self.workers = workers  # one per data-parallel engine (its leader)
-        self.worker_names = worker_names or [f"generation worker {i}" for i in range(len(workers))]
+        self.samplers = samplers  # one per data-parallel engine; each call has a deadline
         self.engine_call_seconds = engine_call_seconds
         self.max_requeues = max_requeues
         self.pad_token_id = pad_token_id
@@ -236,7 +224,7 @@ class TrajectoryCollector:
         self.thread.join(timeout=10)
         for group in self.groups:
             if group.stream_id is not None:
-                with contextlib.suppress(EngineCallError, ray.exceptions.RayError):
+                with contextlib.suppress(WorkerGroupError, ray.exceptions.RayError):
                     self._cancel_stream(group)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -300,22 +288,13 @@ class TrajectoryCollector:
         self.retry.append((prompt, requeues + 1))
         return True
 
-    def _engine_call(self, worker: Any, method: str, **kwargs: Any) -> Any:
-        """One call on a generation worker, waiting at most ``engine_call_seconds``."""
-        name = next(n for w, n in zip(self.workers, self.worker_names, strict=True) if w is worker)
+    def _engine_call(self, sampler: StreamingSampler, what: str, call: Any, *args: Any) -> Any:
+        """One call on an engine (its sampler waits at most ``engine_call_seconds`` and raises
+        an error naming the worker), recorded for the stall report."""
         self.heartbeat = time.monotonic()  # a beat per call: one call is all the loop waits on
-        self.doing = f"{method} on {name}"
+        self.doing = f"{what} on {sampler.name}"
         try:
-            return ray.get(
-                worker.execute.remote(method, (), kwargs), timeout=self.engine_call_seconds
-            )
-        except ray.exceptions.GetTimeoutError as err:
-            raise EngineCallError(
-                f"{name} did not answer {method} within {self.engine_call_seconds:.0f} s "
-                "(grpo.async_grpo.engine_call_seconds): its engine is wedged or overloaded"
-            ) from err
-        except ray.exceptions.RayActorError as err:
-            raise EngineCallError(f"{name} died during {method}: {err}") from err
+            return call(*args)
         finally:
             self.doing = "its own loop"
 
@@ -330,26 +309,24 @@ class TrajectoryCollector:
                 group = self.submitting = _Group(drawn[0], time.monotonic(), drawn[1])
             rows = group.prompt.repeat_interleave(self.group_size)
             logs = list(rows["message_log"])
-            worker = self.workers[self.next_worker % len(self.workers)]
+            sampler = self.samplers[self.next_worker % len(self.samplers)]
             if sum(len(m["token_ids"]) for m in logs[0]) >= self.max_seq_len:
-                # Too long to generate from: scored as it is (run_rollouts marks it truncated),
-                # tagged with the weights the engine holds now (no drain is waiting on it).
-                group.worker = worker
-                version = self._engine_call(worker, "get_weight_version")
+                # Too long to generate from: scored as it is (score_generated marks it
+                # truncated), tagged with the weights the engine holds now (no drain waits on it).
+                group.sampler = sampler
+                version = self._engine_call(sampler, "weight_version", sampler.weight_version)
                 self._score(group, None, version)
             else:
-                data = _generation_input(logs, [None] * len(logs), self.tokenizer.pad_token_id)
+                data = generation_input(logs, [None] * len(logs), self.tokenizer.pad_token_id)
                 try:
-                    group.stream_id = self._engine_call(worker, "start_stream", data=data)
-                except ray.exceptions.RayTaskError as err:
-                    if type(err.cause).__name__ != "IncompleteRefitError":
-                        raise
+                    group.stream_id = self._engine_call(sampler, "start", sampler.start, data)
+                except IncompleteRefitError:
                     with self.cond:  # a refit is loading weights: try again soon
                         self.retry.appendleft(drawn)
                         self.submitting = None
                         self.cond.notify_all()
                     return
-                group.worker = worker
+                group.sampler = sampler
                 self.next_worker += 1
             with self.cond:
                 self.groups.append(group)
@@ -362,18 +339,15 @@ class TrajectoryCollector:
         single engine the call waits up to ``wait`` s for news, with several none does, so no
         engine's news waits on another's); start scoring complete ones."""
         progressed = False
-        by_worker: dict[int, list[_Group]] = {}
+        by_engine: dict[int, list[_Group]] = {}
         for group in self.groups:
             if group.scoring is None:
-                by_worker.setdefault(id(group.worker), []).append(group)
-        wait = wait if len(by_worker) == 1 else 0.0
-        for groups in by_worker.values():
-            news = self._engine_call(
-                groups[0].worker,
-                "next_finished_many",
-                stream_ids=[g.stream_id for g in groups],
-                timeout=wait,
-            )
+                by_engine.setdefault(id(group.sampler), []).append(group)
+        wait = wait if len(by_engine) == 1 else 0.0
+        for groups in by_engine.values():
+            sampler = groups[0].sampler
+            ids = [g.stream_id for g in groups]
+            news = self._engine_call(sampler, "poll", sampler.poll, ids, wait)
             for group in groups:
                 if group.stream_id in news:
                     progressed = True
@@ -386,25 +360,22 @@ class TrajectoryCollector:
             progressed = True
         return progressed
 
-    def _take_news(self, group: _Group, news: Any) -> None:
-        """A generating group's new samples (scoring it once complete), or the error that
+    def _take_news(self, group: _Group, news: StreamNews) -> None:
+        """A generating group's new samples (scoring it once complete), or the abort that
         ended its stream."""
-        if isinstance(news, BaseException):
-            if type(news).__name__ != "RequestAbortedError":
-                raise news
+        if news.aborted is not None:
             # vLLM aborted a request of the group on its own (the worker cancelled the rest):
             # the group can never finish, so its prompt is generated again.
             group.stream_id = None
             with self.cond:
                 self.groups.remove(group)
                 self.out -= 1
-                if self._requeue(group.prompt, group.requeues, f"vLLM aborted it: {news}"):
+                if self._requeue(group.prompt, group.requeues, f"vLLM aborted it: {news.aborted}"):
                     self.aborted += 1
                 self.cond.notify_all()
             return
-        ready, done = news
-        group.samples.update(ready)
-        if done:
+        group.samples.update(news.samples)
+        if news.done:
             out = BatchedDataDict.from_batches(
                 [group.samples[r] for r in range(self.group_size)],
                 pad_value_dict={"output_ids": self.pad_token_id},
@@ -420,15 +391,8 @@ class TrajectoryCollector:
     def _scored(self, group: _Group, out: BatchedDataDict | None, version: int) -> TrajectoryGroup:
         rows = group.prompt.repeat_interleave(self.group_size)
         G = self.group_size
-        generator = _Finished(out) if out is not None else None
-        result: RolloutResult = run_rollouts(
-            generator,  # type: ignore[arg-type]
-            rows,
-            self.tokenizer,
-            self.template,
-            self.envs,
-            max_seq_len=self.max_seq_len,
-            max_turns=1,
+        result = score_generated(
+            rows, out, self.tokenizer, self.template, self.envs, max_seq_len=self.max_seq_len
         )
         if out is None:  # nothing generated: the engine's weights when it was submitted
             vmin = vmax = torch.full((G,), version, dtype=torch.long)
@@ -463,7 +427,8 @@ class TrajectoryCollector:
                 self.cond.notify_all()
 
     def _cancel_stream(self, group: _Group) -> None:
-        self._engine_call(group.worker, "cancel_stream", stream_id=group.stream_id)
+        assert group.sampler is not None
+        self._engine_call(group.sampler, "cancel", group.sampler.cancel, group.stream_id)
         group.stream_id = None
 
 

@@ -4,7 +4,7 @@
         generation.colocated=false generation.vllm.async_engine=true \\
         loss_fn.use_importance_sampling_correction=true
 
-A trajectory collector (``trajectory_collector.py``, a Ray actor) streams prompt groups
+A trajectory collector (``collector.py``, a Ray actor) streams prompt groups
 through the vLLM async engine on workers of its own and scores them; the trainer takes the
 oldest groups young enough to train on from a replay buffer (``replay_buffer.py``) and, after
 each step, refits the generator without waiting for it. One step, top to bottom
@@ -21,43 +21,40 @@ each step, refits the generator without waiting for it. One step, top to bottom
     -> metrics, validation, checkpoint (the buffer, the loader position and every prompt the
        collector had drawn go with it)
 
-Shared with synchronous GRPO (``grpo.py``): setup, advantages, log-probs, the train step,
-validation and checkpoints.
+Shared with synchronous GRPO (``steps.py``, ``loop.py``): setup, advantages, log-probs, the
+train step and the end of a step (log, validate, checkpoint).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
-from rl_algorithms.grpo import (
-    GRPORun,
+from rl_algorithms.grpo.collector import CollectorClient, CollectorError
+from rl_algorithms.grpo.replay_buffer import ReplayBuffer, TrajectoryGroup
+from rl_algorithms.grpo.steps import (
     compute_advantages,
     compute_logprobs,
-    concat_rollouts,
     refit_if_stale,
     response_length,
     train_step,
     validate,
 )
-from rl_algorithms.replay_buffer import ReplayBuffer, TrajectoryGroup
-from rl_algorithms.trajectory_collector import CollectorClient, CollectorError
-from rl_algorithms.utils.run import save_checkpoint
+from rl_algorithms.rollouts import RolloutResult
+from rl_algorithms.run import Run, end_step, start_loop
 
 COLLECTOR_NAME = "grpo-trajectory-collector"
 
 
-def start_collector(run: GRPORun, buffer: ReplayBuffer, state: dict[str, Any]) -> CollectorClient:
-    """The collector on the generator's engines, the environments and the prompt loader (at
-    the checkpoint's position, with the prompts it had drawn queued first)."""
+def start_collector(run: Run, buffer: ReplayBuffer, state: dict[str, Any]) -> CollectorClient:
+    """The collector on the generator's streaming engines, the environments and the prompt
+    loader (at the checkpoint's position, with the prompts it had drawn queued first)."""
     g, a = run.config.grpo, run.config.grpo.async_grpo
-    gen = run.generation
     ahead = a.max_groups_ahead or g.num_prompts_per_step * max(1, a.max_trajectory_age_steps)
     return CollectorClient(
         COLLECTOR_NAME,
-        [gen.worker_group.workers[rank] for rank in gen.leaders],
-        gen.pad_token_id,
+        run.generation.streaming_samplers(call_timeout=a.engine_call_seconds),
+        run.generation.pad_token_id,
         run.tokenizer,
         run.template,
         run.envs,
@@ -70,7 +67,6 @@ def start_collector(run: GRPORun, buffer: ReplayBuffer, state: dict[str, Any]) -
         in_flight_weight_updates=a.in_flight_weight_updates,
         engine_call_seconds=a.engine_call_seconds,
         max_requeues=a.max_requeues_per_prompt,
-        worker_names=[gen.worker_group.worker_metadata[rank].describe() for rank in gen.leaders],
         pending_prompts=state.get("pending_prompts"),
         groups_out=len(buffer),
     )
@@ -88,7 +84,7 @@ class Trajectories:
         self.last_reply: dict[str, Any] = {}
 
     @classmethod
-    def start(cls, run: GRPORun) -> Trajectories:
+    def start(cls, run: Run) -> Trajectories:
         """The buffer (restored from a checkpoint, if any) and the collector of ``run``."""
         a = run.config.grpo.async_grpo
         buffer = ReplayBuffer(a.max_trajectory_age_steps)
@@ -128,7 +124,7 @@ class Trajectories:
         return {"buffer": self.buffer.state_dict(), "collector": self.collector.call("state_dict")}
 
 
-def refit_generator(run: GRPORun, trajectories: Trajectories) -> dict[str, float]:
+def refit_generator(run: Run, trajectories: Trajectories) -> dict[str, float]:
     """The new weights onto the generator: in flight, or after the running groups finish."""
     a = run.config.grpo.async_grpo
     if a.in_flight_weight_updates:
@@ -160,32 +156,37 @@ def trajectory_metrics(
     return metrics
 
 
-def async_grpo_train(run: GRPORun) -> dict[str, float]:
+def async_grpo_train(run: Run) -> dict[str, float]:
     """Train for ``grpo.max_num_steps`` steps on groups from the collector."""
-    g, timer, logger = run.config.grpo, run.logger.timer, run.logger
-    total = min(g.max_num_steps, g.max_num_epochs * len(run.train_loader))
+    g, timer = run.config.grpo, run.logger.timer
     refit_if_stale(run)  # a resumed policy's weights onto the generator before it samples
     trajectories = Trajectories.start(run)
     buffer = trajectories.buffer
     buffer.record_step(run.step, run.policy.weight_version)
     if len(buffer):
-        logger.log_metrics({"restored_buffer_groups": float(len(buffer))}, run.step, "run")
-    logger.progress.start(total, done=run.step, description="async grpo")
-    if g.val_at_start and run.step == 0 and run.val_loader is not None:
-        with timer("validation"):
-            logger.log_metrics(validate(run), step=0, prefix="val")
+        run.logger.log_metrics({"restored_buffer_groups": float(len(buffer))}, run.step, "run")
     last: dict[str, float] = {}
     idle_before = 0.0
+
+    def save_collector_state() -> None:
+        """The buffer, the collector's loader position and the prompts it had drawn (queued
+        first again on resume) go into the checkpoint."""
+        state = trajectories.state_dict()
+        run.train_loader.load_state_dict(state["collector"]["loader"])
+        run.extra["async_grpo"] = state
+
     try:
-        while run.step < total:
+        start_loop(run, lambda: validate(run), g.val_at_start)
+        while run.step < run.total_steps:
             groups, trainer_idle = trajectories.take(g.num_prompts_per_step, run.step)
             age_metrics = trajectory_metrics(buffer, groups, run.step)
-            result = concat_rollouts([group.result for group in groups])
+            result = RolloutResult.concat([group.result for group in groups])
             batch = result.training_batch(run.tokenizer.pad_token_id)
             with timer("rewards_and_advantages"):
-                reward_metrics = compute_advantages(run, result, batch)
+                advantages, reward_metrics = compute_advantages(run, result, batch["token_mask"])
+            batch.update(advantages)
             with timer("logprobs"):
-                compute_logprobs(run, batch)
+                batch.update(compute_logprobs(run, batch))
             with timer("train"):
                 train_metrics = train_step(run, batch)
             run.step += 1
@@ -213,32 +214,8 @@ def async_grpo_train(run: GRPORun) -> dict[str, float]:
                 "generator_idle_seconds": generator_idle - idle_before,
             }
             idle_before = generator_idle
-            logger.log_metrics({**last, **timer.pop()}, step=run.step, prefix="train")
-            done = run.step >= total
-            val_metrics: dict[str, float] = {}
-            if g.val_period and (run.step % g.val_period == 0 or done):
-                with timer("validation"):
-                    val_metrics = validate(run)
-                logger.log_metrics(val_metrics, step=run.step, prefix="val")
-            if run.checkpointer.should_save(run.step, last_step=done):
-                with timer("checkpoint"):
-                    save_async_checkpoint(run, trajectories, last, val_metrics)
+            end_step(run, last, lambda: validate(run), before_checkpoint=save_collector_state)
     finally:
         trajectories.collector.stop()
-        logger.progress.stop()
+        run.logger.progress.stop()
     return last
-
-
-def save_async_checkpoint(
-    run: GRPORun,
-    trajectories: Trajectories,
-    train_metrics: dict[str, float],
-    val_metrics: dict[str, float],
-) -> None:
-    """The usual GRPO checkpoint plus the buffer, the collector's loader position and the
-    prompts it had drawn (queued first again on resume)."""
-    state = trajectories.state_dict()
-    run.train_loader.load_state_dict(state["collector"]["loader"])
-    run.extra["async_grpo"] = state
-    named = {f"train/{k}": v for k, v in train_metrics.items() if math.isfinite(v)}
-    save_checkpoint(run, {**named, **{f"val/{k}": v for k, v in val_metrics.items()}})

@@ -1,0 +1,81 @@
+"""One factory per kind of RL actor: its typed config in, a controller-side object out.
+
+Every algorithm builds its actors here and nowhere else, so a new algorithm (or a new actor
+kind: a critic, a teacher) adds a factory, not a copy of another algorithm's setup:
+
+- ``start_cluster``: the Ray virtual cluster the worker groups are placed on;
+- ``make_policy``: a trained model (``rl_models.Policy``: FSDP2 or Megatron by
+  ``policy.backend``). The reference policy of the KL penalty and DPO is a frozen copy held by
+  the same workers (``policy.reference_policy``), so it has no actor of its own;
+- ``make_generator``: a sampler (``generation.backend``: ``hf`` or ``vllm``);
+- ``start_environments`` (``rl_algorithms.environments``): reward environments, reward models
+  included (``env.<task>.kind: reward_model``), one Ray actor per task.
+
+Each object owns its worker group and has ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_algorithms.config import ClusterConfig
+from rl_algorithms.environments import start_environments
+from rl_models.generation.config import GenerationConfig
+from rl_models.policy.config import ModelConfig, PolicyConfig
+
+__all__ = ["make_generator", "make_policy", "start_cluster", "start_environments"]
+
+# generation.backend -> the controller class that runs it (imported only when chosen: the
+# vLLM backend's module needs the vllm extra's dependencies on the driver).
+GENERATORS = {
+    "hf": ("rl_models.generation.hf_generation", "HfGeneration"),
+    "vllm": ("rl_models.generation.vllm", "VllmGeneration"),
+}
+
+
+def start_cluster(
+    config: ClusterConfig,
+    name: str,
+    *,
+    groups_per_bundle: int = 1,
+    bundles_per_node: list[int] | None = None,
+) -> Any:
+    """A Ray virtual cluster (starting Ray, or attaching to a running cluster) of
+    ``bundles_per_node`` bundles, by default ``workers_per_node`` on each of ``num_nodes``.
+    ``groups_per_bundle`` worker groups may share a bundle: 2 when the generator is colocated
+    with the policy."""
+    from rl_distributed.virtual_cluster import RayVirtualCluster, init_ray
+
+    init_ray(num_cpus=config.ray_num_cpus)
+    return RayVirtualCluster(
+        bundles_per_node or [config.workers_per_node] * config.num_nodes,
+        use_gpus=config.use_gpus,
+        num_gpus_per_node=max(config.gpus_per_node, 1),
+        max_colocated_worker_groups=groups_per_bundle,
+        name=name,
+    )
+
+
+def make_policy(cluster: Any, config: PolicyConfig, name: str) -> Any:
+    """A policy (or reward model: ``policy.model.kind``) training on ``cluster``."""
+    from rl_models.policy.lm_policy import Policy
+
+    return Policy(cluster, config, name_prefix=name)
+
+
+def make_generator(
+    cluster: Any, config: GenerationConfig, model: ModelConfig | None, name: str
+) -> Any:
+    """The generator ``config.backend`` names, sampling from ``model`` on ``cluster``."""
+    import importlib
+
+    module_name, class_name = GENERATORS[config.backend]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RuntimeError(
+            f"generation.backend: {config.backend}, but its module {module_name} cannot be "
+            f"imported ({e}); use generation.backend: hf or install rl-models with the "
+            f"{config.backend} extra"
+        ) from e
+    return getattr(module, class_name)(cluster, config, model=model, name_prefix=name)

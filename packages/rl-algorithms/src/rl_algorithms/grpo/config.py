@@ -1,0 +1,207 @@
+"""The config of a GRPO run (NeMo RL's key names): the loop (``grpo.*``), its asynchronous mode
+(``grpo.async_grpo.*``), the policy, the generator, the loss, environments and data.
+
+Every check that involves two sections lives in ``MasterConfig``'s validator, so a bad
+combination fails before Ray starts, naming the keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rl_algorithms.config import DataSection, RunConfig, TokenizerConfig, recipe_path
+from rl_algorithms.environments import EnvSection
+from rl_algorithms.losses import ClippedPGLossConfig
+from rl_distributed.config import ConfigModel
+from rl_models.generation.config import GenerationConfig
+from rl_models.policy.config import DType, PolicyConfig
+
+DEFAULT_RECIPE = recipe_path("grpo")
+# `rl grpo` with no --config: SmolLM2-135M-Instruct learns two-digit addition on a CPU.
+MAIN_RECIPE = recipe_path("grpo_main")
+
+
+class AsyncGRPOConfig(ConfigModel):
+    """Generation overlaps training: rollouts for step n come from a policy up to
+    ``max_trajectory_age_steps`` steps old, and importance sampling corrects for the lag."""
+
+    enabled: bool = False
+    # A sample's age is the trainer's step minus the oldest weight version (in steps) that
+    # produced any of its tokens; older samples are dropped (and counted), never trained on.
+    max_trajectory_age_steps: int = Field(1, ge=0)
+    # true: a refit pauses the engine between two decoding steps and the running generations
+    # go on with the new weights; false: the collector lets them finish (drain) first.
+    in_flight_weight_updates: bool = True
+    # A group (G samples of one prompt, generation and scoring) running longer than this is
+    # cancelled and its prompt queued again. Set it well above a normal group's time.
+    max_group_seconds: float = Field(300.0, gt=0)
+    # A prompt queued again (its group hung, was aborted by vLLM, or was too stale to train
+    # on) more often than this stops the run with an error naming the prompt.
+    max_requeues_per_prompt: int = Field(3, ge=0)
+    # The trainer raises instead of waiting longer than this for one step's groups; a dead,
+    # stalled or exhausted collector is reported within seconds regardless.
+    max_wait_seconds: float = Field(900.0, gt=0)
+    # One call of the collector on a generation engine (submit, poll, cancel); an engine that
+    # takes longer is reported as wedged, naming its worker. A worker answers one call at a
+    # time, so this must exceed the longest refit or validation generation it runs meanwhile.
+    engine_call_seconds: float = Field(300.0, gt=0)
+    # Groups the collector may run ahead of the trainer (None: num_prompts_per_step times
+    # max(1, max_trajectory_age_steps), what the trainer can use before they grow too old).
+    max_groups_ahead: int | None = Field(None, ge=1)
+
+
+class RewardShapingConfig(ConfigModel):
+    """DAPO's soft overlong penalty, added to the reward (see ``advantages.overlong_penalty``)."""
+
+    enabled: bool = False
+    max_response_length: int = Field(512, ge=1)
+    overlong_buffer_length: int = Field(128, ge=1)
+    overlong_buffer_penalty: float = Field(1.0, ge=0)  # the penalty at full length
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> RewardShapingConfig:
+        if self.overlong_buffer_length > self.max_response_length:
+            raise ValueError(
+                f"grpo.reward_shaping.overlong_buffer_length ({self.overlong_buffer_length}) "
+                f"must be <= grpo.reward_shaping.max_response_length ({self.max_response_length})"
+            )
+        return self
+
+
+class GRPOConfig(ConfigModel):
+    """The loop (NeMo RL's ``grpo.*`` keys)."""
+
+    num_prompts_per_step: int = Field(ge=1)
+    num_generations_per_prompt: int = Field(ge=1)
+    max_num_steps: int = Field(ge=1)
+    max_num_epochs: int = Field(1, ge=1)
+    max_rollout_turns: int = Field(1, ge=1)
+    advantage_estimator: Literal["grpo", "reinforce_plus_plus"] = "grpo"
+    normalize_rewards: bool = True  # divide by the group's std (grpo)
+    use_leave_one_out_baseline: bool = False  # grpo: RLOO baseline (normalize_rewards=false: RLOO)
+    use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
+    overlong_filtering: bool = False  # truncated responses out of the loss
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    val_period: int = Field(0, ge=0)  # 0: no validation during training
+    val_at_start: bool = False
+    val_batch_size: int = Field(8, ge=1)
+    max_val_samples: int = Field(64, ge=1)
+    seed: int = 42
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)  # see async_grpo.py
+
+
+class GRPOPolicyConfig(PolicyConfig):
+    max_total_sequence_length: int = Field(ge=2)  # prompt + all turns; longer samples stop
+
+    def worker_config(self) -> PolicyConfig:
+        return PolicyConfig.model_validate(self.model_dump(exclude={"max_total_sequence_length"}))
+
+
+class GRPOGenerationConfig(GenerationConfig):
+    num_workers: int = Field(1, ge=1)  # generation workers when not colocated
+    # The generator's copy of the policy's model in another dtype (e.g. bfloat16 sampling for
+    # a float32 policy: refit casts on the way); None: the policy's dtype.
+    dtype: DType | None = None
+
+    def engine_config(self) -> GenerationConfig:
+        return GenerationConfig.model_validate(self.model_dump(exclude={"num_workers", "dtype"}))
+
+
+class MasterConfig(RunConfig):
+    policy: GRPOPolicyConfig
+    tokenizer: TokenizerConfig
+    generation: GRPOGenerationConfig = Field(default_factory=GRPOGenerationConfig)
+    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    env: EnvSection
+    data: DataSection
+    grpo: GRPOConfig
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MasterConfig:
+        g = self.grpo
+        rows = g.num_prompts_per_step * g.num_generations_per_prompt
+        if rows % self.policy.train_global_batch_size:
+            raise ValueError(
+                f"policy.train_global_batch_size ({self.policy.train_global_batch_size}) must "
+                f"divide grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({rows})"
+            )
+        if (
+            self.loss_fn.reference_policy_kl_penalty > 0
+            and not self.policy.reference_policy.enabled
+        ):
+            raise ValueError(
+                "loss_fn.reference_policy_kl_penalty > 0 needs policy.reference_policy.enabled: true"
+            )
+        if self.generation.backend == "vllm" and self.policy.model.path is None:
+            raise ValueError(
+                "generation.backend: vllm loads the model from disk: set policy.model.path "
+                "(a model built from policy.model.hf_config needs generation.backend: hf)"
+            )
+        if not self.env:
+            raise ValueError("env: configure at least one environment (task_name: {kind: ...})")
+        check_async_config(self)
+        # On-policy ratios are 1 only if the trainer scores tokens under the distribution the
+        # generator sampled from: the same temperature.
+        temperature = self.generation.sampling.temperature
+        if self.policy.logprob_temperature not in (1.0, temperature):
+            raise ValueError(
+                f"policy.logprob_temperature ({self.policy.logprob_temperature}) must equal "
+                f"generation.sampling.temperature ({temperature}) (or be left out)"
+            )
+        self.policy.logprob_temperature = temperature
+        if self.generation.model is not None and self.generation.dtype is not None:
+            raise ValueError("give generation.dtype or generation.model, not both")
+        if self.generation.tokenizer is None and self.tokenizer.gguf_file is None:
+            # Stop tokens and padding. A GGUF tokenizer is read from the model's converted
+            # directory instead (rl_models.model_files), which holds its files.
+            self.generation.tokenizer = self.tokenizer.path
+        if "seed" not in self.generation.model_fields_set:
+            # One seed for the run: grpo.seed orders the prompts and seeds the sampler.
+            self.generation.seed = self.grpo.seed
+        if self.policy.model.hf_config is not None:
+            # A model built from a config is initialised from the seed: the same weights on
+            # both sides, so the first step needs no refit.
+            self.generation.seed = self.policy.seed
+        return self
+
+
+def check_async_config(config: Any) -> None:
+    """The run config an asynchronous run needs (called from ``grpo.MasterConfig``'s
+    validation, so a bad combination fails before Ray starts); errors name the key."""
+    a: AsyncGRPOConfig = config.grpo.async_grpo
+    if not a.enabled:
+        return
+    if a.max_wait_seconds <= a.max_group_seconds:
+        raise ValueError(
+            f"grpo.async_grpo.max_wait_seconds ({a.max_wait_seconds}) must exceed "
+            f"grpo.async_grpo.max_group_seconds ({a.max_group_seconds}): a hung group is "
+            "cancelled and generated again before the trainer gives up waiting"
+        )
+    if not config.loss_fn.use_importance_sampling_correction:
+        raise ValueError(
+            "grpo.async_grpo.enabled: true trains on samples from older weights: set "
+            "loss_fn.use_importance_sampling_correction: true (its ratios correct for the lag)"
+        )
+    gen = config.generation
+    if gen.colocated:
+        raise ValueError(
+            "grpo.async_grpo.enabled: true needs generation.colocated: false (the generator "
+            "runs beside the trainer on workers of its own)"
+        )
+    if gen.backend != "vllm" or not gen.vllm.async_engine:
+        raise ValueError(
+            "grpo.async_grpo.enabled: true needs generation.backend: vllm with "
+            "generation.vllm.async_engine: true (samples stream back as they finish)"
+        )
+    if config.grpo.max_rollout_turns != 1:
+        raise ValueError(
+            f"grpo.max_rollout_turns is {config.grpo.max_rollout_turns}; asynchronous GRPO "
+            "(grpo.async_grpo.enabled) supports single-turn rollouts only"
+        )
+    if config.grpo.use_dynamic_sampling:
+        raise ValueError(
+            "grpo.use_dynamic_sampling is not supported with grpo.async_grpo.enabled: true"
+        )

@@ -1,0 +1,111 @@
+"""The synchronous GRPO loop, and ``main``: setup, the loop (sync or async), the report.
+
+One step, top to bottom (``grpo_train``)::
+
+    prompts (num_prompts_per_step) -> repeat x num_generations_per_prompt
+    -> refit the generator if its weights are stale -> roll out (generate, environment steps,
+       possibly several turns) -> rewards (+ overlong shaping) -> advantages
+    -> log-probs under the current policy (pi_old) and the reference
+    -> clipped policy-gradient train step(s) -> metrics; validation every val_period steps;
+       checkpoint every checkpointing.save_period steps
+"""
+
+from __future__ import annotations
+
+import time
+
+from rl_algorithms.grpo.config import MasterConfig
+from rl_algorithms.grpo.steps import (
+    compute_advantages,
+    compute_logprobs,
+    generate_rollouts,
+    make_loss,
+    refit_if_stale,
+    train_step,
+    validate,
+)
+from rl_algorithms.run import DataPlan, GeneratorPlan, Run, end_step, setup_run, start_loop
+from rl_algorithms.utils.report import report_run
+
+PHASES = ("refit", "generation", "rewards_and_advantages", "logprobs", "train")
+
+
+def setup(config: MasterConfig) -> Run:
+    """Tokenizer, prompts, cluster(s), policy, generator, environments, logger; resumes from
+    the latest checkpoint in ``checkpointing.checkpoint_dir`` if there is one."""
+    from rl_data.collate import rl_collate
+
+    g, gen = config.grpo, config.generation
+    loss_fn = make_loss(config)  # before anything starts: a field it needs may be missing
+    model = config.policy.model
+    if gen.dtype is not None:
+        model = model.model_copy(update={"dtype": gen.dtype})
+    data = DataPlan(
+        "prompt",
+        rl_collate,
+        batch_size=g.num_prompts_per_step,
+        val_batch_size=g.val_batch_size,
+        shuffle=config.data.shuffle,
+        val_drop_last=False,
+    )
+    run = setup_run(
+        config,
+        name="grpo",
+        seed=g.seed,
+        data=data,
+        policy=config.policy.worker_config(),
+        generator=GeneratorPlan(gen.engine_config(), model, gen.colocated, gen.num_workers),
+        envs=config.env,
+        max_steps=g.max_num_steps,
+        max_epochs=g.max_num_epochs,
+        val_period=g.val_period,
+    )
+    run.loss_fn = loss_fn
+    return run
+
+
+def grpo_train(run: Run) -> dict[str, float]:
+    """Train for ``grpo.max_num_steps`` steps (``max_num_epochs`` of prompts at most)."""
+    timer = run.logger.timer
+    start_loop(run, lambda: validate(run), run.config.grpo.val_at_start)
+    last: dict[str, float] = {}
+    while run.step < run.total_steps:
+        step_start = time.perf_counter()
+        with timer("refit"):
+            refit_metrics = refit_if_stale(run)
+        with timer("generation"):
+            result, rollout_metrics = generate_rollouts(run)
+        batch = result.training_batch(run.tokenizer.pad_token_id)
+        with timer("rewards_and_advantages"):
+            advantages, reward_metrics = compute_advantages(run, result, batch["token_mask"])
+        batch.update(advantages)
+        with timer("logprobs"):
+            batch.update(compute_logprobs(run, batch))
+        with timer("train"):
+            train_metrics = train_step(run, batch)
+        run.step += 1
+
+        last = {**train_metrics, **reward_metrics, **rollout_metrics, **refit_metrics}
+        last["step_seconds"] = time.perf_counter() - step_start  # wall clock, all phases
+        end_step(run, last, lambda: validate(run))
+    run.logger.progress.stop()
+    return last
+
+
+def main(config: MasterConfig) -> dict[str, float]:
+    run = setup(config)
+    resumed_at = run.step
+    try:
+        if config.grpo.async_grpo.enabled:
+            from rl_algorithms.grpo.async_loop import async_grpo_train
+
+            last = async_grpo_train(run)
+        else:
+            last = grpo_train(run)
+    finally:
+        run.shutdown()
+    try:
+        report_run(run, resumed_at, PHASES, title="GRPO run")
+    except Exception as e:  # the run itself succeeded: a failed plot must not turn it red
+        print(f"could not write the run's report: {e!r}")
+    return last

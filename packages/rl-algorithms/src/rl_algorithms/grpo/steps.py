@@ -1,0 +1,233 @@
+"""The steps of a GRPO step, each a function that returns what it computes.
+
+The loops (``loop.py``, ``async_loop.py``) call them in order and put their results into the
+training batch themselves, so what the loss reads can be read from the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_algorithms.advantages import (
+    groups_with_signal,
+    grpo_advantages,
+    overlong_filter,
+    overlong_penalty,
+    reinforce_plus_plus_advantages,
+)
+from rl_algorithms.grpo.config import MasterConfig
+from rl_algorithms.losses import ClippedPGLossFn
+from rl_algorithms.rollouts import RolloutResult, run_rollouts
+from rl_algorithms.run import Run, reduce_step_metrics
+from rl_distributed.batched_data_dict import BatchedDataDict
+
+# What a rollout's ``training_batch`` holds, and what the steps add before the train step.
+ROLLOUT_FIELDS = frozenset({"input_ids", "input_lengths", "token_mask", "generation_logprobs"})
+ADVANTAGE_FIELDS = frozenset({"advantages", "sample_mask"})
+
+
+def make_loss(config: MasterConfig) -> ClippedPGLossFn:
+    """The clipped policy-gradient loss, refused at setup if it would read a batch field the
+    step does not produce (rather than failing mid-run)."""
+    loss_fn = ClippedPGLossFn(config.loss_fn, pi_old_is_current=single_update_per_batch(config))
+    produced = ROLLOUT_FIELDS | ADVANTAGE_FIELDS | logprob_fields(config)
+    missing = loss_fn.batch_fields() - produced
+    if missing:
+        raise ValueError(
+            f"the loss reads batch fields {sorted(missing)} that a GRPO step with this config "
+            f"does not produce (it produces {sorted(produced)})"
+        )
+    return loss_fn
+
+
+def single_update_per_batch(config: MasterConfig) -> bool:
+    """One optimiser step per rollout batch: the policy that trains on it is pi_old itself."""
+    g = config.grpo
+    return (
+        config.policy.train_global_batch_size
+        == g.num_prompts_per_step * g.num_generations_per_prompt
+    )
+
+
+def logprob_fields(config: MasterConfig) -> frozenset[str]:
+    """The fields ``compute_logprobs`` returns under ``config``."""
+    fields = set()
+    if not single_update_per_batch(config):
+        fields.add("prev_logprobs")
+    if config.loss_fn.reference_policy_kl_penalty > 0:
+        fields.add("reference_policy_logprobs")
+    return frozenset(fields)
+
+
+def refit_if_stale(run: Run) -> dict[str, float]:
+    """Copy the policy's weights to the generator when it holds an older version."""
+    if run.generation.weight_version == run.policy.weight_version:
+        return {}
+    from rl_models.generation.refit import refit
+
+    # A generator that samples in a narrower dtype than the policy trains in gets its weights
+    # cast on the way: half the bytes to move for a bf16 generator of an fp32 policy.
+    gen = run.config.generation
+    dtype = gen.dtype or (gen.model.dtype if gen.model is not None else None)
+    dtype = dtype if dtype != run.config.policy.model.dtype else None
+    stats = refit(run.policy, run.generation, dtype=dtype)
+    return {"refit_bytes": float(stats.bytes), "refit_seconds": stats.seconds}
+
+
+def rollout_prompts(run: Run, prompts: BatchedDataDict, greedy: bool = False) -> RolloutResult:
+    """Generation (and environment turns) for a batch whose rows are already repeated."""
+    run.generation.prepare_for_generation()
+    try:
+        return run_rollouts(
+            run.generation,
+            prompts,
+            run.tokenizer,
+            run.template,
+            run.envs,
+            max_seq_len=run.config.policy.max_total_sequence_length,
+            max_turns=run.config.grpo.max_rollout_turns,
+            greedy=greedy,
+            expected_weight_version=run.policy.weight_version,
+        )
+    finally:
+        run.generation.finish_generation()
+
+
+def generate_rollouts(run: Run) -> tuple[RolloutResult, dict[str, float]]:
+    """Roll out ``num_prompts_per_step`` prompts x G samples.
+
+    With dynamic sampling, groups whose rewards are all equal are set aside and further prompts
+    are rolled out until enough groups carry a signal or ``dynamic_sampling_max_gen_batches``
+    rounds are spent; then the batch is filled up with set-aside groups so that its size stays
+    what the train step expects. ``RolloutResult.filler`` marks those filler rows:
+    ``compute_advantages`` gives them sample mask 0, so they add no gradient and no tokens.
+    """
+    g = run.config.grpo
+    G = g.num_generations_per_prompt
+    kept: list[RolloutResult] = []
+    set_aside: list[RolloutResult] = []
+    rounds = 0
+    while True:
+        rounds += 1
+        prompts = run.next_batch().repeat_interleave(G)
+        result = rollout_prompts(run, prompts)
+        if not g.use_dynamic_sampling:
+            return result, {**result.metrics, "generation_rounds": 1.0}
+        signal = groups_with_signal(shaped_rewards(run, result), G)
+        for p, has_signal in enumerate(signal.tolist()):
+            (kept if has_signal else set_aside).append(result.select(range(p * G, p * G + G)))
+        if len(kept) >= g.num_prompts_per_step or rounds >= g.dynamic_sampling_max_gen_batches:
+            break
+    kept = kept[: g.num_prompts_per_step]
+    fillers = [group.as_filler() for group in set_aside[: g.num_prompts_per_step - len(kept)]]
+    merged = RolloutResult.concat(kept + fillers)
+    return merged, {
+        **result.metrics,
+        "generation_rounds": float(rounds),
+        "dynamic_sampling/groups_with_signal": float(len(kept)),
+    }
+
+
+def shaped_rewards(run: Run, result: RolloutResult) -> torch.Tensor:
+    """The environments' rewards plus the overlong penalty when reward shaping is on."""
+    shaping = run.config.grpo.reward_shaping
+    rewards = result.rewards.clone()
+    if shaping.enabled:
+        lengths = torch.tensor([response_length(log) for log in result.message_logs])
+        penalty = overlong_penalty(
+            lengths, shaping.max_response_length, shaping.overlong_buffer_length
+        )
+        rewards += (penalty * shaping.overlong_buffer_penalty).to(rewards.dtype)
+    return rewards
+
+
+def response_length(log: list[dict]) -> int:
+    return sum(int(m["token_loss_mask"].sum()) for m in log if "token_loss_mask" in m)
+
+
+def compute_advantages(
+    run: Run, result: RolloutResult, token_mask: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``advantages`` [B, S] and ``sample_mask`` [B] for the batch, and reward metrics.
+
+    Rows out of the loss (dynamic sampling's fillers, truncated responses under overlong
+    filtering) get sample mask 0 and advantage 0, and the estimators' statistics leave them
+    out.
+    """
+    g = run.config.grpo
+    rewards = shaped_rewards(run, result)
+    sample_mask = torch.ones(len(rewards))
+    if g.overlong_filtering:
+        sample_mask = overlong_filter(result.truncated, sample_mask)
+    sample_mask = sample_mask * (~result.filler).to(sample_mask.dtype)
+    if g.advantage_estimator == "reinforce_plus_plus":
+        advantages = reinforce_plus_plus_advantages(
+            rewards, token_mask, group_size=g.num_generations_per_prompt
+        )
+    else:
+        per_sample = grpo_advantages(
+            rewards,
+            g.num_generations_per_prompt,
+            leave_one_out=g.use_leave_one_out_baseline,
+            normalize_std=g.normalize_rewards,
+        )
+        advantages = per_sample[:, None] * token_mask
+    advantages = advantages * (~result.filler)[:, None].to(advantages.dtype)
+    on = token_mask > 0
+    metrics = {
+        "reward_mean": float(result.rewards.mean()),
+        "reward_std": float(result.rewards.std()) if len(rewards) > 1 else 0.0,
+        "shaped_reward_mean": float(rewards.mean()),
+        "advantages_mean": float(advantages[on].mean()) if on.any() else 0.0,
+        "advantages_abs_mean": float(advantages[on].abs().mean()) if on.any() else 0.0,
+        "sample_mask_mean": float(sample_mask.mean()),
+    }
+    return {"advantages": advantages.to(torch.float32), "sample_mask": sample_mask}, metrics
+
+
+def compute_logprobs(run: Run, batch: BatchedDataDict) -> dict[str, torch.Tensor]:
+    """``prev_logprobs`` (the policy before this step) and, for the KL penalty, the
+    reference policy's ``reference_policy_logprobs``: the fields ``logprob_fields`` names.
+
+    With a single optimiser step per batch pi_old is the policy being trained, so its
+    log-probs come out of the train step's own forward pass (see ``ClippedPGLossFn``).
+    """
+    fields = logprob_fields(run.config)
+    if not fields:
+        return {}
+    run.policy.prepare_for_lp_inference()
+    out = {}
+    if "prev_logprobs" in fields:
+        out["prev_logprobs"] = run.policy.get_logprobs(batch)["logprobs"]
+    if "reference_policy_logprobs" in fields:
+        ref = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
+        out["reference_policy_logprobs"] = ref
+    return out
+
+
+def train_step(run: Run, batch: BatchedDataDict) -> dict[str, float]:
+    run.policy.prepare_for_training()
+    return reduce_step_metrics(run.policy.train(batch, run.loss_fn))
+
+
+def validate(run: Run) -> dict[str, float]:
+    """Greedy rollouts over (up to ``max_val_samples`` of) the validation prompts."""
+    if run.val_loader is None:
+        return {}
+    refit_if_stale(run)
+    run.val_loader.epoch, run.val_loader.position = 0, 0
+    rewards, turns, seen = [], [], 0
+    for prompts in run.val_loader:
+        if seen >= run.config.grpo.max_val_samples:
+            break
+        result = rollout_prompts(run, prompts, greedy=True)
+        rewards.append(result.rewards)
+        turns.append(result.turns.double())
+        seen += prompts.size
+    r = torch.cat(rewards)
+    return {
+        "reward_mean": float(r.mean()),
+        "accuracy": float((r >= 1.0).double().mean()),
+        "mean_turns": float(torch.cat(turns).mean()),
+        "num_samples": float(len(r)),
+    }

@@ -1,0 +1,281 @@
+"""A run, built the same way for every algorithm, and the end of a step every loop shares.
+
+``setup_run`` builds what a loop works with, in one order for all of them: seed, tokenizer
+and chat template, data loaders, the checkpoint to resume (checked before any worker starts),
+the cluster, the actors (``rl_algorithms.actors``: policy, generator, environments), the state
+restored from the checkpoint, and the logger. ``end_step`` is how every loop, supervised or RL,
+sync or async, finishes a step: log, validate when due, checkpoint when due.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from rl_algorithms import actors
+from rl_algorithms.config import set_seed
+from rl_algorithms.environments import stop_environments
+from rl_algorithms.utils.checkpoint import CheckpointManager
+from rl_algorithms.utils.logger import Logger
+from rl_data.loader import StatefulDataLoader
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.config import GenerationConfig
+from rl_models.policy.config import ModelConfig, PolicyConfig
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """How an algorithm reads its data: which rl-data processor turns a row into a sample
+    (``prompt``, ``sft``, ``preference``), how samples are collated, and batch sizes."""
+
+    processor: str
+    collate: Callable[..., BatchedDataDict]  # called with pad_token_id=...
+    batch_size: int  # samples per train step
+    val_batch_size: int
+    shuffle: bool = True
+    drop_last: bool = True
+    val_drop_last: bool = True
+
+
+@dataclass(frozen=True)
+class GeneratorPlan:
+    """The generator an algorithm samples with, and where it runs."""
+
+    config: GenerationConfig
+    model: ModelConfig | None  # None: the model named in ``config.model``
+    colocated: bool = True  # shares the policy's bundles (taking turns with it)
+    num_workers: int = 1  # workers of its own cluster, when not colocated
+
+
+@dataclass
+class Run:
+    """Everything a loop works with; ``step`` counts the steps done (restored on resume)."""
+
+    name: str
+    config: Any  # the algorithm's MasterConfig
+    tokenizer: Any
+    template: Any  # rl_data ChatTemplate
+    train_loader: StatefulDataLoader
+    val_loader: StatefulDataLoader | None
+    logger: Logger
+    checkpointer: CheckpointManager | None  # None: this run neither resumes nor saves
+    clusters: list[Any]
+    total_steps: int
+    val_period: int = 0  # validate every N steps and after the last (0: never)
+    policy: Any = None  # rl_models Policy
+    generation: Any = None  # a GenerationInterface
+    envs: dict[str, Any] = field(default_factory=dict)  # task name -> environment actor
+    loss_fn: Any = None
+    step: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # algorithm state saved with checkpoints
+    _batches: Iterator[BatchedDataDict] | None = None
+
+    def next_batch(self) -> BatchedDataDict:
+        """The next training batch, going on into the next epoch when one ends."""
+        if self._batches is not None:
+            batch = next(self._batches, None)
+            if batch is not None:
+                return batch
+        self._batches = iter(self.train_loader)
+        return next(self._batches)
+
+    def shutdown(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        stop_environments(self.envs)
+        for actor in (self.generation, self.policy):
+            if actor is not None:
+                actor.shutdown()
+        for cluster in self.clusters:
+            cluster.shutdown()
+
+
+def setup_run(
+    config: Any,
+    *,
+    name: str,
+    seed: int,
+    data: DataPlan,
+    policy: PolicyConfig | None = None,
+    generator: GeneratorPlan | None = None,
+    envs: Mapping[str, Any] | None = None,
+    splits: Mapping[str, Any] | None = None,
+    max_steps: int | None = None,
+    max_epochs: int = 1,
+    val_period: int = 0,
+) -> Run:
+    """Build a run of algorithm ``name`` from its validated ``config``.
+
+    ``config`` has ``tokenizer``, ``data``, ``cluster`` and ``logger`` sections, and
+    ``checkpointing`` when the run saves and resumes: then the latest complete checkpoint in
+    ``checkpointing.checkpoint_dir`` is checked against the config before any worker starts,
+    and restores the policy, the train loader's position, the RNGs, the step and ``extra``.
+    ``splits`` (default: ``load_splits(config.data)``) maps ``train`` / ``validation`` to rows.
+    The run lasts ``max_steps`` steps or ``max_epochs`` epochs, whichever ends first.
+    """
+    from rl_data.datasets import load_splits
+    from rl_data.processors import ProcessedDataset
+    from rl_data.templates import ChatTemplate
+    from rl_data.tokenizers import load_tokenizer
+
+    set_seed(seed)
+    tokenizer = load_tokenizer(config.tokenizer)
+    template = ChatTemplate.from_config(config.tokenizer.chat_template, tokenizer)
+    splits = load_splits(config.data) if splits is None else splits
+    collate = partial(data.collate, pad_token_id=tokenizer.pad_token_id)
+
+    def samples(split: str) -> ProcessedDataset:
+        return ProcessedDataset(
+            splits[split],
+            tokenizer,
+            template,
+            data.processor,
+            max_seq_length=config.data.max_seq_length,
+        )
+
+    train_loader = StatefulDataLoader(
+        samples("train"),
+        data.batch_size,
+        collate,
+        shuffle=data.shuffle,
+        seed=seed,
+        drop_last=data.drop_last,
+    )
+    val_loader = None
+    if "validation" in splits:
+        val_loader = StatefulDataLoader(
+            samples("validation"),
+            data.val_batch_size,
+            collate,
+            shuffle=False,
+            drop_last=data.val_drop_last,
+        )
+
+    run_config = config.model_dump(mode="json")
+    checkpointing = getattr(config, "checkpointing", None)
+    checkpointer = CheckpointManager(checkpointing) if checkpointing is not None else None
+    latest = checkpointer.latest() if checkpointer and checkpointing.enabled else None
+    if latest is not None:
+        checkpointer.check_resumable(latest, run_config)  # before any worker starts
+
+    colocated = generator is None or policy is None or generator.colocated
+    groups_per_bundle = 2 if policy is not None and generator is not None and colocated else 1
+    cluster = actors.start_cluster(
+        config.cluster, f"{name}-cluster", groups_per_bundle=groups_per_bundle
+    )
+    run = Run(
+        name=name,
+        config=config,
+        tokenizer=tokenizer,
+        template=template,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        logger=None,  # type: ignore[arg-type]  (started last, once the state is restored)
+        checkpointer=checkpointer,
+        clusters=[cluster],
+        total_steps=min(max_steps or len(train_loader), max_epochs * len(train_loader)),
+        val_period=val_period,
+    )
+    try:
+        if policy is not None:
+            run.policy = actors.make_policy(cluster, policy, f"{name}-policy")
+        if generator is not None:
+            gen_cluster = cluster
+            if not colocated:
+                gen_cluster = actors.start_cluster(
+                    config.cluster,
+                    f"{name}-generation-cluster",
+                    bundles_per_node=[generator.num_workers],
+                )
+                run.clusters.append(gen_cluster)
+            run.generation = actors.make_generator(
+                gen_cluster, generator.config, generator.model, f"{name}-generation"
+            )
+        if envs:
+            run.envs = actors.start_environments(dict(envs))
+        if latest is not None:
+            state = checkpointer.load(latest, run.policy, dataloader=train_loader)
+            run.step, run.extra = state["step"], state["extra"]
+    except BaseException:
+        run.shutdown()  # what did start, so a failed setup leaves no worker behind
+        raise
+    run.logger = Logger(config.logger, run_config, state=run.extra.get("logger"))
+    if latest is not None:
+        run.logger.log_metrics({"resumed_from_step": run.step}, step=run.step, prefix="run")
+    return run
+
+
+def start_loop(run: Run, validate: Callable[[], dict[str, float]] | None, at_start: bool) -> None:
+    """The progress display, and the validation before the first step if asked for."""
+    run.logger.progress.start(run.total_steps, done=run.step, description=run.name)
+    if at_start and validate is not None and run.step == 0 and run.val_loader is not None:
+        with run.logger.timer("validation"):
+            run.logger.log_metrics(validate(), step=0, prefix="val")
+
+
+def end_step(
+    run: Run,
+    train_metrics: Mapping[str, float],
+    validate: Callable[[], dict[str, float]] | None = None,
+    before_checkpoint: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Log the step's metrics (with the phases' times), validate every ``val_period`` steps
+    and after the last, checkpoint when ``checkpointing.save_period`` says so. Returns the
+    validation metrics (empty when none ran).
+
+    A checkpoint is ranked by the validation of its own weights only, never an earlier step's
+    (``val_period`` and ``save_period`` need not line up). ``before_checkpoint`` lets a loop
+    put state of its own into ``run.extra`` just before it is saved.
+    """
+    logger = run.logger
+    logger.log_metrics({**train_metrics, **logger.timer.pop()}, step=run.step, prefix="train")
+    done = run.step >= run.total_steps
+    val_metrics: dict[str, float] = {}
+    if validate is not None and run.val_period and (run.step % run.val_period == 0 or done):
+        with logger.timer("validation"):
+            val_metrics = validate()
+        if val_metrics:
+            logger.log_metrics(val_metrics, step=run.step, prefix="val")
+    if run.checkpointer is not None and run.checkpointer.should_save(run.step, last_step=done):
+        with logger.timer("checkpoint"):
+            if before_checkpoint is not None:
+                before_checkpoint()
+            named = {f"train/{k}": v for k, v in train_metrics.items() if math.isfinite(v)}
+            named.update({f"val/{k}": v for k, v in val_metrics.items()})
+            save_checkpoint(run, named)
+    return val_metrics
+
+
+def save_checkpoint(run: Run, metrics: Mapping[str, float]) -> None:
+    """Checkpoint the policy with the loader's position, the logger's state and ``extra``."""
+    assert run.checkpointer is not None
+    run.checkpointer.save(
+        run.step,
+        run.policy,
+        dataloader=run.train_loader,
+        metrics=metrics,
+        extra_state={**run.extra, "logger": run.logger.state_dict()},
+        run_config=run.config.model_dump(mode="json"),
+        tokenizer=run.tokenizer,
+    )
+
+
+def reduce_step_metrics(results: Mapping[str, Any]) -> dict[str, float]:
+    """``Policy.train``'s per-step lists as one number each (min/max for ``_min``/``_max``
+    keys, else the mean over the steps)."""
+    out: dict[str, float] = {}
+    for key, values in results.items():
+        values = values if isinstance(values, list | tuple) else [values]
+        values = [float(v) for v in values]
+        if not values:
+            continue
+        if key.endswith("_min"):
+            out[key] = min(values)
+        elif key.endswith("_max"):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
