@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.weights import PackedBucket, TensorSpec
+
+if TYPE_CHECKING:
+    from rl_models.generation.refit import WeightSync
 
 
 def check_generate_input(data: BatchedDataDict) -> None:
@@ -133,6 +136,9 @@ class GenerationInterface(ABC):
     # (``colocated``, ``refit_bucket_bytes``).
     worker_group: Any
     config: Any
+    # How refits reach the workers from a policy, and what lasts between refits (a shared
+    # weight region): made by the first ``refit`` (``refit.weight_sync``), released at shutdown.
+    weight_sync: WeightSync | None = None
 
     @abstractmethod
     def generate(
