@@ -39,10 +39,10 @@ def initial_model(seed: int = 0, **model) -> torch.nn.Module:
     Fresh weights come from HF's own initialisation run module by module (``build.py``), the
     same on any number of ranks; the tests compute their references with this model alone.
     """
-    from rl_models.policy.forward import build_model
+    from rl_models.modeling.build import build_model
 
     cfg = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float64", **model}, seed=seed)
-    return build_model(cfg)
+    return build_model(cfg.model, cfg.seed)
 
 
 def skewed_batch(lengths=(3, 61, 5, 7, 2, 40, 9, 4), seed: int = 0) -> BatchedDataDict:

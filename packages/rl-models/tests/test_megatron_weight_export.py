@@ -6,8 +6,8 @@ from transformers import AutoModelForCausalLM
 
 import rl_models.megatron  # noqa: F401  (registers rl_models.megatron -> the mcore env)
 from rl_distributed import RayVirtualCluster
-from rl_models.generation.weights import unpack_bucket
 from rl_models.policy.lm_policy import Policy
+from rl_models.weight_transfer.buckets import unpack_bucket
 
 from .conftest import tiny_config
 

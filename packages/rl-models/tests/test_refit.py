@@ -15,9 +15,9 @@ from rl_distributed.worker_groups import WorkerCallError
 from rl_models.generation.hf_generation import HfGeneration
 from rl_models.generation.interfaces import StaleWeightsError
 from rl_models.generation.refit import refit
-from rl_models.generation.shared_memory import PREFIX
 from rl_models.losses import NLLLoss
 from rl_models.policy.lm_policy import Policy
+from rl_models.weight_transfer.shared_memory import PREFIX
 
 from .conftest import TINY_LLAMA, skewed_batch, tiny_config
 

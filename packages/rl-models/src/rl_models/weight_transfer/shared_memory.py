@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_models.generation.weights import TensorSlot, TensorSpec, slots_of
+from rl_models.weight_transfer.buckets import TensorSlot, TensorSpec, slots_of
 
 REGION_DIR = "/dev/shm"
 PREFIX = "rl-refit-"
