@@ -54,7 +54,7 @@ def main() -> None:
     ray.get([a.ping.remote() for a in raw_actors])
 
     def ours():
-        return group.get_all_worker_results(group.run_all_workers_single_data("echo", step=1))
+        return group.call_all("echo", step=1)
 
     def raw():
         return ray.get([a.echo.remote(step=1) for a in raw_actors])

@@ -138,8 +138,8 @@ def child_megatron(layout: str, source: str | None, whole: bool) -> None:
     from rl_models.megatron.convert import GPTLayout, hf_to_megatron, shard_megatron
     from rl_models.megatron.parallel import ShardFiller, build_gpt, init_model_parallel
     from rl_models.megatron.worker import MegatronPolicyWorker
+    from rl_models.modeling.build import build_model
     from rl_models.policy.base_worker import init_distributed
-    from rl_models.policy.build import build_model
     from rl_models.policy.config import PolicyConfig
 
     config = PolicyConfig.model_validate(_megatron_config(layout, source))
@@ -155,7 +155,7 @@ def child_megatron(layout: str, source: str | None, whole: bool) -> None:
     cpu_shim.apply()
     r = init_model_parallel(config.megatron)
     before = _reset_peak()
-    hf = build_model(config)  # the whole model, on every rank
+    hf = build_model(config.model, config.seed)  # the whole model, on every rank
     layout_ = GPTLayout.from_hf_config(hf.config)
     full = hf_to_megatron(hf.state_dict(), layout_)
     shard = shard_megatron(full, layout_, tp=r.tp, tp_rank=r.tp_rank, pp=r.pp, pp_rank=r.pp_rank)

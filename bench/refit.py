@@ -3,7 +3,7 @@
 A ~100M-parameter Llama (float32, built from a config) lives in a DTensor policy worker group
 and an HF generation worker group (separate workers on one node). Ours: ``refit`` with the
 channel it picks itself (``--channel auto``): on one CPU node that is the shared-memory weight
-region (``generation/shared_memory.py``: the policy ranks write the weights straight into a
+region (``weight_transfer/shared_memory.py``: the policy ranks write the weights straight into a
 ``/dev/shm`` region whose views are the generator's parameters; three small Ray calls), bytes
 moved per second. ``--channel object_store`` measures the bucketed object-store path instead
 (export in ``--bucket-mb`` buckets, Ray's object store, load into the generator's parameters).
@@ -27,8 +27,8 @@ import torch
 from rl_distributed import RayVirtualCluster, init_ray
 from rl_models.generation.hf_generation import HfGeneration
 from rl_models.generation.refit import refit
+from rl_models.modeling.build import build_model
 from rl_models.policy.config import PolicyConfig
-from rl_models.policy.forward import build_model
 from rl_models.policy.lm_policy import Policy
 
 LLAMA_100M = {
@@ -45,7 +45,7 @@ LLAMA_100M = {
 
 def plain_copy_seconds(config: PolicyConfig) -> tuple[float, int]:
     """One pass of ``dst.copy_(src)`` over the model's tensors (warm destination)."""
-    src = [t.detach() for t in build_model(config).state_dict().values()]
+    src = [t.detach() for t in build_model(config.model, config.seed).state_dict().values()]
     dst = [torch.empty_like(t) for t in src]
     for d, s in zip(dst, src, strict=True):  # first touch of the destination pages
         d.copy_(s)
@@ -70,7 +70,7 @@ def main() -> None:
     config = PolicyConfig.model_validate(
         {"model": {"hf_config": LLAMA_100M}, "train_global_batch_size": 1}
     )
-    params = sum(p.numel() for p in build_model(config).parameters())
+    params = sum(p.numel() for p in build_model(config.model, config.seed).parameters())
     init_ray(num_cpus=4, log_to_driver=False)
     policy_cluster = RayVirtualCluster([args.policy_ranks], use_gpus=False)
     gen_cluster = RayVirtualCluster([1], use_gpus=False)

@@ -48,7 +48,7 @@ def main() -> None:
         if step % 5 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  loss per rank {[round(v, 4) for v in losses]}")
 
-    weights = group.get_all_worker_results(group.run_all_workers_single_data("weights"))
+    weights = group.call_all("weights")
     print("learned weight (rank 0):", [round(v, 3) for v in weights[0]["weight"][0].tolist()])
     print("true weight:            ", true_w.tolist())
     group.shutdown(cleanup_method="close")

@@ -20,7 +20,7 @@ DRIVER = textwrap.dedent(
     from rl_distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
     cluster = RayVirtualCluster({bundles}, use_gpus=False, placement_group_strategy="{strategy}")
     group = RayWorkerGroup(cluster, RayWorkerBuilder("rl_distributed.testing.EchoWorker"))
-    envs = group.get_all_worker_results(group.run_all_workers_single_data("env"))
+    envs = group.call_all("env")
     print(json.dumps({{"gcs": ray.get_runtime_context().gcs_address,
                       "cpus": ray.cluster_resources()["CPU"],
                       "nodes": [m.placement["node_id"] for m in group.worker_metadata],

@@ -52,7 +52,7 @@ def test_registered_class_goes_to_its_environment_and_failures_are_loud():
             )
         # The failed group released its bundle: a system-env group still fits.
         group = RayWorkerGroup(cluster, RayWorkerBuilder(ECHO))
-        [info] = group.get_all_worker_results(group.run_all_workers_single_data("python"))
+        [info] = group.call_all("python")
         assert info["executable"] == sys.executable
         group.shutdown()
     finally:
@@ -74,7 +74,7 @@ def test_vllm_and_mcore_extras_live_in_separate_environments():
     }
 
     def ask(group, method, **kwargs):
-        return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))[0]
+        return group.call_all(method, **kwargs)[0]
 
     try:
         found = {

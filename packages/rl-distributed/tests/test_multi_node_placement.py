@@ -32,7 +32,7 @@ RENDEZVOUS = textwrap.dedent(
     }.items():
         group = RayWorkerGroup(cluster, RayWorkerBuilder("rl_distributed.testing.EchoWorker"),
                                **kwargs)
-        envs = group.get_all_worker_results(group.run_all_workers_single_data("env"))
+        envs = group.call_all("env")
         report[name] = {"master": [e["MASTER_ADDR"] for e in envs],
                         "ips": [m.placement["node_ip"] for m in group.worker_metadata]}
         group.shutdown()
@@ -42,9 +42,7 @@ RENDEZVOUS = textwrap.dedent(
         RayWorkerBuilder("rl_distributed.testing.DataParallelRegressor", dim=3, lr=0.1),
         bundle_indices_list=[(1, [0]), (0, [0])],
     )
-    report["gloo"] = group.get_all_worker_results(
-        group.run_all_workers_single_data("process_group"), timeout=120
-    )
+    report["gloo"] = group.call_all("process_group", timeout=120)
     group.shutdown(cleanup_method="close")
     cluster.shutdown()
     print(json.dumps(report))

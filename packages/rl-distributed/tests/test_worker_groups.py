@@ -453,6 +453,24 @@ def test_call_all_and_call_one_wait_and_name_the_worker(echo4):
         echo4.call_one(9, "ping")
 
 
+def test_run_one_starts_a_tracked_call_and_returns_at_once(echo4):
+    import time
+
+    start = time.monotonic()
+    slow = echo4.run_one(0, "delayed_echo", seconds=2, x=1)
+    assert time.monotonic() - start < 1.5  # not waited for
+    assert slow.worker_ranks == [0] and slow.method == "delayed_echo"
+    assert echo4.call_one(1, "echo", x=2) == {"x": 2}  # another worker answers meanwhile
+    assert results(echo4, slow) == [{"x": 1}]
+    # Tracked: a hang report names the method worker 3 runs.
+    stuck = echo4.run_one(3, "sleep", seconds=4)
+    with pytest.raises(WorkerTimeoutError, match=r"'echo-3'.*running 'sleep'"):
+        results(echo4, stuck, timeout=1)
+    results(echo4, stuck)  # let it finish before the next test uses the worker
+    with pytest.raises(IndexError, match="no worker of rank 4"):
+        echo4.run_one(4, "ping")
+
+
 @ray.remote(num_cpus=0)
 def _call_from_another_process(worker, method, timeout, expected, kwargs):
     """What the trajectory collector does: call a worker from an actor, not the driver."""

@@ -20,6 +20,33 @@ TINY_LLAMA = {
 }
 
 
+def response_mask(input_lengths: torch.Tensor, generation_lengths: torch.Tensor, width: int):
+    """``[B, width]`` True on each row's generated tokens (where ``generate`` puts them)."""
+    pos = torch.arange(width)[None, :]
+    start = input_lengths.cpu()[:, None]
+    return (pos >= start) & (pos < start + generation_lengths.cpu()[:, None])
+
+
+def logprob_mismatch_metrics(
+    generation_logprobs: torch.Tensor, policy_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """How far a generator's log-probs are from the policy's on the valid (``mask``) tokens, in
+    float64: ``token_mult_prob_error`` (mean of ``exp|gen - policy|``, 1 = equal) and
+    ``token_mult_prob_error_max_seq`` (the largest per-sequence mean)."""
+    valid = mask.bool()
+    if not valid.any():
+        raise ValueError("no valid tokens to compare (the mask is all zero)")
+    # Padding is zeroed before the exp: a -inf there must not turn into inf * 0 = nan.
+    gap = torch.where(valid, (generation_logprobs.double() - policy_logprobs.double()).abs(), 0)
+    mult = torch.exp(gap) * valid
+    tokens = valid.sum(dim=1)
+    per_seq = mult.sum(dim=1)[tokens > 0] / tokens[tokens > 0]
+    return {
+        "token_mult_prob_error": float(mult.sum() / valid.sum()),
+        "token_mult_prob_error_max_seq": float(per_seq.max()),
+    }
+
+
 def tiny_config(**overrides) -> PolicyConfig:
     """float64 (exact comparisons), plain SGD with lr=1 and no clipping unless overridden."""
     config = {
@@ -39,10 +66,10 @@ def initial_model(seed: int = 0, **model) -> torch.nn.Module:
     Fresh weights come from HF's own initialisation run module by module (``build.py``), the
     same on any number of ranks; the tests compute their references with this model alone.
     """
-    from rl_models.policy.forward import build_model
+    from rl_models.modeling.build import build_model
 
     cfg = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float64", **model}, seed=seed)
-    return build_model(cfg)
+    return build_model(cfg.model, cfg.seed)
 
 
 def skewed_batch(lengths=(3, 61, 5, 7, 2, 40, 9, 4), seed: int = 0) -> BatchedDataDict:

@@ -11,7 +11,9 @@ import threading
 
 import torch
 
-from rl_models.generation.channels import (
+from rl_models.generation.refit import pick_channel
+from rl_models.weight_transfer.buckets import TensorSpec
+from rl_models.weight_transfer.channels import (
     BroadcastChannel,
     buffer_bytes,
     free_port,
@@ -20,8 +22,6 @@ from rl_models.generation.channels import (
     share_buffer,
     unpack_tensor,
 )
-from rl_models.generation.refit import pick_channel
-from rl_models.generation.weights import TensorSpec
 
 TENSORS = {
     "w": torch.randn(4, 3),
@@ -47,7 +47,7 @@ def test_ipc_handle_maps_the_same_memory_in_another_process():
     handle = pickle.dumps(share_buffer(slots, buffer))
     reader = (
         "import pickle, sys\n"
-        "from rl_models.generation.channels import open_buffer, unpack_tensor\n"
+        "from rl_models.weight_transfer.channels import open_buffer, unpack_tensor\n"
         "b = pickle.loads(sys.stdin.buffer.read())\n"
         "print({n: t.float().sum().item() for n, t in unpack_tensor(b.slots, open_buffer(b))})"
     )

@@ -14,13 +14,12 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.generation.interfaces import IncompleteRefitError, StaleWeightsError
-from rl_models.generation.metrics import response_mask
 from rl_models.generation.sampling import draw, filter_logits
-from rl_models.generation.weights import PackedBucket, TensorSlot
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.weight_export import DTensorWeightExporter
+from rl_models.weight_transfer.buckets import PackedBucket, TensorSlot
 
-from .conftest import TINY_LLAMA, tiny_config
+from .conftest import TINY_LLAMA, response_mask, tiny_config
 
 VOCAB = TINY_LLAMA["vocab_size"]
 

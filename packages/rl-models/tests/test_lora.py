@@ -12,13 +12,20 @@ from torch.func import functional_call
 from transformers import AutoModelForCausalLM
 
 from rl_models.losses import NLLLoss, loss_token_mask
-from rl_models.policy.dtensor_worker import DTensorPolicyWorker, build_model
+from rl_models.modeling.build import build_model
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lora import ADAPTER_DIR
 
 from .conftest import skewed_batch, tiny_config
 
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0}
 ADAM = {"name": "AdamW", "kwargs": {"lr": 1e-2}}
+
+
+def base_model() -> torch.nn.Module:
+    """The model a worker of ``tiny_config()`` starts from (before any adapter)."""
+    cfg = tiny_config()
+    return build_model(cfg.model, cfg.seed)
 
 
 def lora_worker(**overrides) -> DTensorPolicyWorker:
@@ -103,7 +110,7 @@ def test_adapter_checkpoint_loads_with_peft(trained):
 
     worker, _, _, path = trained
     data = skewed_batch()
-    base = build_model(tiny_config())
+    base = base_model()
     model = PeftModel.from_pretrained(base, os.path.join(path, ADAPTER_DIR)).eval()
     expected = worker.get_logprobs(data)["logprobs"]
     torch.testing.assert_close(next_token_logprobs(model, data), expected, rtol=0, atol=1e-10)
@@ -135,7 +142,7 @@ def test_lora_gradient_matches_a_hand_built_float64_lora():
     worker.train(data, NLLLoss())
     after = snapshot(worker.model)
 
-    plain = build_model(tiny_config())
+    plain = base_model()
     scaling = LORA["alpha"] / LORA["rank"]
     leaves, weights = {}, {}
     for key, value in before.items():

@@ -26,10 +26,6 @@ CASES = {
 }
 
 
-def call_all(group, method, **kwargs):
-    return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_rank_builds_and_loads_only_its_shard(tiny_llama, case):
@@ -47,8 +43,8 @@ def test_each_rank_builds_and_loads_only_its_shard(tiny_llama, case):
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = Policy(cluster, config)
     try:
-        stats = call_all(policy.worker_group, "weight_load_stats")
-        gathered = call_all(policy.worker_group, "hf_state_dict")[0]
+        stats = policy.worker_group.call_all("weight_load_stats")
+        gathered = policy.worker_group.call_all("hf_state_dict")[0]
     finally:
         policy.shutdown()
         cluster.shutdown()

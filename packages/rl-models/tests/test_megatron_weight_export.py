@@ -6,16 +6,12 @@ from transformers import AutoModelForCausalLM
 
 import rl_models.megatron  # noqa: F401  (registers rl_models.megatron -> the mcore env)
 from rl_distributed import RayVirtualCluster
-from rl_models.generation.weights import unpack_bucket
 from rl_models.policy.lm_policy import Policy
+from rl_models.weight_transfer.buckets import unpack_bucket
 
 from .conftest import tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
-
-
-def call_all(group, method, **kwargs):
-    return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
 
 
 @pytest.mark.timeout(900)
@@ -33,15 +29,15 @@ def test_megatron_export_equals_the_hf_state_dict_without_a_full_gather(tiny_lla
     policy = Policy(cluster, config)
     try:
         group = policy.worker_group
-        plans = call_all(group, "weight_export_plan", bucket_bytes=bucket_bytes)
+        plans = group.call_all("weight_export_plan", bucket_bytes=bucket_bytes)
         got: dict[int, dict[str, torch.Tensor]] = {0: {}, 1: {}}
         for step in range(max(p.steps for p in plans)):
-            for rank, bucket in enumerate(call_all(group, "export_weight_bucket", step=step)):
+            for rank, bucket in enumerate(group.call_all("export_weight_bucket", step=step)):
                 if bucket is None:
                     continue
                 assert bucket.nbytes <= bucket_bytes or len(bucket.slots) == 1
                 got[rank].update((n, t.clone()) for n, t in unpack_bucket(bucket))
-        stats = call_all(group, "finish_weight_export")
+        stats = group.call_all("finish_weight_export")
     finally:
         policy.shutdown()
         cluster.shutdown()

@@ -37,7 +37,7 @@ def hf_logprobs(path, data) -> torch.Tensor:
 
 
 def call(group: RayWorkerGroup, method: str, **kwargs):
-    [result] = group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
+    [result] = group.call_all(method, **kwargs)
     return result
 
 
@@ -121,9 +121,7 @@ def test_two_data_parallel_ranks_train_like_one(tiny_llama, tmp_path):
         )
         metrics = group.get_all_worker_results(futures)
         ckpt = str(tmp_path / "ckpt")
-        group.get_all_worker_results(
-            group.run_all_workers_single_data("save_checkpoint", path=ckpt)
-        )
+        group.call_all("save_checkpoint", path=ckpt)
     finally:
         group.shutdown()
         cluster.shutdown()

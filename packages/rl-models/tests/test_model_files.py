@@ -3,7 +3,7 @@ import os
 import pytest
 
 from rl_models import model_files
-from rl_models.policy.config import ModelConfig
+from rl_models.modeling.config import ModelConfig
 
 
 def test_a_missing_gguf_file_is_named(tmp_path):

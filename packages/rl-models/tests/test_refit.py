@@ -15,9 +15,9 @@ from rl_distributed.worker_groups import WorkerCallError
 from rl_models.generation.hf_generation import HfGeneration
 from rl_models.generation.interfaces import StaleWeightsError
 from rl_models.generation.refit import refit
-from rl_models.generation.shared_memory import PREFIX
 from rl_models.losses import NLLLoss
 from rl_models.policy.lm_policy import Policy
+from rl_models.weight_transfer.shared_memory import PREFIX
 
 from .conftest import TINY_LLAMA, skewed_batch, tiny_config
 
@@ -72,11 +72,7 @@ def test_generator_samples_the_trained_policy_after_refit(colocated, tmp_path):
             generation.generate(data, greedy=True, expected_weight_version=policy.weight_version)
         group = generation.worker_group
         with pytest.raises(WorkerCallError, match="holds weight version 0 but version 1"):
-            group.get_all_worker_results(
-                group.run_all_workers_single_data(
-                    "generate", data=data, greedy=True, expected_weight_version=1
-                )
-            )
+            group.call_all("generate", data=data, greedy=True, expected_weight_version=1)
 
         stats = refit(policy, generation, bucket_bytes=64 * 1024)
         # One node, CPUs: the weights go through a shared-memory region, chosen automatically.
@@ -121,7 +117,7 @@ def assert_generator_weights_equal(generation, checkpoint: str) -> None:
         if name.endswith(".safetensors"):
             saved.update(load_file(os.path.join(checkpoint, name)))
     group = generation.worker_group
-    for weights in group.get_all_worker_results(group.run_all_workers_single_data("get_weights")):
+    for weights in group.call_all("get_weights"):
         assert set(saved) <= set(weights)
         for name, tensor in saved.items():
             assert weights[name].dtype == torch.float32 and torch.equal(weights[name], tensor), name
@@ -161,7 +157,7 @@ def test_every_channel_delivers_the_trained_weights(tmp_path):
             stats = refit(policy, generation, bucket_bytes=64 * 1024, channel=channel)
             assert stats.channel == channel
             # The region's file is gone once both sides map it; the weights live on.
-            assert not os.path.exists(generation._weight_region.path)
+            assert not os.path.exists(generation.weight_sync.region.path)
             assert stats.buckets > 3 or channel == "shared_memory"
             assert_generator_matches_policy(policy, generation, prompts())
             policy.save_checkpoint(str(tmp_path / channel))
@@ -175,7 +171,7 @@ def test_every_channel_delivers_the_trained_weights(tmp_path):
             refit(policy, generation, dtype="bfloat16", channel="shared_memory")
         # The policy ranks dropped their mappings of the float32 region: a float32 refit sets
         # up a new one (the old one's memory goes with the generation workers' last mapping).
-        assert generation._weight_region is None
+        assert generation.weight_sync.region is None
         stats = refit(policy, generation, channel="shared_memory")
         assert stats.channel == "shared_memory"
         assert_generator_weights_equal(generation, str(tmp_path / "broadcast"))
@@ -324,7 +320,7 @@ def test_refit_peak_memory_is_about_one_bucket_not_one_model(channel):
                 extra[pid].append(rss.extra(pid))
         assert stats.channel == channel
         if channel == "shared_memory":
-            assert stats.bytes == generation._weight_region.layout.nbytes
+            assert stats.bytes == generation.weight_sync.region.layout.nbytes
         model_bytes = stats.bytes
         assert model_bytes > 15 * bucket
         print("refit peak extra MiB per process:", {p: min(e) / MB for p, e in extra.items()})

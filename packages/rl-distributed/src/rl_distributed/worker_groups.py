@@ -420,15 +420,19 @@ class RayWorkerGroup:
         futures = self.run_all_workers_single_data(method, **kwargs)
         return self.get_all_worker_results(futures, timeout=timeout)
 
+    def run_one(self, rank: int, method: str, **kwargs: Any) -> WorkerFutures:
+        """Start ``method(**kwargs)`` on worker ``rank`` alone, tracked like any call of the
+        group; wait for it with ``get_all_worker_results``."""
+        if not 0 <= rank < len(self.workers):
+            raise IndexError(f"{method}: no worker of rank {rank} (world size {self.world_size})")
+        return WorkerFutures([self._call(rank, method, kwargs)], [rank], method)
+
     def call_one(
         self, rank: int, method: str, *, timeout: float | None = None, **kwargs: Any
     ) -> Any:
-        """``method(**kwargs)`` on worker ``rank`` alone, tracked and waited for like any call
-        of the group (a hang report names the method it runs)."""
-        if not 0 <= rank < len(self.workers):
-            raise IndexError(f"{method}: no worker of rank {rank} (world size {self.world_size})")
-        futures = WorkerFutures([self._call(rank, method, kwargs)], [rank], method)
-        return self.get_all_worker_results(futures, timeout=timeout)[0]
+        """``method(**kwargs)`` on worker ``rank`` alone, waited for (a hang report names the
+        method it runs)."""
+        return self.get_all_worker_results(self.run_one(rank, method, **kwargs), timeout=timeout)[0]
 
     def remote_worker(self, rank: int) -> RemoteWorker:
         """Worker ``rank`` as a handle another process (a Ray actor) can call."""

@@ -66,9 +66,6 @@ class WorkerHost:
         }
         return bound(*args, **kwargs)
 
-    def has_method(self, method: str) -> bool:
-        return callable(getattr(self._worker, method, None))
-
     def describe(self) -> dict[str, Any]:
         """Where this worker runs: enough for a human to find it when something goes wrong."""
         return {

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rl_models.policy.config import ModelConfig
+from rl_models.modeling.config import ModelConfig
 
 CACHE_ENV = "RL_MODEL_CACHE"  # where converted models go (default ~/.cache/rl/models)
 

@@ -7,7 +7,6 @@ modules.
 
 from rl_models.generation.config import GenerationConfig, SamplingConfig, VllmConfig
 from rl_models.generation.interfaces import (
-    ExportPlan,
     GenerationInterface,
     GenerationWorker,
     IncompleteRefitError,
@@ -17,7 +16,6 @@ from rl_models.generation.interfaces import (
 )
 
 __all__ = [
-    "ExportPlan",
     "GenerationConfig",
     "GenerationInterface",
     "GenerationWorker",

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rl_distributed.config import ConfigModel
-from rl_models.policy.config import ModelConfig
+from rl_models.modeling.config import ModelConfig
 
 
 class SamplingConfig(ConfigModel):

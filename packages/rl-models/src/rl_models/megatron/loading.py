@@ -278,7 +278,7 @@ def load_from_fresh_init(
     it (a tied weight has two) has been initialised, and only then are the rank's slices cut.
     Each piece is emitted as soon as all its parts exist.
     """
-    from rl_models.policy.build import init_weights_by_module
+    from rl_models.modeling.build import init_weights_by_module
 
     stats = LoadStats()
     local = _local_layout(layout, tp)

@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 
-from rl_models.generation.interfaces import ExportPlan
-from rl_models.generation.weights import TensorSpec, pack_planned, plan_buckets
 from rl_models.megatron.convert import GPTLayout, _tp_whole, megatron_layer_to_hf, stage_layers
 from rl_models.policy.weight_export import Packer
+from rl_models.weight_transfer.buckets import ExportPlan, TensorSpec, pack_planned, plan_buckets
 
 #: Gathers this rank's tensor over the tensor-parallel group: the list of every rank's part on
 #: the destination rank (tensor-parallel rank 0), None elsewhere.

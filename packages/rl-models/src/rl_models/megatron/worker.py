@@ -60,8 +60,8 @@ from rl_models.megatron.parallel import (
     sync_grads,
 )
 from rl_models.megatron.weight_export import MegatronWeightExporter, tp_gather_to
+from rl_models.modeling.build import hf_config_of
 from rl_models.policy.base_worker import PolicyWorker, init_distributed, local_device
-from rl_models.policy.build import hf_config_of
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.weight_export import WeightExportMethods
@@ -93,7 +93,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         self.dp_size = self.ranks.dp
         self.rank = dist.get_rank()
 
-        self.hf_config = hf_config_of(self.config)
+        self.hf_config = hf_config_of(self.config.model)
         self.layout = GPTLayout.from_hf_config(self.hf_config)
         self.tied = self.layout.tied_embeddings
         # Only this rank's shard is ever allocated, and filled from slices: of the

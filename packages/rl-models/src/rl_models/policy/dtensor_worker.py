@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.interfaces import LossFunction, loss_input_type
 from rl_models.losses import loss_token_mask
+from rl_models.modeling.build import build_model
 from rl_models.policy import checkpoint, lora, offload
 from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-export)
     PolicyWorker,
@@ -38,7 +39,6 @@ from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-ex
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.forward import (
-    build_model,
     forward_logits,
     forward_logprobs,
     forward_scores,
@@ -75,15 +75,18 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
     def _build_policy(self) -> torch.nn.Module:
         if self.lora:
             # peft wraps (and initialises adapters on) a materialised model.
-            model = lora.wrap_with_lora(self._prepare(build_model(self.config)), self.config.lora)
+            model = build_model(self.config.model, self.config.seed)
+            model = lora.wrap_with_lora(self._prepare(model), self.config.lora)
             return self._shard(model.to(self.device))
         shard = self._shard if self.dp_size > 1 else None
-        return build_model(self.config, self.device, shard=shard, prepare=self._prepare)
+        model, seed = self.config.model, self.config.seed
+        return build_model(model, seed, self.device, shard=shard, prepare=self._prepare)
 
     def _build_reference(self) -> torch.nn.Module:
         """The initial policy again, sharded and cast like the policy (same numerics)."""
         shard = self._shard if self.dp_size > 1 else None
-        ref = build_model(self.config, self.device, shard=shard).eval().requires_grad_(False)
+        ref = build_model(self.config.model, self.config.seed, self.device, shard=shard)
+        ref = ref.eval().requires_grad_(False)
         if self.config.reference_policy.offload_to_cpu:
             offload.move_module(ref, torch.device("cpu"), copy=False)
         return ref

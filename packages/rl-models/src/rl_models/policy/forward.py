@@ -26,7 +26,6 @@ from transformers import PreTrainedModel
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
-from rl_models.policy.build import build_model  # noqa: F401 (re-export)
 from rl_models.policy.logprobs import output_layer_computes_logprobs, supports_chunked_logprobs
 from rl_models.policy.shared_prefix import (
     shared_prefix_logprobs,

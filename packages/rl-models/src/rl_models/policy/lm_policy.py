@@ -144,21 +144,17 @@ class Policy(PolicyInterface):
         return results[0]  # the metrics are all-reduced: every rank returns the same
 
     def prepare_for_training(self) -> None:
-        self._all("prepare_for_training")
+        self.worker_group.call_all("prepare_for_training")
 
     def prepare_for_lp_inference(self) -> None:
-        self._all("prepare_for_lp_inference")
+        self.worker_group.call_all("prepare_for_lp_inference")
 
     def save_checkpoint(self, path: str) -> None:
-        self._all("save_checkpoint", path=path)
+        self.worker_group.call_all("save_checkpoint", path=path)
 
     def load_checkpoint(self, path: str) -> None:
-        self._all("load_checkpoint", path=path)
+        self.worker_group.call_all("load_checkpoint", path=path)
         self.weight_version += 1  # other weights: a generator must be refit
-
-    def _all(self, method: str, **kwargs: Any) -> list[Any]:
-        group = self.worker_group
-        return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
 
     def shutdown(self) -> None:
         self.worker_group.shutdown(cleanup_method="shutdown")

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from rl_models.generation.interfaces import ExportPlan
-from rl_models.generation.weights import TensorSpec, pack_planned, plan_buckets
 from rl_models.policy import lora
+from rl_models.weight_transfer.buckets import ExportPlan, TensorSpec, pack_planned, plan_buckets
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -160,7 +159,7 @@ class DTensorWeightExporter:
 
     def write_region(self, views: Mapping[str, torch.Tensor], dtype: str | None = None) -> int:
         """Shared-memory channel: write every exported tensor into its view of the weight
-        region (``generation.shared_memory``); returns the bytes this rank wrote.
+        region (``weight_transfer.shared_memory``); returns the bytes this rank wrote.
 
         A row-sharded (FSDP2) parameter is written by every rank, each its own rows, with no
         communication; anything else (a LoRA merge, other placements) is gathered as for a
@@ -246,7 +245,7 @@ class WeightExportMethods:
         steps, the refit pipeline's depth) on producers, None elsewhere."""
         from collections import deque
 
-        from rl_models.generation.channels import pack_into_tensor, share_buffer
+        from rl_models.weight_transfer.channels import pack_into_tensor, share_buffer
 
         if self._ipc_buffers is None:
             self._ipc_buffers = deque(maxlen=2)
@@ -262,7 +261,7 @@ class WeightExportMethods:
 
     def init_weight_broadcast(self, host: str, port: int, world: int, backend: str) -> None:
         """Broadcast channel: a producer opens its own as rank 0 (called on producers only)."""
-        from rl_models.generation.channels import BroadcastChannel
+        from rl_models.weight_transfer.channels import BroadcastChannel
 
         if self._exporter is None or not self._exporter.producer:
             return
@@ -270,7 +269,7 @@ class WeightExportMethods:
 
     def export_weight_bucket_broadcast(self, step: int) -> None:
         """Broadcast channel: producers pack the bucket on the device and broadcast it."""
-        from rl_models.generation.channels import pack_into_tensor
+        from rl_models.weight_transfer.channels import pack_into_tensor
 
         def pack(specs, tensors):
             _, buffer = pack_into_tensor(specs, tensors, self.device)
@@ -282,7 +281,7 @@ class WeightExportMethods:
         """Shared-memory channel: map the weight region at ``path`` (a ``shared_memory``
         ``RegionLayout``) and keep the mapping, which outlives the file's name: ``refit`` has
         the file removed as soon as every process has mapped it."""
-        from rl_models.generation.shared_memory import MappedRegion
+        from rl_models.weight_transfer.shared_memory import MappedRegion
 
         if self._regions is None:
             self._regions = {}

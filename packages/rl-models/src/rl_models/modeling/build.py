@@ -1,4 +1,7 @@
-"""Building a policy's Hugging Face model without any rank holding all of it.
+"""Building the model a ``ModelConfig`` names without any rank holding all of it.
+
+Policies (``policy/``, ``megatron/``) and generators (``generation/``) build the same model from
+the same config and seed, so a generator starts with its policy's weights.
 
 The model is first built on the ``meta`` device (shapes only, no memory), then sharded (FSDP2's
 ``fully_shard``, passed in as ``shard``), then given storage for this rank's shards only
@@ -31,19 +34,18 @@ from transformers import (
     PreTrainedModel,
 )
 
-from rl_models.policy.config import PolicyConfig
+from rl_models.modeling.config import ModelConfig
 
 
-def _auto_class_and_kwargs(config: PolicyConfig) -> tuple[Any, dict[str, Any]]:
-    if config.model.kind == "sequence_classification":
-        return AutoModelForSequenceClassification, {"num_labels": config.model.num_labels}
+def _auto_class_and_kwargs(cfg: ModelConfig) -> tuple[Any, dict[str, Any]]:
+    if cfg.kind == "sequence_classification":
+        return AutoModelForSequenceClassification, {"num_labels": cfg.num_labels}
     return AutoModelForCausalLM, {}
 
 
-def hf_config_of(config: PolicyConfig) -> PretrainedConfig:
-    """The Hugging Face config of the model ``config.model`` names."""
-    cfg = config.model
-    _, extra = _auto_class_and_kwargs(config)
+def hf_config_of(cfg: ModelConfig) -> PretrainedConfig:
+    """The Hugging Face config of the model ``cfg`` names."""
+    _, extra = _auto_class_and_kwargs(cfg)
     if cfg.path is not None:
         hf_config = AutoConfig.from_pretrained(cfg.path, **extra)
     else:
@@ -54,26 +56,27 @@ def hf_config_of(config: PolicyConfig) -> PretrainedConfig:
 
 
 def build_model(
-    config: PolicyConfig,
+    cfg: ModelConfig,
+    seed: int,
     device: torch.device | str = "cpu",
     shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
 ) -> torch.nn.Module:
-    """The model the config names, on ``device``: a causal LM or a sequence classifier.
+    """The model ``cfg`` names, on ``device``: a causal LM or a sequence classifier; fresh
+    weights (``cfg.hf_config``) are drawn from ``seed``.
 
     ``prepare`` runs on the meta-device model before sharding (e.g. to switch on activation
     checkpointing); ``shard`` shards it (see the module docstring). Without ``shard`` the
     whole model is built on this rank.
     """
-    cfg = config.model
-    auto, _ = _auto_class_and_kwargs(config)
+    auto, _ = _auto_class_and_kwargs(cfg)
     if shard is None and cfg.path is not None:
         model = auto.from_pretrained(
             cfg.path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
         )
         return (prepare(model) if prepare else model).to(device)
     with torch.device("meta"):
-        model = auto.from_config(hf_config_of(config), dtype=cfg.torch_dtype)
+        model = auto.from_config(hf_config_of(cfg), dtype=cfg.torch_dtype)
     if prepare is not None:
         model = prepare(model)
     if shard is not None:
@@ -82,7 +85,7 @@ def build_model(
     if shard is None:  # to_empty replaces an unsharded model's parameters, tied ones apart
         model.tie_weights()
     # Buffers computed at construction (rotary frequencies) are re-made here too.
-    init_weights_by_module(model, config.seed)
+    init_weights_by_module(model, seed)
     if cfg.path is not None:
         load_hf_weights(model, cfg.path)
     return model

@@ -28,7 +28,7 @@ exception, SIGKILL). Only during that set-up (one copy of the weights) is the fi
 ``rl-refit-<creator pid>-<creator start time>-<random>``; if its creator dies within that
 window, the next ``create_region`` on the machine removes it (a file whose creator process, pid
 *and* start time, no longer exists), and so does the creator's ``shutdown`` or interpreter exit.
-The policy ranks drop their mappings at ``refit.release_weight_region`` (the generator's
+The policy ranks drop their mappings at ``refit.WeightSync.release`` (the generator's
 ``shutdown``, or a refit from another policy or in another dtype), the generation workers when
 they map another region or exit.
 """
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_models.generation.weights import TensorSlot, TensorSpec, slots_of
+from rl_models.weight_transfer.buckets import TensorSlot, TensorSpec, slots_of
 
 REGION_DIR = "/dev/shm"
 PREFIX = "rl-refit-"
