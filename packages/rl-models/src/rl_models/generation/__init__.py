@@ -15,6 +15,7 @@ from rl_models.generation.interfaces import (
     StaleWeightsError,
     WeightExportWorker,
 )
+from rl_models.generation.streaming import StreamingGeneration, StreamingSampler, StreamNews
 
 __all__ = [
     "ExportPlan",
@@ -25,6 +26,9 @@ __all__ = [
     "RequestAbortedError",
     "SamplingConfig",
     "StaleWeightsError",
+    "StreamNews",
+    "StreamingGeneration",
+    "StreamingSampler",
     "VllmConfig",
     "WeightExportWorker",
 ]
