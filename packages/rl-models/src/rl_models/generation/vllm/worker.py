@@ -197,7 +197,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        tokenizer = self._tokenizer()
+        tokenizer = self.engine.get_tokenizer()
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_of(data)]
         params = [
@@ -211,14 +211,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         ]
         return prompts, params
 
-    def _tokenizer(self) -> Any:
-        return self.engine.get_tokenizer()
-
     def pad_token_id(self) -> int:
-        return self._pad_id()
-
-    def _pad_id(self) -> int:
-        tok = self._tokenizer()
+        tok = self.engine.get_tokenizer()
         for pad in (tok.pad_token_id, tok.eos_token_id, 0):
             if pad is not None:
                 return int(pad)
@@ -243,11 +237,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         self._check_version(expected_weight_version)
         self._check_awake()
         if data.size == 0:
-            return assemble(data["input_ids"], data["input_lengths"], [], self._pad_id())
+            return assemble(data["input_ids"], data["input_lengths"], [], self.pad_token_id())
         responses: list[Response | None] = [None] * data.size
         for row, response in self._stream(data, greedy):
             responses[row] = response
-        return assemble(data["input_ids"], data["input_lengths"], responses, self._pad_id())
+        return assemble(data["input_ids"], data["input_lengths"], responses, self.pad_token_id())
 
     # -- streams (``streaming.VllmStreamingSampler``) ----------------------------------------
     # (The worker host calls methods synchronously and cannot be a Ray streaming generator, so
@@ -327,7 +321,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
                 if isinstance(result, RequestAbortedError):
                     raise result
                 raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
-        pad, samples = self._pad_id(), {}
+        pad, samples = self.pad_token_id(), {}
         for row, result, version, cached in items:
             one = stream.data.select_indices([row])
             sample = assemble(one["input_ids"], one["input_lengths"], [result], pad)
