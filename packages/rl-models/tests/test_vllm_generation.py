@@ -4,13 +4,15 @@ Module-scoped engine groups serve every test (an engine took 17 s to start on an
 55-105 s with three starting at once on a busy one): two data-parallel sync engines on the tiny
 model ``initial``, and two async engines on ``other`` (the same architecture with other
 weights), one per runner: ``in_process`` (vLLM's LLMEngine stepped by a thread of the worker,
-the CPU default) and ``async_llm`` (vLLM's AsyncLLM). The streaming tests run on both.
+the CPU default) and ``async_llm`` (vLLM's AsyncLLM). The streaming tests run on both, through
+``VllmStreamingSampler`` (what async GRPO's collector uses). The last test kills the
+``in_process`` engine's worker.
 
 Tolerance: vLLM computes in float32 (it has no float64), the reference is Hugging Face in
 float64; seen on this model: log-probs within 4e-5 at temperature 0.7 (1.4e-5 greedy).
 """
 
-import asyncio
+import re
 import time
 
 import pytest
@@ -20,9 +22,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from rl_data.tokenizers import build_tokenizer
-from rl_distributed import RayVirtualCluster
+from rl_distributed import RayVirtualCluster, WorkerCallError, WorkerDiedError
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation import StaleWeightsError
+from rl_models.generation import (
+    IncompleteRefitError,
+    StaleWeightsError,
+    StreamingSampler,
+    StreamNews,
+)
 from rl_models.generation.metrics import logprob_mismatch_metrics, response_mask
 from rl_models.generation.refit import refit
 from rl_models.generation.vllm import VllmGeneration
@@ -225,12 +232,41 @@ def test_weights_from_buckets_equal_a_fresh_engine_and_stale_weights_are_refused
     # A refit that did not happen (the controller expects version 2) is refused.
     with pytest.raises(StaleWeightsError, match="holds weight version 1 but version 2"):
         sync.generate(data, expected_weight_version=2)
-    with pytest.raises(StaleWeightsError, match="holds weight version 0 but version 1"):
-        asyncio.run(anext(fresh.generate_async(data, expected_weight_version=1)))
+    with pytest.raises(ValueError, match=r"needs generation\.vllm\.async_engine: true"):
+        sync.streaming_samplers(call_timeout=60)
+
+
+def sampler_of(gen) -> StreamingSampler:
+    """The sampler of the generator's (only) engine."""
+    (sampler,) = gen.streaming_samplers(call_timeout=120)
+    assert isinstance(sampler, StreamingSampler) and gen.worker_group.name_prefix in sampler.name
+    return sampler
+
+
+def poll_one(sampler, stream_id, timeout=30) -> StreamNews | None:
+    news = sampler.poll([stream_id], timeout=timeout)
+    assert set(news) <= {stream_id}
+    found = news.get(stream_id)
+    assert found is None or found.aborted is None
+    return found
+
+
+def stream_all(sampler, data, stream_id=None, first=None) -> dict[int, BatchedDataDict]:
+    """Every sample of a stream (started here unless ``stream_id``; ``first``: its news so
+    far), each row exactly once."""
+    stream_id = stream_id or sampler.start(data)
+    samples, done = (dict(first.samples), first.done) if first else ({}, False)
+    while not done:
+        if (news := poll_one(sampler, stream_id)) is not None:
+            assert not set(news.samples) & set(samples)  # each row handed out once
+            samples.update(news.samples)
+            done = news.done
+    assert sorted(samples) == list(range(data.size))
+    return samples
 
 
 @pytest.mark.parametrize("runner", ["async", "async_llm"])
-def test_generate_async_yields_each_sample_as_it_finishes(engines, models, runner):
+def test_a_stream_hands_out_each_sample_as_it_finishes(engines, models, runner):
     gen, tokenizer = engines[runner], models["tokenizer"]
     data = prompts(tokenizer, BATCH)
     whole = gen.generate(data, greedy=True)
@@ -245,13 +281,15 @@ def test_generate_async_yields_each_sample_as_it_finishes(engines, models, runne
     )
     data["stop_strings"] = [None, None, None, [early], None]
 
-    async def collect():
-        return [item async for item in gen.generate_async(data, greedy=True)]
-
-    arrived = asyncio.run(collect())
-    assert sorted(row for row, _ in arrived) == list(range(len(BATCH)))
-    assert arrived[0][0] == 3 and int(arrived[0][1]["generation_lengths"][0]) <= MAX_NEW // 2
-    for row, one in arrived:
+    sampler = sampler_of(gen)
+    stream_id = sampler.start(data, greedy=True)
+    while (first := poll_one(sampler, stream_id)) is None:
+        pass
+    # Rows come in the order they finished: row 3 first, long before the others.
+    assert next(iter(first.samples)) == 3 and not first.done
+    assert int(first.samples[3]["generation_lengths"][0]) <= MAX_NEW // 2
+    arrived = stream_all(sampler, data, stream_id, first)
+    for row, one in arrived.items():
         n = int(one["unpadded_sequence_lengths"][0])
         assert torch.equal(one["output_ids"][0, :n], whole["output_ids"][row, :n])
         if row != 3:
@@ -303,42 +341,31 @@ def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models)
         policy.shutdown()
 
 
-def stream_all(worker, data) -> dict[int, BatchedDataDict]:
-    stream_id = ray.get(worker.execute.remote("start_stream", (), {"data": data}))
-    samples, done = {}, False
-    while not done:
-        ready, done = ray.get(
-            worker.execute.remote("next_finished", (), {"stream_id": stream_id, "timeout": 30})
-        )
-        samples.update(ready)
-    return samples
-
-
 @pytest.mark.parametrize("runner", ["async", "async_llm"])
 def test_one_poll_collects_every_stream(engines, models, runner):
-    """``next_finished_many`` (the collector's poll): the samples of several streams in one call
-    each, every row exactly once, each stream forgotten once complete."""
+    """The sampler's poll (the collector's): the samples of several streams in one call, every
+    row exactly once, tagged with the weights that sampled it, each stream forgotten once
+    complete."""
     gen, tokenizer = engines[runner], models["tokenizer"]
-    worker = gen.worker_group.workers[gen.leaders[0]]
+    sampler = sampler_of(gen)
+    version = sampler.weight_version()
+    assert version == gen.weight_version
     batches = [prompts(tokenizer, BATCH), prompts(tokenizer, BATCH[::-1] * 2)]
-    ids = [ray.get(worker.execute.remote("start_stream", (), {"data": b})) for b in batches]
+    ids = [sampler.start(b) for b in batches]
     samples: dict[str, dict[int, BatchedDataDict]] = {i: {} for i in ids}
     open_ids = set(ids)
     while open_ids:
         asked = time.monotonic()
-        news = ray.get(
-            worker.execute.remote(
-                "next_finished_many", (), {"stream_ids": sorted(open_ids), "timeout": 300}
-            )
-        )
+        news = sampler.poll(sorted(open_ids), timeout=300)
         # Woken by the first finished sample, not by the time-out (a liveness bound, far
         # above the ~1 s these samples take, far below the 300 s wait).
         assert time.monotonic() - asked < 120
         assert news and set(news) <= open_ids  # waited for news; only what was asked about
-        for stream_id, (ready, done) in news.items():
-            assert not set(dict(ready)) & set(samples[stream_id])  # each row handed out once
-            samples[stream_id].update(ready)
-            if done:
+        for stream_id, found in news.items():
+            assert found.aborted is None
+            assert not set(found.samples) & set(samples[stream_id])  # each row handed out once
+            samples[stream_id].update(found.samples)
+            if found.done:
                 open_ids.discard(stream_id)
     for stream_id, batch in zip(ids, batches, strict=True):
         assert sorted(samples[stream_id]) == list(range(batch.size))
@@ -346,8 +373,10 @@ def test_one_poll_collects_every_stream(engines, models, runner):
             n = int(batch["input_lengths"][row])
             assert torch.equal(sample["output_ids"][0, :n], batch["input_ids"][row, :n])
             assert int(sample["generation_lengths"][0]) > 0
-        with pytest.raises(ray.exceptions.RayTaskError, match="KeyError"):  # forgotten
-            ray.get(worker.execute.remote("next_finished_many", (), {"stream_ids": [stream_id]}))
+            assert int(sample["weight_version_min"][0]) == int(sample["weight_version_max"][0])
+            assert int(sample["weight_version_max"][0]) == version  # no refit meanwhile
+        with pytest.raises(WorkerCallError, match=f"KeyError.*no stream '{stream_id}'"):
+            sampler.poll([stream_id])  # forgotten
 
 
 @pytest.mark.parametrize("runner", ["async", "async_llm"])
@@ -359,11 +388,11 @@ def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(
     blocks would be reused under the new version), and the running samples finish tagged with
     both versions."""
     gen, tokenizer = engines[runner], models["tokenizer"]
-    worker = gen.worker_group.workers[gen.leaders[0]]
+    sampler = sampler_of(gen)
     long_prompt = prompts(tokenizer, [" ".join(TEXTS * 3)])  # two whole 32-token blocks
     assert int(long_prompt["input_lengths"][0]) >= 64
-    stream_all(worker, long_prompt)
-    again = stream_all(worker, long_prompt)[0]
+    stream_all(sampler, long_prompt)
+    again = stream_all(sampler, long_prompt)[0]
     assert int(again["prefix_cached_tokens"][0]) >= 32  # the prefix cache is on and holds it
 
     version = gen.weight_version + 1
@@ -371,65 +400,73 @@ def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(
     # 80 rows in waves of max_num_seqs=8: once the first sample is out, a wave runs (holding
     # KV blocks) and eight more wait, dozens of decode steps from done, when the refit lands.
     many = prompts(tokenizer, BATCH * 16)
-    stream_id = ray.get(worker.execute.remote("start_stream", (), {"data": many}))
-    samples, done = {}, False
-    while not samples:
-        ready, done = ray.get(
-            worker.execute.remote("next_finished", (), {"stream_id": stream_id, "timeout": 30})
-        )
-        samples.update(ready)
+    stream_id = sampler.start(many)
+    while (first := poll_one(sampler, stream_id)) is None:
+        pass
     # Handed out before the refit began: sampled from the old weights only.
-    assert all(int(s["weight_version_max"][0]) == version - 1 for s in samples.values())
+    assert all(int(s["weight_version_max"][0]) == version - 1 for s in first.samples.values())
     gen.prepare_for_weight_update()
     gen.load_weight_bucket(pack_bucket(state.items()))
+    # Half-way through the refit the engine holds a mix of two versions: a new stream is
+    # refused with the typed error the collector retries on.
+    with pytest.raises(IncompleteRefitError, match="mix of version"):
+        sampler.start(long_prompt)
     gen.set_weight_version(version)
-    while not done:
-        ready, done = ray.get(
-            worker.execute.remote("next_finished", (), {"stream_id": stream_id, "timeout": 30})
-        )
-        samples.update(ready)
-    assert sorted(samples) == list(range(many.size))
+    samples = stream_all(sampler, many, stream_id, first)
     v_min = torch.cat([s["weight_version_min"] for s in samples.values()])
     v_max = torch.cat([s["weight_version_max"] for s in samples.values()])
     assert (v_min == version - 1).all()
     # Samples running when the refit landed finished on the new weights: an in-flight update.
     assert (v_max == version).any(), "the stream finished before the refit: nothing in flight"
 
-    after = stream_all(worker, long_prompt)[0]
+    after = stream_all(sampler, long_prompt)[0]
     assert int(after["weight_version_min"][0]) == version
     assert int(after["prefix_cached_tokens"][0]) == 0  # no block from the old weights reused
 
 
 @pytest.mark.parametrize("runner", ["async", "async_llm"])
-def test_a_cancelled_stream_is_forgotten_and_the_engine_goes_on(engines, models, runner):
-    """``cancel_stream`` (the collector's answer to a hung group) aborts what is left of a
-    stream, whether or not the engine got round to it, and the stream running beside it
-    finishes every row."""
+def test_a_stream_cancelled_mid_way_is_forgotten_and_the_engine_goes_on(engines, models, runner):
+    """``cancel`` (the collector's answer to a hung group) aborts what is left of a stream
+    part-way through, and the stream running beside it finishes every row."""
     gen, tokenizer = engines[runner], models["tokenizer"]
-    worker = gen.worker_group.workers[gen.leaders[0]]
+    group, leader = gen.worker_group, gen.leaders[0]
     if runner == "async":  # the default runner on CPU
-        assert ray.get(worker.execute.remote("runner")) == "in_process"
-    doomed = prompts(tokenizer, BATCH * 8)
-    doomed_id = ray.get(worker.execute.remote("start_stream", (), {"data": doomed}))
+        assert group.call_one(leader, "runner") == "in_process"
+    sampler = sampler_of(gen)
+    doomed = prompts(tokenizer, BATCH * 8)  # 40 rows in waves of max_num_seqs=8
+    doomed_id = sampler.start(doomed)
     kept = prompts(tokenizer, BATCH)
-    kept_id = ray.get(worker.execute.remote("start_stream", (), {"data": kept}))
-    ray.get(worker.execute.remote("cancel_stream", (), {"stream_id": doomed_id}))
-    with pytest.raises(ray.exceptions.RayTaskError, match="KeyError"):
-        ray.get(worker.execute.remote("next_finished_many", (), {"stream_ids": [doomed_id]}))
-    samples, done = {}, False
-    while not done:
-        ready, done = ray.get(
-            worker.execute.remote("next_finished", (), {"stream_id": kept_id, "timeout": 30})
-        )
-        samples.update(ready)
-    assert sorted(samples) == list(range(kept.size))
-    assert sorted(stream_all(worker, kept)) == list(range(kept.size))  # the engine goes on
+    kept_id = sampler.start(kept)
+    handed_out = 0
+    while not handed_out:  # mid-way: some samples out, the rest still to come
+        news = sampler.poll([doomed_id], timeout=30)
+        handed_out = len(news[doomed_id].samples) if doomed_id in news else 0
+    assert handed_out < doomed.size
+    assert sampler.cancel(doomed_id) == doomed.size - handed_out
+    assert sampler.cancel(doomed_id) == 0  # already forgotten
+    with pytest.raises(WorkerCallError, match="KeyError"):
+        sampler.poll([doomed_id])
+    stream_all(sampler, kept, kept_id)
+    stream_all(sampler, kept)  # the engine goes on
     # Every request was reported or aborted: nothing left running, no cancel remembered.
     deadline = time.monotonic() + 60
-    while (left := ray.get(worker.execute.remote("requests_in_flight"))) != {
+    while (left := group.call_one(leader, "requests_in_flight")) != {
         "running": 0,
         "cancelled": 0,
         "streams": 0,
     }:
         assert time.monotonic() < deadline, f"requests left behind: {left}"
         time.sleep(0.05)
+
+
+def test_a_dead_engine_worker_is_named_by_its_sampler(engines, models):
+    """Last in this module: it kills the ``in_process`` engine's worker."""
+    gen = engines["async"]
+    sampler = sampler_of(gen)
+    stream_id = sampler.start(prompts(models["tokenizer"], BATCH))
+    ray.kill(gen.worker_group.workers[gen.leaders[0]], no_restart=True)
+    with pytest.raises(
+        WorkerDiedError, match=f"{re.escape(sampler.name)} died during 'poll_streams'"
+    ):
+        for _ in range(100):  # (the kill lands within moments)
+            sampler.poll([stream_id], timeout=1)

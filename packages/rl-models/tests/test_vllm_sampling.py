@@ -1,17 +1,19 @@
 """The parts of the vLLM backend that run without vLLM: request settings and result layout."""
 
+import queue
+
 import pytest
 import torch
 
 from rl_distributed import RayVirtualCluster
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation import SamplingConfig
-from rl_models.generation.interfaces import IncompleteRefitError
+from rl_models.generation.interfaces import IncompleteRefitError, RequestAbortedError
 from rl_models.generation.vllm import VllmGeneration
 from rl_models.generation.vllm.extension import bucket_from_wire, bucket_to_wire
 from rl_models.generation.vllm.generation import _tensor_parallel_groups
 from rl_models.generation.vllm.sampling import Response, assemble, prompts_of, sampling_kwargs
-from rl_models.generation.vllm.worker import VllmGenerationWorker
+from rl_models.generation.vllm.worker import VllmGenerationWorker, _Stream
 from rl_models.generation.weights import pack_bucket, unpack_bucket
 
 
@@ -110,3 +112,32 @@ def test_the_async_engine_runner_is_refused_without_the_async_engine():
     assert VllmConfig(async_engine=True, async_engine_runner="async_llm").async_engine
     with pytest.raises(ValidationError, match=r"vllm\.async_engine: true"):
         VllmConfig(async_engine_runner="in_process")
+
+
+def test_a_stream_vllm_aborted_is_news_and_a_failed_or_unknown_one_raises():
+    """``poll_streams`` on finished requests as the engine's callback queues them (no engine
+    needed: errors are handed out before any sample is assembled)."""
+    worker = VllmGenerationWorker("unused", "float32", {}, {})
+    data = BatchedDataDict(
+        input_ids=torch.ones(2, 2, dtype=torch.long), input_lengths=torch.tensor([2, 2])
+    )
+
+    def stream(*finished) -> _Stream:
+        done: queue.Queue = queue.Queue()
+        for row, result in finished:
+            done.put((row, result, 0, 0))  # (row, result, weight version, cached tokens)
+        return _Stream(done, data, data.size, 0, ["r0", "r1"])
+
+    worker.streams = {"hit": stream((1, RequestAbortedError("r1", 1))), "quiet": stream()}
+    news = worker.poll_streams(["hit", "quiet"])
+    assert set(news) == {"hit"}  # nothing new on "quiet": left out
+    assert isinstance(news["hit"].aborted, RequestAbortedError) and news["hit"].aborted.row == 1
+    assert not news["hit"].done and not news["hit"].samples
+    assert set(worker.streams) == {"quiet"}  # the aborted stream was cancelled and forgotten
+
+    worker.streams["broken"] = stream((0, ValueError("a kernel failed")))
+    with pytest.raises(RuntimeError, match="vLLM failed on row 0") as failed:
+        worker.poll_streams(["quiet", "broken"])
+    assert isinstance(failed.value.__cause__, ValueError) and "broken" not in worker.streams
+    with pytest.raises(KeyError, match="no stream 'gone' here"):
+        worker.poll_streams(["quiet", "gone"])

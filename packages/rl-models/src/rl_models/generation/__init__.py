@@ -14,6 +14,7 @@ from rl_models.generation.interfaces import (
     StaleWeightsError,
     WeightExportWorker,
 )
+from rl_models.generation.streaming import StreamingGeneration, StreamingSampler, StreamNews
 
 __all__ = [
     "GenerationConfig",
@@ -23,6 +24,9 @@ __all__ = [
     "RequestAbortedError",
     "SamplingConfig",
     "StaleWeightsError",
+    "StreamNews",
+    "StreamingGeneration",
+    "StreamingSampler",
     "VllmConfig",
     "WeightExportWorker",
 ]

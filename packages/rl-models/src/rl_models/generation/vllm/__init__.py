@@ -13,10 +13,11 @@ import torch
 
 from rl_distributed.venvs import define_env, register_worker_env
 from rl_models.generation.vllm.generation import VllmGeneration
+from rl_models.generation.vllm.streaming import VllmStreamingSampler
 
 define_env("vllm-cuda", extras=["vllm-cuda"])
 register_worker_env(
     "rl_models.generation.vllm", "vllm-cuda" if torch.version.cuda is not None else "vllm"
 )
 
-__all__ = ["VllmGeneration"]
+__all__ = ["VllmGeneration", "VllmStreamingSampler"]

