@@ -94,6 +94,64 @@ def test_reinforce_plus_plus_matches_the_reference(group_size, kl_coef):
     assert float(values.std()) == pytest.approx(1.0, rel=1e-6)
 
 
+def test_integer_rewards_give_floating_point_advantages():
+    # 0/1 rewards from a verifier as int64: the advantages must not be truncated to 0.
+    ints = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0])
+    adv = grpo_advantages(ints, 4)
+    assert adv.dtype == torch.get_default_dtype()
+    torch.testing.assert_close(adv.double(), reference_grpo(ints, 4, False, True))
+    assert float(adv[1]) == pytest.approx(0.5 / (statistics.stdev([0, 1, 1, 0]) + 1e-6))
+    rloo = rloo_advantages(ints, 4)
+    assert rloo.dtype.is_floating_point
+    torch.testing.assert_close(rloo.double(), reference_grpo(ints, 4, True, False))
+    mask = torch.ones(8, 3, dtype=torch.bool)
+    rpp = reinforce_plus_plus_advantages(ints, mask, group_size=4)
+    assert rpp.dtype.is_floating_point
+    torch.testing.assert_close(
+        rpp.double(), reference_reinforce_pp(ints, mask, 4, None, 0.0), rtol=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("group_size", [None, 4])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.2])
+def test_reinforce_plus_plus_whitens_over_the_samples_in_the_loss_only(group_size, kl_coef):
+    """Samples with ``sample_mask`` 0 (dynamic sampling's filler groups, truncated samples)
+    neither move the whitening statistics nor get an advantage: the result on the samples in
+    the loss is the reference computed without the others, and exactly 0 on the others."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(12, 7, generator=g) > 0.3
+    kl = torch.rand(12, 7, generator=g, dtype=torch.float64)
+    kl[~mask] = float("inf")  # whatever sits outside the response (a prompt's overflow) is unread
+    sample_mask = torch.ones(12)
+    sample_mask[4:8] = 0  # the group whose rewards are all 2.0: a filler group
+    sample_mask[9] = 0  # and one truncated sample of a real group
+    got = reinforce_plus_plus_advantages(
+        REWARDS.double(), mask, group_size, kl, kl_coef, sample_mask=sample_mask
+    )
+    kept = sample_mask.bool()
+    # The group baseline is still each full group's mean (a group's samples were drawn together);
+    # only the whitening statistics and the output are restricted to the samples kept.
+    r = REWARDS.double()
+    if group_size:
+        r = r - r.view(-1, group_size).mean(1).repeat_interleave(group_size)
+    expected = reference_reinforce_pp(r[kept], mask[kept], None, kl[kept], kl_coef)
+    torch.testing.assert_close(got[kept], expected, rtol=1e-10, atol=1e-12)
+    assert torch.equal(got[~kept], torch.zeros_like(got[~kept]))
+    # Whitened over the kept samples' tokens: mean 0, std 1.
+    values = got[kept][mask[kept]]
+    assert float(values.mean()) == pytest.approx(0.0, abs=1e-12)
+    assert float(values.std()) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_grpo_filler_groups_have_zero_advantage_in_floating_point():
+    # A filler group (all rewards equal) gets exactly 0 whatever its reward or dtype.
+    rewards = torch.tensor([3, 3, 3, 3, 0, 1, 0, 0])
+    adv = grpo_advantages(rewards, 4)
+    assert adv.dtype.is_floating_point
+    assert torch.equal(adv[:4], torch.zeros(4))
+    assert float(adv[5]) > 0
+
+
 def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
     assert groups_with_signal(REWARDS, 4).tolist() == [True, False, True]
     assert groups_with_signal(torch.zeros(6), 2).tolist() == [False, False, False]

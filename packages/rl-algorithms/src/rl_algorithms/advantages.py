@@ -2,15 +2,18 @@
 
 Rewards come as ``[N]`` float tensors, ``N = prompts * G`` with the G samples of a prompt
 **contiguous** (rows ``g*G .. g*G + G - 1`` are group ``g``: ``BatchedDataDict.repeat_interleave``
-makes that layout). All estimators work in float64 and return the dtype they were given.
+makes that layout). All estimators work in float64 and return the rewards' dtype when it is a
+floating-point one, else torch's default float dtype (0/1 rewards given as integers must not
+truncate the advantages to integers).
 
 - ``grpo_advantages``: ``r - baseline``, the baseline the group mean (or, ``leave_one_out``, the
   mean of the *other* G-1 samples), optionally divided by the group's standard deviation.
 - ``rloo_advantages``: REINFORCE leave-one-out, ``r_i - mean_{j != i} r_j`` (no scaling).
 - ``reinforce_plus_plus_advantages``: per-token returns (with the KL-in-reward variant:
-  ``G_t = r - kl_coef * sum_{s >= t} kl_s``), whitened over all valid tokens of the batch
-  (global, not per-group, normalisation); with ``group_size`` the group mean is subtracted
-  from the rewards first (the "baseline" variant).
+  ``G_t = r - kl_coef * sum_{s >= t} kl_s``, the ``kl`` / ``kl_coef`` arguments), whitened
+  over the response tokens of the samples in the loss (global, not per-group, normalisation;
+  ``sample_mask`` 0 samples are left out and get 0); with ``group_size`` the group mean is
+  subtracted from the rewards first (the "baseline" variant).
 - DAPO: ``groups_with_signal`` (dynamic sampling keeps groups whose rewards differ),
   ``overlong_filter`` (truncated samples out of the loss), ``overlong_penalty`` (soft length
   penalty added to the reward).
@@ -30,6 +33,10 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
             "(grpo.num_generations_per_prompt)"
         )
     return rewards.to(torch.float64).view(-1, group_size)
+
+
+def _result_dtype(rewards: torch.Tensor) -> torch.dtype:
+    return rewards.dtype if rewards.dtype.is_floating_point else torch.get_default_dtype()
 
 
 def grpo_advantages(
@@ -55,7 +62,7 @@ def grpo_advantages(
     if normalize_std and group_size > 1:
         std = groups.std(dim=1, keepdim=True)
         adv = torch.where(std > eps, adv / (std + eps), torch.zeros_like(adv))
-    return adv.reshape(-1).to(rewards.dtype)
+    return adv.reshape(-1).to(_result_dtype(rewards))
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -70,14 +77,25 @@ def reinforce_plus_plus_advantages(
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     eps: float = 1e-8,
+    sample_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N, S]`` per-token advantages of REINFORCE++ (module docstring).
 
     ``token_mask`` ``[N, S]`` marks the response tokens (the reward comes at the last one);
-    ``kl`` ``[N, S]`` is a per-token KL estimate to the reference (only read when
-    ``kl_coef > 0``). Advantages are 0 outside the mask.
+    ``kl`` ``[N, S]`` is a per-token KL estimate to the reference, e.g. ``log pi_old - log
+    pi_ref`` (only read on the response tokens, when ``kl_coef > 0``). ``sample_mask`` ``[N]``
+    (default: all 1) marks the samples that enter the loss: the whitening statistics are taken
+    over their response tokens only, and the other samples get advantage 0, so that samples
+    kept out of the loss (dynamic sampling's filler groups, truncated samples) change nothing.
+    The group baseline is still the mean of the whole group. Advantages are 0 outside the mask.
     """
     mask = token_mask.to(torch.float64)
+    if sample_mask is not None:
+        if sample_mask.shape != (rewards.numel(),):
+            raise ValueError(
+                f"sample_mask must be [N] = [{rewards.numel()}], got {tuple(sample_mask.shape)}"
+            )
+        mask = mask * (sample_mask.to(torch.float64) > 0)[:, None]
     r = rewards.to(torch.float64)
     if group_size is not None:
         groups = _groups(rewards, group_size)
@@ -86,14 +104,15 @@ def reinforce_plus_plus_advantages(
     if kl_coef:
         if kl is None:
             raise ValueError("kl_coef > 0 needs the per-token kl [N, S]")
-        penalty = kl.to(torch.float64) * mask
+        # where, not a product: a prompt position's estimate may be inf, and inf * 0 is NaN.
+        penalty = torch.where(mask > 0, kl.to(torch.float64), 0.0)
         # Reward-to-go of the per-token penalties (gamma = 1): the sum from t to the end.
         to_go = penalty.flip(1).cumsum(1).flip(1)
         returns = returns - kl_coef * to_go * mask
     count = mask.sum().clamp(min=1)
     mean = returns.sum() / count
     var = (((returns - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1)
-    return ((returns - mean) / (var.sqrt() + eps) * mask).to(rewards.dtype)
+    return ((returns - mean) / (var.sqrt() + eps) * mask).to(_result_dtype(rewards))
 
 
 def groups_with_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -86,7 +86,11 @@ def reference_loss(lp: torch.Tensor, data: BatchedDataDict, cfg: ClippedPGLossCo
         token_losses.extend(losses)
         if losses:
             per_sample_losses.append(sum(losses) / len(losses))
-    if cfg.token_level_loss:
+    # Left out, the aggregation follows the ratios: per token, or per sequence for GSPO.
+    token_level = cfg.token_level_loss
+    if token_level is None:
+        token_level = not cfg.sequence_level_importance_ratios
+    if token_level:
         return sum(token_losses) / len(token_losses)
     return sum(per_sample_losses) / n_samples
 
@@ -163,7 +167,7 @@ def test_metrics_report_ratios_clipping_and_generator_mismatch():
     assert metrics["probs_ratio_min"] == pytest.approx(float(ratio.min()))
     assert metrics["probs_ratio_max"] == pytest.approx(float(ratio.max()))
     outside = ((ratio < 0.8) | (ratio > 1.2)).double().mean()
-    assert metrics["clip_fraction"] == pytest.approx(float(outside))
+    assert metrics["probs_ratio_outside_clip_range"] == pytest.approx(float(outside))
     diff = (data["prev_logprobs"] - data["generation_logprobs"])[mask].abs()
     assert metrics["token_mult_prob_error"] == pytest.approx(float(torch.exp(diff).mean()))
 
@@ -237,3 +241,155 @@ def test_without_prev_logprobs_pi_old_is_the_current_policy(name):
     # Off (the default), a batch without pi_old's log-probs is an error, not a silent ratio 1.
     with pytest.raises(KeyError, match="prev_logprobs"):
         ClippedPGLossFn(cfg)(lp, data, seqs, toks)
+
+
+# The default recipe's loss (KL penalty 0.01, clamped k3), and the same with both clamps off
+# (allowed), where one overflowing position would turn a product mask into NaN.
+RECIPE_KL = {"reference_policy_kl_penalty": 0.01}
+UNCLAMPED_KL = {**RECIPE_KL, "kl_input_clamp_value": None, "kl_output_clamp_value": None}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [RECIPE_KL, UNCLAMPED_KL, {**UNCLAMPED_KL, "token_level_loss": False}],
+    ids=["recipe", "unclamped", "unclamped-sequence-mean"],
+)
+def test_a_sample_with_sample_mask_0_is_inert(config):
+    """Dynamic sampling's filler groups (``sample_mask`` 0): no policy-gradient, no KL gradient
+    and no share of the global token or sample count, whatever their advantages and log-probs."""
+    cfg = ClippedPGLossConfig.model_validate(config)
+    lp, real = pg_batch(seed=5)
+    B, S = lp.shape
+    filler = 2
+    g = torch.Generator().manual_seed(6)
+    extra = {
+        "input_ids": torch.randint(1, 50, (filler, S), generator=g),
+        "input_lengths": torch.full((filler,), S),
+        "token_mask": torch.ones(filler, S, dtype=torch.float64),
+        "sample_mask": torch.zeros(filler),
+        "advantages": torch.full((filler, S), 1.7, dtype=torch.float64),  # e.g. whitened 0s
+        "prev_logprobs": torch.full((filler, S), -1.0, dtype=torch.float64),
+        "generation_logprobs": torch.full((filler, S), -1.0, dtype=torch.float64),
+        # log pi_ref - log pi = 1000 on the filler's tokens: exp overflows even in float64
+        "reference_policy_logprobs": torch.full((filler, S), -1.0, dtype=torch.float64),
+    }
+    data = BatchedDataDict({k: torch.cat([real[k], extra[k]]) for k in real})
+    filler_lp = torch.full((filler, S), -1001.0, dtype=torch.float64)
+    all_lp = torch.cat([lp.detach(), filler_lp]).requires_grad_(True)
+
+    # The counts the policy worker divides by (it counts them with these same masks).
+    seqs, toks = global_counts(data)
+    real_seqs, real_toks = global_counts(real)
+    assert (seqs, toks) == (real_seqs, real_toks)
+
+    loss, metrics = ClippedPGLossFn(cfg)(all_lp, data, seqs, toks)
+    (grad,) = torch.autograd.grad(loss, all_lp)
+    expected = reference_loss(lp, real, cfg)
+    (expected_grad,) = torch.autograd.grad(expected, lp)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(grad[:B], expected_grad, rtol=1e-9, atol=1e-12)
+    assert torch.equal(grad[B:], torch.zeros(filler, S, dtype=torch.float64))
+    _, real_metrics = ClippedPGLossFn(cfg)(lp, real, real_seqs, real_toks)
+    for key in ("kl_penalty", "clip_fraction", "probs_ratio"):
+        assert metrics[key] == pytest.approx(real_metrics[key], rel=1e-12), key
+
+
+def test_an_overflowing_prompt_position_gives_no_nan():
+    """A backend that passes every position's log-prob (Megatron) with the KL clamps off: at a
+    prompt token where log pi_ref - log pi = 95 > ~88.7, exp overflows float32. The masked-out
+    position must not reach the loss or the gradient."""
+    cfg = ClippedPGLossConfig.model_validate(UNCLAMPED_KL)
+    lp64, data = pg_batch(seed=2)
+    lp64 = lp64.detach()
+    assert data["token_mask"][0, 1] == 0  # position 1 of sample 0 is a prompt token
+    lp64[0, 1] = -100.0
+    data["reference_policy_logprobs"][0, 1] = -5.0
+    data32 = BatchedDataDict(
+        {k: v.float() if v.is_floating_point() else v for k, v in data.items()}
+    )
+    lp32 = lp64.float().requires_grad_(True)
+    seqs, toks = global_counts(data32)
+    loss, metrics = ClippedPGLossFn(cfg)(lp32, data32, seqs, toks)
+    (grad,) = torch.autograd.grad(loss, lp32)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert all(math.isfinite(v) for k, v in metrics.items() if not k.endswith(("_min", "_max")))
+
+    lp_ref = lp64.clone().requires_grad_(True)
+    expected = reference_loss(lp_ref, data, cfg)
+    (expected_grad,) = torch.autograd.grad(expected, lp_ref)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4, atol=1e-7)
+    mask = loss_token_mask(data32) > 0
+    assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
+
+
+def test_clip_fraction_counts_tokens_whose_clipped_branch_is_active():
+    """The standard metric (TRL's clip ratio, veRL's pg_clipfrac): a token counts when its ratio
+    is beyond the clip range on the side that the advantage's sign makes binding, i.e. where
+    the clipped term is the larger loss. A ratio above the range with a negative advantage is
+    not clipped; it is reported apart, as ``probs_ratio_outside_clip_range``."""
+    lp, data = pg_batch()
+    seqs, toks = global_counts(data)
+    _, metrics = ClippedPGLossFn({"ratio_clip_min": 0.1, "ratio_clip_max": 0.3})(
+        lp, data, seqs, toks
+    )
+    mask = loss_token_mask(data).bool()
+    ratio = torch.exp(lp.detach() - data["prev_logprobs"])[mask]
+    adv = data["advantages"][mask]
+    active = ((ratio > 1.3) & (adv > 0)) | ((ratio < 0.9) & (adv < 0))
+    outside = (ratio > 1.3) | (ratio < 0.9)
+    assert active.sum() < outside.sum()  # the batch tells the two apart
+    assert metrics["clip_fraction"] == pytest.approx(float(active.double().mean()))
+    assert metrics["probs_ratio_outside_clip_range"] == pytest.approx(
+        float(outside.double().mean())
+    )
+
+
+def gspo_reference(lp, data, eps_low, eps_high):
+    """The GSPO paper's objective, negated: the mean over sequences (each weighs the same) of
+    min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i), where s_i is the geometric mean of
+    the sequence's token ratios."""
+    terms = []
+    for b in range(lp.shape[0]):
+        if data["sample_mask"][b] == 0:
+            continue
+        tokens = [
+            t for t in range(1, int(data["input_lengths"][b])) if data["token_mask"][b, t] == 1
+        ]
+        log_s = sum(lp[b, t] - data["prev_logprobs"][b, t] for t in tokens) / len(tokens)
+        s = torch.exp(log_s)
+        a = float(data["advantages"][b, tokens[0]])
+        terms.append(torch.minimum(s * a, torch.clamp(s, 1 - eps_low, 1 + eps_high) * a))
+    return -sum(terms) / len(terms)
+
+
+def test_gspo_weights_sequences_equally_by_default():
+    cfg = ClippedPGLossConfig(sequence_level_importance_ratios=True)
+    lp, data = pg_batch(seed=4)
+    # GSPO's advantage is one per sequence.
+    data["advantages"] = data["advantages"][:, :1].expand_as(data["advantages"]).clone()
+    lengths = loss_token_mask(data).sum(1)
+    assert len(set(lengths[data["sample_mask"] > 0].tolist())) > 1  # lengths differ
+    seqs, toks = global_counts(data)
+    loss, _ = ClippedPGLossFn(cfg)(lp, data, seqs, toks)
+    (grad,) = torch.autograd.grad(loss, lp)
+    expected = gspo_reference(lp, data, 0.2, 0.2)
+    (expected_grad,) = torch.autograd.grad(expected, lp)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-10)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
+    assert cfg.token_level is False  # the paper's aggregation
+    assert ClippedPGLossConfig().token_level is True  # GRPO's default is unchanged
+    # The other choice (each sequence weighted by its length) stays available when asked for.
+    both = {"sequence_level_importance_ratios": True, "token_level_loss": True}
+    assert ClippedPGLossConfig.model_validate(both).token_level is True
+
+
+def test_the_recipe_gives_gspo_the_papers_aggregation():
+    from rl_algorithms import cli
+
+    grpo = cli.load_algorithm("grpo")
+    gspo = cli.build_config(grpo, ["loss_fn.sequence_level_importance_ratios=true"])
+    assert gspo.loss_fn.token_level is False
+    assert cli.build_config(grpo, []).loss_fn.token_level is True
+    chosen = ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=true"]
+    assert cli.build_config(grpo, chosen).loss_fn.token_level is True

@@ -112,6 +112,22 @@ def test_dpo_refuses_batches_cut_across_pairs():
         DPOLoss()(lp[1:5], data.slice(1, 5), *counts(data))
 
 
+@pytest.mark.parametrize("loss_fn", [DPOLoss(), BradleyTerryLoss()], ids=["dpo", "bt"])
+def test_a_pair_masked_on_one_side_only_is_refused(loss_fn):
+    """``sample_mask`` is the pair's multiplier, equal on both rows: a pair masked on one side
+    would be kept as half a pair (the loss reads the chosen row's mask only)."""
+    lp, data = preference_batch()
+    data["sample_mask"][5] = 0  # pair 2's rejected row only
+    scores = lp[:, :2] if isinstance(loss_fn, BradleyTerryLoss) else lp
+    with pytest.raises(
+        ValueError, match=r"pair 2 \(rows 4 and 5, idx 2\).*sample_mask 1.0 and 0.0"
+    ):
+        loss_fn(scores, data, *counts(data))
+    # A later micro-batch names the pair by its row in that micro-batch and by its dataset idx.
+    with pytest.raises(ValueError, match=r"pair 1 \(rows 2 and 3, idx 2\)"):
+        loss_fn(scores[2:6], data.slice(2, 6), *counts(data))
+
+
 def reference_bradley_terry(scores, data):
     total, pairs, right = 0.0, 0, 0
     for i in range(scores.shape[0] // 2):

@@ -29,8 +29,23 @@ then clamped to ``±kl_output_clamp_value``. ``use_on_policy_kl_approximation`` 
 generator's.
 
 Normalisation: ``token_level_loss`` sums every token's loss and divides by the global count of
-loss tokens; otherwise each sample's loss is its token mean, summed and divided by the global
-count of samples (each sample weighs the same, whatever its length).
+loss tokens (a sample weighs as many tokens as it has); otherwise each sample's loss is its
+token mean, summed and divided by the global count of samples (each sample weighs the same,
+whatever its length). Left out (``null``), it follows the ratios: token-level with per-token
+ratios (GRPO, DAPO), sample-level with ``sequence_level_importance_ratios``, which is the GSPO
+paper's objective (the mean over sequences of each one's clipped term); GSPO with
+``token_level_loss: true`` weights each sequence by its length instead.
+
+Masking: every position outside the loss tokens (prompt, padding, a sample with
+``sample_mask`` 0) is replaced by 0 with ``where`` before any ``exp``, so that a value there
+(a backend may pass every position's log-prob, and the KL clamps may be off) can neither
+overflow into ``inf * 0 = NaN`` nor reach the gradient. Such a sample adds nothing to the loss,
+its gradient or the global counts (the workers count with the same mask).
+
+Metrics: ``clip_fraction`` is the fraction of loss tokens where the clipped term is the one in
+force (ratio above ``1 + ratio_clip_max`` with a positive advantage, or below ``1 -
+ratio_clip_min`` with a negative one: those tokens have no gradient), as TRL and veRL count it;
+``probs_ratio_outside_clip_range`` counts every ratio outside the range, whatever the sign.
 """
 
 from __future__ import annotations
@@ -62,7 +77,16 @@ class ClippedPGLossConfig(ConfigModel):
     use_importance_sampling_correction: bool = False
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
     sequence_level_importance_ratios: bool = False
-    token_level_loss: bool = True
+    # None: follow the ratios (token-level, or sequence-level for GSPO), see the module docstring
+    token_level_loss: bool | None = None
+
+    @property
+    def token_level(self) -> bool:
+        """Whether the loss is a mean over tokens (else over samples): ``token_level_loss``, or
+        when it is left out, per-token unless the ratios are per sequence (GSPO's paper)."""
+        if self.token_level_loss is None:
+            return not self.sequence_level_importance_ratios
+        return self.token_level_loss
 
     @model_validator(mode="after")
     def _consistent(self) -> ClippedPGLossConfig:
@@ -94,6 +118,11 @@ def kl_estimate(
     if config.kl_output_clamp_value is not None:
         kl = kl.clamp(-config.kl_output_clamp_value, config.kl_output_clamp_value)
     return kl
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` on the loss tokens, 0 elsewhere (``where``: nothing there can become NaN)."""
+    return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _per_sequence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -161,7 +190,7 @@ class ClippedPGLossFn:
             else None
         )
 
-        log_ratio = (logprobs - prev) * mask
+        log_ratio = _masked(logprobs - prev, mask) * mask
         if cfg.sequence_level_importance_ratios:
             log_ratio = _per_sequence(log_ratio, mask)
         ratio = torch.exp(log_ratio)
@@ -173,7 +202,7 @@ class ClippedPGLossFn:
 
         if cfg.use_importance_sampling_correction:
             assert gen is not None
-            is_log = (prev - gen) * mask
+            is_log = _masked(prev - gen, mask) * mask
             if cfg.sequence_level_importance_ratios:
                 is_log = _per_sequence(is_log, mask)
             weight = torch.exp(is_log).detach()
@@ -185,15 +214,16 @@ class ClippedPGLossFn:
         kl = torch.zeros_like(logprobs)
         if cfg.reference_policy_kl_penalty > 0:
             reference = self._need(data, "reference_policy_logprobs", width, logprobs)
-            kl = kl_estimate(logprobs, reference, cfg)
+            # Inputs zeroed off the loss tokens (d = 0 there, whose KL is 0 for k1, k2 and k3).
+            kl = kl_estimate(_masked(logprobs, mask), _masked(reference, mask), cfg)
             if cfg.use_on_policy_kl_approximation:
                 assert gen is not None
-                kl = kl * torch.exp((logprobs - gen) * mask).detach()
+                kl = kl * torch.exp(_masked(logprobs - gen, mask) * mask).detach()
             per_token = per_token + cfg.reference_policy_kl_penalty * kl
 
         toks = global_count(global_valid_toks, logprobs)
         seqs = global_count(global_valid_seqs, logprobs)
-        if cfg.token_level_loss:
+        if cfg.token_level:
 
             def reduce(x: torch.Tensor) -> torch.Tensor:
                 return (x * mask).sum() / toks
@@ -205,12 +235,14 @@ class ClippedPGLossFn:
                 return ((x * mask).sum(dim=1) / sample_tokens * samples).sum() / seqs
 
         loss = reduce(per_token)
-        metrics = self._metrics(loss, ratio, clipped, kl, prev, gen, mask, toks, reduce)
+        metrics = self._metrics(loss, ratio, clipped, advantages, kl, prev, gen, mask, toks, reduce)
         return loss, metrics
 
-    def _metrics(self, loss, ratio, clipped, kl, prev, gen, mask, toks, reduce) -> dict[str, float]:
+    def _metrics(
+        self, loss, ratio, clipped, advantages, kl, prev, gen, mask, toks, reduce
+    ) -> dict[str, float]:
         """Token means are divided by the global token count (additive over micro-batches)."""
-        ratio = ratio.detach()
+        ratio, clipped, advantages = ratio.detach(), clipped.detach(), advantages.detach()
 
         def token_mean(x: torch.Tensor) -> float:
             # where, not a product: a prompt token's exp|prev - gen| may overflow to inf
@@ -222,8 +254,10 @@ class ClippedPGLossFn:
             "probs_ratio": token_mean(ratio),
             "probs_ratio_min": masked_extreme(ratio, mask, "min"),
             "probs_ratio_max": masked_extreme(ratio, mask, "max"),
-            "probs_ratio_clamped": token_mean(clipped.detach()),
-            "clip_fraction": token_mean((ratio != clipped.detach()).to(ratio)),
+            "probs_ratio_clamped": token_mean(clipped),
+            # The clipped term is in force where it is the larger loss (module docstring).
+            "clip_fraction": token_mean((-advantages * clipped > -advantages * ratio).to(ratio)),
+            "probs_ratio_outside_clip_range": token_mean((ratio != clipped).to(ratio)),
         }
         if gen is not None:
             # Mean of exp|log pi_old - log pi_gen| over tokens: 1 when the trainer and the

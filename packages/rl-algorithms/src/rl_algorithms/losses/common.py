@@ -20,7 +20,8 @@ def check_pairs(data: BatchedDataDict, rows: int, what: str) -> None:
     """Preference rows come as (chosen, rejected) pairs: row 2i and row 2i + 1.
 
     A micro-batch with an odd row count, or whose paired rows have different dataset ``idx``,
-    means the batch was cut or reordered across a pair (e.g. by dynamic batching).
+    means the batch was cut or reordered across a pair (e.g. by dynamic batching). The losses
+    read a pair's ``sample_mask`` from its chosen row, so both rows must carry the same value.
     """
     if rows % 2:
         raise ValueError(
@@ -34,6 +35,20 @@ def check_pairs(data: BatchedDataDict, rows: int, what: str) -> None:
                 f"{what}: rows 2i and 2i+1 must be the chosen and rejected response of the same "
                 f"pair, but their idx differ ({idx.tolist()}); keep the order preference_collate "
                 "gives"
+            )
+    if "sample_mask" in data:
+        chosen, rejected = data["sample_mask"][0::2], data["sample_mask"][1::2]
+        differ = (chosen != rejected).nonzero().flatten().tolist()
+        if differ:
+            i = differ[0]
+            where = f"rows {2 * i} and {2 * i + 1}"
+            if "idx" in data:
+                where += f", idx {int(data['idx'][2 * i])}"
+            raise ValueError(
+                f"{what}: pair {i} ({where}) of this micro-batch has sample_mask "
+                f"{float(chosen[i])} and {float(rejected[i])} on its chosen and rejected rows; "
+                f"a pair is in or out of the loss as a whole, so both rows must be equal "
+                f"({len(differ)} such pair(s) in the micro-batch)"
             )
 
 

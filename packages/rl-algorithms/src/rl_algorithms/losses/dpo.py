@@ -7,7 +7,8 @@ keeps pairs whole.
 
 - ``input_ids`` / ``input_lengths`` ``[2P, S]`` / ``[2P]``: prompt + response, right-padded;
 - ``token_mask`` ``[2P, S]``: 1 on response tokens (the log-ratio is summed over these);
-- ``sample_mask`` ``[2P]``: the pair's loss multiplier, the same on both rows;
+- ``sample_mask`` ``[2P]``: the pair's loss multiplier, the same on both rows (checked: a pair
+  masked on one side only is refused, naming it);
 - ``reference_policy_logprobs`` ``[2P, S]``: the frozen reference's next-token log-probs
   (``Policy.get_reference_policy_logprobs(...)["reference_logprobs"]``);
 - ``idx`` ``[2P]`` (optional): dataset index, equal on both rows of a pair (checked).
