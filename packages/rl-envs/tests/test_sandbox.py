@@ -5,16 +5,26 @@ time as an unprivileged user when CI runs as root, so both ways of starting bubb
 to the same cases.
 """
 
+import ctypes
 import os
 import secrets
 import socket
 import textwrap
+import threading
 import time
+import tracemalloc
 
 import pytest
 
 from rl_envs.code import sandbox
-from rl_envs.code.cases import CallCase, StdioCase, call_cases_from_asserts, parse_cases
+from rl_envs.code.cases import (
+    CallCase,
+    StdioCase,
+    call_cases_from_asserts,
+    case_passed,
+    parse_cases,
+    same_json_value,
+)
 from rl_envs.code.sandbox import SandboxLimits, SandboxUnavailableError, run_code
 
 LIMITS = SandboxLimits(
@@ -61,6 +71,10 @@ def test_this_machine_isolates():
     assert isolation.bwrap is not None, f"bubblewrap is needed for these tests: {isolation.why_not}"
     if os.geteuid() == 0:
         assert isolation.run_as not in (None, 0)  # root never runs model code as root
+        # Root can make cgroups wherever the kernel has a memory controller (this project's
+        # machines do): a run without one would leave kernel memory unbounded.
+        assert isolation.cgroups.version is not None, isolation.cgroups.why_not
+    assert isolation.cgroups.description in isolation.description
 
 
 def test_outputs_are_compared_type_strictly_outside():
@@ -407,33 +421,6 @@ def test_forked_processes_together_cannot_hold_more_than_the_memory_limit():
     assert honest.passed == [True, True] and not honest.memory_limited
 
 
-def test_the_kernel_keyring_carries_nothing_from_one_run_to_the_next():
-    # bubblewrap has no keyring namespace: every run would share (and could write) the
-    # session keyring of the process that starts it, as a login session has one.
-    if sandbox.KEYCTL_SYSCALL is None:
-        pytest.skip(f"keyctl's syscall number is not known on {os.uname().machine}")
-    import ctypes
-
-    ctypes.CDLL(None).syscall(sandbox.KEYCTL_SYSCALL, sandbox.KEYCTL_JOIN_SESSION_KEYRING, None)
-    program = f"""
-        import ctypes
-        libc = ctypes.CDLL(None)
-        SESSION_KEYRING = -3
-        def store(text):
-            return libc.syscall({{add_key}}, b"user", b"rl-note", text.encode(), len(text),
-                                SESSION_KEYRING) > 0
-        def load():
-            key = libc.syscall({sandbox.KEYCTL_SYSCALL}, 10, SESSION_KEYRING, b"user",
-                               b"rl-note", 0)  # KEYCTL_SEARCH
-            buffer = ctypes.create_string_buffer(100)
-            size = libc.syscall({sandbox.KEYCTL_SYSCALL}, 11, key, buffer, 100)  # KEYCTL_READ
-            return buffer.raw[: max(size, 0)].decode() if key > 0 else "nothing"
-        """.replace("{add_key}", {"x86_64": "248", "aarch64": "217"}[os.uname().machine])
-    run(program, [CallCase(function="store", args=[SECRET], expected=True)])
-    result = run(program, [CallCase(function="load", expected=SECRET)])
-    assert result.outputs[0]["value"] == "nothing"
-
-
 def test_memory_no_process_shows_cannot_be_held():
     # A detached System V segment or an unmapped memfd is in no process's resident set and
     # outside RLIMIT_AS: one program could hold gigabytes of the host's memory that way.
@@ -472,3 +459,220 @@ def test_memory_no_process_shows_cannot_be_held():
     ]
     result = run(program, cases, limits)
     assert result.outputs[0]["value"] == 0 and result.outputs[1]["value"] == 0
+
+
+# Kernel keyrings have no namespace: sandboxed code shares them with every process of its uid.
+ADD_KEY, REQUEST_KEY, KEYCTL = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}[
+    os.uname().machine
+]
+KEYS = f"""
+    import ctypes, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    def add_keys(n, description="rl-key", wait_s=0.0):
+        made = 0
+        for i in range(n):
+            made += libc.syscall({ADD_KEY}, b"user", f"{{description}}-{{i}}".encode(), b"x", 1,
+                                 ctypes.c_long(-4)) > 0  # the user keyring
+        time.sleep(wait_s)
+        return made
+    def read_key(serial):
+        buffer = ctypes.create_string_buffer(200)
+        size = libc.syscall({KEYCTL}, 11, ctypes.c_long(serial), buffer, 200)  # KEYCTL_READ
+        return buffer.raw[:size].decode() if size >= 0 else "refused"
+    def find_key(prefix, wait_s):
+        deadline = time.monotonic() + wait_s
+        while True:  # /proc/keys lists the keys this uid may see
+            keys = open("/proc/keys").read()
+            if prefix in keys or time.monotonic() > deadline:
+                return keys
+            time.sleep(0.05)
+"""
+
+
+def sandbox_uid_keys() -> int:
+    """Keys the kernel holds for the uid sandboxed code runs as (/proc/key-users)."""
+    uid = sandbox.find_isolation().run_as
+    uid = os.getuid() if uid is None else uid
+    with open("/proc/key-users") as f:
+        for line in f:
+            owner, fields = line.split(":", 1)
+            if int(owner) == uid:
+                return int(fields.split()[1].split("/")[0])
+    return 0
+
+
+def test_keys_a_program_adds_do_not_outlive_its_run():
+    before = sandbox_uid_keys()
+    result = run(KEYS, [CallCase(function="add_keys", args=[20], expected=0)])
+    assert sandbox_uid_keys() <= before, "the run's keys outlived it"
+    assert result.passed == [True]
+
+
+def test_a_program_cannot_use_up_the_key_quota_of_other_runs():
+    # The uid's key quota (200 keys) is shared by every run: filled, later runs have none.
+    before, peak = sandbox_uid_keys(), [0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], sandbox_uid_keys())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run(KEYS, [CallCase(function="add_keys", args=[250, "fill", 1.5], expected=0)])
+    finally:
+        done.set()
+        watcher.join()
+    assert peak[0] <= before, f"the run held {peak[0] - before} of its uid's keys"
+
+
+def test_a_program_cannot_read_a_key_the_verifier_holds():
+    # A key of this process, readable by other users: the program is even told its serial.
+    libc = ctypes.CDLL(None, use_errno=True)
+    serial = libc.syscall(
+        ADD_KEY, b"user", b"rl-verifier-key", SECRET.encode(), len(SECRET), ctypes.c_long(-2)
+    )
+    assert serial > 0, os.strerror(ctypes.get_errno())
+    try:
+        # KEYCTL_SETPERM: all for us; view and read for everyone else.
+        assert libc.syscall(KEYCTL, 5, ctypes.c_long(serial), ctypes.c_long(0x3F3F0003)) == 0
+        result = run(KEYS, [CallCase(function="read_key", args=[serial], expected=SECRET)])
+    finally:
+        libc.syscall(KEYCTL, 21, ctypes.c_long(serial))  # KEYCTL_INVALIDATE
+    assert result.reward == 0.0 and result.outputs[0]["value"] == "refused"
+
+
+def test_concurrent_runs_pass_nothing_through_keys():
+    # One run writes the secret into a key's description and waits; another, running at the
+    # same time, lists the keys it can see.
+    limits = LIMITS.model_copy(update={"case_time_s": 5, "wall_time_s": 8})
+    write = [CallCase(function="add_keys", args=[1, "rl-note-" + SECRET, 4.0], expected=0)]
+    writer = threading.Thread(target=run_code, args=(textwrap.dedent(KEYS), write, limits))
+    writer.start()
+    try:
+        read = [CallCase(function="find_key", args=["rl-note-", 3.5], expected="")]
+        reader = run_code(textwrap.dedent(KEYS), read, limits)
+    finally:
+        writer.join()
+    assert reader.isolated and sandbox_processes() == []
+    assert SECRET not in reader.outputs[0]["value"]
+
+
+def test_socket_buffers_count_against_the_memory_limit():
+    # Kernel socket buffers are in no process's resident memory: one process could hold
+    # hundreds of MiB in socket pairs it fills and never reads.
+    limits = LIMITS.model_copy(update={"memory_mb": 128, "case_time_s": 5, "wall_time_s": 10})
+    program = """
+        import socket
+        def hold():
+            held, sockets = 0, []
+            for _ in range(30):
+                try:
+                    pair = socket.socketpair()
+                except OSError:
+                    break
+                sockets += pair
+                for end in pair:
+                    end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 20)
+                    end.setblocking(False)
+                    try:
+                        while True:
+                            held += end.send(b"x" * 65536)
+                    except OSError:
+                        pass
+            return held >> 20
+        """
+    result = run(program, [CallCase(function="hold", expected=0)], limits)
+    held = (result.outputs[0] or {}).get("value", 0)
+    assert held < 128, f"the program held {held} MiB in socket buffers with a 128 MiB limit"
+    if sandbox.find_isolation().cgroups.version is not None:
+        assert result.memory_limited or held == 0
+
+
+def test_the_verifier_parses_no_more_than_a_right_answer_holds():
+    # Within the output limit a report can still describe millions of tiny objects; parsing
+    # them would cost the verifier process hundreds of MiB. Written straight onto the report
+    # channel, past the launcher's own output check.
+    program = """
+        import os
+        line = b'{"case": 0, "value": [' + b"[]," * 1_500_000 + b"[]]}\\n"
+        def answer():
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, line)
+                except OSError:
+                    pass
+            return [1, 2]
+        """
+    tracemalloc.start()
+    try:
+        result = run(program, [CallCase(function="answer", expected=[1, 2])])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 40 << 20, f"the verifier allocated {peak >> 20} MiB"
+    assert result.outputs[0]["value"] == [1, 2]  # the line too big to be right was skipped
+
+
+CATCHES_THE_TIMER = """
+    import time
+    def answer():
+        try:
+            time.sleep(3)
+        except BaseException:
+            time.sleep(1.5)
+        return 3
+    """
+SILENCES_THE_TIMER = """
+    import __main__, signal, time
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    __main__.monotonic = lambda: 0.0  # the launcher's clock, should it keep one
+    def answer():
+        time.sleep(3.5)
+        return 3
+    """
+
+
+@pytest.mark.parametrize("program", [CATCHES_THE_TIMER, SILENCES_THE_TIMER])
+def test_a_case_past_its_time_limit_fails(program):
+    limits = LIMITS.model_copy(update={"case_time_s": 1.0, "wall_time_s": 10})
+    result = run(program, [CallCase(function="answer", expected=3)], limits)
+    assert result.reward == 0.0
+
+
+def test_output_over_max_output_bytes_fails():
+    limits = LIMITS.model_copy(update={"max_output_bytes": 1000})
+    big = "x" * 1200
+    cases = [CallCase(function="echo", args=[big], expected=big), StdioCase(stdout=big)]
+    program = "import sys\ndef echo(text):\n    return text\nprint('x' * 1200)\n"
+    assert run(program, cases, limits).passed == [False, False]
+    small = [CallCase(function="echo", args=["x"], expected="x")]
+    assert run(program, small, limits).passed == [True]
+    # What a tampered launcher might report is held to the limit here as well.
+    assert not case_passed(cases[0], {"case": 0, "value": big}, 1000)
+    assert not case_passed(cases[1], {"case": 1, "stdout": big, "exit_code": 0}, 1000)
+
+
+def test_the_comparison_rules_of_the_docstring():
+    expected = StdioCase(stdout="1 2\nthree\n")
+    for output, right in [
+        ("1 2\nthree\n", True),
+        ("1 2  \t\r\nthree\n\n\n", True),  # trailing spaces, CRLF, trailing empty lines
+        ("1 2\u2028three", False),  # a Unicode line separator is not a line break
+        ("1 2\x85three", False),
+        ("1 2\x0bthree", False),
+        ("1 2\nthree\x0c", False),  # control characters are not whitespace
+        ("1 2\nthree\u00a0", False),  # nor is a no-break space
+        (" 1 2\nthree", False),  # leading spaces count
+    ]:
+        record = {"case": 0, "stdout": output, "exit_code": 0}
+        assert case_passed(expected, record, 1000) is right, repr(output)
+    # Floats: relative to the expected value's magnitude, never an absolute allowance.
+    assert not same_json_value(8e-10, 1e-10)
+    assert same_json_value(1e-10 * (1 + 5e-7), 1e-10)
+    assert same_json_value(1e6 + 0.5, 1e6) and not same_json_value(1e6 + 2.0, 1e6)
+    assert same_json_value(1e-13, 0.0) and not same_json_value(1e-9, 0.0)
+    assert same_json_value(float("inf"), float("inf")) and not same_json_value(1e308, float("inf"))
+    assert same_json_value(float("nan"), float("nan")) and not same_json_value(0.0, float("nan"))

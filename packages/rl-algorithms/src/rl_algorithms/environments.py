@@ -86,12 +86,36 @@ def check_environments(env: dict[str, EnvSpec]) -> dict[str, EnvSpec]:
 EnvSection = Annotated[dict[str, EnvSpec], AfterValidator(check_environments)]
 
 
+#: How long an environment actor may take to start: placing its workers (seconds; a pool that
+#: cannot be placed is refused then) and their verifier processes' imports.
+ENVIRONMENT_STARTUP_TIMEOUT_S = 300.0
+
+
 def start_environments(env: dict[str, EnvSpec]) -> dict[str, Any]:
-    """One Ray actor per task name."""
+    """One Ray actor per task name, each started (its worker pools placed and ready) before
+    this returns: an environment that cannot start is an error here, never a wait at step 0."""
+    import ray
+
     actors = {}
-    for task, spec in env.items():
-        cls, cfg = environment_class(task, spec)
-        actors[task] = cls.as_actor(cfg)
+    try:
+        for task, spec in env.items():
+            cls, cfg = environment_class(task, spec)
+            actors[task] = cls.as_actor(cfg)
+        for task, actor in actors.items():
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=ENVIRONMENT_STARTUP_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(
+                    f"env.{task} did not start within {ENVIRONMENT_STARTUP_TIMEOUT_S:g}s; the "
+                    f"Ray cluster has {ray.available_resources()} free"
+                ) from None
+            except ray.exceptions.RayActorError as e:
+                # The constructor's own error (a pool refused, say), without Ray's traceback.
+                cause = getattr(e.args[0] if e.args else None, "cause", None) or e
+                raise RuntimeError(f"env.{task} could not start: {cause}") from None
+    except BaseException:
+        stop_environments(actors)
+        raise
     return actors
 
 

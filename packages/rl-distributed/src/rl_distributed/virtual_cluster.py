@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = float(os.environ.get("RL_PLACEMENT_TIMEOUT_S", "120"))
 #: Refuse at once a request this cluster's nodes can never hold ("0": wait, e.g. to autoscale).
 FAIL_FAST = os.environ.get("RL_PLACEMENT_FAIL_FAST", "1") != "0"
+#: How long a helper actor set (an environment's verifier pool) may wait to be placed. Helpers
+#: start after the worker groups, so what is not free then will not come free by waiting.
+HELPER_PLACEMENT_TIMEOUT_S = float(os.environ.get("RL_HELPER_PLACEMENT_TIMEOUT_S", "10"))
 
 
 class ClusterError(RuntimeError):
@@ -60,6 +63,34 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, **kwargs)
         return
     # address="local": always a new cluster, never one a stale /tmp/ray file points at.
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+
+
+def _cpus_and_gpus(resources: dict[str, float]) -> dict[str, float]:
+    """CPUs and GPUs in ``resources``, zero where Ray leaves a used-up resource out."""
+    return {k: resources.get(k, 0.0) for k in ("CPU", "GPU") if k in ray.cluster_resources()}
+
+
+def reserve_bundles(
+    bundles: list[dict[str, float]], what: str, timeout_s: float = HELPER_PLACEMENT_TIMEOUT_S
+) -> PlacementGroup:
+    """A placement group holding ``bundles`` for ``what`` (actors about to start), placed
+    within ``timeout_s``; otherwise removed and refused, naming what was asked and what the
+    cluster has free. An actor scheduled without a reservation would wait forever instead."""
+    group = placement_group(bundles, strategy="PACK")
+    if not ray.wait([group.ready()], timeout=timeout_s)[0]:
+        remove_placement_group(group)
+        asked: dict[str, float] = {}
+        for bundle in bundles:
+            for key, value in bundle.items():
+                asked[key] = asked.get(key, 0.0) + value
+        raise ClusterError(
+            f"{what}: {len(bundles)} actors of {bundles[0]} ({asked} in all) could not be "
+            f"placed within {timeout_s:g}s; the Ray cluster has "
+            f"{_cpus_and_gpus(ray.available_resources())} free of "
+            f"{_cpus_and_gpus(ray.cluster_resources())}. Ask for fewer or smaller actors, or "
+            f"give Ray more (RL_HELPER_PLACEMENT_TIMEOUT_S sets the wait)."
+        )
+    return group
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_distributed.virtual_cluster import reserve_bundles
 from rl_envs._child import HEADER, write_frame
 
 logger = logging.getLogger(__name__)
@@ -160,6 +163,10 @@ class WorkerPool:
     ``function`` is an importable ``"module:function"`` path: the verifier processes import it
     themselves, so nothing unpicklable needs to cross a process boundary. ``preload`` names
     modules they import before the first sample (so that it does not pay for them).
+
+    The workers' CPUs are reserved first, as one placement group: a pool the cluster has no
+    room for fails within seconds, naming what it asked and what is free, rather than waiting
+    forever for actors Ray cannot place. A worker that dies is replaced in its own reservation.
     """
 
     def __init__(
@@ -177,15 +184,37 @@ class WorkerPool:
         self.timeout_s = timeout_s
         self.chunk_size = chunk_size
         self.preload = (function.partition(":")[0], *preload)
-        self._actor_cls = ray.remote(VerifierWorker).options(num_cpus=num_cpus_per_worker)
-        self._workers = [self._new_worker() for _ in range(num_workers)]
-        for outcome in ray.get([w.ready.remote() for w in self._workers]):
+        self._num_cpus_per_worker = num_cpus_per_worker
+        self._reservation = None
+        if num_cpus_per_worker > 0:
+            self._reservation = reserve_bundles(
+                [{"CPU": num_cpus_per_worker}] * num_workers, f"verifier pool of {function!r}"
+            )
+        self._workers = [self._new_worker(i) for i in range(num_workers)]
+        try:
+            # Placed, so only the verifier processes' imports remain: bounded by their timeout.
+            ready = ray.get(
+                [w.ready.remote() for w in self._workers], timeout=STARTUP_TIMEOUT_S + 60
+            )
+        except GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(
+                f"verifier pool of {function!r}: its workers were not ready within "
+                f"{STARTUP_TIMEOUT_S + 60:g}s"
+            ) from None
+        for outcome in ready:
             if outcome.status != "ok":
                 self.shutdown()
                 raise RuntimeError(f"cannot start verifier {function!r}: {outcome.error}")
 
-    def _new_worker(self) -> ray.actor.ActorHandle:
-        return self._actor_cls.remote(self.function, self.timeout_s, self.preload)
+    def _new_worker(self, index: int) -> ray.actor.ActorHandle:
+        options: dict[str, Any] = {"num_cpus": self._num_cpus_per_worker}
+        if self._reservation is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self._reservation, placement_group_bundle_index=index
+            )
+        actor_cls = ray.remote(VerifierWorker).options(**options)
+        return actor_cls.remote(self.function, self.timeout_s, self.preload)
 
     def _chunks(self, n: int) -> list[range]:
         # By default four chunks per worker: few RPCs, yet a slow chunk delays little.
@@ -223,7 +252,7 @@ class WorkerPool:
                 results = ray.get(ref)
             except RayActorError as e:
                 results = [Outcome("error", error=f"verifier worker died: {e}")] * len(chunk)
-                self._workers[worker_idx] = self._new_worker()
+                self._workers[worker_idx] = self._new_worker(worker_idx)
             except Exception as e:  # e.g. an argument that cannot be pickled
                 results = [Outcome("error", error=f"verifier worker failed: {e!r}")] * len(chunk)
             for i, outcome in zip(chunk, results, strict=True):
@@ -237,3 +266,7 @@ class WorkerPool:
                 ray.get(w.close.remote(), timeout=10)
             ray.kill(w)
         self._workers = []
+        if self._reservation is not None:
+            with contextlib.suppress(Exception):  # Ray already gone: nothing left to release
+                remove_placement_group(self._reservation)
+            self._reservation = None

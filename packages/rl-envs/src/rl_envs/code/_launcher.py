@@ -17,8 +17,10 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 
 dumps = json.dumps  # bound before the program runs, which may replace json.dumps
+monotonic = time.monotonic
 
 
 class CaseTimeout(BaseException):
@@ -131,10 +133,19 @@ def main():
                 report(i, error=load_error)
                 continue
             try:
+                started = monotonic()
                 signal.setitimer(signal.ITIMER_REAL, limits["case_time_s"])
                 value = namespace[case["function"]](*case["args"], **case["kwargs"])
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                report(i, value_json=dumps(value))
+                # A function that caught the timer's exception and returned late is still late.
+                if monotonic() - started > limits["case_time_s"]:
+                    report(i, error=f"no return within {limits['case_time_s']} s")
+                    continue
+                value_json = dumps(value)
+                if len(value_json) > limits["max_output_bytes"]:
+                    report(i, error=f"more than {limits['max_output_bytes']} bytes of output")
+                    continue
+                report(i, value_json=value_json)
             except BaseException as e:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 report(i, error=f"{type(e).__name__}: {e}"[:500])

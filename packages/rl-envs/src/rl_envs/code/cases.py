@@ -1,12 +1,25 @@
 """Test cases of a coding task, and the trusted comparison of a program's outputs with them.
 
-Two kinds, both of which the program answers with *outputs* only:
+Two kinds, both of which the program answers with *outputs* only. The comparison rules:
 
-* :class:`StdioCase`: the program runs with ``stdin`` on its standard input; its standard
-  output must equal ``stdout`` (line by line, trailing whitespace ignored).
+* :class:`StdioCase`: the program runs with ``stdin`` on its standard input and must exit with
+  status 0; its standard output must equal ``stdout`` line by line. Lines end at ``"\n"``
+  only; spaces, tabs and carriage returns at the end of a line, and empty lines at the end of
+  the output, are ignored. Nothing else is: other Unicode line or paragraph separators
+  (``\u2028``, ``\x85``, ``\x0b``...), control characters and non-ASCII spaces are text that
+  must match exactly. Numbers in the output are compared as text.
 * :class:`CallCase`: ``function(*args, **kwargs)`` is called; its return value, written out as
   JSON, must equal ``expected`` *type-strictly*: ``1``, ``1.0``, ``True`` and ``"1"`` all differ;
-  floats compare with a small tolerance; lists and dicts compare element by element.
+  lists and dicts compare element by element. A float may differ from the expected one by
+  ``FLOAT_REL_TOL`` of the expected value's magnitude (relative only: ``8e-10`` is not
+  ``1e-10``); an expected ``0.0``, which has no scale, accepts ``|x| <= FLOAT_ZERO_TOL``; an
+  expected NaN accepts NaN only; infinities must match exactly.
+
+Stated limits hold whatever the output: a case whose program ran past ``case_time_s`` or
+whose output is over ``max_output_bytes`` (stdout's bytes; the return value's JSON text) fails.
+A report that holds more values, or nests deeper, than a right answer to any of the run's
+cases could is not even parsed (:class:`ReportShape`): the verifier's memory is bounded by
+the expected values, not by what a program writes.
 
 The expected outputs stay in the verifier process: they never enter the sandbox. That is what
 makes the reward hard to game: a program cannot read, patch or fake its way past a comparison
@@ -23,6 +36,8 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter, field_validator
@@ -30,7 +45,7 @@ from pydantic import TypeAdapter, field_validator
 from rl_distributed.config import ConfigModel
 
 FLOAT_REL_TOL = 1e-6
-FLOAT_ABS_TOL = 1e-9
+FLOAT_ZERO_TOL = 1e-12
 
 
 def _json_value(value: Any) -> Any:
@@ -104,14 +119,25 @@ def sandbox_job(case: TestCase) -> dict[str, Any]:
     return {"function": case.function, "args": case.args, "kwargs": case.kwargs}
 
 
+def same_float(got: float, expected: float) -> bool:
+    """Equal within a tolerance relative to the expected value's magnitude (module docstring)."""
+    if math.isnan(expected):
+        return math.isnan(got)
+    if got == expected:
+        return True
+    if math.isinf(expected) or math.isinf(got):  # a tolerance of an infinity admits anything
+        return False
+    if expected == 0.0:
+        return abs(got) <= FLOAT_ZERO_TOL
+    return abs(got - expected) <= FLOAT_REL_TOL * abs(expected)
+
+
 def same_json_value(got: Any, expected: Any) -> bool:
     """Type-strict equality of two JSON values (bool is not int, int is not float)."""
     if type(got) is not type(expected):
         return False
     if isinstance(got, float):
-        if math.isnan(expected):
-            return math.isnan(got)
-        return math.isclose(got, expected, rel_tol=FLOAT_REL_TOL, abs_tol=FLOAT_ABS_TOL)
+        return same_float(got, expected)
     if isinstance(got, list):
         return len(got) == len(expected) and all(map(same_json_value, got, expected))
     if isinstance(got, dict):
@@ -122,21 +148,81 @@ def same_json_value(got: Any, expected: Any) -> bool:
 
 
 def _lines(text: str) -> list[str]:
-    return [line.rstrip() for line in text.rstrip().splitlines()]
+    lines = [line.rstrip(" \t\r") for line in text.split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
 
 
-def case_passed(case: TestCase, record: dict[str, Any] | None) -> bool:
-    """Whether the program's output for ``case`` (its record from the sandbox) is right."""
+def case_passed(case: TestCase, record: dict[str, Any] | None, max_output_bytes: int) -> bool:
+    """Whether the program's output for ``case`` (its record from the sandbox) is right and
+    within ``max_output_bytes``."""
     if record is None or record.get("error") is not None:
         return False
     if isinstance(case, StdioCase):
         stdout = record.get("stdout")
         return (
             isinstance(stdout, str)
+            and len(stdout.encode(errors="replace")) <= max_output_bytes
             and record.get("exit_code") == 0
             and (_lines(stdout) == _lines(case.stdout))
         )
-    return "value" in record and same_json_value(record["value"], case.expected)
+    return (
+        "value" in record
+        and len(json.dumps(record["value"]).encode()) <= max_output_bytes
+        and same_json_value(record["value"], case.expected)
+    )
+
+
+def _shape(value: Any) -> tuple[int, int]:
+    """How many values ``value`` holds (itself included) and how deep its containers nest."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, list):
+        return 1, 0
+    shapes = [_shape(v) for v in value]
+    return 1 + sum(n for n, _ in shapes), 1 + max((d for _, d in shapes), default=0)
+
+
+# A JSON string, taken whole (possessive: no backtracking over megabytes), and the brackets.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
+_BRACKETS = re.compile(rb"[][{}]")
+
+
+@dataclass(frozen=True)
+class ReportShape:
+    """The most values and nesting a sandbox report line may have and still carry a right
+    answer to one of a run's cases, checked on the raw text before it is parsed.
+
+    Counted without parsing: ``[``, ``{`` and ``,`` outside strings, plus one, is at least the
+    number of values a JSON text holds and at most twice it; a record wraps its value in one
+    object of a few fields. So a right answer's line never counts more than twice its
+    expected value's values, plus a few.
+    """
+
+    max_values: int
+    max_depth: int
+
+    @classmethod
+    def for_cases(cls, cases: list[TestCase]) -> ReportShape:
+        max_values, max_depth = 8, 1  # a stdio or error record: one flat object
+        for case in cases:
+            if isinstance(case, CallCase):
+                values, depth = _shape(case.expected)
+                max_values = max(max_values, 2 * values + 8)
+                max_depth = max(max_depth, depth + 1)
+        return cls(max_values, max_depth)
+
+    def admits(self, line: bytes) -> bool:
+        text = _JSON_STRING.sub(b'""', line)
+        if text.count(b"[") + text.count(b"{") + text.count(b",") + 1 > self.max_values:
+            return False
+        depth = 0
+        for bracket in _BRACKETS.findall(text):  # at most max_values of them, by now
+            depth += 1 if bracket in b"[{" else -1
+            if depth > self.max_depth:
+                return False
+        return True
 
 
 def call_cases_from_asserts(tests: list[str]) -> list[CallCase]:

@@ -18,13 +18,19 @@ uses unprivileged user namespaces. Each run gets
 * a watch on the resident memory of all its processes together (``RLIMIT_AS`` holds one
   process only, and a program may fork up to ``max_processes`` of them): over ``memory_mb``,
   the whole sandbox is killed;
+* a cgroup of its own where the kernel offers one (:mod:`rl_envs.code.cgroups`): ``memory_mb``
+  then bounds all its memory, kernel memory and socket buffers included, ``max_processes``
+  all its processes, ``cpus`` the CPU time it gets per second. Where none can be made (not
+  root, no memory controller), every result's ``isolation`` says "no cgroup" and why, and the
+  seccomp filter also refuses ``socket`` and ``socketpair``: their kernel buffers would be
+  memory nothing watches (pipe buffers remain, bounded by the kernel's per-user pipe limits);
 * a seccomp filter refusing the two ways to hold memory that no process's resident set shows
   (and ``RLIMIT_AS`` does not bound): System V shared memory (``shmget``; a segment lives on,
-  detached, until its IPC namespace ends) and ``memfd_create``; and every system call of a
-  foreign ABI (32-bit, x32), whose numbers the filter does not know;
-* a fresh, empty kernel session keyring: bubblewrap has no keyring namespace, and the
-  caller's session keyring (shared by every run it starts) would otherwise be readable and
-  writable by each program, a channel from one sample's run to the next;
+  detached, until its IPC namespace ends) and ``memfd_create``; the kernel keyring calls
+  (``add_key``, ``request_key``, ``keyctl``): keyrings have no namespace, so a program could
+  leave keys that outlive its run, use up its uid's key quota for every later run, read keys
+  of the verifier's uid, and pass data to concurrent and later runs; and every system call of
+  a foreign ABI (32-bit, x32), whose numbers the filter does not know;
 * a whole-sandbox kill: SIGKILL to the PID namespace's init takes every process of the run
   with it, however it forked or daemonised. Nothing is ever killed by uid.
 
@@ -41,7 +47,6 @@ but the caller's uid, network and files) and every result says ``isolated=False`
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import json
 import logging
@@ -62,7 +67,8 @@ from pathlib import Path
 from typing import Any
 
 from rl_distributed.config import ConfigModel
-from rl_envs.code.cases import TestCase, case_passed, sandbox_job
+from rl_envs.code.cases import ReportShape, StdioCase, TestCase, case_passed, sandbox_job
+from rl_envs.code.cgroups import CgroupSupport, RunCgroup, find_cgroups
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +79,16 @@ SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "
 STDERR_KEPT_BYTES = 16384
 MEMORY_CHECK_S = 0.1  # how often the sandbox's total resident memory is summed
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-# keyctl(2) has no libc wrapper (it lives in libkeyutils): its syscall number, per machine.
-KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
-KEYCTL_JOIN_SESSION_KEYRING = 1
-# Per machine: the seccomp audit arch, and the system calls the sandbox refuses
-# (shmget, memfd_create).
+# Per machine: the seccomp audit arch, the system calls the sandbox always refuses (shmget,
+# memfd_create, add_key, request_key, keyctl), and those it refuses without a cgroup (socket,
+# socketpair).
 SECCOMP_ABI = {
-    "x86_64": (0xC000003E, (29, 319)),
-    "aarch64": (0xC00000B7, (194, 279)),
+    "x86_64": (0xC000003E, (29, 319, 248, 249, 250), (41, 53)),
+    "aarch64": (0xC00000B7, (194, 279, 217, 218, 219), (198, 199)),
 }.get(platform.machine())
+# Time a case's report may take beyond ``case_time_s`` to reach this process (starting an
+# interpreter for the case, writing the report), before the case counts as over its limit.
+CASE_TIME_SLACK_S = 1.0
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -94,8 +101,9 @@ class SandboxLimits(ConfigModel):
     cpu_time_s: int = 5  # CPU seconds per process (function-call cases share one process)
     case_time_s: float = 5.0  # wall seconds per test case
     wall_time_s: float = 20.0  # wall seconds for the whole run, all cases
-    memory_mb: int = 1024  # address space per process, and resident memory of all together
+    memory_mb: int = 1024  # address space per process, and all memory of all together
     max_processes: int = 16  # processes and threads in the sandbox
+    cpus: float = 1.0  # CPU time per second of all its processes together (with a cgroup)
     max_file_size_mb: int = 16
     tmp_size_mb: int = 64  # the private /tmp (working directory) and /dev/shm, each
     max_output_bytes: int = 1 << 20  # stdout per case; more fails the case
@@ -122,18 +130,25 @@ class SandboxResult:
         return sum(self.passed) / len(self.passed) if self.passed else 0.0
 
 
+NO_CGROUP = CgroupSupport(None, why_not="not isolated")
+
+
 @dataclass(frozen=True)
 class Isolation:
     bwrap: str | None  # None: no isolation available
     python: str
     run_as: int | None  # uid bwrap starts as (root callers: nobody)
     why_not: str = ""
+    cgroups: CgroupSupport = NO_CGROUP
 
     @property
     def description(self) -> str:
         if self.bwrap is None:
             return f"UNISOLATED ({self.why_not})"
-        return "bubblewrap: user, PID, network, mount namespaces; private /tmp"
+        return (
+            "bubblewrap: user, PID, network, mount namespaces; private /tmp; "
+            + self.cgroups.description
+        )
 
 
 def _nobody() -> int:
@@ -143,7 +158,7 @@ def _nobody() -> int:
         return 65534
 
 
-def seccomp_filter() -> bytes:
+def seccomp_filter(refuse_sockets: bool = False) -> bytes:
     """A classic-BPF seccomp program (``struct sock_filter[]``) for ``bwrap --seccomp``:
     native-ABI calls pass except :data:`SECCOMP_ABI`'s (EPERM); a foreign ABI kills."""
     if SECCOMP_ABI is None:
@@ -151,7 +166,8 @@ def seccomp_filter() -> bytes:
             f"no seccomp filter for {platform.machine()}: the sandbox cannot refuse shared "
             "memory there"
         )
-    arch, refused = SECCOMP_ABI
+    arch, always, sockets = SECCOMP_ABI
+    refused = always + sockets if refuse_sockets else always
     load_word, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06
     allow, errno_eperm, kill = 0x7FFF0000, 0x00050001, 0x80000000
     n = len(refused)
@@ -168,10 +184,10 @@ def seccomp_filter() -> bytes:
     return b"".join(struct.pack("=HBBI", *insn) for insn in program)
 
 
-def _seccomp_fd() -> int:
+def _seccomp_fd(refuse_sockets: bool = False) -> int:
     """A pipe holding the filter, for bwrap to read (it reads it whole, once)."""
     r, w = os.pipe()
-    os.write(w, seccomp_filter())
+    os.write(w, seccomp_filter(refuse_sockets))
     os.close(w)
     return r
 
@@ -240,11 +256,23 @@ def _user_args(uid: int | None) -> dict[str, Any]:
     return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
-def _join_fresh_session_keyring() -> None:
-    """In the child, before bwrap: a new anonymous session keyring, so the sandbox possesses
-    neither ours nor one an earlier run wrote to."""
-    if KEYCTL_SYSCALL is not None:
-        ctypes.CDLL(None).syscall(KEYCTL_SYSCALL, KEYCTL_JOIN_SESSION_KEYRING, None)
+def _enter_cgroup_as(procs_files: list[str], uid: int | None) -> Any:
+    """The child's set-up before bwrap: join the run's cgroup (as root: only then may it), then
+    become ``uid``. Everything bwrap starts is then in the cgroup from its first instruction."""
+
+    def setup() -> None:
+        for path in procs_files:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, b"0")
+            finally:
+                os.close(fd)
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+
+    return setup
 
 
 @functools.cache
@@ -265,7 +293,7 @@ def find_isolation(python: str | None = None) -> Isolation:
     for candidate in dict.fromkeys(candidates):
         problem = _probe(bwrap, candidate, run_as)
         if not problem:
-            return Isolation(bwrap, candidate, run_as)
+            return Isolation(bwrap, candidate, run_as, cgroups=find_cgroups())
         problems.append(f"{candidate}: {problem}")
     return Isolation(None, candidates[0], None, "bwrap cannot run: " + "; ".join(problems))
 
@@ -285,13 +313,16 @@ def require_isolation(limits: SandboxLimits) -> Isolation:
 
 class _Channel:
     """The launcher's report lines, parsed as they arrive, within a byte budget for all of
-    them and one for each line (an endless line is cut, not re-scanned chunk after chunk)."""
+    them and one for each line (an endless line is cut, not re-scanned chunk after chunk),
+    each line only if its shape admits a right answer; when each case's record arrived."""
 
-    def __init__(self, n_cases: int, budget: int, max_line: int) -> None:
+    def __init__(self, n_cases: int, budget: int, max_line: int, shape: ReportShape) -> None:
         self.records: dict[int, dict[str, Any]] = {}
+        self.arrived: dict[int, float] = {}
         self.n_cases = n_cases
         self.budget = budget
         self.max_line = max_line
+        self.shape = shape
         self.done = False
         self.over_budget = False
         self._buffer = bytearray()
@@ -308,6 +339,8 @@ class _Channel:
         *lines, rest = self._buffer.split(b"\n")
         self._buffer = bytearray(rest)
         for line in lines:
+            if not self.shape.admits(line):
+                continue  # more than any right answer holds: not worth parsing
             with contextlib.suppress(ValueError, RecursionError):  # garbage is no answer
                 record = json.loads(line)
                 if not isinstance(record, dict):
@@ -315,8 +348,9 @@ class _Channel:
                 if record.get("done") is True:
                     self.done = True
                 case = record.get("case")
-                if type(case) is int and 0 <= case < self.n_cases:
-                    self.records.setdefault(case, record)  # the first word on a case counts
+                if type(case) is int and 0 <= case < self.n_cases and case not in self.records:
+                    self.records[case] = record  # the first word on a case counts
+                    self.arrived[case] = time.monotonic()
 
 
 def _resident_bytes(init_pid: int) -> int:
@@ -411,6 +445,25 @@ def _stop(proc: subprocess.Popen[bytes], pidfd: int | None, isolated: bool) -> N
     proc.wait()
 
 
+def _over_time(
+    tests: list[TestCase], arrived: dict[int, float], start: float, case_time_s: float
+) -> list[bool]:
+    """Per case, whether its report reached this process more than ``case_time_s`` (and
+    :data:`CASE_TIME_SLACK_S`) after the report before it, in the launcher's order: stdio cases,
+    then function calls. Measured here, where a program that silences the launcher's own
+    timer, or fools its clock, cannot reach; a program's loading counts toward its first
+    function call, as it does toward every stdio case."""
+    order = [i for i, c in enumerate(tests) if isinstance(c, StdioCase)]
+    order += [i for i, c in enumerate(tests) if not isinstance(c, StdioCase)]
+    over = [False] * len(tests)
+    previous = start
+    for i in order:
+        if i in arrived:
+            over[i] = arrived[i] - previous > case_time_s + CASE_TIME_SLACK_S
+            previous = max(previous, arrived[i])
+    return over
+
+
 def run_code(
     solution: str, tests: list[TestCase], limits: SandboxLimits | None = None
 ) -> SandboxResult:
@@ -431,8 +484,14 @@ def run_code(
     ).encode()
     deadline = time.monotonic() + limits.wall_time_s
     workdir = None if isolated else tempfile.mkdtemp(prefix="rl-sandbox-")
+    cgroup, cgroup_full = None, False
+    if isolated and isolation.cgroups.version is not None:
+        # Beside bwrap's init and the launcher, the outer bwrap process is in it too.
+        cgroup = RunCgroup(
+            isolation.cgroups, limits.memory_mb << 20, limits.max_processes + 3, limits.cpus
+        )
     info_r, info_w = os.pipe()
-    seccomp = _seccomp_fd() if isolated else -1
+    seccomp = _seccomp_fd(refuse_sockets=cgroup is None) if isolated else -1
     pidfd = init_pid = None
     try:
         if isolated:
@@ -449,8 +508,11 @@ def run_code(
             cwd="/" if isolated else workdir,
             pass_fds=(info_w, seccomp) if isolated else (),
             start_new_session=not isolated,
-            preexec_fn=_join_fresh_session_keyring if isolated else None,
-            **_user_args(isolation.run_as if isolated else None),
+            preexec_fn=(
+                _enter_cgroup_as(cgroup.procs_files if cgroup else [], isolation.run_as)
+                if isolated
+                else None
+            ),
         )
         os.close(info_w)
         info_w = -1
@@ -466,10 +528,12 @@ def run_code(
                     err = proc.communicate(timeout=10)[1].decode(errors="replace")
                     raise RuntimeError(f"bubblewrap did not start the sandbox: {err.strip()}")
                 init_pid, pidfd = init
+            job_sent = time.monotonic()
             threading.Thread(target=_feed, args=(proc, job), daemon=True).start()
             # A case's line: its output JSON-escaped (up to 6 bytes a character), and a little.
             max_line = 6 * limits.max_output_bytes + 1024
-            channel = _Channel(len(tests), len(tests) * max_line + 4096, max_line)
+            shape = ReportShape.for_cases(tests)
+            channel = _Channel(len(tests), len(tests) * max_line + 4096, max_line, shape)
             memory_bytes = limits.memory_mb << 20
             stderr, timed_out, memory_limited = _drain(
                 proc, channel, deadline, init_pid, memory_bytes
@@ -479,6 +543,9 @@ def run_code(
             proc.stdout.close()
             proc.stderr.close()
     finally:
+        if cgroup is not None:
+            cgroup_full = cgroup.memory_limited()
+            cgroup.remove()
         os.close(info_r)
         if info_w >= 0:
             os.close(info_w)
@@ -487,13 +554,17 @@ def run_code(
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
     outputs = [channel.records.get(i) for i in range(len(tests))]
+    over_time = _over_time(tests, channel.arrived, job_sent, limits.case_time_s)
     return SandboxResult(
-        passed=[case_passed(case, out) for case, out in zip(tests, outputs, strict=True)],
+        passed=[
+            case_passed(case, out, limits.max_output_bytes) and not late
+            for case, out, late in zip(tests, outputs, over_time, strict=True)
+        ],
         outputs=outputs,
         timed_out=timed_out,
         stderr=stderr.decode(errors="replace"),
         isolated=isolated,
         isolation=isolation.description,
         output_limited=channel.over_budget,
-        memory_limited=memory_limited,
+        memory_limited=memory_limited or cgroup_full,
     )
