@@ -8,7 +8,7 @@ rows into tokenised samples. New sources register with :func:`register_source`.
 from __future__ import annotations
 
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Annotated, Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from rl_data.datasets.procedural import (
     load_reasoning_gym,
     reasoning_gym_task_names,
 )
+from rl_data.errors import DataError
 from rl_distributed.config import ConfigModel
 
 DATASET_SOURCES: dict[str, Callable[[Any], RowDataset]] = {
@@ -129,6 +130,32 @@ def _splits(cfg: DataConfig) -> dict[str, RowDataset]:
     }
 
 
+def require_env_info(rows: RowDataset, needs: Mapping[str | None, Collection[str]]) -> None:
+    """Refuse rows whose ``extra_env_info`` lacks a column their task's reward reads.
+
+    ``needs`` maps a task name to the columns its environment (or reward function) reads, e.g.
+    ``{"math": ["ground_truth"]}``. Without this check such a row would be scored 0 every time,
+    and nothing would say why. Raises :class:`DataError` naming the column, the file and the
+    row, with the columns the row has; meant for setup, before any worker starts.
+    """
+    if not any(needs.values()):
+        return
+    for i in range(len(rows)):
+        row = rows[i]
+        task = row.get("task_name")
+        info = row.get("extra_env_info") or {}
+        missing = [c for c in needs.get(task, ()) if c not in info]
+        if missing:
+            source, n = rows.origin(i)
+            raise DataError(
+                f"no column {missing[0]!r}, which task {task!r}'s reward reads (the row has "
+                f"{sorted(info)}); rename the column that holds it with "
+                f"columns: {{<its name>: {missing[0]}}}",
+                source,
+                n,
+            )
+
+
 __all__ = [
     "DATASET_SOURCES",
     "ArithmeticConfig",
@@ -144,4 +171,5 @@ __all__ = [
     "read_records",
     "reasoning_gym_task_names",
     "register_source",
+    "require_env_info",
 ]

@@ -36,7 +36,11 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig) -> torch.nn.Modul
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
-        target_modules=list(config.target_modules),
+        target_modules=(
+            config.target_modules
+            if isinstance(config.target_modules, str)
+            else list(config.target_modules)
+        ),
         task_type="CAUSAL_LM",
     )
     return peft.get_peft_model(model, lora)
