@@ -141,7 +141,7 @@ class _ArrowSource:
 
     def iter_records(self) -> Iterator[Any]:
         # a batch of rows at a time: much faster than indexing row by row
-        for batch in self.data.iter(batch_size=1024):
+        for batch in self.data.iter(batch_size=256):
             columns = list(batch)
             for values in zip(*(batch[c] for c in columns), strict=True):
                 yield dict(zip(columns, values, strict=True))
