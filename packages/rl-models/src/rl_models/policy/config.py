@@ -80,7 +80,9 @@ def _torch_class(module: Any, name: str, owner: str) -> type:
         known = [
             n for n, c in vars(module).items() if isinstance(c, type) and not n.startswith("_")
         ]
-        close = difflib.get_close_matches(short, known, n=1)
+        # a difference of case first ("Adamw" is AdamW, not Adam)
+        close = [n for n in known if n.lower() == short.lower()]
+        close = close or difflib.get_close_matches(short, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"{owner}.name: {module.__name__} has no {short!r}{hint}")
     return cls
@@ -92,11 +94,14 @@ class OptimizerConfig(ConfigModel):
     name: str = "AdamW"
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-5})
 
+    @field_validator("name")
+    @classmethod
+    def _exists(cls, name: str) -> str:
+        return _torch_class(torch.optim, name, "optimizer").__name__
+
     @model_validator(mode="after")
-    def _exists(self) -> OptimizerConfig:
-        cls = _torch_class(torch.optim, self.name, "optimizer")
-        self.name = cls.__name__
-        _check_kwargs("optimizer", cls, self.kwargs, given_by_us=1)
+    def _takes_kwargs(self) -> OptimizerConfig:
+        _check_kwargs("optimizer", getattr(torch.optim, self.name), self.kwargs, given_by_us=1)
         return self
 
 
@@ -107,17 +112,27 @@ class SchedulerConfig(ConfigModel):
     name: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _exists(self) -> SchedulerConfig:
-        cls = _torch_class(torch.optim.lr_scheduler, self.name, "scheduler")
-        if cls.__name__ in ("SequentialLR", "ChainedScheduler", "LambdaLR", "MultiplicativeLR"):
+    @field_validator("name")
+    @classmethod
+    def _exists(cls, name: str) -> str:
+        scheduler = _torch_class(torch.optim.lr_scheduler, name, "scheduler")
+        if scheduler.__name__ in (
+            "SequentialLR",
+            "ChainedScheduler",
+            "LambdaLR",
+            "MultiplicativeLR",
+        ):
             raise ValueError(
-                f"scheduler.name: {cls.__name__} takes schedulers or functions, which a config "
-                "cannot hold; give a list of schedulers and milestones instead (see "
+                f"scheduler.name: {scheduler.__name__} takes schedulers or functions, which a "
+                "config cannot hold; give a list of schedulers and milestones instead (see "
                 "SchedulerMilestones)"
             )
-        self.name = cls.__name__
-        _check_kwargs("scheduler", cls, self.kwargs, given_by_us=1)
+        return scheduler.__name__
+
+    @model_validator(mode="after")
+    def _takes_kwargs(self) -> SchedulerConfig:
+        scheduler = getattr(torch.optim.lr_scheduler, self.name)
+        _check_kwargs("scheduler", scheduler, self.kwargs, given_by_us=1)
         return self
 
 
