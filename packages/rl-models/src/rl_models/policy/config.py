@@ -7,7 +7,7 @@ import inspect
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rl_distributed.config import ConfigModel
 
@@ -50,11 +50,11 @@ class ModelConfig(ConfigModel):
         return getattr(torch, self.dtype)
 
 
-def _check_kwargs(owner: str, cls: type, kwargs: dict[str, Any], given_by_us: int) -> None:
+def _check_kwargs(cls: type, kwargs: dict[str, Any], given_by_us: int) -> None:
     """Refuse keyword arguments ``cls`` does not take, and required ones that are missing.
 
     ``given_by_us``: how many leading parameters the worker passes itself (the parameters, or
-    the optimizer). ``owner`` names the config key in the messages.
+    the optimizer).
     """
     params = list(inspect.signature(cls).parameters.values())[given_by_us:]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
@@ -64,12 +64,11 @@ def _check_kwargs(owner: str, cls: type, kwargs: dict[str, Any], given_by_us: in
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; it takes {names}"
-            raise ValueError(f"{owner}.kwargs.{key}: {cls.__name__} has no argument {key!r}{hint}")
-    missing = [
-        p.name for p in params if p.default is inspect.Parameter.empty and p.name not in kwargs
-    ]
+            raise ValueError(f"{cls.__name__} has no argument {key!r}{hint}")
+    required = [p.name for p in params if p.default is inspect.Parameter.empty]
+    missing = [name for name in required if name not in kwargs]
     if missing:
-        raise ValueError(f"{owner}.kwargs: {cls.__name__} needs {', '.join(map(repr, missing))}")
+        raise ValueError(f"{cls.__name__} needs {', '.join(map(repr, missing))}")
 
 
 def _torch_class(module: Any, name: str, owner: str) -> type:
@@ -99,10 +98,13 @@ class OptimizerConfig(ConfigModel):
     def _exists(cls, name: str) -> str:
         return _torch_class(torch.optim, name, "optimizer").__name__
 
-    @model_validator(mode="after")
-    def _takes_kwargs(self) -> OptimizerConfig:
-        _check_kwargs("optimizer", getattr(torch.optim, self.name), self.kwargs, given_by_us=1)
-        return self
+    # a field validator, not a model one: errors then name the key (policy.optimizer.kwargs)
+    @field_validator("kwargs")
+    @classmethod
+    def _taken(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "name" in info.data:  # else the name was refused already
+            _check_kwargs(getattr(torch.optim, info.data["name"]), kwargs, given_by_us=1)
+        return kwargs
 
 
 class SchedulerConfig(ConfigModel):
@@ -129,11 +131,13 @@ class SchedulerConfig(ConfigModel):
             )
         return scheduler.__name__
 
-    @model_validator(mode="after")
-    def _takes_kwargs(self) -> SchedulerConfig:
-        scheduler = getattr(torch.optim.lr_scheduler, self.name)
-        _check_kwargs("scheduler", scheduler, self.kwargs, given_by_us=1)
-        return self
+    @field_validator("kwargs")
+    @classmethod
+    def _taken(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "name" in info.data:
+            scheduler = getattr(torch.optim.lr_scheduler, info.data["name"])
+            _check_kwargs(scheduler, kwargs, given_by_us=1)
+        return kwargs
 
 
 class SchedulerMilestones(ConfigModel):
@@ -285,9 +289,9 @@ class LoraConfig(ConfigModel):
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     # Names (suffixes) of the modules to adapt; the default covers Llama-style attention + MLP.
-    # "all-linear" (alone, or as the one name of a list): every linear layer but the output
-    # layer, as peft defines it.
-    target_modules: list[str] | Literal["all-linear"] = Field(
+    # ["all-linear"] (or "all-linear"): every linear layer but the output layer, as peft
+    # defines it.
+    target_modules: list[str] = Field(
         default_factory=lambda: [
             "q_proj",
             "k_proj",
@@ -299,17 +303,16 @@ class LoraConfig(ConfigModel):
         ]
     )
 
-    @field_validator("target_modules")
+    @field_validator("target_modules", mode="before")
     @classmethod
-    def _all_linear_alone(cls, names: list[str] | str) -> list[str] | str:
-        if isinstance(names, str):
-            return names
-        if not names:
-            raise ValueError("lora.target_modules is empty: name modules, or 'all-linear'")
-        if "all-linear" in names:
-            if len(names) > 1:
-                raise ValueError("lora.target_modules: 'all-linear' already covers the others")
-            return "all-linear"  # peft reads the shorthand only as a string
+    def _all_linear_alone(cls, names: Any) -> Any:
+        if names == "all-linear":
+            return ["all-linear"]
+        if isinstance(names, list):
+            if not names:
+                raise ValueError("empty: name modules, or all-linear")
+            if "all-linear" in names and len(names) > 1:
+                raise ValueError("'all-linear' already covers the others; give it alone")
         return names
 
 
