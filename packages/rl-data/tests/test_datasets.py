@@ -201,7 +201,7 @@ GOOD = json.dumps({"messages": chat("hi", "hello")})
     ("bad_line", "reason"),
     [
         ('{"messages": [', "not valid JSON"),
-        (json.dumps({"text": "hi"}), "missing column 'messages'"),
+        (json.dumps({"question": "hi"}), r"no column 'messages', 'prompt' or 'text'"),
         (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "role 'robot'"),
         (
             json.dumps({"messages": [{"role": "user", "content": ["x"]}]}),
@@ -247,10 +247,11 @@ def test_empty_and_missing_files(tmp_path):
     empty = _lines(tmp_path / "empty.jsonl", [""])
     with pytest.raises(DataError, match=r"empty\.jsonl: contains no rows"):
         load_dataset(ChatFileConfig(path=empty))
-    with pytest.raises(DataError, match=r"nope\.jsonl: file not found"):
-        load_dataset(ChatFileConfig(path=str(tmp_path / "nope.jsonl")))
-    with pytest.raises(DataError, match="cannot tell the format"):
-        load_dataset(ChatFileConfig(path=_lines(tmp_path / "data.txt", [GOOD])))
+    # a path that names no data is refused by the config, before anything runs
+    with pytest.raises(ValidationError, match=r"path\n.*file not found: '.*nope\.jsonl'"):
+        ChatFileConfig(path=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(ValidationError, match="cannot tell the format"):
+        ChatFileConfig(path=_lines(tmp_path / "data.txt", [GOOD]))
     all_bad = _lines(tmp_path / "bad.jsonl", ["{", "{"])
     with pytest.raises(DataError, match=r"no usable rows \(2 skipped\)"):
         load_dataset(ChatFileConfig(path=all_bad, on_bad_row="skip"))

@@ -1,3 +1,5 @@
+import pickle
+
 import pytest
 
 from rl_data.errors import TemplateError
@@ -178,3 +180,60 @@ def test_a_template_pickles_and_renders_the_same(template):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert copy.render(messages) == template.render(messages)
     assert copy.special_tokens == template.special_tokens
+
+
+# A template in the style of Qwen3's: {% generation %} blocks around what the assistant writes,
+# a switch read from the template's kwargs (an empty think block when thinking is off), and a
+# test on whether tools are defined.
+THINKING_TEMPLATE = (
+    "{% if tools is defined and tools is none %}[no tools]\n{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message.role }}\n"
+    "{% if message.role == 'assistant' %}{% generation %}"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{{ message.content }}<|im_end|>"
+    "{% endgeneration %}{% else %}{{ message.content }}<|im_end|>{% endif %}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+@pytest.mark.parametrize("gen", [False, True])
+def test_generation_blocks_and_kwargs_render_like_transformers(tokenizer, kwargs, gen):
+    from rl_data.tokenizers import TokenizerConfig
+
+    cfg = TokenizerConfig(
+        path="unused",
+        chat_template={"kind": "jinja", "template": THINKING_TEMPLATE},
+        chat_template_kwargs=kwargs,
+    )
+    assert cfg.chat_template.kwargs == kwargs
+    template = ChatTemplate.from_config(cfg.chat_template, tokenizer)
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+    ]
+    expected = tokenizer.apply_chat_template(
+        msgs, chat_template=THINKING_TEMPLATE, tokenize=False, add_generation_prompt=gen, **kwargs
+    )
+    assert template.render(msgs, add_generation_prompt=gen) == expected
+    assert "".join(template.message_texts(msgs, add_generation_prompt=gen)) == expected
+    thinking_off = kwargs.get("enable_thinking") is False  # the kwarg reached the template
+    assert expected.count("<think>") == thinking_off * (1 + gen)
+    assert pickle.loads(pickle.dumps(template)).render(msgs, gen) == expected
+
+
+def test_chat_template_kwargs_is_one_key_with_chat_template_kwargs():
+    from rl_data.tokenizers import TokenizerConfig
+
+    with pytest.raises(ValueError, match="not both"):
+        TokenizerConfig(
+            path="x",
+            chat_template={"kwargs": {"enable_thinking": True}},
+            chat_template_kwargs={"enable_thinking": False},
+        )

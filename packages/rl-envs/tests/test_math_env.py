@@ -51,13 +51,19 @@ def test_right_wrong_and_malformed_answers(env):
     assert metrics["timeouts"] == 0 and metrics["verifier_errors"] == 0
 
 
-def test_missing_ground_truth_is_a_verifier_error_not_a_crash(env):
-    out = env.step(
-        [conversation(r"\boxed{1}")] * 3, [{"ground_truth": "1"}, {}, {"ground_truth": ""}]
-    )
-    assert out.rewards.tolist() == [1.0, 0.0, 0.0]
+def test_missing_ground_truth_column_is_refused_naming_it(env):
+    """A row without the answer column used to score 0 every time, silently."""
+    with pytest.raises(
+        ValueError, match=r"sample 1 of the batch has no 'ground_truth'.*\['answer'\]"
+    ):
+        env.step([conversation(r"\boxed{1}")] * 2, [{"ground_truth": "1"}, {"answer": "1"}])
+
+
+def test_empty_ground_truth_is_a_verifier_error_not_a_crash(env):
+    out = env.step([conversation(r"\boxed{1}")] * 2, [{"ground_truth": "1"}, {"ground_truth": ""}])
+    assert out.rewards.tolist() == [1.0, 0.0]
     _, metrics = env.global_post_process_and_metrics({"rewards": out.rewards})
-    assert metrics["verifier_errors"] == 2 and metrics["samples"] == 3
+    assert metrics["verifier_errors"] == 1 and metrics["samples"] == 2
 
 
 def test_pass_at_k_over_samples_of_one_prompt(env):

@@ -37,6 +37,7 @@ _EXPORTS = {
     "load_dataset": "rl_data.datasets",
     "load_splits": "rl_data.datasets",
     "register_source": "rl_data.datasets",
+    "require_env_info": "rl_data.datasets",
     "PROCESSORS": "rl_data.processors",
     "ProcessedDataset": "rl_data.processors",
     "get_processor": "rl_data.processors",
@@ -85,6 +86,7 @@ __all__ = [
     "preference_collate",
     "register_processor",
     "register_source",
+    "require_env_info",
     "rl_collate",
     "sft_collate",
     "tokenize_message_logs",
@@ -109,6 +111,7 @@ if TYPE_CHECKING:
         load_dataset,
         load_splits,
         register_source,
+        require_env_info,
     )
     from rl_data.errors import DataError, SkippedRow, TemplateError
     from rl_data.loader import StatefulDataLoader

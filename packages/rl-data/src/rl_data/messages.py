@@ -18,16 +18,23 @@ import torch
 
 from rl_data.templates import ChatTemplate
 from rl_data.tokenizers import encode_texts
-from rl_data.types import MessageLog
+from rl_data.types import TENSOR_KEYS, MessageLog
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "environment"})
 
 
-def check_messages(messages: Any, what: str = "messages") -> list[dict[str, str]]:
-    """``messages`` as plain ``{"role", "content"}`` dicts, or a ValueError saying what is wrong.
+# Keys of a message besides role and content that chat templates read (OpenAI / Hugging Face
+# conventions): kept on the message so that the template renders them.
+MESSAGE_EXTRAS = frozenset({"tool_calls", "tool_call_id", "name", "reasoning_content"})
 
-    Extra keys on a message (``name``, ``tool_calls``...) are dropped: templates here see roles
-    and contents only.
+
+def check_messages(messages: Any, what: str = "messages") -> list[dict[str, Any]]:
+    """``messages`` as plain dicts, or a ValueError saying what is wrong.
+
+    Each keeps ``role``, ``content`` and those of :data:`MESSAGE_EXTRAS` it has (``tool_calls``
+    must be a list of dicts); keys that are ``None`` count as absent (Arrow fills a field that
+    only some messages have with nulls), and other keys are left out: templates do not read
+    them. An assistant message that only calls tools may have no content (it becomes "").
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{what} must be a non-empty list of messages, got {_show(messages)}")
@@ -37,17 +44,27 @@ def check_messages(messages: Any, what: str = "messages") -> list[dict[str, str]
             raise ValueError(
                 f"{what}[{i}] must be a dict with 'role' and 'content', got {_show(m)}"
             )
-        missing = [k for k in ("role", "content") if k not in m]
+        calls = m.get("tool_calls")
+        content = m.get("content")
+        if content is None and calls:
+            content = ""
+        missing = [k for k, v in (("role", m.get("role")), ("content", content)) if v is None]
         if missing:
             raise ValueError(f"{what}[{i}] has no {' or '.join(map(repr, missing))}")
-        role, content = m["role"], m["content"]
+        role = m["role"]
         if role not in ROLES:
             raise ValueError(f"{what}[{i}] has role {role!r}; expected one of {sorted(ROLES)}")
         if not isinstance(content, str):
             raise ValueError(
                 f"{what}[{i}] ({role}) content must be a string, got {type(content).__name__}"
             )
-        out.append({"role": role, "content": content})
+        if calls is not None and not (
+            isinstance(calls, list) and all(isinstance(c, Mapping) for c in calls)
+        ):
+            raise ValueError(f"{what}[{i}] tool_calls must be a list of dicts, got {_show(calls)}")
+        message: dict[str, Any] = {"role": role, "content": content}
+        message.update({k: m[k] for k in sorted(MESSAGE_EXTRAS) if m.get(k) is not None})
+        out.append(message)
     return out
 
 
@@ -106,7 +123,7 @@ def truncate_message_log(log: MessageLog, max_tokens: int) -> MessageLog:
     left = max_tokens
     for message in log:
         kept = dict(message)
-        for key in ("token_ids", "token_loss_mask", "generation_logprobs"):
+        for key in TENSOR_KEYS:
             if key in kept:
                 kept[key] = kept[key][:left]
         left -= len(kept["token_ids"])

@@ -20,8 +20,8 @@ from typing import Any
 from rl_data.datasets.base import Row, RowDataset
 from rl_data.errors import DataError, TemplateError
 from rl_data.messages import message_log_length, tokenize_message_logs, truncate_message_log
-from rl_data.templates import ChatTemplate
-from rl_data.types import DatumSpec, MessageLog, PreferenceDatumSpec, TaskDataSpec
+from rl_data.templates import RAW_TEXT_TEMPLATE, ChatTemplate
+from rl_data.types import TENSOR_KEYS, DatumSpec, MessageLog, PreferenceDatumSpec, TaskDataSpec
 
 Processor = Callable[[Row, TaskDataSpec], dict[str, Any]]
 PROCESSORS: dict[str, Processor] = {}
@@ -79,11 +79,15 @@ def sft_processor(row: Row, spec: TaskDataSpec) -> dict[str, Any]:
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("an SFT conversation needs at least one assistant message")
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    raw = bool(row.get("raw_text"))  # plain text: no system prompt or template around it
     return {
-        "message_log": _with_task_spec(messages, spec, users[0] if users else None),
+        "message_log": messages
+        if raw
+        else _with_task_spec(messages, spec, users[0] if users else None),
         "extra_env_info": row.get("extra_env_info"),
         "task_name": row.get("task_name") or spec.get("task_name"),
         "add_generation_prompt": False,
+        "raw_text": raw,
     }
 
 
@@ -91,6 +95,10 @@ def sft_processor(row: Row, spec: TaskDataSpec) -> dict[str, Any]:
 def prompt_processor(row: Row, spec: TaskDataSpec) -> dict[str, Any]:
     """A prompt for generation: the conversation up to its first assistant turn, whose header
     the template appends; the prompt template applies to the last user turn."""
+    if row.get("raw_text"):
+        raise ValueError(
+            "a 'text' row is plain text for SFT; a prompt needs 'prompt' or 'messages'"
+        )
     messages = row["messages"]
     first_assistant = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     messages = messages[:first_assistant]
@@ -111,7 +119,8 @@ def preference_processor(row: Row, spec: TaskDataSpec) -> dict[str, Any]:
 
 
 def _fresh_log(messages: list[dict[str, Any]]) -> MessageLog:
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    # copies without tensors (tokenised anew), keeping what templates read (tool_calls...)
+    return [{k: v for k, v in m.items() if k not in TENSOR_KEYS} for m in messages]  # type: ignore[misc]
 
 
 class ProcessedDataset(Sequence[Any]):
@@ -121,6 +130,10 @@ class ProcessedDataset(Sequence[Any]):
     batch in one call into the tokenizer. A sample longer than ``max_seq_length`` tokens keeps
     its place: it is cut to ``max_seq_length`` and gets ``loss_multiplier = 0``, so batch sizes
     and sample order do not depend on lengths.
+
+    ``task_spec`` defaults to the rows' own (``RowDataset.task_spec``: the data config's system
+    prompt and prompt template). Plain-text rows (a ``text`` column, ``raw_text`` drafts) are
+    tokenised as their text followed by the EOS token, with no chat template.
     """
 
     def __init__(
@@ -136,7 +149,8 @@ class ProcessedDataset(Sequence[Any]):
         self.tokenizer = tokenizer
         self.template = template
         self.processor = get_processor(processor)
-        self.task_spec: TaskDataSpec = task_spec or {}
+        self.task_spec: TaskDataSpec = task_spec or dict(getattr(rows, "task_spec", {}))  # type: ignore[assignment]
+        self.raw_template = ChatTemplate(RAW_TEXT_TEMPLATE, template.special_tokens)
         self.max_seq_length = max_seq_length
 
     def __len__(self) -> int:
@@ -147,18 +161,17 @@ class ProcessedDataset(Sequence[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         drafts = [self._draft(i) for i in indices]
-        # one tokenizer call per generation-prompt setting, over every log of the batch
-        for gen in (False, True):
+        # one tokenizer call per template and generation-prompt setting, over the whole batch
+        for raw, gen in ((False, False), (False, True), (True, False)):
             logs = [
                 log
                 for d in drafts
                 for log in _logs(d)
-                if d.get("add_generation_prompt", False) == gen
+                if d.get("add_generation_prompt", False) == gen and d.get("raw_text", False) == raw
             ]
+            template = self.raw_template if raw else self.template
             try:
-                tokenize_message_logs(
-                    logs, self.tokenizer, self.template, add_generation_prompt=gen
-                )
+                tokenize_message_logs(logs, self.tokenizer, template, add_generation_prompt=gen)
             except TemplateError as e:
                 raise TemplateError(f"{e} (batch of rows {list(indices)})") from None
         return [self._finish(i, d) for i, d in zip(indices, drafts, strict=True)]

@@ -6,9 +6,11 @@ Three kinds, picked by :class:`ChatTemplateConfig`:
 - ``passthrough``: the messages' contents concatenated, nothing added (base models, raw text);
 - ``jinja``: a Jinja string given in the config.
 
-All three are Jinja templates rendered the way Hugging Face renders chat templates
-(``trim_blocks``, ``lstrip_blocks``, a sandbox), so a template that works with
-``tokenizer.apply_chat_template`` renders the same text here.
+All three are Jinja templates rendered the way transformers renders chat templates
+(``trim_blocks``, ``lstrip_blocks``, a sandbox, ``{% generation %}`` blocks, ``tools`` and
+``documents`` defined as None, extra variables such as Qwen3's ``enable_thinking`` from
+``kwargs``), so a template that works with ``tokenizer.apply_chat_template`` renders the same
+text here.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ from functools import lru_cache
 from typing import Any, Literal
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import model_validator
 
 from rl_data.errors import TemplateError
+from rl_data.types import TENSOR_KEYS
 from rl_distributed.config import ConfigModel
 
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+# Plain text for language-model SFT (TRL's "text" rows): the text, then EOS to end it.
+RAW_TEXT_TEMPLATE = PASSTHROUGH_TEMPLATE + "{% if eos_token %}{{ eos_token }}{% endif %}"
 
 # ChatML, the format of SmolLM2 and Qwen; what tokenizers built by this package use.
 CHATML_TEMPLATE = (
@@ -47,6 +53,9 @@ class ChatTemplateConfig(ConfigModel):
     # message says beyond inserting it (the probes catch trimming, escaping, think-tag splitting,
     # case changes and truncation, not every possible test on the content).
     cache_frames: bool = True
+    # Variables the template sees besides messages, e.g. {enable_thinking: false} for Qwen3
+    # (what apply_chat_template's keyword arguments are).
+    kwargs: dict[str, Any] = {}
 
     @model_validator(mode="after")
     def _template_only_for_jinja(self) -> ChatTemplateConfig:
@@ -61,14 +70,41 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(f"the chat template raised: {message}")
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _GenerationBlocks(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: marks what the assistant generates, for
+    transformers' assistant masks. The block renders as its body: masks here come from the
+    message roles."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
 
 
 @lru_cache(maxsize=32)
 def _compile(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlocks, "jinja2.ext.loopcontrols"],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -78,6 +114,8 @@ def _compile(source: str) -> jinja2.Template:
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(f"chat template has a syntax error (line {e.lineno}): {e}") from None
 
+
+_FRAMED_KEYS = TENSOR_KEYS | {"role", "content"}
 
 # Probe contents for ChatTemplate frames ({i}: the message's index). Private-use characters
 # make each unique; the others catch templates that trim, escape or split what a message says,
@@ -99,9 +137,11 @@ class ChatTemplate:
         source: str,
         special_tokens: Mapping[str, str] | None = None,
         cache_frames: bool = True,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.source = source
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self.kwargs = dict(kwargs or {})
         self._template = _compile(source)
         self.cache_frames = cache_frames
         # (roles, add_generation_prompt, start) -> (before, after) text of each message, or
@@ -111,7 +151,7 @@ class ChatTemplate:
     def __reduce__(self) -> tuple[Any, ...]:
         # The compiled Jinja template does not pickle: rebuild it from its source (a template
         # travels to Ray actors, e.g. with a data loader whose dataset renders prompts).
-        return type(self), (self.source, self.special_tokens, self.cache_frames)
+        return type(self), (self.source, self.special_tokens, self.cache_frames, self.kwargs)
 
     @classmethod
     def from_config(cls, cfg: ChatTemplateConfig, tokenizer: Any = None) -> ChatTemplate:
@@ -123,10 +163,10 @@ class ChatTemplate:
                 for name in ("bos_token", "eos_token", "pad_token", "unk_token")
             }
         if cfg.kind == "passthrough":
-            return cls(PASSTHROUGH_TEMPLATE, special, cfg.cache_frames)
+            return cls(PASSTHROUGH_TEMPLATE, special, cfg.cache_frames, cfg.kwargs)
         if cfg.kind == "jinja":
             assert cfg.template is not None
-            return cls(cfg.template, special, cfg.cache_frames)
+            return cls(cfg.template, special, cfg.cache_frames, cfg.kwargs)
         source = getattr(tokenizer, "chat_template", None)
         if not isinstance(source, str) or not source:
             name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
@@ -134,16 +174,22 @@ class ChatTemplate:
                 f"tokenizer {name!r} has no chat template; use chat_template.kind 'passthrough'"
                 " or 'jinja' with a template"
             )
-        return cls(source, special, cfg.cache_frames)
+        return cls(source, special, cfg.cache_frames, cfg.kwargs)
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False
     ) -> str:
         if not messages:
             return ""
-        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        plain = [{k: v for k, v in m.items() if k not in TENSOR_KEYS} for m in messages]
+        # the variables apply_chat_template passes: tools and documents are always defined
         return self._template.render(
-            messages=plain, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            messages=plain,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+            **self.kwargs,
         )
 
     def message_texts(
@@ -170,7 +216,11 @@ class ChatTemplate:
         all come out verbatim in the same frame, else that sequence is rendered every time, as
         are messages with empty content.
         """
-        if self.cache_frames and all(m["content"] for m in messages[start:]):
+        # Frames hold only what the template writes around a content, so a message with more
+        # than a role and a content (tool calls...) is rendered each time.
+        if self.cache_frames and all(
+            m["content"] and m.keys() <= _FRAMED_KEYS for m in messages[start:]
+        ):
             frame = self._frame(tuple(m["role"] for m in messages), add_generation_prompt, start)
             if frame is not None:
                 return [

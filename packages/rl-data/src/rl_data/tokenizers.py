@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import model_validator
+
 from rl_data.templates import CHATML_TEMPLATE, ChatTemplateConfig
 from rl_distributed.config import ConfigModel
 
@@ -27,6 +29,28 @@ class TokenizerConfig(ConfigModel):
     path: str  # a local directory (tokenizer.json & co.), or the directory holding gguf_file
     gguf_file: str | None = None  # a .gguf file name inside `path` (or an absolute path)
     chat_template: ChatTemplateConfig = ChatTemplateConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _template_kwargs(cls, data: Any) -> Any:
+        """``chat_template_kwargs`` (NeMo RL's key, e.g. ``{enable_thinking: false}``) is
+        ``chat_template.kwargs``: the variables the chat template is rendered with."""
+        if not isinstance(data, dict) or "chat_template_kwargs" not in data:
+            return data
+        data = dict(data)
+        kwargs = data.pop("chat_template_kwargs") or {}
+        template = data.get("chat_template", {})
+        if isinstance(template, ChatTemplateConfig):
+            template = template.model_dump()
+        if not isinstance(kwargs, dict) or not isinstance(template, dict):
+            return {**data, "chat_template_kwargs": kwargs}  # pydantic names what is wrong
+        given = template.get("kwargs") or {}
+        if given and given != kwargs:
+            raise ValueError(
+                "give chat_template_kwargs or chat_template.kwargs, not both (they are one key)"
+            )
+        data["chat_template"] = {**template, "kwargs": kwargs}
+        return data
 
 
 def load_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerBase:

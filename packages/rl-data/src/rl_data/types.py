@@ -21,9 +21,16 @@ class Message(TypedDict):
     # Which of this message's tokens the loss is computed on (1) or not (0); same length.
     token_loss_mask: NotRequired[torch.Tensor]
     generation_logprobs: NotRequired[torch.Tensor]  # from the generator, for off-policy fixes
+    # What chat templates read besides role and content (kept from the data, never dropped).
+    tool_calls: NotRequired[list[dict[str, Any]]]
+    tool_call_id: NotRequired[str]
+    name: NotRequired[str]
+    reasoning_content: NotRequired[str]
 
 
 MessageLog = list[Message]
+# A message's per-token tensors: what is recomputed, cut or left out of what a template sees.
+TENSOR_KEYS = frozenset({"token_ids", "token_loss_mask", "generation_logprobs"})
 
 
 class DatumSpec(TypedDict):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import ray
 import torch
@@ -28,6 +28,11 @@ class EnvironmentReturn(NamedTuple):
 
 
 class EnvironmentInterface(ABC):
+    # Columns of a sample's metadata (the row's extra_env_info) the reward cannot do without.
+    # Setup checks the data against them (rl_data.datasets.require_env_info), and ``step``
+    # refuses a sample without them rather than scoring it 0.
+    required_metadata: ClassVar[tuple[str, ...]] = ()
+
     @abstractmethod
     def step(
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]
@@ -49,6 +54,21 @@ class EnvironmentInterface(ABC):
         """Start this environment as a Ray actor. It mostly waits on its workers, so by default
         it reserves no CPU of its own (``num_cpus=0``)."""
         return ray.remote(cls).options(**{"num_cpus": 0, **actor_options}).remote(cfg)
+
+
+def check_required_metadata(
+    env: EnvironmentInterface, metadata: list[dict[str, Any] | None]
+) -> None:
+    """A ``ValueError`` naming the first sample (its index in the batch) and column of
+    ``env.required_metadata`` that its metadata lacks."""
+    for i, meta in enumerate(metadata):
+        missing = [k for k in env.required_metadata if k not in (meta or {})]
+        if missing:
+            raise ValueError(
+                f"{type(env).__name__}: sample {i} of the batch has no {missing[0]!r} in its "
+                f"metadata (it has {sorted(meta or {})}): the dataset's rows need that column "
+                f"(rename theirs with the data source's columns: {{<name>: {missing[0]}}})"
+            )
 
 
 def last_assistant_text(message_log: MessageLog) -> str:

@@ -17,6 +17,7 @@ class MathEnvConfig(VerifierEnvConfig):
 class MathEnvironment(VerifierEnvironment):
     """Metadata per sample: ``{"ground_truth": "..."}``."""
 
+    required_metadata = ("ground_truth",)
     preload = ("math_verify",)
     verifier = "rl_envs.verifiers:score_math"
 

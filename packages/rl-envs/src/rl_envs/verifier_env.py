@@ -16,7 +16,7 @@ import torch
 
 from rl_data.types import MessageLog
 from rl_distributed.config import ConfigModel
-from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn
+from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn, check_required_metadata
 from rl_envs.metrics import OutcomeCounts, reward_metrics
 from rl_envs.pool import Outcome, WorkerPool
 
@@ -53,6 +53,7 @@ class VerifierEnvironment(EnvironmentInterface):
     def step(
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]
     ) -> EnvironmentReturn:
+        check_required_metadata(self, metadata)  # a missing answer column is no 0 reward
         outcomes: list[Outcome | None] = [None] * len(message_log_batch)
         jobs: list[tuple] = []
         job_index: list[int] = []

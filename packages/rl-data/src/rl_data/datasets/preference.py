@@ -2,39 +2,39 @@
 
 A preference row is ``{"prompt": messages, "chosen": messages, "rejected": messages}``, the
 replies holding only what follows the prompt. Ranked replies become several rows.
+
+TRL's preference formats load as they are: with an explicit prompt column, or with an implicit
+prompt, where ``chosen`` and ``rejected`` are whole conversations (or texts) and the prompt is
+what they share at the start.
 """
 
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from typing import Any, Literal
 
-from rl_data.datasets.base import FileFormat, Row, RowDataset, collect_rows
-from rl_data.datasets.chat import text_or_messages
-from rl_data.errors import BadRowPolicy
-from rl_distributed.config import ConfigModel
+from rl_data.datasets.base import Row, RowDataset, load_file_rows
+from rl_data.datasets.chat import FileSourceConfig, text_or_messages
 
 
-class PreferenceFileConfig(ConfigModel):
+class PreferenceFileConfig(FileSourceConfig):
     """A JSONL/Parquet file or saved HF dataset of preferences.
 
     The prompt (``prompt_key``) is a string (one user turn) or a message list; replies are
     strings (one assistant turn) or message lists. With ``completions_key`` the row holds a list
     of replies ranked best first, each a reply or ``{"completion": reply, "score": number}``
     (sorted by score, highest first); ``pairs`` says which pairs it yields: the best against
-    each other one, or every better/worse pair.
+    each other one, or every better/worse pair. A row without ``prompt_key`` has an implicit
+    prompt (see the module).
     """
 
     source: Literal["preference_file"] = "preference_file"
-    path: str
-    format: FileFormat = "auto"
-    split: str | None = None
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     completions_key: str | None = None
     pairs: Literal["best_vs_rest", "all"] = "best_vs_rest"
-    on_bad_row: BadRowPolicy = "raise"
 
 
 def _ranked(value: Any, key: str) -> list[list[dict[str, str]]]:
@@ -48,7 +48,47 @@ def _ranked(value: Any, key: str) -> list[list[dict[str, str]]]:
     return [text_or_messages(c, "assistant", f"{key}[{i}]") for i, c in enumerate(value)]
 
 
+def _split_text(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """The shared start of two texts, cut at a word boundary, and what follows in each."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    # back to the last whitespace, which goes with the replies: "The sky is" + " blue."
+    space = max(chosen.rfind(" ", 0, n), chosen.rfind("\n", 0, n))
+    cut = space if space > 0 else n
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def _implicit_prompt(cfg: PreferenceFileConfig, record: Row) -> Row:
+    chosen, rejected = record[cfg.chosen_key], record[cfg.rejected_key]
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        prompt, chosen, rejected = _split_text(chosen, rejected)
+        if not prompt:
+            raise ValueError(
+                f"no prompt column {cfg.prompt_key!r}, and {cfg.chosen_key!r} and "
+                f"{cfg.rejected_key!r} share no text at the start to take as the prompt"
+            )
+        return {
+            "prompt": [{"role": "user", "content": prompt}],
+            "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}],
+        }
+    chosen = text_or_messages(chosen, "assistant", cfg.chosen_key)
+    rejected = text_or_messages(rejected, "assistant", cfg.rejected_key)
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n == 0 or n == len(chosen) or n == len(rejected):
+        raise ValueError(
+            f"no prompt column {cfg.prompt_key!r}, and {cfg.chosen_key!r} and "
+            f"{cfg.rejected_key!r} do not start with the same messages and then differ"
+        )
+    return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
 def preference_rows(cfg: PreferenceFileConfig, record: Row) -> list[Row]:
+    if cfg.prompt_key not in record and cfg.completions_key is None:
+        return [_implicit_prompt(cfg, record)]
     prompt = text_or_messages(record[cfg.prompt_key], "user", cfg.prompt_key)
     if cfg.completions_key is None:
         chosen = text_or_messages(record[cfg.chosen_key], "assistant", cfg.chosen_key)
@@ -63,6 +103,12 @@ def preference_rows(cfg: PreferenceFileConfig, record: Row) -> list[Row]:
 
 
 def load_preference_file(cfg: PreferenceFileConfig) -> RowDataset:
-    return collect_rows(
-        cfg.path, cfg.format, cfg.split, lambda record: preference_rows(cfg, record), cfg.on_bad_row
+    return load_file_rows(
+        cfg.path,
+        cfg.format,
+        cfg.split,
+        partial(preference_rows, cfg),
+        cfg.on_bad_row,
+        cfg.columns,
+        cfg.cache_dir,
     )

@@ -2,39 +2,165 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rl_distributed.config import ConfigModel
 from rl_models.modeling.config import DType, ModelConfig  # noqa: F401 (DType: re-exported)
 
 
+def _check_kwargs(cls: type, kwargs: dict[str, Any], given_by_us: int) -> None:
+    """Refuse keyword arguments ``cls`` does not take, and required ones that are missing.
+
+    ``given_by_us``: how many leading parameters the worker passes itself (the parameters, or
+    the optimizer).
+    """
+    params = list(inspect.signature(cls).parameters.values())[given_by_us:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return  # takes anything: nothing to check
+    names = [p.name for p in params]
+    for key in kwargs:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; it takes {names}"
+            raise ValueError(f"{cls.__name__} has no argument {key!r}{hint}")
+    required = [p.name for p in params if p.default is inspect.Parameter.empty]
+    missing = [name for name in required if name not in kwargs]
+    if missing:
+        raise ValueError(f"{cls.__name__} needs {', '.join(map(repr, missing))}")
+
+
+def _torch_class(module: Any, name: str, owner: str) -> type:
+    # NeMo RL recipes write full paths ("torch.optim.lr_scheduler.LinearLR")
+    short = name.removeprefix(f"{module.__name__}.")
+    cls = getattr(module, short, None)
+    if not isinstance(cls, type):
+        known = [
+            n for n, c in vars(module).items() if isinstance(c, type) and not n.startswith("_")
+        ]
+        # a difference of case first ("Adamw" is AdamW, not Adam)
+        close = [n for n in known if n.lower() == short.lower()]
+        close = close or difflib.get_close_matches(short, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{owner}.name: {module.__name__} has no {short!r}{hint}")
+    return cls
+
+
 class OptimizerConfig(ConfigModel):
-    """A class of ``torch.optim`` by name, with its keyword arguments."""
+    """A class of ``torch.optim`` by name, with its keyword arguments (checked against it)."""
 
     name: str = "AdamW"
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-5})
 
-    @model_validator(mode="after")
-    def _exists(self) -> OptimizerConfig:
-        if not isinstance(getattr(torch.optim, self.name, None), type):
-            raise ValueError(f"torch.optim has no optimizer {self.name!r}")
-        return self
+    @field_validator("name")
+    @classmethod
+    def _exists(cls, name: str) -> str:
+        return _torch_class(torch.optim, name, "optimizer").__name__
+
+    # a field validator, not a model one: errors then name the key (policy.optimizer.kwargs)
+    @field_validator("kwargs")
+    @classmethod
+    def _taken(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "name" in info.data:  # else the name was refused already
+            _check_kwargs(getattr(torch.optim, info.data["name"]), kwargs, given_by_us=1)
+        return kwargs
 
 
 class SchedulerConfig(ConfigModel):
-    """A class of ``torch.optim.lr_scheduler`` by name, stepped once per optimiser step."""
+    """A class of ``torch.optim.lr_scheduler`` by name, stepped once per optimiser step; its
+    keyword arguments are checked against it (all it requires, nothing it does not take)."""
 
     name: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _exists(self) -> SchedulerConfig:
-        if not isinstance(getattr(torch.optim.lr_scheduler, self.name, None), type):
-            raise ValueError(f"torch.optim.lr_scheduler has no scheduler {self.name!r}")
-        return self
+    @field_validator("name")
+    @classmethod
+    def _exists(cls, name: str) -> str:
+        scheduler = _torch_class(torch.optim.lr_scheduler, name, "scheduler")
+        if scheduler.__name__ in (
+            "SequentialLR",
+            "ChainedScheduler",
+            "LambdaLR",
+            "MultiplicativeLR",
+        ):
+            raise ValueError(
+                f"scheduler.name: {scheduler.__name__} takes schedulers or functions, which a "
+                "config cannot hold; give a list of schedulers and milestones instead (see "
+                "SchedulerMilestones)"
+            )
+        return scheduler.__name__
+
+    @field_validator("kwargs")
+    @classmethod
+    def _taken(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "name" in info.data:
+            scheduler = getattr(torch.optim.lr_scheduler, info.data["name"])
+            _check_kwargs(scheduler, kwargs, given_by_us=1)
+        return kwargs
+
+
+class SchedulerMilestones(ConfigModel):
+    """The steps at which a chain of schedulers moves on to the next one (NeMo RL's form).
+
+    ``policy.scheduler`` as a list: the schedulers, then ``{milestones: [...]}``, one step per
+    hand-over. Warm-up for 10 steps, then cosine decay over 90::
+
+        scheduler:
+          - {name: LinearLR, kwargs: {start_factor: 0.1, total_iters: 10}}
+          - {name: CosineAnnealingLR, kwargs: {T_max: 90, eta_min: 1.0e-7}}
+          - {milestones: [10]}
+
+    Each scheduler counts its steps from its own start (``SequentialLR``).
+    """
+
+    milestones: list[int]
+
+
+SchedulerSpec = SchedulerConfig | list[SchedulerConfig | SchedulerMilestones]
+
+
+def check_scheduler_chain(chain: list[SchedulerConfig | SchedulerMilestones]) -> None:
+    """A chain is schedulers then one milestones entry, with one milestone per hand-over."""
+    schedulers = [s for s in chain if isinstance(s, SchedulerConfig)]
+    marks = [s for s in chain if isinstance(s, SchedulerMilestones)]
+    if not schedulers:
+        raise ValueError("scheduler: the list holds no scheduler")
+    if len(schedulers) == 1 and not marks:
+        return
+    if len(marks) != 1 or not isinstance(chain[-1], SchedulerMilestones):
+        raise ValueError(
+            "scheduler: a list of several schedulers ends with one {milestones: [...]} entry"
+        )
+    milestones = marks[0].milestones
+    if len(milestones) != len(schedulers) - 1:
+        raise ValueError(
+            f"scheduler.milestones: {len(schedulers)} schedulers need {len(schedulers) - 1} "
+            f"milestones (the steps where each hands over), got {milestones}"
+        )
+    if any(m <= 0 for m in milestones) or milestones != sorted(set(milestones)):
+        raise ValueError(f"scheduler.milestones: {milestones} must be increasing positive steps")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, spec: SchedulerSpec | None
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The scheduler ``policy.scheduler`` describes (None: a constant learning rate)."""
+    lr_scheduler = torch.optim.lr_scheduler
+    if spec is None:
+        return lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    if isinstance(spec, SchedulerConfig):
+        return getattr(lr_scheduler, spec.name)(optimizer, **spec.kwargs)
+    schedulers = [s for s in spec if isinstance(s, SchedulerConfig)]
+    if len(schedulers) == 1:
+        return build_scheduler(optimizer, schedulers[0])
+    milestones = next(s for s in spec if isinstance(s, SchedulerMilestones)).milestones
+    return lr_scheduler.SequentialLR(
+        optimizer, [build_scheduler(optimizer, s) for s in schedulers], milestones=milestones
+    )
 
 
 class SequencePackingConfig(ConfigModel):
@@ -50,7 +176,15 @@ class SequencePackingConfig(ConfigModel):
 
     enabled: bool = False
     max_tokens_per_microbatch: int = Field(4096, ge=1)
-    algorithm: str = "first_fit_decreasing"
+    algorithm: str = "first_fit_decreasing"  # a name in rl_distributed.packing's PACKING_ALGORITHMS
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from rl_distributed.packing import get_packing_algorithm
+
+        get_packing_algorithm(name)  # a ValueError listing the known ones
+        return name
 
 
 class DynamicBatchingConfig(ConfigModel):
@@ -118,6 +252,8 @@ class LoraConfig(ConfigModel):
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     # Names (suffixes) of the modules to adapt; the default covers Llama-style attention + MLP.
+    # ["all-linear"] (or "all-linear"): every linear layer but the output layer, as peft
+    # defines it.
     target_modules: list[str] = Field(
         default_factory=lambda: [
             "q_proj",
@@ -129,6 +265,18 @@ class LoraConfig(ConfigModel):
             "down_proj",
         ]
     )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _all_linear_alone(cls, names: Any) -> Any:
+        if names == "all-linear":
+            return ["all-linear"]
+        if isinstance(names, list):
+            if not names:
+                raise ValueError("empty: name modules, or all-linear")
+            if "all-linear" in names and len(names) > 1:
+                raise ValueError("'all-linear' already covers the others; give it alone")
+        return names
 
 
 class OffloadConfig(ConfigModel):
@@ -151,7 +299,8 @@ class PolicyConfig(ConfigModel):
     backend: Literal["dtensor", "megatron"] = "dtensor"
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig | None = None  # None: constant learning rate
+    # One scheduler, or a chain of them (see SchedulerMilestones); None: constant learning rate.
+    scheduler: SchedulerSpec | None = None
     max_grad_norm: float | None = Field(1.0, gt=0)  # None: no clipping
     train_global_batch_size: int = Field(ge=1)
     train_micro_batch_size: int = Field(1, ge=1)
@@ -212,6 +361,8 @@ class PolicyConfig(ConfigModel):
                 "lora.enabled does not work with checkpoint.sharded: set checkpoint.sharded: "
                 "false (LoRA checkpoints gather the merged model, plus the adapters, on rank 0)"
             )
+        if isinstance(self.scheduler, list):
+            check_scheduler_chain(self.scheduler)
         if self.megatron.sequence_parallel and self.megatron.tensor_parallel_size == 1:
             raise ValueError("megatron.sequence_parallel needs tensor_parallel_size > 1")
         return self

@@ -36,7 +36,10 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig) -> torch.nn.Modul
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
-        target_modules=list(config.target_modules),
+        # peft reads its "all-linear" shorthand only as a string, not as a module name
+        target_modules=(
+            "all-linear" if config.target_modules == ["all-linear"] else list(config.target_modules)
+        ),
         task_type="CAUSAL_LM",
     )
     return peft.get_peft_model(model, lora)

@@ -1,0 +1,68 @@
+"""Config mistakes that used to pass validation and fail only once workers ran are refused when
+the config is built (before Ray starts), naming the key."""
+
+from pathlib import Path
+
+import pytest
+import ray
+
+from rl_algorithms import cli
+from rl_distributed.config import ConfigError
+
+RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "sft_cpu.yaml"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "data.train.path=examples/data/no_such_file.jsonl",
+            r"data\.train\.path: .*file not found",
+        ),
+        (
+            "+policy.optimizer.kwargs.weight_decy=0.1",
+            r"policy\.optimizer\.kwargs: .*AdamW has no argument 'weight_decy'; did you mean",
+        ),
+        (
+            "+policy.scheduler={name: CosineAnnealingLR}",
+            r"policy\.scheduler\.kwargs: .*CosineAnnealingLR needs 'T_max'",
+        ),
+        (
+            "policy.sequence_packing.algorithm=best_fit",
+            r"policy\.sequence_packing\.algorithm: .*unknown packing algorithm 'best_fit'",
+        ),
+        (
+            "policy.lora.target_modules=[all-linear,q_proj]",
+            r"policy\.lora\.target_modules: .*'all-linear' already covers the others",
+        ),
+        ("data.prompt_template=Solve", r"data\.prompt_template: .*must contain \{\} or \{prompt\}"),
+    ],
+)
+def test_mistake_is_refused_naming_the_key_before_ray_starts(override, message):
+    algorithm = cli.load_algorithm("sft")
+    argv = ["--config", str(RECIPE), "tokenizer.path=/tokenizer", override]
+    with pytest.raises(ConfigError, match=message):
+        cli.build_config(algorithm, argv)
+    assert not ray.is_initialized()
+
+
+def test_all_linear_and_a_warmup_chain_are_accepted():
+    algorithm = cli.load_algorithm("sft")
+    argv = [
+        "--config",
+        str(RECIPE),
+        "tokenizer.path=/tokenizer",
+        "policy.lora.enabled=true",
+        "policy.lora.target_modules=[all-linear]",
+        "+tokenizer.chat_template_kwargs={enable_thinking: false}",
+        "+policy.scheduler=[{name: LinearLR, kwargs: {start_factor: 0.1, total_iters: 5}},"
+        " {name: CosineAnnealingLR, kwargs: {T_max: 15}}, {milestones: [5]}]",
+    ]
+    config = cli.build_config(algorithm, argv)
+    assert config.policy.lora.target_modules == ["all-linear"]
+    assert config.tokenizer.chat_template.kwargs == {"enable_thinking": False}
+    assert [type(s).__name__ for s in config.policy.scheduler] == [
+        "SchedulerConfig",
+        "SchedulerConfig",
+        "SchedulerMilestones",
+    ]
