@@ -124,6 +124,15 @@ class Context:
             node = node[part]
         return node
 
+    def ours(self, key: str) -> Any:
+        """A value already translated (None when not yet)."""
+        node: Any = self.result.config
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
     def has(self, key: str) -> bool:
         return self.get(key, _ABSENT) is not _ABSENT
 

@@ -127,7 +127,17 @@ class DatasetJob:
             return
         template = self._read_text(self.prompt_file)
         system = self._read_text(self.system_prompt_file)
-        rows = (self._row(r, template, system) for r in read_records(source, "auto", split))
+        rows = []
+        for n, record in read_records(source, "auto", split):
+            if isinstance(record, Exception):  # a line that is not JSON
+                raise ValueError(f"{self.where}: {source} row {n}: {record}")
+            try:
+                rows.append(self._row(record, template, system))
+            except (KeyError, IndexError, TypeError) as e:
+                raise ValueError(
+                    f"{self.where}: {source} row {n} does not have the shape of NeMo's "
+                    f"{self.name!r} rows ({type(e).__name__}: {e})"
+                ) from None
         _write_jsonl(out, (r for r in rows if r is not None))
         done.write_text(stamp)
 
@@ -353,10 +363,14 @@ def _dataset_entry(ctx: Context, split: str, spec: dict[str, Any]) -> None:
 
 def env_group(ctx: Context, prefix: str) -> None:
     """NeMo's ``env.<task>`` -> our ``env.<task>: {kind, config}``."""
+    puzzle = _puzzle_task(ctx) if ctx.algorithm == "grpo" else None
     for task, spec in (ctx.get("env") or {}).items():
         base = f"env.{task}"
         leaves = list(ctx.leaves(base))
-        if isinstance(spec, dict) and "game_config" in (spec.get("cfg") or {}):
+        if puzzle is not None and task != puzzle:
+            for key, value in leaves:
+                ctx.ignore(key, value, f"NeMo's sliding-puzzle script starts env.{puzzle} only")
+        elif isinstance(spec, dict) and "game_config" in (spec.get("cfg") or {}):
             _puzzle_env(ctx, task, spec["cfg"], leaves)
         elif task == "math" and isinstance(spec, dict):
             config = {}

@@ -260,3 +260,8 @@ def _tp_is_one(value: Any, ctx: Context) -> bool:
 
 def _empty(value: Any, ctx: Context) -> bool:
     return not value or (isinstance(value, dict) and not any(value.values()))
+
+
+def _stop_strings(value: Any, ctx: Context) -> list[str]:
+    # null: none, unless the sliding-puzzle games (translated first) stop at their action tag.
+    return list(value or ctx.ours("generation.sampling.stop_strings") or [])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rl_algorithms.nemo_compat.core import Call, Ignore, To, Unless
+from rl_algorithms.nemo_compat.core import Call, Context, Ignore, To, Unless
 from rl_algorithms.nemo_compat.datasets import data_group, env_group
 from rl_algorithms.nemo_compat.handlers import (
     _chat_template,
@@ -27,6 +27,7 @@ from rl_algorithms.nemo_compat.handlers import (
     _precision,
     _same_as,
     _scheduler,
+    _stop_strings,
     _torch_optimizer,
     _tp_is_one,
     _val_sampling,
@@ -54,6 +55,18 @@ OFF_SECTIONS: list[tuple[str, str]] = [
     ("logger.swanlab", "logger.swanlab_enabled"),
     ("logger.mlflow", "logger.mlflow_enabled"),
     ("logger.gpu_monitoring", "logger.monitor_gpus"),
+]
+
+
+def _not_vllm(ctx: Context) -> str | None:
+    backend = ctx.get("policy.generation.backend")
+    return None if backend == "vllm" else f"vLLM's settings; generation uses {backend!r}"
+
+
+# Sections that do nothing given another key (the reason), e.g. vLLM's without vLLM.
+UNUSED_SECTIONS = [
+    ("policy.generation.vllm_cfg", _not_vllm),
+    ("policy.generation.vllm_kwargs", _not_vllm),
 ]
 
 # Sections for features we lack: off, they are ignored; on, each of their keys is refused.
@@ -358,7 +371,7 @@ RULES: list[tuple[str, Any]] = [
     ("policy.generation.stop_token_ids", To("generation.sampling.stop_token_ids")),
     (
         "policy.generation.stop_strings",
-        To("generation.sampling.stop_strings", lambda v, c: list(v or [])),
+        To("generation.sampling.stop_strings", _stop_strings),
     ),
     ("policy.generation.val_temperature", Call(_val_sampling("policy.generation.temperature"))),
     ("policy.generation.val_top_p", Call(_val_sampling("policy.generation.top_p"))),

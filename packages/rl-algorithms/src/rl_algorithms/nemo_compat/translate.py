@@ -17,7 +17,7 @@ from rl_algorithms.nemo_compat.core import (
     Unless,
     flatten,
 )
-from rl_algorithms.nemo_compat.rules import GROUPS, OFF_SECTIONS, RULES
+from rl_algorithms.nemo_compat.rules import GROUPS, OFF_SECTIONS, RULES, UNUSED_SECTIONS
 
 # Keys only NeMo RL's recipes have: one of them marks a file as a NeMo recipe.
 NEMO_MARKERS = (
@@ -51,6 +51,12 @@ def translate(tree: dict[str, Any], algorithm: str, source: str | None = None) -
         for key, value in ctx.leaves(prefix):
             if key != flag and key not in ctx.done:
                 ctx.ignore(key, value, f"section {prefix} is off ({flag}: false)")
+    for prefix, unused in UNUSED_SECTIONS:
+        reason = unused(ctx)
+        if reason is not None:
+            for key, value in ctx.leaves(prefix):
+                if key not in ctx.done:
+                    ctx.ignore(key, value, reason)
     for prefix, group in GROUPS:
         if ctx.get(prefix) is not None:
             group(ctx, prefix)
