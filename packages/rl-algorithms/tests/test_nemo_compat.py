@@ -403,3 +403,11 @@ def test_sliding_puzzle_games_are_generated_as_nemo_draws_them(tmp_path, monkeyp
         assert game["board"] != solved_board(size)
         assert game["prompt"] == first_prompt(game, env_cfg)
     assert len({len(g["board"]) for g in train}) > 1  # sizes are drawn, not all 5x5
+
+
+def test_the_documented_key_table_lists_every_rule():
+    from rl_algorithms.nemo_compat.rules import RULES
+
+    doc = (Path(__file__).parents[3] / "docs" / "nemo-rl.md").read_text()
+    missing = [pattern for pattern, _ in RULES if f"`{pattern}`" not in doc]
+    assert not missing, f"docs/nemo-rl.md lacks rows for {missing}"
