@@ -35,7 +35,9 @@ CONFIG_ERROR_EXIT = 2
 
 USAGE = """usage: rl ALGORITHM [--config FILE] [key=value ...]
        rl ALGORITHM --help         the config keys of ALGORITHM, with their defaults
-       rl ALGORITHM --print-config  the resolved, validated config; nothing runs"""
+       rl ALGORITHM --print-config  the resolved, validated config; nothing runs
+       rl convert-config NEMO.yaml [-o OURS.yaml]  a NeMo RL recipe as a native one
+A NeMo RL recipe given to --config is translated (see docs/nemo-rl.md)."""
 
 
 def load_algorithm(name: str) -> types.ModuleType:
@@ -43,10 +45,14 @@ def load_algorithm(name: str) -> types.ModuleType:
     return importlib.import_module(module)
 
 
-def build_config(algorithm: types.ModuleType, argv: Sequence[str]) -> Any:
+def build_config(
+    algorithm: types.ModuleType, argv: Sequence[str], nemo: list[Any] | None = None
+) -> Any:
     """Default recipe <- ``--config`` file <- overrides, validated into ``MasterConfig``.
 
-    Raises ``rl_distributed.config.ConfigError`` naming the offending key.
+    A NeMo RL recipe is translated first (overrides naming its keys apply to it, the others
+    to ours) and its translation appended to ``nemo``, whose ``prepare`` must run before
+    the algorithm does. Raises ``rl_distributed.config.ConfigError`` naming the offending key.
     """
     from omegaconf import OmegaConf
 
@@ -56,11 +62,42 @@ def build_config(algorithm: types.ModuleType, argv: Sequence[str]) -> Any:
     cfg = load_config(algorithm.DEFAULT_RECIPE)
     if path is None:  # an algorithm may ship a complete job to run with no --config at all
         path = getattr(algorithm, "MAIN_RECIPE", None)
-    if path is not None:
+    if path is not None and _nemo_recipe(path):
+        translation, overrides = _translate_nemo(algorithm, path, overrides)
+        cfg = OmegaConf.merge(cfg, OmegaConf.create(translation.config))
+        if nemo is not None:
+            nemo.append(translation)
+    elif path is not None:
         cfg = OmegaConf.merge(cfg, load_config(path))
     overrides = [_allow_schema_keys(cfg, algorithm.MasterConfig, o) for o in overrides]
     cfg = apply_overrides(cfg, overrides)
     return validate_all(cfg, algorithm.MasterConfig)
+
+
+def _nemo_recipe(path: str) -> bool:
+    from rl_algorithms.nemo_compat import is_nemo_recipe
+
+    return is_nemo_recipe(path)
+
+
+def _translate_nemo(algorithm: types.ModuleType, path: str, overrides: list[str]) -> Any:
+    """The NeMo recipe's translation (refused keys are errors, ignored ones a note on stderr)."""
+    from rl_algorithms.nemo_compat import translate_file
+    from rl_distributed.config import ConfigError
+
+    name = algorithm.__name__.rsplit(".", 1)[-1]
+    translation, overrides = translate_file(path, overrides, name)
+    if translation.refused:
+        issues = translation.refused_issues()
+        lines = "\n".join(f"  {i}" for i in issues)
+        raise ConfigError(
+            f"NeMo RL recipe {path}: {len(issues)} key(s) ask for what is not supported here "
+            f"(override them, e.g. 'key=null' or the neutral value, to go on):\n{lines}",
+            issues,
+        )
+    print(f"rl: NeMo RL recipe {path}: {translation.summary()}", file=sys.stderr)
+    print(translation.ignored_report(), file=sys.stderr)
+    return translation, overrides
 
 
 def _allow_schema_keys(cfg: Any, model: type, override: str) -> str:
@@ -155,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_overview())
         return 0
     name, rest = args[0], args[1:]
+    if name == "convert-config":
+        from rl_algorithms.nemo_compat.convert import main as convert_main
+
+        return convert_main(rest)
     if name not in ALGORITHMS:
         print(
             f"rl: unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}",
@@ -177,14 +218,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rl_distributed.config import ConfigError, to_yaml
 
+    nemo: list[Any] = []
     try:
-        config = build_config(algorithm, rest)
+        config = build_config(algorithm, rest, nemo)
     except ConfigError as e:
         print(f"rl {name}: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     if print_only:
         print(to_yaml(config), end="")
         return 0
+    try:
+        for translation in nemo:  # hub ids to local models, NeMo's datasets to our files
+            config = translation.prepare(config)
+    except FileNotFoundError as e:
+        print(f"rl {name}: {e}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     _save_resolved(config)
     algorithm.main(config)
     return 0

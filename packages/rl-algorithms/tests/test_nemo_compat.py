@@ -1,0 +1,413 @@
+"""NeMo RL's own recipes (verbatim copies in nemo_recipes/), translated and validated key by key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl_algorithms import cli
+from rl_algorithms.nemo_compat import translate, translate_file
+from rl_algorithms.nemo_compat.convert import main as convert_main
+from rl_algorithms.nemo_compat.core import flatten
+from rl_distributed.config import load_config
+
+RECIPES = Path(__file__).parent / "nemo_recipes"
+ALGORITHM = {
+    "grpo_math_1B": "grpo",
+    "grpo_math_1B_megatron": "grpo",
+    "dpo": "dpo",
+    "sft": "sft",
+    "grpo_sliding_puzzle": "grpo",
+}
+# The sliding-puzzle recipe offloads FSDP2 parameters to the CPU, which is refused here.
+NO_OFFLOAD = {"grpo_sliding_puzzle": ["policy.dtensor_cfg.cpu_offload=false"]}
+
+
+def recipe(name: str) -> str:
+    return str(RECIPES / f"{name}.yaml")
+
+
+def validated(name: str, *overrides: str) -> dict:
+    algorithm = cli.load_algorithm(ALGORITHM[name])
+    argv = ["--config", recipe(name), *NO_OFFLOAD.get(name, []), *overrides]
+    return algorithm.MasterConfig.model_dump(cli.build_config(algorithm, argv))
+
+
+def select(tree: dict, key: str):
+    for part in key.split("."):
+        tree = tree[part]
+    return tree
+
+
+COMMON_GRPO = {
+    "grpo.num_prompts_per_step": 32,
+    "grpo.num_generations_per_prompt": 16,
+    "grpo.max_num_epochs": 1,
+    "grpo.normalize_rewards": True,
+    "grpo.use_leave_one_out_baseline": True,
+    "grpo.val_period": 10,
+    "grpo.val_at_start": False,
+    "grpo.max_val_samples": 256,
+    "grpo.val_batch_size": 256,
+    "grpo.seed": 42,
+    "grpo.advantage_estimator": "grpo",
+    "grpo.async_grpo.enabled": False,
+    "grpo.async_grpo.max_trajectory_age_steps": 1,
+    "loss_fn.reference_policy_kl_penalty": 0.01,
+    "loss_fn.reference_policy_kl_type": "k3",
+    "loss_fn.ratio_clip_min": 0.2,
+    "loss_fn.ratio_clip_max": 0.2,
+    "loss_fn.ratio_clip_c": None,
+    "loss_fn.token_level_loss": True,
+    "checkpointing.metric_name": "val/accuracy",
+    "checkpointing.keep_top_k": 3,
+    "policy.train_micro_batch_size": 4,
+    "policy.logprob_micro_batch_size": 4,
+    "policy.max_grad_norm": 1.0,
+    "policy.sequence_packing.enabled": True,
+    "policy.sequence_packing.algorithm": "modified_first_fit_decreasing",
+    "policy.dynamic_batching.enabled": False,
+    "generation.backend": "vllm",
+    "generation.colocated": True,
+    "generation.vllm.gpu_memory_utilization": 0.6,
+    "cluster.gpus_per_node": 1,
+    "cluster.num_nodes": 1,
+    "logger.log_dir": "logs",
+    "logger.wandb_enabled": False,
+    "logger.tensorboard_enabled": False,
+}
+
+EXPECTED = {
+    "grpo_math_1B": {
+        **COMMON_GRPO,
+        "grpo.max_num_steps": 1000000,
+        "grpo.max_rollout_turns": 1,
+        "policy.model.path": "Qwen/Qwen2.5-1.5B",
+        "tokenizer.path": "Qwen/Qwen2.5-1.5B",
+        "policy.backend": "dtensor",
+        "policy.model.dtype": "float32",
+        "policy.mixed_precision": "bfloat16",
+        "policy.train_global_batch_size": 512,
+        "policy.max_total_sequence_length": 512,
+        "policy.sequence_packing.max_tokens_per_microbatch": 2048,
+        "policy.optimizer.name": "AdamW",
+        "policy.optimizer.kwargs": {
+            "lr": 5.0e-6,
+            "weight_decay": 0.01,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+        },
+        "policy.scheduler.name": "LinearLR",
+        "policy.scheduler.kwargs": {"start_factor": 0.1, "end_factor": 1.0, "total_iters": 50},
+        "generation.sampling.temperature": 1.0,
+        "generation.sampling.top_p": 1.0,
+        "generation.sampling.top_k": None,
+        "generation.sampling.max_new_tokens": 512,
+        "generation.sampling.stop_strings": [],
+        "generation.vllm.max_model_len": 512,
+        "generation.vllm.enforce_eager": False,
+        "generation.vllm.dtype": "bfloat16",
+        "env.math.kind": "math",
+        "env.math.config.num_workers": 8,
+        "data.validation_fraction": 0.05,
+        "data.seed": 42,
+        "data.max_seq_length": 512,
+        "data.train.source": "chat_file",
+        "data.train.env_info_keys": ["ground_truth"],
+        "data.train.task_name": "math",
+        "checkpointing.checkpoint_dir": "results/grpo",
+    },
+    "grpo_math_1B_megatron": {
+        **COMMON_GRPO,
+        "grpo.max_num_steps": 1000000,
+        "policy.backend": "megatron",
+        "policy.model.dtype": "float32",
+        "policy.mixed_precision": None,
+        "policy.megatron.tensor_parallel_size": 1,
+        "policy.megatron.pipeline_parallel_size": 1,
+        "policy.megatron.sequence_parallel": False,
+        "policy.optimizer.name": "AdamW",
+        "policy.optimizer.kwargs": {
+            "lr": 5.0e-6,
+            "weight_decay": 0.01,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+        },
+        # Megatron's warm-up from lr_warmup_init=5e-7 to lr=5e-6 over 13 steps, then constant.
+        "policy.scheduler.name": "LinearLR",
+        "policy.scheduler.kwargs": {"start_factor": 0.1, "total_iters": 13},
+        "checkpointing.enabled": False,
+        "checkpointing.checkpoint_dir": "results/grpo_megatron",
+        "logger.monitor_gpus": False,
+    },
+    "dpo": {
+        "dpo.max_num_steps": 150,
+        "dpo.val_period": 25,
+        "dpo.val_batches": 8,
+        "dpo.val_global_batch_size": 8,
+        "dpo.val_micro_batch_size": 1,
+        "dpo.val_at_start": True,
+        "dpo.reference_policy_kl_penalty": 0.05,
+        "dpo.preference_average_log_probs": False,
+        "dpo.sft_average_log_probs": False,
+        "dpo.preference_loss_weight": 1.0,
+        "dpo.sft_loss_weight": 0.0,
+        "policy.model.path": "meta-llama/Llama-3.2-1B-Instruct",
+        "tokenizer.path": "meta-llama/Llama-3.2-1B-Instruct",
+        "policy.train_global_batch_size": 128,
+        "policy.train_micro_batch_size": 2,
+        "policy.mixed_precision": "bfloat16",
+        "policy.optimizer.kwargs": {
+            "lr": 5.0e-6,
+            "weight_decay": 0.1,
+            "betas": [0.9, 0.98],
+            "eps": 1e-5,
+            "foreach": False,
+            "fused": False,
+        },
+        "policy.scheduler.kwargs": {"start_factor": 0.1, "end_factor": 1.0, "total_iters": 20},
+        "data.max_seq_length": 1024,
+        "data.train.source": "preference_file",
+        "data.validation.source": "preference_file",
+        "checkpointing.metric_name": "val/loss",
+        "checkpointing.higher_is_better": False,
+        "checkpointing.save_period": 50,
+        "logger.tensorboard.log_dir": "tb_logs-dpo-dev",
+    },
+    "sft": {
+        "sft.max_num_steps": 60,
+        "sft.val_global_batch_size": 32,
+        "sft.val_batches": 8,
+        "sft.val_at_start": True,
+        "policy.model.path": "meta-llama/Llama-3.2-1B",
+        "tokenizer.path": "meta-llama/Llama-3.2-1B",
+        "tokenizer.chat_template.kind": "jinja",
+        "policy.train_global_batch_size": 32,
+        "policy.train_micro_batch_size": 1,
+        "policy.optimizer.kwargs.betas": [0.9, 0.98],
+        "policy.scheduler": None,
+        "data.max_seq_length": 1024,
+        "data.train.source": "chat_file",
+        "data.validation.source": "chat_file",
+        "checkpointing.metric_name": "val/loss",
+        "logger.wandb_enabled": True,
+        "logger.wandb.project": "sft-dev",
+        "logger.wandb.name": "sft-dev-squad",
+    },
+    "grpo_sliding_puzzle": {
+        **COMMON_GRPO,
+        "grpo.max_num_steps": 10000,
+        "grpo.max_rollout_turns": 50,
+        "policy.model.path": "Qwen/Qwen2.5-1.5B-Instruct",
+        "tokenizer.path": "Qwen/Qwen2.5-1.5B-Instruct",
+        "policy.max_total_sequence_length": 1024,
+        "policy.activation_checkpointing": True,
+        "generation.sampling.top_p": 0.999,
+        "generation.sampling.top_k": 10000,
+        "generation.sampling.max_new_tokens": 1024,
+        "generation.sampling.stop_strings": ["</action>"],
+        "env.sliding_puzzle_game.kind": "sliding_puzzle",
+        "env.sliding_puzzle_game.config.max_turns": 30,
+        "env": {"sliding_puzzle_game": {"kind": "sliding_puzzle", "config": {"max_turns": 30}}},
+        "data.train.source": "chat_file",
+        "data.train.prompt_key": "prompt",
+        "data.train.env_info_keys": ["board", "turn"],
+        "data.train.task_name": "sliding_puzzle_game",
+        "data.validation.task_name": "sliding_puzzle_game",
+        "data.shuffle": False,
+        "checkpointing.checkpoint_dir": "results/grpo-sliding-puzzle",
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_a_nemo_recipe_validates_with_its_keys_translated(name):
+    config = validated(name)
+    for key, want in EXPECTED[name].items():
+        assert (
+            select(config, key) == pytest.approx(want)
+            if isinstance(want, float)
+            else (select(config, key) == want)
+        ), key
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHM))
+def test_every_key_of_a_recipe_is_translated_ignored_or_refused_once(name):
+    translation, _ = translate_file(recipe(name), [], ALGORITHM[name])
+    resolved = load_config(recipe(name))
+    from omegaconf import OmegaConf
+
+    leaves = [k for k, _ in flatten(OmegaConf.to_container(resolved, resolve=True))]
+    seen = [e.key for e in translation.translated + translation.ignored + translation.refused]
+    assert sorted(seen) == sorted(leaves)
+    assert len(translation.translated) > 50 and len(translation.ignored) > 100
+    refused = {e.key for e in translation.refused}
+    assert refused == ({"policy.dtensor_cfg.cpu_offload"} if "sliding" in name else set())
+
+
+def test_a_refused_key_stops_the_run_with_what_it_would_have_done(capsys):
+    assert cli.main(["grpo", "--config", recipe("grpo_sliding_puzzle"), "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "policy.dtensor_cfg.cpu_offload" in err
+    assert "would keep parameters, gradients and optimizer state in CPU memory" in err
+
+
+def test_keys_nobody_knows_and_unreducible_scheduler_chains_are_refused():
+    tree = yaml.safe_load(Path(recipe("sft")).read_text())
+    tree["policy"]["dtensor_cfg"]["brand_new_knob"] = 3
+    tree["policy"]["scheduler"] = [
+        {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"total_iters": 5}},
+        {"name": "torch.optim.lr_scheduler.CosineAnnealingLR", "kwargs": {"T_max": 10}},
+        {"milestones": [5]},
+    ]
+    refused = {e.key: e.reason for e in translate(tree, "sft").refused}
+    assert "not a NeMo RL key" in refused["policy.dtensor_cfg.brand_new_knob"]
+    assert "would chain several learning-rate schedulers" in refused["policy.scheduler"]
+
+
+def test_overrides_may_name_nemo_keys_or_ours():
+    config = validated(
+        "grpo_math_1B", "policy.generation.temperature=0.5", "cluster.ray_num_cpus=2"
+    )
+    assert config["generation"]["sampling"]["temperature"] == 0.5
+    assert config["cluster"]["ray_num_cpus"] == 2
+    # an override of policy.model_name follows into every key interpolating it
+    config = validated("grpo_math_1B", "policy.model_name=org/other")
+    assert config["policy"]["model"]["path"] == config["tokenizer"]["path"] == "org/other"
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHM))
+def test_convert_config_writes_a_native_recipe_giving_the_same_config(name, tmp_path, capsys):
+    out = tmp_path / "ours.yaml"
+    assert convert_main([recipe(name), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "# from policy.model_name" in text  # every translated key names its source
+    assert "# -- NeMo RL keys ignored" in text
+    algorithm = cli.load_algorithm(ALGORITHM[name])
+    native = algorithm.MasterConfig.model_dump(cli.build_config(algorithm, ["--config", str(out)]))
+    if "sliding" in name:  # the refused key is listed, commented out, and left out
+        assert "# policy.dtensor_cfg.cpu_offload: true  -- would keep" in text
+    assert native == validated(name)
+
+
+# -- models and data ------------------------------------------------------------------------------
+
+
+def fake_hub_snapshot(hf_home: Path, repo: str) -> Path:
+    """The layout huggingface_hub's cache uses: models--org--name/{refs/main, snapshots/rev}."""
+    root = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0123abcd")
+    return snapshot
+
+
+def test_a_hub_id_resolves_from_the_local_cache_or_says_where_it_looked(tmp_path, monkeypatch):
+    from rl_models.model_files import resolve_model_path
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    snapshot = fake_hub_snapshot(tmp_path / "hf", "Org/Tiny-1B")
+    assert Path(resolve_model_path("Org/Tiny-1B")) == snapshot
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "hf" / "hub")):
+        resolve_model_path("Org/Missing-1B")
+
+
+def run_prepare(name: str, *overrides: str):
+    algorithm = cli.load_algorithm(ALGORITHM[name])
+    nemo: list = []
+    config = cli.build_config(algorithm, ["--config", recipe(name), *overrides], nemo)
+    return nemo[0].prepare(config)
+
+
+def test_a_named_dataset_is_found_locally_and_converted_as_nemo_shapes_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("RL_DATASETS_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("RL_DATA_CACHE", str(tmp_path / "cache"))
+    fake_hub_snapshot(tmp_path / "hf", "Qwen/Qwen2.5-1.5B")
+    (tmp_path / "data" / "OpenMathInstruct-2").mkdir(parents=True)
+    rows = [{"problem": "What is 1+1?", "expected_answer": "2", "generated_solution": "..."}]
+    (tmp_path / "data" / "OpenMathInstruct-2" / "train_1M.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows)
+    )
+    prompt = tmp_path / "cot.txt"
+    prompt.write_text("Think, then answer: {}")
+    config = run_prepare("grpo_math_1B", f"data.default.prompt_file={prompt}")
+    assert Path(config.policy.model.path).is_dir()  # the hub id, resolved from the cache
+    written = [json.loads(line) for line in Path(config.data.train.path).read_text().splitlines()]
+    assert written == [
+        {
+            "messages": [{"role": "user", "content": "Think, then answer: What is 1+1?"}],
+            "ground_truth": "2",
+        }
+    ]
+
+
+def test_a_missing_dataset_fails_before_the_run_naming_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("RL_DATASETS_DIR", str(tmp_path / "data"))
+    fake_hub_snapshot(tmp_path / "hf", "meta-llama/Llama-3.2-1B-Instruct")
+    with pytest.raises(FileNotFoundError) as e:
+        run_prepare("dpo")
+    assert "'HelpSteer3'" in str(e.value)
+    assert str(tmp_path / "data" / "nvidia" / "HelpSteer3") in str(e.value)
+
+
+def test_helpsteer3_rows_become_preference_pairs(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("RL_DATASETS_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("RL_DATA_CACHE", str(tmp_path / "cache"))
+    fake_hub_snapshot(tmp_path / "hf", "meta-llama/Llama-3.2-1B-Instruct")
+    ctx = [{"role": "user", "content": "hi"}]
+    rows = [
+        {"context": ctx, "response1": "a", "response2": "b", "overall_preference": -2},
+        {"context": "plain", "response1": "a", "response2": "b", "overall_preference": 1},
+        {"context": ctx, "response1": "a", "response2": "b", "overall_preference": 0},
+    ]
+    for split in ("train", "validation"):
+        path = tmp_path / "data" / "HelpSteer3" / f"{split}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = run_prepare("dpo")
+    written = [json.loads(line) for line in Path(config.data.train.path).read_text().splitlines()]
+    assert written == [  # negative: response1 preferred; positive: response2; ties dropped
+        {"prompt": ctx, "chosen": "a", "rejected": "b"},
+        {"prompt": "plain", "chosen": "b", "rejected": "a"},
+    ]
+
+
+def test_sliding_puzzle_games_are_generated_as_nemo_draws_them(tmp_path, monkeypatch):
+    from rl_envs.sliding_puzzle import SlidingPuzzleConfig, first_prompt, solved_board
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("RL_DATA_CACHE", str(tmp_path / "cache"))
+    fake_hub_snapshot(tmp_path / "hf", "Qwen/Qwen2.5-1.5B-Instruct")
+    config = run_prepare(
+        "grpo_sliding_puzzle",
+        *NO_OFFLOAD["grpo_sliding_puzzle"],
+        "grpo.max_num_steps=2",
+        "grpo.max_val_samples=3",
+    )
+    train = [json.loads(x) for x in Path(config.data.train.path).read_text().splitlines()]
+    val = [json.loads(x) for x in Path(config.data.validation.path).read_text().splitlines()]
+    assert (len(train), len(val)) == (2 * 32, 3)  # steps x prompts per step; max_val_samples
+    env_cfg = SlidingPuzzleConfig(max_turns=30)
+    for game in train:
+        size = len(game["board"])
+        assert 2 <= size <= 5 and game["turn"] == 0
+        assert game["board"] != solved_board(size)
+        assert game["prompt"] == first_prompt(game, env_cfg)
+    assert len({len(g["board"]) for g in train}) > 1  # sizes are drawn, not all 5x5
+
+
+def test_the_documented_key_table_lists_every_rule():
+    from rl_algorithms.nemo_compat.rules import RULES
+
+    doc = (Path(__file__).parents[3] / "docs" / "nemo-rl.md").read_text()
+    missing = [pattern for pattern, _ in RULES if f"`{pattern}`" not in doc]
+    assert not missing, f"docs/nemo-rl.md lacks rows for {missing}"
