@@ -145,22 +145,7 @@ def cycles(edges: dict[str, set[str]], modules: set[str]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(
-            p,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 23: grpo <-> async_grpo, removed by the rl-algorithms restructuring "
-                "(then drop this mark: strict, so the test says when)",
-            ),
-        )
-        if p == "rl-algorithms"
-        else p
-        for p in sorted(ALLOWED)
-    ],
-)
+@pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_no_import_cycle_between_modules_of_a_package(package):
     """Package ``__init__`` modules are left out, as ``import_check.py`` leaves them out: each
     imports its own submodules to re-export them, so any submodule importing a sibling
@@ -174,11 +159,6 @@ def test_no_import_cycle_between_modules_of_a_package(package):
     assert modules, f"no modules found for {package}"
     found = cycles(edges, modules)
     assert not found, f"{package} has import cycles: " + "; ".join(" <-> ".join(c) for c in found)
-
-
-# Imports from generation/vllm/ (owned by another change of issue 23) still to be moved to the
-# neutral ``rl_models.modeling``; remove each entry once that file imports from there.
-PENDING = {("rl_models.generation.vllm.generation", "rl_models.policy.config")}
 
 
 def test_policy_and_generation_do_not_import_each_other():
@@ -195,8 +175,6 @@ def test_policy_and_generation_do_not_import_each_other():
         for target in targets
         if side(module) and side(target) and side(module) != side(target)
     )
-    assert set(crossing) >= PENDING, "a pending import was moved: drop it from PENDING"
-    unexpected = [pair for pair in crossing if pair not in PENDING]
-    assert not unexpected, "policy/ and generation/ import each other: " + ", ".join(
-        f"{a} -> {b}" for a, b in unexpected
+    assert not crossing, "policy/ and generation/ import each other: " + ", ".join(
+        f"{a} -> {b}" for a, b in crossing
     )

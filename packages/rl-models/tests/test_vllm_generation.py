@@ -30,14 +30,13 @@ from rl_models.generation import (
     StreamingSampler,
     StreamNews,
 )
-from rl_models.generation.metrics import logprob_mismatch_metrics, response_mask
 from rl_models.generation.refit import refit
 from rl_models.generation.vllm import VllmGeneration
-from rl_models.generation.weights import pack_bucket
 from rl_models.losses import NLLLoss
 from rl_models.policy.lm_policy import Policy
+from rl_models.weight_transfer.buckets import pack_bucket
 
-from .conftest import skewed_batch, tiny_config
+from .conftest import logprob_mismatch_metrics, response_mask, skewed_batch, tiny_config
 
 pytestmark = [
     pytest.mark.ray,

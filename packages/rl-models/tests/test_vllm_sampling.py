@@ -14,7 +14,7 @@ from rl_models.generation.vllm.extension import bucket_from_wire, bucket_to_wire
 from rl_models.generation.vllm.generation import _tensor_parallel_groups
 from rl_models.generation.vllm.sampling import Response, assemble, prompts_of, sampling_kwargs
 from rl_models.generation.vllm.worker import VllmGenerationWorker, _Stream
-from rl_models.generation.weights import pack_bucket, unpack_bucket
+from rl_models.weight_transfer.buckets import pack_bucket, unpack_bucket
 
 
 def test_sampling_settings_come_from_our_config_only():

@@ -71,6 +71,13 @@ def build_config(
         cfg = OmegaConf.merge(cfg, load_config(path))
     overrides = [_allow_schema_keys(cfg, algorithm.MasterConfig, o) for o in overrides]
     cfg = apply_overrides(cfg, overrides)
+    if path is not None and _nemo_recipe(path):
+        from rl_data.datasets.base import deferred_path_checks
+
+        # NeMo's datasets become files of ours only when the recipe runs (``prepare``), and
+        # the config is validated again then, files included.
+        with deferred_path_checks():
+            return validate_all(cfg, algorithm.MasterConfig)
     return validate_all(cfg, algorithm.MasterConfig)
 
 
@@ -230,7 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for translation in nemo:  # hub ids to local models, NeMo's datasets to our files
             config = translation.prepare(config)
-    except FileNotFoundError as e:
+        if nemo:  # now with its data files in place
+            from omegaconf import OmegaConf
+
+            dumped = OmegaConf.create(config.model_dump(mode="json"))
+            config = validate_all(dumped, algorithm.MasterConfig)
+    except (FileNotFoundError, ConfigError) as e:
         print(f"rl {name}: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     _save_resolved(config)

@@ -31,7 +31,7 @@ from rl_algorithms.utils.logger import LoggerConfig
 from rl_data.datasets import DatasetConfig
 from rl_distributed.config import ConfigModel
 from rl_models.generation.config import GenerationConfig
-from rl_models.policy.config import ModelConfig
+from rl_models.modeling.config import ModelConfig
 
 DEFAULT_RECIPE = recipe_path("eval")
 

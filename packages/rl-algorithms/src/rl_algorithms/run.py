@@ -17,7 +17,7 @@ from typing import Any
 
 from rl_algorithms import actors
 from rl_algorithms.config import set_seed
-from rl_algorithms.environments import stop_environments
+from rl_algorithms.environments import environment_class, stop_environments
 from rl_algorithms.utils.checkpoint import CheckpointManager
 from rl_algorithms.utils.logger import Logger
 from rl_data.loader import StatefulDataLoader
@@ -116,7 +116,7 @@ def setup_run(
     ``splits`` (default: ``load_splits(config.data)``) maps ``train`` / ``validation`` to rows.
     The run lasts ``max_steps`` steps or ``max_epochs`` epochs, whichever ends first.
     """
-    from rl_data.datasets import load_splits
+    from rl_data.datasets import load_splits, require_env_info
     from rl_data.processors import ProcessedDataset
     from rl_data.templates import ChatTemplate
     from rl_data.tokenizers import load_tokenizer
@@ -125,6 +125,14 @@ def setup_run(
     tokenizer = load_tokenizer(config.tokenizer)
     template = ChatTemplate.from_config(config.tokenizer.chat_template, tokenizer)
     splits = load_splits(config.data) if splits is None else splits
+    if envs:
+        # A row without the column its reward reads would score 0 forever: refuse it now.
+        needs = {
+            task: getattr(environment_class(task, spec)[0], "required_metadata", ())
+            for task, spec in envs.items()
+        }
+        for rows in splits.values():
+            require_env_info(rows, needs)
     collate = partial(data.collate, pad_token_id=tokenizer.pad_token_id)
 
     def samples(split: str) -> ProcessedDataset:

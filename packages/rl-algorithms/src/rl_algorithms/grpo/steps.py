@@ -162,7 +162,7 @@ def compute_advantages(
     sample_mask = sample_mask * (~result.filler).to(sample_mask.dtype)
     if g.advantage_estimator == "reinforce_plus_plus":
         advantages = reinforce_plus_plus_advantages(
-            rewards, token_mask, group_size=g.num_generations_per_prompt
+            rewards, token_mask, group_size=g.num_generations_per_prompt, sample_mask=sample_mask
         )
     else:
         per_sample = grpo_advantages(
@@ -173,7 +173,7 @@ def compute_advantages(
         )
         advantages = per_sample[:, None] * token_mask
     advantages = advantages * (~result.filler)[:, None].to(advantages.dtype)
-    on = token_mask > 0
+    on = (token_mask * sample_mask[:, None]) > 0  # the tokens the loss counts
     metrics = {
         "reward_mean": float(result.rewards.mean()),
         "reward_std": float(result.rewards.std()) if len(rewards) > 1 else 0.0,

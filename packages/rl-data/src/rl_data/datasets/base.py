@@ -14,6 +14,8 @@ import glob
 import json
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
@@ -403,9 +405,27 @@ def load_file_rows(
     return FileRows(open_records(path, fmt, split, cache_dir), convert, on_bad_row, columns)
 
 
+# Whether config validation looks for data files (``deferred_path_checks`` turns it off).
+_CHECK_PATHS: ContextVar[bool] = ContextVar("rl_data_check_paths", default=True)
+
+
+@contextmanager
+def deferred_path_checks() -> Iterator[None]:
+    """Validate configs without looking for their data files: for a config whose files are
+    written after validation (a translated NeMo RL recipe, whose datasets are converted only
+    when it runs), validated again once they exist."""
+    token = _CHECK_PATHS.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_PATHS.reset(token)
+
+
 def check_path(path: str) -> str:
     """``path`` if it names data (a file, folder or glob that matches), else a ``ValueError``
     saying what was looked for: config validation calls it, so a typo fails before a run."""
+    if not _CHECK_PATHS.get():
+        return path
     try:
         resolve_files(path)
     except DataError as e:

@@ -27,7 +27,7 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.interfaces import LossFunction
 from rl_models.losses import loss_token_mask, sample_valid_mask
 from rl_models.policy import offload
-from rl_models.policy.config import PolicyConfig
+from rl_models.policy.config import PolicyConfig, build_scheduler
 
 
 def local_device() -> torch.device:
@@ -198,12 +198,7 @@ class PolicyWorker(abc.ABC):
         opt = self.config.optimizer
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = getattr(torch.optim, opt.name)(trainable, **opt.kwargs)
-        sched = self.config.scheduler
-        self.scheduler = (
-            getattr(torch.optim.lr_scheduler, sched.name)(self.optimizer, **sched.kwargs)
-            if sched is not None
-            else torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
-        )
+        self.scheduler = build_scheduler(self.optimizer, self.config.scheduler)
 
     # -- collectives -------------------------------------------------------------------------
 

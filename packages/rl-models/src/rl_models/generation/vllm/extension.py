@@ -24,7 +24,7 @@ import json
 
 import numpy as np
 
-from rl_models.generation.weights import PackedBucket, TensorSlot, unpack_bucket
+from rl_models.weight_transfer.buckets import PackedBucket, TensorSlot, unpack_bucket
 
 
 def bucket_to_wire(

@@ -19,9 +19,9 @@ from rl_distributed.worker_groups import WorkerCallError
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
 from rl_models.generation.vllm.streaming import VllmStreamingSampler
-from rl_models.generation.weights import PackedBucket
 from rl_models.model_files import materialize
-from rl_models.policy.config import ModelConfig
+from rl_models.modeling.config import ModelConfig
+from rl_models.weight_transfer.buckets import PackedBucket
 
 WORKER = "rl_models.generation.vllm.worker.VllmGenerationWorker"
 

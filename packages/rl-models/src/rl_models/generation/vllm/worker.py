@@ -37,7 +37,6 @@ import ray
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation.channels import ChannelReceiver
 from rl_models.generation.config import SamplingConfig, VllmConfig
 from rl_models.generation.interfaces import (
     GenerationWorker,
@@ -55,7 +54,8 @@ from rl_models.generation.vllm.sampling import (
     prompts_of,
     sampling_kwargs,
 )
-from rl_models.generation.weights import PackedBucket, pack_bucket
+from rl_models.weight_transfer.buckets import PackedBucket, pack_bucket
+from rl_models.weight_transfer.channels import ChannelReceiver
 
 EXTENSION = "rl_models.generation.vllm.extension.WeightUpdateExtension"
 
