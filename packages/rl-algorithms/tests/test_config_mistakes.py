@@ -66,3 +66,30 @@ def test_all_linear_and_a_warmup_chain_are_accepted():
         "SchedulerConfig",
         "SchedulerMilestones",
     ]
+
+
+def test_a_checkpoint_metric_grpo_never_logs_is_refused_with_the_logged_ones(capsys):
+    # `val_reward` used to be accepted and never logged: top-k then kept the newest k.
+    assert cli.main(["grpo", "--print-config", "checkpointing.metric_name=val_reward"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpointing.metric_name 'val_reward' is not a metric this algorithm logs" in err
+    assert "val/accuracy" in err and "train/reward_mean" in err
+    assert not ray.is_initialized()
+
+
+def test_a_checkpoint_metric_grpo_logs_is_accepted():
+    config = cli.build_config(
+        cli.load_algorithm("grpo"), ["checkpointing.metric_name=val/accuracy"]
+    )
+    assert config.checkpointing.metric_name == "val/accuracy"
+
+
+def test_supervised_checkpoint_metrics_are_the_losss_own():
+    algorithm = cli.load_algorithm("sft")
+    base = ["--config", str(RECIPE), "tokenizer.path=/tokenizer"]
+    config = cli.build_config(algorithm, [*base, "checkpointing.metric_name=val/num_valid_tokens"])
+    assert "train/grad_norm" in config.logged_metrics()
+    # DPO's accuracy is no metric of SFT's loss; validation has no gradient norm.
+    for name in ("val/accuracy", "val/grad_norm"):
+        with pytest.raises(ConfigError, match=rf"metric_name '{name}' is not a metric"):
+            cli.build_config(algorithm, [*base, f"checkpointing.metric_name={name}"])

@@ -32,6 +32,7 @@ from rl_data.tokenizers import TokenizerConfig
 from rl_distributed.config import ConfigModel
 
 __all__ = [
+    "POLICY_STEP_METRICS",
     "CheckpointingConfig",
     "ClusterConfig",
     "DataSection",
@@ -39,6 +40,7 @@ __all__ = [
     "LoopConfig",
     "RunConfig",
     "TokenizerConfig",
+    "prefixed",
     "recipe_path",
     "set_seed",
 ]
@@ -85,12 +87,41 @@ class LoopConfig(ConfigModel):
     seed: int = 42
 
 
+# What every step of ``Policy.train`` reports besides its loss's own metrics (rl_models'
+# policy worker), in training and in validation; a training step adds ``grad_norm``.
+POLICY_STEP_METRICS = frozenset({"loss", "global_valid_seqs", "global_valid_toks", "lr"})
+
+
+def prefixed(prefix: str, names: frozenset[str] | set[str]) -> frozenset[str]:
+    """``{"loss"}`` -> ``{"<prefix>/loss"}``: the names ``end_step`` logs metrics under."""
+    return frozenset(f"{prefix}/{name}" for name in names)
+
+
 class RunConfig(ConfigModel):
     """What every run has besides its algorithm's own sections."""
 
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+
+    def logged_metrics(self) -> frozenset[str]:
+        """The ``train/<key>`` and ``val/<key>`` metrics every run of the algorithm logs (some
+        settings add more): what ``checkpointing.metric_name`` may rank checkpoints by.
+        Each algorithm's config says; a functional test checks a real run logs them all."""
+        return frozenset()
+
+    @model_validator(mode="after")
+    def _checkpoint_metric_is_logged(self) -> RunConfig:
+        # A name the loop never logs would leave every checkpoint unranked, and top-k would
+        # silently keep the newest k.
+        name = self.checkpointing.metric_name
+        logged = self.logged_metrics()
+        if name is not None and name not in logged:
+            raise ValueError(
+                f"checkpointing.metric_name {name!r} is not a metric this algorithm logs; "
+                f"it logs: {', '.join(sorted(logged)) or 'none'}"
+            )
+        return self
 
 
 class SupervisedRunConfig(RunConfig):
@@ -100,15 +131,14 @@ class SupervisedRunConfig(RunConfig):
     tokenizer: TokenizerConfig
     data: DataSection
 
-    @model_validator(mode="after")
-    def _checkpoint_metric_is_logged(self) -> SupervisedRunConfig:
-        name = self.checkpointing.metric_name
-        if name is not None and not name.startswith(("train/", "val/")):
-            raise ValueError(
-                f"checkpointing.metric_name {name!r} must name a logged metric such as "
-                "'val/loss' or 'train/loss'"
-            )
-        return self
+    def loss_metrics(self) -> frozenset[str]:
+        """The metrics the algorithm's loss returns (its ``METRICS``)."""
+        return frozenset()
+
+    def logged_metrics(self) -> frozenset[str]:
+        # Training and validation both run the loss through Policy.train (supervised.py).
+        per_step = POLICY_STEP_METRICS | self.loss_metrics()
+        return prefixed("train", per_step | {"grad_norm"}) | prefixed("val", per_step)
 
 
 def _package_dir(name: str) -> str:

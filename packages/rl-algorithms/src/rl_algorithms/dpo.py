@@ -36,6 +36,11 @@ class MasterConfig(SupervisedRunConfig):
     policy: PolicyConfig
     dpo: DPOConfig = Field(default_factory=DPOConfig)
 
+    def loss_metrics(self) -> frozenset[str]:
+        from rl_algorithms.losses.dpo import DPOLoss
+
+        return DPOLoss.METRICS
+
     @model_validator(mode="after")
     def _needs_reference(self) -> MasterConfig:
         if not self.policy.reference_policy.enabled:

@@ -31,6 +31,11 @@ class MasterConfig(SupervisedRunConfig):
     policy: PolicyConfig
     rm: RMConfig = Field(default_factory=RMConfig)
 
+    def loss_metrics(self) -> frozenset[str]:
+        from rl_algorithms.losses.preference import BradleyTerryLoss
+
+        return BradleyTerryLoss.METRICS
+
     @model_validator(mode="after")
     def _needs_a_classifier(self) -> MasterConfig:
         if self.policy.model.kind != "sequence_classification":

@@ -29,6 +29,11 @@ class MasterConfig(SupervisedRunConfig):
     policy: PolicyConfig
     sft: SFTConfig = Field(default_factory=SFTConfig)
 
+    def loss_metrics(self) -> frozenset[str]:
+        from rl_models.losses import NLLLoss
+
+        return NLLLoss.METRICS
+
 
 def setup(config: MasterConfig) -> Run:
     """Tokenizer, conversations, cluster, policy, logger, checkpoints (resumed if any)."""

@@ -20,7 +20,13 @@ def test_rl_rm_loss_falls_and_the_checkpoint_is_a_classifier(tmp_path, assets):
     config["rm"] = {"max_num_steps": 6, "val_period": 6, "val_global_batch_size": 4}
     assert cli.main(["rm", "--config", write_config(tmp_path, config)]) == 0
 
-    losses = series(read_metrics(tmp_path / "logs"), "train/loss")
+    records = read_metrics(tmp_path / "logs")
+    # What the config declares it logs (and so lets checkpointing.metric_name rank by) is
+    # logged: the declaration cannot drift from the loop.
+    logged = {key for record in records for key in record}
+    declared = cli.build_config(cli.load_algorithm("rm"), ["--config", str(tmp_path / "run.yaml")])
+    assert declared.logged_metrics() <= logged, declared.logged_metrics() - logged
+    losses = series(records, "train/loss")
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), losses
     model = AutoModelForSequenceClassification.from_pretrained(

@@ -37,6 +37,8 @@ class NLLLoss:
     """Mean negative log-likelihood over the loss tokens of the global batch (SFT)."""
 
     input_type = "loss_token_logprobs"  # reads log-probs at the loss tokens only
+    # The names of the metrics __call__ returns (what a run may rank checkpoints by).
+    METRICS = frozenset({"num_valid_tokens"})
 
     def __call__(
         self,

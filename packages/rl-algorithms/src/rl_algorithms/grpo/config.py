@@ -11,9 +11,16 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rl_algorithms.config import DataSection, RunConfig, TokenizerConfig, recipe_path
+from rl_algorithms.config import (
+    POLICY_STEP_METRICS,
+    DataSection,
+    RunConfig,
+    TokenizerConfig,
+    prefixed,
+    recipe_path,
+)
 from rl_algorithms.environments import EnvSection
-from rl_algorithms.losses import ClippedPGLossConfig
+from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_distributed.config import ConfigModel
 from rl_models.generation.config import GenerationConfig
 from rl_models.policy.config import DType, PolicyConfig
@@ -21,6 +28,24 @@ from rl_models.policy.config import DType, PolicyConfig
 DEFAULT_RECIPE = recipe_path("grpo")
 # `rl grpo` with no --config: SmolLM2-135M-Instruct learns two-digit addition on a CPU.
 MAIN_RECIPE = recipe_path("grpo_main")
+
+# The metrics of every GRPO step, synchronous or not, besides the policy's and the loss's:
+# steps.compute_advantages' reward metrics and the rollouts' lengths. The step logs more under
+# some settings (refit sizes, per-turn counts, the async loop's buffer), not listed here.
+STEP_METRICS = frozenset(
+    {
+        "reward_mean",
+        "reward_std",
+        "shaped_reward_mean",
+        "advantages_mean",
+        "advantages_abs_mean",
+        "sample_mask_mean",
+        "mean_generated_tokens",
+        "truncated_fraction",
+    }
+)
+# What steps.validate returns.
+VALIDATION_METRICS = frozenset({"reward_mean", "accuracy", "mean_turns", "num_samples"})
 
 
 class AsyncGRPOConfig(ConfigModel):
@@ -118,6 +143,10 @@ class MasterConfig(RunConfig):
     env: EnvSection
     data: DataSection
     grpo: GRPOConfig
+
+    def logged_metrics(self) -> frozenset[str]:
+        train = POLICY_STEP_METRICS | {"grad_norm"} | ClippedPGLossFn.METRICS | STEP_METRICS
+        return prefixed("train", train) | prefixed("val", VALIDATION_METRICS)
 
     @model_validator(mode="after")
     def _consistent(self) -> MasterConfig:

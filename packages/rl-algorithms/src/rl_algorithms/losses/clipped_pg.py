@@ -137,6 +137,20 @@ class ClippedPGLossFn:
     # Every log-prob read is multiplied by (or selected with) the loss-token mask: the policy
     # may skip the output layer on prompt tokens.
     input_type = "loss_token_logprobs"
+    # The metrics _metrics returns under every config (``token_mult_prob_error`` needs the
+    # generator's log-probs in the batch, so it is not among them).
+    METRICS = frozenset(
+        {
+            "loss",
+            "kl_penalty",
+            "probs_ratio",
+            "probs_ratio_min",
+            "probs_ratio_max",
+            "probs_ratio_clamped",
+            "clip_fraction",
+            "probs_ratio_outside_clip_range",
+        }
+    )
 
     def __init__(
         self, config: ClippedPGLossConfig | dict | None = None, *, pi_old_is_current: bool = False

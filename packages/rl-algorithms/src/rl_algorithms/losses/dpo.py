@@ -48,6 +48,19 @@ class DPOLossConfig(ConfigModel):
 class DPOLoss:
     """``loss_fn`` for ``Policy.train`` on interleaved (chosen, rejected) rows (module doc)."""
 
+    # The names of the metrics __call__ returns (what a run may rank checkpoints by).
+    METRICS = frozenset(
+        {
+            "loss",
+            "preference_loss",
+            "sft_loss",
+            "accuracy",
+            "rewards_chosen_mean",
+            "rewards_rejected_mean",
+            "num_valid_pairs",
+        }
+    )
+
     def __init__(self, config: DPOLossConfig | dict | None = None) -> None:
         self.config = DPOLossConfig.model_validate(config or {})
 

@@ -18,6 +18,9 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 class BradleyTerryLoss:
     """``loss_fn`` for ``Policy.train`` with a ``sequence_classification`` model."""
 
+    # The names of the metrics __call__ returns (what a run may rank checkpoints by).
+    METRICS = frozenset({"loss", "accuracy", "margin_mean", "num_valid_pairs"})
+
     def __call__(
         self,
         scores: torch.Tensor,
