@@ -131,7 +131,8 @@ def setup_run(
             task: getattr(environment_class(task, spec)[0], "required_metadata", ())
             for task, spec in envs.items()
         }
-        for rows in splits.values():
+        for split, rows in splits.items():
+            check_task_names(rows, envs, split)
             require_env_info(rows, needs)
     collate = partial(data.collate, pad_token_id=tokenizer.pad_token_id)
 
@@ -214,6 +215,17 @@ def setup_run(
     if latest is not None:
         run.logger.log_metrics({"resumed_from_step": run.step}, step=run.step, prefix="run")
     return run
+
+
+def check_task_names(rows: Any, envs: Mapping[str, Any], split: str) -> None:
+    """Every row's ``task_name`` must have an environment, or the run would fail mid-step."""
+    for i in range(len(rows)):
+        task = rows[i].get("task_name")
+        if task not in envs:
+            raise ValueError(
+                f"data ({split} split) row {i} has task_name {task!r}, but env configures "
+                f"only {sorted(envs)}: add env.{task} or set the data's task_name"
+            )
 
 
 def start_loop(run: Run, validate: Callable[[], dict[str, float]] | None, at_start: bool) -> None:

@@ -34,7 +34,9 @@ class VllmConfig(ConfigModel):
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     kv_cache_space_gb: float = Field(1.0, gt=0)  # CPU backend: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = True
-    async_engine: bool = False  # a streaming engine: generate_async yields samples as they finish
+    async_engine: bool = (
+        False  # a streaming engine: streaming_samplers() hands out samples as they finish
+    )
     # How the async engine runs (see generation/vllm/engines.py): "in_process" steps vLLM's
     # LLMEngine on a thread of the worker (CPU only, tensor_parallel_size 1); "async_llm" is
     # vLLM's AsyncLLM, whose engine-core process keeps a GPU busy while the worker handles
