@@ -62,6 +62,9 @@ def test_main_job_end_to_end_leaves_plot_checkpoint_and_accuracy_line(tmp_path):
     assert all(r["train/completion_tokens"] > 0 for r in train)
     assert (tmp_path / "logs" / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "GRPO run" in run.stdout and "seconds per step" in run.stdout
+    # stdout is a pipe, not a terminal: one plain progress line per step instead of a live bar.
+    steps = re.findall(r"step (\d)/2 \| elapsed \S+ \| eta \S+ \| reward_mean=", run.stdout)
+    assert steps == ["1", "2"], run.stdout[-2000:]
 
     # The checkpoint is a Hugging Face model directory: transformers alone loads it, and its
     # weights are the trained ones, not the GGUF's.

@@ -255,3 +255,53 @@ def test_the_pi_old_pass_runs_only_when_a_batch_gets_several_optimiser_steps(
     assert ("prev_logprobs" in fields) == pi_old_in_batch
     assert set(fields) == grpo.steps.logprob_fields(run.config)
     assert grpo.single_update_per_batch(run.config) == (global_batch == 4)
+
+
+def test_zero_variance_groups_fraction_counts_groups_whose_rewards_are_all_equal(make_run):
+    run = make_run((0, 1))
+    result, _ = grpo.generate_rollouts(run)
+    assert result.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]  # group 0 differs, group 1 does not
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    _, metrics = grpo.compute_advantages(run, result, batch["token_mask"])
+    assert metrics["zero_variance_groups_fraction"] == 0.5
+
+
+def advantages_warnings(run, result, steps):
+    """The warnings ``compute_advantages`` raises over ``steps`` calls on ``result``."""
+    import warnings
+
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    caught = []
+    for _ in range(steps):
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            grpo.compute_advantages(run, result, batch["token_mask"])
+        caught.append([str(r.message) for r in records if r.category is RuntimeWarning])
+    return caught
+
+
+def test_identical_rewards_for_n_steps_warn_once_naming_likely_causes(make_run):
+    run = make_run((1, 1), no_signal_warning_steps=3)
+    result, _ = grpo.generate_rollouts(run)
+    assert result.rewards.tolist() == [0.0, 0.0, 0.0, 0.0]
+    caught = advantages_warnings(run, result, steps=5)
+    assert [len(c) for c in caught] == [0, 0, 1, 0, 0]  # once, when the streak reaches 3
+    message = caught[2][0]
+    assert "every reward has been 0 for 3 steps" in message
+    assert "answer column" in message and "<answer>" in message
+    assert run.extra["no_signal_steps"] == 5  # in run.extra: checkpointed with the run
+
+
+def test_a_step_with_a_signal_restarts_the_no_signal_count(make_run):
+    run = make_run((0, 1), no_signal_warning_steps=2)
+    varied, _ = grpo.generate_rollouts(run)
+    flat = varied.select(range(2, 4))  # group 1 alone: rewards 0, 0
+    assert advantages_warnings(run, flat, steps=1) == [[]]
+    assert advantages_warnings(run, varied, steps=1) == [[]]  # rewards 1, 0: count back to 0
+    assert advantages_warnings(run, flat, steps=2)[1]  # a new streak of 2 warns
+
+
+def test_no_signal_warning_steps_zero_never_warns(make_run):
+    run = make_run((1, 1), no_signal_warning_steps=0)
+    result, _ = grpo.generate_rollouts(run)
+    assert advantages_warnings(run, result, steps=6) == [[]] * 6

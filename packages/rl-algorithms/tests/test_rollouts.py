@@ -218,6 +218,24 @@ def test_environment_steps_are_batched_per_task(tokenizer, template):
     assert result.rewards.tolist() == [1.0, 1.0, 0.0, 1.0]
 
 
+def test_each_environments_own_metrics_come_with_the_rollout(tokenizer, template):
+    batch = puzzle_batch(tokenizer, template, samples=(0, 1, 2, 1))
+    batch["task_name"] = ["a", "b", "a", "b"]
+    batch["idx"] = torch.tensor([0, 1, 2, 1])  # the dataset rows: samples 1 and 3 share one
+    envs = {"a": SlidingPuzzleEnvironment(), "b": SlidingPuzzleEnvironment()}
+    result = run_rollouts(
+        ScriptedGeneration(tokenizer, SCRIPT), batch, tokenizer, template, envs, max_seq_len=512
+    )
+    assert result.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]  # one turn: only sample 0 solves
+    env_metrics = {k: v for k, v in result.metrics.items() if k.startswith("env/")}
+    # a: samples 0 and 2 (rewards 1, 0; two rows), b: samples 1 and 3 (0, 0; one row)
+    assert env_metrics["env/a/reward_mean"] == 0.5
+    assert env_metrics["env/a/accuracy"] == 0.5
+    assert env_metrics["env/a/pass@1"] == 0.5
+    assert env_metrics["env/b/accuracy"] == 0.0
+    assert env_metrics["env/b/samples"] == 2.0
+
+
 def test_unknown_task_and_stale_weights_are_errors(tokenizer, template):
     batch = puzzle_batch(tokenizer, template, samples=(0,))
     batch["task_name"] = ["nope"]

@@ -174,6 +174,36 @@ def step_environments(
     return out
 
 
+def environment_metrics(
+    envs: Mapping[str, Any],
+    task_names: Sequence[str],
+    rewards: torch.Tensor,
+    group_ids: Sequence[Any] | None,
+) -> dict[str, float]:
+    """Each environment's own metrics over its samples of a rolled-out batch (accuracy,
+    pass@k, timeouts, verifier errors...), as ``env/<task>/<name>``; run concurrently.
+
+    ``group_ids`` (the dataset row of each sample: the G samples of a prompt share it) lets
+    an environment report pass@k.
+    """
+    by_task: dict[str, list[int]] = defaultdict(list)
+    for i, task in enumerate(task_names):
+        if task in envs:  # a sample too long to generate from never met its environment
+            by_task[task].append(i)
+    pending = {}
+    for task, rows in by_task.items():
+        batch: dict[str, Any] = {"rewards": rewards[rows]}
+        if group_ids is not None:
+            batch["group_ids"] = [group_ids[i] for i in rows]
+        post = envs[task].global_post_process_and_metrics
+        pending[task] = post.remote(batch) if hasattr(post, "remote") else post(batch)
+    out = {}
+    for task, call in pending.items():
+        _, metrics = ray.get(call) if isinstance(call, ray.ObjectRef) else call
+        out.update({f"env/{task}/{name}": float(value) for name, value in metrics.items()})
+    return out
+
+
 def _assistant_message(
     ids: torch.Tensor,
     logprobs: torch.Tensor,
@@ -241,6 +271,7 @@ class Episodes:
         n = len(self.logs)
         self.metadata = [copy.deepcopy(m) for m in batch["extra_env_info"]]
         self.tasks = list(batch["task_name"])
+        self.group_ids = batch["idx"].tolist() if "idx" in batch else None
         self.tokenizer, self.template, self.envs = tokenizer, template, envs
         self.max_seq_len = max_seq_len
         self.rewards = torch.zeros(n, dtype=torch.float32)
@@ -328,6 +359,7 @@ class Episodes:
             "mean_generated_tokens": sum(lengths) / n,
             "completion_tokens": float(sum(lengths)),
             "reward_mean": float(self.rewards.double().mean()),
+            **environment_metrics(self.envs, self.tasks, self.rewards, self.group_ids),
         }
         return RolloutResult(
             logs,

@@ -1,5 +1,6 @@
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,43 @@ def test_progress_bar_runs_with_rich(tmp_path, capsys):
         logger.log_metrics({"loss": 0.5}, step=1, prefix="train")
         logger.log_metrics({"loss": 0.25}, step=2, prefix="train")
     assert Path(tmp_path / "metrics.jsonl").exists()
+
+
+def test_progress_prints_one_plain_line_per_step_when_not_a_terminal(tmp_path):
+    import io
+
+    from rl_algorithms.utils.logger import ProgressBar
+
+    stream = io.StringIO()  # not a terminal, as stdout is under Slurm or `> log.txt`
+    progress = ProgressBar(True, ["reward_mean", "loss"], stream=stream)
+    progress.start(total=4, done=1, description="grpo")
+    progress.update(2, {"turn_0/reward_mean": 0.25, "loss": 0.5, "lr": 1e-5})
+    progress.update(2, {"loss": 0.5})  # a second call for the same step prints nothing
+    progress.update(3, {"loss": 0.125})
+    progress.stop()
+    progress.update(4, {"loss": 0.1})  # stopped: nothing more
+
+    lines = stream.getvalue().splitlines()
+    clock = r"\d+:\d\d:\d\d"
+    assert len(lines) == 2, lines
+    assert re.fullmatch(
+        rf"grpo step 2/4 \| elapsed {clock} \| eta {clock} \| reward_mean=0\.25 loss=0\.5", lines[0]
+    ), lines[0]
+    assert re.fullmatch(
+        rf"grpo step 3/4 \| elapsed {clock} \| eta {clock} \| loss=0\.125", lines[1]
+    )
+
+
+def test_progress_plain_line_eta_is_mean_step_time_times_steps_left(monkeypatch):
+    import io
+
+    from rl_algorithms.utils import logger as logger_module
+
+    now = [100.0]
+    monkeypatch.setattr(logger_module.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    progress = logger_module.ProgressBar(True, ["loss"], stream=stream)
+    progress.start(total=10, done=0, description="sft")
+    now[0] = 130.0  # 2 steps in 30 s: 15 s a step, 8 steps left
+    progress.update(2, {})
+    assert stream.getvalue() == "sft step 2/10 | elapsed 0:00:30 | eta 0:02:00\n"

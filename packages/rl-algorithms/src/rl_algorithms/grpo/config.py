@@ -115,6 +115,9 @@ class GRPOConfig(ConfigModel):
     val_batch_size: int = Field(8, ge=1)
     max_val_samples: int = Field(64, ge=1)
     seed: int = 42
+    # Warn when every reward of the batch has been the same for this many steps in a row (no
+    # signal: nothing learns); 0: never.
+    no_signal_warning_steps: int = Field(5, ge=0)
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)  # see async_grpo.py
 
 

@@ -6,6 +6,8 @@ training batch themselves, so what the loss reads can be read from the loop.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from rl_algorithms.advantages import (
@@ -181,8 +183,34 @@ def compute_advantages(
         "advantages_mean": float(advantages[on].mean()) if on.any() else 0.0,
         "advantages_abs_mean": float(advantages[on].abs().mean()) if on.any() else 0.0,
         "sample_mask_mean": float(sample_mask.mean()),
+        # Groups whose G rewards are all equal: their advantages are 0, they teach nothing.
+        "zero_variance_groups_fraction": 1.0
+        - float(groups_with_signal(rewards, g.num_generations_per_prompt).double().mean()),
     }
+    warn_if_no_signal(run, result.rewards)
     return {"advantages": advantages.to(torch.float32), "sample_mask": sample_mask}, metrics
+
+
+def warn_if_no_signal(run: Run, rewards: torch.Tensor) -> None:
+    """Count the steps in a row whose rewards are all the same, and warn once a streak reaches
+    ``grpo.no_signal_warning_steps``: such a run trains on nothing and would otherwise say so
+    only through a flat curve. The count lives in ``run.extra`` so a resumed run keeps it."""
+    steps = run.config.grpo.no_signal_warning_steps
+    if steps == 0:
+        return
+    identical = len(rewards) > 0 and bool((rewards == rewards[0]).all())
+    streak = run.extra.get("no_signal_steps", 0) + 1 if identical else 0
+    run.extra["no_signal_steps"] = streak
+    if streak == steps:
+        warnings.warn(
+            f"every reward has been {float(rewards[0]):g} for {steps} steps in a row: there is "
+            "no learning signal, so nothing learns. Likely causes: the dataset's answer column "
+            "is not the one the environment reads (ground_truth by default), or the prompts do "
+            "not ask for the format the environment parses (e.g. <answer> tags). "
+            "(grpo.no_signal_warning_steps=0 turns this warning off.)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def compute_logprobs(run: Run, batch: BatchedDataDict) -> dict[str, torch.Tensor]:

@@ -4,8 +4,8 @@ Backends: a JSONL file (always on unless disabled: what the tests and quick scri
 TensorBoard (``torch.utils.tensorboard``), Weights & Biases (offline when no API key is set,
 so a run never needs the network) and MLflow (a local file store unless a tracking URI is
 given; needs the ``rl-algorithms[mlflow]`` extra). Besides metrics it times the phases of a step
-(:class:`Timer`), draws a rich progress bar with an ETA and the key metrics, and reports GPU
-memory and utilisation where CUDA devices exist.
+(:class:`Timer`), shows progress with an ETA and the key metrics (a rich bar on a terminal, one
+plain line per step otherwise), and reports GPU memory and utilisation where CUDA devices exist.
 
     logger = Logger(LoggerConfig(log_dir="logs/run1", tensorboard_enabled=True))
     with logger.timer("generation"):
@@ -19,12 +19,13 @@ import json
 import math
 import numbers
 import os
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 from pydantic import Field
 
@@ -266,17 +267,29 @@ def gpu_metrics() -> dict[str, float]:
 
 
 class ProgressBar:
-    """A rich progress bar with ETA and a few metrics; draws nothing when disabled."""
+    """Progress with ETA and a few metrics; draws nothing when disabled.
 
-    def __init__(self, enabled: bool, shown: list[str]) -> None:
+    On a terminal it is a live rich bar. When the stream is not a terminal (a Slurm job,
+    ``rl ... > log.txt``) a live bar would show nothing until the run ends, so each update
+    prints one plain line instead: ``<name> step 3/30 | elapsed 0:00:41 | eta 0:06:09 | loss=...``.
+    """
+
+    def __init__(self, enabled: bool, shown: list[str], stream: TextIO | None = None) -> None:
         self.enabled = enabled
         self.shown = shown
+        self.stream = stream  # None: sys.stdout as it is when the display starts
         self._progress: Any = None
         self._task: Any = None
+        self._plain: _PlainProgress | None = None
 
     def start(self, total: int, done: int = 0, description: str = "train") -> None:
         if not self.enabled:
             return
+        stream = self.stream if self.stream is not None else sys.stdout
+        if not _is_terminal(stream):
+            self._plain = _PlainProgress(stream, total, done, description)
+            return
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -294,13 +307,18 @@ class ProgressBar:
             TextColumn("eta"),
             TimeRemainingColumn(),
             TextColumn("{task.fields[metrics]}"),
+            console=Console(file=stream),
         )
         self._progress.start()
         self._task = self._progress.add_task(description, total=total, completed=done, metrics="")
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        if self._progress is None:
-            return
+        if self._plain is not None:
+            self._plain.line(step, self._shown_text(metrics))
+        elif self._progress is not None:
+            self._progress.update(self._task, completed=step, metrics=self._shown_text(metrics))
+
+    def _shown_text(self, metrics: Mapping[str, Any]) -> str:
         scalars = scalar_metrics(metrics)
         shown = []
         for name in self.shown:
@@ -312,13 +330,57 @@ class ProgressBar:
             )
             if key is not None:
                 shown.append(f"{name}={scalars[key]:.4g}")
-        text = " ".join(shown)
-        self._progress.update(self._task, completed=step, metrics=text)
+        return " ".join(shown)
 
     def stop(self) -> None:
+        self._plain = None
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class _PlainProgress:
+    """One line per step for a stream that is not a terminal; the ETA is the mean time of the
+    steps done since the display started, times the steps left (a resumed run's earlier steps
+    took no time here)."""
+
+    def __init__(self, stream: TextIO, total: int, done: int, description: str) -> None:
+        self.stream = stream
+        self.total = total
+        self.first_step = done
+        self.description = description
+        self.started = time.monotonic()
+        self.last_step: int | None = None
+
+    def line(self, step: int, metrics_text: str) -> None:
+        if step == self.last_step:  # a second log call for the same step adds nothing new
+            return
+        self.last_step = step
+        elapsed = time.monotonic() - self.started
+        steps_done = step - self.first_step
+        eta = _clock(elapsed / steps_done * max(self.total - step, 0)) if steps_done > 0 else "?"
+        parts = [
+            f"{self.description} step {step}/{self.total}",
+            f"elapsed {_clock(elapsed)}",
+            f"eta {eta}",
+        ]
+        if metrics_text:
+            parts.append(metrics_text)
+        print(" | ".join(parts), file=self.stream, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    """``H:MM:SS``, as rich's columns show time."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 class Logger:
