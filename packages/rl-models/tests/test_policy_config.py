@@ -78,12 +78,13 @@ def test_full_torch_names_as_nemo_rl_writes_them():
 
 
 def test_lora_all_linear_adapts_every_linear_layer_but_the_output():
-    from rl_models.policy.forward import build_model
+    from rl_models.modeling.build import build_model
 
     for targets in ("all-linear", ["all-linear"]):
         cfg = policy(lora={"enabled": True, "target_modules": targets})
         assert cfg.lora.target_modules == ["all-linear"]
-    model = wrap_with_lora(build_model(policy()), cfg.lora)
+    base = policy()
+    model = wrap_with_lora(build_model(base.model, base.seed), cfg.lora)
     adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
