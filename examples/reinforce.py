@@ -8,7 +8,7 @@ import sys
 
 from rl_algorithms import grpo
 from rl_algorithms.cli import build_config
-from rl_algorithms.grpo.steps import refit_if_stale, rollout_prompts, validate
+from rl_algorithms.grpo.steps import refit_if_stale, rollout_prompts, shaped_rewards, validate
 from rl_algorithms.losses.common import global_count
 from rl_algorithms.run import Run, end_step, reduce_step_metrics, start_loop
 from rl_models.losses import loss_token_mask
@@ -39,11 +39,11 @@ def reinforce_train(run: Run) -> dict[str, float]:
         prompts = run.next_batch().repeat_interleave(g.num_generations_per_prompt)
         result = rollout_prompts(run, prompts)  # generate, and the environment scores
         batch = result.training_batch(run.tokenizer.pad_token_id)
-        baseline = result.rewards.mean()
-        batch["advantages"] = (result.rewards - baseline)[:, None] * batch["token_mask"]
+        rewards = shaped_rewards(run, result)  # plus the overlong penalty, if configured
+        batch["advantages"] = (rewards - rewards.mean())[:, None] * batch["token_mask"]
         run.policy.prepare_for_training()
         metrics = reduce_step_metrics(run.policy.train(batch, run.loss_fn))
-        metrics["reward_mean"] = float(baseline)
+        metrics["reward_mean"] = float(result.rewards.mean())
         run.step += 1
         end_step(run, metrics, lambda: validate(run))  # log, validate, checkpoint when due
     run.logger.progress.stop()
@@ -52,8 +52,7 @@ def reinforce_train(run: Run) -> dict[str, float]:
 
 def main(argv: list[str]) -> None:
     config = build_config(grpo, argv)  # GRPO's keys: grpo.*, policy.*, generation.*, env.*
-    run = grpo.setup(config)
-    run.loss_fn = ReinforceLoss()
+    run = grpo.setup(config, loss_fn=ReinforceLoss())  # checks the fields the loss reads
     try:
         print("last step:", reinforce_train(run))
     finally:

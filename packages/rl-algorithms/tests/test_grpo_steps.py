@@ -305,3 +305,27 @@ def test_no_signal_warning_steps_zero_never_warns(make_run):
     run = make_run((1, 1), no_signal_warning_steps=0)
     result, _ = grpo.generate_rollouts(run)
     assert advantages_warnings(run, result, steps=6) == [[]] * 6
+
+
+def test_a_loss_reading_a_field_no_step_produces_is_refused_at_setup(make_run):
+    run = make_run((0, 1))
+    result, _ = grpo.generate_rollouts(run)
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    # The declared rollout fields are exactly what a rollout's training batch holds.
+    assert set(batch.keys()) == grpo.steps.ROLLOUT_FIELDS
+
+    class Misspelt:
+        def batch_fields(self):
+            return frozenset({"input_ids", "advantagez"})
+
+    with pytest.raises(ValueError, match=r"Misspelt reads batch fields \['advantagez'\]"):
+        grpo.steps.check_batch_fields(Misspelt(), run.config)
+    grpo.steps.check_batch_fields(grpo.steps.make_loss(run.config), run.config)
+    # With the KL penalty on, the default loss needs the reference log-probs, which the
+    # step then produces.
+    config = run.config.model_dump()
+    config["loss_fn"]["reference_policy_kl_penalty"] = 0.1
+    config["policy"]["reference_policy"] = {"enabled": True}
+    kl_config = grpo.MasterConfig.model_validate(config)
+    assert "reference_policy_logprobs" in grpo.steps.make_loss(kl_config).batch_fields()
+    grpo.steps.check_batch_fields(grpo.steps.make_loss(kl_config), kl_config)

@@ -271,7 +271,7 @@ class Episodes:
         n = len(self.logs)
         self.metadata = [copy.deepcopy(m) for m in batch["extra_env_info"]]
         self.tasks = list(batch["task_name"])
-        self.group_ids = batch["idx"].tolist() if "idx" in batch else None
+        self.group_ids = [int(i) for i in batch["idx"]] if "idx" in batch else None
         self.tokenizer, self.template, self.envs = tokenizer, template, envs
         self.max_seq_len = max_seq_len
         self.rewards = torch.zeros(n, dtype=torch.float32)

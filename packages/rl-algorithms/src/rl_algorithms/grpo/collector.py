@@ -224,7 +224,7 @@ class TrajectoryCollector:
         self.thread.join(timeout=10)
         for group in self.groups:
             if group.stream_id is not None:
-                with contextlib.suppress(WorkerGroupError, ray.exceptions.RayError):
+                with contextlib.suppress(WorkerGroupError):
                     self._cancel_stream(group)
         self.pool.shutdown(wait=False, cancel_futures=True)
 

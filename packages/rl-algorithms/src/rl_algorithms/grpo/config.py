@@ -118,7 +118,7 @@ class GRPOConfig(ConfigModel):
     # Warn when every reward of the batch has been the same for this many steps in a row (no
     # signal: nothing learns); 0: never.
     no_signal_warning_steps: int = Field(5, ge=0)
-    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)  # see async_grpo.py
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)  # see grpo/async_loop.py
 
 
 class GRPOPolicyConfig(PolicyConfig):

@@ -13,9 +13,11 @@ One step, top to bottom (``grpo_train``)::
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rl_algorithms.grpo.config import MasterConfig
 from rl_algorithms.grpo.steps import (
+    check_batch_fields,
     compute_advantages,
     compute_logprobs,
     generate_rollouts,
@@ -30,13 +32,16 @@ from rl_algorithms.utils.report import report_run
 PHASES = ("refit", "generation", "rewards_and_advantages", "logprobs", "train")
 
 
-def setup(config: MasterConfig) -> Run:
+def setup(config: MasterConfig, loss_fn: Any = None) -> Run:
     """Tokenizer, prompts, cluster(s), policy, generator, environments, logger; resumes from
-    the latest checkpoint in ``checkpointing.checkpoint_dir`` if there is one."""
+    the latest checkpoint in ``checkpointing.checkpoint_dir`` if there is one. ``loss_fn``
+    (default: the clipped policy gradient of ``loss_fn.*``) is checked against the fields a
+    step produces before anything starts."""
     from rl_data.collate import rl_collate
 
     g, gen = config.grpo, config.generation
-    loss_fn = make_loss(config)  # before anything starts: a field it needs may be missing
+    loss_fn = make_loss(config) if loss_fn is None else loss_fn
+    check_batch_fields(loss_fn, config)
     model = config.policy.model
     if gen.dtype is not None:
         model = model.model_copy(update={"dtype": gen.dtype})

@@ -7,6 +7,7 @@ training batch themselves, so what the loss reads can be read from the loop.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -29,17 +30,23 @@ ADVANTAGE_FIELDS = frozenset({"advantages", "sample_mask"})
 
 
 def make_loss(config: MasterConfig) -> ClippedPGLossFn:
-    """The clipped policy-gradient loss, refused at setup if it would read a batch field the
-    step does not produce (rather than failing mid-run)."""
-    loss_fn = ClippedPGLossFn(config.loss_fn, pi_old_is_current=single_update_per_batch(config))
+    """The clipped policy-gradient loss of ``loss_fn.*``."""
+    return ClippedPGLossFn(config.loss_fn, pi_old_is_current=single_update_per_batch(config))
+
+
+def check_batch_fields(loss_fn: Any, config: MasterConfig) -> None:
+    """Refuse, at setup, a loss that would read a batch field a GRPO step with this config
+    does not produce (a missing or misspelt field), rather than failing mid-run. A loss that
+    declares nothing (no ``batch_fields``) is not checked."""
+    if not hasattr(loss_fn, "batch_fields"):
+        return
     produced = ROLLOUT_FIELDS | ADVANTAGE_FIELDS | logprob_fields(config)
-    missing = loss_fn.batch_fields() - produced
+    missing = set(loss_fn.batch_fields()) - produced
     if missing:
         raise ValueError(
-            f"the loss reads batch fields {sorted(missing)} that a GRPO step with this config "
-            f"does not produce (it produces {sorted(produced)})"
+            f"{type(loss_fn).__name__} reads batch fields {sorted(missing)} that a GRPO step "
+            f"with this config does not produce (it produces {sorted(produced)})"
         )
-    return loss_fn
 
 
 def single_update_per_batch(config: MasterConfig) -> bool:
