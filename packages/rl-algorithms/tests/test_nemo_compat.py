@@ -256,17 +256,116 @@ def test_a_refused_key_stops_the_run_with_what_it_would_have_done(capsys):
     assert "would keep parameters, gradients and optimizer state in CPU memory" in err
 
 
-def test_keys_nobody_knows_and_unreducible_scheduler_chains_are_refused():
-    tree = yaml.safe_load(Path(recipe("sft")).read_text())
+def sft_tree() -> dict:
+    return yaml.safe_load(Path(recipe("sft")).read_text())
+
+
+def validated_tree(tree: dict, tmp_path: Path) -> dict:
+    """Our validated config for an SFT NeMo recipe given as data."""
+    path = tmp_path / "sft_variant.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    algorithm = cli.load_algorithm("sft")
+    return algorithm.MasterConfig.model_dump(cli.build_config(algorithm, ["--config", str(path)]))
+
+
+def test_keys_nobody_knows_and_schedulers_torch_lacks_are_refused():
+    tree = sft_tree()
     tree["policy"]["dtensor_cfg"]["brand_new_knob"] = 3
-    tree["policy"]["scheduler"] = [
-        {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"total_iters": 5}},
-        {"name": "torch.optim.lr_scheduler.CosineAnnealingLR", "kwargs": {"T_max": 10}},
-        {"milestones": [5]},
-    ]
+    tree["policy"]["scheduler"] = [{"name": "my.pkg.WarmupCosine", "kwargs": {}}]
     refused = {e.key: e.reason for e in translate(tree, "sft").refused}
     assert "not a NeMo RL key" in refused["policy.dtensor_cfg.brand_new_knob"]
-    assert "would chain several learning-rate schedulers" in refused["policy.scheduler"]
+    assert "only torch.optim.lr_scheduler classes" in refused["policy.scheduler"]
+
+
+def test_scheduler_chains_are_collapsed_only_when_the_warm_up_ends_at_the_full_rate(tmp_path):
+    def translated(end_factor: float | None, then: str = "ConstantLR") -> object:
+        tree = sft_tree()
+        warmup = {"start_factor": 0.1, "total_iters": 5}
+        if end_factor is not None:
+            warmup["end_factor"] = end_factor
+        tree["policy"]["scheduler"] = [
+            {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": warmup},
+            {"name": f"torch.optim.lr_scheduler.{then}", "kwargs": {"factor": 1.0}},
+            {"milestones": [5]},
+        ]
+        result = translate(tree, "sft")
+        assert not result.refused
+        return result.config["policy"]["scheduler"]
+
+    assert translated(None) == {
+        "name": "LinearLR",
+        "kwargs": {"start_factor": 0.1, "total_iters": 5},
+    }
+    assert translated(1.0)["name"] == "LinearLR"
+    # Warm-up to half the rate, then back to the full rate: not one LinearLR.
+    assert translated(0.5) == [
+        {"name": "LinearLR", "kwargs": {"start_factor": 0.1, "total_iters": 5, "end_factor": 0.5}},
+        {"name": "ConstantLR", "kwargs": {"factor": 1.0}},
+        {"milestones": [5]},
+    ]
+    # Our config takes the chain (validated) as NeMo wrote it.
+    tree = sft_tree()
+    tree["policy"]["scheduler"] = [
+        {"name": "LinearLR", "kwargs": {"start_factor": 0.1, "end_factor": 0.5, "total_iters": 5}},
+        {"name": "ConstantLR", "kwargs": {"factor": 1.0}},
+        {"milestones": [5]},
+    ]
+    config = validated_tree(tree, tmp_path)
+    assert config["policy"]["scheduler"][2] == {"milestones": [5]}
+
+
+def test_chat_template_follows_nemo_null_default_and_jinja_file(tmp_path):
+    def template(value: object, source: str | None = None, **data: bool) -> object:
+        tree = sft_tree()
+        tree["policy"]["tokenizer"]["chat_template"] = value
+        tree["data"].update({"add_bos": False, "add_eos": False, **data})
+        result = translate(tree, "sft", source)
+        refused = {e.key: e.reason for e in result.refused}
+        return refused or result.config["tokenizer"]["chat_template"]
+
+    assert template(None) == {"kind": "passthrough"}
+    assert template("default") == {"kind": "tokenizer"}
+    (tmp_path / "mine.jinja").write_text("{{ messages[0]['content'] }}")
+    recipe_file = str(tmp_path / "recipe.yaml")
+    assert template("mine.jinja", recipe_file) == {
+        "kind": "jinja",
+        "template": "{{ messages[0]['content'] }}",
+    }
+    missing = template("absent.jinja", recipe_file)
+    assert (
+        "chat template file 'absent.jinja' not found" in missing["policy.tokenizer.chat_template"]
+    )
+    # add_bos / add_eos: the template writes the tokens (our tokenizer adds none itself) ...
+    assert template(None, add_bos=True, add_eos=True) == {
+        "kind": "jinja",
+        "template": "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+        "{% endfor %}{{ eos_token }}",
+    }
+    assert template("{{ bos_token }}x", add_bos=True, add_eos=True)["template"] == (
+        "{{ bos_token }}x{{ eos_token }}"
+    )
+    # ... and cannot where the template is the tokenizer's own, known only at run time.
+    refused = template("default", add_eos=True)
+    assert "add BOS/EOS around the tokenizer's own template" in refused["data.add_eos"]
+
+
+def test_the_sft_recipe_template_gets_bos_and_eos_as_nemo_adds_them():
+    from rl_data.templates import ChatTemplate, ChatTemplateConfig
+
+    config = validated("sft")
+    template = ChatTemplate(config["tokenizer"]["chat_template"]["template"])
+    template.special_tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    assert template.render(messages) == "<s> Question: Q Answer: A</s>"
+    assert ChatTemplateConfig.model_validate(config["tokenizer"]["chat_template"]).kind == "jinja"
+
+
+def test_nemo_optimizer_replaces_ours_whole(tmp_path):
+    tree = sft_tree()
+    tree["policy"]["optimizer"] = {"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}}
+    config = validated_tree(tree, tmp_path)
+    assert config["policy"]["optimizer"]["name"] == "SGD"
+    assert config["policy"]["optimizer"]["kwargs"] == {"lr": 0.1}  # no weight_decay of ours
 
 
 def test_overrides_may_name_nemo_keys_or_ours():
@@ -283,7 +382,10 @@ def test_overrides_may_name_nemo_keys_or_ours():
 @pytest.mark.parametrize("name", sorted(ALGORITHM))
 def test_convert_config_writes_a_native_recipe_giving_the_same_config(name, tmp_path, capsys):
     out = tmp_path / "ours.yaml"
-    assert convert_main([recipe(name), "-o", str(out)]) == 0
+    # A refused key: the file is still written, but the exit status says it is not the same.
+    assert convert_main([recipe(name), "-o", str(out)]) == (2 if "sliding" in name else 0)
+    if "sliding" in name:
+        assert "1 NeMo key(s) refused" in capsys.readouterr().err
     text = out.read_text()
     assert "# from policy.model_name" in text  # every translated key names its source
     assert "# -- NeMo RL keys ignored" in text
@@ -415,3 +517,45 @@ def test_the_documented_key_table_lists_every_rule():
     doc = (Path(__file__).parents[3] / "docs" / "nemo-rl.md").read_text()
     missing = [pattern for pattern, _ in RULES if f"`{pattern}`" not in doc]
     assert not missing, f"docs/nemo-rl.md lacks rows for {missing}"
+
+
+def test_a_split_is_never_read_from_a_file_without_splits(tmp_path, monkeypatch):
+    from rl_algorithms.nemo_compat.datasets import DatasetJob
+
+    monkeypatch.setenv("RL_DATASETS_DIR", str(tmp_path / "data"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "squad.jsonl").write_text("{}\n")  # one file: train or validation?
+    job = DatasetJob("data.validation", "squad", "validation", "squad", "sft")
+    with pytest.raises(FileNotFoundError) as e:
+        job.locate()
+    assert str(tmp_path / "data" / "squad" / "validation.jsonl") in str(e.value)
+    assert "without splits is not read for a split" in str(e.value)
+    # A saved DatasetDict counts only when it holds the split.
+    (tmp_path / "data" / "squad").mkdir()
+    index = tmp_path / "data" / "squad" / "dataset_dict.json"
+    index.write_text(json.dumps({"splits": ["train"]}))
+    with pytest.raises(FileNotFoundError, match="a DatasetDict with split 'validation'"):
+        job.locate()
+    index.write_text(json.dumps({"splits": ["train", "validation"]}))
+    assert job.locate() == (tmp_path / "data" / "squad", "validation")
+
+
+def test_a_changed_prompt_file_converts_the_dataset_again(tmp_path, monkeypatch):
+    from rl_algorithms.nemo_compat.datasets import DatasetJob
+
+    monkeypatch.setenv("RL_DATASETS_DIR", str(tmp_path / "data"))
+    source = tmp_path / "data" / "OpenMathInstruct-2" / "train_1M.jsonl"
+    source.parent.mkdir(parents=True)
+    source.write_text(json.dumps({"problem": "1+1?", "expected_answer": "2"}) + "\n")
+    prompt = tmp_path / "prompt.txt"
+    job = DatasetJob("data.train", "OpenMathInstruct-2", "train_1M", "math", "prompt")
+    job.prompt_file, job.out = str(prompt), str(tmp_path / "cache" / "out.jsonl")
+
+    def user_text() -> str:
+        job.write(None)
+        return json.loads(Path(job.out).read_text())["messages"][0]["content"]
+
+    prompt.write_text("Solve: {}")
+    assert user_text() == "Solve: 1+1?"
+    prompt.write_text("Think, then answer: {}")
+    assert user_text() == "Think, then answer: 1+1?"

@@ -64,6 +64,10 @@ def build_config(
         path = getattr(algorithm, "MAIN_RECIPE", None)
     if path is not None and _nemo_recipe(path):
         translation, overrides = _translate_nemo(algorithm, path, overrides)
+        if "optimizer" in translation.config.get("policy", {}):
+            # NeMo's optimizer is whole in its recipe: none of our default kwargs (a weight
+            # decay NeMo's recipe left out, say) may slip into it.
+            cfg.policy.pop("optimizer", None)
         cfg = OmegaConf.merge(cfg, OmegaConf.create(translation.config))
         if nemo is not None:
             nemo.append(translation)

@@ -123,4 +123,13 @@ def main(argv: Sequence[str]) -> int:
         with open(out, "w", encoding="utf-8") as f:
             f.write(text)
     print(f"rl convert-config: {translation.summary()}", file=sys.stderr)
+    if translation.refused:
+        # The file is written (refused keys listed in it), but it does not do what the NeMo
+        # recipe does: say so in the exit status too.
+        print(
+            f"rl convert-config: {len(translation.refused)} NeMo key(s) refused; the written "
+            "recipe leaves them out (see its end)",
+            file=sys.stderr,
+        )
+        return 2
     return 0

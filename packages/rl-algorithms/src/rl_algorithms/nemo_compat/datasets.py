@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rl_algorithms.nemo_compat.core import Context
 
+# Bump when the way rows are converted changes: files converted before are then written again.
+CONVERTER_VERSION = 2
 DATASETS_DIR_ENV = "RL_DATASETS_DIR"
 CACHE_ENV = "RL_DATA_CACHE"
 
@@ -87,7 +89,9 @@ class DatasetJob:
     out: str = ""
 
     def candidates(self) -> list[tuple[Path, str | None]]:
-        """(path, split to select) pairs to try, in order."""
+        """(path, split to select) pairs to try, in order. With a split, only files of that
+        split or a ``datasets`` DatasetDict directory holding it: a file without splits would
+        give train and validation the same rows."""
         if self.data_path:
             return [(Path(self.data_path).expanduser(), self.split)]
         hub = KNOWN_DATASETS.get(self.name, ("", ""))[0]
@@ -99,34 +103,49 @@ class DatasetJob:
                     out += [
                         (d / stem / f"{self.split}.{ext}", None) for ext in ("jsonl", "parquet")
                     ]
-                out += [(d / stem, self.split)]
-                out += [(d / f"{stem}.{ext}", None) for ext in ("jsonl", "parquet")]
+                    out += [(d / stem, self.split)]
+                else:
+                    out += [(d / stem, None)]
+                    out += [(d / f"{stem}.{ext}", None) for ext in ("jsonl", "parquet")]
         return out
 
     def locate(self) -> tuple[Path, str | None]:
         tried = self.candidates()
         for path, split in tried:
-            if path.exists():
+            if split is not None and path.is_dir() and not self.data_path:
+                if split in _dataset_dict_splits(path):
+                    return path, split
+            elif path.exists():
                 return path, split
-        looked = "\n    ".join(str(p.resolve()) for p, _ in tried)
+        looked = "\n    ".join(
+            str(p.resolve())
+            + (f" (a DatasetDict with split {s!r})" if s and p.suffix == "" else "")
+            for p, s in tried
+        )
         raise FileNotFoundError(
             f"{self.where}: NeMo dataset {self.name!r} (split {self.split!r}) is not on local "
-            f"disk; looked for:\n    {looked}\nSave it there (JSONL, Parquet or `datasets` "
-            f"save_to_disk), or set ${DATASETS_DIR_ENV} to the directory holding it."
+            f"disk; looked for:\n    {looked}\nSave it there (JSONL or Parquet per split, or "
+            f"`datasets` save_to_disk of a DatasetDict), or set ${DATASETS_DIR_ENV} to the "
+            "directory holding it. A single file without splits is not read for a split."
         )
 
     def write(self, config: Any) -> None:
         from rl_data.datasets.base import read_records
 
         source, split = self.locate()
+        template = self._read_text(self.prompt_file)
+        system = self._read_text(self.system_prompt_file)
         stat = source.stat()
-        stamp = f"{source.resolve()}:{split}:{stat.st_size}:{stat.st_mtime_ns}"
+        # The prompt files' text is part of the rows: a changed prompt is a new conversion.
+        prompts = hashlib.sha256(json.dumps([template, system]).encode()).hexdigest()[:16]
+        stamp = (
+            f"v{CONVERTER_VERSION}:{source.resolve()}:{split}:{stat.st_size}:"
+            f"{stat.st_mtime_ns}:{prompts}"
+        )
         out = Path(self.out)
         done = out.with_suffix(".source")
         if out.is_file() and done.is_file() and done.read_text() == stamp:
             return
-        template = self._read_text(self.prompt_file)
-        system = self._read_text(self.system_prompt_file)
         rows = []
         for n, record in read_records(source, "auto", split):
             if isinstance(record, Exception):  # a line that is not JSON
@@ -224,6 +243,14 @@ class PuzzleJob:
 
         _write_jsonl(out, games())
         done.write_text(str(n))
+
+
+def _dataset_dict_splits(path: Path) -> list[str]:
+    """The splits of a ``datasets`` save_to_disk DatasetDict directory (none for others)."""
+    index = path / "dataset_dict.json"
+    if not index.is_file():
+        return []
+    return list(json.loads(index.read_text()).get("splits", []))
 
 
 def _write_jsonl(path: Path, rows: Iterator[dict[str, Any]]) -> None:
@@ -341,6 +368,7 @@ def _dataset_entry(ctx: Context, split: str, spec: dict[str, Any]) -> None:
     )
     job.out = _cache_file(
         name,
+        CONVERTER_VERSION,
         job.split,
         shape,
         kind,

@@ -45,8 +45,67 @@ def _model_name(ctx: Context, key: str, value: Any) -> None:
         ctx.set_ours("tokenizer.path", value)
 
 
-def _chat_template(value: Any, ctx: Context) -> dict[str, Any]:
-    return {"kind": "jinja", "template": value}
+def _template_config(ctx: Context) -> dict[str, Any]:
+    """Our ``tokenizer.chat_template`` for NeMo's ``policy.tokenizer.chat_template`` (absent or
+    ``default``: the tokenizer's own; null: passthrough; ``*.jinja``: that file's text; any other
+    string: the Jinja source) with ``data.add_bos`` / ``data.add_eos`` folded in. NeMo adds BOS
+    and EOS to the tokens of an SFT sample unless they are there; our tokenizer adds no special
+    tokens, so here the template writes them, where it does not already name them."""
+    value = ctx.get("policy.tokenizer.chat_template", "default")
+    if value == "default":
+        config: dict[str, Any] = {"kind": "tokenizer"}
+    elif value is None:
+        config = {"kind": "passthrough"}
+    elif str(value).endswith(".jinja"):
+        config = {"kind": "jinja", "template": _read_recipe_file(ctx, str(value))}
+    else:
+        config = {"kind": "jinja", "template": str(value)}
+    wanted = [t for t in ("bos", "eos") if ctx.get(f"data.add_{t}") is True]
+    if not wanted:
+        return config
+    if config["kind"] == "tokenizer":
+        raise Refuse(
+            "data.add_bos/add_eos would add BOS/EOS around the tokenizer's own template, "
+            "which is only known when the run starts; give policy.tokenizer.chat_template a "
+            "Jinja template (or set data.add_bos/add_eos=false)"
+        )
+    if config["kind"] == "passthrough":
+        from rl_data.templates import PASSTHROUGH_TEMPLATE
+
+        config = {"kind": "jinja", "template": PASSTHROUGH_TEMPLATE}
+    template = config["template"]
+    if "bos" in wanted and "bos_token" not in template:
+        template = "{{ bos_token }}" + template
+    if "eos" in wanted and "eos_token" not in template:
+        template = template + "{{ eos_token }}"
+    return {"kind": "jinja", "template": template}
+
+
+def _read_recipe_file(ctx: Context, name: str) -> str:
+    """A file a recipe names: as given (relative: to the working directory), else beside the
+    recipe."""
+    from pathlib import Path
+
+    tries = [Path(name).expanduser()]
+    if ctx.source and not tries[0].is_absolute():
+        tries.append(Path(ctx.source).resolve().parent / name)
+    for path in tries:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    raise Refuse(f"chat template file {name!r} not found (looked: {', '.join(map(str, tries))})")
+
+
+def _chat_template(ctx: Context, key: str, value: Any) -> None:
+    ctx.put(key, value, "tokenizer.chat_template", ours=_template_config(ctx))
+
+
+def _add_special_token(ctx: Context, key: str, value: Any) -> None:
+    if value is not True:
+        ctx.ignore(key, value, "off")
+        return
+    token = key.rsplit("_", 1)[1].upper()
+    note = f"the chat template writes {token} where it does not already"
+    ctx.put(key, value, "tokenizer.chat_template", note, ours=_template_config(ctx))
 
 
 def _enabled_backend(name: str) -> Any:
@@ -62,9 +121,10 @@ def _enabled_backend(name: str) -> Any:
 
 
 def _scheduler(ctx: Context, key: str, value: Any) -> None:
-    """NeMo chains schedulers (a list, with ``milestones`` to switch). A chain of one, or of a
-    warm-up followed by a constant factor of 1 from the warm-up's end, is one scheduler here
-    (LinearLR stays at its end factor after ``total_iters``)."""
+    """NeMo chains schedulers (a list, with ``milestones`` to switch), as ``policy.scheduler``
+    does here. A chain of one, or of a LinearLR warm-up to its full rate followed by a
+    constant factor of 1 from the warm-up's end, is written as one scheduler (LinearLR stays at
+    its end factor after ``total_iters``)."""
     if ctx.get("policy.megatron_cfg.enabled") is True:
         ctx.ignore(key, value, "the Megatron backend takes megatron_cfg.scheduler instead")
         return
@@ -74,25 +134,33 @@ def _scheduler(ctx: Context, key: str, value: Any) -> None:
     items = value if isinstance(value, list) else [value]
     steps = [s for s in items if "name" in s]
     milestones = [m for s in items if "milestones" in s for m in s["milestones"]]
-    first = steps[0]
+    ours = [_scheduler_step(s) for s in steps]
+    first = ours[0]
     rest_is_identity = all(
-        s["name"].endswith("ConstantLR") and float(s.get("kwargs", {}).get("factor", 1.0)) == 1.0
-        for s in steps[1:]
+        s["name"] == "ConstantLR" and float(s["kwargs"].get("factor", 1.0)) == 1.0 for s in ours[1:]
     )
-    warmup = first.get("kwargs", {}).get("total_iters")
     if len(steps) == 1 or (
         rest_is_identity
-        and first["name"].endswith("LinearLR")
-        and milestones == [warmup] * (len(steps) - 1)
+        and first["name"] == "LinearLR"
+        and float(first["kwargs"].get("end_factor", 1.0)) == 1.0
+        and milestones == [first["kwargs"].get("total_iters")] * (len(steps) - 1)
     ):
-        name = first["name"].removeprefix("torch.optim.lr_scheduler.")
-        ours = {"name": name, "kwargs": first.get("kwargs", {})}
-        ctx.put(key, value, "policy.scheduler", "the chain is this one scheduler", ours=ours)
+        ctx.put(key, value, "policy.scheduler", "the chain is this one scheduler", ours=first)
         return
-    raise Refuse(
-        "would chain several learning-rate schedulers (SequentialLR at milestones "
-        f"{milestones}); here policy.scheduler is one torch.optim.lr_scheduler class"
-    )
+    chain = [*ours, {"milestones": milestones}]
+    ctx.put(key, value, "policy.scheduler", "the same chain (SequentialLR)", ours=chain)
+
+
+def _scheduler_step(step: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    name = str(step["name"]).removeprefix("torch.optim.lr_scheduler.")
+    if "." in name or not isinstance(getattr(torch.optim.lr_scheduler, name, None), type):
+        raise Refuse(
+            f"would build scheduler {step['name']!r}; only torch.optim.lr_scheduler classes "
+            "are offered"
+        )
+    return {"name": name, "kwargs": dict(step.get("kwargs") or {})}
 
 
 def _megatron_optimizer(ctx: Context, prefix: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from rl_algorithms.nemo_compat.core import Call, Context, Ignore, To, Unless
 from rl_algorithms.nemo_compat.datasets import data_group, env_group
 from rl_algorithms.nemo_compat.handlers import (
+    _add_special_token,
     _chat_template,
     _colocated_resources,
     _empty,
@@ -214,7 +215,7 @@ RULES: list[tuple[str, Any]] = [
     # -- policy: model, tokenizer, precision -----------------------------------------------------
     ("policy.model_name", Call(_model_name)),
     ("policy.tokenizer.name", To("tokenizer.path", note="a hub id resolves from the HF cache")),
-    ("policy.tokenizer.chat_template", To("tokenizer.chat_template", _chat_template)),
+    ("policy.tokenizer.chat_template", Call(_chat_template)),
     ("policy.tokenizer.chat_template_kwargs", Unless((None,), "pass kwargs to the template")),
     ("policy.tokenizer.use_fastokens", Ignore("a faster tokenizer build; same tokens")),
     ("policy.hf_config_overrides", Unless(_empty, "override the pretrained model's config")),
@@ -419,8 +420,8 @@ RULES: list[tuple[str, Any]] = [
     ("data.shuffle", To("data.shuffle")),
     ("data.num_workers", Ignore("DataLoader worker processes")),
     ("data.use_multiple_dataloader", Unless((False,), "draw from several dataloaders")),
-    ("data.add_bos", Ignore("special tokens come from the tokenizer and its chat template")),
-    ("data.add_eos", Ignore("special tokens come from the tokenizer and its chat template")),
+    ("data.add_bos", Call(_add_special_token)),
+    ("data.add_eos", Call(_add_special_token)),
     ("data.add_generation_prompt", Unless((False,), "add the generation prompt to SFT rows")),
     ("data.add_system_prompt", Ignore("the chat template decides on a default system prompt")),
     ("logger.log_dir", To("logger.log_dir")),
