@@ -10,6 +10,7 @@ from rl_algorithms import cli
 from rl_distributed.config import ConfigError
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "sft_cpu.yaml"
+GRPO_RECIPE = RECIPE.parent / "grpo_math_cpu.yaml"
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,8 @@ def test_all_linear_and_a_warmup_chain_are_accepted():
 
 def test_a_checkpoint_metric_grpo_never_logs_is_refused_with_the_logged_ones(capsys):
     # `val_reward` used to be accepted and never logged: top-k then kept the newest k.
-    assert cli.main(["grpo", "--print-config", "checkpointing.metric_name=val_reward"]) == 2
+    argv = ["grpo", "--config", str(GRPO_RECIPE), "tokenizer.path=/tokenizer", "--print-config"]
+    assert cli.main([*argv, "checkpointing.metric_name=val_reward"]) == 2
     err = capsys.readouterr().err
     assert "checkpointing.metric_name 'val_reward' is not a metric this algorithm logs" in err
     assert "val/accuracy" in err and "train/reward_mean" in err
@@ -78,8 +80,9 @@ def test_a_checkpoint_metric_grpo_never_logs_is_refused_with_the_logged_ones(cap
 
 
 def test_a_checkpoint_metric_grpo_logs_is_accepted():
+    base = ["--config", str(GRPO_RECIPE), "tokenizer.path=/tokenizer"]
     config = cli.build_config(
-        cli.load_algorithm("grpo"), ["checkpointing.metric_name=val/accuracy"]
+        cli.load_algorithm("grpo"), [*base, "checkpointing.metric_name=val/accuracy"]
     )
     assert config.checkpointing.metric_name == "val/accuracy"
 

@@ -1,6 +1,7 @@
 """ClippedPGLossFn against a float64 reference written token by token, plus split invariance."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ import torch
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.losses import loss_token_mask, sample_valid_mask
+
+CPU_RECIPE = Path(__file__).resolve().parents[4] / "examples" / "configs" / "grpo_math_cpu.yaml"
 
 
 def pg_batch(seed: int = 0) -> tuple[torch.Tensor, BatchedDataDict]:
@@ -388,8 +391,11 @@ def test_the_recipe_gives_gspo_the_papers_aggregation():
     from rl_algorithms import cli
 
     grpo = cli.load_algorithm("grpo")
-    gspo = cli.build_config(grpo, ["loss_fn.sequence_level_importance_ratios=true"])
+    # The tiny CPU recipe on top of the default one (the main job's needs the dev group's model
+    # package); validation reads no tokenizer.
+    base = ["--config", str(CPU_RECIPE), "tokenizer.path=/tokenizer"]
+    gspo = cli.build_config(grpo, [*base, "loss_fn.sequence_level_importance_ratios=true"])
     assert gspo.loss_fn.token_level is False
-    assert cli.build_config(grpo, []).loss_fn.token_level is True
+    assert cli.build_config(grpo, base).loss_fn.token_level is True
     chosen = ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=true"]
-    assert cli.build_config(grpo, chosen).loss_fn.token_level is True
+    assert cli.build_config(grpo, [*base, *chosen]).loss_fn.token_level is True
