@@ -345,7 +345,9 @@ class Episodes:
                     logs[i][:] = truncate_message_log(logs[i], max_seq_len)
         self.active = [i for i in going if not self.out_of_room[i]]
 
-    def result(self) -> RolloutResult:
+    def result(self, with_env_metrics: bool = True) -> RolloutResult:
+        """The rollout's outcome; ``with_env_metrics`` asks every environment for its metrics
+        of these samples (a call to each environment actor)."""
         logs, n = self.logs, len(self.logs)
         lengths = [
             sum(int(m["token_loss_mask"].sum()) for m in log if "token_loss_mask" in m)
@@ -359,7 +361,11 @@ class Episodes:
             "mean_generated_tokens": sum(lengths) / n,
             "completion_tokens": float(sum(lengths)),
             "reward_mean": float(self.rewards.double().mean()),
-            **environment_metrics(self.envs, self.tasks, self.rewards, self.group_ids),
+            **(
+                environment_metrics(self.envs, self.tasks, self.rewards, self.group_ids)
+                if with_env_metrics
+                else {}
+            ),
         }
         return RolloutResult(
             logs,
@@ -419,4 +425,6 @@ def score_generated(
             got = "none" if out is None else out.size
             raise ValueError(f"{len(episodes.active)} rows to score, {got} generated")
         episodes.play_turn(0, out, last=True)
-    return episodes.result()
+    # No environment metrics per group: async GRPO scores its groups one by one and does not
+    # merge their metrics, so a call to every environment per group would be wasted work.
+    return episodes.result(with_env_metrics=False)
