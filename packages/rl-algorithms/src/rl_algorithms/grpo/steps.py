@@ -245,6 +245,22 @@ def train_step(run: Run, batch: BatchedDataDict) -> dict[str, float]:
     return reduce_step_metrics(run.policy.train(batch, run.loss_fn))
 
 
+def train_on_rollouts(run: Run, result: RolloutResult) -> dict[str, float]:
+    """The tail every GRPO loop shares, sync or async: the rollouts' training batch gets its
+    advantages and the log-probs the loss needs, then the train step runs. Returns the train
+    and reward metrics."""
+    timer = run.logger.timer
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    with timer("rewards_and_advantages"):
+        advantages, reward_metrics = compute_advantages(run, result, batch["token_mask"])
+    batch.update(advantages)
+    with timer("logprobs"):
+        batch.update(compute_logprobs(run, batch))
+    with timer("train"):
+        train_metrics = train_step(run, batch)
+    return {**train_metrics, **reward_metrics}
+
+
 def validate(run: Run) -> dict[str, float]:
     """Greedy rollouts over (up to ``max_val_samples`` of) the validation prompts."""
     if run.val_loader is None:
