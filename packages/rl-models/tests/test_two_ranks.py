@@ -114,6 +114,32 @@ def test_a_pretrained_model_is_loaded_in_slices_by_each_rank(ranks):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
 
 
+def test_a_critic_on_two_ranks_values_and_trains_like_one_process(ranks, tmp_path):
+    """Built from a causal LM's files in slices (its value head drawn from the seed), the
+    two-rank critic's values and its step equal one process's."""
+    from .test_critic import reference_values
+    from .two_rank_scenarios import critic_step
+
+    results = scenario(ranks, "critic_step")
+    initial_model(seed=3, hf_config={**TINY_LLAMA, "tie_word_embeddings": True}).save_pretrained(
+        tmp_path / "pretrained"
+    )
+    one = critic_step(skewed_batch(), str(tmp_path))
+    for key in ("values", "final_values", "trained_values"):
+        got = torch.cat([r[key] for r in results])
+        torch.testing.assert_close(got, one[key], rtol=0, atol=1e-10, msg=key)
+    assert float((one["trained_values"] - one["values"]).abs().max()) > 1e-3
+    values, _ = reference_values(critic_model(tmp_path / "pretrained", seed=4), skewed_batch())
+    torch.testing.assert_close(one["values"], values, rtol=0, atol=1e-10)
+
+
+def critic_model(path, seed: int):
+    from rl_models.modeling.build import build_model
+    from rl_models.modeling.config import ModelConfig
+
+    return build_model(ModelConfig(path=str(path), kind="value", dtype="float64"), seed)
+
+
 def test_both_ranks_write_their_own_rows_into_the_shared_weight_region(ranks):
     """Shared-memory refit channel: no gather, each rank writes its rows (about half the bytes),
     and the region equals the trained model exactly, uneven shards included."""

@@ -158,6 +158,31 @@ def pretrained(half, out: str) -> dict:
     return {"logprobs": worker.get_logprobs(half)["logprobs"]}
 
 
+def critic_step(half, out: str) -> dict:
+    """A critic built from a saved causal LM (each rank reads its slices; the value head,
+    absent from the files, drawn from the seed): values, then one step of a value loss."""
+    from rl_models.losses import loss_token_mask
+
+    class HalfSquaredError:
+        input_type = "values"
+
+        def __call__(self, values, data, global_valid_seqs, global_valid_toks):
+            mask = loss_token_mask(data).to(values)
+            err = torch.where(mask > 0, values - 1.0, 0.0)
+            return 0.5 * (err.square() * mask).sum() / global_valid_toks.to(values), {}
+
+    path = os.path.join(out, "pretrained")  # written by the `pretrained` scenario
+    config = tiny_config(model={"path": path, "dtype": "float64", "kind": "value"}, seed=4)
+    worker = DTensorPolicyWorker(config)
+    values = worker.get_values(half)
+    worker.train(half, HalfSquaredError())
+    return {
+        "values": values["values"],
+        "final_values": values["final_values"],
+        "trained_values": worker.get_values(half)["values"],
+    }
+
+
 def region_write(half, out: str) -> dict:
     """After a training step, both ranks write their row shards of an FSDP2 model with uneven
     shards (vocabulary 131: rows 0..65 and 66..130) into one shared weight region."""
@@ -197,6 +222,7 @@ def main(out: str) -> None:
         "one_step": lambda: one_step(half),
         "shared_prefix_step": lambda: shared_prefix_step(rank),
         "pretrained": lambda: pretrained(half, out),
+        "critic_step": lambda: critic_step(half, out),
         "region_write": lambda: region_write(half, out),
     }
     for name, scenario in scenarios.items():

@@ -19,7 +19,7 @@ import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 
-LossInput = Literal["logprobs", "loss_token_logprobs", "logits"]
+LossInput = Literal["logprobs", "loss_token_logprobs", "logits", "values"]
 
 
 @runtime_checkable
@@ -35,7 +35,9 @@ class LossFunction(Protocol):
     output layer and its log-softmax at those tokens alone (the response, not the prompt) and
     passes 0 elsewhere; a backend without that saving passes every log-prob, which such a
     loss must accept as well. A sequence-classifier policy (reward model) always passes its
-    ``[B, num_labels]`` scores.
+    ``[B, num_labels]`` scores. A value model (``model.kind: value``, a critic) passes
+    ``[B, S]`` values aligned like log-probs (``[:, t]`` values the state that chose token
+    ``t``) to a loss with ``input_type = "values"``.
 
     ``global_valid_seqs`` and ``global_valid_toks`` count the valid samples and loss tokens of
     the whole *global* batch (all micro-batches, all data-parallel ranks). A token-level loss
@@ -54,13 +56,13 @@ class LossFunction(Protocol):
 
 
 def loss_input_type(loss_fn: LossFunction) -> LossInput:
-    """What ``loss_fn`` wants to be given: "logprobs" (the default), "loss_token_logprobs"
-    or "logits"."""
+    """What ``loss_fn`` wants to be given: "logprobs" (the default), "loss_token_logprobs",
+    "logits" or "values"."""
     kind = getattr(loss_fn, "input_type", "logprobs")
-    if kind not in ("logprobs", "loss_token_logprobs", "logits"):
+    if kind not in ("logprobs", "loss_token_logprobs", "logits", "values"):
         raise ValueError(
             f"{type(loss_fn).__name__}.input_type is {kind!r}; expected 'logprobs', "
-            "'loss_token_logprobs' or 'logits'"
+            "'loss_token_logprobs', 'logits' or 'values'"
         )
     return kind
 

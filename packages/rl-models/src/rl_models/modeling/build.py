@@ -30,6 +30,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     PretrainedConfig,
     PreTrainedModel,
 )
@@ -40,7 +41,16 @@ from rl_models.modeling.config import ModelConfig
 def _auto_class_and_kwargs(cfg: ModelConfig) -> tuple[Any, dict[str, Any]]:
     if cfg.kind == "sequence_classification":
         return AutoModelForSequenceClassification, {"num_labels": cfg.num_labels}
+    if cfg.kind == "value":
+        # No dropout before the value head: it would make the values the critic is trained
+        # on differ from the ones it is asked for.
+        return AutoModelForTokenClassification, {"num_labels": 1, "classifier_dropout": 0.0}
     return AutoModelForCausalLM, {}
+
+
+#: The weights a model of each kind may lack in a checkpoint of another kind: a value model
+#: built from a causal LM's files starts its head fresh.
+NEW_HEAD_WEIGHTS = {"value": ("score.",)}
 
 
 def hf_config_of(cfg: ModelConfig) -> PretrainedConfig:
@@ -51,6 +61,8 @@ def hf_config_of(cfg: ModelConfig) -> PretrainedConfig:
     else:
         hf = dict(cfg.hf_config or {})
         hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf, **extra)
+    for key, value in extra.items():  # from_pretrained drops keys the config class lacks
+        setattr(hf_config, key, value)
     hf_config._attn_implementation = cfg.attn_implementation
     return hf_config
 
@@ -69,10 +81,12 @@ def build_model(
     checkpointing); ``shard`` shards it (see the module docstring). Without ``shard`` the
     whole model is built on this rank.
     """
-    auto, _ = _auto_class_and_kwargs(cfg)
-    if shard is None and cfg.path is not None:
+    auto, extra = _auto_class_and_kwargs(cfg)
+    # A value model built from a causal LM's files goes the meta way below even unsharded, so
+    # that its new head is drawn from ``seed`` the same way on one rank as on many.
+    if shard is None and cfg.path is not None and cfg.kind not in NEW_HEAD_WEIGHTS:
         model = auto.from_pretrained(
-            cfg.path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
+            cfg.path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation, **extra
         )
         return (prepare(model) if prepare else model).to(device)
     with torch.device("meta"):
@@ -87,7 +101,7 @@ def build_model(
     # Buffers computed at construction (rotary frequencies) are re-made here too.
     init_weights_by_module(model, seed)
     if cfg.path is not None:
-        load_hf_weights(model, cfg.path)
+        load_hf_weights(model, cfg.path, may_lack=NEW_HEAD_WEIGHTS.get(cfg.kind, ()))
     return model
 
 
@@ -149,11 +163,12 @@ def init_weights_by_module(
             getattr(module, kind)[name] = real
 
 
-def load_hf_weights(model: torch.nn.Module, path: str) -> None:
+def load_hf_weights(model: torch.nn.Module, path: str, may_lack: tuple[str, ...] = ()) -> None:
     """Read this rank's slices of every weight from the safetensors files in ``path``.
 
     A weight tied to another (the output layer to the embedding) is absent from the files and
-    loaded through its twin.
+    loaded through its twin. Weights whose names start with one of ``may_lack`` keep their
+    initialisation when the files do not hold them.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -176,7 +191,7 @@ def load_hf_weights(model: torch.nn.Module, path: str) -> None:
         in_files = [n for n in names if n in stored]
         for key in in_state if in_files else []:
             file_name[key] = in_files[0]
-    missing = sorted(set(state) - set(file_name))
+    missing = sorted(k for k in set(state) - set(file_name) if not k.startswith(may_lack))
     if missing:
         raise ValueError(f"{path}: the safetensors files lack the weights {missing}")
     wanted = {file_name[key]: state[key] for key in file_name}

@@ -24,8 +24,10 @@ class ModelConfig(ConfigModel):
     hf_config: dict[str, Any] | None = None
     dtype: DType = "float32"
     # "sequence_classification": a reward model, AutoModelForSequenceClassification with
-    # `num_labels` scores read at each sequence's last real token.
-    kind: Literal["causal_lm", "sequence_classification"] = "causal_lm"
+    # `num_labels` scores read at each sequence's last real token. "value": a critic,
+    # AutoModelForTokenClassification with one output per token (the state's value) on the
+    # same backbone; built from a causal LM's weights, its value head starts fresh from `seed`.
+    kind: Literal["causal_lm", "sequence_classification", "value"] = "causal_lm"
     num_labels: int = Field(1, ge=1)
     # Hugging Face attention kernel. "sdpa" takes our dense block-diagonal masks for packed rows;
     # "flash_attention_2"/"flash_attention_3" (GPU) run packed rows as variable-length

@@ -89,6 +89,10 @@ def load_full_optimizer(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str
 ) -> None:
     optim = torch.load(os.path.join(path, OPTIMIZER_FILE), weights_only=False)
+    if not optim.get("state"):
+        # A stateless optimiser (plain SGD): torch's loader cannot place an empty state, and
+        # the hyper-parameters come from the config anyway.
+        return
     set_optimizer_state_dict(
         model, optimizer, optim, options=StateDictOptions(full_state_dict=True)
     )

@@ -342,7 +342,7 @@ class PolicyConfig(ConfigModel):
             unsupported = {
                 "lora.enabled": self.lora.enabled,
                 "activation_checkpointing": self.activation_checkpointing,
-                "model.kind=sequence_classification": self.model.kind != "causal_lm",
+                f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
                 "mixed_precision": self.mixed_precision is not None,
                 "checkpoint.sharded": self.checkpoint.sharded,
             }

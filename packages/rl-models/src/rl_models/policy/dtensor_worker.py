@@ -39,11 +39,23 @@ from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-ex
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.forward import (
+    align_values,
     forward_logits,
     forward_logprobs,
     forward_scores,
+    forward_state_values,
 )
 from rl_models.policy.weight_export import DTensorWeightExporter, WeightExportMethods
+
+#: The model kind (``model.kind``) that has each output of ``_forward``.
+OUTPUT_KIND = {
+    "logprobs": "causal_lm",
+    "loss_token_logprobs": "causal_lm",
+    "logits": "causal_lm",
+    "scores": "sequence_classification",
+    "state_values": "value",
+    "values": "value",
+}
 
 
 class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
@@ -126,14 +138,22 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         return model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
 
     def _forward(self, model: torch.nn.Module, mb: BatchedDataDict, output: str) -> torch.Tensor:
-        """``output`` ("logprobs", "loss_token_logprobs", "logits" or "scores") of one
-        micro-batch on this device."""
+        """``output`` of one micro-batch on this device: a causal LM's "logprobs",
+        "loss_token_logprobs" or "logits", a sequence classifier's "scores", or a value
+        model's "state_values" (unshifted) or "values" (aligned to the tokens they choose)."""
         wanted = None
         if output == "loss_token_logprobs":  # log-probs of the loss's tokens only
             wanted, output = loss_token_mask(mb) > 0, "logprobs"
-        forward = {"logprobs": forward_logprobs, "logits": forward_logits, "scores": forward_scores}
-        if (output == "scores") != (self.config.model.kind == "sequence_classification"):
-            raise ValueError(f"a {self.config.model.kind} model has no {output}")
+        forward = {
+            "logprobs": forward_logprobs,
+            "logits": forward_logits,
+            "scores": forward_scores,
+            "state_values": forward_state_values,
+            "values": forward_state_values,
+        }
+        kind = self.config.model.kind
+        if OUTPUT_KIND[output] != kind:
+            raise ValueError(f"a {kind} model (model.kind) has no {output}")
         packed = self.config.sequence_packing.enabled
         kwargs: dict[str, Any] = {}
         if output == "logprobs":
@@ -147,6 +167,8 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             out = forward[output](
                 model, mb, packed, self.config.model.attn_implementation, **kwargs
             )
+        if output == "values":
+            out = align_values(out, mb["input_lengths"])
         # Losses and metrics in at least the weights' precision, whatever the compute dtype.
         return out.to(torch.promote_types(out.dtype, self.config.model.torch_dtype))
 
@@ -177,6 +199,20 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         """``{"scores": [B, num_labels]}`` of a sequence classifier (reward model)."""
         return BatchedDataDict({"scores": self._per_row(self.model, data, "scores")})
 
+    def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """A value model's ``{"values": [B, S], "final_values": [B]}``: ``values[:, t]`` values
+        the state that chose token ``t`` (0 at position 0 and on padding); ``final_values`` the
+        state after the row's last token (what a truncated response is bootstrapped from)."""
+        state = self._per_row(self.model, data, "state_values")
+        lengths = data["input_lengths"]
+        last = (lengths - 1).clamp(min=0).long()
+        return BatchedDataDict(
+            {
+                "values": align_values(state, lengths),
+                "final_values": state.gather(1, last[:, None])[:, 0],
+            }
+        )
+
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         if self.lora and self.config.reference_policy.enabled:
             # The frozen base weights are the initial policy: switch the adapters off.
@@ -206,6 +242,11 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         """Forward (and backward) of one step's micro-batches; the sum of their losses."""
         output = "scores" if self.config.model.kind == "sequence_classification" else None
         output = output or loss_input_type(loss_fn)
+        if self.config.model.kind == "value" and output != "values":
+            raise ValueError(
+                f"a value model (model.kind: value) trains on losses of input_type 'values', "
+                f"not {type(loss_fn).__name__} ({output!r})"
+            )
         loss_sum = torch.zeros((), dtype=torch.float64)
         self._loss_metrics = []
         mbs = self._same_count(step)

@@ -6,7 +6,9 @@ Three outputs, all in the row order and right padding of the micro-batch:
 - ``forward_logits``: ``[B, S, V]`` next-token logits aligned the same way (``[:, t]`` is the
   distribution that predicts token ``t``), for losses over the whole vocabulary;
 - ``forward_scores``: ``[B, num_labels]`` sequence-classifier (reward model) scores read at
-  each sequence's last real token.
+  each sequence's last real token;
+- ``forward_state_values``: ``[B, S]`` a value model's (critic's) output at every position:
+  ``[:, t]`` is the value of the state after tokens ``0..t``.
 
 Packed micro-batches (``packed=True``) put all sequences in one row with positions restarting
 at 0 per sequence. How the sequences are kept apart depends on the attention kernel: sdpa and
@@ -144,6 +146,30 @@ def forward_logits(
     logits = F.pad(model(**inputs).logits[0, :-1], (0, 0, 1, 0))
     logits = logits * (p.position_ids[0] > 0)[:, None]
     return unpack_sequences(logits[None], p.cu_seqlens, lengths, ids.shape[1])
+
+
+def forward_state_values(
+    model: torch.nn.Module, mb: BatchedDataDict, packed: bool, attn_implementation: str = "sdpa"
+) -> torch.Tensor:
+    """``[B, S]`` the value head's output at every position (0 on padding), unshifted: position
+    ``t`` values the state that has seen tokens ``0..t`` (see ``align_values``)."""
+    ids, lengths = mb["input_ids"], mb["input_lengths"]
+    if not packed:
+        real = _padding_mask(mb)
+        out = model(input_ids=ids, attention_mask=real.long(), use_cache=False).logits[..., 0]
+        return out * real
+    p, inputs = _packed_inputs(mb, attn_implementation)
+    out = model(**inputs).logits[..., 0]
+    return unpack_sequences(out, p.cu_seqlens, lengths, ids.shape[1])
+
+
+def align_values(state_values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """State values shifted to the tokens they choose, like log-probs: ``[:, t]`` is the value
+    of the state that chose token ``t`` (the output at ``t - 1``), 0 at position 0 and on
+    padding."""
+    pos = torch.arange(state_values.shape[1], device=state_values.device)
+    real = pos[None, :] < lengths.to(state_values.device)[:, None]
+    return F.pad(state_values[:, :-1], (1, 0)) * real
 
 
 @contextlib.contextmanager

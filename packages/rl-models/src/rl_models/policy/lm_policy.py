@@ -128,6 +128,11 @@ class Policy(PolicyInterface):
         """``{"scores": [B, num_labels]}`` of a sequence classifier (``model.kind``)."""
         return self._per_row("get_scores", data)
 
+    def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """A value model's (critic's) ``{"values": [B, S], "final_values": [B]}``: see
+        ``DTensorPolicyWorker.get_values``."""
+        return self._per_row("get_values", data)
+
     def train(
         self,
         data: BatchedDataDict,
