@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from rl_algorithms.ppo.gae import whiten
+
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1:
@@ -109,10 +111,7 @@ def reinforce_plus_plus_advantages(
         # Reward-to-go of the per-token penalties (gamma = 1): the sum from t to the end.
         to_go = penalty.flip(1).cumsum(1).flip(1)
         returns = returns - kl_coef * to_go * mask
-    count = mask.sum().clamp(min=1)
-    mean = returns.sum() / count
-    var = (((returns - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1)
-    return ((returns - mean) / (var.sqrt() + eps) * mask).to(_result_dtype(rewards))
+    return whiten(returns, mask, eps=eps).to(_result_dtype(rewards))
 
 
 def groups_with_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

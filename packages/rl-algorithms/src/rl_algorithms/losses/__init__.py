@@ -7,14 +7,17 @@ it reads. Metrics follow the convention of ``common.py``: additive, or ``*_min``
 from rl_algorithms.losses.clipped_pg import ClippedPGLossConfig, ClippedPGLossFn, kl_estimate
 from rl_algorithms.losses.dpo import DPOLoss, DPOLossConfig
 from rl_algorithms.losses.preference import BradleyTerryLoss
+from rl_algorithms.losses.value import ClippedValueLossFn, ValueLossConfig
 from rl_models.losses import NLLLoss
 
 __all__ = [
     "BradleyTerryLoss",
     "ClippedPGLossConfig",
     "ClippedPGLossFn",
+    "ClippedValueLossFn",
     "DPOLoss",
     "DPOLossConfig",
     "NLLLoss",
+    "ValueLossConfig",
     "kl_estimate",
 ]

@@ -1,0 +1,123 @@
+"""The critic's loss in PPO: a (clipped) squared error to the GAE returns.
+
+Data (``[B, S]`` tensors aligned like the log-probs, see ``rl_models.interfaces``):
+
+- ``input_ids``, ``input_lengths``, ``token_mask`` (1 on generated tokens), ``sample_mask``:
+  they make the loss tokens (``loss_token_mask``), the action tokens of ``ppo.gae``;
+- ``values``: the critic's predictions when the batch was collected (V_old, before this
+  training step); ``returns``: the GAE returns (``ppo.gae.gae``).
+
+The first argument is the critic's current prediction ``V`` ``[B, S]``, aligned the same way
+(``V[:, t]`` estimates the state that chose token ``t``). Per token, with ``R`` the return and
+``c = value_clip`` (the form of PPO2 / OpenAI baselines)::
+
+    loss = 0.5 * max((V - R)^2, (V_old + clamp(V - V_old, -c, c) - R)^2)
+
+and ``0.5 * (V - R)^2`` with ``value_clip: null``. Like the policy's ratio clip it keeps one
+batch from moving the critic far from where it stood; once ``V`` has moved more than ``c`` from
+``V_old`` in the direction that lowers the error, the clipped term is the larger one and the
+token gives no gradient. The per-token losses are summed over the loss tokens and divided by
+the global count of loss tokens, so micro-batches and data-parallel ranks add up to the mean
+over the global batch.
+
+Masking: every input is replaced by 0 off the loss tokens with ``where`` before it is squared,
+so a value left there (NaN, inf) reaches neither the loss nor the gradient.
+
+Metrics (additive, divided by the global token count, or ``*_min`` / ``*_max``, see
+``common.py``): ``value_loss``; ``value_clip_fraction``, the fraction of tokens where the
+clipped term is in force (0 without clipping); ``value_mean`` (of ``V``) with ``value_min`` /
+``value_max``; ``returns_mean``; ``value_abs_error``, the mean ``|V - R|``.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from rl_algorithms.losses.common import global_count, loss_token_mask, masked_extreme
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_distributed.config import ConfigModel
+
+
+class ValueLossConfig(ConfigModel):
+    # How far (in value units) one batch may move the critic's prediction from V_old before
+    # the clipped term takes over; None: no clipping, the plain squared error.
+    value_clip: float | None = Field(0.2, gt=0)
+
+
+class ClippedValueLossFn:
+    """``loss_fn`` for training the critic on PPO batches (module docstring for the keys)."""
+
+    # The critic passes its value predictions [B, S] (not log-probs) as the first argument.
+    input_type = "values"
+    METRICS = frozenset(
+        {
+            "value_loss",
+            "value_clip_fraction",
+            "value_mean",
+            "value_min",
+            "value_max",
+            "returns_mean",
+            "value_abs_error",
+        }
+    )
+
+    def __init__(self, config: ValueLossConfig | dict | None = None) -> None:
+        self.config = ValueLossConfig.model_validate(config or {})
+
+    def batch_fields(self) -> frozenset[str]:
+        """The batch fields this loss reads (``token_mask`` and ``sample_mask`` are optional,
+        as for every loss: every real token and every sample by default)."""
+        return frozenset({"input_ids", "input_lengths", "values", "returns"})
+
+    def _need(
+        self, data: BatchedDataDict, key: str, width: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        if key not in data:
+            raise KeyError(f"ClippedValueLossFn needs {key!r} [B, S] in the batch")
+        return data[key][:, :width].to(like)
+
+    def __call__(
+        self,
+        values: torch.Tensor,
+        data: BatchedDataDict,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if values.dim() != 2:
+            raise ValueError(f"ClippedValueLossFn expects [B, S] values, got {list(values.shape)}")
+        width = values.shape[1]
+        mask = loss_token_mask(data).to(values)
+        on = mask > 0
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        value = torch.where(on, values, zero)
+        old = torch.where(on, self._need(data, "values", width, values), zero)
+        returns = torch.where(on, self._need(data, "returns", width, values), zero)
+
+        unclipped = (value - returns).square()
+        clip = self.config.value_clip
+        if clip is not None:
+            clipped_value = old + (value - old).clamp(-clip, clip)
+            clipped = (clipped_value - returns).square()
+            per_token = 0.5 * torch.maximum(unclipped, clipped)
+            clip_active = (clipped > unclipped).to(values)
+        else:
+            per_token = 0.5 * unclipped
+            clip_active = torch.zeros_like(values)
+
+        toks = global_count(global_valid_toks, values)
+        loss = (per_token * mask).sum() / toks
+
+        def token_mean(x: torch.Tensor) -> float:
+            return float((x.detach() * mask).sum() / toks)
+
+        metrics = {
+            "value_loss": float(loss.detach()),
+            "value_clip_fraction": token_mean(clip_active),
+            "value_mean": token_mean(value),
+            "value_min": masked_extreme(value, mask, "min"),
+            "value_max": masked_extreme(value, mask, "max"),
+            "returns_mean": token_mean(returns),
+            "value_abs_error": token_mean((value - returns).abs()),
+        }
+        return loss, metrics

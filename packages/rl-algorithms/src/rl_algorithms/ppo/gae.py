@@ -1,0 +1,186 @@
+"""Token-level rewards, generalised advantage estimation and the statistics PPO needs.
+
+Layout (as everywhere in training, see ``rl_models.interfaces``): ``[B, S]`` right-padded
+tensors aligned like the log-probs, position ``t`` holding what concerns token ``t``. The
+*action* tokens are those of ``action_mask > 0`` (``loss_token_mask(batch)``: the generated
+tokens of samples in the loss); in a multi-turn rollout the environment's observation tokens
+sit between assistant turns with mask 0. The critic's ``values[:, t]`` is V of the state that
+chose token ``t``, and ``final_values`` ``[B]`` is V of the state after the row's last token.
+
+Each row is an episode whose steps are its action tokens ``t_1 < ... < t_n``; observation,
+prompt and padding positions are not steps: they hold no advantage and do not break the chain
+(the next step's value is that of the next *action* token, however far away). With ``r`` the
+token-level rewards (``token_level_rewards``)::
+
+    delta_i = r[t_i] + gamma * V_next_i - values[t_i]
+    V_next_i = values[t_{i+1}] for i < n;   V_next_n = final_values if truncated else 0
+    A_i = delta_i + gamma * lam * A_{i+1}   (A_{n+1} = 0)
+    returns[t_i] = A_i + values[t_i]
+
+A finished response (it ended with EOS or the environment closed the episode) is terminal, so
+nothing follows it; one cut at the length limit is bootstrapped with the critic's estimate of
+the state it was cut in. All of it is computed in float64; results come back in the dtype of
+``values`` (of ``scores`` for the rewards) when it is a floating one, else torch's default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from rl_algorithms.losses.clipped_pg import ClippedPGLossConfig, kl_estimate
+
+__all__ = ["explained_variance", "gae", "token_level_rewards", "whiten"]
+
+
+def _result_dtype(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype.is_floating_point else torch.get_default_dtype()
+
+
+def _check_shape(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+
+
+def _on_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` in float64 where ``mask``, 0 elsewhere (``where``: a NaN or inf a backend left on
+    padding or an observation token can reach neither the result nor a sum)."""
+    return torch.where(mask, x.to(torch.float64), torch.zeros((), dtype=torch.float64))
+
+
+def token_level_rewards(
+    scores: torch.Tensor,
+    action_mask: torch.Tensor,
+    kl_penalty: float = 0.0,
+    logprobs: torch.Tensor | None = None,
+    reference_logprobs: torch.Tensor | None = None,
+    kl_type: Literal["k1", "k2", "k3"] = "k1",
+    kl_input_clamp_value: float | None = None,
+    kl_output_clamp_value: float | None = None,
+) -> torch.Tensor:
+    """``[B, S]`` per-token rewards: each sequence's score at its last action token, and with
+    ``kl_penalty > 0`` the classic RLHF penalty ``-kl_penalty * kl_t`` at every action token.
+
+    ``kl_t`` is the per-token estimate of KL(pi || pi_ref) of ``losses.clipped_pg.kl_estimate``
+    (k1 ``log pi - log pi_ref``, k2, k3) from ``logprobs`` (the policy that sampled the batch)
+    and ``reference_logprobs``, with its optional clamps (off by default: the plain estimator).
+    A row without action tokens gets no reward at all. 0 outside the action tokens.
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be 1-D [B], got shape {list(scores.shape)}")
+    if action_mask.dim() != 2 or action_mask.shape[0] != scores.shape[0]:
+        raise ValueError(
+            f"action_mask must be [B, S] with B = {scores.shape[0]} (the scores), "
+            f"got shape {list(action_mask.shape)}"
+        )
+    if kl_penalty < 0:
+        raise ValueError(f"kl_penalty must be >= 0, got {kl_penalty}")
+    mask = action_mask > 0
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, positions, -1).max(dim=1).values  # -1: no action token
+    rewards = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    rows = (last >= 0).nonzero().flatten()
+    rewards[rows, last[rows]] = scores.to(torch.float64)[rows]
+    if kl_penalty > 0:
+        if logprobs is None or reference_logprobs is None:
+            raise ValueError("kl_penalty > 0 needs logprobs and reference_logprobs [B, S]")
+        _check_shape("logprobs", logprobs, tuple(mask.shape))
+        _check_shape("reference_logprobs", reference_logprobs, tuple(mask.shape))
+        estimator = ClippedPGLossConfig(
+            reference_policy_kl_type=kl_type,
+            kl_input_clamp_value=kl_input_clamp_value,
+            kl_output_clamp_value=kl_output_clamp_value,
+        )
+        # Both inputs are 0 off the action tokens, where every estimator gives a KL of 0.
+        kl = kl_estimate(_on_mask(logprobs, mask), _on_mask(reference_logprobs, mask), estimator)
+        rewards = rewards - kl_penalty * kl
+    return rewards.to(_result_dtype(scores))
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    action_mask: torch.Tensor,
+    final_values: torch.Tensor,
+    truncated: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)``, both ``[B, S]`` and 0 outside the action tokens (module
+    docstring). ``rewards`` and ``values`` are read at the action tokens only; ``final_values``
+    only for ``truncated`` rows."""
+    shape = tuple(values.shape)
+    if len(shape) != 2:
+        raise ValueError(f"values must be [B, S], got shape {list(shape)}")
+    _check_shape("rewards", rewards, shape)
+    _check_shape("action_mask", action_mask, shape)
+    _check_shape("final_values", final_values, (shape[0],))
+    _check_shape("truncated", truncated, (shape[0],))
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
+    mask = action_mask > 0
+    r = _on_mask(rewards, mask)
+    v = _on_mask(values, mask)
+    # What follows a row's last step: the critic's estimate if the response was cut off, else
+    # nothing (a finished response is a terminal state).
+    next_value = _on_mask(final_values, truncated.bool().to(mask.device))
+    next_advantage = torch.zeros_like(next_value)
+    advantages = torch.zeros_like(v)
+    # Backwards over the positions that hold a step in some row (the prompt columns never do);
+    # a row without a step at t keeps its carried next value and advantage unchanged.
+    for t in reversed(mask.any(dim=0).nonzero().flatten().tolist()):
+        step = mask[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        a = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(step, a, 0.0)
+        next_advantage = torch.where(step, a, next_advantage)
+        next_value = torch.where(step, v[:, t], next_value)
+    returns = torch.where(mask, advantages + v, 0.0)
+    dtype = _result_dtype(values)
+    return advantages.to(dtype), returns.to(dtype)
+
+
+def _masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of ``x`` over ``mask`` (float64; a variance of 0 for fewer
+    than two entries)."""
+    x = _on_mask(x, mask)
+    count = mask.sum().to(torch.float64)
+    mean = x.sum() / count.clamp(min=1)
+    var = torch.where(mask, x - mean, 0.0).square().sum() / (count - 1).clamp(min=1)
+    return mean, var
+
+
+def whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` with the mean and unbiased std of the entries where
+    ``mask > 0`` (the batch's valid tokens; padding, prompts and dropped samples do not weigh);
+    with ``shift_mean=False`` the mean is added back (only the scale changes). 0 outside the
+    mask; the dtype of ``values`` when floating."""
+    _check_shape("mask", mask, tuple(values.shape))
+    valid = mask > 0
+    mean, var = _masked_moments(values, valid)
+    whitened = (_on_mask(values, valid) - mean) / (var.sqrt() + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(valid, whitened, 0.0).to(_result_dtype(values))
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` over the entries where ``mask > 0``: 1 for a critic that
+    predicts the returns exactly, 0 for one no better than their mean, negative for worse.
+
+    NaN when it is undefined: the returns do not vary (``Var(R) == 0``, e.g. every response
+    scored the same) or there are fewer than two valid entries. A made-up number there would
+    read as a critic that is (or is not) learning; NaN says there was nothing to explain.
+    """
+    _check_shape("returns", returns, tuple(values.shape))
+    _check_shape("mask", mask, tuple(values.shape))
+    valid = mask > 0
+    _, var_returns = _masked_moments(returns, valid)
+    if int(valid.sum()) < 2 or float(var_returns) == 0.0:
+        return float("nan")
+    residual = _on_mask(returns, valid) - _on_mask(values, valid)
+    _, var_residual = _masked_moments(residual, valid)
+    return float(1.0 - var_residual / var_returns)
