@@ -5,6 +5,7 @@ it reads. Metrics follow the convention of ``common.py``: additive, or ``*_min``
 """
 
 from rl_algorithms.losses.clipped_pg import ClippedPGLossConfig, ClippedPGLossFn, kl_estimate
+from rl_algorithms.losses.distillation import DistillationLossConfig, DistillationLossFn
 from rl_algorithms.losses.dpo import DPOLoss, DPOLossConfig
 from rl_algorithms.losses.preference import BradleyTerryLoss
 from rl_models.losses import NLLLoss
@@ -15,6 +16,8 @@ __all__ = [
     "ClippedPGLossFn",
     "DPOLoss",
     "DPOLossConfig",
+    "DistillationLossConfig",
+    "DistillationLossFn",
     "NLLLoss",
     "kl_estimate",
 ]
