@@ -66,7 +66,7 @@ def test_a_value_model_has_no_logprobs_and_trains_only_on_value_losses():
     from rl_models.losses import NLLLoss
 
     worker = DTensorPolicyWorker(critic_config())
-    with pytest.raises(ValueError, match=r"value model .* has no logprobs"):
+    with pytest.raises(ValueError, match=r"value model has no logprobs \(model.kind: value\)"):
         worker.get_logprobs(skewed_batch())
     with pytest.raises(ValueError, match="input_type 'values'"):
         worker.train(skewed_batch(), NLLLoss())

@@ -19,7 +19,8 @@ import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 
-LossInput = Literal["logprobs", "loss_token_logprobs", "logits", "values"]
+LossInput = Literal["logprobs", "loss_token_logprobs", "gathered_logprobs", "logits", "values"]
+LOSS_INPUTS = ("logprobs", "loss_token_logprobs", "gathered_logprobs", "logits", "values")
 
 
 @runtime_checkable
@@ -39,6 +40,15 @@ class LossFunction(Protocol):
     ``[B, S]`` values aligned like log-probs (``[:, t]`` values the state that chose token
     ``t``) to a loss with ``input_type = "values"``.
 
+    ``input_type = "gathered_logprobs"`` (distillation over a teacher's top-k): the batch
+    carries ``teacher_topk_ids`` ``[B, S, k]`` (aligned like the log-probs: ``[:, t]`` are
+    tokens of the distribution that predicts token ``t``), and the loss gets ``[B, S, 1 + k]``
+    log-probs: ``[..., 0]`` those of the input tokens (what "loss_token_logprobs" gives, so a
+    policy-gradient term can be added), ``[..., 1:]`` those of ``teacher_topk_ids``, each a
+    log-softmax over the whole vocabulary. Like "loss_token_logprobs" they are computed at the
+    loss tokens only (0 elsewhere), without a ``[tokens, vocab]`` tensor. The DTensor backend
+    provides it; the Megatron backend refuses such a loss.
+
     ``global_valid_seqs`` and ``global_valid_toks`` count the valid samples and loss tokens of
     the whole *global* batch (all micro-batches, all data-parallel ranks). A token-level loss
     sums over its micro-batch and divides by ``global_valid_toks``, so that summing the
@@ -57,12 +67,12 @@ class LossFunction(Protocol):
 
 def loss_input_type(loss_fn: LossFunction) -> LossInput:
     """What ``loss_fn`` wants to be given: "logprobs" (the default), "loss_token_logprobs",
-    "logits" or "values"."""
+    "gathered_logprobs", "logits" or "values"."""
     kind = getattr(loss_fn, "input_type", "logprobs")
-    if kind not in ("logprobs", "loss_token_logprobs", "logits", "values"):
+    if kind not in LOSS_INPUTS:
         raise ValueError(
-            f"{type(loss_fn).__name__}.input_type is {kind!r}; expected 'logprobs', "
-            "'loss_token_logprobs', 'logits' or 'values'"
+            f"{type(loss_fn).__name__}.input_type is {kind!r}; expected one of "
+            + ", ".join(repr(k) for k in LOSS_INPUTS)
         )
     return kind
 

@@ -5,6 +5,7 @@ it reads. Metrics follow the convention of ``common.py``: additive, or ``*_min``
 """
 
 from rl_algorithms.losses.clipped_pg import ClippedPGLossConfig, ClippedPGLossFn, kl_estimate
+from rl_algorithms.losses.distillation import DistillationLossConfig, DistillationLossFn
 from rl_algorithms.losses.dpo import DPOLoss, DPOLossConfig
 from rl_algorithms.losses.preference import BradleyTerryLoss
 from rl_algorithms.losses.value import ClippedValueLossFn, ValueLossConfig
@@ -17,6 +18,8 @@ __all__ = [
     "ClippedValueLossFn",
     "DPOLoss",
     "DPOLossConfig",
+    "DistillationLossConfig",
+    "DistillationLossFn",
     "NLLLoss",
     "ValueLossConfig",
     "kl_estimate",

@@ -228,6 +228,13 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
     ) -> torch.Tensor:
         """Forward/backward of one step's micro-batches; their summed loss, on every rank of
         the replica (the last stage computes it)."""
+        if loss_input_type(loss_fn) == "gathered_logprobs":
+            # The vocab-parallel output layer gathers one token per position only.
+            raise ValueError(
+                f"{type(loss_fn).__name__} has input_type 'gathered_logprobs' (log-probs at "
+                "'teacher_topk_ids'), which backend 'megatron' does not provide; train it with "
+                "policy.backend: dtensor"
+            )
         losses: list[torch.Tensor] = []
 
         def loss_of(values: torch.Tensor, inp: Inputs) -> torch.Tensor:

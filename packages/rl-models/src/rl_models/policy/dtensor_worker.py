@@ -44,6 +44,7 @@ from rl_models.policy.forward import (
     forward_logprobs,
     forward_scores,
     forward_state_values,
+    forward_topk_logprobs,
 )
 from rl_models.policy.weight_export import DTensorWeightExporter, WeightExportMethods
 
@@ -51,6 +52,8 @@ from rl_models.policy.weight_export import DTensorWeightExporter, WeightExportMe
 OUTPUT_KIND = {
     "logprobs": "causal_lm",
     "loss_token_logprobs": "causal_lm",
+    "gathered_logprobs": "causal_lm",
+    "topk_logprobs": "causal_lm",
     "logits": "causal_lm",
     "scores": "sequence_classification",
     "state_values": "value",
@@ -137,12 +140,22 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
     def _dummy_logits(self, model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
 
-    def _forward(self, model: torch.nn.Module, mb: BatchedDataDict, output: str) -> torch.Tensor:
+    def _forward(
+        self, model: torch.nn.Module, mb: BatchedDataDict, output: str, k: int | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``output`` of one micro-batch on this device: a causal LM's "logprobs",
-        "loss_token_logprobs" or "logits", a sequence classifier's "scores", or a value
-        model's "state_values" (unshifted) or "values" (aligned to the tokens they choose)."""
-        wanted = None
-        if output == "loss_token_logprobs":  # log-probs of the loss's tokens only
+        "loss_token_logprobs", "gathered_logprobs", "logits" or "topk_logprobs" (with ``k``: a
+        (values, ids) pair), a sequence classifier's "scores", or a value model's
+        "state_values" (unshifted) or "values" (aligned to the tokens they choose)."""
+        kind = self.config.model.kind
+        if OUTPUT_KIND[output] != kind:
+            raise ValueError(f"a {kind} model has no {output} (model.kind: {kind})")
+        if output == "topk_logprobs":
+            return self._forward_topk(model, mb, k)
+        wanted, gather_ids = None, None
+        if output == "gathered_logprobs":  # distillation: the loss tokens' and the teacher's ids'
+            gather_ids = _teacher_topk_ids(mb)
+        if output in ("loss_token_logprobs", "gathered_logprobs"):  # the loss's tokens only
             wanted, output = loss_token_mask(mb) > 0, "logprobs"
         forward = {
             "logprobs": forward_logprobs,
@@ -151,9 +164,6 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             "state_values": forward_state_values,
             "values": forward_state_values,
         }
-        kind = self.config.model.kind
-        if OUTPUT_KIND[output] != kind:
-            raise ValueError(f"a {kind} model (model.kind) has no {output}")
         packed = self.config.sequence_packing.enabled
         kwargs: dict[str, Any] = {}
         if output == "logprobs":
@@ -162,6 +172,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                 "temperature": self.config.logprob_temperature,
                 "wanted": wanted,
                 "share_prefix": self.config.share_prompt_prefix,
+                "gather_ids": gather_ids,
             }
         with self._autocast():
             out = forward[output](
@@ -172,11 +183,31 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         # Losses and metrics in at least the weights' precision, whatever the compute dtype.
         return out.to(torch.promote_types(out.dtype, self.config.model.torch_dtype))
 
+    def _forward_topk(
+        self, model: torch.nn.Module, mb: BatchedDataDict, k: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if k is None or k < 1:
+            raise ValueError(f"top-k log-probs need k >= 1, got {k}")
+        with self._autocast():
+            values, ids = forward_topk_logprobs(
+                model,
+                mb,
+                self.config.sequence_packing.enabled,
+                self.config.model.attn_implementation,
+                k=k,
+                chunk_size=self.config.logprob_chunk_size,
+                temperature=self.config.logprob_temperature,
+            )
+        return values.to(torch.promote_types(values.dtype, self.config.model.torch_dtype)), ids
+
     # -- inference ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _per_row(self, model: torch.nn.Module, data: BatchedDataDict, output: str) -> torch.Tensor:
-        """Per-row ``output`` of ``data``, in its row order, padded back to its width."""
+    def _per_row(
+        self, model: torch.nn.Module, data: BatchedDataDict, output: str, k: int | None = None
+    ) -> Any:
+        """Per-row ``output`` of ``data``, in its row order, padded back to its width (a
+        tensor, or for "topk_logprobs" a (values, ids) pair of tensors)."""
         model.eval()
         width = data["input_ids"].shape[1]
         (mbs,), restore = self._steps(data, data.size, self.config.lp_micro_batch_size, False)
@@ -185,15 +216,28 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             if mb is None or mb.size == 0:
                 self._dummy_logits(model)  # keep FSDP's all-gathers in step with the peers
                 continue
-            values = self._forward(model, mb.to(self.device), output).cpu()
-            if output != "scores":  # per-token values: pad to the batch's width
-                values = F.pad(values, (0, width - values.shape[1]))
-            out.append(values)
-        result = torch.cat(out)
-        return result[torch.tensor(restore)] if restore is not None else result
+            values = self._forward(model, mb.to(self.device), output, k)
+            parts = values if isinstance(values, tuple) else (values,)
+            if output != "scores":  # per-token values [B, S, ...]: pad to the batch's width
+                parts = tuple(
+                    F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1])) for v in parts
+                )
+            out.append(tuple(v.cpu() for v in parts))
+        results = tuple(torch.cat(column) for column in zip(*out, strict=True))
+        if restore is not None:
+            results = tuple(r[torch.tensor(restore)] for r in results)
+        return results if output == "topk_logprobs" else results[0]
 
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         return BatchedDataDict({"logprobs": self._per_row(self.model, data, "logprobs")})
+
+    def get_topk_logprobs(self, data: BatchedDataDict, k: int) -> BatchedDataDict:
+        """``{"topk_logprobs": [B, S, k], "topk_ids": [B, S, k]}``: at every position ``t`` the
+        ``k`` most likely tokens of the distribution that predicts token ``t`` (descending,
+        log-softmax over the whole vocabulary at ``logprob_temperature``) and their ids; 0 at
+        position 0 and on padding. What a distillation teacher reports (``teacher_topk_*``)."""
+        values, ids = self._per_row(self.model, data, "topk_logprobs", k)
+        return BatchedDataDict({"topk_logprobs": values, "topk_ids": ids})
 
     def get_scores(self, data: BatchedDataDict) -> BatchedDataDict:
         """``{"scores": [B, num_labels]}`` of a sequence classifier (reward model)."""
@@ -336,3 +380,15 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             if cls.__module__.startswith("transformers."):
                 return cls
         return type(model)
+
+
+def _teacher_topk_ids(mb: BatchedDataDict) -> torch.Tensor:
+    """The ``[B, S, k]`` token ids a "gathered_logprobs" loss wants the student's log-probs of."""
+    ids = mb.get("teacher_topk_ids")
+    if ids is None or ids.dim() != 3:
+        got = "missing" if ids is None else f"shape {tuple(ids.shape)}"
+        raise KeyError(
+            "a loss with input_type 'gathered_logprobs' needs 'teacher_topk_ids' [B, S, k] in "
+            f"the batch (the teacher's get_topk_logprobs 'topk_ids'); it is {got}"
+        )
+    return ids[:, : mb["input_ids"].shape[1]]

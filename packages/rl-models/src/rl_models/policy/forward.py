@@ -1,8 +1,12 @@
 """Forward passes of a Hugging Face model over one micro-batch, padded or packed.
 
-Three outputs, all in the row order and right padding of the micro-batch:
+Four outputs, all in the row order and right padding of the micro-batch:
 
-- ``forward_logprobs``: ``[B, S]`` next-token log-probs, 0 at position 0 and on padding;
+- ``forward_logprobs``: ``[B, S]`` next-token log-probs, 0 at position 0 and on padding (with
+  ``gather_ids`` ``[B, S, k]``: ``[B, S, 1 + k]``, the input token's and those k tokens'
+  log-probs, for distillation over a teacher's top-k);
+- ``forward_topk_logprobs``: ``[B, S, k]`` top-k log-probs and their token ids, aligned the
+  same way (a distillation teacher's report);
 - ``forward_logits``: ``[B, S, V]`` next-token logits aligned the same way (``[:, t]`` is the
   distribution that predicts token ``t``), for losses over the whole vocabulary;
 - ``forward_scores``: ``[B, num_labels]`` sequence-classifier (reward model) scores read at
@@ -28,7 +32,11 @@ from transformers import PreTrainedModel
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
-from rl_models.policy.logprobs import output_layer_computes_logprobs, supports_chunked_logprobs
+from rl_models.policy.logprobs import (
+    output_layer_computes_logprobs,
+    output_layer_computes_topk,
+    supports_chunked_logprobs,
+)
 from rl_models.policy.shared_prefix import (
     shared_prefix_logprobs,
     sharing_pays,
@@ -41,12 +49,20 @@ DENSE_MASK_KERNELS = ("sdpa", "eager")
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """log p(targets) under ``softmax(logits / temperature)``; half precisions are upcast."""
+    """log p(targets) under ``softmax(logits / temperature)``; half precisions are upcast.
+    ``targets`` is ``logits``' shape without its last dimension, or with k in its place."""
+    logp = _log_softmax(logits, temperature)
+    if targets.dim() == logits.dim():
+        return logp.gather(-1, targets)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(logits, dim=-1)
 
 
 def _padding_mask(mb: BatchedDataDict) -> torch.Tensor:
@@ -87,9 +103,15 @@ def forward_logprobs(
     temperature: float = 1.0,
     wanted: torch.Tensor | None = None,
     share_prefix: bool = False,
+    gather_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding),
     under the temperature-scaled distribution (``PolicyConfig.logprob_temperature``).
+
+    ``gather_ids``: ``[B, S, k]`` token ids aligned like the output (``[:, t]`` are tokens the
+    distribution predicting token ``t`` is asked about, e.g. a teacher's top-k there); the
+    result is then ``[B, S, 1 + k]``: ``[..., 0]`` the input token's log-prob as without
+    ``gather_ids``, ``[..., 1:]`` those k tokens' log-probs (0 at position 0 and on padding).
 
     ``chunk_size``: the output layer computes the log-probs that many tokens at a time inside
     the model's forward (``logprobs.py``), so no ``[tokens, vocab]`` logits exist at once.
@@ -103,34 +125,80 @@ def forward_logprobs(
     # The output layer computes log-probs itself only where its output is the plain logits.
     in_head = supports_chunked_logprobs(model) and (chunk_size is not None or wanted is not None)
     wanted = wanted if in_head else None
+    # Per position, the tokens whose log-probs are wanted: the input token, then gather_ids.
+    tokens = ids if gather_ids is None else torch.cat([ids[..., None], gather_ids.to(ids)], -1)
+    p: PackedSequences | None = None
     if not packed:
         real = _padding_mask(mb)
-        if share_prefix and wanted is not None:
+        if share_prefix and wanted is not None and gather_ids is None:
             wanted = wanted & real
             if supports_shared_prefix(model, attn_implementation) and sharing_pays(
                 model, wanted, lengths, ids
             ):
                 return shared_prefix_logprobs(model, mb, wanted, chunk_size, temperature)
         inputs = {"input_ids": ids, "attention_mask": real.long(), "use_cache": False}
-        row_ids = ids
+        row_tokens = tokens
         row_wanted = wanted
     else:
         p, inputs = _packed_inputs(mb, attn_implementation)
-        row_ids = p.input_ids
+        row_tokens = pack_sequences(tokens, lengths).input_ids
         row_wanted = None if wanted is None else pack_sequences(wanted, lengths).input_ids
     # Position t's output is log p(token t+1); the last position has no next token.
     keep = None if row_wanted is None else F.pad(row_wanted[:, 1:].bool(), (0, 1))
+    trailing = (0, 0) * (tokens.dim() - 2)  # F.pad widths that leave a k dimension alone
     if in_head:
-        targets = F.pad(row_ids[:, 1:], (0, 1))
+        targets = F.pad(row_tokens[:, 1:], (*trailing, 0, 1))
         with output_layer_computes_logprobs(model, targets, chunk_size, temperature, keep):
             lp = model(**inputs).logits[:, :-1]
     else:
-        lp = token_logprobs(model(**inputs).logits[:, :-1], row_ids[:, 1:], temperature)
-    lp = F.pad(lp, (1, 0))
+        lp = token_logprobs(model(**inputs).logits[:, :-1], row_tokens[:, 1:], temperature)
+    return _aligned(F.pad(lp, (*trailing, 1, 0)), mb, p)
+
+
+def _aligned(
+    out: torch.Tensor, mb: BatchedDataDict, packed: PackedSequences | None
+) -> torch.Tensor:
+    """Per-position values already shifted so that ``[:, t]`` belongs to token ``t`` (of the
+    padded ``[B, S, ...]`` rows, or of the one ``packed`` row): 0 at each sequence's first
+    token and on padding, in the micro-batch's padded layout."""
+    if packed is None:
+        real = _padding_mask(mb)
+        return out * real.view(*real.shape, *[1] * (out.dim() - 2))
+    first = packed.position_ids[0] > 0  # a sequence's first token has nothing predicting it
+    out = out[0] * first.view(-1, *[1] * (out.dim() - 2))
+    ids, lengths = mb["input_ids"], mb["input_lengths"]
+    return unpack_sequences(out[None], packed.cu_seqlens, lengths, ids.shape[1])
+
+
+def forward_topk_logprobs(
+    model: torch.nn.Module,
+    mb: BatchedDataDict,
+    packed: bool,
+    attn_implementation: str = "sdpa",
+    k: int = 1,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely next tokens of every position: log-probs ``[B, S, k]`` (under the
+    temperature-scaled distribution, descending) and their ids ``[B, S, k]`` (int64), aligned
+    like ``forward_logprobs`` (``[:, t]`` is the distribution that predicts token ``t``; both
+    are 0 at position 0 and on padding). With a chunkable output layer no ``[tokens, vocab]``
+    logits exist: the output layer computes the top-k ``chunk_size`` tokens at a time."""
+    ids = mb["input_ids"]
+    p: PackedSequences | None = None
     if not packed:
-        return lp * real
-    lp = lp[0] * (p.position_ids[0] > 0)  # a sequence's first token has no log-prob
-    return unpack_sequences(lp[None], p.cu_seqlens, lengths, ids.shape[1])
+        real = _padding_mask(mb).long()
+        inputs = {"input_ids": ids, "attention_mask": real, "use_cache": False}
+    else:
+        p, inputs = _packed_inputs(mb, attn_implementation)
+    if supports_chunked_logprobs(model):
+        with output_layer_computes_topk(model, k, chunk_size, temperature) as found:
+            values = model(**inputs).logits
+        top_ids = found["ids"]
+    else:  # soft-capped or scaled logits: the model's own, whole
+        values, top_ids = _log_softmax(model(**inputs).logits, temperature).topk(k, dim=-1)
+    values, top_ids = (_aligned(F.pad(t[:, :-1], (0, 0, 1, 0)), mb, p) for t in (values, top_ids))
+    return values, top_ids
 
 
 def forward_logits(

@@ -6,6 +6,9 @@ double it. Here the output layer is applied ``chunk_size`` tokens at a time: eac
 logits live only while that chunk's log-probs are computed, and backward recomputes them
 (activation checkpointing per chunk), so peak memory holds one chunk of logits, not all.
 The gradients are exactly those of the unchunked computation (same operations, recomputed).
+Targets may carry a trailing dimension (``[..., k]``: the log-probs of k given tokens per
+position, a distillation student's at its teacher's top-k ids), and ``chunked_topk_logprobs``
+gives a position's k most likely tokens and their log-probs (a distillation teacher's side).
 
 ``output_layer_computes_logprobs`` makes a Hugging Face model do this inside its own forward:
 its output layer's forward is swapped for the chunked log-prob computation while the model
@@ -26,6 +29,17 @@ from torch.utils.checkpoint import checkpoint
 HALF = (torch.float16, torch.bfloat16)
 
 
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias)
+    if logits.dtype in HALF:  # a stable log-softmax: half precisions are upcast
+        logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits
+
+
 def _chunk_logprobs(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -33,13 +47,11 @@ def _chunk_logprobs(
     bias: torch.Tensor | None,
     temperature: float,
 ) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias)
-    if logits.dtype in HALF:  # a stable log-softmax: half precisions are upcast
-        logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    """``hidden [n, H]``, ``targets [n]`` or ``[n, k]`` -> log-probs of ``targets``' shape."""
+    logits = _chunk_logits(hidden, weight, bias, temperature)
+    index = targets.view(targets.shape[0], -1)  # [n, 1] or [n, k]
+    picked = logits.gather(-1, index) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return picked.view(targets.shape)
 
 
 def over_token_chunks(
@@ -49,17 +61,17 @@ def over_token_chunks(
     chunk_size: int | None,
     *args: Any,
 ) -> torch.Tensor:
-    """``fn(hidden [n, H], targets [n], *args) -> [n]`` over ``hidden [..., H]``, ``targets
-    [...]``, ``chunk_size`` tokens at a time (``None``: all at once); the result has
-    ``targets``' shape. With gradients each chunk is recomputed in backward (checkpointed), so
+    """``fn(hidden [n, H], targets [n, *rest], *args) -> [n, *rest]`` over ``hidden [..., H]``,
+    ``targets [..., *rest]`` (the same leading dimensions as ``hidden``), ``chunk_size`` tokens
+    at a time (``None``: all at once); the result has ``targets``' shape. With gradients each chunk is recomputed in backward (checkpointed), so
     whatever ``fn`` makes (the chunk's logits) lives only while that chunk is computed.
     ``fn`` may run collectives (the Megatron worker's vocab-parallel log-softmax): every rank
     of the group must then use the same chunks, which it does when their token counts agree.
     """
     shape = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1)
-    tokens = flat_targets.numel()
+    tokens = flat_hidden.shape[0]
+    flat_targets = targets.reshape(tokens, *shape[hidden.dim() - 1 :])
     if chunk_size is None or chunk_size >= tokens:
         return fn(flat_hidden, flat_targets, *args).view(shape)
     # Checkpointing only pays when backward will run; without grad the chunks already free
@@ -87,11 +99,45 @@ def chunked_logprobs(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """``log softmax((hidden @ weight.T + bias) / temperature)[targets]`` for ``hidden
-    [..., H]``, ``targets [...]``, computed ``chunk_size`` tokens at a time (``None``: all at
-    once)."""
+    [..., H]``, ``targets [...]`` (one token per position) or ``[..., k]`` (k tokens per
+    position), computed ``chunk_size`` tokens at a time (``None``: all at once)."""
     return over_token_chunks(
         _chunk_logprobs, hidden, targets, chunk_size, weight, bias, temperature
     )
+
+
+@torch.no_grad()
+def chunked_topk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    chunk_size: int | None,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of ``log softmax((hidden @ weight.T + bias) / temperature)``
+    per position of ``hidden [..., H]``: values ``[..., k]`` (descending) and their token ids
+    ``[..., k]`` (int64), ``chunk_size`` tokens at a time. No gradient: this is what a frozen
+    teacher reports, and ``[chunk_size, V]`` logits are the most that exist at once."""
+    vocab = weight.shape[0]
+    if not 0 < k <= vocab:
+        raise ValueError(f"top-k needs 0 < k <= vocabulary size {vocab}, got k={k}")
+    lead = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    step = flat.shape[0] if chunk_size is None else chunk_size
+    values, ids = [], []
+    for start in range(0, flat.shape[0], max(step, 1)):
+        logits = _chunk_logits(flat[start : start + step], weight, bias, temperature)
+        # log-softmax is the logits minus one number per row: same order, so top-k the logits.
+        top, top_ids = logits.topk(k, dim=-1)
+        values.append(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+        ids.append(top_ids)
+    if not values:  # no tokens
+        dtype = _chunk_logits(flat[:0], weight, bias, temperature).dtype
+        return hidden.new_zeros((*lead, k), dtype=dtype), torch.zeros(
+            (*lead, k), dtype=torch.long, device=hidden.device
+        )
+    return torch.cat(values).view(*lead, k), torch.cat(ids).view(*lead, k)
 
 
 @contextlib.contextmanager
@@ -102,13 +148,12 @@ def output_layer_computes_logprobs(
     temperature: float = 1.0,
     keep: torch.Tensor | None = None,
 ) -> Iterator[None]:
-    """While inside, ``model``'s output layer returns log-probs of ``targets`` (``[B, S]``)
-    instead of logits: ``model(...).logits`` is then ``log p(targets)`` at every position, or,
-    given a ``[B, S]`` bool ``keep``, at the kept positions only (0 elsewhere): the output
-    layer then never sees the other positions' hidden states."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"chunked log-probs need a Linear output layer, not {type(head)}")
+    """While inside, ``model``'s output layer returns log-probs of ``targets`` (``[B, S]``, or
+    ``[B, S, k]`` for k tokens per position) instead of logits: ``model(...).logits`` is then
+    ``log p(targets)`` at every position, or, given a ``[B, S]`` bool ``keep``, at the kept
+    positions only (0 elsewhere): the output layer then never sees the other positions' hidden
+    states."""
+    head = _linear_head(model)
 
     def logprobs_forward(hidden: torch.Tensor) -> torch.Tensor:
         if keep is None:
@@ -118,13 +163,44 @@ def output_layer_computes_logprobs(
         kept = chunked_logprobs(
             hidden[keep], head.weight, targets[keep], chunk_size, head.bias, temperature
         )
-        return kept.new_zeros(targets.shape).masked_scatter(keep, kept)
+        mask = keep.view(*keep.shape, *[1] * (targets.dim() - keep.dim())).expand(targets.shape)
+        return kept.new_zeros(targets.shape).masked_scatter(mask, kept)
 
     head.forward = logprobs_forward
     try:
         yield
     finally:
         del head.forward  # back to the class's forward
+
+
+@contextlib.contextmanager
+def output_layer_computes_topk(
+    model: torch.nn.Module, k: int, chunk_size: int | None, temperature: float = 1.0
+) -> Iterator[dict[str, torch.Tensor]]:
+    """While inside, ``model``'s output layer returns the top-``k`` log-probs of every position
+    (``[B, S, k]``, see ``chunked_topk_logprobs``) instead of logits; their token ids are left
+    in the yielded dict under ``"ids"`` (the model's output can carry one tensor only)."""
+    head = _linear_head(model)
+    found: dict[str, torch.Tensor] = {}
+
+    def topk_forward(hidden: torch.Tensor) -> torch.Tensor:
+        values, found["ids"] = chunked_topk_logprobs(
+            hidden, head.weight, k, chunk_size, head.bias, temperature
+        )
+        return values
+
+    head.forward = topk_forward
+    try:
+        yield found
+    finally:
+        del head.forward
+
+
+def _linear_head(model: torch.nn.Module) -> torch.nn.Linear:
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"chunked log-probs need a Linear output layer, not {type(head)}")
+    return head
 
 
 def supports_chunked_logprobs(model: torch.nn.Module) -> bool:
