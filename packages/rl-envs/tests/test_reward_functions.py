@@ -4,6 +4,7 @@ pool under the per-sample timeout."""
 
 import pytest
 import ray
+import torch
 
 from rl_envs.reward_function_env import (
     RewardFunctionsEnvConfig,
@@ -27,22 +28,16 @@ def brevity(prompts, completions, **columns):
     return [1.0 / len(c[0]["content"]) if c[0]["content"] else None for c in completions]
 
 def picky(prompts, completions, label, **columns):
-    """None on 'skip', raises on 'boom', hangs on 'hang', else the label's length."""
+    """None on 'skip', raises on 'boom', hangs on 'hang', two values on 'twice', else the
+    label's length."""
     text = completions[0][0]["content"]
+    if text == "twice":
+        return [1.0, 2.0]
     if text == "boom":
         raise RuntimeError("picky cannot score boom")
     if text == "hang":
         time.sleep(60)
     return [None if text == "skip" else float(len(label[0]))]
-
-def two_values(prompts, completions, **columns):
-    return [1.0, 2.0]
-
-def text_value(prompts, completions, **columns):
-    return ["high"]
-
-def always_raises(prompts, completions, **columns):
-    raise KeyError("solution")
 
 def echo(prompts, completions, **columns):
     return [(prompts, completions, columns)]
@@ -163,81 +158,73 @@ def conversation(response: str) -> list[dict]:
     return [{"role": "user", "content": "say it"}, {"role": "assistant", "content": response}]
 
 
-def start(functions, **config):
+@pytest.fixture(scope="module")
+def env(ray_session, tmp_path_factory):
+    """The built-in math reward and a user's function, as a run has them: a Ray actor."""
+    user_file = tmp_path_factory.mktemp("user") / "my_rewards.py"
+    user_file.write_text(USER_FILE)
     cfg = RewardFunctionsEnvConfig(
-        functions=functions, num_workers=2, config_key="env.qa.config", **config
+        functions=[
+            {"function": "math", "name": "correct"},
+            {"function": f"{user_file}:picky", "weight": -0.5},
+        ],
+        num_workers=2,
+        timeout_s=3.0,
+        config_key="env.qa.config",
     )
-    return RewardFunctionsEnvironment.as_actor(cfg)
+    actor = RewardFunctionsEnvironment.as_actor(cfg)
+    yield actor
+    call(actor, "shutdown")
+    ray.kill(actor)
 
 
 def call(actor, method, *args):
     return ray.get(getattr(actor, method).remote(*args))
 
 
-@pytest.mark.ray
-def test_functions_are_weighted_timed_out_and_logged_each_under_its_name(ray_session, user_file):
-    actor = start(
-        [
-            {"function": "math", "name": "correct"},
-            {"function": f"{user_file}:picky", "weight": -0.5},
-        ],
-        timeout_s=3.0,
-    )
-    try:
-        responses = [r"\boxed{4}", "skip", "boom", "hang", r"\boxed{5}"]
-        meta = [{"ground_truth": "4", "label": "abc"} for _ in responses]
-        out = call(actor, "step", [conversation(r) for r in responses], meta)
-        # correct: 1 0 0 0 0; picky: 3, None, error, timeout, 3 (weight -0.5).
-        assert out.rewards.tolist() == [1.0 - 1.5, 0.0, 0.0, 0.0, -1.5]
-        assert out.answers[0] == "correct=1 picky=3"
-        assert out.answers[3] == "correct=0 picky=None"
-        _, metrics = call(actor, "global_post_process_and_metrics", {"rewards": out.rewards})
-        assert metrics["correct/mean"] == pytest.approx(0.2)
-        assert metrics["correct/std"] == pytest.approx(0.4)
-        assert metrics["correct/none_fraction"] == 0.0
-        assert metrics["picky/mean"] == 3.0 and metrics["picky/std"] == 0.0
-        assert metrics["picky/none_fraction"] == pytest.approx(0.6)
-        assert metrics["picky/timeouts"] == 1 and metrics["picky/verifier_errors"] == 1
-        assert metrics["reward_mean"] == pytest.approx(sum(out.rewards.tolist()) / 5)
-        # A row without a column a function reads is refused, naming it.
-        with pytest.raises(ray.exceptions.RayTaskError, match="sample 1 .* no 'label'"):
-            call(actor, "step", [conversation("x")] * 2, [meta[0], {"ground_truth": "4"}])
-    finally:
-        call(actor, "shutdown")
-        ray.kill(actor)
+def step(env, responses, meta=None):
+    meta = meta or [{"ground_truth": "4", "label": "abc"} for _ in responses]
+    return call(env, "step", [conversation(r) for r in responses], meta)
 
 
 @pytest.mark.ray
-def test_a_function_returning_nonsense_stops_the_run_naming_it(ray_session, user_file):
-    actor = start(
-        [
-            {"function": f"{user_file}:brevity"},
-            {"function": f"{user_file}:two_values"},
-        ],
-        num_cpus_per_worker=0.5,
-    )
-    try:
-        batch = [conversation("fine"), conversation("also fine")]
-        with pytest.raises(ray.exceptions.RayTaskError) as refused:
-            call(actor, "step", batch, [{}, {}])
-        message = str(refused.value)
-        assert "env.qa.config.functions[1] (two_values: " in message
-        assert "returned 2 values for 1 completion" in message and "at sample 0" in message
-        assert "'fine'" in message  # the completion it was given
-    finally:
-        call(actor, "shutdown")
-        ray.kill(actor)
+def test_functions_are_weighted_timed_out_and_logged_each_under_its_name(env):
+    call(env, "global_post_process_and_metrics", {"rewards": torch.zeros(1)})  # a clean slate
+    out = step(env, [r"\boxed{4}", "skip", "boom", "hang", r"\boxed{5}"])
+    # correct: 1 0 0 0 0; picky: 3, None, error, timeout, 3 (weight -0.5).
+    assert out.rewards.tolist() == [1.0 - 1.5, 0.0, 0.0, 0.0, -1.5]
+    assert out.answers[0] == "correct=1 picky=3"
+    assert out.answers[3] == "correct=0 picky=None"
+    _, metrics = call(env, "global_post_process_and_metrics", {"rewards": out.rewards})
+    assert metrics["correct/mean"] == pytest.approx(0.2)
+    assert metrics["correct/std"] == pytest.approx(0.4)
+    assert metrics["correct/none_fraction"] == 0.0
+    assert metrics["picky/mean"] == 3.0 and metrics["picky/std"] == 0.0
+    assert metrics["picky/none_fraction"] == pytest.approx(0.6)
+    assert metrics["picky/timeouts"] == 1 and metrics["picky/verifier_errors"] == 1
+    assert metrics["reward_mean"] == pytest.approx(sum(out.rewards.tolist()) / 5)
 
 
 @pytest.mark.ray
-def test_a_function_raising_on_every_sample_is_an_error_not_a_zero_reward(ray_session, user_file):
-    actor = start([{"function": f"{user_file}:always_raises"}], num_cpus_per_worker=0.5)
-    try:
-        with pytest.raises(ray.exceptions.RayTaskError) as refused:
-            call(actor, "step", [conversation("a"), conversation("b")], [{}, {}])
-        message = str(refused.value)
-        assert "env.qa.config.functions[0] (always_raises: " in message
-        assert "raised on every sample" in message and "KeyError: 'solution'" in message
-    finally:
-        call(actor, "shutdown")
-        ray.kill(actor)
+def test_a_row_without_a_column_a_function_reads_is_refused_naming_it(env):
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"sample 1 .* no 'label'"):
+        step(env, ["x", "y"], [{"ground_truth": "4", "label": "a"}, {"ground_truth": "4"}])
+
+
+@pytest.mark.ray
+def test_a_function_returning_nonsense_stops_the_run_naming_it(env):
+    with pytest.raises(ray.exceptions.RayTaskError) as refused:
+        step(env, ["fine", "twice"])
+    message = str(refused.value)
+    assert "env.qa.config.functions[1] (picky: " in message and "my_rewards.py:picky)" in message
+    assert "returned 2 values for 1 completion" in message and "at sample 1" in message
+    assert "'twice'" in message  # the completion it was given
+
+
+@pytest.mark.ray
+def test_a_function_raising_on_every_sample_is_an_error_not_a_zero_reward(env):
+    with pytest.raises(ray.exceptions.RayTaskError) as refused:
+        step(env, ["boom", "boom"])
+    message = str(refused.value)
+    assert "env.qa.config.functions[1] (picky: " in message
+    assert "raised on every sample" in message and "picky cannot score boom" in message
