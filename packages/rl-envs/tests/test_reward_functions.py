@@ -139,7 +139,7 @@ def test_config_names_functions_and_refuses_two_of_one_name(user_file):
     cfg = RewardFunctionsEnvConfig(
         functions=[{"function": "math"}, {"function": f"{user_file}:brevity", "weight": 0.1}]
     )
-    assert [f.name for f in cfg.functions] == ["math_reward", "brevity"]
+    assert [f.name for f in cfg.functions] == ["math", "brevity"]
     assert cfg.functions[0].function == "rl_envs.reward_functions:math_reward"
     with pytest.raises(ValueError, match="two functions are named 'b'"):
         RewardFunctionsEnvConfig(

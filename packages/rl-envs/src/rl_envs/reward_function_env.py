@@ -58,7 +58,15 @@ class RewardFunctionSpec(ConfigModel):
     # relative path is taken from the directory the run starts in).
     function: str
     weight: float = 1.0
-    name: str | None = None  # in the metrics' names; None: the function's own name
+    name: str | None = None  # in the metrics' names; None: the built-in's or function's name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        # From the name as written ("math", not the path it stands for).
+        if isinstance(data, dict) and data.get("name") is None and "function" in data:
+            data = {**data, "name": str(data["function"]).rpartition(":")[2]}
+        return data
 
     @field_validator("function")
     @classmethod
@@ -69,9 +77,7 @@ class RewardFunctionSpec(ConfigModel):
 
     @model_validator(mode="after")
     def _named(self) -> RewardFunctionSpec:
-        if self.name is None:
-            self.name = self.function.rpartition(":")[2]
-        if not _NAME.fullmatch(self.name):
+        if not _NAME.fullmatch(self.name or ""):
             raise ValueError(f"name {self.name!r}: use letters, digits, '_', '.' or '-'")
         return self
 
