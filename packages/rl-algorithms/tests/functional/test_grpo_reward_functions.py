@@ -84,6 +84,16 @@ def test_the_guides_reward_function_trains_with_the_math_reward(tmp_path, assets
             assert 0.0 <= r[f"{key}/none_fraction"] <= 1.0
             if r[f"{key}/none_fraction"] < 1.0:
                 assert 0.0 <= r[f"{key}/mean"] <= 1.0 and r[f"{key}/std"] >= 0.0
+        # The environment's reward is 1.0 * math + 0.5 * contains_answer, a None counting 0
+        # (a random model rarely scores, so this is mostly a check of the names and counts;
+        # packages/rl-envs/tests/test_reward_functions.py checks the weighting on real values).
+        env = "train/env/arithmetic"
+        scored = {
+            name: r.get(f"{env}/{name}/mean", 0.0) * (1 - r[f"{env}/{name}/none_fraction"])
+            for name in ("math", "contains_answer")
+        }
+        expected = scored["math"] + 0.5 * scored["contains_answer"]
+        assert r[f"{env}/reward_mean"] == pytest.approx(expected, abs=1e-6), r
         # Both functions scored every sample in time, in their own processes.
         assert r["train/env/arithmetic/math/timeouts"] == 0
         assert r["train/env/arithmetic/contains_answer/verifier_errors"] == 0
