@@ -2,6 +2,8 @@
 checking what they return, weighting several into one reward, and running them in the verifier
 pool under the per-sample timeout."""
 
+import math
+
 import pytest
 import ray
 import torch
@@ -12,10 +14,10 @@ from rl_envs.reward_function_env import (
     RewardFunctionSpec,
 )
 from rl_envs.reward_functions import (
+    ValueStats,
     call_reward_function,
     check_value,
     combine,
-    function_metrics,
     load_reward_function,
     required_columns,
     resolve_reference,
@@ -129,10 +131,19 @@ def test_the_reward_is_the_weighted_sum_leaving_none_out():
     assert rewards == [0.75, 0.0, -1.0, 0.0]
 
 
-def test_each_function_reports_mean_std_and_none_fraction():
-    metrics = function_metrics([1.0, None, 3.0, None])
-    assert metrics == {"none_fraction": 0.5, "mean": 2.0, "std": 1.0}
-    assert function_metrics([None, None]) == {"none_fraction": 1.0}
+def test_each_function_reports_mean_std_and_none_fraction_since_last_taken():
+    stats = ValueStats()
+    stats.add([1.0, None])
+    stats.add([3.0, None])
+    assert stats.take() == {"none_fraction": 0.5, "mean": 2.0, "std": 1.0}
+    stats.add([None, None])
+    assert stats.take() == {"none_fraction": 1.0}
+    assert stats.take() == {}
+    values = [0.1, -2.5, 7.25, 3.0]  # std against the textbook two-pass formula
+    stats.add(values)
+    mean = sum(values) / 4
+    expected = math.sqrt(sum((v - mean) ** 2 for v in values) / 4)
+    assert stats.take()["std"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_config_names_functions_and_refuses_two_of_one_name(user_file):

@@ -97,3 +97,15 @@ def test_the_guides_reward_function_trains_with_the_math_reward(tmp_path, assets
         # Both functions scored every sample in time, in their own processes.
         assert r["train/env/arithmetic/math/timeouts"] == 0
         assert r["train/env/arithmetic/contains_answer/verifier_errors"] == 0
+
+
+def test_setup_knows_the_columns_the_functions_read(tmp_path):
+    """What setup checks the rows against (rl_data.datasets.require_env_info): a reward
+    function's arguments without a default, and a class's ``required_metadata``."""
+    from rl_algorithms.environments import EnvSpec, required_metadata
+
+    (tmp_path / "mine.py").write_text("def f(prompts, completions, label, **kw):\n    return []\n")
+    functions = [{"function": "math"}, {"function": f"{tmp_path / 'mine.py'}:f"}]
+    spec = EnvSpec(kind="reward_functions", config={"functions": functions})
+    assert required_metadata("qa", spec) == ("ground_truth", "label")
+    assert required_metadata("arithmetic", EnvSpec(kind="math")) == ("ground_truth",)

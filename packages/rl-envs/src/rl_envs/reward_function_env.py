@@ -38,9 +38,9 @@ from rl_envs.metrics import OutcomeCounts, reward_metrics
 from rl_envs.pool import WorkerPool
 from rl_envs.reward_functions import (
     BUILTIN_PRELOAD,
+    ValueStats,
     check_value,
     combine,
-    function_metrics,
     is_file_reference,
     load_reward_function,
     required_columns,
@@ -116,7 +116,7 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
         # scored 0.
         self.required_metadata = self.required_metadata_for(cfg)  # type: ignore[misc]
         self.counts = {f.name: OutcomeCounts() for f in cfg.functions}
-        self.values: dict[str, list[float | None]] = {f.name: [] for f in cfg.functions}
+        self.values = {f.name: ValueStats() for f in cfg.functions}
         preload = [m for f in cfg.functions for m in BUILTIN_PRELOAD.get(f.function, ())]
         preload += [
             f.function.partition(":")[0] for f in cfg.functions if not is_file_reference(f.function)
@@ -182,7 +182,7 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
                         ) from None
                 column.append(value)
             values.append(column)
-            self.values[spec.name] += column
+            self.values[spec.name].add(column)
         rewards = combine(values, self.weights)
         answers = [
             " ".join(f"{s.name}={_show(v[i])}" for s, v in zip(self.functions, values, strict=True))
@@ -208,9 +208,8 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
         )
         # Each function's values and outcomes since the last metrics call, as steps saw them.
         for name, values in self.values.items():
-            metrics.update({f"{name}/{k}": v for k, v in function_metrics(values).items()})
+            metrics.update({f"{name}/{k}": v for k, v in values.take().items()})
             metrics.update({f"{name}/{k}": v for k, v in self.counts[name].take().items()})
-            values.clear()
         return batch, metrics
 
     def shutdown(self) -> None:

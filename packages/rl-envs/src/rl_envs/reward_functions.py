@@ -26,6 +26,7 @@ import math
 import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -186,15 +187,35 @@ def combine(values: Sequence[Sequence[float | None]], weights: Sequence[float]) 
     ]
 
 
-def function_metrics(values: Sequence[float | None]) -> dict[str, float]:
-    """``mean`` and ``std`` (population) of the values that are not ``None``, and
-    ``none_fraction``; ``mean`` and ``std`` are left out when every value is ``None``."""
-    if not values:
-        return {}
-    scored = [v for v in values if v is not None]
-    out = {"none_fraction": 1.0 - len(scored) / len(values)}
-    if scored:
-        mean = sum(scored) / len(scored)
-        out["mean"] = mean
-        out["std"] = math.sqrt(sum((v - mean) ** 2 for v in scored) / len(scored))
-    return out
+@dataclass
+class ValueStats:
+    """One function's values since they were last taken, as running sums: async GRPO never asks
+    for environment metrics, so a list of every value would grow for the whole run."""
+
+    count: int = 0
+    scored: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+
+    def add(self, values: Sequence[float | None]) -> None:
+        for v in values:
+            self.count += 1
+            if v is not None:
+                self.scored += 1
+                self.total += v
+                self.total_sq += v * v
+
+    def take(self) -> dict[str, float]:
+        """``mean`` and ``std`` (population) of the values that were not ``None``, and
+        ``none_fraction``; ``mean`` and ``std`` are left out when every value was ``None``.
+        Then start again from nothing."""
+        out: dict[str, float] = {}
+        if self.count:
+            out["none_fraction"] = 1.0 - self.scored / self.count
+        if self.scored:
+            mean = self.total / self.scored
+            out["mean"] = mean
+            out["std"] = math.sqrt(max(0.0, self.total_sq / self.scored - mean * mean))
+        self.count = self.scored = 0
+        self.total = self.total_sq = 0.0
+        return out
