@@ -3,10 +3,16 @@
     env:
       arithmetic: {kind: math, config: {num_workers: 1}}
       sliding_puzzle: {config: {max_turns: 4}}          # kind defaults to the task name
+      qa:                                                # reward functions, weighted
+        kind: reward_functions
+        config:
+          functions:
+            - {function: math, weight: 1.0}
+            - {function: my_rewards.py:brevity, weight: 0.1}
 
 ``kind`` is a known environment name or an import path ``module:Class`` (a subclass of
 ``rl_envs.interfaces.EnvironmentInterface`` whose constructor takes its config). Samples are
-routed by their ``task_name``.
+routed by their ``task_name``. See docs/guides/reward-functions.md for reward functions.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ KNOWN_ENVIRONMENTS = {
         "rl_envs.reward_model_env:RewardModelEnvironment",
         "rl_envs.reward_model_env:RewardModelEnvConfig",
     ),
+    "reward_functions": (
+        "rl_envs.reward_function_env:RewardFunctionsEnvironment",
+        "rl_envs.reward_function_env:RewardFunctionsEnvConfig",
+    ),
 }
 
 
@@ -54,7 +64,10 @@ def environment_class(task: str, spec: EnvSpec) -> tuple[type, Any]:
     if kind in KNOWN_ENVIRONMENTS:
         cls_path, cfg_path = KNOWN_ENVIRONMENTS[kind]
         cls, cfg_cls = _import(cls_path), _import(cfg_path)
-        return cls, cfg_cls.model_validate(spec.config)
+        config = dict(spec.config)
+        if "config_key" in cfg_cls.model_fields:  # its errors name where it sits in the recipe
+            config["config_key"] = f"env.{task}.config"
+        return cls, cfg_cls.model_validate(config)
     if ":" not in kind:
         raise ValueError(
             f"env.{task}.kind is {kind!r}; expected one of {sorted(KNOWN_ENVIRONMENTS)} or an "
@@ -65,6 +78,15 @@ def environment_class(task: str, spec: EnvSpec) -> tuple[type, Any]:
     except (ImportError, AttributeError) as e:
         raise ValueError(f"env.{task}.kind: cannot import {kind!r}: {e}") from None
     return cls, spec.config
+
+
+def required_metadata(task: str, spec: EnvSpec) -> tuple[str, ...]:
+    """The columns of a row's ``extra_env_info`` that ``env.<task>`` cannot score without (for
+    reward functions, the columns their signatures name: known only once the config is read)."""
+    cls, cfg = environment_class(task, spec)
+    if hasattr(cls, "required_metadata_for"):
+        return tuple(cls.required_metadata_for(cfg))
+    return tuple(getattr(cls, "required_metadata", ()))
 
 
 def check_environments(env: dict[str, EnvSpec]) -> dict[str, EnvSpec]:

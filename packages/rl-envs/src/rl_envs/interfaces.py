@@ -33,6 +33,12 @@ class EnvironmentInterface(ABC):
     # refuses a sample without them rather than scoring it 0.
     required_metadata: ClassVar[tuple[str, ...]] = ()
 
+    @classmethod
+    def required_metadata_for(cls, cfg: Any) -> tuple[str, ...]:
+        """``required_metadata`` of the environment ``cfg`` configures (setup checks rows
+        against it); environments whose columns depend on their config override this."""
+        return cls.required_metadata
+
     @abstractmethod
     def step(
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]

@@ -1,0 +1,221 @@
+"""Reward functions as TRL users write them, and how several combine into one reward.
+
+A reward function is called as TRL's ``GRPOTrainer`` calls the functions in ``reward_funcs``::
+
+    fn(prompts=[...], completions=[...], **columns) -> list[float | None]
+
+with one entry per completion: ``prompts[i]`` is the conversation before the answer (a list of
+``{"role", "content"}`` messages), ``completions[i]`` the answer in TRL's conversational form
+(``[{"role": "assistant", "content": text}]``), and every column of the row's
+``extra_env_info`` (``ground_truth``, say) as a keyword argument holding one value per
+completion. ``None`` means "this function has no opinion on this completion".
+
+A function is named ``"package.module:function"``, ``"path/to/file.py:function"`` or a built-in
+name (:data:`BUILTIN_REWARD_FUNCTIONS`). This module is what verifier processes import (see
+:mod:`rl_envs.pool`), so it stays free of torch and Ray.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Built-in reward functions, by the name a config may use instead of an import path.
+BUILTIN_REWARD_FUNCTIONS = {"math": "rl_envs.reward_functions:math_reward"}
+
+#: Heavy modules a built-in function imports (by its import path), preloaded by the verifier
+#: processes so that the first sample does not pay for them under its timeout.
+BUILTIN_PRELOAD = {"rl_envs.reward_functions:math_reward": ("math_verify",)}
+
+#: The arguments every call gets; any other argument without a default is a dataset column.
+CALL_ARGUMENTS = ("prompts", "completions")
+
+
+def math_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], ground_truth: Sequence[str], **columns: Any
+) -> list[float]:
+    """The math environment's reward as a reward function: 1.0 when the completion's final
+    answer equals ``ground_truth`` mathematically (math-verify), else 0.0."""
+    from rl_envs.verifiers import score_math
+
+    return [
+        score_math(completion_text(c), truth)[0]
+        for c, truth in zip(completions, ground_truth, strict=True)
+    ]
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion in TRL's conversational form (or a plain string)."""
+    if isinstance(completion, str):
+        return completion
+    return completion[-1]["content"]
+
+
+def is_file_reference(ref: str) -> bool:
+    """``"dir/file.py:fn"`` names a file; ``"package.module:fn"`` a module."""
+    location = ref.rpartition(":")[0]
+    return location.endswith(".py") or "/" in location or "\\" in location
+
+
+def resolve_reference(ref: str) -> str:
+    """The reference a worker can load from anywhere: a built-in name becomes its import path and
+    a file path becomes absolute (Ray workers need not share the driver's working directory)."""
+    ref = BUILTIN_REWARD_FUNCTIONS.get(ref, ref)
+    if ":" not in ref:
+        raise ValueError(
+            f"{ref!r} is neither a built-in reward function ({sorted(BUILTIN_REWARD_FUNCTIONS)}) "
+            "nor 'package.module:function' nor 'path/to/file.py:function'"
+        )
+    location, _, name = ref.rpartition(":")
+    if is_file_reference(ref):
+        return f"{Path(location).expanduser().resolve()}:{name}"
+    return ref
+
+
+@functools.cache
+def load_reward_function(ref: str) -> Callable[..., Any]:
+    """The function a reference names (see :func:`resolve_reference`), imported once per
+    process; a ``ValueError`` saying what is wrong when it cannot be."""
+    ref = resolve_reference(ref)
+    location, _, name = ref.rpartition(":")
+    if is_file_reference(ref):
+        path = Path(location)
+        if not path.is_file():
+            raise ValueError(f"{ref!r}: no such file {str(path)!r}")
+        # A module name of its own per file, so that two files called rewards.py do not clash.
+        digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        module_name = f"rl_user_rewards_{path.stem}_{digest}"
+        if module_name in sys.modules:
+            module = sys.modules[module_name]
+        else:
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            if spec is None or spec.loader is None:
+                raise ValueError(f"{ref!r}: {str(path)!r} cannot be loaded as a Python file")
+            module = importlib.util.module_from_spec(spec)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as e:
+                raise ValueError(f"{ref!r}: importing {str(path)!r} failed: {e!r}") from e
+            sys.modules[module_name] = module
+    else:
+        try:
+            module = importlib.import_module(location)
+        except Exception as e:
+            raise ValueError(f"{ref!r}: cannot import module {location!r}: {e!r}") from e
+    function = getattr(module, name, None)
+    if function is None:
+        raise ValueError(f"{ref!r}: {location!r} has no {name!r}")
+    if not callable(function):
+        raise ValueError(f"{ref!r}: {name!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+def required_columns(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The dataset columns a function cannot do without: its arguments without a default, other
+    than ``prompts`` and ``completions``."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: it says nothing
+        return ()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(
+        p.name
+        for p in parameters
+        if p.kind in named and p.default is p.empty and p.name not in CALL_ARGUMENTS
+    )
+
+
+def call_reward_function(ref: str, prompt: list[dict], completion: str, columns: dict) -> Any:
+    """One completion's call (what a verifier process runs, under the per-sample timeout):
+    ``fn(prompts=[prompt], completions=[[assistant message]], **{column: [value]})``. The
+    result is returned as it is; :func:`check_value` judges it."""
+    function = load_reward_function(ref)
+    message = [{"role": "assistant", "content": completion}]
+    batch_columns = {key: [value] for key, value in columns.items()}
+    return function(prompts=[prompt], completions=[message], **batch_columns)
+
+
+def check_value(result: Any) -> float | None:
+    """The one reward in a single completion's result, or a ``TypeError`` saying what the result
+    was instead. NaN counts as ``None`` (TRL turns ``None`` into NaN)."""
+    if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Sequence):
+        raise TypeError(
+            f"returned a {type(result).__name__} ({result!r:.80}); expected a list with one "
+            "float or None per completion"
+        )
+    if len(result) != 1:
+        raise TypeError(
+            f"returned {len(result)} values for 1 completion ({result!r:.80}); expected one "
+            "float or None per completion"
+        )
+    (value,) = result
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"returned {value!r:.80} ({type(value).__name__}) for a completion; expected a "
+            "float or None"
+        )
+    value = float(value)
+    if math.isnan(value):
+        return None
+    if math.isinf(value):
+        raise TypeError(f"returned {value} for a completion; a reward must be finite")
+    return value
+
+
+def combine(values: Sequence[Sequence[float | None]], weights: Sequence[float]) -> list[float]:
+    """Per completion, the weighted sum of the functions' rewards (``values[f][i]``: function
+    ``f`` on completion ``i``). A ``None`` is left out of the sum, as TRL leaves out NaN, so a
+    completion every function passed on gets 0.0."""
+    if len(values) != len(weights):
+        raise ValueError(f"{len(values)} functions' values but {len(weights)} weights")
+    n = len(values[0]) if values else 0
+    return [
+        sum(w * v[i] for v, w in zip(values, weights, strict=True) if v[i] is not None)
+        for i in range(n)
+    ]
+
+
+@dataclass
+class ValueStats:
+    """One function's values since they were last taken, as running sums: async GRPO never asks
+    for environment metrics, so a list of every value would grow for the whole run."""
+
+    count: int = 0
+    scored: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+
+    def add(self, values: Sequence[float | None]) -> None:
+        for v in values:
+            self.count += 1
+            if v is not None:
+                self.scored += 1
+                self.total += v
+                self.total_sq += v * v
+
+    def take(self) -> dict[str, float]:
+        """``mean`` and ``std`` (population) of the values that were not ``None``, and
+        ``none_fraction``; ``mean`` and ``std`` are left out when every value was ``None``.
+        Then start again from nothing."""
+        out: dict[str, float] = {}
+        if self.count:
+            out["none_fraction"] = 1.0 - self.scored / self.count
+        if self.scored:
+            mean = self.total / self.scored
+            out["mean"] = mean
+            out["std"] = math.sqrt(max(0.0, self.total_sq / self.scored - mean * mean))
+        self.count = self.scored = 0
+        self.total = self.total_sq = 0.0
+        return out
