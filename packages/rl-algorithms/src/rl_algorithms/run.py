@@ -17,7 +17,7 @@ from typing import Any
 
 from rl_algorithms import actors
 from rl_algorithms.config import set_seed
-from rl_algorithms.environments import environment_class, stop_environments
+from rl_algorithms.environments import required_metadata, stop_environments
 from rl_algorithms.utils.checkpoint import CheckpointManager
 from rl_algorithms.utils.logger import Logger
 from rl_data.loader import StatefulDataLoader
@@ -127,10 +127,7 @@ def setup_run(
     splits = load_splits(config.data) if splits is None else splits
     if envs:
         # A row without the column its reward reads would score 0 forever: refuse it now.
-        needs = {
-            task: getattr(environment_class(task, spec)[0], "required_metadata", ())
-            for task, spec in envs.items()
-        }
+        needs = {task: required_metadata(task, spec) for task, spec in envs.items()}
         for split, rows in splits.items():
             check_task_names(rows, envs, split)
             require_env_info(rows, needs)
