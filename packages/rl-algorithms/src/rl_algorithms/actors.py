@@ -8,6 +8,10 @@ kind: a critic, a teacher) adds a factory, not a copy of another algorithm's set
   ``policy.backend``). The reference policy of the KL penalty and DPO is a frozen copy held by
   the same workers (``policy.reference_policy``), so it has no actor of its own;
 - ``make_generator``: a sampler (``generation.backend``: ``hf`` or ``vllm``);
+- ``make_critic``: a value model trained beside the policy (PPO): a ``Policy`` whose model is
+  ``model.kind: value``, with its own optimiser, micro-batching and checkpoint;
+- ``make_teacher``: a frozen model that scores the policy's samples (distillation): a
+  ``Policy`` that is never trained, asked for log-probs or top-k log-probs;
 - ``start_environments`` (``rl_algorithms.environments``): reward environments, reward models
   included (``env.<task>.kind: reward_model``), one Ray actor per task.
 
@@ -23,7 +27,14 @@ from rl_algorithms.environments import start_environments
 from rl_models.generation.config import GenerationConfig
 from rl_models.policy.config import ModelConfig, PolicyConfig
 
-__all__ = ["make_generator", "make_policy", "start_cluster", "start_environments"]
+__all__ = [
+    "make_critic",
+    "make_generator",
+    "make_policy",
+    "make_teacher",
+    "start_cluster",
+    "start_environments",
+]
 
 # generation.backend -> the controller class that runs it (imported only when chosen: the
 # vLLM backend's module needs the vllm extra's dependencies on the driver).
@@ -61,6 +72,20 @@ def make_policy(cluster: Any, config: PolicyConfig, name: str) -> Any:
     from rl_models.policy.lm_policy import Policy
 
     return Policy(cluster, config, name_prefix=name)
+
+
+def make_critic(cluster: Any, config: PolicyConfig, name: str) -> Any:
+    """A critic (a value model, ``model.kind: value``) training on ``cluster``."""
+    if config.model.kind != "value":
+        raise ValueError(f"a critic's model must be of kind value, not {config.model.kind}")
+    return make_policy(cluster, config, name)
+
+
+def make_teacher(cluster: Any, config: PolicyConfig, name: str) -> Any:
+    """A frozen causal LM on ``cluster`` whose log-probs the student learns from."""
+    if config.model.kind != "causal_lm":
+        raise ValueError(f"a teacher's model must be a causal_lm, not {config.model.kind}")
+    return make_policy(cluster, config, name)
 
 
 def make_generator(

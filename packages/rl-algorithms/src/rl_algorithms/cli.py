@@ -1,4 +1,4 @@
-"""The ``rl`` command: ``rl sft|dpo|rm|grpo|eval [--config FILE] [key=value ...]``.
+"""The ``rl`` command: ``rl sft|dpo|rm|grpo|ppo|distill|eval [--config FILE] [key=value ...]``.
 
 A run's config is built in three layers, later ones winning: the algorithm's default recipe
 (shipped in ``rl_algorithms/recipes``), the ``--config`` file (with its own ``defaults:``
@@ -28,6 +28,11 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
     "grpo": (
         "rl_algorithms.grpo",
         "GRPO and relatives: rollouts, rewards, clipped policy gradient",
+    ),
+    "ppo": ("rl_algorithms.ppo", "PPO: rollouts, a learned critic, GAE, clipped policy and value"),
+    "distill": (
+        "rl_algorithms.distill",
+        "on-policy distillation: the student samples, a frozen teacher scores each token",
     ),
     "eval": ("rl_algorithms.eval", "pass@k and majority-vote accuracy of a model on a dataset"),
 }

@@ -50,6 +50,15 @@ class GeneratorPlan:
     num_workers: int = 1  # workers of its own cluster, when not colocated
 
 
+@dataclass(frozen=True)
+class ModelPlan:
+    """A model of its own beside the policy, a critic or a teacher, and where it runs."""
+
+    config: PolicyConfig
+    colocated: bool = True  # shares the policy's bundles (taking turns with it)
+    num_workers: int = 1  # workers of its own cluster, when not colocated
+
+
 @dataclass
 class Run:
     """Everything a loop works with; ``step`` counts the steps done (restored on resume)."""
@@ -68,6 +77,8 @@ class Run:
     policy: Any = None  # rl_models Policy
     generation: Any = None  # a GenerationInterface
     envs: dict[str, Any] = field(default_factory=dict)  # task name -> environment actor
+    critic: Any = None  # rl_models Policy of a value model (PPO), trained beside the policy
+    teacher: Any = None  # rl_models Policy of a frozen model (distillation)
     loss_fn: Any = None
     step: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # algorithm state saved with checkpoints
@@ -82,11 +93,15 @@ class Run:
         self._batches = iter(self.train_loader)
         return next(self._batches)
 
+    def trained_models(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the policy: the models trained beside it."""
+        return {"critic": self.critic} if self.critic is not None else {}
+
     def shutdown(self) -> None:
         if self.logger is not None:
             self.logger.close()
         stop_environments(self.envs)
-        for actor in (self.generation, self.policy):
+        for actor in (self.generation, self.teacher, self.critic, self.policy):
             if actor is not None:
                 actor.shutdown()
         for cluster in self.clusters:
@@ -101,6 +116,8 @@ def setup_run(
     data: DataPlan,
     policy: PolicyConfig | None = None,
     generator: GeneratorPlan | None = None,
+    critic: ModelPlan | None = None,
+    teacher: ModelPlan | None = None,
     envs: Mapping[str, Any] | None = None,
     splits: Mapping[str, Any] | None = None,
     max_steps: int | None = None,
@@ -112,7 +129,8 @@ def setup_run(
     ``config`` has ``tokenizer``, ``data``, ``cluster`` and ``logger`` sections, and
     ``checkpointing`` when the run saves and resumes: then the latest complete checkpoint in
     ``checkpointing.checkpoint_dir`` is checked against the config before any worker starts,
-    and restores the policy, the train loader's position, the RNGs, the step and ``extra``.
+    and restores the policy (and critic), the train loader's position, the RNGs, the step and
+    ``extra``. Actors that are not colocated get a cluster of their own each.
     ``splits`` (default: ``load_splits(config.data)``) maps ``train`` / ``validation`` to rows.
     The run lasts ``max_steps`` steps or ``max_epochs`` epochs, whichever ends first.
     """
@@ -167,8 +185,9 @@ def setup_run(
     if latest is not None:
         checkpointer.check_resumable(latest, run_config)  # before any worker starts
 
-    colocated = generator is None or policy is None or generator.colocated
-    groups_per_bundle = 2 if policy is not None and generator is not None and colocated else 1
+    # Worker groups that share the policy's bundles, taking turns on them.
+    sharing = [plan.colocated for plan in (generator, critic, teacher) if plan is not None]
+    groups_per_bundle = 1 + sum(sharing) if policy is not None else 1
     cluster = actors.start_cluster(
         config.cluster, f"{name}-cluster", groups_per_bundle=groups_per_bundle
     )
@@ -185,25 +204,43 @@ def setup_run(
         total_steps=min(max_steps or len(train_loader), max_epochs * len(train_loader)),
         val_period=val_period,
     )
+
+    def placed(plan: GeneratorPlan | ModelPlan, role: str) -> Any:
+        """The cluster an actor runs on: the main one (the policy's, shared in turns, or the
+        only actor's), or one of its own."""
+        if plan.colocated or policy is None:
+            return cluster
+        own = actors.start_cluster(
+            config.cluster, f"{name}-{role}-cluster", bundles_per_node=[plan.num_workers]
+        )
+        run.clusters.append(own)
+        return own
+
     try:
         if policy is not None:
             run.policy = actors.make_policy(cluster, policy, f"{name}-policy")
+
         if generator is not None:
-            gen_cluster = cluster
-            if not colocated:
-                gen_cluster = actors.start_cluster(
-                    config.cluster,
-                    f"{name}-generation-cluster",
-                    bundles_per_node=[generator.num_workers],
-                )
-                run.clusters.append(gen_cluster)
             run.generation = actors.make_generator(
-                gen_cluster, generator.config, generator.model, f"{name}-generation"
+                placed(generator, "generation"),
+                generator.config,
+                generator.model,
+                f"{name}-generation",
+            )
+        if critic is not None:
+            run.critic = actors.make_critic(
+                placed(critic, "critic"), critic.config, f"{name}-critic"
+            )
+        if teacher is not None:
+            run.teacher = actors.make_teacher(
+                placed(teacher, "teacher"), teacher.config, f"{name}-teacher"
             )
         if envs:
             run.envs = actors.start_environments(dict(envs))
         if latest is not None:
-            state = checkpointer.load(latest, run.policy, dataloader=train_loader)
+            state = checkpointer.load(
+                latest, run.policy, dataloader=train_loader, models=run.trained_models()
+            )
             run.step, run.extra = state["step"], state["extra"]
     except BaseException:
         run.shutdown()  # what did start, so a failed setup leaves no worker behind
@@ -273,6 +310,7 @@ def save_checkpoint(run: Run, metrics: Mapping[str, float]) -> None:
         run.step,
         run.policy,
         dataloader=run.train_loader,
+        models=run.trained_models(),
         metrics=metrics,
         extra_state={**run.extra, "logger": run.logger.state_dict()},
         run_config=run.config.model_dump(mode="json"),

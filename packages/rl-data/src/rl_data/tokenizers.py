@@ -188,3 +188,25 @@ def _recent_texts(tokenizer: Any, vocab_size: int) -> _RecentTexts:
         return recent
     except TypeError:  # an object that cannot be weakly referenced: no memory across calls
         return _RecentTexts(vocab_size)
+
+
+def check_same_vocabulary(
+    student: PreTrainedTokenizerBase,
+    teacher: PreTrainedTokenizerBase,
+    student_name: str,
+    teacher_name: str,
+) -> None:
+    """Refuse two tokenizers whose token ids mean different strings: a teacher's log-probs of
+    the student's token ids would then score other text. Names the first differing token."""
+    a, b = student.get_vocab(), teacher.get_vocab()
+    by_id_a = {i: t for t, i in a.items()}
+    by_id_b = {i: t for t, i in b.items()}
+    for i in sorted(set(by_id_a) | set(by_id_b)):
+        if by_id_a.get(i) != by_id_b.get(i):
+            raise ValueError(
+                f"the student's tokenizer ({student_name}, {len(a)} tokens) and the teacher's "
+                f"({teacher_name}, {len(b)} tokens) differ: token id {i} is "
+                f"{by_id_a.get(i)!r} for the student and {by_id_b.get(i)!r} for the teacher. "
+                "Distillation compares log-probs token by token, so both must share one "
+                "vocabulary"
+            )

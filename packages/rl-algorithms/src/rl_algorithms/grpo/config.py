@@ -7,7 +7,7 @@ combination fails before Ray starts, naming the keys.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -95,17 +95,15 @@ class RewardShapingConfig(ConfigModel):
         return self
 
 
-class GRPOConfig(ConfigModel):
-    """The loop (NeMo RL's ``grpo.*`` keys)."""
+class RolloutLoopConfig(ConfigModel):
+    """What every loop that samples from the policy and scores the samples shares (GRPO, PPO,
+    distillation): the batch of prompts, the rollouts, the length of the run, validation."""
 
     num_prompts_per_step: int = Field(ge=1)
     num_generations_per_prompt: int = Field(ge=1)
     max_num_steps: int = Field(ge=1)
     max_num_epochs: int = Field(1, ge=1)
     max_rollout_turns: int = Field(1, ge=1)
-    advantage_estimator: Literal["grpo", "reinforce_plus_plus"] = "grpo"
-    normalize_rewards: bool = True  # divide by the group's std (grpo)
-    use_leave_one_out_baseline: bool = False  # grpo: RLOO baseline (normalize_rewards=false: RLOO)
     use_dynamic_sampling: bool = False
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     overlong_filtering: bool = False  # truncated responses out of the loss
@@ -118,6 +116,14 @@ class GRPOConfig(ConfigModel):
     # Warn when every reward of the batch has been the same for this many steps in a row (no
     # signal: nothing learns); 0: never.
     no_signal_warning_steps: int = Field(5, ge=0)
+
+
+class GRPOConfig(RolloutLoopConfig):
+    """The loop (NeMo RL's ``grpo.*`` keys)."""
+
+    advantage_estimator: Literal["grpo", "reinforce_plus_plus"] = "grpo"
+    normalize_rewards: bool = True  # divide by the group's std (grpo)
+    use_leave_one_out_baseline: bool = False  # grpo: RLOO baseline (normalize_rewards=false: RLOO)
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)  # see grpo/async_loop.py
 
 
@@ -138,30 +144,38 @@ class GRPOGenerationConfig(GenerationConfig):
         return GenerationConfig.model_validate(self.model_dump(exclude={"num_workers", "dtype"}))
 
 
-class MasterConfig(RunConfig):
+class RLMasterConfig(RunConfig):
+    """What a run that samples from its policy and scores the samples is configured with;
+    an algorithm's ``MasterConfig`` adds its loop section (``rollout`` names it) and loss."""
+
     policy: GRPOPolicyConfig
     tokenizer: TokenizerConfig
     generation: GRPOGenerationConfig = Field(default_factory=GRPOGenerationConfig)
-    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
     env: EnvSection
     data: DataSection
-    grpo: GRPOConfig
 
-    def logged_metrics(self) -> frozenset[str]:
-        train = POLICY_STEP_METRICS | {"grad_norm"} | ClippedPGLossFn.METRICS | STEP_METRICS
-        return prefixed("train", train) | prefixed("val", VALIDATION_METRICS)
+    #: The name of the algorithm's loop section (``grpo``, ``ppo``, ...).
+    LOOP_SECTION: ClassVar[str]
+
+    @property
+    def rollout(self) -> RolloutLoopConfig:
+        """The loop section the shared steps (``grpo.steps``) read."""
+        return getattr(self, self.LOOP_SECTION)
 
     @model_validator(mode="after")
-    def _consistent(self) -> MasterConfig:
-        g = self.grpo
+    def _rollouts_consistent(self) -> RLMasterConfig:
+        g = self.rollout
         rows = g.num_prompts_per_step * g.num_generations_per_prompt
         if rows % self.policy.train_global_batch_size:
+            section = self.LOOP_SECTION
             raise ValueError(
                 f"policy.train_global_batch_size ({self.policy.train_global_batch_size}) must "
-                f"divide grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({rows})"
+                f"divide {section}.num_prompts_per_step * {section}.num_generations_per_prompt "
+                f"({rows})"
             )
+        loss = getattr(self, "loss_fn", None)
         if (
-            self.loss_fn.reference_policy_kl_penalty > 0
+            getattr(loss, "reference_policy_kl_penalty", 0) > 0
             and not self.policy.reference_policy.enabled
         ):
             raise ValueError(
@@ -174,7 +188,6 @@ class MasterConfig(RunConfig):
             )
         if not self.env:
             raise ValueError("env: configure at least one environment (task_name: {kind: ...})")
-        check_async_config(self)
         # On-policy ratios are 1 only if the trainer scores tokens under the distribution the
         # generator sampled from: the same temperature.
         temperature = self.generation.sampling.temperature
@@ -191,12 +204,28 @@ class MasterConfig(RunConfig):
             # directory instead (rl_models.model_files), which holds its files.
             self.generation.tokenizer = self.tokenizer.path
         if "seed" not in self.generation.model_fields_set:
-            # One seed for the run: grpo.seed orders the prompts and seeds the sampler.
-            self.generation.seed = self.grpo.seed
+            # One seed for the run: the loop's seed orders the prompts and seeds the sampler.
+            self.generation.seed = g.seed
         if self.policy.model.hf_config is not None:
             # A model built from a config is initialised from the seed: the same weights on
             # both sides, so the first step needs no refit.
             self.generation.seed = self.policy.seed
+        return self
+
+
+class MasterConfig(RLMasterConfig):
+    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    grpo: GRPOConfig
+
+    LOOP_SECTION: ClassVar[str] = "grpo"
+
+    def logged_metrics(self) -> frozenset[str]:
+        train = POLICY_STEP_METRICS | {"grad_norm"} | ClippedPGLossFn.METRICS | STEP_METRICS
+        return prefixed("train", train) | prefixed("val", VALIDATION_METRICS)
+
+    @model_validator(mode="after")
+    def _async_consistent(self) -> MasterConfig:
+        check_async_config(self)
         return self
 
 

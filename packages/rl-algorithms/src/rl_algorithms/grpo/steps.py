@@ -94,7 +94,7 @@ def rollout_prompts(run: Run, prompts: BatchedDataDict, greedy: bool = False) ->
             run.template,
             run.envs,
             max_seq_len=run.config.policy.max_total_sequence_length,
-            max_turns=run.config.grpo.max_rollout_turns,
+            max_turns=run.config.rollout.max_rollout_turns,
             greedy=greedy,
             expected_weight_version=run.policy.weight_version,
         )
@@ -111,7 +111,7 @@ def generate_rollouts(run: Run) -> tuple[RolloutResult, dict[str, float]]:
     what the train step expects. ``RolloutResult.filler`` marks those filler rows:
     ``compute_advantages`` gives them sample mask 0, so they add no gradient and no tokens.
     """
-    g = run.config.grpo
+    g = run.config.rollout
     G = g.num_generations_per_prompt
     kept: list[RolloutResult] = []
     set_aside: list[RolloutResult] = []
@@ -139,7 +139,7 @@ def generate_rollouts(run: Run) -> tuple[RolloutResult, dict[str, float]]:
 
 def shaped_rewards(run: Run, result: RolloutResult) -> torch.Tensor:
     """The environments' rewards plus the overlong penalty when reward shaping is on."""
-    shaping = run.config.grpo.reward_shaping
+    shaping = run.config.rollout.reward_shaping
     rewards = result.rewards.clone()
     if shaping.enabled:
         lengths = torch.tensor([response_length(log) for log in result.message_logs])
@@ -202,7 +202,7 @@ def warn_if_no_signal(run: Run, rewards: torch.Tensor) -> None:
     """Count the steps in a row whose rewards are all the same, and warn once a streak reaches
     ``grpo.no_signal_warning_steps``: such a run trains on nothing and would otherwise say so
     only through a flat curve. The count lives in ``run.extra`` so a resumed run keeps it."""
-    steps = run.config.grpo.no_signal_warning_steps
+    steps = run.config.rollout.no_signal_warning_steps
     if steps == 0:
         return
     identical = len(rewards) > 0 and bool((rewards == rewards[0]).all())
@@ -269,7 +269,7 @@ def validate(run: Run) -> dict[str, float]:
     run.val_loader.epoch, run.val_loader.position = 0, 0
     rewards, turns, seen = [], [], 0
     for prompts in run.val_loader:
-        if seen >= run.config.grpo.max_val_samples:
+        if seen >= run.config.rollout.max_val_samples:
             break
         result = rollout_prompts(run, prompts, greedy=True)
         rewards.append(result.rewards)

@@ -4,6 +4,7 @@ Layout of ``checkpoint_dir``::
 
     step_40/                 a complete checkpoint (only complete ones have this name)
         policy/              Policy.save_checkpoint: HF weights, optimizer, scheduler
+        critic/              models trained beside the policy (PPO's critic), the same way
         training_state.pt    step, data-loader position, RNG states, extra state
         info.json            step and metrics (written last, before the rename)
     .tmp-step_60-1234/       being written (or left by a killed run): never loaded
@@ -134,6 +135,7 @@ class CheckpointManager:
         policy: SupportsCheckpoint | None,
         *,
         dataloader: Stateful | None = None,
+        models: Mapping[str, SupportsCheckpoint] | None = None,
         metrics: Mapping[str, float] | None = None,
         extra_state: Mapping[str, Any] | None = None,
         run_config: Mapping[str, Any] | None = None,
@@ -144,7 +146,8 @@ class CheckpointManager:
         ``run_config`` (the run's config as JSON-able data) has its ``IDENTITY_KEYS`` kept in
         ``info.json`` so that resuming with another model, tokenizer or training data is refused.
         ``tokenizer`` is saved beside the policy's weights, so that ``transformers`` loads the
-        checkpoint's ``policy`` directory as it is."""
+        checkpoint's ``policy`` directory as it is. ``models`` are saved beside the policy, each
+        in the directory its key names (``critic``)."""
         final = self.root / f"step_{step}"
         tmp = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -153,6 +156,8 @@ class CheckpointManager:
             policy.save_checkpoint(str((tmp / POLICY_DIR).resolve()))
             if tokenizer is not None:  # the weights' directory is then a whole HF model
                 tokenizer.save_pretrained(tmp / POLICY_DIR)
+        for name, model in (models or {}).items():
+            model.save_checkpoint(str((tmp / name).resolve()))
         state = {
             "step": step,
             "rng": rng_states(),
@@ -222,9 +227,10 @@ class CheckpointManager:
         policy: SupportsCheckpoint | None,
         *,
         dataloader: Stateful | None = None,
+        models: Mapping[str, SupportsCheckpoint] | None = None,
         restore_rng: bool = True,
     ) -> dict[str, Any]:
-        """Restore a checkpoint into ``policy`` and ``dataloader`` (and the RNGs).
+        """Restore a checkpoint into ``policy``, ``models`` and ``dataloader`` (and the RNGs).
 
         Returns ``{"step", "extra", "metrics"}``: the step to continue after and the extra
         state saved with it.
@@ -232,6 +238,13 @@ class CheckpointManager:
         state = torch.load(path / STATE_FILE, weights_only=False)  # our own file
         if policy is not None:
             policy.load_checkpoint(str((path / POLICY_DIR).resolve()))
+        for name, model in (models or {}).items():
+            if not (path / name).is_dir():
+                raise ValueError(
+                    f"checkpoint {path} has no {name}/ directory: it was written by a run "
+                    f"without a {name}, so this run cannot resume from it"
+                )
+            model.load_checkpoint(str((path / name).resolve()))
         if dataloader is not None and state["dataloader"] is not None:
             dataloader.load_state_dict(state["dataloader"])
         if restore_rng:

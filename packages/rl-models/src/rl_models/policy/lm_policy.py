@@ -113,9 +113,9 @@ class Policy(PolicyInterface):
         )
         return self.worker_group.get_all_worker_results(futures)
 
-    def _per_row(self, method: str, data: BatchedDataDict) -> BatchedDataDict:
+    def _per_row(self, method: str, data: BatchedDataDict, **common: Any) -> BatchedDataDict:
         shards, restore = self._shard(data, None, training=False)
-        out = BatchedDataDict.from_batches(self._run(method, shards))
+        out = BatchedDataDict.from_batches(self._run(method, shards, **common))
         return out.reorder_data(restore) if restore is not None else out
 
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
@@ -127,6 +127,18 @@ class Policy(PolicyInterface):
     def get_scores(self, data: BatchedDataDict) -> BatchedDataDict:
         """``{"scores": [B, num_labels]}`` of a sequence classifier (``model.kind``)."""
         return self._per_row("get_scores", data)
+
+    def get_topk_logprobs(self, data: BatchedDataDict, k: int) -> BatchedDataDict:
+        """``{"topk_logprobs": [B, S, k], "topk_ids": [B, S, k]}``: the ``k`` most likely
+        next tokens at every position and their log-probs (a distillation teacher's answer),
+        computed a chunk of tokens at a time. DTensor backend only."""
+        if self.config.backend != "dtensor":
+            raise ValueError(
+                f"top-k log-probs need policy.backend: dtensor (this model's backend is "
+                f"{self.config.backend}); a Megatron teacher can give the sampled tokens' "
+                "log-probs only (distillation loss_fn.estimator: sampled_token)"
+            )
+        return self._per_row("get_topk_logprobs", data, k=k)
 
     def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
         """A value model's (critic's) ``{"values": [B, S], "final_values": [B]}``: see

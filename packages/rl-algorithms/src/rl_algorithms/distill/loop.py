@@ -1,0 +1,189 @@
+"""The on-policy distillation loop: the student samples, a frozen teacher scores every sampled
+token, the student moves towards the teacher on its own samples.
+
+One step, top to bottom (``distill_train``)::
+
+    prompts -> refit the generator if stale -> roll out (GRPO's steps) -> the teacher's
+    log-probs of the sampled tokens (loss_fn.estimator: sampled_token) or its top-k
+    log-probs per position (topk) -> with distillation.grpo_reward, GRPO's advantages
+    -> the student's train step on the distillation loss (+ GRPO's) -> metrics;
+    validation every val_period steps; checkpoint every save_period steps
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rl_algorithms.advantages import grpo_advantages
+from rl_algorithms.config import TokenizerConfig
+from rl_algorithms.distill.config import MasterConfig
+from rl_algorithms.grpo.steps import (
+    generate_rollouts,
+    refit_if_stale,
+    shaped_rewards,
+    train_step,
+    validate,
+)
+from rl_algorithms.losses import ClippedPGLossFn, DistillationLossFn
+from rl_algorithms.rollouts import RolloutResult
+from rl_algorithms.run import (
+    DataPlan,
+    GeneratorPlan,
+    ModelPlan,
+    Run,
+    end_step,
+    setup_run,
+    start_loop,
+)
+from rl_algorithms.utils.report import report_run
+from rl_distributed.batched_data_dict import BatchedDataDict
+
+PHASES = ("refit", "generation", "teacher", "advantages", "train")
+
+
+def setup(config: MasterConfig) -> Run:
+    """GRPO's run (tokenizer, prompts, student, generator, environments, logger) plus the
+    teacher; the teacher's vocabulary is checked against the student's first."""
+    from rl_data.collate import rl_collate
+
+    check_vocabularies(config)
+    d, gen = config.distillation, config.generation
+    model = config.policy.model
+    if gen.dtype is not None:
+        model = model.model_copy(update={"dtype": gen.dtype})
+    teacher = config.teacher
+    run = setup_run(
+        config,
+        name="distill",
+        seed=d.seed,
+        data=DataPlan(
+            "prompt",
+            rl_collate,
+            batch_size=d.num_prompts_per_step,
+            val_batch_size=d.val_batch_size,
+            shuffle=config.data.shuffle,
+            val_drop_last=False,
+        ),
+        policy=config.policy.worker_config(),
+        generator=GeneratorPlan(gen.engine_config(), model, gen.colocated, gen.num_workers),
+        teacher=ModelPlan(teacher.worker_config(), teacher.colocated, teacher.num_workers),
+        envs=config.env,
+        max_steps=d.max_num_steps,
+        max_epochs=d.max_num_epochs,
+        val_period=d.val_period,
+    )
+    pg_loss = None
+    if d.grpo_reward:
+        rows = d.num_prompts_per_step * d.num_generations_per_prompt
+        single = config.policy.train_global_batch_size == rows
+        pg_loss = ClippedPGLossFn(config.grpo_loss_fn, pi_old_is_current=single)
+    run.loss_fn = DistillationLossFn(config.loss_fn, pg_loss=pg_loss)
+    return run
+
+
+def check_vocabularies(config: MasterConfig) -> None:
+    """Student and teacher must share one vocabulary (refused before any worker starts)."""
+    from rl_data.tokenizers import check_same_vocabulary, load_tokenizer
+
+    teacher = config.teacher
+    if teacher.tokenizer is None and teacher.model.path is None:
+        # A teacher built from a config has no tokenizer of its own: it reads the student's
+        # token ids, so its vocabulary must at least be large enough.
+        vocab = (teacher.model.hf_config or {}).get("vocab_size")
+        student = (config.policy.model.hf_config or {}).get("vocab_size")
+        if vocab is not None and student is not None and vocab != student:
+            raise ValueError(
+                f"teacher.model.hf_config.vocab_size ({vocab}) differs from the student's "
+                f"policy.model.hf_config.vocab_size ({student}): they must share a vocabulary"
+            )
+        return
+    if teacher.tokenizer is not None:
+        teacher_tokenizer, key = teacher.tokenizer, "teacher.tokenizer.path"
+    else:
+        teacher_tokenizer, key = TokenizerConfig(path=teacher.model.path), "teacher.model.path"
+    check_same_vocabulary(
+        load_tokenizer(config.tokenizer),
+        load_tokenizer(teacher_tokenizer),
+        student_name=f"tokenizer.path {config.tokenizer.path}",
+        teacher_name=f"{key} {teacher_tokenizer.path}",
+    )
+
+
+def teacher_scores(run: Run, batch: BatchedDataDict) -> dict[str, torch.Tensor]:
+    """What the loss reads of the teacher: its log-probs of the sampled tokens, or its top-k
+    log-probs and their ids at every position."""
+    config: MasterConfig = run.config
+    if config.loss_fn.estimator == "sampled_token":
+        return {"teacher_logprobs": run.teacher.get_logprobs(batch)["logprobs"]}
+    topk = run.teacher.get_topk_logprobs(batch, config.distillation.topk_logits_k)
+    return {"teacher_topk_logprobs": topk["topk_logprobs"], "teacher_topk_ids": topk["topk_ids"]}
+
+
+def reward_fields(
+    run: Run, result: RolloutResult, token_mask: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Reward metrics, and with ``grpo_reward`` GRPO's group-normalised advantages."""
+    rewards = shaped_rewards(run, result)
+    metrics = {
+        "reward_mean": float(result.rewards.mean()),
+        "reward_std": float(result.rewards.std()) if len(rewards) > 1 else 0.0,
+    }
+    d = run.config.distillation
+    sample_mask = torch.ones(len(rewards))
+    if d.overlong_filtering:
+        sample_mask = sample_mask * (~result.truncated).to(sample_mask.dtype)
+    fields: dict[str, torch.Tensor] = {"sample_mask": sample_mask}
+    if d.grpo_reward:
+        per_sample = grpo_advantages(rewards, d.num_generations_per_prompt)
+        fields["advantages"] = (per_sample[:, None] * token_mask).to(torch.float32)
+    return fields, metrics
+
+
+def distill_step(run: Run) -> dict[str, float]:
+    timer = run.logger.timer
+    with timer("refit"):
+        refit_metrics = refit_if_stale(run)
+    with timer("generation"):
+        result, rollout_metrics = generate_rollouts(run)
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    with timer("teacher"):
+        batch.update(teacher_scores(run, batch))
+    with timer("advantages"):
+        fields, reward_metrics = reward_fields(run, result, batch["token_mask"])
+    batch.update(fields)
+    if run.config.distillation.grpo_reward and run.config.grpo_loss_fn.reference_policy_kl_penalty:
+        ref = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
+        batch["reference_policy_logprobs"] = ref
+    with timer("train"):
+        train_metrics = train_step(run, batch)
+    return {**train_metrics, **reward_metrics, **rollout_metrics, **refit_metrics}
+
+
+def distill_train(run: Run) -> dict[str, float]:
+    """Train the student for ``distillation.max_num_steps`` steps."""
+    start_loop(run, lambda: validate(run), run.config.distillation.val_at_start)
+    last: dict[str, float] = {}
+    while run.step < run.total_steps:
+        step_start = time.perf_counter()
+        last = distill_step(run)
+        run.step += 1
+        last["step_seconds"] = time.perf_counter() - step_start
+        end_step(run, last, lambda: validate(run))
+    run.logger.progress.stop()
+    return last
+
+
+def main(config: MasterConfig) -> dict[str, float]:
+    run = setup(config)
+    resumed_at = run.step
+    try:
+        last = distill_train(run)
+    finally:
+        run.shutdown()
+    try:
+        report_run(run, resumed_at, PHASES, title="Distillation run")
+    except Exception as e:  # the run itself succeeded: a failed plot must not turn it red
+        print(f"could not write the run's report: {e!r}")
+    return last

@@ -1,0 +1,242 @@
+"""The PPO loop: GRPO's rollouts, a critic's values, GAE, then the critic's and the policy's
+train steps.
+
+One step, top to bottom (``ppo_train``)::
+
+    prompts -> refit the generator if stale -> roll out (GRPO's steps) -> log-probs of the
+    policy (pi_old) and the reference -> the critic's values -> token-level rewards (the
+    score at the last response token, minus the KL penalty per token with use_kl_in_reward)
+    -> GAE advantages and returns -> critic_ppo_epochs passes of the clipped value loss
+    -> ppo_epochs passes of the clipped policy loss (from policy_training_start_step on)
+    -> metrics; validation every val_period steps; checkpoint (policy and critic)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from rl_algorithms.grpo.steps import (
+    generate_rollouts,
+    refit_if_stale,
+    shaped_rewards,
+    validate,
+    warn_if_no_signal,
+)
+from rl_algorithms.losses import ClippedPGLossFn, ClippedValueLossFn
+from rl_algorithms.losses.common import loss_token_mask
+from rl_algorithms.ppo.config import MasterConfig
+from rl_algorithms.ppo.gae import explained_variance, gae, token_level_rewards, whiten
+from rl_algorithms.rollouts import RolloutResult
+from rl_algorithms.run import (
+    DataPlan,
+    GeneratorPlan,
+    ModelPlan,
+    Run,
+    end_step,
+    reduce_step_metrics,
+    setup_run,
+    start_loop,
+)
+from rl_algorithms.utils.report import report_run
+from rl_distributed.batched_data_dict import BatchedDataDict
+
+PHASES = ("refit", "generation", "logprobs", "values", "advantages", "critic_train", "train")
+
+
+def setup(config: MasterConfig) -> Run:
+    """GRPO's run (tokenizer, prompts, policy, generator, environments, logger) plus the
+    critic; resumes both from the latest checkpoint in ``checkpointing.checkpoint_dir``."""
+    from rl_data.collate import rl_collate
+
+    p, gen = config.ppo, config.generation
+    model = config.policy.model
+    if gen.dtype is not None:
+        model = model.model_copy(update={"dtype": gen.dtype})
+    critic = config.critic
+    run = setup_run(
+        config,
+        name="ppo",
+        seed=p.seed,
+        data=DataPlan(
+            "prompt",
+            rl_collate,
+            batch_size=p.num_prompts_per_step,
+            val_batch_size=p.val_batch_size,
+            shuffle=config.data.shuffle,
+            val_drop_last=False,
+        ),
+        policy=config.policy.worker_config(),
+        generator=GeneratorPlan(gen.engine_config(), model, gen.colocated, gen.num_workers),
+        critic=ModelPlan(critic.worker_config(), critic.colocated, critic.num_workers),
+        envs=config.env,
+        max_steps=p.max_num_steps,
+        max_epochs=p.max_num_epochs,
+        val_period=p.val_period,
+    )
+    pi_old_is_current = p.ppo_epochs == 1 and not needs_prev_logprobs(config)
+    run.loss_fn = ClippedPGLossFn(config.loss_fn.policy_loss(), pi_old_is_current=pi_old_is_current)
+    return run
+
+
+def needs_prev_logprobs(config: MasterConfig) -> bool:
+    """Whether the step needs the policy's log-probs before training: for more than one
+    optimiser step per batch (pi_old), or for the KL penalty in the rewards."""
+    p = config.ppo
+    rows = p.num_prompts_per_step * p.num_generations_per_prompt
+    several_steps = p.ppo_epochs > 1 or config.policy.train_global_batch_size != rows
+    return several_steps or config.loss_fn.use_kl_in_reward
+
+
+def compute_logprobs(run: Run, batch: BatchedDataDict) -> dict[str, torch.Tensor]:
+    """``prev_logprobs`` when needed and the reference's log-probs when a KL penalty is on."""
+    config: MasterConfig = run.config
+    out: dict[str, torch.Tensor] = {}
+    if not needs_prev_logprobs(config) and config.loss_fn.reference_policy_kl_penalty == 0:
+        return out
+    run.policy.prepare_for_lp_inference()
+    if needs_prev_logprobs(config):
+        out["prev_logprobs"] = run.policy.get_logprobs(batch)["logprobs"]
+    if config.loss_fn.reference_policy_kl_penalty > 0:
+        ref = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
+        out["reference_policy_logprobs"] = ref
+    return out
+
+
+def compute_advantages(
+    run: Run, result: RolloutResult, batch: BatchedDataDict, values: BatchedDataDict
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``advantages``, ``returns``, ``values`` (the critic's, before its update) and
+    ``sample_mask`` for the batch, and their metrics."""
+    config: MasterConfig = run.config
+    p, loss = config.ppo, config.loss_fn
+    scores = shaped_rewards(run, result)
+    sample_mask = torch.ones(len(scores))
+    if p.overlong_filtering:
+        sample_mask = sample_mask * (~result.truncated).to(sample_mask.dtype)
+    mask = loss_token_mask(BatchedDataDict({**batch, "sample_mask": sample_mask}))
+    kl_in_reward = loss.use_kl_in_reward
+    rewards = token_level_rewards(
+        scores,
+        mask,
+        kl_penalty=loss.reference_policy_kl_penalty if kl_in_reward else 0.0,
+        logprobs=batch.get("prev_logprobs") if kl_in_reward else None,
+        reference_logprobs=batch.get("reference_policy_logprobs") if kl_in_reward else None,
+        kl_type=loss.reference_policy_kl_type,
+        kl_input_clamp_value=loss.kl_input_clamp_value,
+        kl_output_clamp_value=loss.kl_output_clamp_value,
+    )
+    g = p.adv_estimator
+    advantages, returns = gae(
+        rewards,
+        values["values"],
+        mask,
+        values["final_values"],
+        result.truncated,
+        gamma=g.gae_gamma,
+        lam=g.gae_lambda,
+    )
+    if g.normalize_advantages:
+        advantages = whiten(advantages, mask)
+    on = mask > 0
+    metrics = {
+        "reward_mean": float(result.rewards.mean()),
+        "reward_std": float(result.rewards.std()) if len(scores) > 1 else 0.0,
+        "shaped_reward_mean": float(scores.mean()),
+        "advantages_mean": float(advantages[on].mean()) if on.any() else 0.0,
+        "advantages_abs_mean": float(advantages[on].abs().mean()) if on.any() else 0.0,
+        "returns_mean": float(returns[on].mean()) if on.any() else 0.0,
+        "values_mean": float(values["values"][on].mean()) if on.any() else 0.0,
+        # How much of the returns' variance the critic explains (1: all; <= 0: none).
+        "explained_variance": explained_variance(values["values"], returns, mask),
+        "sample_mask_mean": float(sample_mask.mean()),
+    }
+    warn_if_no_signal(run, result.rewards)
+    fields = {
+        "advantages": advantages.to(torch.float32),
+        "returns": returns.to(torch.float32),
+        "values": values["values"].to(torch.float32),
+        "sample_mask": sample_mask,
+    }
+    return fields, metrics
+
+
+def train_critic(run: Run, batch: BatchedDataDict) -> dict[str, float]:
+    """``critic_ppo_epochs`` passes of the clipped value loss; metrics under ``critic/``."""
+    loss_fn = ClippedValueLossFn(run.config.value_loss_fn)
+    run.critic.prepare_for_training()
+    results: dict[str, list[Any]] = {}
+    for _ in range(run.config.ppo.critic_epochs):
+        for key, values in run.critic.train(batch, loss_fn).items():
+            results.setdefault(key, []).extend(values)
+    run.critic.prepare_for_lp_inference()
+    return {f"critic/{k}": v for k, v in reduce_step_metrics(results).items()}
+
+
+def train_policy(run: Run, batch: BatchedDataDict) -> dict[str, float]:
+    """``ppo_epochs`` passes of the clipped policy loss once the critic's warm-up is over."""
+    if run.step < run.config.ppo.policy_training_start_step:
+        return {"policy_trained": 0.0}
+    run.policy.prepare_for_training()
+    results: dict[str, list[Any]] = {}
+    for _ in range(run.config.ppo.ppo_epochs):
+        for key, values in run.policy.train(batch, run.loss_fn).items():
+            results.setdefault(key, []).extend(values)
+    return {**reduce_step_metrics(results), "policy_trained": 1.0}
+
+
+def ppo_step(run: Run) -> dict[str, float]:
+    timer = run.logger.timer
+    with timer("refit"):
+        refit_metrics = refit_if_stale(run)
+    with timer("generation"):
+        result, rollout_metrics = generate_rollouts(run)
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    with timer("logprobs"):
+        batch.update(compute_logprobs(run, batch))
+    with timer("values"):
+        values = run.critic.get_values(batch)
+    with timer("advantages"):
+        fields, advantage_metrics = compute_advantages(run, result, batch, values)
+    batch.update(fields)
+    with timer("critic_train"):
+        critic_metrics = train_critic(run, batch)
+    with timer("train"):
+        policy_metrics = train_policy(run, batch)
+    return {
+        **policy_metrics,
+        **critic_metrics,
+        **advantage_metrics,
+        **rollout_metrics,
+        **refit_metrics,
+    }
+
+
+def ppo_train(run: Run) -> dict[str, float]:
+    """Train for ``ppo.max_num_steps`` steps (``max_num_epochs`` of prompts at most)."""
+    start_loop(run, lambda: validate(run), run.config.ppo.val_at_start)
+    last: dict[str, float] = {}
+    while run.step < run.total_steps:
+        step_start = time.perf_counter()
+        last = ppo_step(run)
+        run.step += 1
+        last["step_seconds"] = time.perf_counter() - step_start
+        end_step(run, last, lambda: validate(run))
+    run.logger.progress.stop()
+    return last
+
+
+def main(config: MasterConfig) -> dict[str, float]:
+    run = setup(config)
+    resumed_at = run.step
+    try:
+        last = ppo_train(run)
+    finally:
+        run.shutdown()
+    try:
+        report_run(run, resumed_at, PHASES, title="PPO run")
+    except Exception as e:  # the run itself succeeded: a failed plot must not turn it red
+        print(f"could not write the run's report: {e!r}")
+    return last
