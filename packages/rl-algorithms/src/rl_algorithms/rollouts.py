@@ -223,11 +223,26 @@ def environment_metrics(
     for i, task in enumerate(task_names):
         if task in envs:  # a sample too long to generate from never met its environment
             by_task[task].append(i)
-    pending = {}
+    batches: dict[str, dict[str, Any]] = {}
     for task, rows in by_task.items():
-        batch: dict[str, Any] = {"rewards": rewards[rows]}
+        batches[task] = {"rewards": rewards[rows]}
         if group_ids is not None:
-            batch["group_ids"] = [group_ids[i] for i in rows]
+            batches[task]["group_ids"] = [group_ids[i] for i in rows]
+    return _post_process(envs, batches)
+
+
+def take_environment_counts(envs: Mapping[str, Any]) -> dict[str, float]:
+    """What every environment counted since its last metrics call (``env/<task>/<name>``:
+    samples, timeouts, per-function values...), which starts its counts again from zero; a
+    call with no samples, so no reward metrics."""
+    empty = {task: {"rewards": torch.zeros(0)} for task in envs}
+    return _post_process(envs, empty)
+
+
+def _post_process(envs: Mapping[str, Any], batches: Mapping[str, dict]) -> dict[str, float]:
+    """Each environment's ``global_post_process_and_metrics`` of its batch, concurrently."""
+    pending = {}
+    for task, batch in batches.items():
         post = envs[task].global_post_process_and_metrics
         pending[task] = post.remote(batch) if hasattr(post, "remote") else post(batch)
     out = {}
