@@ -329,3 +329,31 @@ def test_a_loss_reading_a_field_no_step_produces_is_refused_at_setup(make_run):
     kl_config = grpo.MasterConfig.model_validate(config)
     assert "reference_policy_logprobs" in grpo.steps.make_loss(kl_config).batch_fields()
     grpo.steps.check_batch_fields(grpo.steps.make_loss(kl_config), kl_config)
+
+
+def test_validation_logs_environment_metrics_of_all_its_batches_and_example_samples(make_run):
+    import json
+
+    run = make_run((0, 1, 2, 1))
+    run.val_loader = run.train_loader  # two batches of two prompts
+    run.config.logger.num_val_samples_to_print = 3
+    # A training rollout first: its environment counts are its own, not validation's.
+    grpo.generate_rollouts(run)
+    run.step = 5
+    metrics = grpo.validate(run)
+
+    # Greedy replies: sample 0 solves at the first turn ("right"), 1 never, 2 does, 1 never.
+    assert metrics["num_samples"] == 4.0
+    assert metrics["reward_mean"] == pytest.approx(0.5)
+    # One call to the environment after both batches: its metrics cover all four samples.
+    assert metrics["env/puzzle/reward_mean"] == pytest.approx(0.5)
+    assert metrics["env/puzzle/accuracy"] == pytest.approx(0.5)
+    # and its counts only validation's four steps (one turn each), not the training rollout's.
+    assert metrics["env/puzzle/samples"] == 4.0
+
+    lines = [json.loads(x) for x in (run.logger.log_dir / "metrics.jsonl").read_text().splitlines()]
+    samples = [r["val/samples"] for r in lines if "val/samples" in r]
+    assert [r["step"] for r in lines if "val/samples" in r] == [5, 5, 5]
+    assert [s["reward"] for s in samples] == [1.0, 0.0, 1.0]
+    assert samples[0]["completion"] == solved_reply()
+    assert "[sample 1]" in samples[1]["prompt"] and samples[1]["prompt"].startswith("[user] ")

@@ -332,3 +332,15 @@ def test_an_observation_past_the_length_limit_is_cut_to_it(tokenizer, template):
     assert sum(len(m["token_ids"]) for m in log) == limit
     train = result.training_batch(tokenizer.pad_token_id)
     assert train["input_ids"].shape[1] == limit
+
+
+def test_take_environment_counts_hands_out_and_resets_what_each_environment_counted():
+    from rl_algorithms.rollouts import take_environment_counts
+
+    env = SlidingPuzzleEnvironment()
+    logs = [[{"role": "assistant", "content": "<action>right</action>"}]] * 3
+    env.step(logs, [dict(NEAR_SOLVED) for _ in logs])
+    counts = take_environment_counts({"puzzle": env})
+    assert counts["env/puzzle/samples"] == 3.0
+    assert "env/puzzle/reward_mean" not in counts  # no samples given: no reward metrics
+    assert take_environment_counts({"puzzle": env})["env/puzzle/samples"] == 0.0

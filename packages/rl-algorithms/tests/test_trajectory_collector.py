@@ -205,13 +205,16 @@ def start(tokenizer, template, n_prompts: int, hang_first: bool, name: str, **kw
     data = prompts(tokenizer, template, n_prompts, kwargs.pop("long_idx", None))
     loader = StatefulDataLoader(data, 2, collate, shuffle=False)
     sampler = ScriptedSampler(engine, kwargs.get("engine_call_seconds", 300.0))
+    envs = kwargs.pop("envs", None) or {
+        "sliding_puzzle": SlidingPuzzleEnvironment(SlidingPuzzleConfig())
+    }
     client = CollectorClient(
         name,
         [sampler],
         tokenizer.pad_token_id,
         tokenizer,
         template,
-        {"sliding_puzzle": SlidingPuzzleEnvironment(SlidingPuzzleConfig())},
+        envs,
         loader,
         group_size=G,
         max_seq_len=512,
@@ -384,3 +387,49 @@ def test_no_generation_starts_between_a_drain_and_the_resume_after_it(tokenizer,
     assert any(began >= resumed for began, _ in starts)  # it went on after the resume
     inside = [(b, e) for b, e in starts if e > drained and b < resumed]
     assert not inside, f"submissions ran during the refit: {inside} (window {drained}-{resumed})"
+
+
+class SlowScoringPuzzle(SlidingPuzzleEnvironment):
+    """Scores as the puzzle does, a second per call, and records when each call ran."""
+
+    def __init__(self) -> None:
+        super().__init__(SlidingPuzzleConfig())
+        self.calls: list[tuple[float, float]] = []
+
+    def step(self, message_log_batch, metadata):
+        began = time.time()
+        time.sleep(1.0)
+        out = super().step(message_log_batch, metadata)
+        self.calls.append((began, time.time()))
+        return out
+
+    def get_calls(self):
+        return self.calls
+
+
+def test_a_drain_with_scoring_leaves_no_environment_call_running_until_the_resume(
+    tokenizer, template
+):
+    # Validation pauses the collector this way: an environment call while validation runs
+    # would add a training group to validation's environment counts.
+    env = ray.remote(SlowScoringPuzzle).options(num_cpus=0).remote()
+    client, _engine = start(
+        tokenizer,
+        template,
+        16,
+        hang_first=False,
+        name="c-drain-scoring",
+        envs={"sliding_puzzle": env},
+    )
+    try:
+        time.sleep(1.5)  # groups generate quickly and queue for the slow scorer
+        assert client.call("drain", 30.0, True, timeout=60)
+        drained = time.time()
+        time.sleep(1.5)  # validation
+        resumed = time.time()
+        client.call("resume")
+        calls = ray.get(env.get_calls.remote())
+    finally:
+        client.stop()
+    inside = [(b, e) for b, e in calls if e > drained and b < resumed]
+    assert not inside, f"scoring ran while drained: {inside} (window {drained}-{resumed})"

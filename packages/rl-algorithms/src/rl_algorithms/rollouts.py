@@ -58,10 +58,35 @@ class RolloutResult:
     # bool [N]: rows that only fill a batch up to its size (dynamic sampling's groups without
     # a signal); they stay out of the loss.
     filler: torch.Tensor | None = None
+    # Each sample's task (its environment) and dataset row (the G samples of a prompt share
+    # it; None when the data has no ``idx``): what ``environment_metrics`` needs afterwards.
+    task_names: list[str] = field(default_factory=list)
+    group_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.filler is None:
             self.filler = torch.zeros(len(self.message_logs), dtype=torch.bool)
+
+    def environment_metrics(self, envs: Mapping[str, Any]) -> dict[str, float]:
+        """The environments' metrics of these samples (``env/<task>/<name>``); a call to each
+        environment, which also hands out (and resets) the counts it kept since its last."""
+        return environment_metrics(envs, self.task_names, self.rewards, self.group_ids)
+
+    def samples(self, n: int) -> list[dict[str, Any]]:
+        """The first ``n`` samples as text, to look at: ``prompt`` (the messages before the
+        first generated turn), ``completion`` (the rest: one turn, or a whole multi-turn
+        exchange with each message's role) and ``reward``."""
+        out = []
+        for log, reward in zip(self.message_logs[:n], self.rewards[:n].tolist(), strict=True):
+            first = next((i for i, m in enumerate(log) if "token_loss_mask" in m), len(log))
+            rest = log[first:]
+            if len(rest) == 1:
+                completion = str(rest[0]["content"])
+            else:
+                completion = "\n".join(f"[{m['role']}] {m['content']}" for m in rest)
+            prompt = "\n".join(f"[{m['role']}] {m['content']}" for m in log[:first])
+            out.append({"prompt": prompt, "completion": completion, "reward": reward})
+        return out
 
     def select(self, rows: Iterable[int]) -> RolloutResult:
         """These rows, in this order (metrics are not carried over)."""
@@ -75,6 +100,8 @@ class RolloutResult:
             env_metadata=[self.env_metadata[i] for i in rows],
             answers=[self.answers[i] for i in rows],
             filler=self.filler[rows],
+            task_names=[self.task_names[i] for i in rows] if self.task_names else [],
+            group_ids=[self.group_ids[i] for i in rows] if self.group_ids is not None else None,
         )
 
     def as_filler(self) -> RolloutResult:
@@ -95,6 +122,12 @@ class RolloutResult:
             env_metadata=[m for p in parts for m in p.env_metadata],
             answers=[a for p in parts for a in p.answers],
             filler=torch.cat([p.filler for p in parts]),
+            task_names=[t for p in parts for t in p.task_names],
+            group_ids=(
+                [i for p in parts for i in p.group_ids]  # type: ignore[union-attr]
+                if all(p.group_ids is not None for p in parts)
+                else None
+            ),
         )
 
     def training_batch(self, pad_token_id: int) -> BatchedDataDict:
@@ -190,11 +223,26 @@ def environment_metrics(
     for i, task in enumerate(task_names):
         if task in envs:  # a sample too long to generate from never met its environment
             by_task[task].append(i)
-    pending = {}
+    batches: dict[str, dict[str, Any]] = {}
     for task, rows in by_task.items():
-        batch: dict[str, Any] = {"rewards": rewards[rows]}
+        batches[task] = {"rewards": rewards[rows]}
         if group_ids is not None:
-            batch["group_ids"] = [group_ids[i] for i in rows]
+            batches[task]["group_ids"] = [group_ids[i] for i in rows]
+    return _post_process(envs, batches)
+
+
+def take_environment_counts(envs: Mapping[str, Any]) -> dict[str, float]:
+    """What every environment counted since its last metrics call (``env/<task>/<name>``:
+    samples, timeouts, per-function values...), which starts its counts again from zero; a
+    call with no samples, so no reward metrics."""
+    empty = {task: {"rewards": torch.zeros(0)} for task in envs}
+    return _post_process(envs, empty)
+
+
+def _post_process(envs: Mapping[str, Any], batches: Mapping[str, dict]) -> dict[str, float]:
+    """Each environment's ``global_post_process_and_metrics`` of its batch, concurrently."""
+    pending = {}
+    for task, batch in batches.items():
         post = envs[task].global_post_process_and_metrics
         pending[task] = post.remote(batch) if hasattr(post, "remote") else post(batch)
     out = {}
@@ -376,6 +424,8 @@ class Episodes:
             self.metadata,
             self.answers,
             metrics,
+            task_names=list(self.tasks),
+            group_ids=self.group_ids,
         )
 
 
@@ -390,10 +440,14 @@ def run_rollouts(
     max_turns: int = 1,
     greedy: bool = False,
     expected_weight_version: int | None = None,
+    with_env_metrics: bool = True,
 ) -> RolloutResult:
     """Roll ``batch`` (``message_log``, ``extra_env_info``, ``task_name``) out to the end.
 
     ``envs`` maps task names to environment actors (or in-process environments).
+    ``with_env_metrics``: the environments' metrics of this batch go into ``metrics`` (off:
+    a caller that rolls out several batches asks once for all of them, see
+    ``RolloutResult.environment_metrics``).
     """
     episodes = Episodes(batch, tokenizer, template, envs, max_seq_len)
     for turn in range(max_turns):
@@ -405,7 +459,7 @@ def run_rollouts(
             expected_weight_version=expected_weight_version,
         )
         episodes.play_turn(turn, out, last=turn + 1 == max_turns)
-    return episodes.result()
+    return episodes.result(with_env_metrics)
 
 
 def score_generated(

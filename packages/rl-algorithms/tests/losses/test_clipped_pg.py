@@ -175,6 +175,42 @@ def test_metrics_report_ratios_clipping_and_generator_mismatch():
     assert metrics["token_mult_prob_error"] == pytest.approx(float(torch.exp(diff).mean()))
 
 
+def test_sampled_token_entropy_is_the_mean_negative_logprob_over_loss_tokens():
+    lp, data = pg_batch()
+    seqs, toks = global_counts(data)
+    _, metrics = ClippedPGLossFn({})(lp, data, seqs, toks)
+    # Written plainly: every token of every kept sample from position 2 on (pg_batch's layout).
+    total, count = 0.0, 0
+    for b in range(lp.shape[0]):
+        if data["sample_mask"][b] == 0:
+            continue
+        for t in range(2, int(data["input_lengths"][b])):
+            total -= float(lp[b, t])
+            count += 1
+    assert metrics["sampled_token_entropy"] == pytest.approx(total / count, rel=1e-12)
+
+
+def test_sampled_token_entropy_estimates_the_entropy_of_on_policy_tokens():
+    """Tokens drawn from a known categorical pi: the metric converges to H(pi) = -sum p log p."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], dtype=torch.float64)
+    exact = float(-(probs * probs.log()).sum())
+    B, S = 400, 500
+    tokens = torch.multinomial(probs, B * S, replacement=True, generator=g).view(B, S)
+    lp = probs.log()[tokens]
+    data = BatchedDataDict(
+        input_ids=tokens + 1,
+        input_lengths=torch.full((B,), S),
+        advantages=torch.zeros(B, S, dtype=torch.float64),
+        prev_logprobs=lp,
+    )
+    one_seq, toks = torch.tensor(float(B)), torch.tensor(float(B * S))
+    _, metrics = ClippedPGLossFn({})(lp, data, one_seq, toks)
+    # Standard error of the mean of -log pi(y): sqrt(Var / n).
+    var = float((probs * probs.log().square()).sum()) - exact**2
+    assert abs(metrics["sampled_token_entropy"] - exact) < 4 * math.sqrt(var / (B * S))
+
+
 def test_on_policy_the_ratio_is_one_and_the_gradient_is_the_policy_gradient():
     lp, data = pg_batch()
     data["prev_logprobs"] = lp.detach().clone()
@@ -206,7 +242,8 @@ def test_micro_batches_add_up_to_the_whole_batch(name):
     (split_grad,) = torch.autograd.grad(total, lp)
     assert total.item() == pytest.approx(whole.item(), rel=1e-12)
     torch.testing.assert_close(split_grad, whole_grad, rtol=1e-12, atol=1e-14)
-    for key in ("probs_ratio", "clip_fraction", "token_mult_prob_error", "kl_penalty"):
+    additive = ("probs_ratio", "clip_fraction", "token_mult_prob_error", "kl_penalty")
+    for key in (*additive, "sampled_token_entropy"):
         assert sum(m[key] for m in parts) == pytest.approx(whole_metrics[key], rel=1e-10)
     assert min(m["probs_ratio_min"] for m in parts) == whole_metrics["probs_ratio_min"]
     assert max(m["probs_ratio_max"] for m in parts) == whole_metrics["probs_ratio_max"]

@@ -129,3 +129,51 @@ def test_progress_plain_line_eta_is_mean_step_time_times_steps_left(monkeypatch)
     now[0] = 130.0  # 2 steps in 30 s: 15 s a step, 8 steps left
     progress.update(2, {})
     assert stream.getvalue() == "sft step 2/10 | elapsed 0:00:30 | eta 0:02:00\n"
+
+
+SAMPLES = [
+    {"prompt": "What is 2+3?", "completion": "5 | five\nDone.", "reward": 1.0},
+    {"prompt": "What is 4*4?", "completion": "15", "reward": 0.0},
+]
+
+
+def test_samples_go_to_jsonl_lines_and_a_tensorboard_text_summary(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rl_algorithms.utils.report import read_history
+
+    cfg = LoggerConfig(log_dir=str(tmp_path), tensorboard_enabled=True, progress_bar=False)
+    with Logger(cfg) as logger:
+        logger.log_metrics({"accuracy": 0.5}, step=2, prefix="val")
+        logger.log_samples(SAMPLES, step=2, prefix="val")
+        logger.log_samples([], step=3, prefix="val")  # nothing to show: nothing written
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[1:] == [{"step": 2, "val/samples": s} for s in SAMPLES]
+    # The sample lines leave the metrics' history as it was.
+    assert read_history(tmp_path / "metrics.jsonl") == {"val/accuracy": [(2, 0.5)]}
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    (event,) = events.Tensors("val/samples/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 2
+    assert text.splitlines()[0] == "| prompt | completion | reward |"
+    # A "|" or a line break inside a cell would break the Markdown table: escaped.
+    assert "| What is 2+3? | 5 \\| five<br>Done. | 1 |" in text.splitlines()
+    assert "| What is 4*4? | 15 | 0 |" in text.splitlines()
+
+
+def test_samples_become_a_table_in_the_wandb_offline_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = LoggerConfig(
+        log_dir=str(tmp_path), wandb_enabled=True, jsonl_enabled=False, progress_bar=False
+    )
+    with Logger(cfg) as logger:
+        logger.log_samples(SAMPLES, step=1, prefix="val")
+        run_id = logger.state_dict()["wandb_run_id"]
+    (run_dir,) = (tmp_path / "wandb" / "wandb").glob(f"offline-run-*-{run_id}")
+    (table_file,) = run_dir.glob("files/media/table/val/samples_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == ["prompt", "completion", "reward"]
+    assert table["data"] == [[s["prompt"], s["completion"], s["reward"]] for s in SAMPLES]

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from rl_algorithms.utils.report import plot_curves, read_history, summary_rows
+from rl_algorithms.utils.report import plot_curves, print_summary, read_history, summary_rows
 
 
 def write_log(path, records, tail=""):
@@ -63,3 +63,17 @@ def test_plot_writes_a_png_with_the_panels_there_are(tmp_path):
     assert two[0] > one[0]  # two panels side by side
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_curves({}, tmp_path / "none.png")
+
+
+def test_the_summary_prints_a_long_path_in_full_on_a_narrow_console():
+    import io
+
+    from rich.console import Console
+
+    path = "/scratch/" + "/".join(f"a-rather-long-directory-name-{i}" for i in range(6)) + "/logs"
+    out = io.StringIO()
+    console = Console(file=out, width=40, force_terminal=False)
+    print_summary([("steps", "3")], {"logs": path}, title="GRPO run", console=console)
+    lines = out.getvalue().splitlines()
+    assert f"logs: {path}" in lines, out.getvalue()  # one line, neither cut nor folded
+    assert any("steps" in line for line in lines)

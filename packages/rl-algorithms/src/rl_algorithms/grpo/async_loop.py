@@ -38,7 +38,7 @@ from rl_algorithms.grpo.steps import (
     train_on_rollouts,
     validate,
 )
-from rl_algorithms.rollouts import RolloutResult
+from rl_algorithms.rollouts import RolloutResult, take_environment_counts
 from rl_algorithms.run import Run, end_step, start_loop
 
 COLLECTOR_NAME = "grpo-trajectory-collector"
@@ -138,6 +138,29 @@ def refit_generator(run: Run, trajectories: Trajectories) -> dict[str, float]:
         collector.call("resume")
 
 
+def validate_paused(run: Run, trajectories: Trajectories) -> dict[str, float]:
+    """``validate`` with the collector paused: the environments' counts are running sums
+    since their last metrics call, and a training group scored while validation runs would
+    land in validation's. So generation and scoring stop first; what the environments counted
+    between this step's metrics and the pause (a few groups at most) is taken and dropped, as
+    it belongs to no step's batch; the collector resumes after validation."""
+    if run.val_loader is None:
+        return {}
+    a = run.config.grpo.async_grpo
+    collector = trajectories.collector
+    paused = collector.call(
+        "drain", a.max_group_seconds + 30, True, timeout=a.max_group_seconds + 90
+    )
+    try:
+        if not paused:
+            trajectories.pull(timeout=0)  # raises the collector's own error, if it has one
+            raise CollectorError(f"the {collector.describe()} did not pause for validation")
+        take_environment_counts(run.envs)
+        return validate(run)
+    finally:
+        collector.call("resume")
+
+
 def trajectory_metrics(
     buffer: ReplayBuffer, groups: list[TrajectoryGroup], step: int
 ) -> dict[str, float]:
@@ -174,12 +197,16 @@ def async_grpo_train(run: Run) -> dict[str, float]:
         run.extra["async_grpo"] = state
 
     try:
-        start_loop(run, lambda: validate(run), g.val_at_start)
+        start_loop(run, lambda: validate_paused(run, trajectories), g.val_at_start)
         while run.step < run.total_steps:
             groups, trainer_idle = trajectories.take(g.num_prompts_per_step, run.step)
             age_metrics = trajectory_metrics(buffer, groups, run.step)
             result = RolloutResult.concat([group.result for group in groups])
             step_metrics = train_on_rollouts(run, result)
+            # The environments' metrics of this batch: accuracy and pass@k of the groups
+            # trained on; their counts (samples, timeouts, per-function values) cover every
+            # group they scored since the last step, the collector scoring ahead of the trainer.
+            env_metrics = result.environment_metrics(run.envs)
             run.step += 1
             with timer("refit"):
                 refit_metrics = refit_generator(run, trajectories)
@@ -190,6 +217,7 @@ def async_grpo_train(run: Run) -> dict[str, float]:
             lengths = [response_length(log) for log in result.message_logs]
             last = {
                 **step_metrics,
+                **env_metrics,
                 **refit_metrics,
                 **age_metrics,
                 "mean_generated_tokens": sum(lengths) / len(lengths),
@@ -204,7 +232,12 @@ def async_grpo_train(run: Run) -> dict[str, float]:
                 "generator_idle_seconds": generator_idle - idle_before,
             }
             idle_before = generator_idle
-            end_step(run, last, lambda: validate(run), before_checkpoint=save_collector_state)
+            end_step(
+                run,
+                last,
+                lambda: validate_paused(run, trajectories),
+                before_checkpoint=save_collector_state,
+            )
     finally:
         trajectories.collector.stop()
         run.logger.progress.stop()

@@ -179,19 +179,26 @@ class TrajectoryCollector:
                 "doing": self.doing,
             }
 
-    def drain(self, timeout: float) -> bool:
+    def drain(self, timeout: float, scoring: bool = False) -> bool:
         """Stop submitting and wait until no group is generating or being submitted (a refit
-        without in-flight updates); True once drained. Nothing is submitted from then until
-        ``resume``."""
+        without in-flight updates) and, with ``scoring``, none is being scored either (so the
+        environments see no training sample until ``resume``: validation's metrics stay its
+        own); True once drained. Nothing is submitted from then until ``resume``."""
         deadline = time.monotonic() + timeout
         with self.cond:
             self.draining = True  # _submit checks it under this lock before every submission
-            while self._generating() and self.error is None:
+            while self._busy(scoring) and self.error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self.cond.wait(min(left, 0.5))
-            return not self._generating()
+            return not self._busy(scoring)
+
+    def _busy(self, scoring: bool) -> bool:
+        """A group is generating or being submitted (or, with ``scoring``, being scored)."""
+        return self._generating() or (
+            scoring and any(g.scoring is not None and not g.scoring.done() for g in self.groups)
+        )
 
     def _generating(self) -> bool:
         return self.submitting is not None or any(g.scoring is None for g in self.groups)

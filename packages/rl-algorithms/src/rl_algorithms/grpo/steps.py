@@ -83,7 +83,9 @@ def refit_if_stale(run: Run) -> dict[str, float]:
     return {"refit_bytes": float(stats.bytes), "refit_seconds": stats.seconds}
 
 
-def rollout_prompts(run: Run, prompts: BatchedDataDict, greedy: bool = False) -> RolloutResult:
+def rollout_prompts(
+    run: Run, prompts: BatchedDataDict, greedy: bool = False, with_env_metrics: bool = True
+) -> RolloutResult:
     """Generation (and environment turns) for a batch whose rows are already repeated."""
     run.generation.prepare_for_generation()
     try:
@@ -97,6 +99,7 @@ def rollout_prompts(run: Run, prompts: BatchedDataDict, greedy: bool = False) ->
             max_turns=run.config.rollout.max_rollout_turns,
             greedy=greedy,
             expected_weight_version=run.policy.weight_version,
+            with_env_metrics=with_env_metrics,
         )
     finally:
         run.generation.finish_generation()
@@ -262,23 +265,31 @@ def train_on_rollouts(run: Run, result: RolloutResult) -> dict[str, float]:
 
 
 def validate(run: Run) -> dict[str, float]:
-    """Greedy rollouts over (up to ``max_val_samples`` of) the validation prompts."""
+    """Greedy rollouts over (up to ``max_val_samples`` of) the validation prompts; the
+    environments' metrics of them all as ``env/<task>/...``, and the first
+    ``logger.num_val_samples_to_print`` samples logged as examples (``val/samples``).
+
+    The environments' metrics are asked for once, after the last batch: their counts since
+    the previous call (each training rollout takes its own) then cover validation only."""
     if run.val_loader is None:
         return {}
     refit_if_stale(run)
     run.val_loader.epoch, run.val_loader.position = 0, 0
-    rewards, turns, seen = [], [], 0
+    results, seen = [], 0
     for prompts in run.val_loader:
         if seen >= run.config.rollout.max_val_samples:
             break
-        result = rollout_prompts(run, prompts, greedy=True)
-        rewards.append(result.rewards)
-        turns.append(result.turns.double())
+        results.append(rollout_prompts(run, prompts, greedy=True, with_env_metrics=False))
         seen += prompts.size
-    r = torch.cat(rewards)
+    result = RolloutResult.concat(results)
+    r = result.rewards
+    run.logger.log_samples(
+        result.samples(run.config.logger.num_val_samples_to_print), run.step, prefix="val"
+    )
     return {
         "reward_mean": float(r.mean()),
         "accuracy": float((r >= 1.0).double().mean()),
-        "mean_turns": float(torch.cat(turns).mean()),
+        "mean_turns": float(result.turns.double().mean()),
         "num_samples": float(len(r)),
+        **result.environment_metrics(run.envs),
     }

@@ -46,6 +46,11 @@ Metrics: ``clip_fraction`` is the fraction of loss tokens where the clipped term
 force (ratio above ``1 + ratio_clip_max`` with a positive advantage, or below ``1 -
 ratio_clip_min`` with a negative one: those tokens have no gradient), as TRL and veRL count it;
 ``probs_ratio_outside_clip_range`` counts every ratio outside the range, whatever the sign.
+``sampled_token_entropy`` is the mean of ``-log pi(y_t)`` over the loss tokens: the policy sees
+only its sampled tokens' log-probs here, not its whole distribution, so this is the Monte-Carlo
+estimate of its mean per-token entropy, unbiased when the tokens were sampled from pi itself
+(on-policy, at the temperature the trainer scores at); for tokens from a lagging generator it
+estimates the cross-entropy of the generator's distribution under pi instead.
 """
 
 from __future__ import annotations
@@ -149,6 +154,7 @@ class ClippedPGLossFn:
             "probs_ratio_clamped",
             "clip_fraction",
             "probs_ratio_outside_clip_range",
+            "sampled_token_entropy",
         }
     )
 
@@ -249,11 +255,13 @@ class ClippedPGLossFn:
                 return ((x * mask).sum(dim=1) / sample_tokens * samples).sum() / seqs
 
         loss = reduce(per_token)
-        metrics = self._metrics(loss, ratio, clipped, advantages, kl, prev, gen, mask, toks, reduce)
+        metrics = self._metrics(
+            loss, logprobs, ratio, clipped, advantages, kl, prev, gen, mask, toks, reduce
+        )
         return loss, metrics
 
     def _metrics(
-        self, loss, ratio, clipped, advantages, kl, prev, gen, mask, toks, reduce
+        self, loss, logprobs, ratio, clipped, advantages, kl, prev, gen, mask, toks, reduce
     ) -> dict[str, float]:
         """Token means are divided by the global token count (additive over micro-batches)."""
         ratio, clipped, advantages = ratio.detach(), clipped.detach(), advantages.detach()
@@ -272,6 +280,8 @@ class ClippedPGLossFn:
             # The clipped term is in force where it is the larger loss (module docstring).
             "clip_fraction": token_mean((-advantages * clipped > -advantages * ratio).to(ratio)),
             "probs_ratio_outside_clip_range": token_mean((ratio != clipped).to(ratio)),
+            # The entropy estimate of the module docstring: -log pi of the sampled tokens.
+            "sampled_token_entropy": token_mean(-logprobs),
         }
         if gen is not None:
             # Mean of exp|log pi_old - log pi_gen| over tokens: 1 when the trainer and the

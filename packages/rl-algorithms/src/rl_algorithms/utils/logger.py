@@ -61,6 +61,9 @@ class LoggerConfig(ConfigModel):
     progress_bar: bool = True
     # Metrics shown next to the progress bar (names without prefix, e.g. "loss").
     progress_metrics: list[str] = Field(default_factory=lambda: ["loss"])
+    # Validation samples (prompt, completion, reward) logged at every validation: a table in
+    # W&B, a text summary in TensorBoard, one line each in the JSONL file (0: none).
+    num_val_samples_to_print: int = Field(4, ge=0)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
@@ -68,6 +71,7 @@ class LoggerConfig(ConfigModel):
 
 class Backend(Protocol):
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log_samples(self, key: str, samples: list[dict[str, Any]], step: int) -> None: ...
     def close(self) -> None: ...
 
 
@@ -105,6 +109,14 @@ class JsonlBackend:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()  # readable while the run goes on, and up to date if it is killed
 
+    def log_samples(self, key: str, samples: list[dict[str, Any]], step: int) -> None:
+        # One line per sample, its fields nested under ``key``: readers of the metrics (the
+        # report's history) take only top-level numbers, so these lines leave them unchanged.
+        for sample in samples:
+            record = {"step": step, key: {k: _json_safe(_plain(v)) for k, v in sample.items()}}
+            self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
     def close(self) -> None:
         self._file.close()
 
@@ -125,6 +137,10 @@ class TensorboardBackend:
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         for key, value in scalar_metrics(metrics).items():
             self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def log_samples(self, key: str, samples: list[dict[str, Any]], step: int) -> None:
+        self.writer.add_text(key, samples_markdown(samples), global_step=step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -156,6 +172,13 @@ class WandbBackend:
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         self.run.log(scalar_metrics(metrics), step=step)
+
+    def log_samples(self, key: str, samples: list[dict[str, Any]], step: int) -> None:
+        import wandb
+
+        columns = sample_columns(samples)
+        rows = [[_plain(sample.get(c)) for c in columns] for sample in samples]
+        self.run.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -206,8 +229,32 @@ class MlflowBackend:
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)
 
+    def log_samples(self, key: str, samples: list[dict[str, Any]], step: int) -> None:
+        records = [{k: _json_safe(_plain(v)) for k, v in s.items()} for s in samples]
+        name = f"{key.replace('/', '_')}_step_{step}.json"
+        self.client.log_text(self.run_id, json.dumps(records, indent=1), f"samples/{name}")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def sample_columns(samples: list[dict[str, Any]]) -> list[str]:
+    """Every field of ``samples``, in the order they first appear."""
+    return list(dict.fromkeys(k for sample in samples for k in sample))
+
+
+def samples_markdown(samples: list[dict[str, Any]]) -> str:
+    """``samples`` as a Markdown table (TensorBoard renders text summaries as Markdown)."""
+    columns = sample_columns(samples)
+
+    def cell(value: Any) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(_plain(value))
+        # A cell is one line of the table: escape what would end it or split it.
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(s.get(c, "")) for c in columns) + " |" for s in samples]
+    return "\n".join(lines)
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -427,6 +474,15 @@ class Logger:
             backend.log(named, step)
         if prefix in ("", "train"):
             self.progress.update(step, metrics)
+
+    def log_samples(self, samples: list[dict[str, Any]], step: int, prefix: str = "val") -> None:
+        """Log example rows (``{"prompt": ..., "completion": ..., "reward": ...}``) under
+        ``<prefix>/samples``: a W&B table, a TensorBoard text summary, a JSONL line each."""
+        if not samples:
+            return
+        key = f"{prefix}/samples" if prefix else "samples"
+        for backend in self.backends.values():
+            backend.log_samples(key, samples, step)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}

@@ -119,18 +119,28 @@ def summary_rows(history: History, phases: Sequence[str]) -> list[tuple[str, str
     return rows
 
 
-def print_summary(rows: Sequence[tuple[str, str]], paths: Mapping[str, str], title: str) -> None:
+def print_summary(
+    rows: Sequence[tuple[str, str]],
+    paths: Mapping[str, str],
+    title: str,
+    console: Any = None,
+) -> None:
+    """The rows as a table, then each path on a line of its own, in full: a table cell would
+    cut a long path to the terminal's width (or fold it over lines, which breaks copying it).
+    ``console``: a rich ``Console`` (None: standard output)."""
     from rich.console import Console
     from rich.table import Table
 
+    console = console if console is not None else Console()
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
     for name, value in rows:
         table.add_row(name, value)
+    console.print(table)
     for name, path in paths.items():
-        table.add_row(name, path)
-    Console().print(table)
+        # soft_wrap: no line breaks inserted and nothing cut; the terminal wraps a long line.
+        console.print(f"{name}: {path}", soft_wrap=True, markup=False, highlight=False)
 
 
 def report_run(run: Any, resumed_at: int, phases: Sequence[str], title: str) -> None:
