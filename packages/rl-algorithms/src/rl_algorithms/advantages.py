@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from rl_algorithms.ppo.gae import whiten
-
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1:
@@ -143,3 +141,40 @@ def overlong_penalty(
     start = max_response_length - buffer_length
     penalty = (start - lengths) / buffer_length
     return penalty.clamp(-1.0, 0.0)
+
+
+def check_shape(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+
+
+def zero_off_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` in float64 where ``mask``, 0 elsewhere (``where``: a NaN or inf a backend left on
+    padding or an observation token can reach neither the result nor a sum)."""
+    return torch.where(mask, x.to(torch.float64), torch.zeros((), dtype=torch.float64))
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of ``x`` over ``mask`` (float64; a variance of 0 for fewer
+    than two entries)."""
+    x = zero_off_mask(x, mask)
+    count = mask.sum().to(torch.float64)
+    mean = x.sum() / count.clamp(min=1)
+    var = torch.where(mask, x - mean, 0.0).square().sum() / (count - 1).clamp(min=1)
+    return mean, var
+
+
+def whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` with the mean and unbiased std of the entries where
+    ``mask > 0`` (the batch's valid tokens; padding, prompts and dropped samples do not weigh);
+    with ``shift_mean=False`` the mean is added back (only the scale changes). 0 outside the
+    mask; the dtype of ``values`` when floating."""
+    check_shape("mask", mask, tuple(values.shape))
+    valid = mask > 0
+    mean, var = masked_moments(values, valid)
+    whitened = (zero_off_mask(values, valid) - mean) / (var.sqrt() + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(valid, whitened, 0.0).to(_result_dtype(values))

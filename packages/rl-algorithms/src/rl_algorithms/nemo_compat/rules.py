@@ -430,7 +430,7 @@ RULES: list[tuple[str, Any]] = [
     ("logger.mlflow_enabled", To("logger.mlflow_enabled")),
     ("logger.monitor_gpus", To("logger.monitor_gpus")),
     ("logger.swanlab_enabled", Unless((False,), "log to SwanLab")),
-    ("logger.num_val_samples_to_print", Ignore("printing validation samples")),
+    ("logger.num_val_samples_to_print", To("logger.num_val_samples_to_print")),
     ("logger.wandb.project", To("logger.wandb.project")),
     ("logger.wandb.name", To("logger.wandb.name")),
     ("logger.wandb.log_nemo_gym_full_result_tables", Ignore("NeMo-Gym tables")),

@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from rl_algorithms.advantages import check_shape, masked_moments, whiten, zero_off_mask
 from rl_algorithms.losses.clipped_pg import ClippedPGLossConfig, kl_estimate
 
 __all__ = ["explained_variance", "gae", "token_level_rewards", "whiten"]
@@ -36,17 +37,6 @@ __all__ = ["explained_variance", "gae", "token_level_rewards", "whiten"]
 
 def _result_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype.is_floating_point else torch.get_default_dtype()
-
-
-def _check_shape(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
-
-
-def _on_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x`` in float64 where ``mask``, 0 elsewhere (``where``: a NaN or inf a backend left on
-    padding or an observation token can reach neither the result nor a sum)."""
-    return torch.where(mask, x.to(torch.float64), torch.zeros((), dtype=torch.float64))
 
 
 def token_level_rewards(
@@ -85,15 +75,17 @@ def token_level_rewards(
     if kl_penalty > 0:
         if logprobs is None or reference_logprobs is None:
             raise ValueError("kl_penalty > 0 needs logprobs and reference_logprobs [B, S]")
-        _check_shape("logprobs", logprobs, tuple(mask.shape))
-        _check_shape("reference_logprobs", reference_logprobs, tuple(mask.shape))
+        check_shape("logprobs", logprobs, tuple(mask.shape))
+        check_shape("reference_logprobs", reference_logprobs, tuple(mask.shape))
         estimator = ClippedPGLossConfig(
             reference_policy_kl_type=kl_type,
             kl_input_clamp_value=kl_input_clamp_value,
             kl_output_clamp_value=kl_output_clamp_value,
         )
         # Both inputs are 0 off the action tokens, where every estimator gives a KL of 0.
-        kl = kl_estimate(_on_mask(logprobs, mask), _on_mask(reference_logprobs, mask), estimator)
+        kl = kl_estimate(
+            zero_off_mask(logprobs, mask), zero_off_mask(reference_logprobs, mask), estimator
+        )
         rewards = rewards - kl_penalty * kl
     return rewards.to(_result_dtype(scores))
 
@@ -113,18 +105,18 @@ def gae(
     shape = tuple(values.shape)
     if len(shape) != 2:
         raise ValueError(f"values must be [B, S], got shape {list(shape)}")
-    _check_shape("rewards", rewards, shape)
-    _check_shape("action_mask", action_mask, shape)
-    _check_shape("final_values", final_values, (shape[0],))
-    _check_shape("truncated", truncated, (shape[0],))
+    check_shape("rewards", rewards, shape)
+    check_shape("action_mask", action_mask, shape)
+    check_shape("final_values", final_values, (shape[0],))
+    check_shape("truncated", truncated, (shape[0],))
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
     mask = action_mask > 0
-    r = _on_mask(rewards, mask)
-    v = _on_mask(values, mask)
+    r = zero_off_mask(rewards, mask)
+    v = zero_off_mask(values, mask)
     # What follows a row's last step: the critic's estimate if the response was cut off, else
     # nothing (a finished response is a terminal state).
-    next_value = _on_mask(final_values, truncated.bool().to(mask.device))
+    next_value = zero_off_mask(final_values, truncated.bool().to(mask.device))
     next_advantage = torch.zeros_like(next_value)
     advantages = torch.zeros_like(v)
     # Backwards over the positions that hold a step in some row (the prompt columns never do);
@@ -141,32 +133,6 @@ def gae(
     return advantages.to(dtype), returns.to(dtype)
 
 
-def _masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased variance of ``x`` over ``mask`` (float64; a variance of 0 for fewer
-    than two entries)."""
-    x = _on_mask(x, mask)
-    count = mask.sum().to(torch.float64)
-    mean = x.sum() / count.clamp(min=1)
-    var = torch.where(mask, x - mean, 0.0).square().sum() / (count - 1).clamp(min=1)
-    return mean, var
-
-
-def whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
-    """``(x - mean) / (std + eps)`` with the mean and unbiased std of the entries where
-    ``mask > 0`` (the batch's valid tokens; padding, prompts and dropped samples do not weigh);
-    with ``shift_mean=False`` the mean is added back (only the scale changes). 0 outside the
-    mask; the dtype of ``values`` when floating."""
-    _check_shape("mask", mask, tuple(values.shape))
-    valid = mask > 0
-    mean, var = _masked_moments(values, valid)
-    whitened = (_on_mask(values, valid) - mean) / (var.sqrt() + eps)
-    if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(valid, whitened, 0.0).to(_result_dtype(values))
-
-
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """``1 - Var(R - V) / Var(R)`` over the entries where ``mask > 0``: 1 for a critic that
     predicts the returns exactly, 0 for one no better than their mean, negative for worse.
@@ -175,12 +141,12 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     scored the same) or there are fewer than two valid entries. A made-up number there would
     read as a critic that is (or is not) learning; NaN says there was nothing to explain.
     """
-    _check_shape("returns", returns, tuple(values.shape))
-    _check_shape("mask", mask, tuple(values.shape))
+    check_shape("returns", returns, tuple(values.shape))
+    check_shape("mask", mask, tuple(values.shape))
     valid = mask > 0
-    _, var_returns = _masked_moments(returns, valid)
+    _, var_returns = masked_moments(returns, valid)
     if int(valid.sum()) < 2 or float(var_returns) == 0.0:
         return float("nan")
-    residual = _on_mask(returns, valid) - _on_mask(values, valid)
-    _, var_residual = _masked_moments(residual, valid)
+    residual = zero_off_mask(returns, valid) - zero_off_mask(values, valid)
+    _, var_residual = masked_moments(residual, valid)
     return float(1.0 - var_residual / var_returns)
