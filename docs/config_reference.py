@@ -173,7 +173,10 @@ def _variant_label(model: type[BaseModel]) -> str:
     """``source: chat_file`` for a member of a union told apart by a one-value Literal."""
     for name, field in model.model_fields.items():
         annotation = _unwrap(field.annotation)
-        if typing.get_origin(annotation) is typing.Literal and len(typing.get_args(annotation)) == 1:
+        if (
+            typing.get_origin(annotation) is typing.Literal
+            and len(typing.get_args(annotation)) == 1
+        ):
             return f"{name}: {typing.get_args(annotation)[0]}"
     return model.__name__
 
@@ -198,7 +201,9 @@ def model_keys(
             default = "required"
         else:
             default = _show(field.get_default(call_default_factory=True))
-        out.append(Key(key, type_name(field.annotation), default, field_description(model, name), variant))
+        out.append(
+            Key(key, type_name(field.annotation), default, field_description(model, name), variant)
+        )
         members = _models_in(field.annotation)
         annotation = _unwrap(field.annotation)
         if members and typing.get_origin(annotation) is dict:
