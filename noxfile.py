@@ -114,9 +114,26 @@ def sandbox_tests_unprivileged(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def integration(session: nox.Session) -> None:
-    """Cross-package tests (tests/) in the full workspace environment."""
+    """Cross-package tests (tests/, the docs' code blocks among them) in the full workspace
+    environment, then the docs site, built as the `docs` session builds it."""
     sync(session)
     pytest(session, "tests")
+    build_docs(session)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The docs site, warnings as errors; the config reference is generated from the configs."""
+    sync(session)
+    build_docs(session)
+
+
+def build_docs(session: nox.Session) -> None:
+    with tempfile.TemporaryDirectory(prefix="rl-docs-site-") as site:
+        session.run(
+            *("mkdocs", "build", "--strict", "--site-dir", site),
+            env={"NO_MKDOCS_2_WARNING": "1"},
+        )
 
 
 @nox.session(python=PYTHON)
@@ -183,6 +200,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def tests(session: nox.Session) -> None:
-    """Everything CI runs: lint, each package alone, integration, standalone install, slow."""
+    """Everything CI runs: lint, each package alone, integration (with the docs build),
+    standalone install, slow."""
     for name in ["lint", *PACKAGES, "integration", "standalone", "slow"]:
         session.notify(name)

@@ -1,0 +1,189 @@
+"""The docs site: every code block of the quickstart and the guides runs as written, and the
+config reference (generated from the typed configs at build time) describes every key.
+
+A page's blocks run in order in one scratch directory (with the repository's ``examples/``
+linked in): ``python`` blocks in one interpreter, so later blocks see earlier ones' names, and
+``bash`` blocks with ``uv run X`` meaning X from this test's environment. A block is skipped
+only when the line before it says so, visibly: ``*Not run by the docs tests: <reason>.*``.
+The reward-functions guide's blocks run in rl-algorithms' functional tests, not here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+RUN_ELSEWHERE = {
+    # test_grpo_reward_functions.py runs this guide's blocks (a GRPO run among them).
+    DOCS / "guides" / "reward-functions.md",
+}
+PAGES = sorted(
+    p for p in [DOCS / "quickstart.md", *(DOCS / "guides").glob("*.md")] if p not in RUN_ELSEWHERE
+)
+SKIP_MARK = re.compile(r"^\*Not run by the docs tests: (.+)\*$")
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```$", re.S | re.M)
+RUNNABLE = {"python", "bash"}
+# `uv run X` runs X from this environment (the nox session's, or the workspace's .venv).
+BASH_PRELUDE = """set -euo pipefail
+uv() { if [ "$1" = run ]; then shift; "$@"; else command uv "$@"; fi; }
+"""
+
+
+def code_blocks(page: Path) -> list[tuple[str, str, str | None]]:
+    """``(language, code, reason it is not run or None)`` for each fenced block of ``page``."""
+    text = page.read_text()
+    out = []
+    for match in FENCE.finditer(text):
+        paragraphs = [" ".join(p.split()) for p in text[: match.start()].split("\n\n")]
+        before = [p for p in paragraphs if p]
+        skip = SKIP_MARK.match(before[-1]) if before else None
+        out.append((match.group(1), match.group(2), skip.group(1) if skip else None))
+    return out
+
+
+def test_the_block_parser_reads_markers_and_languages(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Intro.\n\n```bash\necho hi\n```\n\n*Not run by the docs tests: needs\nSlurm.*\n\n"
+        '```bash\nsbatch x\n```\n\n```python title="x.py"\nprint(1)\n```\n'
+    )
+    assert code_blocks(page) == [
+        ("bash", "echo hi\n", None),
+        ("bash", "sbatch x\n", "needs Slurm."),
+        ("python", "print(1)\n", None),
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_code_block_of_the_page_runs(page, tmp_path):
+    blocks = code_blocks(page)
+    assert blocks, f"{page} has no code blocks"
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "HOME": str(tmp_path / "home"),  # nothing the blocks write lands in the real home
+        "NO_COLOR": "1",
+    }
+    # Models converted once (the main recipe's GGUF) stay shared with the rest of the suite.
+    env.setdefault("XDG_CACHE_HOME", str(Path.home() / ".cache"))
+    python = [code for lang, code, skip in blocks if lang == "python" and skip is None]
+    for i, (lang, code, skip) in enumerate(blocks):
+        where = f"{page.relative_to(ROOT)}, code block {i + 1} ({lang})"
+        assert lang in RUNNABLE or lang in ("", "text", "yaml", "json"), f"{where}: language?"
+        if skip is not None or lang not in RUNNABLE:
+            assert lang not in RUNNABLE or skip.strip(" ."), f"{where}: a skip needs a reason"
+            continue
+        if lang == "python":
+            # Each block runs after the page's earlier blocks, in one interpreter.
+            upto = python[: python.index(code) + 1]
+            command = [sys.executable, "-c", "\n".join(upto)]
+        else:
+            command = ["bash", "-c", BASH_PRELUDE + code]
+        run = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+        )
+        assert run.returncode == 0, (
+            f"{where} failed:\n{code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+        )
+
+
+# -- the config reference -----------------------------------------------------------------------
+
+
+def load_reference():
+    spec = importlib.util.spec_from_file_location("config_reference", DOCS / "config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_reference()
+
+
+def test_the_reference_has_a_page_per_command_of_the_rl_command(reference):
+    from rl_algorithms.cli import ALGORITHMS
+
+    pages = reference.pages()
+    assert set(pages) == {f"reference/config/{n}.md" for n in ["index", *ALGORITHMS]}
+    grpo = pages["reference/config/grpo.md"]
+    # a nested key, its type, the recipe's default and the comment above it in the source
+    assert (
+        "| `grpo.async_grpo.max_trajectory_age_steps` | `int` | `1` | A sample's age is the "
+        "trainer's step minus" in grpo
+    )
+    # a key of one form of a union, and an environment kind's own config
+    assert "| `data.train.columns`<br>*(source: chat_file)* | `dict[str, str]` | `{}` |" in grpo
+    assert "### `kind: sliding_puzzle`" in grpo
+
+
+def test_every_key_of_every_command_has_a_description(reference):
+    missing = [
+        f"rl {command}: {k.key} {k.variant}".strip()
+        for command in reference.commands()
+        for k in reference.command_keys(command)
+        if not k.description
+    ]
+    missing += [
+        f"env kind {kind}: {k.key}"
+        for kind, keys in reference.environment_keys().items()
+        for k in keys
+        if not k.description
+    ]
+    assert not missing, (
+        "config keys without a description: add a `# comment` above the field in its class (or "
+        "an entry in docs/config_descriptions.yaml):\n  " + "\n  ".join(sorted(set(missing)))
+    )
+
+
+def test_descriptions_are_read_from_comments_above_and_beside_fields(reference):
+    from pydantic import Field
+
+    from rl_distributed.config import ConfigModel
+
+    class Parent(ConfigModel):
+        # Two lines
+        # of comment.
+        a: int = 1
+        b: int = Field(2, ge=0)  # beside it
+        c: int = Field(3, description="given   explicitly")
+
+    class Child(Parent):
+        a: int = 5  # the parent's comment is kept when the child's redeclaration has none
+
+        d: str = "x"
+
+    assert reference.field_description(Parent, "a") == "Two lines of comment."
+    assert reference.field_description(Parent, "b") == "beside it"
+    assert reference.field_description(Parent, "c") == "given explicitly"
+    assert reference.field_description(Child, "a").startswith("the parent's comment is kept")
+    assert reference.field_description(Child, "d") == ""
+
+
+def test_the_supplement_only_describes_real_fields_the_source_leaves_undescribed(reference):
+    import importlib
+
+    stale = []
+    for class_id, fields in reference.supplement().items():
+        module, _, name = class_id.partition(":")
+        cls = getattr(importlib.import_module(module), name, None)
+        if cls is None:
+            stale.append(f"{class_id}: no such class")
+            continue
+        for field in fields:
+            if field not in vars(cls).get("__annotations__", {}):
+                stale.append(f"{class_id}.{field}: the class declares no such field")
+            elif reference.source_description(cls, field):
+                stale.append(f"{class_id}.{field}: the source describes it now; drop it here")
+    assert not stale, "docs/config_descriptions.yaml:\n  " + "\n  ".join(stale)
