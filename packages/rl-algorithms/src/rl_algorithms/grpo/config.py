@@ -99,20 +99,26 @@ class RolloutLoopConfig(ConfigModel):
     """What every loop that samples from the policy and scores the samples shares (GRPO, PPO,
     distillation): the batch of prompts, the rollouts, the length of the run, validation."""
 
-    num_prompts_per_step: int = Field(ge=1)
+    num_prompts_per_step: int = Field(ge=1)  # prompts per step
+    # Responses sampled per prompt (GRPO's group size).
     num_generations_per_prompt: int = Field(ge=1)
+    # Training steps; the run stops at max_num_steps or max_num_epochs, whichever comes first.
     max_num_steps: int = Field(ge=1)
-    max_num_epochs: int = Field(1, ge=1)
+    max_num_epochs: int = Field(1, ge=1)  # passes over the prompts
+    # Turns per rollout (1: single-turn; more for multi-turn environments).
     max_rollout_turns: int = Field(1, ge=1)
+    # DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts.
     use_dynamic_sampling: bool = False
+    # Most generation rounds a step may take to fill its batch with dynamic sampling.
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     overlong_filtering: bool = False  # truncated responses out of the loss
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     val_period: int = Field(0, ge=0)  # 0: no validation during training
-    val_at_start: bool = False
-    val_batch_size: int = Field(8, ge=1)
+    val_at_start: bool = False  # validate once before the first step
+    val_batch_size: int = Field(8, ge=1)  # prompts per validation generation call
+    # Most validation prompts used per validation (greedy, one response each).
     max_val_samples: int = Field(64, ge=1)
-    seed: int = 42
+    seed: int = 42  # seeds the controller (prompt order, held-out rows) and the sampler
     # Warn when every reward of the batch has been the same for this many steps in a row (no
     # signal: nothing learns); 0: never.
     no_signal_warning_steps: int = Field(5, ge=0)

@@ -69,6 +69,8 @@ from rl_distributed.config import ConfigModel
 
 
 class DistillationLossConfig(ConfigModel):
+    # topk: divergences over the teacher's top-k per position; sampled_token: reverse KL on
+    # the sampled tokens (the teacher's log-prob of each).
     estimator: Literal["sampled_token", "topk"] = "topk"
     kl_type: Literal["forward", "reverse", "mixed", "jsd"] = "mixed"  # topk only
     mixed_kl_weight: float = Field(0.5, ge=0, le=1)  # the forward KL's share in "mixed"

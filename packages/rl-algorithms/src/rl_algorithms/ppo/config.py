@@ -46,7 +46,7 @@ STEP_METRICS = frozenset(
 class GAEConfig(ConfigModel):
     """Generalised advantage estimation (``ppo.gae``), NeMo RL's ``ppo.adv_estimator``."""
 
-    name: Literal["gae"] = "gae"
+    name: Literal["gae"] = "gae"  # the estimator (GAE is the one PPO has)
     gae_gamma: float = Field(1.0, ge=0, le=1)  # discount per action token
     gae_lambda: float = Field(0.95, ge=0, le=1)  # bias (0: one-step TD) vs variance (1: MC)
     # Whiten the advantages over the batch's loss tokens (mean 0, std 1).
