@@ -28,7 +28,7 @@ import torch
 from rl_algorithms.advantages import grpo_advantages
 from rl_algorithms.losses import ClippedPGLossFn, ClippedValueLossFn
 from rl_algorithms.losses.common import loss_token_mask
-from rl_algorithms.ppo.gae import gae, whiten
+from rl_algorithms.ppo.gae import gae, token_level_rewards, whiten
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
@@ -74,14 +74,18 @@ def worker(model: dict, kind: str) -> DTensorPolicyWorker:
 
 
 def rollout_batch(seed: int = 0) -> tuple[BatchedDataDict, torch.Tensor]:
-    """Rows of a 46-token prompt and a response of 8..32 tokens; rewards 0/1."""
+    """Groups of GROUP rows sharing a 46-token prompt (as the main job's 4 prompts x 8), each
+    with a response of 8..32 tokens; rewards 0/1."""
     gen = torch.Generator().manual_seed(seed)
     responses = torch.randint(8, RESPONSE + 1, (ROWS,), generator=gen)
     lengths = PROMPT + responses
     width = int(lengths.max())
     pos = torch.arange(width)[None, :]
     real = pos < lengths[:, None]
-    ids = torch.randint(1, 1000, (ROWS, width), generator=gen) * real
+    ids = torch.randint(1, 1000, (ROWS, width), generator=gen)
+    prompts = torch.randint(1, 1000, (ROWS // GROUP, PROMPT), generator=gen)
+    ids[:, :PROMPT] = prompts.repeat_interleave(GROUP, dim=0)  # GRPO's prefix sharing applies
+    ids = ids * real
     token_mask = (real & (pos >= PROMPT)).float()
     rewards = (torch.rand(ROWS, generator=gen) < 0.3).float()
     batch = BatchedDataDict(
@@ -107,8 +111,7 @@ def ppo_step(
 ) -> None:
     values = critic.get_values(batch)
     mask = loss_token_mask(batch)
-    last = mask.cumsum(1).eq(mask.sum(1, keepdim=True)) & (mask > 0)
-    token_rewards = rewards[:, None] * last
+    token_rewards = token_level_rewards(rewards, mask)
     truncated = torch.zeros(ROWS, dtype=torch.bool)
     adv, returns = gae(
         token_rewards, values["values"], mask, values["final_values"], truncated, 1.0, 1.0

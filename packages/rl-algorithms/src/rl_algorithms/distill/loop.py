@@ -19,7 +19,9 @@ import torch
 from rl_algorithms.advantages import grpo_advantages
 from rl_algorithms.config import TokenizerConfig
 from rl_algorithms.distill.config import MasterConfig
+from rl_algorithms.grpo.loop import run_and_report, setup_rollout_run
 from rl_algorithms.grpo.steps import (
+    compute_logprobs,
     generate_rollouts,
     refit_if_stale,
     shaped_rewards,
@@ -29,56 +31,26 @@ from rl_algorithms.grpo.steps import (
 from rl_algorithms.losses import ClippedPGLossFn, DistillationLossFn
 from rl_algorithms.rollouts import RolloutResult
 from rl_algorithms.run import (
-    DataPlan,
-    GeneratorPlan,
     ModelPlan,
     Run,
     end_step,
-    setup_run,
     start_loop,
 )
-from rl_algorithms.utils.report import report_run
 from rl_distributed.batched_data_dict import BatchedDataDict
 
-PHASES = ("refit", "generation", "teacher", "advantages", "train")
+PHASES = ("refit", "generation", "teacher", "advantages", "logprobs", "train")
 
 
 def setup(config: MasterConfig) -> Run:
     """GRPO's run (tokenizer, prompts, student, generator, environments, logger) plus the
     teacher; the teacher's vocabulary is checked against the student's first."""
-    from rl_data.collate import rl_collate
-
     check_vocabularies(config)
-    d, gen = config.distillation, config.generation
-    model = config.policy.model
-    if gen.dtype is not None:
-        model = model.model_copy(update={"dtype": gen.dtype})
     teacher = config.teacher
-    run = setup_run(
-        config,
-        name="distill",
-        seed=d.seed,
-        data=DataPlan(
-            "prompt",
-            rl_collate,
-            batch_size=d.num_prompts_per_step,
-            val_batch_size=d.val_batch_size,
-            shuffle=config.data.shuffle,
-            val_drop_last=False,
-        ),
-        policy=config.policy.worker_config(),
-        generator=GeneratorPlan(gen.engine_config(), model, gen.colocated, gen.num_workers),
-        teacher=ModelPlan(teacher.worker_config(), teacher.colocated, teacher.num_workers),
-        envs=config.env,
-        max_steps=d.max_num_steps,
-        max_epochs=d.max_num_epochs,
-        val_period=d.val_period,
-    )
+    plan = ModelPlan(teacher.worker_config(), teacher.colocated, teacher.num_workers)
+    run = setup_rollout_run(config, "distill", teacher=plan)
     pg_loss = None
-    if d.grpo_reward:
-        rows = d.num_prompts_per_step * d.num_generations_per_prompt
-        single = config.policy.train_global_batch_size == rows
-        pg_loss = ClippedPGLossFn(config.grpo_loss_fn, pi_old_is_current=single)
+    if config.distillation.grpo_reward:
+        pg_loss = ClippedPGLossFn(config.grpo_loss_fn, pi_old_is_current=True)
     run.loss_fn = DistillationLossFn(config.loss_fn, pg_loss=pg_loss)
     return run
 
@@ -154,8 +126,8 @@ def distill_step(run: Run) -> dict[str, float]:
         fields, reward_metrics = reward_fields(run, result, batch["token_mask"])
     batch.update(fields)
     if run.config.distillation.grpo_reward and run.config.grpo_loss_fn.reference_policy_kl_penalty:
-        ref = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
-        batch["reference_policy_logprobs"] = ref
+        with timer("logprobs"):
+            batch.update(compute_logprobs(run, batch, frozenset({"reference_policy_logprobs"})))
     with timer("train"):
         train_metrics = train_step(run, batch)
     return {**train_metrics, **reward_metrics, **rollout_metrics, **refit_metrics}
@@ -176,14 +148,4 @@ def distill_train(run: Run) -> dict[str, float]:
 
 
 def main(config: MasterConfig) -> dict[str, float]:
-    run = setup(config)
-    resumed_at = run.step
-    try:
-        last = distill_train(run)
-    finally:
-        run.shutdown()
-    try:
-        report_run(run, resumed_at, PHASES, title="Distillation run")
-    except Exception as e:  # the run itself succeeded: a failed plot must not turn it red
-        print(f"could not write the run's report: {e!r}")
-    return last
+    return run_and_report(setup(config), distill_train, PHASES, "Distillation run")

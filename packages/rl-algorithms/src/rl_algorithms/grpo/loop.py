@@ -13,9 +13,10 @@ One step, top to bottom (``grpo_train``)::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from rl_algorithms.grpo.config import MasterConfig
+from rl_algorithms.grpo.config import MasterConfig, RLMasterConfig
 from rl_algorithms.grpo.steps import (
     check_batch_fields,
     generate_rollouts,
@@ -24,7 +25,15 @@ from rl_algorithms.grpo.steps import (
     train_on_rollouts,
     validate,
 )
-from rl_algorithms.run import DataPlan, GeneratorPlan, Run, end_step, setup_run, start_loop
+from rl_algorithms.run import (
+    DataPlan,
+    GeneratorPlan,
+    ModelPlan,
+    Run,
+    end_step,
+    setup_run,
+    start_loop,
+)
 from rl_algorithms.utils.report import report_run
 
 PHASES = ("refit", "generation", "rewards_and_advantages", "logprobs", "train")
@@ -35,36 +44,44 @@ def setup(config: MasterConfig, loss_fn: Any = None) -> Run:
     the latest checkpoint in ``checkpointing.checkpoint_dir`` if there is one. ``loss_fn``
     (default: the clipped policy gradient of ``loss_fn.*``) is checked against the fields a
     step produces before anything starts."""
-    from rl_data.collate import rl_collate
-
-    g, gen = config.grpo, config.generation
     loss_fn = make_loss(config) if loss_fn is None else loss_fn
     check_batch_fields(loss_fn, config)
+    run = setup_rollout_run(config, "grpo")
+    run.loss_fn = loss_fn
+    return run
+
+
+def setup_rollout_run(config: RLMasterConfig, name: str, **models: ModelPlan) -> Run:
+    """``setup_run`` for a loop that samples from its policy and scores the samples (GRPO,
+    PPO, distillation): prompts of the loop section, the policy, its generator, the
+    environments, and ``models`` beside them (``critic=``, ``teacher=``)."""
+    from rl_data.collate import rl_collate
+
+    loop, gen = config.rollout, config.generation
     model = config.policy.model
     if gen.dtype is not None:
         model = model.model_copy(update={"dtype": gen.dtype})
     data = DataPlan(
         "prompt",
         rl_collate,
-        batch_size=g.num_prompts_per_step,
-        val_batch_size=g.val_batch_size,
+        batch_size=loop.num_prompts_per_step,
+        val_batch_size=loop.val_batch_size,
         shuffle=config.data.shuffle,
         val_drop_last=False,
     )
-    run = setup_run(
+    return setup_run(
         config,
-        name="grpo",
-        seed=g.seed,
+        name=name,
+        seed=loop.seed,
         data=data,
         policy=config.policy.worker_config(),
         generator=GeneratorPlan(gen.engine_config(), model, gen.colocated, gen.num_workers),
         envs=config.env,
-        max_steps=g.max_num_steps,
-        max_epochs=g.max_num_epochs,
-        val_period=g.val_period,
+        max_steps=loop.max_num_steps,
+        max_epochs=loop.max_num_epochs,
+        val_period=loop.val_period,
+        **models,
     )
-    run.loss_fn = loss_fn
-    return run
 
 
 def grpo_train(run: Run) -> dict[str, float]:
@@ -89,19 +106,25 @@ def grpo_train(run: Run) -> dict[str, float]:
 
 
 def main(config: MasterConfig) -> dict[str, float]:
-    run = setup(config)
+    if config.grpo.async_grpo.enabled:
+        from rl_algorithms.grpo.async_loop import async_grpo_train
+
+        return run_and_report(setup(config), async_grpo_train, PHASES, "GRPO run")
+    return run_and_report(setup(config), grpo_train, PHASES, "GRPO run")
+
+
+def run_and_report(
+    run: Run, train: Callable[[Run], dict[str, float]], phases: tuple[str, ...], title: str
+) -> dict[str, float]:
+    """Run ``train`` on ``run``, shut it down whatever happens, then print and plot the run's
+    report (the phases' times, reward and accuracy first and last)."""
     resumed_at = run.step
     try:
-        if config.grpo.async_grpo.enabled:
-            from rl_algorithms.grpo.async_loop import async_grpo_train
-
-            last = async_grpo_train(run)
-        else:
-            last = grpo_train(run)
+        last = train(run)
     finally:
         run.shutdown()
     try:
-        report_run(run, resumed_at, PHASES, title="GRPO run")
+        report_run(run, resumed_at, phases, title=title)
     except Exception as e:  # the run itself succeeded: a failed plot must not turn it red
         print(f"could not write the run's report: {e!r}")
     return last

@@ -18,7 +18,7 @@ from rl_algorithms.advantages import (
     overlong_penalty,
     reinforce_plus_plus_advantages,
 )
-from rl_algorithms.grpo.config import MasterConfig
+from rl_algorithms.grpo.config import MasterConfig, RLMasterConfig
 from rl_algorithms.losses import ClippedPGLossFn
 from rl_algorithms.rollouts import RolloutResult, run_rollouts
 from rl_algorithms.run import Run, reduce_step_metrics
@@ -49,9 +49,9 @@ def check_batch_fields(loss_fn: Any, config: MasterConfig) -> None:
         )
 
 
-def single_update_per_batch(config: MasterConfig) -> bool:
+def single_update_per_batch(config: RLMasterConfig) -> bool:
     """One optimiser step per rollout batch: the policy that trains on it is pi_old itself."""
-    g = config.grpo
+    g = config.rollout
     return (
         config.policy.train_global_batch_size
         == g.num_prompts_per_step * g.num_generations_per_prompt
@@ -223,14 +223,17 @@ def warn_if_no_signal(run: Run, rewards: torch.Tensor) -> None:
         )
 
 
-def compute_logprobs(run: Run, batch: BatchedDataDict) -> dict[str, torch.Tensor]:
+def compute_logprobs(
+    run: Run, batch: BatchedDataDict, fields: frozenset[str] | None = None
+) -> dict[str, torch.Tensor]:
     """``prev_logprobs`` (the policy before this step) and, for the KL penalty, the
-    reference policy's ``reference_policy_logprobs``: the fields ``logprob_fields`` names.
+    reference policy's ``reference_policy_logprobs``: the ``fields`` asked for (default: the
+    ones ``logprob_fields`` names for GRPO).
 
     With a single optimiser step per batch pi_old is the policy being trained, so its
     log-probs come out of the train step's own forward pass (see ``ClippedPGLossFn``).
     """
-    fields = logprob_fields(run.config)
+    fields = logprob_fields(run.config) if fields is None else fields
     if not fields:
         return {}
     run.policy.prepare_for_lp_inference()

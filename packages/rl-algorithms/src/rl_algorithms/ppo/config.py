@@ -97,7 +97,7 @@ class CriticConfig(PolicyConfig):
 
     model: ModelConfig | None = None  # type: ignore[assignment]
     train_global_batch_size: int | None = Field(None, ge=1)  # type: ignore[assignment]
-    colocated: bool = True  # shares the policy's bundles (taking turns with it)
+    colocated: bool = True  # shares the policy's bundles (its weights stay resident)
     num_workers: int = Field(1, ge=1)  # workers of its own when not colocated
 
     def worker_config(self) -> PolicyConfig:
@@ -137,6 +137,14 @@ class MasterConfig(RLMasterConfig):
             raise ValueError(
                 f"critic.model.kind is {c.model.kind!r}; a critic is a value model: set it "
                 "to value (or leave critic.model out to start from the policy's model)"
+            )
+        if "seed" not in c.model_fields_set:
+            # The policy's seed: a critic built from the policy's config gets its backbone.
+            c.seed = self.policy.seed
+        if c.lora.enabled:
+            raise ValueError(
+                "critic.lora.enabled: a critic trains its whole model (its value head is new); "
+                "set critic.lora.enabled: false"
             )
         if c.train_global_batch_size is None:
             c.train_global_batch_size = self.policy.train_global_batch_size

@@ -18,10 +18,13 @@ from typing import Any
 
 import torch
 
+from rl_algorithms.grpo.loop import run_and_report, setup_rollout_run
 from rl_algorithms.grpo.steps import (
+    compute_logprobs,
     generate_rollouts,
     refit_if_stale,
     shaped_rewards,
+    single_update_per_batch,
     validate,
     warn_if_no_signal,
 )
@@ -30,17 +33,7 @@ from rl_algorithms.losses.common import loss_token_mask
 from rl_algorithms.ppo.config import MasterConfig
 from rl_algorithms.ppo.gae import explained_variance, gae, token_level_rewards, whiten
 from rl_algorithms.rollouts import RolloutResult
-from rl_algorithms.run import (
-    DataPlan,
-    GeneratorPlan,
-    ModelPlan,
-    Run,
-    end_step,
-    reduce_step_metrics,
-    setup_run,
-    start_loop,
-)
-from rl_algorithms.utils.report import report_run
+from rl_algorithms.run import ModelPlan, Run, end_step, reduce_step_metrics, start_loop
 from rl_distributed.batched_data_dict import BatchedDataDict
 
 PHASES = ("refit", "generation", "logprobs", "values", "advantages", "critic_train", "train")
@@ -49,60 +42,25 @@ PHASES = ("refit", "generation", "logprobs", "values", "advantages", "critic_tra
 def setup(config: MasterConfig) -> Run:
     """GRPO's run (tokenizer, prompts, policy, generator, environments, logger) plus the
     critic; resumes both from the latest checkpoint in ``checkpointing.checkpoint_dir``."""
-    from rl_data.collate import rl_collate
-
-    p, gen = config.ppo, config.generation
-    model = config.policy.model
-    if gen.dtype is not None:
-        model = model.model_copy(update={"dtype": gen.dtype})
     critic = config.critic
-    run = setup_run(
-        config,
-        name="ppo",
-        seed=p.seed,
-        data=DataPlan(
-            "prompt",
-            rl_collate,
-            batch_size=p.num_prompts_per_step,
-            val_batch_size=p.val_batch_size,
-            shuffle=config.data.shuffle,
-            val_drop_last=False,
-        ),
-        policy=config.policy.worker_config(),
-        generator=GeneratorPlan(gen.engine_config(), model, gen.colocated, gen.num_workers),
-        critic=ModelPlan(critic.worker_config(), critic.colocated, critic.num_workers),
-        envs=config.env,
-        max_steps=p.max_num_steps,
-        max_epochs=p.max_num_epochs,
-        val_period=p.val_period,
-    )
-    pi_old_is_current = p.ppo_epochs == 1 and not needs_prev_logprobs(config)
+    plan = ModelPlan(critic.worker_config(), critic.colocated, critic.num_workers)
+    run = setup_rollout_run(config, "ppo", critic=plan)
+    pi_old_is_current = "prev_logprobs" not in logprob_fields(config)
     run.loss_fn = ClippedPGLossFn(config.loss_fn.policy_loss(), pi_old_is_current=pi_old_is_current)
     return run
 
 
-def needs_prev_logprobs(config: MasterConfig) -> bool:
-    """Whether the step needs the policy's log-probs before training: for more than one
-    optimiser step per batch (pi_old), or for the KL penalty in the rewards."""
-    p = config.ppo
-    rows = p.num_prompts_per_step * p.num_generations_per_prompt
-    several_steps = p.ppo_epochs > 1 or config.policy.train_global_batch_size != rows
-    return several_steps or config.loss_fn.use_kl_in_reward
-
-
-def compute_logprobs(run: Run, batch: BatchedDataDict) -> dict[str, torch.Tensor]:
-    """``prev_logprobs`` when needed and the reference's log-probs when a KL penalty is on."""
-    config: MasterConfig = run.config
-    out: dict[str, torch.Tensor] = {}
-    if not needs_prev_logprobs(config) and config.loss_fn.reference_policy_kl_penalty == 0:
-        return out
-    run.policy.prepare_for_lp_inference()
-    if needs_prev_logprobs(config):
-        out["prev_logprobs"] = run.policy.get_logprobs(batch)["logprobs"]
+def logprob_fields(config: MasterConfig) -> frozenset[str]:
+    """What ``grpo.steps.compute_logprobs`` must give a PPO step: ``prev_logprobs`` for more
+    than one optimiser step per batch (pi_old) or for the KL penalty in the rewards, the
+    reference's log-probs whenever there is a KL penalty."""
+    fields = set()
+    several_steps = not single_update_per_batch(config) or config.ppo.ppo_epochs > 1
+    if several_steps or config.loss_fn.use_kl_in_reward:
+        fields.add("prev_logprobs")
     if config.loss_fn.reference_policy_kl_penalty > 0:
-        ref = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
-        out["reference_policy_logprobs"] = ref
-    return out
+        fields.add("reference_policy_logprobs")
+    return frozenset(fields)
 
 
 def compute_advantages(
@@ -133,8 +91,8 @@ def compute_advantages(
         rewards,
         values["values"],
         mask,
-        values["final_values"],
-        result.truncated,
+        bootstrap_values(values, mask, batch["input_lengths"]),
+        open_episodes(result),
         gamma=g.gae_gamma,
         lam=g.gae_lambda,
     )
@@ -161,6 +119,29 @@ def compute_advantages(
         "sample_mask": sample_mask,
     }
     return fields, metrics
+
+
+def open_episodes(result: RolloutResult) -> torch.Tensor:
+    """``[B]`` bool: the episodes a GAE recursion bootstraps. A response cut at the length
+    limit whose episode the environment did not end: its return goes on past the cut. One the
+    environment ended (a single-turn math answer is scored even when cut) is terminal."""
+    return result.truncated & ~result.terminated
+
+
+def bootstrap_values(
+    values: BatchedDataDict, mask: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """``[B]`` the critic's value of the state right after each row's last action token:
+    where the response was cut. ``values["values"][:, t]`` values the state before token
+    ``t``, so that is the aligned value one past the last action token; when nothing follows
+    that token in the row, the critic's ``final_values``."""
+    aligned = values["values"]
+    positions = torch.arange(mask.shape[1])
+    last = torch.where(mask > 0, positions, -1).max(dim=1).values  # -1: no action token
+    after = (last + 1).clamp(max=mask.shape[1] - 1)
+    inside = (last >= 0) & (last + 1 < lengths)
+    picked = aligned.gather(1, after[:, None])[:, 0]
+    return torch.where(inside, picked, values["final_values"].to(aligned.dtype))
 
 
 def train_critic(run: Run, batch: BatchedDataDict) -> dict[str, float]:
@@ -195,7 +176,7 @@ def ppo_step(run: Run) -> dict[str, float]:
         result, rollout_metrics = generate_rollouts(run)
     batch = result.training_batch(run.tokenizer.pad_token_id)
     with timer("logprobs"):
-        batch.update(compute_logprobs(run, batch))
+        batch.update(compute_logprobs(run, batch, logprob_fields(run.config)))
     with timer("values"):
         values = run.critic.get_values(batch)
     with timer("advantages"):
@@ -229,14 +210,4 @@ def ppo_train(run: Run) -> dict[str, float]:
 
 
 def main(config: MasterConfig) -> dict[str, float]:
-    run = setup(config)
-    resumed_at = run.step
-    try:
-        last = ppo_train(run)
-    finally:
-        run.shutdown()
-    try:
-        report_run(run, resumed_at, PHASES, title="PPO run")
-    except Exception as e:  # the run itself succeeded: a failed plot must not turn it red
-        print(f"could not write the run's report: {e!r}")
-    return last
+    return run_and_report(setup(config), ppo_train, PHASES, "PPO run")

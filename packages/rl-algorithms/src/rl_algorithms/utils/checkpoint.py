@@ -49,6 +49,12 @@ IDENTITY_KEYS = (
     "policy.model.kind",
     "tokenizer",
     "data.train",
+    # Models trained or read beside the policy: a PPO checkpoint holds a critic a GRPO run
+    # would drop, and a distillation run resumed with another teacher is another run.
+    "critic.model.path",
+    "critic.model.hf_config",
+    "teacher.model.path",
+    "teacher.model.hf_config",
 )
 
 
