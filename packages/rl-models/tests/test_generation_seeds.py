@@ -48,7 +48,7 @@ def test_greedy_calls_and_batches_with_their_own_seeds_count_no_call():
 def test_malformed_seeds_are_named():
     data = batch(3)
     data[SEEDS_KEY] = torch.tensor([1, 2])
-    with pytest.raises(ValueError, match="sampling_seeds.*one seed per row \\(3\\)"):
+    with pytest.raises(ValueError, match=r"sampling_seeds.*one seed per row \(3\)"):
         seeds_of(data)
 
 
