@@ -22,7 +22,8 @@ from rl_algorithms import cli
 from .conftest import read_metrics, write_config
 from .test_grpo import grpo_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
+# Three runs of 2-4 steps: ~3.5 min on an idle 2-core machine, longer on a busy one.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(900)]
 
 STEPS = 4
 # Differ by how a run was cut, not by what it computed: wall-clock times, and the refit that a
