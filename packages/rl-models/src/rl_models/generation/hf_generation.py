@@ -6,8 +6,9 @@ The reference in tests and the fallback where vLLM is not installed: each worker
 Randomness: every sampled row draws from a random stream of its own, seeded from
 ``(generation.seed, weight version, sampling call number at that version, row)``
 (``rl_models.generation.seeds``). No random state lives only in a worker, so a run resumed from
-a checkpoint samples exactly what the uninterrupted run sampled, and a row's sample does not
-depend on the number of workers. Greedy calls draw nothing.
+a checkpoint samples exactly what the uninterrupted run sampled, and a row draws the same
+random numbers whichever worker or batch it lands in (its tokens may still differ where batched
+arithmetic rounds differently). Greedy calls draw nothing.
 """
 
 from __future__ import annotations
