@@ -13,8 +13,10 @@ latest complete checkpoint, and compares the last checkpoint's weights with the 
 Phases are found without hooks in the library: each run's driver is this file with
 ``--driver``, which wraps the GRPO loop's phase functions to print ``PHASE <name> <step>``
 (flushed) as each begins; the bench kills after a random delay of up to ``--max-delay`` s from
-the chosen line. The drivers attach to one Ray cluster that this process starts (as a killed
-driver's actors are then reaped by Ray). Prints how many trials matched last.
+the chosen line (at once for a checkpoint, whose line comes when the policy's files are
+written and the rest of the checkpoint is not). The drivers attach to one Ray cluster that
+this process starts (as a killed driver's actors are then reaped by Ray). Prints how many
+trials matched last.
 """
 
 from __future__ import annotations
@@ -233,8 +235,13 @@ def main() -> None:
             # Refits begin at step 2 (step 1 samples the initial weights).
             step = rng.randint(2 if phase == "refit" else 1, STEPS)
             path = config_for(f"trial_{trial}")
-            what = kill_at(path, address, phase, step, rng.uniform(0, args.max_delay))
+            # Mid-checkpoint: at once, or the rest of the write (a few ms) is done before.
+            delay = 0.0 if phase == "checkpoint" else rng.uniform(0, args.max_delay)
+            what = kill_at(path, address, phase, step, delay)
             saved = sorted(p.name for p in (path.parent / "ckpt").glob("step_*"))
+            if phase == "checkpoint":
+                done = f"step_{step}" in saved
+                what += " (after it was complete)" if done else " (mid-write: not complete)"
             finish(path, address)  # the same command again: resumes
             ok = same(final_weights(path.parent), reference)
             matched += ok
