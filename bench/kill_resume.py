@@ -176,7 +176,10 @@ def kill_at(config_path: Path, ray_address: str, phase: str, step: int, delay: f
             time.sleep(delay)
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            return f"killed {delay:.2f} s into {phase} of step {step}"
+            # What it printed before it died: the last phase it had begun (a tiny model's
+            # phases take milliseconds, so the run may have gone past the one aimed at).
+            last = [x.split()[1:] for x in [line, *proc.stdout] if x.startswith("PHASE ")][-1]
+            return f"killed {delay:.3f} s after {phase} {step} began, in {' '.join(last)}"
     proc.wait()
     reader.join(timeout=5)
     tail = "".join(stderr)[-2000:]
@@ -199,7 +202,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-delay", type=float, default=0.3)
+    parser.add_argument("--max-delay", type=float, default=0.03)
     parser.add_argument("--driver", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.driver:
