@@ -204,6 +204,8 @@ def start(tokenizer, template, n_prompts: int, hang_first: bool, name: str, **kw
     )
     data = prompts(tokenizer, template, n_prompts, kwargs.pop("long_idx", None))
     loader = StatefulDataLoader(data, 2, collate, shuffle=False)
+    if "loader_state" in kwargs:  # a resumed run's loader
+        loader.load_state_dict(kwargs.pop("loader_state"))
     sampler = ScriptedSampler(engine, kwargs.get("engine_call_seconds", 300.0))
     envs = kwargs.pop("envs", None) or {
         "sliding_puzzle": SlidingPuzzleEnvironment(SlidingPuzzleConfig())
@@ -433,3 +435,53 @@ def test_a_drain_with_scoring_leaves_no_environment_call_running_until_the_resum
         client.stop()
     inside = [(b, e) for b, e in calls if e > drained and b < resumed]
     assert not inside, f"scoring ran while drained: {inside} (window {drained}-{resumed})"
+
+
+def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_flight(
+    tokenizer, template
+):
+    """What ``async_loop``'s docstring says a resume preserves, through the trainer's own
+    ``Trajectories``: the saved buffer's groups come back with their step tags; the prompt
+    that was generating at the checkpoint (its stream hangs) is generated again, first, on the
+    resumed run's engine; and over both runs every prompt is trained on exactly once."""
+    client, _ = start(tokenizer, template, 8, hang_first=True, name="c-before", max_groups_ahead=6)
+    buffer = ReplayBuffer(max_age_steps=4)
+    trajectories = Trajectories(buffer, client, max_wait=60)
+    try:
+        buffer.record_step(0, 3)  # the engine's version 3 is step 0's
+        trained, _ = trajectories.take(2, step=0)
+        deadline = time.monotonic() + 30
+        while len(buffer) < 2 and time.monotonic() < deadline:  # finished, not yet trained on
+            trajectories.pull(timeout=0.5)
+        state = trajectories.state_dict()  # what end_step saves in the checkpoint
+    finally:
+        client.stop()
+    saved = [(g.prompt["idx"][0], g.step_min.tolist()) for g in state["buffer"]["groups"]]
+    pending = [p["idx"][0] for p in state["collector"]["pending_prompts"]]
+    assert len(saved) >= 2 and 0 in pending  # prompt 0 was generating: its samples are lost
+
+    resumed_buffer = ReplayBuffer(max_age_steps=4)
+    resumed_buffer.load_state_dict(state["buffer"])
+    resumed_buffer.record_step(1, 5)  # the resumed policy goes on from its saved version
+    client, _ = start(
+        tokenizer,
+        template,
+        8,
+        hang_first=False,
+        name="c-after",
+        loader_state=state["collector"]["loader"],
+        pending_prompts=state["collector"]["pending_prompts"],
+        groups_out=len(resumed_buffer),
+    )
+    try:
+        restored = [(g.prompt["idx"][0], g.step_min.tolist()) for g in resumed_buffer.groups]
+        assert restored == saved  # the same groups, still tagged with the step that made them
+        after, _ = take_all(client)
+    finally:
+        client.stop()
+    # The pending prompts are generated first, the hung one among them (this engine answers).
+    assert [g.prompt["idx"][0] for g in after[: len(pending)]] == pending
+    assert 0 in [g.prompt["idx"][0] for g in after]
+    used = [g.prompt["idx"][0] for g in trained] + [i for i, _ in saved]
+    used += [g.prompt["idx"][0] for g in after]
+    assert sorted(used) == list(range(8))  # none lost, none doubled

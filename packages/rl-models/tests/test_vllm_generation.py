@@ -182,6 +182,35 @@ def test_generate_contract_and_log_probs_match_hf_float64(engines, models):
                 assert torch.equal(logp.argmax(-1), tokens)
 
 
+def test_seeded_rows_sample_the_same_on_either_engine_and_a_fresh_counter_repeats_a_call(
+    engines, models
+):
+    """Per-request seeds (``generation/seeds.py``): a row's sample depends on its seed only, not
+    on the engine it lands on or the engine's own generator; and a new counter at the same
+    weight version (what a resumed run has) draws the seeds of the original's first call."""
+    from rl_models.generation.seeds import SEEDS_KEY, SamplingSeeds
+
+    gen = engines["sync"]
+    data = prompts(models["tokenizer"], BATCH)
+    gen.seeds = SamplingSeeds(gen.config.vllm.seed)  # as a freshly started run's
+    first = gen.generate(data)
+    gen.generate(data)  # call 1 at this version: other seeds, and the engines' state moves on
+    gen.seeds = SamplingSeeds(gen.config.vllm.seed)  # the resumed run's counter
+    again = gen.generate(data)
+    for key in ("output_ids", "logprobs", "generation_lengths"):
+        assert torch.equal(again[key], first[key]), key
+    # Rows reversed: the first engine's rows now land on the second and the other way round.
+    seeds = SamplingSeeds(gen.config.vllm.seed).next_call(gen.weight_version, data.size)
+    order = list(reversed(range(data.size)))
+    swapped = BatchedDataDict({k: v[order] for k, v in data.items()})
+    swapped[SEEDS_KEY] = seeds[order]
+    out = gen.generate(swapped)
+    for row, other in enumerate(order):
+        n = int(first["unpadded_sequence_lengths"][other])
+        assert int(out["unpadded_sequence_lengths"][row]) == n
+        assert torch.equal(out["output_ids"][row, :n], first["output_ids"][other, :n])
+
+
 def test_stop_strings_per_row(engines, models):
     gen, tokenizer = engines["sync"], models["tokenizer"]
     data = prompts(tokenizer, BATCH[:3])

@@ -142,3 +142,39 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     other_data = {**run, "data": {"train": {"path": "other.jsonl"}}}
     with pytest.raises(ValueError, match=r"data\.train: checkpoint .*'train.jsonl'.*'other.jsonl'"):
         ckpt.check_resumable(path, other_data)
+
+
+class VersionedPolicy(LinearPolicy):
+    """Counts its weight versions as ``Policy`` does: one per optimiser step, one per load."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.weight_version = 0
+
+    def step(self) -> None:
+        super().step()
+        self.weight_version += 1
+
+    def load_checkpoint(self, path: str) -> None:
+        super().load_checkpoint(path)
+        self.weight_version += 1
+
+
+def test_resume_restores_the_policys_weight_version(tmp_path):
+    # Generators seed their sampling from it (rl_models.generation.seeds): a resumed policy
+    # must go on from the saved version, as the uninterrupted run does.
+    policy = VersionedPolicy()
+    for _ in range(3):
+        policy.step()
+    ckpts = manager(tmp_path)
+    ckpts.save(3, policy)
+    fresh = VersionedPolicy(seed=1)
+    ckpts.load(ckpts.latest(), fresh)
+    assert fresh.weight_version == 3
+    # Version 0 names the initial weights every generator starts with; a checkpoint of them
+    # leaves the loaded policy a version of its own, so the generator is refit all the same.
+    untrained = manager(tmp_path / "untrained")
+    untrained.save(1, VersionedPolicy())
+    fresh = VersionedPolicy(seed=1)
+    untrained.load(untrained.latest(), fresh)
+    assert fresh.weight_version == 1

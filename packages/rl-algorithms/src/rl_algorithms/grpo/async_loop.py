@@ -23,6 +23,23 @@ each step, refits the generator without waiting for it. One step, top to bottom
 
 Shared with synchronous GRPO (``steps.py``, ``loop.py``): setup, advantages, log-probs, the
 train step and the end of a step (log, validate, checkpoint).
+
+What a resume preserves (unlike sync GRPO, whose resume is exact, async GRPO's is not: even an
+uninterrupted run depends on timing -- which group finishes first, where a refit lands):
+
+- exactly: the step, the policy's weights, optimiser state and weight version, the controller's
+  RNGs, the logger's state; the replay buffer's finished groups (samples, rewards, generator
+  log-probs, weight versions, and the step each was generated at, so their ages go on counting
+  from it) and its dropped-group counters;
+- every prompt, none lost and none doubled: a prompt drawn before the checkpoint was trained
+  on before it, is a finished group in the saved buffer, or is *pending* (queued, being
+  submitted, generating, or being scored) -- pending prompts are generated again, first, by
+  the resumed collector, and the loader goes on after the last prompt drawn;
+- lost: generations in flight (their tokens so far; their prompts start again from scratch,
+  with the resumed weights), the collector's counters (``requeued_groups``, ``aborted_groups``,
+  ``stale_requeued_groups``, ``generator_idle_seconds``, which restart at 0), and the engines'
+  random state: streams carry no per-row seeds (``rl_models.generation.seeds``), so a prompt
+  generated again draws other samples than it would have.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ boundary; the generator only ever holds one of those versions (refits happen bet
 A sample's age at step ``s`` is ``s`` minus the step of the *oldest* version that produced any
 of its tokens (with in-flight weight updates a sample's tokens may come from several). A
 group is tagged with that step when it enters the buffer, and keeps it through a checkpoint
-(a resumed policy starts counting its weight versions again).
+(the tags do not depend on how the resumed policy numbers its versions).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class TrajectoryGroup:
     seconds: float = 0.0  # from submission to scored
     requeues: int = 0  # times its prompt had been queued again before this group
     # The trainer step of each sample's oldest version (set by ``ReplayBuffer.add``). Ages are
-    # kept in steps because a resumed policy numbers its weight versions afresh.
+    # kept in steps, which a checkpoint keeps whatever the resumed policy's versions are.
     step_min: torch.Tensor | None = None
 
     @property
@@ -132,7 +132,7 @@ class ReplayBuffer:
 
     def state_dict(self) -> dict[str, Any]:
         """The groups with their step tags and the counters; the version-to-step map is left
-        out: a resumed policy numbers its versions afresh (``record_step`` again)."""
+        out: the resumed loop records it again (``record_step``)."""
         return {
             "groups": list(self.groups),
             "dropped_groups": self.dropped_groups,

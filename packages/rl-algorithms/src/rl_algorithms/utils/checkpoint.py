@@ -5,7 +5,8 @@ Layout of ``checkpoint_dir``::
     step_40/                 a complete checkpoint (only complete ones have this name)
         policy/              Policy.save_checkpoint: HF weights, optimizer, scheduler
         critic/              models trained beside the policy (PPO's critic), the same way
-        training_state.pt    step, data-loader position, RNG states, extra state
+        training_state.pt    step, policy weight version, data-loader position, RNG states,
+                             extra state
         info.json            step and metrics (written last, before the rename)
     .tmp-step_60-1234/       being written (or left by a killed run): never loaded
 
@@ -166,6 +167,10 @@ class CheckpointManager:
             model.save_checkpoint(str((tmp / name).resolve()))
         state = {
             "step": step,
+            # The policy's weight version (optimiser steps so far): a generator seeds its
+            # sampling from it (``rl_models.generation.seeds``), so a resumed run must go on
+            # counting from it, not from 0.
+            "policy_weight_version": getattr(policy, "weight_version", None),
             "rng": rng_states(),
             "dataloader": dataloader.state_dict() if dataloader is not None else None,
             "extra": dict(extra_state or {}),
@@ -244,6 +249,12 @@ class CheckpointManager:
         state = torch.load(path / STATE_FILE, weights_only=False)  # our own file
         if policy is not None:
             policy.load_checkpoint(str((path / POLICY_DIR).resolve()))
+            version = state.get("policy_weight_version")
+            # Version 0 names the initial weights, which every generator starts with: a policy
+            # restored to a checkpoint keeps a version of its own then (the one loading gave
+            # it), so that the generator is refit with the checkpoint's weights all the same.
+            if version and hasattr(policy, "weight_version"):
+                policy.weight_version = version
         for name, model in (models or {}).items():
             if not (path / name).is_dir():
                 raise ValueError(

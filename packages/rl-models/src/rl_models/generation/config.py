@@ -47,7 +47,9 @@ class VllmConfig(ConfigModel):
     # Tokens per KV-cache block (None: vLLM's default, 128 on CPU). Prefix caching shares only
     # whole blocks.
     block_size: int | None = Field(None, ge=1)
-    seed: int = 0  # engine d of the data-parallel group samples with seed + d
+    # Seeds every sampled row of ``generate`` (``generation.seeds``); the engines' own
+    # generators (engine d: seed + d) sample only streams, which carry no row seeds.
+    seed: int = 0
     # "auto": the model's dtype (float64, which vLLM lacks, runs as float32).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # CPU only, VLLM_CPU_OMP_THREADS_BIND for each engine (None: vLLM's default, "auto"). Several
@@ -84,7 +86,7 @@ class GenerationConfig(ConfigModel):
     # Tokenizer directory (stop strings, default stop ids, pad id); None: model.path, if it has
     # one. Without a tokenizer the stop ids default to the model config's eos_token_id.
     tokenizer: str | None = None
-    # HF backend: seeds the sampler (worker r uses seed + r) and, for a model built from
+    # HF backend: seeds every sampled row (``generation.seeds``) and, for a model built from
     # hf_config, its initial weights (as the policy's `seed` does, so both start equal).
     seed: int = 0
 

@@ -2,6 +2,13 @@
 
 The reference in tests and the fallback where vLLM is not installed: each worker holds a whole
 ``transformers`` model and samples its shard of the batch with a KV cache (``sampling.py``).
+
+Randomness: every sampled row draws from a random stream of its own, seeded from
+``(generation.seed, weight version, sampling call number at that version, row)``
+(``rl_models.generation.seeds``). No random state lives only in a worker, so a run resumed from
+a checkpoint samples exactly what the uninterrupted run sampled, and a row draws the same
+random numbers whichever worker or batch it lands in (its tokens may still differ where batched
+arithmetic rounds differently). Greedy calls draw nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
+from rl_models.generation.seeds import SamplingSeeds
 from rl_models.model_files import materialize
 from rl_models.modeling.config import ModelConfig
 
@@ -51,6 +59,7 @@ class HfGeneration(GenerationInterface):
             name_prefix=name_prefix,
         )
         self.weight_version = 0  # built like the policy: its initial weights
+        self.seeds = SamplingSeeds(self.config.seed)
         (self.pad_token_id, *_) = self.worker_group.call_all("get_pad_token_id")
 
     def generate(
@@ -62,6 +71,7 @@ class HfGeneration(GenerationInterface):
     ) -> BatchedDataDict:
         if expected_weight_version is not None and expected_weight_version != self.weight_version:
             raise StaleWeightsError(self.weight_version, expected_weight_version)
+        data = self.seeds.seeded(data, greedy, self.weight_version)
         group = self.worker_group
         shards = data.shard_by_batch_size(group.dp_size, allow_uneven_shards=True)
         futures = group.run_all_workers_multiple_data(

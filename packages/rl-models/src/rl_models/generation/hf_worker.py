@@ -24,6 +24,7 @@ from rl_models.generation.interfaces import (
     stop_strings_of,
 )
 from rl_models.generation.sampling import StopStrings, sample
+from rl_models.generation.seeds import seeds_of
 from rl_models.modeling.build import build_model
 from rl_models.modeling.config import ModelConfig
 from rl_models.weight_transfer.channels import ChannelReceiver
@@ -63,6 +64,8 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         self.stop_token_ids = self._stop_token_ids()
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
+        # Only for batches without per-row seeds (``HfGeneration`` always sends them; see
+        # ``rl_models.generation.seeds``): this generator's state is lost when the worker stops.
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed + rank)
         self.version = 0
         # Between the first weight loaded and set_weight_version the model is a mix of two
@@ -112,6 +115,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
             stop_strings=stop_strings,
             pad_token_id=self.pad_token_id,
             generator=self.generator,
+            row_seeds=seeds_of(data),
         )
         return BatchedDataDict(
             output_ids=out.output_ids,

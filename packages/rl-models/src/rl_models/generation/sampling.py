@@ -49,10 +49,17 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torc
     return logits
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw(
+    probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One token per row of ``probs [B, V]`` (unnormalised, non-negative), from the
     distribution ``torch.multinomial(probs, 1)`` draws from, by inverting each row's CDF (a
     row of NaN, infinite or all-zero probabilities is an error, as there).
+
+    ``uniforms`` (float64 ``[B, 1]`` in ``[0, 1)``): the numbers to invert, drawn by the caller
+    (one random stream per row, ``RowStreams``); else they are drawn here from ``generator``.
 
     One uniform number per row rather than the many ``multinomial`` uses: on a CPU it is about
     ten times faster at a 50k vocabulary, which matters once per generated token. A token of
@@ -62,7 +69,11 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     total = cdf[:, -1]
     if not bool((torch.isfinite(total) & (total > 0)).all()):
         raise ValueError("cannot sample: a row's probabilities are NaN, infinite or all zero")
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)
+    u = uniforms
+    if u is None:
+        u = torch.rand(
+            probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator
+        )
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     tokens = tokens.clamp(max=probs.shape[-1] - 1)
     # u * total may round up to the total itself, past the last token of non-zero probability
@@ -79,8 +90,10 @@ def choose_tokens(
     sampling: SamplingConfig,
     greedy: bool,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens ``[B]`` and their log-probs ``[B]`` (see the module docstring)."""
+    """Next tokens ``[B]`` and their log-probs ``[B]`` (see the module docstring); ``uniforms``
+    as in ``draw``."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if greedy:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -88,7 +101,7 @@ def choose_tokens(
     else:
         kept = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
         logprobs = torch.log_softmax(kept, dim=-1)
-        tokens = draw(logprobs.exp(), generator)
+        tokens = draw(logprobs.exp(), generator, uniforms)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -113,6 +126,25 @@ class StopStrings:
             return False
         text = self.tokenizer.decode(list(response[-self.window[row] :]))
         return any(s in text for s in strings)
+
+
+class RowStreams:
+    """One random stream per row of a batch, each from its own seed
+    (``rl_models.generation.seeds``): a row draws the same numbers whatever other rows share
+    its batch, and whichever worker samples it."""
+
+    def __init__(self, seeds: Sequence[int]) -> None:
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+    def uniforms(self, rows: torch.Tensor) -> torch.Tensor:
+        """The next number of each row in ``rows`` (indices into the seeds), float64
+        ``[len(rows), 1]`` on ``rows``' device. On the host: one generator call per row is
+        cheap next to a decoding step, and a device generator per row would be a launch each."""
+        gens = self.generators
+        u = torch.cat(
+            [torch.rand(1, dtype=torch.float64, generator=gens[r]) for r in rows.tolist()]
+        )
+        return u[:, None].to(rows.device)
 
 
 @dataclass
@@ -154,8 +186,13 @@ def sample(
     stop_strings: StopStrings | None = None,
     pad_token_id: int = 0,
     generator: torch.Generator | None = None,
+    row_seeds: Sequence[int] | None = None,
 ) -> Samples:
     """One response per row of right-padded ``input_ids`` (see the module docstring).
+
+    Randomness: with ``row_seeds`` (one per row) each row draws from its own stream
+    (``RowStreams``), so its response depends on its seed alone; else the whole batch draws
+    from ``generator`` (the global RNG if None). Greedy decoding draws nothing.
 
     A row stops at a stop token (kept in the response), after the token that completes one of
     its stop strings (kept), or after ``max_new_tokens`` (then ``truncated``).
@@ -209,10 +246,14 @@ def sample(
         (batch, sampling.max_new_tokens), pad_token_id, dtype=torch.long, device=device
     )
     gen_logprobs = torch.zeros(batch, sampling.max_new_tokens, dtype=torch.float32, device=device)
+    if row_seeds is not None and len(row_seeds) != batch:
+        raise ValueError(f"{len(row_seeds)} row seeds for a batch of {batch} rows")
+    streams = RowStreams(row_seeds) if row_seeds is not None and not greedy else None
     steps = 0
     for step in range(sampling.max_new_tokens):
         steps = step + 1
-        tokens, logprobs = choose_tokens(logits, sampling, greedy, generator)
+        uniforms = streams.uniforms(rows) if streams is not None else None
+        tokens, logprobs = choose_tokens(logits, sampling, greedy, generator, uniforms)
         live = ~done[rows]  # rows that stopped but are still in the cache sample nothing
         live_rows, tokens_live = rows[live], tokens[live]
         generated[live_rows, step] = tokens_live

@@ -4,6 +4,13 @@ Data parallelism: one engine per tied group of workers; a batch is cut into cont
 one per engine, and the results are joined back in row order. Tensor parallelism (GPU only):
 ``tensor_parallel_size`` consecutive bundles of a node form one engine (see ``worker``).
 With ``vllm.async_engine`` each engine also streams (``streaming_samplers``).
+
+Randomness: ``generate`` gives every sampled row (one vLLM request) a seed of its own,
+``SamplingParams(seed=...)``, from ``(generation.vllm.seed, weight version, sampling call
+number at that version, row)`` (``rl_models.generation.seeds``): a run resumed from a
+checkpoint samples what the uninterrupted run sampled, whichever engine a row lands on. Streams
+(``streaming_samplers``, async GRPO) carry no seeds: they draw from each engine's own generator,
+seeded ``vllm.seed + d`` at start-up, whose state no checkpoint keeps.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.worker_groups import WorkerCallError
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
+from rl_models.generation.seeds import SamplingSeeds
 from rl_models.generation.vllm.streaming import VllmStreamingSampler
 from rl_models.model_files import materialize
 from rl_models.modeling.config import ModelConfig
@@ -101,6 +109,7 @@ class VllmGeneration(GenerationInterface):
             env_vars=env_vars,
         )
         self.weight_version = 0  # the weights on disk; refit stamps the policy's version
+        self.seeds = SamplingSeeds(vllm.seed)
         try:
             self._start_engines()
         except BaseException:
@@ -159,6 +168,7 @@ class VllmGeneration(GenerationInterface):
         expected_weight_version: int | None = None,
     ) -> BatchedDataDict:
         self._check_version(expected_weight_version)
+        data = self.seeds.seeded(data, greedy, self.weight_version)
         group = self.worker_group
         futures = group.run_all_workers_sharded_data(
             "generate",

@@ -18,7 +18,8 @@ import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import SamplingConfig
-from rl_models.generation.interfaces import check_generate_input
+from rl_models.generation.interfaces import check_generate_input, stop_strings_of
+from rl_models.generation.seeds import seeds_of
 
 
 def sampling_kwargs(
@@ -50,6 +51,19 @@ def sampling_kwargs(
         "skip_special_tokens": False,
         "seed": seed,
     }
+
+
+def request_kwargs(
+    config: SamplingConfig, greedy: bool, eos_token_ids: Sequence[int], data: BatchedDataDict
+) -> list[dict[str, Any]]:
+    """``sampling_kwargs`` of each row of a generate batch: the row's extra stop strings, and
+    its seed (``generation.seeds``) unless the batch is greedy or carries no seeds (then the
+    engine's own generator samples it)."""
+    seeds = None if greedy else seeds_of(data)
+    return [
+        sampling_kwargs(config, greedy, eos_token_ids, stops, None if seeds is None else seed)
+        for stops, seed in zip(stop_strings_of(data), seeds or [None] * data.size, strict=True)
+    ]
 
 
 @dataclass(frozen=True)

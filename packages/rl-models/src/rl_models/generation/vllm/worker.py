@@ -43,7 +43,6 @@ from rl_models.generation.interfaces import (
     IncompleteRefitError,
     RequestAbortedError,
     StaleWeightsError,
-    stop_strings_of,
 )
 from rl_models.generation.streaming import StreamNews
 from rl_models.generation.vllm.engines import Engine, NoEngine, bind_cpu_threads, build_engine
@@ -52,7 +51,7 @@ from rl_models.generation.vllm.sampling import (
     Response,
     assemble,
     prompts_of,
-    sampling_kwargs,
+    request_kwargs,
 )
 from rl_models.weight_transfer.buckets import PackedBucket, pack_bucket
 from rl_models.weight_transfer.channels import ChannelReceiver
@@ -203,11 +202,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         params = [
             # FINAL_ONLY: a streaming engine otherwise reports every intermediate output of
             # every request (``vllm.LLM`` sets it itself).
-            SamplingParams(
-                **sampling_kwargs(self.sampling, greedy, eos, stops),
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-            for stops in stop_strings_of(data)
+            SamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
+            for kwargs in request_kwargs(self.sampling, greedy, eos, data)
         ]
         return prompts, params
 
