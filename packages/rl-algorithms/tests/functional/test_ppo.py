@@ -12,8 +12,8 @@ from rl_algorithms import cli
 
 from .conftest import TINY_LLAMA, read_metrics, series, write_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
-STEPS = 6
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(900)]
+STEPS = 4
 
 
 def ppo_config(tmp_path, assets) -> dict:
@@ -95,7 +95,7 @@ def test_ppo_trains_its_critic_and_resumes_exactly(tmp_path, assets):
     value_loss = series(records, "train/critic/value_loss")
     assert value_loss[-1] < value_loss[0]
     explained = series(records, "train/explained_variance")
-    assert max(explained[-3:]) > explained[0]
+    assert max(explained[-2:]) > explained[0]
     assert (straight / "ckpt" / f"step_{STEPS}" / "critic" / "model.safetensors").is_file()
 
     # Stopped after step 2's checkpoint, then the same command with the full length resumes.
