@@ -10,7 +10,7 @@ from rl_algorithms import cli
 
 from .conftest import TINY_LLAMA, read_metrics, series, write_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(600)]
 STEPS = 4
 LR = {"topk": 1.0e-3, "sampled_token": 3.0e-4}
 
