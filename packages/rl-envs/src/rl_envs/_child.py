@@ -1,7 +1,8 @@
 """The verifier process a :class:`~rl_envs.pool.VerifierWorker` talks to over a pipe.
 
 Run as ``python -m rl_envs._child MODULE...``: imports the modules (so the first sample does not
-pay for them), then answers ``(function path, args)`` frames with ``("ok", value)`` or
+pay for them; a ``module:function`` or ``file.py:function`` reference is loaded as a reward
+function, under the start-up timeout rather than a sample's), then answers ``(function path, args)`` frames with ``("ok", value)`` or
 ``("error", text)`` until its stdin closes. It runs in its own process so that a verifier that
 hangs (even inside C code, where no signal handler runs) can be killed without harming anyone.
 """
@@ -58,8 +59,13 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     inp = sys.stdin.buffer
-    for module in sys.argv[1:]:
-        importlib.import_module(module)
+    for name in sys.argv[1:]:
+        if ":" in name:  # a function reference (a user's reward file): loaded and cached
+            from rl_envs.reward_functions import load_reward_function
+
+            load_reward_function(name)
+        else:
+            importlib.import_module(name)
     write_frame(out, ("ready", None))
     functions: dict[str, Callable[..., Any]] = {}
     while True:

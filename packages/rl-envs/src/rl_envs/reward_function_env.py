@@ -41,7 +41,6 @@ from rl_envs.reward_functions import (
     ValueStats,
     check_value,
     combine,
-    is_file_reference,
     load_reward_function,
     required_columns,
     resolve_reference,
@@ -51,13 +50,14 @@ from rl_envs.verifier_env import VerifierEnvConfig
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+FAILED_BATCHES_TO_STOP = 3
 
 
 class RewardFunctionSpec(ConfigModel):
     # A built-in name ("math"), "package.module:function" or "path/to/file.py:function" (a
     # relative path is taken from the directory the run starts in).
     function: str
-    weight: float = 1.0
+    weight: float = Field(1.0, allow_inf_nan=False)
     name: str | None = None  # in the metrics' names; None: the built-in's or function's name
 
     @model_validator(mode="before")
@@ -117,10 +117,14 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
         self.required_metadata = self.required_metadata_for(cfg)  # type: ignore[misc]
         self.counts = {f.name: OutcomeCounts() for f in cfg.functions}
         self.values = {f.name: ValueStats() for f in cfg.functions}
+        # Batches in a row in which a function gave no value for any sample (every call raised
+        # or timed out): a few such batches in a row stop the run. Counted across batches,
+        # because async GRPO scores one group (one prompt's samples) at a time.
+        self.failed_batches = {f.name: 0 for f in cfg.functions}
         preload = [m for f in cfg.functions for m in BUILTIN_PRELOAD.get(f.function, ())]
-        preload += [
-            f.function.partition(":")[0] for f in cfg.functions if not is_file_reference(f.function)
-        ]
+        # Each function is imported when its verifier process starts, under the start-up
+        # timeout: a file whose top-level code is slow must not time out every sample instead.
+        preload += [f.function for f in cfg.functions if f.function not in BUILTIN_PRELOAD]
         self._pool = WorkerPool(
             "rl_envs.reward_functions:call_reward_function",
             num_workers=cfg.num_workers,
@@ -161,10 +165,16 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
         for f, spec in enumerate(self.functions):
             mine = outcomes[f * n : (f + 1) * n]
             errors = [(i, o.error) for i, o in enumerate(mine) if o.status == "error"]
-            if n and len(errors) == n:
+            failed = sum(o.status != "ok" for o in mine)
+            self.failed_batches[spec.name] = (
+                self.failed_batches[spec.name] + 1 if n and failed == n else 0
+            )
+            if self.failed_batches[spec.name] >= FAILED_BATCHES_TO_STOP:
+                cause = errors[0][1] if errors else f"every call timed out ({self.cfg.timeout_s}s)"
                 raise RuntimeError(
-                    f"{self._where(f)} raised on every sample of the batch; sample 0 "
-                    f"(prompt {samples[0][0][-1:]!r:.200}): {errors[0][1]}"
+                    f"{self._where(f)} gave no value for any sample of {FAILED_BATCHES_TO_STOP} "
+                    f"batches in a row (it raised or timed out); last batch, sample 0 (prompt "
+                    f"{samples[0][0][-1:]!r:.200}): {cause}"
                 )
             if errors:
                 logger.warning("%s raised on sample %d: %s", self._where(f), *errors[0])

@@ -189,8 +189,9 @@ def combine(values: Sequence[Sequence[float | None]], weights: Sequence[float]) 
 
 @dataclass
 class ValueStats:
-    """One function's values since they were last taken, as running sums: async GRPO never asks
-    for environment metrics, so a list of every value would grow for the whole run."""
+    """One function's values since they were last taken, as running sums: constant memory
+    however rarely a loop takes the metrics (async GRPO takes them once per trained step,
+    after many groups were scored)."""
 
     count: int = 0
     scored: int = 0
