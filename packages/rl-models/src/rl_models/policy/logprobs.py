@@ -49,7 +49,7 @@ def _chunk_logprobs(
 ) -> torch.Tensor:
     """``hidden [n, H]``, ``targets [n]`` or ``[n, k]`` -> log-probs of ``targets``' shape."""
     logits = _chunk_logits(hidden, weight, bias, temperature)
-    index = targets.view(targets.shape[0], -1)  # [n, 1] or [n, k]
+    index = targets.unsqueeze(-1) if targets.dim() == 1 else targets  # [n, 1] or [n, k]
     picked = logits.gather(-1, index) - torch.logsumexp(logits, dim=-1, keepdim=True)
     return picked.view(targets.shape)
 
