@@ -12,29 +12,24 @@ One step, top to bottom (``distill_train``)::
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from rl_algorithms.advantages import grpo_advantages
 from rl_algorithms.config import TokenizerConfig
 from rl_algorithms.distill.config import MasterConfig
-from rl_algorithms.grpo.loop import run_and_report, setup_rollout_run
+from rl_algorithms.grpo.loop import run_and_report, setup_rollout_run, train_steps
 from rl_algorithms.grpo.steps import (
     compute_logprobs,
     generate_rollouts,
     refit_if_stale,
     shaped_rewards,
     train_step,
-    validate,
 )
 from rl_algorithms.losses import ClippedPGLossFn, DistillationLossFn
 from rl_algorithms.rollouts import RolloutResult
 from rl_algorithms.run import (
     ModelPlan,
     Run,
-    end_step,
-    start_loop,
 )
 from rl_distributed.batched_data_dict import BatchedDataDict
 
@@ -135,16 +130,7 @@ def distill_step(run: Run) -> dict[str, float]:
 
 def distill_train(run: Run) -> dict[str, float]:
     """Train the student for ``distillation.max_num_steps`` steps."""
-    start_loop(run, lambda: validate(run), run.config.distillation.val_at_start)
-    last: dict[str, float] = {}
-    while run.step < run.total_steps:
-        step_start = time.perf_counter()
-        last = distill_step(run)
-        run.step += 1
-        last["step_seconds"] = time.perf_counter() - step_start
-        end_step(run, last, lambda: validate(run))
-    run.logger.progress.stop()
-    return last
+    return train_steps(run, distill_step)
 
 
 def main(config: MasterConfig) -> dict[str, float]:

@@ -84,21 +84,32 @@ def setup_rollout_run(config: RLMasterConfig, name: str, **models: ModelPlan) ->
     )
 
 
+def grpo_step(run: Run) -> dict[str, float]:
+    """One synchronous GRPO step: refit, roll out, then the shared tail (train_on_rollouts)."""
+    timer = run.logger.timer
+    with timer("refit"):
+        refit_metrics = refit_if_stale(run)
+    with timer("generation"):
+        result, rollout_metrics = generate_rollouts(run)
+    step_metrics = train_on_rollouts(run, result)
+    return {**step_metrics, **rollout_metrics, **refit_metrics}
+
+
 def grpo_train(run: Run) -> dict[str, float]:
     """Train for ``grpo.max_num_steps`` steps (``max_num_epochs`` of prompts at most)."""
-    timer = run.logger.timer
-    start_loop(run, lambda: validate(run), run.config.grpo.val_at_start)
+    return train_steps(run, grpo_step)
+
+
+def train_steps(run: Run, step: Callable[[Run], dict[str, float]]) -> dict[str, float]:
+    """The synchronous loop of every rollout algorithm (GRPO, PPO, distillation): validation
+    at the start if asked, then ``step`` until ``run.total_steps``, each ended by ``end_step``
+    (log, validate, checkpoint). Returns the last step's metrics."""
+    start_loop(run, lambda: validate(run), run.config.rollout.val_at_start)
     last: dict[str, float] = {}
     while run.step < run.total_steps:
         step_start = time.perf_counter()
-        with timer("refit"):
-            refit_metrics = refit_if_stale(run)
-        with timer("generation"):
-            result, rollout_metrics = generate_rollouts(run)
-        step_metrics = train_on_rollouts(run, result)
+        last = step(run)
         run.step += 1
-
-        last = {**step_metrics, **rollout_metrics, **refit_metrics}
         last["step_seconds"] = time.perf_counter() - step_start  # wall clock, all phases
         end_step(run, last, lambda: validate(run))
     run.logger.progress.stop()

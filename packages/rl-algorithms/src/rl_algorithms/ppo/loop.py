@@ -13,19 +13,17 @@ One step, top to bottom (``ppo_train``)::
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
-from rl_algorithms.grpo.loop import run_and_report, setup_rollout_run
+from rl_algorithms.grpo.loop import run_and_report, setup_rollout_run, train_steps
 from rl_algorithms.grpo.steps import (
     compute_logprobs,
     generate_rollouts,
     refit_if_stale,
     shaped_rewards,
     single_update_per_batch,
-    validate,
     warn_if_no_signal,
 )
 from rl_algorithms.losses import ClippedPGLossFn, ClippedValueLossFn
@@ -33,7 +31,7 @@ from rl_algorithms.losses.common import loss_token_mask
 from rl_algorithms.ppo.config import MasterConfig
 from rl_algorithms.ppo.gae import explained_variance, gae, token_level_rewards, whiten
 from rl_algorithms.rollouts import RolloutResult
-from rl_algorithms.run import ModelPlan, Run, end_step, reduce_step_metrics, start_loop
+from rl_algorithms.run import ModelPlan, Run, reduce_step_metrics
 from rl_distributed.batched_data_dict import BatchedDataDict
 
 PHASES = ("refit", "generation", "logprobs", "values", "advantages", "critic_train", "train")
@@ -197,16 +195,7 @@ def ppo_step(run: Run) -> dict[str, float]:
 
 def ppo_train(run: Run) -> dict[str, float]:
     """Train for ``ppo.max_num_steps`` steps (``max_num_epochs`` of prompts at most)."""
-    start_loop(run, lambda: validate(run), run.config.ppo.val_at_start)
-    last: dict[str, float] = {}
-    while run.step < run.total_steps:
-        step_start = time.perf_counter()
-        last = ppo_step(run)
-        run.step += 1
-        last["step_seconds"] = time.perf_counter() - step_start
-        end_step(run, last, lambda: validate(run))
-    run.logger.progress.stop()
-    return last
+    return train_steps(run, ppo_step)
 
 
 def main(config: MasterConfig) -> dict[str, float]:
