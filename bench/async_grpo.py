@@ -9,11 +9,12 @@ is what a competent user runs without this feature: ``grpo_train`` with the sepa
 on vLLM's sync engine (each step generates, then trains; each core idles while the other
 works). Ours: ``async_grpo_train`` with the async engine, one step of lag allowed and in-flight
 weight updates. Each loop is timed from the end of its first step to the end of its last
-(engine start-up and warm-up excluded). ``--repeats`` rounds, each running both loops in
-alternating order, each giving a ratio; the median ratio async/sync is printed last.
+(engine start-up and warm-up excluded). Every run is a process (and Ray cluster) of its own,
+so that rounds do not inherit each other's state. ``--repeats`` rounds, each running both loops
+in alternating order, each giving a ratio; the median ratio async/sync is printed last.
 
 A second baseline, once per round: synchronous GRPO as a user gets it by default on this
-machine, in a fresh process with nothing pinned, where each phase has both cores (each worker
+machine, with nothing pinned, where each phase has both cores (each worker
 runs the cluster's two OpenMP threads) since generation and training never overlap. Async,
 whose phases overlap on a core each, is compared with it too; with phases that split over two
 cores perfectly, overlapping them could gain nothing over this, so the ratio shows how well
@@ -186,47 +187,26 @@ def main() -> None:
         default="auto",
         help="how the async engine runs (vllm.async_engine_runner; auto is in_process on CPU)",
     )
-    parser.add_argument("--sync-both-cores", nargs=2, help=argparse.SUPPRESS)  # (model, logs)
+    parser.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)  # (variant, model, logs)
     args = parser.parse_args()
-    if args.sync_both_cores:  # the second baseline, in a process of its own (nothing pinned)
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))  # (the parent is on core 0)
-        model, logs = args.sync_both_cores
-        config = run_config(Path(logs), model, args.steps, args.new_tokens, asynchronous=False)
-        globals()["pin_trainer"] = lambda run: None
-        print(f"steps/minute {steps_per_minute(run_config_both_cores(config))}")
+    if args.measure:
+        measure(args, *args.measure)
         return
     if args.steps < 2 or args.repeats < 1:
         parser.error("--steps must be >= 2 (the first is untimed) and --repeats >= 1")
-    # One OpenMP thread per worker: each has a core of its own. (Left to the cluster, a CPU
-    # worker gets the node's cores shared by its group: 2 threads here, which pinned to one
-    # core spin against each other and make a training step ~15x slower.)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        # Everything but the trainer on core 0: the driver, and so Ray and every process it
-        # starts (the generator's engine and its front end, the collector, the environments).
-        os.sched_setaffinity(0, {0})
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.logs or tmp)
         model = build_model(root, args.hidden, args.layers)
         ratios, ratios_both = [], []
         for repeat in range(args.repeats):
-            rates = {"sync, both cores": sync_both_cores(root, model, args, repeat)}
-            print(f"sync GRPO, both cores: {rates['sync, both cores']:.2f} steps/minute")
-            order = (("sync", False), ("async", True))
-            for name, asynchronous in order if repeat % 2 == 0 else order[::-1]:
-                logs = root / f"round{repeat + 1}"
-                config = run_config(
-                    logs,
-                    model,
-                    args.steps,
-                    args.new_tokens,
-                    asynchronous,
-                    not args.drain,
-                    args.runner,
-                )
-                rates[name] = steps_per_minute(config)
-                print(f"{name} GRPO: {rates[name]:.2f} steps/minute", flush=True)
+            logs = root / f"round{repeat + 1}"
+            rates = {}
+            order = ["sync, both cores", "sync", "async"]
+            if repeat % 2:
+                order[1:] = order[:0:-1]
+            for variant in order:
+                rates[variant] = in_fresh_process(args, variant, model, logs)
+                print(f"{variant}: {rates[variant]:.2f} steps/minute", flush=True)
             ratios.append(rates["async"] / rates["sync"])
             ratios_both.append(rates["async"] / rates["sync, both cores"])
             print(
@@ -241,17 +221,43 @@ def main() -> None:
         )
 
 
-def sync_both_cores(root: Path, model: str, args: argparse.Namespace, repeat: int) -> float:
-    """Synchronous GRPO in a fresh process: a Ray cluster of its own, started unpinned."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+def in_fresh_process(args: argparse.Namespace, variant: str, model: str, logs: Path) -> float:
+    """Steps per minute of one variant, measured in a process (and Ray cluster) of its own.
+
+    A fresh process per run keeps the rounds independent: in one long-lived driver, Ray's
+    session, its idle worker pool and the driver's heap carry over from run to run, and later
+    rounds measured slower than the first.
+    """
     command = [sys.executable, __file__, "--steps", str(args.steps), "--new-tokens"]
     command += [str(args.new_tokens), "--hidden", str(args.hidden), "--layers", str(args.layers)]
-    logs = root / f"round{repeat + 1}" / "sync-both-cores"
-    command += ["--sync-both-cores", model, str(logs)]
-    out = subprocess.run(command, env=env, capture_output=True, text=True)
+    command += ["--runner", args.runner, *(["--drain"] if args.drain else [])]
+    command += ["--measure", variant, model, str(logs)]
+    out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"the sync-both-cores run failed:\n{out.stderr[-4000:]}")
+        raise RuntimeError(f"the {variant} run failed:\n{out.stderr[-4000:]}")
     return float(out.stdout.strip().splitlines()[-1].split()[-1])
+
+
+def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> None:
+    """The child's side of ``in_fresh_process``: set up the cores, run, print the rate last."""
+    asynchronous = variant == "async"
+    config = run_config(
+        Path(logs), model, args.steps, args.new_tokens, asynchronous, not args.drain, args.runner
+    )
+    if variant == "sync, both cores":
+        # As a user gets it by default: nothing pinned, each worker with the cluster's threads.
+        config = run_config_both_cores(config)
+        config["logger"]["log_dir"] = str(Path(logs) / "sync-both-cores" / "logs")
+        globals()["pin_trainer"] = lambda run: None
+    elif hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+        # One OpenMP thread per worker: each has a core of its own. (Left to the cluster, a CPU
+        # worker gets the node's cores shared by its group: 2 threads here, which pinned to one
+        # core spin against each other and make a training step ~15x slower.) Everything but
+        # the trainer on core 0: this process, and so Ray and every process it starts (the
+        # generator's engine and its front end, the collector, the environments).
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.sched_setaffinity(0, {0})
+    print(f"steps/minute {steps_per_minute(config)}")
 
 
 if __name__ == "__main__":
