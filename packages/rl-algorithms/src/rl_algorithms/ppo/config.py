@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
-from rl_algorithms.config import POLICY_STEP_METRICS, prefixed, recipe_path
+from rl_algorithms.config import POLICY_STEP_METRICS, IdleOffloadConfig, prefixed, recipe_path
 from rl_algorithms.grpo.config import (
     VALIDATION_METRICS,
     GRPOLossConfig,
@@ -88,13 +88,13 @@ class CriticConfig(PolicyConfig):
 
     model: ModelConfig | None = None  # type: ignore[assignment]
     train_global_batch_size: int | None = Field(None, ge=1)  # type: ignore[assignment]
-    colocated: bool = True  # shares the policy's bundles (its weights stay resident)
+    colocated: bool = True  # shares the policy's bundles (taking turns with it)
     num_workers: int = Field(1, ge=1)  # workers of its own when not colocated
+    offload: IdleOffloadConfig = Field(default_factory=IdleOffloadConfig)
 
     def worker_config(self) -> PolicyConfig:
-        return PolicyConfig.model_validate(
-            self.model_dump(exclude={"colocated", "num_workers"}, exclude_unset=False)
-        )
+        exclude = {"colocated": True, "num_workers": True, "offload": {"when_idle"}}
+        return PolicyConfig.model_validate(self.model_dump(exclude=exclude))
 
 
 class MasterConfig(RLMasterConfig):
@@ -134,6 +134,7 @@ class MasterConfig(RLMasterConfig):
         if "seed" not in c.model_fields_set:
             # The policy's seed: a critic built from the policy's config gets its backbone.
             c.seed = self.policy.seed
+        c.offload.resolve("critic", c.colocated, self.cluster.use_gpus)
         if c.lora.enabled:
             raise ValueError(
                 "critic.lora.enabled: a critic trains its whole model (its value head is new); "
