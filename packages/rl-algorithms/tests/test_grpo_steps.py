@@ -199,6 +199,20 @@ def test_the_trainer_scores_at_the_generation_temperature_with_the_generators_to
             {"grpo": {"reward_shaping": {"enabled": True, "max_response_length": 64}}},
             "overlong_buffer_length",
         ),
+        (  # GRPO's one advantage per sample has no per-token returns to fold the KL into
+            {
+                "loss_fn": {"reference_policy_kl_penalty": 0.1, "use_kl_in_reward": True},
+                "policy": {"reference_policy": {"enabled": True}},
+            },
+            "loss_fn.use_kl_in_reward: true needs grpo.advantage_estimator",
+        ),
+        (
+            {
+                "loss_fn": {"reference_policy_kl_penalty": 0.0, "use_kl_in_reward": True},
+                "grpo": {"advantage_estimator": "reinforce_plus_plus"},
+            },
+            "folds loss_fn.reference_policy_kl_penalty",
+        ),
     ],
 )
 def test_inconsistent_sections_are_refused_naming_the_keys(sections, named):
@@ -357,3 +371,105 @@ def test_validation_logs_environment_metrics_of_all_its_batches_and_example_samp
     assert [s["reward"] for s in samples] == [1.0, 0.0, 1.0]
     assert samples[0]["completion"] == solved_reply()
     assert "[sample 1]" in samples[1]["prompt"] and samples[1]["prompt"].startswith("[user] ")
+
+
+class LogprobPolicy:
+    """Fixed, seeded log-probs for pi_old and the reference; records the calls in order and
+    keeps the batch its train step got."""
+
+    weight_version = 0
+
+    def __init__(self):
+        self.calls, self.trained = [], None
+
+    def prepare_for_lp_inference(self):
+        self.calls.append("prepare_for_lp_inference")
+
+    def prepare_for_training(self):
+        self.calls.append("prepare_for_training")
+
+    def _logprobs(self, batch, seed):
+        g = torch.Generator().manual_seed(seed)
+        return -torch.rand(batch["input_ids"].shape, generator=g)
+
+    def get_logprobs(self, batch):
+        self.calls.append("get_logprobs")
+        return {"logprobs": self._logprobs(batch, 1)}
+
+    def get_reference_policy_logprobs(self, batch):
+        self.calls.append("get_reference_policy_logprobs")
+        return {"reference_logprobs": self._logprobs(batch, 2)}
+
+    def train(self, batch, loss_fn):
+        self.calls.append("train")
+        self.trained = batch
+        return {"loss": [0.0]}
+
+
+def reference_kl_in_reward_returns(rewards, mask, group_size, pi_old, pi_ref, coef, eps=1e-8):
+    """REINFORCE++ with the KL in the reward, from its formula in float64 loops: per action
+    token t of sample i, G_it = (r_i - mean of i's group) - coef * sum_{s >= t} (log pi_old -
+    log pi_ref)_s over i's action tokens, whitened over all action tokens (unbiased std)."""
+    n, width = mask.shape
+    returns = {}
+    for i in range(n):
+        group = rewards[(i // group_size) * group_size : (i // group_size + 1) * group_size]
+        centred = float(rewards[i]) - sum(float(r) for r in group) / group_size
+        for t in range(width):
+            if mask[i, t]:
+                to_go = sum(
+                    float(pi_old[i, s]) - float(pi_ref[i, s]) for s in range(t, width) if mask[i, s]
+                )
+                returns[i, t] = centred - coef * to_go
+    values = torch.tensor(list(returns.values()), dtype=torch.float64)
+    mean, std = values.mean(), values.std()
+    out = torch.zeros(n, width, dtype=torch.float64)
+    for (i, t), g in returns.items():
+        out[i, t] = (g - mean) / (std + eps)
+    return out
+
+
+def test_kl_in_reward_folds_the_kl_into_reinforce_plus_plus_returns_through_the_config(make_run):
+    run = make_run((0, 1, 2, 1), advantage_estimator="reinforce_plus_plus")
+    config = run.config.model_dump()
+    config["loss_fn"].update(
+        reference_policy_kl_penalty=0.3,
+        use_kl_in_reward=True,
+        reference_policy_kl_type="k1",  # log pi_old - log pi_ref, the paper's per-token KL
+        kl_input_clamp_value=None,
+        kl_output_clamp_value=None,
+    )
+    config["policy"]["reference_policy"] = {"enabled": True}
+    run.config = grpo.MasterConfig.model_validate(config)
+    run.loss_fn = grpo.steps.make_loss(run.config)
+    run.policy = LogprobPolicy()
+    result, _ = grpo.generate_rollouts(run)
+    grpo.steps.train_on_rollouts(run, result)
+
+    # pi_old and the reference first (the returns need them), then the train step.
+    assert run.policy.calls == [
+        "prepare_for_lp_inference",
+        "get_logprobs",
+        "get_reference_policy_logprobs",
+        "prepare_for_training",
+        "train",
+    ]
+    batch = run.policy.trained
+    mask = batch["token_mask"] > 0
+    expected = reference_kl_in_reward_returns(
+        result.rewards.double(),
+        mask,
+        2,
+        batch["prev_logprobs"].double(),
+        batch["reference_policy_logprobs"].double(),
+        0.3,
+    )
+    assert float(expected[mask].abs().sum()) > 0
+    torch.testing.assert_close(batch["advantages"].double(), expected, rtol=1e-5, atol=1e-6)
+    # Without the KL the advantages differ: the penalty is really in them.
+    run.config.loss_fn.use_kl_in_reward = False
+    plain, _ = grpo.compute_advantages(run, result, batch["token_mask"])
+    assert not torch.allclose(plain["advantages"], batch["advantages"])
+    # The loss's own KL term is off: the KL counts once, in the returns.
+    assert run.loss_fn.config.reference_policy_kl_penalty == 0.0
+    assert "reference_policy_logprobs" not in run.loss_fn.batch_fields()

@@ -10,7 +10,10 @@ truncate the advantages to integers).
   mean of the *other* G-1 samples), optionally divided by the group's standard deviation.
 - ``rloo_advantages``: REINFORCE leave-one-out, ``r_i - mean_{j != i} r_j`` (no scaling).
 - ``reinforce_plus_plus_advantages``: per-token returns (with the KL-in-reward variant:
-  ``G_t = r - kl_coef * sum_{s >= t} kl_s``, the ``kl`` / ``kl_coef`` arguments), whitened
+  ``G_t = r - kl_coef * sum_{s >= t} kl_s``, the ``kl`` / ``kl_coef`` arguments; a GRPO run
+  turns it on with ``loss_fn.use_kl_in_reward``, ``kl_s`` then the per-token estimate of
+  ``loss_fn.reference_policy_kl_type`` from pi_old's and the reference's log-probs and
+  ``kl_coef`` = ``loss_fn.reference_policy_kl_penalty``), whitened
   over the response tokens of the samples in the loss (global, not per-group, normalisation;
   ``sample_mask`` 0 samples are left out and get 0); with ``group_size`` the group mean is
   subtracted from the rewards first (the "baseline" variant).

@@ -19,7 +19,7 @@ import importlib.util
 import random
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -30,6 +30,7 @@ from rl_algorithms.utils.logger import LoggerConfig
 from rl_data.datasets import DataConfig
 from rl_data.tokenizers import TokenizerConfig
 from rl_distributed.config import ConfigModel
+from rl_models.policy.config import OffloadConfig
 
 __all__ = [
     "POLICY_STEP_METRICS",
@@ -64,6 +65,29 @@ class ClusterConfig(ConfigModel):
     @property
     def workers_per_node(self) -> int:
         return self.gpus_per_node if self.use_gpus else self.cpu_workers_per_node
+
+
+class IdleOffloadConfig(OffloadConfig):
+    """``offload`` of a model beside the policy (``critic``, ``teacher``): the policy's keys,
+    and whether the model leaves the device between its turns."""
+
+    # Weights and optimiser state to offload.device while the phases that do not use this
+    # model run (generation, the policy's log-probs and training), back for its own. auto: on
+    # when it shares the policy's GPUs (colocated: true, cluster.gpus_per_node > 0); on CPUs
+    # the device is host memory already, and a move would only cost time.
+    when_idle: bool | Literal["auto"] = "auto"
+
+    def resolve(self, section: str, colocated: bool, use_gpus: bool) -> None:
+        """Turn ``auto`` into a decision; refuse ``true`` for a model with workers of its own
+        (nothing shares its device). ``section`` names the config section in the error."""
+        if self.when_idle == "auto":
+            self.when_idle = colocated and use_gpus
+        elif self.when_idle and not colocated:
+            raise ValueError(
+                f"{section}.offload.when_idle: true needs {section}.colocated: true (a "
+                f"{section} on workers of its own shares its device with nothing); set "
+                f"{section}.offload.when_idle: false or auto"
+            )
 
 
 class DataSection(DataConfig):

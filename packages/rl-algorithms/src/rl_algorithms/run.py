@@ -57,6 +57,8 @@ class ModelPlan:
     config: PolicyConfig
     colocated: bool = True  # shares the policy's bundles (taking turns with it)
     num_workers: int = 1  # workers of its own cluster, when not colocated
+    # Off the device between its turns (``Run.take_turns``): offloaded once built.
+    offload_when_idle: bool = False
 
 
 @dataclass
@@ -80,6 +82,8 @@ class Run:
     critic: Any = None  # rl_models Policy of a value model (PPO), trained beside the policy
     teacher: Any = None  # rl_models Policy of a frozen model (distillation)
     loss_fn: Any = None
+    # The models beside the policy that leave the device between their turns (see take_turns).
+    offloaded_when_idle: list[Any] = field(default_factory=list)
     step: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # algorithm state saved with checkpoints
     _batches: Iterator[BatchedDataDict] | None = None
@@ -92,6 +96,17 @@ class Run:
                 return batch
         self._batches = iter(self.train_loader)
         return next(self._batches)
+
+    def take_turns(self, model: Any) -> None:
+        """Offload ``model`` (a critic or teacher ``Policy``) now and from now on between its
+        turns: a loop brings it back before using it (``prepare_for_lp_inference`` /
+        ``prepare_for_training``) and offloads it after (``model.offload()``)."""
+        model.offload()
+        self.offloaded_when_idle.append(model)
+
+    def is_taking_turns(self, model: Any) -> bool:
+        """Whether ``model`` leaves the device between its turns (``take_turns``)."""
+        return any(m is model for m in self.offloaded_when_idle)
 
     def trained_models(self) -> dict[str, Any]:
         """What a checkpoint holds besides the policy: the models trained beside it."""
@@ -242,6 +257,9 @@ def setup_run(
                 latest, run.policy, dataloader=train_loader, models=run.trained_models()
             )
             run.step, run.extra = state["step"], state["extra"]
+        for plan, model in ((critic, run.critic), (teacher, run.teacher)):
+            if plan is not None and plan.offload_when_idle:
+                run.take_turns(model)  # the first phases (refit, generation) do not use it
     except BaseException:
         run.shutdown()  # what did start, so a failed setup leaves no worker behind
         raise
@@ -304,8 +322,14 @@ def end_step(
 
 
 def save_checkpoint(run: Run, metrics: Mapping[str, float]) -> None:
-    """Checkpoint the policy with the loader's position, the logger's state and ``extra``."""
+    """Checkpoint the policy with the loader's position, the logger's state and ``extra``.
+
+    A model offloaded between its turns is on the device while it is saved (gathering a
+    sharded model's state runs the device's collectives), and offloaded again after."""
     assert run.checkpointer is not None
+    away = [m for m in run.trained_models().values() if run.is_taking_turns(m)]
+    for model in away:
+        model.prepare_for_training()
     run.checkpointer.save(
         run.step,
         run.policy,
@@ -316,6 +340,8 @@ def save_checkpoint(run: Run, metrics: Mapping[str, float]) -> None:
         run_config=run.config.model_dump(mode="json"),
         tokenizer=run.tokenizer,
     )
+    for model in away:
+        model.offload()
 
 
 def reduce_step_metrics(results: Mapping[str, Any]) -> dict[str, float]:

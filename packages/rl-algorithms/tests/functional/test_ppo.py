@@ -114,3 +114,26 @@ def test_ppo_trains_its_critic_and_resumes_exactly(tmp_path, assets):
         assert a.keys() == b.keys()
         for name in a:
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=f"{role}: {name}")
+
+
+def test_a_critic_on_workers_of_its_own_trains_and_values_like_a_colocated_one(tmp_path, assets):
+    """``critic.colocated: false``: the critic gets a cluster of its own (a second Ray
+    placement group beside the policy's and the generator's). Two steps train with finite
+    losses, and its first step's values, value loss and explained variance are those of a
+    colocated critic on the same rollouts (same seeds: placement changes no number)."""
+    runs = {}
+    for colocated, steps in ((False, 2), (True, 1)):
+        root = tmp_path / ("colocated" if colocated else "separate")
+        root.mkdir()
+        config = ppo_config(root, assets)
+        config["critic"]["colocated"] = colocated
+        config["ppo"].update(max_num_steps=steps, val_period=0, policy_training_start_step=0)
+        config["checkpointing"]["enabled"] = False
+        assert cli.main(["ppo", "--config", write_config(root, config)]) == 0
+        runs[colocated] = [r for r in read_metrics(root / "logs") if "train/loss" in r]
+    separate, colocated = runs[False], runs[True]
+    assert len(separate) == 2
+    for key in ("train/loss", "train/critic/value_loss", "train/values_mean"):
+        assert all(math.isfinite(r[key]) for r in separate), (key, separate)
+    for key in ("train/values_mean", "train/critic/value_loss", "train/explained_variance"):
+        assert separate[0][key] == colocated[0][key], key

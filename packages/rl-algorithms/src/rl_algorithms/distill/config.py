@@ -12,7 +12,13 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from rl_algorithms.config import POLICY_STEP_METRICS, TokenizerConfig, prefixed, recipe_path
+from rl_algorithms.config import (
+    POLICY_STEP_METRICS,
+    IdleOffloadConfig,
+    TokenizerConfig,
+    prefixed,
+    recipe_path,
+)
 from rl_algorithms.grpo.config import VALIDATION_METRICS, RLMasterConfig, RolloutLoopConfig
 from rl_algorithms.losses import ClippedPGLossConfig, DistillationLossConfig
 from rl_models.policy.config import ModelConfig, PolicyConfig
@@ -42,11 +48,13 @@ class TeacherConfig(PolicyConfig):
     model: ModelConfig
     train_global_batch_size: int = Field(1, ge=1)
     tokenizer: TokenizerConfig | None = None
-    colocated: bool = True  # shares the student's bundles (its weights stay resident)
+    colocated: bool = True  # shares the student's bundles (taking turns with it)
     num_workers: int = Field(1, ge=1)  # workers of its own when not colocated
+    offload: IdleOffloadConfig = Field(default_factory=IdleOffloadConfig)
 
     def worker_config(self) -> PolicyConfig:
-        dumped = self.model_dump(exclude={"tokenizer", "colocated", "num_workers"})
+        exclude = {"tokenizer": True, "colocated": True, "num_workers": True}
+        dumped = self.model_dump(exclude={**exclude, "offload": {"when_idle"}})
         return PolicyConfig.model_validate(dumped)
 
 
@@ -68,6 +76,7 @@ class MasterConfig(RLMasterConfig):
     @model_validator(mode="after")
     def _distillation_consistent(self) -> MasterConfig:
         d = self.distillation
+        self.teacher.offload.resolve("teacher", self.teacher.colocated, self.cluster.use_gpus)
         if self.teacher.model.kind != "causal_lm":
             raise ValueError(
                 f"teacher.model.kind is {self.teacher.model.kind!r}: a teacher is a causal_lm"

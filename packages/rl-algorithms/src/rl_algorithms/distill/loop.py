@@ -41,13 +41,23 @@ def setup(config: MasterConfig) -> Run:
     teacher; the teacher's vocabulary is checked against the student's first."""
     check_vocabularies(config)
     teacher = config.teacher
-    plan = ModelPlan(teacher.worker_config(), teacher.colocated, teacher.num_workers)
+    plan = ModelPlan(
+        teacher.worker_config(),
+        teacher.colocated,
+        teacher.num_workers,
+        offload_when_idle=teacher.offload.when_idle is True,
+    )
     run = setup_rollout_run(config, "distill", teacher=plan)
+    run.loss_fn = make_loss(config)
+    return run
+
+
+def make_loss(config: MasterConfig) -> DistillationLossFn:
+    """The distillation loss, with GRPO's clipped policy gradient beside it if asked."""
     pg_loss = None
     if config.distillation.grpo_reward:
         pg_loss = ClippedPGLossFn(config.grpo_loss_fn, pi_old_is_current=True)
-    run.loss_fn = DistillationLossFn(config.loss_fn, pg_loss=pg_loss)
-    return run
+    return DistillationLossFn(config.loss_fn, pg_loss=pg_loss)
 
 
 def check_vocabularies(config: MasterConfig) -> None:
@@ -80,12 +90,23 @@ def check_vocabularies(config: MasterConfig) -> None:
 
 def teacher_scores(run: Run, batch: BatchedDataDict) -> dict[str, torch.Tensor]:
     """What the loss reads of the teacher: its log-probs of the sampled tokens, or its top-k
-    log-probs and their ids at every position."""
+    log-probs and their ids at every position. A teacher offloaded between its turns
+    (``teacher.offload.when_idle``) comes back for this and leaves again after."""
     config: MasterConfig = run.config
+    in_turns = run.is_taking_turns(run.teacher)
+    if in_turns:
+        run.teacher.prepare_for_lp_inference()
     if config.loss_fn.estimator == "sampled_token":
-        return {"teacher_logprobs": run.teacher.get_logprobs(batch)["logprobs"]}
-    topk = run.teacher.get_topk_logprobs(batch, config.distillation.topk_logits_k)
-    return {"teacher_topk_logprobs": topk["topk_logprobs"], "teacher_topk_ids": topk["topk_ids"]}
+        scores = {"teacher_logprobs": run.teacher.get_logprobs(batch)["logprobs"]}
+    else:
+        topk = run.teacher.get_topk_logprobs(batch, config.distillation.topk_logits_k)
+        scores = {
+            "teacher_topk_logprobs": topk["topk_logprobs"],
+            "teacher_topk_ids": topk["topk_ids"],
+        }
+    if in_turns:
+        run.teacher.offload()
+    return scores
 
 
 def reward_fields(

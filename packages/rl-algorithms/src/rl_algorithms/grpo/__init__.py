@@ -11,7 +11,10 @@
 With ``generation.colocated`` the generator shares the policy's workers' resources and they
 take turns; otherwise it gets ``generation.num_workers`` workers of its own. With
 ``grpo.use_dynamic_sampling`` (DAPO) groups whose rewards are all equal are dropped and more
-prompts are rolled out, up to ``grpo.dynamic_sampling_max_gen_batches`` rounds.
+prompts are rolled out, up to ``grpo.dynamic_sampling_max_gen_batches`` rounds. With
+``grpo.advantage_estimator: reinforce_plus_plus`` and ``loss_fn.use_kl_in_reward``, the KL
+penalty to the reference goes into the per-token returns instead of the loss (the log-probs are
+then taken before the advantages).
 """
 
 from rl_algorithms.grpo.config import DEFAULT_RECIPE, MAIN_RECIPE, MasterConfig

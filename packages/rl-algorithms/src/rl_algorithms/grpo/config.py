@@ -133,6 +133,33 @@ class GRPOConfig(RolloutLoopConfig):
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)  # see grpo/async_loop.py
 
 
+class GRPOLossConfig(ClippedPGLossConfig):
+    """``loss_fn`` of GRPO and PPO: the clipped policy gradient's keys, and where the KL penalty
+    to the reference goes (NeMo RL's ``loss_fn.use_kl_in_reward``)."""
+
+    # The KL penalty folded into the returns (reference_policy_kl_penalty * the per-token KL
+    # estimate of reference_policy_kl_type) instead of added to the loss, whose own KL term is
+    # then off: PPO's token rewards, REINFORCE++'s returns (grpo.advantage_estimator).
+    use_kl_in_reward: bool = False
+
+    @model_validator(mode="after")
+    def _penalty_to_fold(self) -> GRPOLossConfig:
+        if self.use_kl_in_reward and self.reference_policy_kl_penalty == 0:
+            raise ValueError(
+                "loss_fn.use_kl_in_reward: true folds loss_fn.reference_policy_kl_penalty into "
+                "the rewards, but it is 0: set a penalty or use_kl_in_reward: false"
+            )
+        return self
+
+    def policy_loss(self) -> ClippedPGLossConfig:
+        """The clipped PG loss's own config: without the KL term when it is in the reward."""
+        penalty = 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
+        dumped = self.model_dump(exclude={"use_kl_in_reward"})
+        return ClippedPGLossConfig.model_validate(
+            {**dumped, "reference_policy_kl_penalty": penalty}
+        )
+
+
 class GRPOPolicyConfig(PolicyConfig):
     max_total_sequence_length: int = Field(ge=2)  # prompt + all turns; longer samples stop
 
@@ -220,7 +247,7 @@ class RLMasterConfig(RunConfig):
 
 
 class MasterConfig(RLMasterConfig):
-    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    loss_fn: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
     grpo: GRPOConfig
 
     LOOP_SECTION: ClassVar[str] = "grpo"
@@ -232,6 +259,13 @@ class MasterConfig(RLMasterConfig):
     @model_validator(mode="after")
     def _async_consistent(self) -> MasterConfig:
         check_async_config(self)
+        if self.loss_fn.use_kl_in_reward and self.grpo.advantage_estimator != "reinforce_plus_plus":
+            raise ValueError(
+                "loss_fn.use_kl_in_reward: true needs grpo.advantage_estimator: "
+                f"reinforce_plus_plus, not {self.grpo.advantage_estimator!r}: GRPO's advantage "
+                "is one number per sample, with no per-token returns to fold the KL into (keep "
+                "the KL in the loss: use_kl_in_reward: false)"
+            )
         return self
 
 

@@ -7,6 +7,7 @@ training batch themselves, so what the loss reads can be read from the loop.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from rl_algorithms.advantages import (
 )
 from rl_algorithms.grpo.config import MasterConfig, RLMasterConfig
 from rl_algorithms.losses import ClippedPGLossFn
+from rl_algorithms.losses.clipped_pg import masked_kl_estimate
 from rl_algorithms.rollouts import RolloutResult, run_rollouts
 from rl_algorithms.run import Run, reduce_step_metrics
 from rl_distributed.batched_data_dict import BatchedDataDict
@@ -30,8 +32,11 @@ ADVANTAGE_FIELDS = frozenset({"advantages", "sample_mask"})
 
 
 def make_loss(config: MasterConfig) -> ClippedPGLossFn:
-    """The clipped policy-gradient loss of ``loss_fn.*``."""
-    return ClippedPGLossFn(config.loss_fn, pi_old_is_current=single_update_per_batch(config))
+    """The clipped policy-gradient loss of ``loss_fn.*`` (without its KL term when
+    ``loss_fn.use_kl_in_reward`` puts the KL into the returns)."""
+    return ClippedPGLossFn(
+        config.loss_fn.policy_loss(), pi_old_is_current=single_update_per_batch(config)
+    )
 
 
 def check_batch_fields(loss_fn: Any, config: MasterConfig) -> None:
@@ -59,9 +64,11 @@ def single_update_per_batch(config: RLMasterConfig) -> bool:
 
 
 def logprob_fields(config: MasterConfig) -> frozenset[str]:
-    """The fields ``compute_logprobs`` returns under ``config``."""
+    """The fields ``compute_logprobs`` returns under ``config``: ``prev_logprobs`` for more
+    than one optimiser step per batch (pi_old) or for the KL in the returns, the reference's
+    log-probs whenever there is a KL penalty."""
     fields = set()
-    if not single_update_per_batch(config):
+    if not single_update_per_batch(config) or config.loss_fn.use_kl_in_reward:
         fields.add("prev_logprobs")
     if config.loss_fn.reference_policy_kl_penalty > 0:
         fields.add("reference_policy_logprobs")
@@ -158,13 +165,18 @@ def response_length(log: list[dict]) -> int:
 
 
 def compute_advantages(
-    run: Run, result: RolloutResult, token_mask: torch.Tensor
+    run: Run,
+    result: RolloutResult,
+    token_mask: torch.Tensor,
+    logprobs: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """``advantages`` [B, S] and ``sample_mask`` [B] for the batch, and reward metrics.
 
     Rows out of the loss (dynamic sampling's fillers, truncated responses under overlong
     filtering) get sample mask 0 and advantage 0, and the estimators' statistics leave them
-    out.
+    out. With ``loss_fn.use_kl_in_reward`` (REINFORCE++ only), ``logprobs`` holds
+    ``compute_logprobs``' fields: the per-token KL of ``prev_logprobs`` (pi_old) to
+    ``reference_policy_logprobs`` goes into the returns with ``reference_policy_kl_penalty``.
     """
     g = run.config.grpo
     rewards = shaped_rewards(run, result)
@@ -173,8 +185,28 @@ def compute_advantages(
         sample_mask = overlong_filter(result.truncated, sample_mask)
     sample_mask = sample_mask * (~result.filler).to(sample_mask.dtype)
     if g.advantage_estimator == "reinforce_plus_plus":
+        kl, kl_coef = None, 0.0
+        loss = run.config.loss_fn
+        if loss.use_kl_in_reward:
+            if logprobs is None:
+                raise ValueError(
+                    "loss_fn.use_kl_in_reward: compute_advantages needs the log-probs "
+                    "(compute_logprobs' prev_logprobs and reference_policy_logprobs)"
+                )
+            kl = masked_kl_estimate(
+                logprobs["prev_logprobs"],
+                logprobs["reference_policy_logprobs"],
+                token_mask,
+                loss,
+            )
+            kl_coef = loss.reference_policy_kl_penalty
         advantages = reinforce_plus_plus_advantages(
-            rewards, token_mask, group_size=g.num_generations_per_prompt, sample_mask=sample_mask
+            rewards,
+            token_mask,
+            group_size=g.num_generations_per_prompt,
+            kl=kl,
+            kl_coef=kl_coef,
+            sample_mask=sample_mask,
         )
     else:
         per_sample = grpo_advantages(
@@ -254,14 +286,27 @@ def train_step(run: Run, batch: BatchedDataDict) -> dict[str, float]:
 def train_on_rollouts(run: Run, result: RolloutResult) -> dict[str, float]:
     """The tail every GRPO loop shares, sync or async: the rollouts' training batch gets its
     advantages and the log-probs the loss needs, then the train step runs. Returns the train
-    and reward metrics."""
+    and reward metrics.
+
+    With ``loss_fn.use_kl_in_reward`` the KL to the reference is part of the returns, so the
+    log-probs are taken first; otherwise after the advantages (the order of the default path
+    is kept: its numbers do not change)."""
     timer = run.logger.timer
     batch = result.training_batch(run.tokenizer.pad_token_id)
-    with timer("rewards_and_advantages"):
-        advantages, reward_metrics = compute_advantages(run, result, batch["token_mask"])
-    batch.update(advantages)
-    with timer("logprobs"):
-        batch.update(compute_logprobs(run, batch))
+    if run.config.loss_fn.use_kl_in_reward:
+        with timer("logprobs"):
+            batch.update(compute_logprobs(run, batch))
+        with timer("rewards_and_advantages"):
+            advantages, reward_metrics = compute_advantages(
+                run, result, batch["token_mask"], logprobs=batch
+            )
+        batch.update(advantages)
+    else:
+        with timer("rewards_and_advantages"):
+            advantages, reward_metrics = compute_advantages(run, result, batch["token_mask"])
+        batch.update(advantages)
+        with timer("logprobs"):
+            batch.update(compute_logprobs(run, batch))
     with timer("train"):
         train_metrics = train_step(run, batch)
     return {**train_metrics, **reward_metrics}

@@ -125,6 +125,24 @@ def kl_estimate(
     return kl
 
 
+def masked_kl_estimate(
+    logprobs: torch.Tensor,
+    reference: torch.Tensor,
+    mask: torch.Tensor,
+    config: ClippedPGLossConfig,
+) -> torch.Tensor:
+    """``kl_estimate`` in float64 on the tokens where ``mask > 0``, 0 elsewhere: both inputs
+    are zeroed off the mask first (every estimator is 0 there), so a prompt position's -inf
+    log-prob cannot turn into NaN. What a KL-in-reward penalty (PPO, REINFORCE++) folds in."""
+    on = mask > 0
+    zero = torch.zeros((), dtype=torch.float64, device=logprobs.device)
+    return kl_estimate(
+        torch.where(on, logprobs.to(torch.float64), zero),
+        torch.where(on, reference.to(torch.float64), zero),
+        config,
+    )
+
+
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``x`` on the loss tokens, 0 elsewhere (``where``: nothing there can become NaN)."""
     return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))

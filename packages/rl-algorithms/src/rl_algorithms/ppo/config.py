@@ -13,9 +13,14 @@ from typing import ClassVar, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
-from rl_algorithms.config import POLICY_STEP_METRICS, prefixed, recipe_path
-from rl_algorithms.grpo.config import VALIDATION_METRICS, RLMasterConfig, RolloutLoopConfig
-from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn, ClippedValueLossFn
+from rl_algorithms.config import POLICY_STEP_METRICS, IdleOffloadConfig, prefixed, recipe_path
+from rl_algorithms.grpo.config import (
+    VALIDATION_METRICS,
+    GRPOLossConfig,
+    RLMasterConfig,
+    RolloutLoopConfig,
+)
+from rl_algorithms.losses import ClippedPGLossFn, ClippedValueLossFn
 from rl_algorithms.losses.value import ValueLossConfig
 from rl_distributed.config import ConfigModel
 from rl_models.policy.config import ModelConfig, PolicyConfig
@@ -69,20 +74,6 @@ class PPOConfig(RolloutLoopConfig):
         return self.critic_ppo_epochs or self.ppo_epochs
 
 
-class PPOLossConfig(ClippedPGLossConfig):
-    # The KL penalty to the reference folded into the token rewards (the classic RLHF form,
-    # -reference_policy_kl_penalty * kl per token) instead of added to the loss.
-    use_kl_in_reward: bool = False
-
-    def policy_loss(self) -> ClippedPGLossConfig:
-        """The clipped PG loss's own config: without the KL term when it is in the reward."""
-        penalty = 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
-        dumped = self.model_dump(exclude={"use_kl_in_reward"})
-        return ClippedPGLossConfig.model_validate(
-            {**dumped, "reference_policy_kl_penalty": penalty}
-        )
-
-
 class PPOValueLossConfig(ValueLossConfig):
     """``value_loss_fn``: ``cliprange`` (NeMo RL's name) or ``value_clip``."""
 
@@ -97,17 +88,19 @@ class CriticConfig(PolicyConfig):
 
     model: ModelConfig | None = None  # type: ignore[assignment]
     train_global_batch_size: int | None = Field(None, ge=1)  # type: ignore[assignment]
-    colocated: bool = True  # shares the policy's bundles (its weights stay resident)
+    colocated: bool = True  # shares the policy's bundles (taking turns with it)
     num_workers: int = Field(1, ge=1)  # workers of its own when not colocated
+    offload: IdleOffloadConfig = Field(default_factory=IdleOffloadConfig)
 
     def worker_config(self) -> PolicyConfig:
-        return PolicyConfig.model_validate(
-            self.model_dump(exclude={"colocated", "num_workers"}, exclude_unset=False)
-        )
+        exclude = {"colocated": True, "num_workers": True, "offload": {"when_idle"}}
+        return PolicyConfig.model_validate(self.model_dump(exclude=exclude))
 
 
 class MasterConfig(RLMasterConfig):
-    loss_fn: PPOLossConfig = Field(default_factory=PPOLossConfig)
+    # GRPO's: with use_kl_in_reward, -reference_policy_kl_penalty * kl at every action token
+    # of the token rewards (the classic RLHF form), not in the loss.
+    loss_fn: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
     value_loss_fn: PPOValueLossConfig = Field(default_factory=PPOValueLossConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     ppo: PPOConfig
@@ -141,6 +134,7 @@ class MasterConfig(RLMasterConfig):
         if "seed" not in c.model_fields_set:
             # The policy's seed: a critic built from the policy's config gets its backbone.
             c.seed = self.policy.seed
+        c.offload.resolve("critic", c.colocated, self.cluster.use_gpus)
         if c.lora.enabled:
             raise ValueError(
                 "critic.lora.enabled: a critic trains its whole model (its value head is new); "
@@ -153,11 +147,6 @@ class MasterConfig(RLMasterConfig):
             raise ValueError(
                 f"critic.train_global_batch_size ({c.train_global_batch_size}) must divide "
                 f"ppo.num_prompts_per_step * ppo.num_generations_per_prompt ({rows})"
-            )
-        if self.loss_fn.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty == 0:
-            raise ValueError(
-                "loss_fn.use_kl_in_reward: true folds loss_fn.reference_policy_kl_penalty into "
-                "the rewards, but it is 0: set a penalty or use_kl_in_reward: false"
             )
         PolicyConfig.model_validate(c.worker_config().model_dump())  # backend checks, named
         return self

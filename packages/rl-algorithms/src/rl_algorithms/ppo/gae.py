@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 
 from rl_algorithms.advantages import check_shape, masked_moments, whiten, zero_off_mask
-from rl_algorithms.losses.clipped_pg import ClippedPGLossConfig, kl_estimate
+from rl_algorithms.losses.clipped_pg import ClippedPGLossConfig, masked_kl_estimate
 
 __all__ = ["explained_variance", "gae", "token_level_rewards", "whiten"]
 
@@ -82,10 +82,7 @@ def token_level_rewards(
             kl_input_clamp_value=kl_input_clamp_value,
             kl_output_clamp_value=kl_output_clamp_value,
         )
-        # Both inputs are 0 off the action tokens, where every estimator gives a KL of 0.
-        kl = kl_estimate(
-            zero_off_mask(logprobs, mask), zero_off_mask(reference_logprobs, mask), estimator
-        )
+        kl = masked_kl_estimate(logprobs, reference_logprobs, mask, estimator)
         rewards = rewards - kl_penalty * kl
     return rewards.to(_result_dtype(scores))
 

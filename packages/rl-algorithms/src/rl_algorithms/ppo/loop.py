@@ -4,7 +4,8 @@ train steps.
 One step, top to bottom (``ppo_train``)::
 
     prompts -> refit the generator if stale -> roll out (GRPO's steps) -> log-probs of the
-    policy (pi_old) and the reference -> the critic's values -> token-level rewards (the
+    policy (pi_old) and the reference -> the critic's values (a colocated critic on GPUs
+    leaves the device between its turns: critic.offload.when_idle) -> token-level rewards (the
     score at the last response token, minus the KL penalty per token with use_kl_in_reward)
     -> GAE advantages and returns -> critic_ppo_epochs passes of the clipped value loss
     -> ppo_epochs passes of the clipped policy loss (from policy_training_start_step on)
@@ -41,11 +42,21 @@ def setup(config: MasterConfig) -> Run:
     """GRPO's run (tokenizer, prompts, policy, generator, environments, logger) plus the
     critic; resumes both from the latest checkpoint in ``checkpointing.checkpoint_dir``."""
     critic = config.critic
-    plan = ModelPlan(critic.worker_config(), critic.colocated, critic.num_workers)
+    plan = ModelPlan(
+        critic.worker_config(),
+        critic.colocated,
+        critic.num_workers,
+        offload_when_idle=critic.offload.when_idle is True,
+    )
     run = setup_rollout_run(config, "ppo", critic=plan)
-    pi_old_is_current = "prev_logprobs" not in logprob_fields(config)
-    run.loss_fn = ClippedPGLossFn(config.loss_fn.policy_loss(), pi_old_is_current=pi_old_is_current)
+    run.loss_fn = make_loss(config)
     return run
+
+
+def make_loss(config: MasterConfig) -> ClippedPGLossFn:
+    """The policy's clipped PG loss (its KL term off when the KL is in the rewards)."""
+    pi_old_is_current = "prev_logprobs" not in logprob_fields(config)
+    return ClippedPGLossFn(config.loss_fn.policy_loss(), pi_old_is_current=pi_old_is_current)
 
 
 def logprob_fields(config: MasterConfig) -> frozenset[str]:
@@ -142,15 +153,28 @@ def bootstrap_values(
     return torch.where(inside, picked, values["final_values"].to(aligned.dtype))
 
 
+def critic_values(run: Run, batch: BatchedDataDict) -> BatchedDataDict:
+    """The critic's ``values`` and ``final_values`` of the batch; a critic offloaded between
+    its turns gets its weights back first (its optimiser state waits for its training)."""
+    if run.is_taking_turns(run.critic):
+        run.critic.prepare_for_lp_inference()
+    return run.critic.get_values(batch)
+
+
 def train_critic(run: Run, batch: BatchedDataDict) -> dict[str, float]:
-    """``critic_ppo_epochs`` passes of the clipped value loss; metrics under ``critic/``."""
+    """``critic_ppo_epochs`` passes of the clipped value loss; metrics under ``critic/``.
+    Then the critic leaves the device if it takes turns with the policy (the policy trains
+    next), else its optimiser state does with ``critic.offload.optimizer_state``."""
     loss_fn = ClippedValueLossFn(run.config.value_loss_fn)
     run.critic.prepare_for_training()
     results: dict[str, list[Any]] = {}
     for _ in range(run.config.ppo.critic_epochs):
         for key, values in run.critic.train(batch, loss_fn).items():
             results.setdefault(key, []).extend(values)
-    run.critic.prepare_for_lp_inference()
+    if run.is_taking_turns(run.critic):
+        run.critic.offload()
+    else:
+        run.critic.prepare_for_lp_inference()
     return {f"critic/{k}": v for k, v in reduce_step_metrics(results).items()}
 
 
@@ -176,7 +200,7 @@ def ppo_step(run: Run) -> dict[str, float]:
     with timer("logprobs"):
         batch.update(compute_logprobs(run, batch, logprob_fields(run.config)))
     with timer("values"):
-        values = run.critic.get_values(batch)
+        values = critic_values(run, batch)
     with timer("advantages"):
         fields, advantage_metrics = compute_advantages(run, result, batch, values)
     batch.update(fields)

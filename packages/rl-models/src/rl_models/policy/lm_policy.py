@@ -166,6 +166,13 @@ class Policy(PolicyInterface):
     def prepare_for_lp_inference(self) -> None:
         self.worker_group.call_all("prepare_for_lp_inference")
 
+    def offload(self) -> None:
+        """Weights and optimiser state of every worker to ``offload.device``, for a model that
+        shares its device and waits for its turn (a colocated critic or teacher); the next
+        ``prepare_for_lp_inference`` brings the weights back, ``prepare_for_training`` both."""
+        self.worker_group.call_all("offload_weights")
+        self.worker_group.call_all("offload_optimizer_state")
+
     def save_checkpoint(self, path: str) -> None:
         self.worker_group.call_all("save_checkpoint", path=path)
 
