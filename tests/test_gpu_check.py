@@ -8,6 +8,7 @@ that: ``ray`` and ``vllm`` import as not installed (``sys.modules[name] = None``
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -39,8 +40,14 @@ IMPORT_GPU_CHECK = f"""{LIKE_THE_GPU_MACHINE}
 import importlib.util, json
 sys.path.insert(0, {str(BENCH)!r})
 spec = importlib.util.spec_from_file_location("gpu_check", {str(BENCH / "gpu_check.py")!r})
-spec.loader.exec_module(importlib.util.module_from_spec(spec))
-print(json.dumps(sorted({{m.split(".")[0] for m, mod in sys.modules.items() if mod is not None}})))
+module = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+ours = ("rl_distributed", "rl_data", "rl_models", "mfu", "gpu_check")
+loaded = {{m: getattr(mod, "__file__", None) for m, mod in sys.modules.items() if mod is not None}}
+print(json.dumps({{
+    "ray_or_vllm": sorted(m for m in loaded if m.split(".")[0] in ("ray", "vllm")),
+    "ours": {{m: f for m, f in loaded.items() if m.split(".")[0] in ours and f}},
+}}))
 """
 
 
@@ -71,23 +78,46 @@ def with_dependencies(names: list[str]) -> set[str]:
     return seen
 
 
+def module_level_imports(path: str) -> set[str]:
+    """The top-level names a module imports when it is imported (not inside functions)."""
+    tree = ast.parse(Path(path).read_text())
+    names: set[str] = set()
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+        todo.extend(ast.iter_child_nodes(node))
+    return names
+
+
 def test_gpu_check_imports_nothing_but_torch_transformers_and_the_carry():
+    """What gpu_check's modules and ours on its path import when loaded, and what those need in
+    turn (their declared requirements), is on the GPU machine (torch, transformers and their
+    requirements) or in the carry. (Optional packages that transformers uses only when they
+    happen to be installed are not needed: the check ran in a venv without them.)"""
     done = subprocess.run(
         [sys.executable, "-c", IMPORT_GPU_CHECK], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    modules = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "ray" not in modules and "vllm" not in modules
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["ray_or_vllm"] == []
+    assert "rl_models.policy.dtensor_worker" in report["ours"]
+    assert "rl_models.generation.hf_worker" in report["ours"]
     ours = {"rl_distributed", "rl_data", "rl_models", "mfu", "gpu_check"}
-    on_the_machine = with_dependencies(["torch", "transformers"])
+    imported = set().union(*(module_level_imports(f) for f in report["ours"].values()))
+    third_party = imported - ours - set(sys.stdlib_module_names) - {"__future__"}
     dists = packages_distributions()
-    missing = {
-        module: dists.get(module)
-        for module in modules
-        if module not in sys.stdlib_module_names and module not in ours and module != "__main__"
-        if not {canonicalize_name(d) for d in dists.get(module, [])} & (on_the_machine | carried())
-    }
-    assert not missing, f"imported, but neither on the GPU machine nor carried: {missing}"
+    needed = {canonicalize_name(d) for module in third_party for d in dists.get(module, [module])}
+    on_the_machine = with_dependencies(["torch", "transformers"])
+    available = on_the_machine | carried()
+    assert needed - available == set(), "imported, but neither on the GPU machine nor carried"
+    assert {"pydantic", "omegaconf", "hydra-core"} <= needed  # (the scan sees our imports)
+    assert with_dependencies(sorted(carried())) - available == set(), "the carry needs more"
 
 
 @pytest.mark.slow  # five processes that import torch and transformers: ~1 min on 2 cores
