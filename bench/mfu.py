@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -47,6 +48,17 @@ MODELS = {
         "num_key_value_heads": 4,
         "vocab_size": 4096,
         "max_position_embeddings": 4096,
+    },
+    # The smallest Llama with every part (bench/gpu_check.py's CI run on 2 CPU cores).
+    "micro": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 1024,
     },
 }
 VENDOR_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16
@@ -100,43 +112,45 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="tiny")
-    parser.add_argument("--sequences", type=int, default=64)
-    parser.add_argument("--longest", type=int, default=None, help="longest sequence")
-    parser.add_argument("--tokens-per-microbatch", type=int, default=None)
-    parser.add_argument("--mixed-precision", choices=["bfloat16"], default=None)
-    parser.add_argument("--attn", default="sdpa", help="attn_implementation")
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-
+def run(
+    model_name: str = "tiny",
+    sequences: int = 64,
+    longest: int | None = None,
+    tokens_per_microbatch: int | None = None,
+    mixed_precision: str | None = None,
+    attn: str = "sdpa",
+    activation_checkpointing: bool = False,
+    steps: int = 3,
+    matmul_size: int | None = None,
+    report: Callable[[str], None] = print,
+) -> float:
+    """Time ``steps`` packed training steps, measure the matmul peak, ``report`` each result
+    line and return training FLOP/s over the measured peak. ``bench/gpu_check.py`` runs it too."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    model = MODELS[args.model]
-    longest = args.longest or (4096 if cuda else 512)
-    budget = args.tokens_per_microbatch or (16384 if cuda else 1024)
-    lengths = skewed_lengths(args.sequences, longest)
+    model = MODELS[model_name]
+    longest = longest or (4096 if cuda else 512)
+    budget = tokens_per_microbatch or (16384 if cuda else 1024)
+    lengths = skewed_lengths(sequences, longest)
     data = make_batch(lengths, model["vocab_size"])
     worker = DTensorPolicyWorker(
         {
-            "model": {"hf_config": model, "dtype": "float32", "attn_implementation": args.attn},
+            "model": {"hf_config": model, "dtype": "float32", "attn_implementation": attn},
             "optimizer": {
                 "name": "AdamW",
                 "kwargs": {"lr": 1e-5, **({"fused": True} if cuda else {})},
             },
-            "train_global_batch_size": args.sequences,
+            "train_global_batch_size": sequences,
             "sequence_packing": {"enabled": True, "max_tokens_per_microbatch": budget},
-            "mixed_precision": args.mixed_precision,
-            "activation_checkpointing": args.activation_checkpointing,
+            "mixed_precision": mixed_precision,
+            "activation_checkpointing": activation_checkpointing,
         }
     )
     n_matmul = matmul_params(worker)
     flops = training_flops(model, n_matmul, lengths)
-    print(
-        f"device {torch.cuda.get_device_name() if cuda else 'cpu'}; model {args.model} "
-        f"({n_matmul / 1e6:.0f}M matmul parameters); {args.sequences} sequences, "
+    report(
+        f"device {torch.cuda.get_device_name() if cuda else 'cpu'}; model {model_name} "
+        f"({n_matmul / 1e6:.0f}M matmul parameters); {sequences} sequences, "
         f"{int(lengths.sum())} tokens, lengths {int(lengths.min())}..{int(lengths.max())}; "
         f"packed rows of <= {budget} tokens; {flops / 1e12:.2f} TFLOP per step"
     )
@@ -144,28 +158,42 @@ def main() -> None:
     worker.train(data, NLLLoss())  # warm-up (allocator, kernels)
     sync(device)
     start = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         worker.train(data, NLLLoss())
     sync(device)
-    step_s = (time.perf_counter() - start) / args.steps
+    step_s = (time.perf_counter() - start) / steps
     ours = flops / step_s / 1e12
-    print(f"training: {step_s:.3f} s/step, {int(lengths.sum()) / step_s:,.0f} tokens/s")
-    print(f"training: {ours:.2f} TFLOP/s")
+    report(f"training: {step_s:.3f} s/step, {int(lengths.sum()) / step_s:,.0f} tokens/s")
+    report(f"training: {ours:.2f} TFLOP/s")
     del worker
     if cuda:
         torch.cuda.empty_cache()
 
-    compute_dtype = torch.bfloat16 if args.mixed_precision else torch.float32
-    peak = measured_matmul_tflops(device, compute_dtype, 8192 if cuda else 1024)
-    print(f"baseline: {peak:.2f} TFLOP/s for a dense {compute_dtype} matmul on this device")
+    compute_dtype = torch.bfloat16 if mixed_precision else torch.float32
+    peak = measured_matmul_tflops(device, compute_dtype, matmul_size or (8192 if cuda else 1024))
+    report(f"baseline: {peak:.2f} TFLOP/s for a dense {compute_dtype} matmul on this device")
     if cuda:
         name = torch.cuda.get_device_name()
         vendor = next((v for k, v in VENDOR_PEAK_TFLOPS.items() if k in name), None)
         if vendor and compute_dtype == torch.bfloat16:
-            print(
+            report(
                 f"MFU against the {name} dense bf16 peak of {vendor} TFLOP/s: {ours / vendor:.1%}"
             )
-    print(f"training / measured matmul peak: {ours / peak:.2f}x")
+    report(f"training / measured matmul peak: {ours / peak:.2f}x")
+    return ours / peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", dest="model_name", choices=MODELS, default="tiny")
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--longest", type=int, default=None, help="longest sequence")
+    parser.add_argument("--tokens-per-microbatch", type=int, default=None)
+    parser.add_argument("--mixed-precision", choices=["bfloat16"], default=None)
+    parser.add_argument("--attn", default="sdpa", help="attn_implementation")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    run(**vars(parser.parse_args()))
 
 
 if __name__ == "__main__":

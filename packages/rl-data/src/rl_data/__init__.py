@@ -12,10 +12,13 @@ Heavy libraries (transformers, datasets, reasoning-gym) load only when first use
 """
 
 from importlib import import_module
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-__version__ = version("rl-data")
+try:
+    __version__ = version("rl-data")
+except PackageNotFoundError:  # on sys.path (PYTHONPATH=.../src), not installed: bench/gpu_check.py
+    __version__ = "0+linked"
 
 _EXPORTS = {
     "DataError": "rl_data.errors",

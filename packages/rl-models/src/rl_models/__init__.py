@@ -5,6 +5,9 @@
 ``import rl_models`` stays light.
 """
 
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
-__version__ = version("rl-models")
+try:
+    __version__ = version("rl-models")
+except PackageNotFoundError:  # on sys.path (PYTHONPATH=.../src), not installed: bench/gpu_check.py
+    __version__ = "0+linked"
