@@ -76,7 +76,7 @@ class Run:
     logger: Logger
     checkpointer: CheckpointManager | None  # None: this run neither resumes nor saves
     clusters: list[Any]
-    total_steps: int
+    total_steps: int  # lowered to ``step`` when ``end_step`` stops at the time limit
     val_period: int = 0  # validate every N steps and after the last (0: never)
     policy: Any = None  # rl_models Policy
     generation: Any = None  # a GenerationInterface
