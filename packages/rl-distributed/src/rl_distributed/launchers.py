@@ -49,8 +49,9 @@ srun --nodes=1 --ntasks=1 -w "$$head_node" \\
     --num-cpus=$cpus_per_node --num-gpus=$gpus_per_node --block &
 head_pid=$$!
 
-# Wait for the head before the workers join it.
-until ray status --address="$$RAY_ADDRESS" >/dev/null 2>&1; do
+# Wait for the head's port to open before the workers join it. (Not `ray status`: with no head
+# to answer, it retries for minutes before it fails, and this loop could not notice an exit.)
+until (exec 3<>"/dev/tcp/$$head_ip/$port") 2>/dev/null; do
     kill -0 "$$head_pid" 2>/dev/null || exited "$$head_node"
     sleep 2
 done
