@@ -29,7 +29,8 @@ import pytest
 
 from rl_distributed.launchers import CHECKPOINT_DEADLINE_ENV
 
-pytestmark = pytest.mark.slow
+# The job takes ~1.5 min on an idle 2-core machine; a busy one may take several times that.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SLURM_COMMANDS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
 INSTALL_HINT = (
