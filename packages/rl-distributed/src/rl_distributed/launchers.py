@@ -64,8 +64,10 @@ for node in "$${nodes[@]:1}"; do
     node_pids["$$node"]=$$!
 done
 
-# Wait until every node has joined, then run the job on the head node.
-until [ "$$(python -c 'import ray; ray.init(); print(sum(n["Alive"] for n in ray.nodes()))' 2>/dev/null)" = "$nodes" ]; do
+# Wait until every node has joined, then run the job on the head node. (A probe is bounded:
+# with the head gone, ray.init would retry for minutes and hide the exit from this loop.)
+alive='import ray; ray.init(); print(sum(n["Alive"] for n in ray.nodes()))'
+until [ "$$(timeout 120 python -c "$$alive" 2>/dev/null)" = "$nodes" ]; do
     for node in "$${!node_pids[@]}"; do
         kill -0 "$${node_pids[$$node]}" 2>/dev/null || exited "$$node"
     done

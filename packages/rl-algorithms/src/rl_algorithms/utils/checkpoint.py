@@ -76,6 +76,7 @@ class CheckpointingConfig(ConfigModel):
     metric_name: str | None = None  # e.g. "val/loss"; None ranks by step (the k newest)
     higher_is_better: bool = False
     # Save and stop before this much time since the run started ("DD:HH:MM:SS"); None: no limit.
+    # A job of `rl-cluster slurm` also sets RL_CHECKPOINT_DEADLINE: the earlier limit applies.
     checkpoint_must_save_by: str | None = None
 
     @field_validator("checkpoint_must_save_by")
