@@ -29,7 +29,7 @@ import pytest
 
 from rl_distributed.launchers import CHECKPOINT_DEADLINE_ENV
 
-# The job takes ~1.5 min on an idle 2-core machine; a busy one may take several times that.
+# About 3 min on a shared 2-core machine; Ray starts much slower when other work takes the CPUs.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SLURM_COMMANDS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
