@@ -3,12 +3,15 @@
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from rl_algorithms.config import LoopConfig
 from rl_algorithms.run import Run
 from rl_algorithms.supervised import train_loop
 from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from rl_algorithms.utils.logger import Logger, LoggerConfig
 from rl_data.loader import StatefulDataLoader
+from rl_distributed.launchers import CHECKPOINT_DEADLINE_ENV
 
 
 class CountingPolicy:
@@ -65,3 +68,61 @@ def test_a_checkpoint_carries_only_the_validation_of_its_own_weights(tmp_path):
     # Steps 1 and 3 were not validated: step 2's result does not describe step 3's weights.
     assert "val/loss" not in metrics(1) and "val/loss" not in metrics(3)
     assert metrics(3)["train/loss"] == 1 / 3
+
+
+class ClockedPolicy(CountingPolicy):
+    """Each training step takes 10 s on a clock the test owns."""
+
+    def __init__(self, clock: list[float]):
+        super().__init__()
+        self.clock = clock
+
+    def train(self, batch, loss_fn, eval_mode=False, gbs=None, mbs=None):
+        self.clock[0] += 10.0
+        return super().train(batch, loss_fn, eval_mode, gbs, mbs)
+
+
+@pytest.mark.parametrize(
+    ("must_save_by", "job_deadline", "stop_step"),
+    [
+        # 35 s from the start: after step 3 (30 s) a fourth 10-s step would end at 40 s.
+        ("00:00:00:35", None, 3),
+        # The Slurm job's end (rl-cluster slurm's script exports it) at 25 s comes first.
+        ("00:00:00:35", 1_000_025, 2),
+        (None, 1_000_025, 2),
+    ],
+)
+def test_near_the_time_limit_the_run_saves_and_stops(
+    tmp_path, monkeypatch, must_save_by, job_deadline, stop_step
+):
+    if job_deadline is None:
+        monkeypatch.delenv(CHECKPOINT_DEADLINE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CHECKPOINT_DEADLINE_ENV, str(job_deadline))
+    clock = [1_000_000.0]
+    policy = ClockedPolicy(clock)
+    config = SimpleNamespace(
+        policy=SimpleNamespace(train_global_batch_size=1, train_micro_batch_size=1),
+        model_dump=lambda mode: {},
+    )
+    checkpointing = CheckpointingConfig(
+        checkpoint_dir=str(tmp_path / "ckpt"), save_period=100, checkpoint_must_save_by=must_save_by
+    )
+    run = Run(
+        name="sft",
+        config=config,
+        clusters=[],
+        total_steps=8,
+        policy=policy,
+        tokenizer=None,
+        template=None,
+        train_loader=StatefulDataLoader(list(range(8)), 1, list),
+        val_loader=None,
+        logger=Logger(LoggerConfig(log_dir=str(tmp_path / "logs"), progress_bar=False)),
+        checkpointer=CheckpointManager(checkpointing, clock=lambda: clock[0]),
+    )
+    train_loop(run, LoopConfig(max_num_steps=8), prepare_batch=lambda batch: batch)
+    run.logger.close()
+    assert policy.steps == stop_step and run.step == stop_step
+    # The only checkpoint is the one the limit forced (save_period is 100), of the last step.
+    assert [p.name for p in run.checkpointer.checkpoints()] == [f"step_{stop_step}"]

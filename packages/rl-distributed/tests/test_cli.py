@@ -1,5 +1,6 @@
 """The rl-cluster command: help, launch files, environments, status."""
 
+import os
 import subprocess
 import sys
 
@@ -7,7 +8,7 @@ import pytest
 import yaml
 
 from rl_distributed.cli import main
-from rl_distributed.launchers import kuberay_manifest, slurm_script
+from rl_distributed.launchers import CHECKPOINT_DEADLINE_ENV, kuberay_manifest, slurm_script
 
 
 @pytest.mark.parametrize(
@@ -59,6 +60,40 @@ def test_slurm_script_starts_a_head_then_workers_then_the_job(tmp_path, capsys):
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0  # valid bash
     with pytest.raises(ValueError, match="the command to run"):
         slurm_script([], nodes=2)
+
+
+@pytest.mark.parametrize(
+    ("squeue_end_time", "exported"),
+    [
+        ("2026-03-01T12:00:00", str(1772366400 - 7 * 60)),  # the job's end less the margin
+        ("Unlimited", "unset"),  # a job without a time limit: no deadline
+    ],
+)
+def test_slurm_script_exports_the_jobs_end_less_the_margin(tmp_path, squeue_end_time, exported):
+    """The script's deadline lines, with `squeue` answering as Slurm does (%e: the end time)."""
+    script = slurm_script(["true"], nodes=1, time="01:00:00", save_margin_minutes=7)
+    deadline_lines = script[script.index("end_time=") : script.index("\nnodes=")]
+    (tmp_path / "squeue").write_text(f"#!/bin/sh\necho {squeue_end_time}\n")
+    (tmp_path / "squeue").chmod(0o755)
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"set -euo pipefail\n{deadline_lines}\necho ${{{CHECKPOINT_DEADLINE_ENV}:-unset}}",
+        ],
+        env={
+            **os.environ,
+            "PATH": f"{tmp_path}:{os.environ['PATH']}",
+            "SLURM_JOB_ID": "7",
+            "TZ": "UTC",
+        },
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == exported
+    with pytest.raises(ValueError, match="save_margin_minutes"):
+        slurm_script(["true"], nodes=1, save_margin_minutes=-1)
 
 
 def test_kuberay_manifest_is_a_valid_raycluster():

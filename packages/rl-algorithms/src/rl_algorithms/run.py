@@ -4,11 +4,13 @@
 and chat template, data loaders, the checkpoint to resume (checked before any worker starts),
 the cluster, the actors (``rl_algorithms.actors``: policy, generator, environments), the state
 restored from the checkpoint, and the logger. ``end_step`` is how every loop, supervised or RL,
-sync or async, finishes a step: log, validate when due, checkpoint when due.
+sync or async, finishes a step: log, validate when due, checkpoint when due (and, near the
+job's time limit, checkpoint and stop).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +26,8 @@ from rl_data.loader import StatefulDataLoader
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import GenerationConfig
 from rl_models.policy.config import ModelConfig, PolicyConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class Run:
     logger: Logger
     checkpointer: CheckpointManager | None  # None: this run neither resumes nor saves
     clusters: list[Any]
-    total_steps: int
+    total_steps: int  # lowered to ``step`` when ``end_step`` stops at the time limit
     val_period: int = 0  # validate every N steps and after the last (0: never)
     policy: Any = None  # rl_models Policy
     generation: Any = None  # a GenerationInterface
@@ -301,23 +305,38 @@ def end_step(
     A checkpoint is ranked by the validation of its own weights only, never an earlier step's
     (``val_period`` and ``save_period`` need not line up). ``before_checkpoint`` lets a loop
     put state of its own into ``run.extra`` just before it is saved.
+
+    When the run's time is nearly up (``checkpointing.checkpoint_must_save_by``, or the Slurm
+    job's end), the step is checkpointed and ``run.total_steps`` lowered to it: the loop ends,
+    and running it again resumes from there.
     """
     logger = run.logger
     logger.log_metrics({**train_metrics, **logger.timer.pop()}, step=run.step, prefix="train")
     done = run.step >= run.total_steps
+    out_of_time = run.checkpointer is not None and run.checkpointer.out_of_time()
     val_metrics: dict[str, float] = {}
     if validate is not None and run.val_period and (run.step % run.val_period == 0 or done):
         with logger.timer("validation"):
             val_metrics = validate()
         if val_metrics:
             logger.log_metrics(val_metrics, step=run.step, prefix="val")
-    if run.checkpointer is not None and run.checkpointer.should_save(run.step, last_step=done):
+    if run.checkpointer is not None and (
+        out_of_time or run.checkpointer.should_save(run.step, last_step=done)
+    ):
         with logger.timer("checkpoint"):
             if before_checkpoint is not None:
                 before_checkpoint()
             named = {f"train/{k}": v for k, v in train_metrics.items() if math.isfinite(v)}
             named.update({f"val/{k}": v for k, v in val_metrics.items()})
             save_checkpoint(run, named)
+    if out_of_time and not done:
+        log.warning(
+            "%s: stopping after step %d of %d, saved before the time limit; run it again to resume",
+            run.name,
+            run.step,
+            run.total_steps,
+        )
+        run.total_steps = run.step
     return val_metrics
 
 

@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from rl_algorithms.utils.checkpoint import (
+    CheckpointingConfig,
+    CheckpointManager,
+    duration_seconds,
+)
 from rl_data.loader import StatefulDataLoader
+from rl_distributed.config import ConfigError, validate_config
+from rl_distributed.launchers import CHECKPOINT_DEADLINE_ENV
 
 
 class LinearPolicy:
@@ -178,3 +184,26 @@ def test_resume_restores_the_policys_weight_version(tmp_path):
     fresh = VersionedPolicy(seed=1)
     untrained.load(untrained.latest(), fresh)
     assert fresh.weight_version == 1
+
+
+def test_checkpoint_must_save_by_reads_nemo_rls_duration_format():
+    assert duration_seconds("01:02:03:04") == 86400 + 2 * 3600 + 3 * 60 + 4
+    assert duration_seconds("00:03:35:00") == duration_seconds("03:35:00") == 12900
+    assert duration_seconds("0:0:0:1") == 1
+    with pytest.raises(ConfigError) as err:
+        validate_config({"checkpoint_must_save_by": "3h"}, CheckpointingConfig)
+    assert "checkpoint_must_save_by" in str(err.value) and "DD:HH:MM:SS" in str(err.value)
+    with pytest.raises(ConfigError):
+        validate_config({"checkpoint_must_save_by": "1:2:3:4:5"}, CheckpointingConfig)
+
+
+def test_the_job_deadline_is_the_earlier_limit_and_must_be_a_unix_time(tmp_path, monkeypatch):
+    monkeypatch.setenv(CHECKPOINT_DEADLINE_ENV, "5000")
+    assert manager(tmp_path, checkpoint_must_save_by="01:00:00").deadline == 5000.0
+    config = CheckpointingConfig(checkpoint_dir=str(tmp_path), checkpoint_must_save_by="60")
+    assert CheckpointManager(config, clock=lambda: 4000.0).deadline == 4060.0
+    monkeypatch.delenv(CHECKPOINT_DEADLINE_ENV)
+    assert manager(tmp_path).deadline is None
+    monkeypatch.setenv(CHECKPOINT_DEADLINE_ENV, "2026-01-01T00:00")
+    with pytest.raises(ValueError, match=f"{CHECKPOINT_DEADLINE_ENV}='2026-01-01T00:00'"):
+        manager(tmp_path)

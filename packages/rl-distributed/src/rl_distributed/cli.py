@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--job-name", default="rl")
     slurm.add_argument("--port", type=int, default=6379)
     slurm.add_argument(
+        "--save-margin-minutes",
+        type=int,
+        default=10,
+        help="rl runs save a checkpoint and stop this long before the job's --time ends",
+    )
+    slurm.add_argument(
         "--sbatch",
         action="append",
         default=[],
@@ -182,6 +188,7 @@ def cmd_slurm(args: argparse.Namespace) -> int:
             job_name=args.job_name,
             port=args.port,
             sbatch_options=args.sbatch,
+            save_margin_minutes=args.save_margin_minutes,
         ),
         end="",
     )

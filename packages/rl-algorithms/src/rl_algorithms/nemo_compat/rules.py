@@ -208,7 +208,13 @@ RULES: list[tuple[str, Any]] = [
         for k in ("enabled", "checkpoint_dir", "higher_is_better", "keep_top_k", "save_period")
     ],
     ("checkpointing.metric_name", To("checkpointing.metric_name", _metric_name)),
-    ("checkpointing.checkpoint_must_save_by", Unless((None,), "save before a wall-clock limit")),
+    (
+        "checkpointing.checkpoint_must_save_by",
+        To(
+            "checkpointing.checkpoint_must_save_by",
+            note="counted from the run's start, setup included (NeMo RL: from its first step)",
+        ),
+    ),
     ("checkpointing.model_save_format", Unless(("safetensors",), "save weights as torch files")),
     ("checkpointing.save_consolidated", Ignore("checkpoints here are consolidated HF files")),
     ("checkpointing.save_optimizer", Unless((True,), "leave the optimizer out of checkpoints")),

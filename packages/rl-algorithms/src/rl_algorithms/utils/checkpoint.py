@@ -14,6 +14,10 @@ A checkpoint is written into a hidden temporary directory and renamed to ``step_
 when everything is on disk, so a run killed mid-write leaves nothing that resume picks up;
 leftover temporaries are removed when the next run opens the directory. After each save the
 latest checkpoint and the ``keep_top_k`` best by ``metric_name`` are kept.
+
+A run with a wall-clock limit (``checkpoint_must_save_by``, or the end of the Slurm job that
+``rl-cluster slurm``'s script passes in ``RL_CHECKPOINT_DEADLINE``) saves a checkpoint and stops
+once its next step would end past the limit, so that the job ends with its work on disk.
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rl_distributed.config import ConfigModel
+from rl_distributed.launchers import CHECKPOINT_DEADLINE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +75,44 @@ class CheckpointingConfig(ConfigModel):
     keep_top_k: int | None = Field(3, ge=1)
     metric_name: str | None = None  # e.g. "val/loss"; None ranks by step (the k newest)
     higher_is_better: bool = False
+    # Save and stop before this much time since the run started ("DD:HH:MM:SS"); None: no limit.
+    # A job of `rl-cluster slurm` also sets RL_CHECKPOINT_DEADLINE: the earlier limit applies.
+    checkpoint_must_save_by: str | None = None
+
+    @field_validator("checkpoint_must_save_by")
+    @classmethod
+    def _is_a_duration(cls, value: str | None) -> str | None:
+        if value is not None:
+            duration_seconds(value)
+        return value
+
+
+def duration_seconds(text: str) -> int:
+    """Seconds in NeMo RL's ``"DD:HH:MM:SS"``; leading fields may be left out (``"HH:MM:SS"``)."""
+    fields = text.split(":") if isinstance(text, str) else []
+    if not 1 <= len(fields) <= 4 or not all(f.strip().isdigit() for f in fields):
+        raise ValueError(f"expected a duration as DD:HH:MM:SS (e.g. 00:03:30:00), got {text!r}")
+    seconds = 0
+    for value, unit in zip(reversed(fields), (1, 60, 3600, 86400), strict=False):
+        seconds += int(value) * unit
+    return seconds
+
+
+def save_deadline(config: CheckpointingConfig, now: float) -> float | None:
+    """The Unix time by which the run must have saved: the earlier of
+    ``checkpoint_must_save_by`` (counted from ``now``) and ``RL_CHECKPOINT_DEADLINE``."""
+    deadlines = []
+    if config.checkpoint_must_save_by is not None:
+        deadlines.append(now + duration_seconds(config.checkpoint_must_save_by))
+    if value := os.environ.get(CHECKPOINT_DEADLINE_ENV):
+        try:
+            deadlines.append(float(value))
+        except ValueError:
+            raise ValueError(
+                f"{CHECKPOINT_DEADLINE_ENV}={value!r} is not a Unix time in seconds "
+                "(rl-cluster slurm's script sets it to the job's end less a margin)"
+            ) from None
+    return min(deadlines, default=None)
 
 
 class SupportsCheckpoint(Protocol):
@@ -104,9 +148,13 @@ def set_rng_states(state: Mapping[str, Any]) -> None:
 class CheckpointManager:
     """Saves, prunes and finds checkpoints in ``config.checkpoint_dir``."""
 
-    def __init__(self, config: CheckpointingConfig) -> None:
+    def __init__(self, config: CheckpointingConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.root = Path(config.checkpoint_dir)
+        self._clock = clock
+        self.deadline = save_deadline(config, clock())  # Unix time, or None: no limit
+        self._last_step_end: float | None = None
+        self._longest_step = 0.0
         if config.enabled:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in self.root.glob(f"{TMP_PREFIX}*"):
@@ -133,6 +181,18 @@ class CheckpointManager:
 
     def should_save(self, step: int, last_step: bool = False) -> bool:
         return self.config.enabled and (last_step or step % self.config.save_period == 0)
+
+    def out_of_time(self) -> bool:
+        """Whether the run must save now and stop, because another step would end past the
+        deadline. Call it once at the end of every step: the longest time between two calls
+        (a step with its validation and checkpoint write) is what the next step may take."""
+        now = self._clock()
+        if self._last_step_end is not None:
+            self._longest_step = max(self._longest_step, now - self._last_step_end)
+        self._last_step_end = now
+        if not self.config.enabled or self.deadline is None:
+            return False
+        return now + self._longest_step >= self.deadline
 
     # -- saving --------------------------------------------------------------------------------
 
