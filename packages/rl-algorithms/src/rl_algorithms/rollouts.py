@@ -407,6 +407,8 @@ class Episodes:
             "truncated_fraction": float(self.truncated.double().mean()),
             "terminated_fraction": float(self.terminated.double().mean()),
             "mean_generated_tokens": sum(lengths) / n,
+            # The longest response: how many decoding steps the batch took (one generation round).
+            "max_generated_tokens": float(max(lengths, default=0)),
             "completion_tokens": float(sum(lengths)),
             "reward_mean": float(self.rewards.double().mean()),
             **(

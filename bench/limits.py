@@ -1,0 +1,162 @@
+"""How close a GRPO step of the main recipe runs to this machine's limits, phase by phase.
+
+    uv run python bench/limits.py [--steps 4]
+
+First the limits, measured in this process with torch's own threads (no vendor figure assumed):
+memory bandwidth (a large ``copy_``: bytes read plus bytes written over its time) and the dense
+matmul peak in float32 and bfloat16 (square ``A @ B``, ``bench/mfu.py``'s measurement).
+
+Then ``rl grpo``'s main recipe (``grpo_main.yaml``: SmolLM2-135M-Instruct, 4 prompts x 8
+samples, up to 32 new tokens, a bf16 HF generator colocated with the float32 policy trained under
+bf16 autocast) for ``--steps`` steps with validation and checkpoints off; the first step is
+warm-up and is left out. Each timed step's phases against their limits:
+
+- **generation**, a memory-bound decode: every decoding step reads all the generator's weights
+  once (bf16: 2 bytes a parameter) and the KV cache of each running row. Bytes read =
+  ``decode steps x weight bytes + KV bytes``, where decode steps = the step's longest
+  response (rows finish and leave the batch, the weights are read as long as one row runs), and
+  the KV bytes are summed over each response token's context (prompt + tokens so far). The
+  fraction is (bytes / generation seconds) / measured bandwidth. The prompts' prefill is left
+  out of the bytes (it is compute-bound, and small here), so the fraction slightly flatters.
+- **training**, compute-bound: model FLOPs of the train phase (forward and backward, 6 per
+  matmul parameter per token; a group's shared prompt counted once, as the trainer runs it
+  with ``share_prompt_prefix``; attention's own FLOPs, ~2 % here, left out) over its seconds,
+  as a fraction of the measured bf16 matmul peak (the policy's matmuls run under bf16 autocast).
+- refit and the rest are reported in seconds only.
+
+Prints each fraction, generation's last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mfu import measured_matmul_tflops  # bench/ is not a package: found through sys.path
+
+
+def memory_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """GB/s of a large tensor copy, counting the bytes read and the bytes written (best of
+    ``repeats``: the machine's capability, not its average load)."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults out of the timing
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def main_recipe_steps(steps: int, out: Path) -> list[dict]:
+    """The timed steps' metrics of ``rl grpo``'s main recipe (the first step left out)."""
+    from rl_algorithms import grpo
+    from rl_algorithms.cli import build_config
+
+    overrides = [
+        f"grpo.max_num_steps={steps}",
+        "grpo.val_at_start=false",
+        "grpo.val_period=0",
+        "checkpointing.enabled=false",
+        "logger.tensorboard_enabled=false",
+        "logger.progress_bar=false",
+        f"logger.log_dir={out}",
+    ]
+    config = build_config(grpo, overrides)
+    grpo.main(config)
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    return config, [r for r in rows if "train/step_seconds" in r][1:]
+
+
+def model_sizes(config) -> dict[str, float]:
+    """The policy's parameter counts, KV bytes per token in bf16, and a prompt's token count."""
+    from transformers import AutoConfig
+
+    from rl_data.tokenizers import load_tokenizer
+    from rl_models.model_files import materialize
+
+    path = materialize(config.policy.model).path
+    hf = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(hf)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    tokenizer = load_tokenizer(config.tokenizer)
+    prompt = [{"role": "user", "content": "What is 57 + 38? Answer with just the number."}]
+    prompt_tokens = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+    return {
+        "parameters": total,
+        "matmul_parameters": total if tied else total - embedding,
+        "kv_bytes_per_token": 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 2,
+        "prompt_tokens": prompt_tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps run; the first is warm-up")
+    args = parser.parse_args()
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2 (the first step is warm-up)")
+
+    bandwidth = memory_bandwidth_gbs()
+    peak = {
+        dtype: measured_matmul_tflops(torch.device("cpu"), dtype, 2048)
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    print(
+        f"limits (torch threads {torch.get_num_threads()}): memory bandwidth "
+        f"{bandwidth:.1f} GB/s; matmul peak float32 {peak[torch.float32]:.3f} TFLOP/s, "
+        f"bfloat16 {peak[torch.bfloat16]:.3f} TFLOP/s",
+        flush=True,
+    )
+
+    out = Path(tempfile.mkdtemp(prefix="limits-"))
+    config, rows = main_recipe_steps(args.steps, out)
+    sizes = model_sizes(config)
+    groups = config.grpo.num_prompts_per_step
+    samples = groups * config.grpo.num_generations_per_prompt
+    generation, training = [], []
+    for r in rows:
+        completion = r["train/completion_tokens"]
+        longest = r["train/max_generated_tokens"]
+        # Each response token attends to its prompt and the tokens before it: on average the
+        # prompt plus half the response, for every response token.
+        mean_response = completion / samples
+        kv = completion * (sizes["prompt_tokens"] + mean_response / 2) * sizes["kv_bytes_per_token"]
+        read = longest * sizes["parameters"] * 2 + kv
+        generation.append(read / r["train/timing/generation"] / 1e9 / bandwidth)
+        trained = groups * sizes["prompt_tokens"] + completion
+        flops = 6 * sizes["matmul_parameters"] * trained
+        training.append(flops / r["train/timing/train"] / 1e12 / peak[torch.bfloat16])
+    phases = ("generation", "train", "refit", "logprobs")
+    print(
+        f"\n{len(rows)} timed steps of the main recipe; median seconds per phase: "
+        + ", ".join(
+            f"{p} {statistics.median(r[f'train/timing/{p}'] for r in rows):.2f}" for p in phases
+        )
+        + f"; step {statistics.median(r['train/step_seconds'] for r in rows):.2f}"
+    )
+    print(f"training: {statistics.median(training):.3f} of the bf16 matmul peak (model FLOPs/s)")
+    print(
+        f"generation: {statistics.median(generation):.3f} of the memory bandwidth "
+        "(weight and KV bytes read per second)"
+    )
+
+
+if __name__ == "__main__":
+    main()
