@@ -249,14 +249,16 @@ def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> No
         config = run_config_both_cores(config)
         config["logger"]["log_dir"] = str(Path(logs) / "sync-both-cores" / "logs")
         globals()["pin_trainer"] = lambda run: None
-    elif hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+    else:
         # One OpenMP thread per worker: each has a core of its own. (Left to the cluster, a CPU
         # worker gets the node's cores shared by its group: 2 threads here, which pinned to one
-        # core spin against each other and make a training step ~15x slower.) Everything but
-        # the trainer on core 0: this process, and so Ray and every process it starts (the
-        # generator's engine and its front end, the collector, the environments).
+        # core spin against each other and make a training step ~15x slower.)
         os.environ["OMP_NUM_THREADS"] = "1"
-        os.sched_setaffinity(0, {0})
+        if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+            # Everything but the trainer on core 0: this process, and so Ray and every process
+            # it starts (the generator's engine and its front end, the collector, the
+            # environments).
+            os.sched_setaffinity(0, {0})
     print(f"steps/minute {steps_per_minute(config)}")
 
 

@@ -3,8 +3,9 @@
     uv run python bench/limits.py [--steps 4]
 
 First the limits, measured in this process with torch's own threads (no vendor figure assumed):
-memory bandwidth (a large ``copy_``: bytes read plus bytes written over its time) and the dense
-matmul peak in float32 and bfloat16 (square ``A @ B``, ``bench/mfu.py``'s measurement).
+read bandwidth (a ``sum`` over a tensor far larger than the caches: its bytes over its time;
+decoding reads, it hardly writes) and the dense matmul peak in float32 and bfloat16 (square
+``A @ B``, ``bench/mfu.py``'s measurement).
 
 Then ``rl grpo``'s main recipe (``grpo_main.yaml``: SmolLM2-135M-Instruct, 4 prompts x 8
 samples, up to 32 new tokens, a bf16 HF generator colocated with the float32 policy trained under
@@ -17,7 +18,8 @@ warm-up and is left out. Each timed step's phases against their limits:
   response (rows finish and leave the batch, the weights are read as long as one row runs), and
   the KV bytes are summed over each response token's context (prompt + tokens so far). The
   fraction is (bytes / generation seconds) / measured bandwidth. The prompts' prefill is left
-  out of the bytes (it is compute-bound, and small here), so the fraction slightly flatters.
+  out of the bytes but not of the seconds (it is compute-bound, and small here), so the
+  fraction errs low.
 - **training**, compute-bound: model FLOPs of the train phase (forward and backward, 6 per
   matmul parameter per token; a group's shared prompt counted once, as the trainer runs it
   with ``share_prompt_prefix``; attention's own FLOPs, ~2 % here, left out) over its seconds,
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,21 +47,21 @@ from mfu import measured_matmul_tflops  # bench/ is not a package: found through
 
 
 def memory_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """GB/s of a large tensor copy, counting the bytes read and the bytes written (best of
-    ``repeats``: the machine's capability, not its average load)."""
+    """GB/s read by a sum over a large tensor (best of ``repeats``: the machine's capability,
+    not its average load)."""
     src = torch.ones(megabytes * 2**20 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch: page faults out of the timing
+    src.sum()  # first touch: page faults out of the timing
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * 4 / best / 1e9
+    return src.numel() * 4 / best / 1e9
 
 
-def main_recipe_steps(steps: int, out: Path) -> list[dict]:
-    """The timed steps' metrics of ``rl grpo``'s main recipe (the first step left out)."""
+def main_recipe_steps(steps: int, out: Path) -> tuple[Any, list[dict]]:
+    """The config and the timed steps' metrics of ``rl grpo``'s main recipe (the first step
+    left out)."""
     from rl_algorithms import grpo
     from rl_algorithms.cli import build_config
 

@@ -87,6 +87,8 @@ class ClockedPolicy(CountingPolicy):
     [
         # 35 s from the start: after step 3 (30 s) a fourth 10-s step would end at 40 s.
         ("00:00:00:35", None, 3),
+        # 15 s: the first step (10 s) is timed too, so a second would end past the limit.
+        ("00:00:00:15", None, 1),
         # The Slurm job's end (rl-cluster slurm's script exports it) at 25 s comes first.
         ("00:00:00:35", 1_000_025, 2),
         (None, 1_000_025, 2),

@@ -63,17 +63,19 @@ def test_slurm_script_starts_a_head_then_workers_then_the_job(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    ("squeue_end_time", "exported"),
+    ("squeue_answer", "exported"),
     [
-        ("2026-03-01T12:00:00", str(1772366400 - 7 * 60)),  # the job's end less the margin
-        ("Unlimited", "unset"),  # a job without a time limit: no deadline
+        ("echo 2030-03-01T12:00:00", str(1898596800 - 7 * 60)),  # the job's end less the margin
+        ("echo Unlimited", "unset"),  # a job without a time limit: no deadline
+        ("exit 1", "unset"),  # squeue failed: not today's midnight (what `date -d ""` gives)
+        ("echo 2020-03-01T12:00:00", "unset"),  # a deadline already past is not exported
     ],
 )
-def test_slurm_script_exports_the_jobs_end_less_the_margin(tmp_path, squeue_end_time, exported):
+def test_slurm_script_exports_the_jobs_end_less_the_margin(tmp_path, squeue_answer, exported):
     """The script's deadline lines, with `squeue` answering as Slurm does (%e: the end time)."""
     script = slurm_script(["true"], nodes=1, time="01:00:00", save_margin_minutes=7)
     deadline_lines = script[script.index("end_time=") : script.index("\nnodes=")]
-    (tmp_path / "squeue").write_text(f"#!/bin/sh\necho {squeue_end_time}\n")
+    (tmp_path / "squeue").write_text(f"#!/bin/sh\n{squeue_answer}\n")
     (tmp_path / "squeue").chmod(0o755)
     out = subprocess.run(
         [

@@ -207,3 +207,9 @@ def test_the_job_deadline_is_the_earlier_limit_and_must_be_a_unix_time(tmp_path,
     monkeypatch.setenv(CHECKPOINT_DEADLINE_ENV, "2026-01-01T00:00")
     with pytest.raises(ValueError, match=f"{CHECKPOINT_DEADLINE_ENV}='2026-01-01T00:00'"):
         manager(tmp_path)
+    monkeypatch.setenv(CHECKPOINT_DEADLINE_ENV, "nan")  # would never stop the run
+    with pytest.raises(ValueError, match=f"{CHECKPOINT_DEADLINE_ENV}='nan'"):
+        manager(tmp_path)
+    # A run that does not checkpoint (rl eval) never reads the variable.
+    disabled = CheckpointingConfig(checkpoint_dir=str(tmp_path), enabled=False)
+    assert CheckpointManager(disabled).deadline is None

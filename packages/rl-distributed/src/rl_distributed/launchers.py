@@ -28,9 +28,18 @@ set -euo pipefail
 
 # rl's training loops save a checkpoint and stop before this time ($save_margin_minutes min before
 # Slurm's end of the job): re-submitting the script resumes from that checkpoint.
+# An empty answer (squeue failed) must not reach `date -d ""`, which reads it as today's midnight;
+# a job without a limit ("UNLIMITED") does not parse; a deadline already past is not exported.
 end_time=$$(squeue -h -j "$$SLURM_JOB_ID" -o %e || true)
-if end_epoch=$$(date -d "$$end_time" +%s 2>/dev/null); then  # not for a job without a limit
-    export $deadline_env=$$((end_epoch - $save_margin_minutes * 60))
+if [[ -n "$$end_time" ]] && end_epoch=$$(date -d "$$end_time" +%s 2>/dev/null); then
+    deadline=$$((end_epoch - $save_margin_minutes * 60))
+    if (( deadline > $$(date +%s) )); then
+        export $deadline_env=$$deadline
+    else
+        echo "rl-cluster: the job ends at $$end_time, within --save-margin-minutes ($save_margin_minutes) of now: no checkpoint deadline set" >&2
+    fi
+else
+    echo "rl-cluster: no end time for job $$SLURM_JOB_ID from squeue ('$$end_time'): no checkpoint deadline set" >&2
 fi
 
 nodes=($$(scontrol show hostnames "$$SLURM_JOB_NODELIST"))

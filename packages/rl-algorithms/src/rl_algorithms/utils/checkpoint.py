@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -106,7 +107,10 @@ def save_deadline(config: CheckpointingConfig, now: float) -> float | None:
         deadlines.append(now + duration_seconds(config.checkpoint_must_save_by))
     if value := os.environ.get(CHECKPOINT_DEADLINE_ENV):
         try:
-            deadlines.append(float(value))
+            deadline = float(value)
+            if not math.isfinite(deadline):
+                raise ValueError
+            deadlines.append(deadline)
         except ValueError:
             raise ValueError(
                 f"{CHECKPOINT_DEADLINE_ENV}={value!r} is not a Unix time in seconds "
@@ -152,9 +156,14 @@ class CheckpointManager:
         self.config = config
         self.root = Path(config.checkpoint_dir)
         self._clock = clock
-        self.deadline = save_deadline(config, clock())  # Unix time, or None: no limit
-        self._last_step_end: float | None = None
+        # Unix time, or None: no limit (and a disabled manager never reads the environment).
+        self.deadline = save_deadline(config, clock()) if config.enabled else None
+        # The first step is timed from here, so it counts too (with what ran before it, such
+        # as validation at start: the first decision errs on the early side).
+        self._last_step_end = clock()
+        self._steps_timed = 0
         self._longest_step = 0.0
+        self._longest_save = 0.0
         if config.enabled:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in self.root.glob(f"{TMP_PREFIX}*"):
@@ -183,16 +192,22 @@ class CheckpointManager:
         return self.config.enabled and (last_step or step % self.config.save_period == 0)
 
     def out_of_time(self) -> bool:
-        """Whether the run must save now and stop, because another step would end past the
-        deadline. Call it once at the end of every step: the longest time between two calls
-        (a step with its validation and checkpoint write) is what the next step may take."""
+        """Whether the run must save now and stop, because another step and a checkpoint
+        write would end past the deadline. Call it once at the end of every step: the longest
+        time between two calls (a step with its validation and checkpoint write) is what the
+        next step may take, the longest write so far what the final save may take."""
         now = self._clock()
-        if self._last_step_end is not None:
-            self._longest_step = max(self._longest_step, now - self._last_step_end)
+        taken = now - self._last_step_end
         self._last_step_end = now
+        # The first interval also holds what came before the first step: it stands in for a
+        # step until one has been timed on its own, and is not kept as the longest.
+        estimate = taken if self._steps_timed == 0 else max(self._longest_step, taken)
+        if self._steps_timed > 0:
+            self._longest_step = estimate
+        self._steps_timed += 1
         if not self.config.enabled or self.deadline is None:
             return False
-        return now + self._longest_step >= self.deadline
+        return now + estimate + self._longest_save >= self.deadline
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -215,6 +230,7 @@ class CheckpointManager:
         ``tokenizer`` is saved beside the policy's weights, so that ``transformers`` loads the
         checkpoint's ``policy`` directory as it is. ``models`` are saved beside the policy, each
         in the directory its key names (``critic``)."""
+        started = self._clock()
         final = self.root / f"step_{step}"
         tmp = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -249,6 +265,7 @@ class CheckpointManager:
         os.replace(tmp, final)  # atomic: a reader sees the whole checkpoint or none
         _fsync_dir(self.root)
         self._prune()
+        self._longest_save = max(self._longest_save, self._clock() - started)
         return final
 
     def _prune(self) -> None:

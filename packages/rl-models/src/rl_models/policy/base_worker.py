@@ -360,12 +360,14 @@ class PolicyWorker(abc.ABC):
         """Parameters and buffers to ``offload.device`` (e.g. once refit into vLLM)."""
         offload.move_module(self.model, torch.device(self.config.offload.device), copy=True)
         offload.synchronize()
+        offload.release_cached_memory(self.device)
 
     def offload_optimizer_state(self) -> None:
         """Optimiser state to ``offload.device`` (e.g. before generation or refit)."""
         target = torch.device(self.config.offload.device)
         offload.move_optimizer_state(self.optimizer, target, copy=True)
         offload.synchronize()
+        offload.release_cached_memory(self.device)
 
     def reload(self) -> None:
         """Undo ``offload_weights`` and ``offload_optimizer_state`` (no-op when not offloaded)."""

@@ -12,6 +12,8 @@ also for FSDP2's DTensor parameters), so the optimiser still refers to them.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -52,3 +54,12 @@ def synchronize() -> None:
     """Wait for the asynchronous copies (only CUDA makes any)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the blocks freed by an offload back to the driver. PyTorch's caching allocator keeps
+    them reserved for this process otherwise, where another process sharing the GPU (the
+    generator, the policy beside a critic or teacher) cannot use them."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
