@@ -14,6 +14,7 @@ Algorithms are modules named in :data:`ALGORITHMS` that follow the convention of
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 import typing
@@ -201,6 +202,18 @@ def _mandatory_keys(tree: Any, prefix: str = "") -> list[str]:
     return out
 
 
+def print_all(text: str) -> int:
+    """Write ``text`` to standard output; a reader that stops early (``rl grpo --help | head``)
+    ends the output quietly, not with a BrokenPipeError traceback and a failing exit."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rl`` console script (also callable in-process with ``argv``)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -227,8 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rl: the {name!r} algorithm is not part of this installation", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     if "-h" in rest or "--help" in rest:
-        print(describe(name, algorithm))
-        return 0
+        return print_all(describe(name, algorithm) + "\n")
     print_only = "--print-config" in rest
     rest = [a for a in rest if a != "--print-config"]
 
@@ -241,8 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rl {name}: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     if print_only:
-        print(to_yaml(config), end="")
-        return 0
+        return print_all(to_yaml(config))
     try:
         for translation in nemo:  # hub ids to local models, NeMo's datasets to our files
             config = translation.prepare(config)
