@@ -444,7 +444,7 @@ def test_kl_in_reward_folds_the_kl_into_reinforce_plus_plus_returns_through_the_
     run.loss_fn = grpo.steps.make_loss(run.config)
     run.policy = LogprobPolicy()
     result, _ = grpo.generate_rollouts(run)
-    grpo.steps.train_on_rollouts(run, result)
+    metrics = grpo.steps.train_on_rollouts(run, result)
 
     # pi_old and the reference first (the returns need them), then the train step.
     assert run.policy.calls == [
@@ -466,6 +466,9 @@ def test_kl_in_reward_folds_the_kl_into_reinforce_plus_plus_returns_through_the_
     )
     assert float(expected[mask].abs().sum()) > 0
     torch.testing.assert_close(batch["advantages"].double(), expected, rtol=1e-5, atol=1e-6)
+    # The KL it folded in is logged (the loss's kl_penalty is 0 under this setting).
+    kl = (batch["prev_logprobs"].double() - batch["reference_policy_logprobs"].double())[mask]
+    assert metrics["kl_in_reward_mean"] == pytest.approx(float(kl.mean()), rel=1e-6)
     # Without the KL the advantages differ: the penalty is really in them.
     run.config.loss_fn.use_kl_in_reward = False
     plain, _ = grpo.compute_advantages(run, result, batch["token_mask"])

@@ -184,8 +184,9 @@ def compute_advantages(
     if g.overlong_filtering:
         sample_mask = overlong_filter(result.truncated, sample_mask)
     sample_mask = sample_mask * (~result.filler).to(sample_mask.dtype)
+    kl = None
     if g.advantage_estimator == "reinforce_plus_plus":
-        kl, kl_coef = None, 0.0
+        kl_coef = 0.0
         loss = run.config.loss_fn
         if loss.use_kl_in_reward:
             if logprobs is None:
@@ -229,6 +230,9 @@ def compute_advantages(
         "zero_variance_groups_fraction": 1.0
         - float(groups_with_signal(rewards, g.num_generations_per_prompt).double().mean()),
     }
+    if g.advantage_estimator == "reinforce_plus_plus" and kl is not None and on.any():
+        # The loss's kl_penalty is 0 then: this is where the run's drift from the reference shows.
+        metrics["kl_in_reward_mean"] = float(kl[on].mean())
     warn_if_no_signal(run, result.rewards)
     return {"advantages": advantages.to(torch.float32), "sample_mask": sample_mask}, metrics
 

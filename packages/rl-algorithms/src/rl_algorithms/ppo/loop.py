@@ -28,6 +28,7 @@ from rl_algorithms.grpo.steps import (
     warn_if_no_signal,
 )
 from rl_algorithms.losses import ClippedPGLossFn, ClippedValueLossFn
+from rl_algorithms.losses.clipped_pg import masked_kl_estimate
 from rl_algorithms.losses.common import loss_token_mask
 from rl_algorithms.ppo.config import MasterConfig
 from rl_algorithms.ppo.gae import explained_variance, gae, token_level_rewards, whiten
@@ -120,6 +121,12 @@ def compute_advantages(
         "explained_variance": explained_variance(values["values"], returns, mask),
         "sample_mask_mean": float(sample_mask.mean()),
     }
+    if kl_in_reward and on.any():
+        # The loss's kl_penalty is 0 then: this is where the run's drift from the reference shows.
+        kl = masked_kl_estimate(
+            batch["prev_logprobs"], batch["reference_policy_logprobs"], mask, loss
+        )
+        metrics["kl_in_reward_mean"] = float(kl[on].mean())
     warn_if_no_signal(run, result.rewards)
     fields = {
         "advantages": advantages.to(torch.float32),
