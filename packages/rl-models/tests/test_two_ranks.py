@@ -133,6 +133,27 @@ def test_a_critic_on_two_ranks_values_and_trains_like_one_process(ranks, tmp_pat
     torch.testing.assert_close(one["values"], values, rtol=0, atol=1e-10)
 
 
+def test_a_teacher_gives_the_top_k_of_one_whole_process_on_two_ranks(ranks):
+    """FSDP2 shards the teacher; its chunked top-k of each rank's half of the batch equals the
+    top-k of the plain float64 model's whole log-softmax."""
+    from .test_topk_logprobs import real_positions, whole_model_log_softmax
+
+    halves = scenario(ranks, "teacher_topk")
+    data = skewed_batch()
+    want_values, want_ids = whole_model_log_softmax(data).topk(5, dim=-1)
+    real = real_positions(data)
+    # The halves may be padded to different widths: compare each on its own rows.
+    for rank, half in enumerate(halves):
+        rows = slice(rank * 4, rank * 4 + 4)
+        width = half["topk_ids"].shape[1]
+        on = real[rows, :width]
+        assert torch.equal(half["topk_ids"][on], want_ids[rows, :width][on])
+        torch.testing.assert_close(
+            half["topk_logprobs"][on], want_values[rows, :width][on], rtol=0, atol=1e-10
+        )
+        assert int(on.sum()) == int(real[rows].sum())  # no real position left out
+
+
 def critic_model(path, seed: int):
     from rl_models.modeling.build import build_model
     from rl_models.modeling.config import ModelConfig

@@ -183,6 +183,12 @@ def critic_step(half, out: str) -> dict:
     }
 
 
+def teacher_topk(half) -> dict:
+    """A teacher's chunked top-k log-probs (what distillation's loss reads), sharded by FSDP2."""
+    worker = DTensorPolicyWorker(tiny_config(logprob_chunk_size=6))
+    return dict(worker.get_topk_logprobs(half, k=5))
+
+
 def region_write(half, out: str) -> dict:
     """After a training step, both ranks write their row shards of an FSDP2 model with uneven
     shards (vocabulary 131: rows 0..65 and 66..130) into one shared weight region."""
@@ -223,6 +229,7 @@ def main(out: str) -> None:
         "shared_prefix_step": lambda: shared_prefix_step(rank),
         "pretrained": lambda: pretrained(half, out),
         "critic_step": lambda: critic_step(half, out),
+        "teacher_topk": lambda: teacher_topk(half),
         "region_write": lambda: region_write(half, out),
     }
     for name, scenario in scenarios.items():
