@@ -122,7 +122,7 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16)
     }
     print(
-        f"limits (torch threads {torch.get_num_threads()}): memory bandwidth "
+        f"limits (torch threads {torch.get_num_threads()}): read bandwidth "
         f"{bandwidth:.1f} GB/s; matmul peak float32 {peak[torch.float32]:.3f} TFLOP/s, "
         f"bfloat16 {peak[torch.bfloat16]:.3f} TFLOP/s",
         flush=True,
@@ -156,7 +156,7 @@ def main() -> None:
     )
     print(f"training: {statistics.median(training):.3f} of the bf16 matmul peak (model FLOPs/s)")
     print(
-        f"generation: {statistics.median(generation):.3f} of the memory bandwidth "
+        f"generation: {statistics.median(generation):.3f} of the read bandwidth "
         "(weight and KV bytes read per second)"
     )
 
