@@ -13,7 +13,7 @@ from rl_data.collate import rl_collate
 from rl_data.loader import StatefulDataLoader
 from rl_envs.sliding_puzzle import SlidingPuzzleEnvironment
 
-from .test_rollouts import NEAR_SOLVED, ScriptedGeneration, puzzle_batch
+from .test_rollouts import ScriptedGeneration, puzzle_datums
 
 
 class CyclingGeneration(ScriptedGeneration):
@@ -40,18 +40,7 @@ SCRIPT = {0: [solved_reply(), "no"], 1: ["no"], 2: [solved_reply()]}
 @pytest.fixture
 def make_run(tokenizer, template, tmp_path):
     def make(samples, **grpo_overrides):
-        batch = puzzle_batch(tokenizer, template, samples=samples)
-        datums = [
-            {
-                "message_log": log,
-                "length": sum(len(m["token_ids"]) for m in log),
-                "extra_env_info": dict(NEAR_SOLVED),
-                "loss_multiplier": 1.0,
-                "idx": i,
-                "task_name": "puzzle",
-            }
-            for i, log in enumerate(batch["message_log"])
-        ]
+        datums = puzzle_datums(tokenizer, template, samples)
         config = grpo.MasterConfig.model_validate(
             {
                 "policy": {

@@ -28,7 +28,7 @@ from rl_models.policy.lm_policy import Policy
 
 from .conftest import TINY_LLAMA
 from .test_grpo_steps import SCRIPT, CyclingGeneration
-from .test_rollouts import NEAR_SOLVED, puzzle_batch
+from .test_rollouts import puzzle_datums
 
 TINY = {**TINY_LLAMA, "vocab_size": 512}  # the test tokenizer has 400 tokens
 STEPS = 2
@@ -98,18 +98,7 @@ def base_config(tmp_path) -> dict:
 
 def make_run(config, tokenizer, template, tmp_path, log) -> Run:
     """A run of ``STEPS`` steps of 4 puzzle prompts, its policy in this process."""
-    batch = puzzle_batch(tokenizer, template, samples=(0, 1, 2, 0) * STEPS)
-    datums = [
-        {
-            "message_log": message_log,
-            "length": sum(len(m["token_ids"]) for m in message_log),
-            "extra_env_info": dict(NEAR_SOLVED),
-            "loss_multiplier": 1.0,
-            "idx": i,
-            "task_name": "puzzle",
-        }
-        for i, message_log in enumerate(batch["message_log"])
-    ]
+    datums = puzzle_datums(tokenizer, template, samples=(0, 1, 2, 0) * STEPS)
     loader = StatefulDataLoader(
         datums, 4, lambda b: rl_collate(b, tokenizer.pad_token_id), shuffle=False
     )

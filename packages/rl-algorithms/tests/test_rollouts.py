@@ -85,6 +85,22 @@ def puzzle_batch(tokenizer, template, samples=(0, 1, 2)):
     )
 
 
+def puzzle_datums(tokenizer, template, samples) -> list[dict]:
+    """``puzzle_batch``'s prompts as a data loader's datums (what a run's train loader yields)."""
+    batch = puzzle_batch(tokenizer, template, samples=samples)
+    return [
+        {
+            "message_log": log,
+            "length": sum(len(m["token_ids"]) for m in log),
+            "extra_env_info": dict(NEAR_SOLVED),
+            "loss_multiplier": 1.0,
+            "idx": i,
+            "task_name": "puzzle",
+        }
+        for i, log in enumerate(batch["message_log"])
+    ]
+
+
 def test_two_turn_rollout_stops_each_sample_at_its_own_end(tokenizer, template):
     batch = puzzle_batch(tokenizer, template)
     prompt_ids = [log[0]["token_ids"].clone() for log in batch["message_log"]]
