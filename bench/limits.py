@@ -1,6 +1,10 @@
 """How close a GRPO step of the main recipe runs to this machine's limits, phase by phase.
 
-    uv run python bench/limits.py [--steps 4]
+    uv run python bench/limits.py [--steps 4] [KEY=VALUE ...]
+
+The overrides change the recipe as on ``rl grpo``'s command line; the settings before this
+bench's first optimisations were ``generation.static_kv_decode=false
+policy.train_micro_batch_size=8``.
 
 First the limits, measured in this process with torch's own threads (no vendor figure assumed):
 read bandwidth (a ``sum`` over a tensor far larger than the caches: its bytes over its time;
@@ -12,14 +16,17 @@ samples, up to 32 new tokens, a bf16 HF generator colocated with the float32 pol
 bf16 autocast) for ``--steps`` steps with validation and checkpoints off; the first step is
 warm-up and is left out. Each timed step's phases against their limits:
 
-- **generation**, a memory-bound decode: every decoding step reads all the generator's weights
-  once (bf16: 2 bytes a parameter) and the KV cache of each running row. Bytes read =
-  ``decode steps x weight bytes + KV bytes``, where decode steps = the step's longest
-  response (rows finish and leave the batch, the weights are read as long as one row runs), and
-  the KV bytes are summed over each response token's context (prompt + tokens so far). The
-  fraction is (bytes / generation seconds) / measured bandwidth. The prompts' prefill is left
-  out of the bytes but not of the seconds (it is compute-bound, and small here), so the
-  fraction errs low.
+- **generation**, a decode whose limit is the larger of two floors (a roofline):
+  - reading: every decoding step reads all the generator's weights once (bf16: 2 bytes a
+    parameter) and the KV cache of each running row. Bytes read = ``decode steps x weight
+    bytes + KV bytes``, where decode steps = the step's longest response (rows finish and leave
+    the batch; the weights are read as long as one row runs), and the KV bytes are summed over
+    each response token's context (prompt + tokens so far); over the measured bandwidth;
+  - arithmetic: 2 FLOPs per matmul parameter for every token through the model (each
+    generated token, and each group's prompt once in its shared prefill), over the bf16
+    matmul peak. With 32 rows decoding together on two cores this floor is the higher one:
+    the machine computes a step's 32 tokens more slowly than it reads the weights.
+  The fraction is that floor's seconds over the generation phase's seconds.
 - **training**, compute-bound: model FLOPs of the train phase (forward and backward, 6 per
   matmul parameter per token; a group's shared prompt counted once, as the trainer runs it
   with ``share_prompt_prefix``; attention's own FLOPs, ~2 % here, left out) over its seconds,
@@ -59,7 +66,7 @@ def memory_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
     return src.numel() * 4 / best / 1e9
 
 
-def main_recipe_steps(steps: int, out: Path) -> tuple[Any, list[dict]]:
+def main_recipe_steps(steps: int, out: Path, extra: list[str]) -> tuple[Any, list[dict]]:
     """The config and the timed steps' metrics of ``rl grpo``'s main recipe (the first step
     left out)."""
     from rl_algorithms import grpo
@@ -73,6 +80,7 @@ def main_recipe_steps(steps: int, out: Path) -> tuple[Any, list[dict]]:
         "logger.tensorboard_enabled=false",
         "logger.progress_bar=false",
         f"logger.log_dir={out}",
+        *extra,
     ]
     config = build_config(grpo, overrides)
     grpo.main(config)
@@ -112,6 +120,7 @@ def model_sizes(config) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps run; the first is warm-up")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, KEY=VALUE")
     args = parser.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is warm-up)")
@@ -129,11 +138,11 @@ def main() -> None:
     )
 
     out = Path(tempfile.mkdtemp(prefix="limits-"))
-    config, rows = main_recipe_steps(args.steps, out)
+    config, rows = main_recipe_steps(args.steps, out, args.overrides)
     sizes = model_sizes(config)
     groups = config.grpo.num_prompts_per_step
     samples = groups * config.grpo.num_generations_per_prompt
-    generation, training = [], []
+    generation, training, floors = [], [], []
     for r in rows:
         completion = r["train/completion_tokens"]
         longest = r["train/max_generated_tokens"]
@@ -142,9 +151,12 @@ def main() -> None:
         mean_response = completion / samples
         kv = completion * (sizes["prompt_tokens"] + mean_response / 2) * sizes["kv_bytes_per_token"]
         read = longest * sizes["parameters"] * 2 + kv
-        generation.append(read / r["train/timing/generation"] / 1e9 / bandwidth)
-        trained = groups * sizes["prompt_tokens"] + completion
-        flops = 6 * sizes["matmul_parameters"] * trained
+        tokens = groups * sizes["prompt_tokens"] + completion  # a group's prompt once
+        reading = read / 1e9 / bandwidth
+        computing = 2 * sizes["matmul_parameters"] * tokens / 1e12 / peak[torch.bfloat16]
+        floors.append((reading, computing))
+        generation.append(max(reading, computing) / r["train/timing/generation"])
+        flops = 6 * sizes["matmul_parameters"] * tokens
         training.append(flops / r["train/timing/train"] / 1e12 / peak[torch.bfloat16])
     phases = ("generation", "train", "refit", "logprobs")
     print(
@@ -155,9 +167,15 @@ def main() -> None:
         + f"; step {statistics.median(r['train/step_seconds'] for r in rows):.2f}"
     )
     print(f"training: {statistics.median(training):.3f} of the bf16 matmul peak (model FLOPs/s)")
+    reading = statistics.median(f[0] for f in floors)
+    computing = statistics.median(f[1] for f in floors)
     print(
-        f"generation: {statistics.median(generation):.3f} of the read bandwidth "
-        "(weight and KV bytes read per second)"
+        f"generation floors (median step): reading weights and KV {reading:.2f} s at the "
+        f"measured bandwidth, matmuls {computing:.2f} s at the bf16 peak"
+    )
+    print(
+        f"generation: {statistics.median(generation):.3f} of its limit (the higher floor over "
+        "the phase's seconds)"
     )
 
 

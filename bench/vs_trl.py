@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 STEPS_DEFAULT = 6
-PROMPTS, GENERATIONS, NEW_TOKENS, MICRO_BATCH, LR = 4, 8, 32, 8, 1e-5
+PROMPTS, GENERATIONS, NEW_TOKENS, MICRO_BATCH, LR = 4, 8, 32, 32, 1e-5
 
 
 def recipe_overrides(steps: int, out: Path) -> list[str]:

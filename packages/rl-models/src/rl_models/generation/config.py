@@ -86,6 +86,10 @@ class GenerationConfig(ConfigModel):
     # Tokenizer directory (stop strings, default stop ids, pad id); None: model.path, if it has
     # one. Without a tokenizer the stop ids default to the model config's eos_token_id.
     tokenizer: str | None = None
+    # HF backend: decode Llama and Qwen2 models with the lean step of static_decode.py (a
+    # preallocated KV cache, fused projections; the same function as the model's forward up to
+    # float rounding). False, or another architecture: the model's own forward every step.
+    static_kv_decode: bool = True
     # HF backend: seeds every sampled row (``generation.seeds``) and, for a model built from
     # hf_config, its initial weights (as the policy's `seed` does, so both start equal).
     seed: int = 0
@@ -94,4 +98,6 @@ class GenerationConfig(ConfigModel):
     def _vllm_only_where_it_applies(self) -> GenerationConfig:
         if self.backend == "hf" and self.vllm != VllmConfig():
             raise ValueError("generation.vllm.* settings need generation.backend: vllm")
+        if self.backend == "vllm" and not self.static_kv_decode:
+            raise ValueError("generation.static_kv_decode applies to generation.backend: hf")
         return self

@@ -116,6 +116,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
             pad_token_id=self.pad_token_id,
             generator=self.generator,
             row_seeds=seeds_of(data),
+            static_kv=self.config.static_kv_decode,
         )
         return BatchedDataDict(
             output_ids=out.output_ids,

@@ -28,6 +28,11 @@ import torch
 from transformers import DynamicCache
 
 from rl_models.generation.config import SamplingConfig
+from rl_models.generation.static_decode import (
+    StaticKVDecoder,
+    prefill_logits,
+    unsupported_reason,
+)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
@@ -187,6 +192,7 @@ def sample(
     pad_token_id: int = 0,
     generator: torch.Generator | None = None,
     row_seeds: Sequence[int] | None = None,
+    static_kv: bool = True,
 ) -> Samples:
     """One response per row of right-padded ``input_ids`` (see the module docstring).
 
@@ -220,21 +226,29 @@ def sample(
     left, mask = left.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    # The prompt's last position is the only one sampled from: asking for its logits alone
-    # spares the LM head [batch, width, vocab] (the largest matmul of a small model's prefill).
-    last_only = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
-    logits = model(
-        input_ids=left,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        **last_only,
-    ).logits[:, -1]
+    lean = static_kv and unsupported_reason(model) is None
+    if lean:
+        logits = prefill_logits(model, left, mask, positions, cache)
+    else:
+        # The prompt's last position is the only one sampled from: asking for its logits alone
+        # spares the LM head [batch, width, vocab] (the largest matmul of a small model's
+        # prefill).
+        last_only = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+        logits = model(
+            input_ids=left,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            **last_only,
+        ).logits[:, -1]
     if len(firsts) < batch:  # one copy of its prompt's cache per row
         expand = torch.tensor(row_of, device=device)
         cache.reorder_cache(expand)
         logits, mask, positions = logits[expand], mask[expand], positions[expand]
     next_position = positions[:, -1:] + 1
+    # Decoding steps by the lean decoder where it mirrors the model (static_decode.py); the
+    # prefill above always runs the model's own forward.
+    decoder = StaticKVDecoder(model, cache, sampling.max_new_tokens) if lean else None
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     check_strings = stop_strings is not None and stop_strings.any
 
@@ -272,7 +286,10 @@ def sample(
         still = ~done[rows]
         if int(still.sum()) <= 3 * len(rows) // 4:
             keep = still.nonzero().flatten()
-            cache.reorder_cache(keep)
+            if decoder is not None:
+                decoder.keep(keep)
+            else:
+                cache.reorder_cache(keep)
             rows, tokens, mask, next_position = (
                 rows[keep],
                 tokens[keep],
@@ -280,12 +297,15 @@ def sample(
                 next_position[keep],
             )
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=device)], dim=1)
-        logits = model(
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=next_position,
-            past_key_values=cache,
-        ).logits[:, -1]
+        if decoder is not None:
+            logits = decoder(tokens, mask, next_position)
+        else:
+            logits = model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=next_position,
+                past_key_values=cache,
+            ).logits[:, -1]
         next_position = next_position + 1
 
     generated = generated[:, :steps].cpu()

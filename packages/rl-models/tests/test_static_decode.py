@@ -1,0 +1,120 @@
+"""The lean decoder (``generation/static_decode.py``) against uncached float64 forwards of the
+Hugging Face model: the reference is the whole sequence run at once, not a decoding step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rl_models.generation.config import SamplingConfig
+from rl_models.generation.sampling import sample
+from rl_models.generation.static_decode import unsupported_reason
+
+from .conftest import TINY_LLAMA
+
+# Qwen2 with its q/k/v biases; Llama with biases everywhere a Llama can have them.
+FAMILIES = {
+    "llama": {**TINY_LLAMA, "attention_bias": True, "mlp_bias": True},
+    "qwen2": {**TINY_LLAMA, "model_type": "qwen2", "rope_theta": 1000.0},
+}
+
+
+def tiny_model(family: str, dtype=torch.float64, **extra) -> torch.nn.Module:
+    hf = {**FAMILIES[family], **extra}
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():  # biases start at zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+        model.lm_head.weight.mul_(4)  # far from uniform: stop tokens come at varied steps
+    return model
+
+
+def right_padded(lengths: list[int], repeat: int = 1, vocab: int = 128):
+    gen = torch.Generator().manual_seed(3)
+    width = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), width), generator=gen)
+    ids = ids * (torch.arange(width)[None] < torch.tensor(lengths)[:, None])
+    return ids.repeat_interleave(repeat, 0), torch.tensor(lengths).repeat_interleave(repeat)
+
+
+def sequence_logprobs(model, seq: torch.Tensor) -> torch.Tensor:
+    """log p(token t | tokens < t) for t >= 1, from one uncached float64 forward."""
+    with torch.no_grad():
+        logits = model(seq[None]).logits[0].double()
+    return torch.log_softmax(logits, -1)[:-1].gather(-1, seq[1:, None])[:, 0]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sampled_logprobs_equal_an_uncached_float64_forward(family):
+    """Prompts of different lengths (left padding in the cache), groups sharing a prefill,
+    rows stopping at different steps (the static cache drops rows): every reported log-prob
+    is the full forward's, and the tokens are those the model's own cached forward samples
+    from the same row seeds."""
+    model = tiny_model(family)
+    assert unsupported_reason(model) is None
+    ids, lengths = right_padded([3, 9, 1, 6], repeat=4)
+    stops = list(range(1, 128, 9))  # 15 of 128 tokens: most rows stop before 12 steps
+    sampling = SamplingConfig(max_new_tokens=12, stop_token_ids=stops)
+    seeds = list(range(100, 100 + len(ids)))
+    common = dict(stop_token_ids=stops, row_seeds=seeds)
+    lean = sample(model, ids, lengths, sampling, static_kv=True, **common)
+    plain = sample(model, ids, lengths, sampling, static_kv=False, **common)
+    assert torch.equal(lean.output_ids, plain.output_ids)
+    gen = lean.generation_lengths
+    assert len(set(gen.tolist())) >= 3 and (gen < 12).sum() >= len(gen) // 2, gen
+    for row in range(len(ids)):
+        n, g = int(lengths[row]), int(gen[row])
+        seq = lean.output_ids[row, : n + g]
+        expected = sequence_logprobs(model, seq)[n - 1 :]
+        # float32 storage of the log-probs: 1e-6
+        torch.testing.assert_close(
+            lean.logprobs[row, n : n + g].double(), expected, rtol=0, atol=1e-6
+        )
+
+
+def test_bfloat16_decoding_stays_within_bf16_rounding_of_float64():
+    """In bf16 the decoder and the model's own forward round differently, but each is within
+    bf16 rounding of the float64 truth, and greedy decoding agrees with it."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    exact = tiny_model("llama", dtype=torch.float64)
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    ids, lengths = right_padded([4, 8])
+    sampling = SamplingConfig(max_new_tokens=8, stop_token_ids=[])
+    out = sample(model, ids, lengths, sampling, greedy=True, stop_token_ids=[], static_kv=True)
+    for row in range(2):
+        n = int(lengths[row])
+        seq = out.output_ids[row, : n + 8]
+        expected = sequence_logprobs(exact, seq)[n - 1 :]
+        got = out.logprobs[row, n : n + 8].double()
+        torch.testing.assert_close(got, expected, rtol=0, atol=0.1)
+
+
+def test_models_it_does_not_mirror_are_named_and_decoded_by_the_model_itself():
+    sliding = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert "sliding window" in unsupported_reason(sliding)
+    hooked = tiny_model("llama")
+    hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    assert "hooks" in unsupported_reason(hooked)
+    config = AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64)
+    assert "gpt2" in unsupported_reason(AutoModelForCausalLM.from_config(config))
+    # Decoding still works, through the model's forward: the same tokens and log-probs as
+    # a model the decoder does mirror with the same weights.
+    ids, lengths = right_padded([5, 2])
+    sampling = SamplingConfig(max_new_tokens=6, stop_token_ids=[])
+    seeds = [7, 8]
+    a = sample(hooked, ids, lengths, sampling, stop_token_ids=[], row_seeds=seeds)
+    b = sample(tiny_model("llama"), ids, lengths, sampling, stop_token_ids=[], row_seeds=seeds)
+    assert torch.equal(a.output_ids, b.output_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-12)
+
+
+def test_the_switch_belongs_to_the_hf_backend():
+    from rl_models.generation.config import GenerationConfig
+
+    assert not GenerationConfig(backend="hf", static_kv_decode=False).static_kv_decode
+    with pytest.raises(ValueError, match="static_kv_decode applies to generation.backend: hf"):
+        GenerationConfig(backend="vllm", static_kv_decode=False)
