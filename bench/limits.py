@@ -22,15 +22,19 @@ warm-up and is left out. Each timed step's phases against their limits:
     bytes + KV bytes``, where decode steps = the step's longest response (rows finish and leave
     the batch; the weights are read as long as one row runs), and the KV bytes are summed over
     each response token's context (prompt + tokens so far); over the measured bandwidth;
-  - arithmetic: 2 FLOPs per matmul parameter for every token through the model (each
-    generated token, and each group's prompt once in its shared prefill), over the bf16
-    matmul peak. With 32 rows decoding together on two cores this floor is the higher one:
-    the machine computes a step's 32 tokens more slowly than it reads the weights.
-  The fraction is that floor's seconds over the generation phase's seconds.
+  - arithmetic: 2 FLOPs per matmul parameter for every token fed through the model: each
+    group's prompt once (its shared prefill; the output layer on the last position only) and
+    every response token but each row's last (sampled, never fed back); over the matmul peak
+    of the generator's dtype. With 32 rows decoding together on two cores this floor is the
+    higher one: the machine computes a step's 32 tokens more slowly than it reads the weights.
+  The fraction is that floor's seconds over the generation phase's seconds. Bytes and peak
+  follow ``generation.dtype`` (bf16 in the recipe).
 - **training**, compute-bound: model FLOPs of the train phase (forward and backward, 6 per
-  matmul parameter per token; a group's shared prompt counted once, as the trainer runs it
-  with ``share_prompt_prefix``; attention's own FLOPs, ~2 % here, left out) over its seconds,
-  as a fraction of the measured bf16 matmul peak (the policy's matmuls run under bf16 autocast).
+  matmul parameter per token: the decoder stack on a group's shared prompt once, as the
+  trainer runs it with ``share_prompt_prefix``, and on every response token; the output layer
+  on the response tokens only; attention's own FLOPs, ~2 % here, left out) over its seconds,
+  as a fraction of the measured matmul peak of the policy's compute dtype (bf16 autocast in
+  the recipe).
 - refit and the rest are reported in seconds only.
 
 Prints each fraction, generation's last.
@@ -90,8 +94,9 @@ def main_recipe_steps(steps: int, out: Path, extra: list[str]) -> tuple[Any, lis
 
 
 def model_sizes(config) -> dict[str, float]:
-    """The policy's parameter counts, KV bytes per token in bf16, and a prompt's token count."""
-    from transformers import AutoConfig
+    """The policy's parameter counts (all; in the decoder stack's matmuls; in the output
+    layer), KV elements per token, and a prompt's token count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from rl_data.tokenizers import load_tokenizer
     from rl_models.model_files import materialize
@@ -99,22 +104,27 @@ def model_sizes(config) -> dict[str, float]:
     path = materialize(config.policy.model).path
     hf = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_config(hf)
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    head_dim = hf.hidden_size // hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     tokenizer = load_tokenizer(config.tokenizer)
     prompt = [{"role": "user", "content": "What is 57 + 38? Answer with just the number."}]
     prompt_tokens = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
     return {
         "parameters": total,
-        "matmul_parameters": total if tied else total - embedding,
-        "kv_bytes_per_token": 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 2,
+        # The embedding is a lookup, not a matmul (when tied, its weight is also the head).
+        "body_parameters": total - (embedding if tied else embedding + head),
+        "head_parameters": head,
+        "kv_elements_per_token": 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim,
         "prompt_tokens": prompt_tokens,
     }
+
+
+def dtype_of(name: str | None, default: str) -> torch.dtype:
+    return getattr(torch, name or default)
 
 
 def main() -> None:
@@ -142,6 +152,14 @@ def main() -> None:
     sizes = model_sizes(config)
     groups = config.grpo.num_prompts_per_step
     samples = groups * config.grpo.num_generations_per_prompt
+    # The generator's dtype (None: the policy's weights') and the policy's compute dtype set
+    # the bytes read per parameter and which matmul peak applies.
+    gen_dtype = dtype_of(config.generation.dtype, config.policy.model.dtype)
+    train_dtype = dtype_of(config.policy.mixed_precision, config.policy.model.dtype)
+    gen_peak = peak[gen_dtype if gen_dtype in peak else torch.float32]
+    train_peak = peak[train_dtype if train_dtype in peak else torch.float32]
+    width = gen_dtype.itemsize
+    body, head = sizes["body_parameters"], sizes["head_parameters"]
     generation, training, floors = [], [], []
     for r in rows:
         completion = r["train/completion_tokens"]
@@ -149,15 +167,22 @@ def main() -> None:
         # Each response token attends to its prompt and the tokens before it: on average the
         # prompt plus half the response, for every response token.
         mean_response = completion / samples
-        kv = completion * (sizes["prompt_tokens"] + mean_response / 2) * sizes["kv_bytes_per_token"]
-        read = longest * sizes["parameters"] * 2 + kv
-        tokens = groups * sizes["prompt_tokens"] + completion  # a group's prompt once
+        kv = completion * (sizes["prompt_tokens"] + mean_response / 2)
+        read = (longest * sizes["parameters"] + kv * sizes["kv_elements_per_token"]) * width
+        # Through the generator: each group's prompt once (shared prefill; the output layer on
+        # its last position only), then every response token but each row's last (sampled,
+        # never fed back).
+        fed = completion - samples
+        gen_flops = 2 * (body * (groups * sizes["prompt_tokens"] + fed) + head * (groups + fed))
         reading = read / 1e9 / bandwidth
-        computing = 2 * sizes["matmul_parameters"] * tokens / 1e12 / peak[torch.bfloat16]
+        computing = gen_flops / 1e12 / gen_peak
         floors.append((reading, computing))
         generation.append(max(reading, computing) / r["train/timing/generation"])
-        flops = 6 * sizes["matmul_parameters"] * tokens
-        training.append(flops / r["train/timing/train"] / 1e12 / peak[torch.bfloat16])
+        # Training: the decoder stack on each group's prompt once (share_prompt_prefix) and
+        # every response token; the output layer on the response tokens only.
+        tokens = groups * sizes["prompt_tokens"] + completion
+        flops = 6 * (body * tokens + head * completion)
+        training.append(flops / r["train/timing/train"] / 1e12 / train_peak)
     phases = ("generation", "train", "refit", "logprobs")
     print(
         f"\n{len(rows)} timed steps of the main recipe; median seconds per phase: "
@@ -166,12 +191,15 @@ def main() -> None:
         )
         + f"; step {statistics.median(r['train/step_seconds'] for r in rows):.2f}"
     )
-    print(f"training: {statistics.median(training):.3f} of the bf16 matmul peak (model FLOPs/s)")
+    print(
+        f"training: {statistics.median(training):.3f} of the {str(train_dtype)[6:]} matmul peak "
+        "(model FLOPs/s)"
+    )
     reading = statistics.median(f[0] for f in floors)
     computing = statistics.median(f[1] for f in floors)
     print(
         f"generation floors (median step): reading weights and KV {reading:.2f} s at the "
-        f"measured bandwidth, matmuls {computing:.2f} s at the bf16 peak"
+        f"measured bandwidth, matmuls {computing:.2f} s at the {str(gen_dtype)[6:]} peak"
     )
     print(
         f"generation: {statistics.median(generation):.3f} of its limit (the higher floor over "

@@ -226,9 +226,13 @@ def sample(
     left, mask = left.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    lean = static_kv and unsupported_reason(model) is None
-    if lean:
+    # Decoding steps by the lean decoder where it mirrors the model (static_decode.py), after
+    # a prefill by the model's own decoder stack; else the model's forward throughout.
+    decoder = None
+    if static_kv and unsupported_reason(model) is None:
         logits = prefill_logits(model, left, mask, positions, cache)
+        decoder = StaticKVDecoder(model, cache, sampling.max_new_tokens)
+        del cache  # the decoder holds its own copy of the prefill's keys and values
     else:
         # The prompt's last position is the only one sampled from: asking for its logits alone
         # spares the LM head [batch, width, vocab] (the largest matmul of a small model's
@@ -243,12 +247,12 @@ def sample(
         ).logits[:, -1]
     if len(firsts) < batch:  # one copy of its prompt's cache per row
         expand = torch.tensor(row_of, device=device)
-        cache.reorder_cache(expand)
+        if decoder is not None:
+            decoder.select_rows(expand)
+        else:
+            cache.reorder_cache(expand)
         logits, mask, positions = logits[expand], mask[expand], positions[expand]
     next_position = positions[:, -1:] + 1
-    # Decoding steps by the lean decoder where it mirrors the model (static_decode.py); the
-    # prefill above always runs the model's own forward.
-    decoder = StaticKVDecoder(model, cache, sampling.max_new_tokens) if lean else None
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     check_strings = stop_strings is not None and stop_strings.any
 
@@ -287,7 +291,7 @@ def sample(
         if int(still.sum()) <= 3 * len(rows) // 4:
             keep = still.nonzero().flatten()
             if decoder is not None:
-                decoder.keep(keep)
+                decoder.select_rows(keep)
             else:
                 cache.reorder_cache(keep)
             rows, tokens, mask, next_position = (

@@ -49,6 +49,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(model, "lm_head", None) is None:
         return "the model has no model.layers or lm_head"
+    if model.training:
+        return "the model is in training mode (dropout would apply)"
     names = _MIRRORED[family]
     modules = [model, inner, model.lm_head, inner.norm]
     for layer in layers:
@@ -58,6 +60,20 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return f"a decoder layer is built of {got}, not {names}"
         if getattr(layer.self_attn, "sliding_window", None) is not None:
             return "a layer attends through a sliding window"
+        attn, mlp = layer.self_attn, layer.mlp
+        # Its weights are read as they are: an adapter (LoRA) or a quantised linear in their
+        # place would be bypassed.
+        for name, linear in (
+            ("q_proj", attn.q_proj),
+            ("k_proj", attn.k_proj),
+            ("v_proj", attn.v_proj),
+            ("o_proj", attn.o_proj),
+            ("gate_proj", mlp.gate_proj),
+            ("up_proj", mlp.up_proj),
+            ("down_proj", mlp.down_proj),
+        ):
+            if type(linear) is not torch.nn.Linear:
+                return f"{name} is a {type(linear).__name__}, not a plain torch.nn.Linear"
         modules += [layer, *layer.modules()]
     if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
         return "a module has forward hooks"
@@ -84,6 +100,10 @@ def prefill_logits(
         use_cache=True,
     ).last_hidden_state
     return model.lm_head(hidden[:, -1].contiguous())
+
+
+#: The KV cache's first room for new tokens (it doubles when full).
+GROWTH_TOKENS = 256
 
 
 @dataclass
@@ -148,22 +168,41 @@ class StaticKVDecoder:
                     down_bias=mlp.down_proj.bias,
                 )
             )
-        # The prefill's keys and values, then room for every token still to come: written in
-        # place, one column a step, never concatenated.
+        # The prefill's keys and values, then room for the tokens to come, written in place one
+        # column a step. Room for GROWTH_TOKENS at first, doubled when full up to the most the
+        # response can take: a long max_new_tokens costs memory only if it is used.
         keys = [cache.layers[i].keys for i in range(len(self.layers))]
         values = [cache.layers[i].values for i in range(len(self.layers))]
         batch, _, self.length, _ = keys[0].shape
-        shape = (len(self.layers), batch, self.kv_heads, self.length + new_tokens, self.head_dim)
+        self.capacity_limit = self.length + new_tokens
+        capacity = min(self.capacity_limit, self.length + GROWTH_TOKENS)
+        shape = (len(self.layers), batch, self.kv_heads, capacity, self.head_dim)
         self.keys = keys[0].new_empty(shape)
         self.values = keys[0].new_empty(shape)
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             self.keys[i, :, :, : self.length] = k
             self.values[i, :, :, : self.length] = v
 
-    def keep(self, rows: torch.Tensor) -> None:
-        """Only these rows (indices into the current batch) decode from now on."""
-        self.keys = self.keys.index_select(1, rows)
-        self.values = self.values.index_select(1, rows)
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """These rows (indices into the current batch; one may repeat, to copy a shared
+        prompt's cache) decode from now on."""
+        self.keys = self.keys[:, :, :, : self.length].index_select(1, rows)
+        self.values = self.values[:, :, :, : self.length].index_select(1, rows)
+
+    def _make_room(self) -> None:
+        """At least one free column in the cache (the cached columns moved to a buffer with
+        twice the room, up to the limit)."""
+        capacity = self.keys.shape[3]
+        if self.length < capacity:
+            return
+        if capacity >= self.capacity_limit:
+            raise RuntimeError(f"the KV cache is full: {capacity} tokens, as many as asked for")
+        grown = min(self.capacity_limit, self.length + max(GROWTH_TOKENS, self.length))
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:3], grown, old.shape[4]))
+            new[:, :, :, : self.length] = old[:, :, :, : self.length]
+            setattr(self, name, new)
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The model's RMSNorm, as torch's fused kernel (float32 inside, like the model's;
@@ -200,6 +239,7 @@ class StaticKVDecoder:
                 f"attention_mask covers {attention_mask.shape[1]} tokens; the cache holds "
                 f"{column} and this step adds one"
             )
+        self._make_room()
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.embed(tokens[:, None])  # [B, 1, hidden]
         cos, sin = self.rotary(h, positions)
