@@ -49,6 +49,17 @@ def sequence_logprobs(model, seq: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1)[:-1].gather(-1, seq[1:, None])[:, 0]
 
 
+def assert_logprobs_are_the_float64_forwards(model, out, lengths) -> None:
+    """Every sampled token's reported log-prob is the uncached float64 forward's (to 1e-6:
+    they are stored in float32)."""
+    pairs = zip(lengths.tolist(), out.generation_lengths.tolist(), strict=True)
+    for row, (n, g) in enumerate(pairs):
+        seq = out.output_ids[row, : n + g]
+        expected = sequence_logprobs(model, seq)[n - 1 :]
+        got = out.logprobs[row, n : n + g].double()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_sampled_logprobs_equal_an_uncached_float64_forward(family):
     """Prompts of different lengths (left padding in the cache), groups sharing a prefill,
@@ -67,14 +78,7 @@ def test_sampled_logprobs_equal_an_uncached_float64_forward(family):
     assert torch.equal(lean.output_ids, plain.output_ids)
     gen = lean.generation_lengths
     assert len(set(gen.tolist())) >= 3 and (gen < 12).sum() >= len(gen) // 2, gen
-    for row in range(len(ids)):
-        n, g = int(lengths[row]), int(gen[row])
-        seq = lean.output_ids[row, : n + g]
-        expected = sequence_logprobs(model, seq)[n - 1 :]
-        # float32 storage of the log-probs: 1e-6
-        torch.testing.assert_close(
-            lean.logprobs[row, n : n + g].double(), expected, rtol=0, atol=1e-6
-        )
+    assert_logprobs_are_the_float64_forwards(model, lean, lengths)
 
 
 def test_a_cache_that_grows_while_rows_leave_keeps_every_logprob_exact(monkeypatch):
@@ -87,14 +91,10 @@ def test_a_cache_that_grows_while_rows_leave_keeps_every_logprob_exact(monkeypat
     sampling = SamplingConfig(max_new_tokens=14, stop_token_ids=stops)
     out = sample(model, ids, lengths, sampling, stop_token_ids=stops, row_seeds=list(range(9)))
     gen = out.generation_lengths
-    assert gen.max() > 3 * 3 and (gen < 14).any(), gen  # grown past 3 + 3 + 6, rows left
-    for row in range(len(ids)):
-        n, g = int(lengths[row]), int(gen[row])
-        seq = out.output_ids[row, : n + g]
-        expected = sequence_logprobs(model, seq)[n - 1 :]
-        torch.testing.assert_close(
-            out.logprobs[row, n : n + g].double(), expected, rtol=0, atol=1e-6
-        )
+    # 5 prompt columns + room for 3: full after 3 new tokens (8 columns, grown to 16), again
+    # after 11 (grown to 19, the limit).
+    assert gen.max() >= 12 and (gen < gen.max()).any(), gen
+    assert_logprobs_are_the_float64_forwards(model, out, lengths)
 
 
 def test_bfloat16_logprobs_are_the_bfloat16_models_and_near_float64():
