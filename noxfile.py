@@ -27,7 +27,11 @@ NOT_IN_STANDALONE_DISTRIBUTED = [
     "rl_data",
     "rl_models",
 ]
-SANDBOX_TESTS = "packages/rl-envs/tests/test_sandbox.py"
+SANDBOX_TESTS = [  # run again unprivileged: the tests and the one module they import
+    "packages/rl-envs/tests/sandbox_helpers.py",
+    "packages/rl-envs/tests/test_sandbox.py",
+    "packages/rl-envs/tests/test_sandbox_containment.py",
+]
 SANDBOX_TEST_USER = "rl-sandbox-ci"
 # What the sandbox tests import, installed at the session's (the lock's) versions.
 SANDBOX_TEST_DEPS = [
@@ -99,13 +103,14 @@ def sandbox_tests_unprivileged(session: nox.Session) -> None:
             *install, "--no-deps", "./packages/rl-envs", "./packages/rl-distributed", external=True
         )
         os.makedirs(f"{work}/tests")
-        shutil.copy(SANDBOX_TESTS, f"{work}/tests/")
+        for path in SANDBOX_TESTS:
+            shutil.copy(path, f"{work}/tests/")
         session.run("chmod", "-R", "a+rX", work, external=True)
         with session.chdir(work):
             session.run(
                 *("runuser", "-u", SANDBOX_TEST_USER, "--"),
                 *(f"{venv}/bin/python", "-m", "pytest", "-p", "no:cacheprovider"),
-                *("tests/" + os.path.basename(SANDBOX_TESTS), *session.posargs),
+                *("--import-mode=importlib", "tests", *session.posargs),  # as pyproject.toml's
                 external=True,
             )
     finally:
