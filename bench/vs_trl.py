@@ -16,7 +16,8 @@ not timed.
   float32 (the setting the project's bar was measured with), with bf16 mixed precision
   (``bf16=True``: autocast, as ours uses), or both; ``--trl-micro-batches`` at each per-device
   batch size given (8 with 4 accumulation steps, 32 with one), since which is faster depends on
-  the day; the fastest TRL run is the baseline.
+  the day; the fastest TRL run is the baseline. TRL gets torch's fused AdamW
+  (``--trl-optim adamw_torch_fused``, the main recipe's choice too) unless told otherwise.
 - Ours: ``rl grpo``'s main recipe (``rl_algorithms/recipes/grpo_main.yaml``: float32 master
   weights under bf16 autocast trained in one micro-batch of 32, a bf16 HF generator colocated
   on the same cores decoding with the lean static-KV step, refit every step) with validation and checkpoints off; and "ours fp32", the same in float32 throughout
@@ -81,7 +82,13 @@ def ours(steps: int, out: Path, fp32: bool) -> tuple[float, float]:
 
 
 def trl(
-    steps: int, out: Path, model_dir: str, rows: list[dict], bf16: bool, micro_batch: int
+    steps: int,
+    out: Path,
+    model_dir: str,
+    rows: list[dict],
+    bf16: bool,
+    micro_batch: int,
+    optim: str,
 ) -> tuple[float, float]:
     """(seconds per timed step, completion tokens per second) of TRL's GRPOTrainer."""
     import torch
@@ -133,6 +140,7 @@ def trl(
         report_to="none",
         use_cpu=True,
         bf16=bf16,
+        optim=optim,
         gradient_checkpointing=False,
         seed=0,
     )
@@ -164,6 +172,12 @@ def main() -> None:
         help="TRL's per-device batch sizes to run (comma-separated; each divides 32)",
     )
     parser.add_argument(
+        "--trl-optim",
+        default="adamw_torch_fused",
+        help="TRL's optimizer (transformers' optim names); the default is torch's fused AdamW, "
+        "as ours uses",
+    )
+    parser.add_argument(
         "--no-ours-fp32", dest="ours_fp32", action="store_false", help="skip ours in float32"
     )
     args = parser.parse_args()
@@ -193,7 +207,9 @@ def main() -> None:
     for precision in precisions:
         for micro_batch in micro_batches:
             name = f"TRL {precision} mb{micro_batch}"
-            results[name] = trl(args.steps, out, model_dir, rows, precision == "bf16", micro_batch)
+            results[name] = trl(
+                args.steps, out, model_dir, rows, precision == "bf16", micro_batch, args.trl_optim
+            )
             print(f"{name}: {results[name][0]:.1f} s/step", flush=True)
     if args.ours_fp32:
         results["ours fp32"] = ours(args.steps, out, fp32=True)

@@ -102,8 +102,8 @@ class FullNLLLoss(NLLLoss):
     input_type = "logprobs"  # every position's log-prob computed
 
 
-def nll_reference_step(data) -> dict[str, torch.Tensor]:
-    """One SGD step (lr=1) of the loss-token NLL on the float64 reference model."""
+def nll_reference_gradients(data) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, gradient) of the loss-token NLL on the float64 reference model, by name."""
     model = reference_model()
     mask = loss_token_mask(data)
     total = torch.zeros((), dtype=torch.float64)
@@ -111,8 +111,35 @@ def nll_reference_step(data) -> dict[str, torch.Tensor]:
         logp = torch.log_softmax(model(ids[None, :n]).logits[0, : n - 1], -1)
         total = total - (logp.gather(-1, ids[1:n, None])[:, 0] * mask[row, 1:n]).sum()
     (total / mask.sum()).backward()
-    with torch.no_grad():
-        return {k: p - p.grad for k, p in model.named_parameters()}
+    return {k: (p.detach(), p.grad) for k, p in model.named_parameters()}
+
+
+def nll_reference_step(data) -> dict[str, torch.Tensor]:
+    """One SGD step (lr=1) of the loss-token NLL on the float64 reference model."""
+    return {k: w - g for k, (w, g) in nll_reference_gradients(data).items()}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["for-loop", "fused"])
+def test_a_clipped_adamw_step_matches_the_formula(fused):
+    """AdamW, torch's fused kernel (what the main recipe asks for) or its for-loop, after
+    clipping: the first step written out from the formula, on float64 reference gradients."""
+    lr, beta1, beta2, eps, decay, max_norm = 1e-2, 0.9, 0.999, 1e-8, 0.1, 0.05
+    kwargs = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": decay, "fused": fused}
+    data = skewed_batch()
+    worker = DTensorPolicyWorker(
+        tiny_config(optimizer={"name": "AdamW", "kwargs": kwargs}, max_grad_norm=max_norm)
+    )
+    worker.train(data, NLLLoss())
+    reference = nll_reference_gradients(data)
+    norm = torch.sqrt(sum((g**2).sum() for _, g in reference.values()))
+    assert norm > max_norm  # the clip acts
+    got = dict(worker.model.named_parameters())
+    for name, (weight, grad) in reference.items():
+        grad = grad * (max_norm / (norm + 1e-6))  # clip_grad_norm_'s scale
+        m_hat = (1 - beta1) * grad / (1 - beta1)  # bias-corrected moments after one step
+        v_hat = (1 - beta2) * grad**2 / (1 - beta2)
+        expected = weight * (1 - lr * decay) - lr * m_hat / (v_hat.sqrt() + eps)
+        torch.testing.assert_close(got[name].detach(), expected, rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.worker_groups import WorkerCallError
 from rl_models.generation.hf_generation import HfGeneration
 from rl_models.generation.interfaces import StaleWeightsError
-from rl_models.generation.refit import refit
+from rl_models.generation.refit import offloads_policy, refit
 from rl_models.losses import NLLLoss
 from rl_models.policy.lm_policy import Policy
 from rl_models.weight_transfer.shared_memory import PREFIX
@@ -43,6 +43,17 @@ def greedy_reference(path: str, data: BatchedDataDict, steps: int) -> list[torch
                 seq = torch.cat([seq, model(seq[None]).logits[0, -1].argmax()[None]])
             out.append(seq)
     return out
+
+
+def test_a_refit_offloads_the_policy_only_where_it_makes_room_on_an_accelerator():
+    # Colocated on GPUs: the policy leaves the device for the generator. On a CPU cluster the
+    # device is host memory: nothing to make room in, so nothing is copied every step.
+    assert offloads_policy(colocated=True, use_gpus=True, offload_policy=None)
+    assert not offloads_policy(colocated=True, use_gpus=False, offload_policy=None)
+    assert not offloads_policy(colocated=False, use_gpus=True, offload_policy=None)
+    # Asked for explicitly, either way, it is done as asked.
+    assert offloads_policy(colocated=False, use_gpus=False, offload_policy=True)
+    assert not offloads_policy(colocated=True, use_gpus=True, offload_policy=False)
 
 
 @pytest.mark.slow

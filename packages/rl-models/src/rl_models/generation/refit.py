@@ -19,9 +19,10 @@ written to shared memory once and each generation worker on that node maps it wi
 as soon as every generation worker has loaded it, so the extra memory of a refit is about
 ``pipeline_depth`` buckets, never the model.
 
-Colocated (the generator shares the policy's bundles): the policy first moves its optimiser
-state off the device, the generator wakes its weights, the buckets flow, and the policy then
-offloads its weights; ``policy.prepare_for_training()`` brings them back before the next step.
+Colocated on GPUs (the generator shares the policy's bundles): the policy first moves its
+optimiser state off the device, the generator wakes its weights, the buckets flow, and the policy
+then offloads its weights; ``policy.prepare_for_training()`` brings them back before the next
+step. On a CPU cluster there is no device memory to make room in, and nothing moves.
 
 What lasts from one refit to the next (the shared weight region) is held by a ``WeightSync``,
 one per (policy, generator) pair, which the generator keeps and releases at its shutdown;
@@ -81,6 +82,14 @@ def pick_channel(
     if not use_gpus:
         return "shared_memory" if one_node_shared else "object_store"
     return "cuda_ipc" if colocated else "broadcast"
+
+
+def offloads_policy(colocated: bool, use_gpus: bool, offload_policy: bool | None) -> bool:
+    """Whether a refit moves the policy off its device: as asked, else when the generator is
+    colocated on GPUs. Offloading makes room on an accelerator; on a CPU cluster the policy's
+    device is host memory already, and moving its weights and optimiser state "off" it would
+    copy three times the weights' bytes every step and free nothing."""
+    return colocated and use_gpus if offload_policy is None else offload_policy
 
 
 def _one_node(*groups: RayWorkerGroup) -> bool:
@@ -158,9 +167,9 @@ class WeightSync:
         policy, generation = self.policy, self.generation
         config = generation.config
         bucket_bytes = bucket_bytes or config.refit_bucket_bytes
-        colocated = config.colocated if offload_policy is None else offload_policy
         src: RayWorkerGroup = policy.worker_group
         dst: RayWorkerGroup = generation.worker_group
+        colocated = offloads_policy(config.colocated, src.cluster.use_gpus, offload_policy)
         shareable = getattr(generation, "shares_weight_memory", False) and _one_node(src, dst)
         if channel == "shared_memory" and not (shareable and not src.cluster.use_gpus):
             nodes = {
@@ -272,7 +281,7 @@ def refit(
     ``policy.weight_version``); ``generation`` any backend whose ``worker_group`` holds
     ``GenerationWorker`` actors. ``bucket_bytes`` defaults to the generation config's
     ``refit_bucket_bytes``; ``dtype`` casts the exported weights (None: the policy's dtype);
-    ``offload_policy`` defaults to whether the generator is colocated; ``channel`` see
+    ``offload_policy`` defaults to whether the generator is colocated on GPUs; ``channel`` see
     ``pick_channel`` and ``weight_transfer/channels.py``. It runs through the generator's
     ``WeightSync``.
     """
