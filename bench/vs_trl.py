@@ -16,8 +16,9 @@ not timed.
   float32 (the setting the project's bar was measured with), with bf16 mixed precision
   (``bf16=True``: autocast, as ours uses), or both; ``--trl-micro-batches`` at each per-device
   batch size given (8 with 4 accumulation steps, 32 with one), since which is faster depends on
-  the day; the fastest TRL run is the baseline. TRL gets torch's fused AdamW
-  (``--trl-optim adamw_torch_fused``, the main recipe's choice too) unless told otherwise.
+  the day; the fastest TRL run is the baseline. TRL's optimizer is torch's fused AdamW
+  (``--trl-optim adamw_torch_fused``: transformers' own default on torch >= 2.8, pinned here
+  so that a change of default cannot weaken the baseline; the main recipe uses it too).
 - Ours: ``rl grpo``'s main recipe (``rl_algorithms/recipes/grpo_main.yaml``: float32 master
   weights under bf16 autocast trained in one micro-batch of 32, a bf16 HF generator colocated
   on the same cores decoding with the lean static-KV step, refit every step) with validation and checkpoints off; and "ours fp32", the same in float32 throughout
@@ -174,8 +175,8 @@ def main() -> None:
     parser.add_argument(
         "--trl-optim",
         default="adamw_torch_fused",
-        help="TRL's optimizer (transformers' optim names); the default is torch's fused AdamW, "
-        "as ours uses",
+        help="TRL's optimizer (transformers' optim names); the default, torch's fused AdamW, "
+        "is transformers' own default on torch >= 2.8 and what ours uses",
     )
     parser.add_argument(
         "--no-ours-fp32", dest="ours_fp32", action="store_false", help="skip ours in float32"

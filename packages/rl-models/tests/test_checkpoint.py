@@ -51,6 +51,21 @@ def test_training_resumes_identically_after_loading(saved):
     assert max(float((got[k] - weights[k]).abs().max()) for k in weights) < 1e-12
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["to-fused", "to-for-loop"])
+def test_a_resumed_optimizer_runs_the_kernel_its_config_asks_for(saved, fused):
+    """The checkpoint was saved by a for-loop AdamW; resumed with ``fused: true`` (or with the
+    flag given as false), the step runs that kernel, and trains as the uninterrupted run did."""
+    path, _, metrics, weights = saved
+    optimizer = {**CONFIG["optimizer"], "kwargs": {**CONFIG["optimizer"]["kwargs"], "fused": fused}}
+    fresh = DTensorPolicyWorker(tiny_config(**{**CONFIG, "optimizer": optimizer}, seed=123))
+    fresh.load_checkpoint(str(path))
+    assert all(group["fused"] is fused for group in fresh.optimizer.param_groups)
+    resumed = fresh.train(skewed_batch(seed=2), NLLLoss())
+    assert resumed["loss"] == pytest.approx(metrics["loss"], abs=1e-12)
+    got = fresh.model.state_dict()
+    assert max(float((got[k] - weights[k]).abs().max()) for k in weights) < 1e-12
+
+
 def test_without_optimizer_state_training_would_differ(saved):
     path, _, _, weights = saved
     fresh = DTensorPolicyWorker(tiny_config(**CONFIG))

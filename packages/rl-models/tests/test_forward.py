@@ -102,9 +102,12 @@ class FullNLLLoss(NLLLoss):
     input_type = "logprobs"  # every position's log-prob computed
 
 
-def nll_reference_gradients(data) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """(weight, gradient) of the loss-token NLL on the float64 reference model, by name."""
+def nll_reference_gradients(data, weights=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, gradient) of the loss-token NLL on the float64 reference model (at ``weights``,
+    a state dict, if given), by name."""
     model = reference_model()
+    if weights is not None:
+        model.load_state_dict(weights, strict=False)
     mask = loss_token_mask(data)
     total = torch.zeros((), dtype=torch.float64)
     for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
@@ -120,26 +123,34 @@ def nll_reference_step(data) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["for-loop", "fused"])
-def test_a_clipped_adamw_step_matches_the_formula(fused):
+def test_clipped_adamw_steps_match_the_formula(fused):
     """AdamW, torch's fused kernel (what the main recipe asks for) or its for-loop, after
-    clipping: the first step written out from the formula, on float64 reference gradients."""
-    lr, beta1, beta2, eps, decay, max_norm = 1e-2, 0.9, 0.999, 1e-8, 0.1, 0.05
+    clipping: two steps on two batches written out from the formula, on float64 reference
+    gradients (two, so that the moments' decay rates count)."""
+    lr, beta1, beta2, eps, decay, max_norm = 1e-2, 0.8, 0.9, 1e-8, 0.1, 0.05
     kwargs = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": decay, "fused": fused}
-    data = skewed_batch()
     worker = DTensorPolicyWorker(
         tiny_config(optimizer={"name": "AdamW", "kwargs": kwargs}, max_grad_norm=max_norm)
     )
-    worker.train(data, NLLLoss())
-    reference = nll_reference_gradients(data)
-    norm = torch.sqrt(sum((g**2).sum() for _, g in reference.values()))
-    assert norm > max_norm  # the clip acts
-    got = dict(worker.model.named_parameters())
-    for name, (weight, grad) in reference.items():
-        grad = grad * (max_norm / (norm + 1e-6))  # clip_grad_norm_'s scale
-        m_hat = (1 - beta1) * grad / (1 - beta1)  # bias-corrected moments after one step
-        v_hat = (1 - beta2) * grad**2 / (1 - beta2)
-        expected = weight * (1 - lr * decay) - lr * m_hat / (v_hat.sqrt() + eps)
-        torch.testing.assert_close(got[name].detach(), expected, rtol=0, atol=1e-9)
+    assert all(group["fused"] is fused for group in worker.optimizer.param_groups)
+    weights, moments = None, {}
+    for step, seed in enumerate((1, 2), start=1):
+        data = skewed_batch(seed=seed)
+        worker.train(data, NLLLoss())
+        reference = nll_reference_gradients(data, weights)
+        norm = torch.sqrt(sum((g**2).sum() for _, g in reference.values()))
+        assert norm > max_norm  # the clip acts
+        weights = {}
+        for name, (weight, grad) in reference.items():
+            grad = grad * (max_norm / (norm + 1e-6))  # clip_grad_norm_'s scale
+            m, v = moments.get(name, (torch.zeros_like(grad), torch.zeros_like(grad)))
+            m, v = beta1 * m + (1 - beta1) * grad, beta2 * v + (1 - beta2) * grad**2
+            moments[name] = m, v
+            m_hat, v_hat = m / (1 - beta1**step), v / (1 - beta2**step)
+            weights[name] = weight * (1 - lr * decay) - lr * m_hat / (v_hat.sqrt() + eps)
+        got = dict(worker.model.named_parameters())
+        for name, expected in weights.items():
+            torch.testing.assert_close(got[name].detach(), expected, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -85,10 +85,13 @@ def test_generator_samples_the_trained_policy_after_refit(colocated, tmp_path):
         with pytest.raises(WorkerCallError, match="holds weight version 0 but version 1"):
             group.call_all("generate", data=data, greedy=True, expected_weight_version=1)
 
-        stats = refit(policy, generation, bucket_bytes=64 * 1024)
+        # Colocated, the policy leaves its device as it would on GPUs (asked for: on a CPU
+        # cluster that is skipped by default), so the offload and reload round trip is tested.
+        stats = refit(policy, generation, bucket_bytes=64 * 1024, offload_policy=colocated)
         # One node, CPUs: the weights go through a shared-memory region, chosen automatically.
         assert stats.channel == "shared_memory" and stats.fallback is None
         assert stats.version == 1 and generation.weight_version == 1
+        assert stats.offloaded_policy == colocated
         policy.prepare_for_lp_inference()  # weights back from their colocated offload
         after = generation.generate(data, greedy=True, expected_weight_version=1)
 

@@ -348,9 +348,14 @@ def test_refit_from_a_trained_two_rank_policy_colocated_and_not(engines, models)
                 gen.generate(data, expected_weight_version=policy.weight_version)
             # Non-colocated: the broadcast channel (gloo here, NCCL on GPUs), which ends in
             # load_named_weights; colocated: the object store, which ends in load_weight_bucket.
+            # The colocated refit offloads the policy as it does on GPUs (on a CPU cluster it
+            # would skip that by default), so the sharded weights' round trip is tested.
             channel = "object_store" if name == "sync" else "broadcast"
-            stats = refit(policy, gen, bucket_bytes=64 * 1024, channel=channel)
+            stats = refit(
+                policy, gen, bucket_bytes=64 * 1024, channel=channel, offload_policy=name == "sync"
+            )
             assert stats.buckets > 3 and gen.engine_weight_versions() == [2] * len(gen.leaders)
+            assert stats.offloaded_policy == (name == "sync")
             policy.prepare_for_lp_inference()  # back from the colocated offload
             out = gen.generate(data, expected_weight_version=policy.weight_version)
             policy_lp = policy.get_logprobs(

@@ -62,6 +62,7 @@ class RefitStats:
     seconds: float = 0.0
     export: list[dict[str, int]] = field(default_factory=list)  # per policy rank
     fallback: str | None = None  # why ``auto`` did not use shared memory where it could have
+    offloaded_policy: bool = False  # the policy left its device for the generator
 
     @property
     def bytes_per_second(self) -> float:
@@ -169,7 +170,7 @@ class WeightSync:
         bucket_bytes = bucket_bytes or config.refit_bucket_bytes
         src: RayWorkerGroup = policy.worker_group
         dst: RayWorkerGroup = generation.worker_group
-        colocated = offloads_policy(config.colocated, src.cluster.use_gpus, offload_policy)
+        offload = offloads_policy(config.colocated, src.cluster.use_gpus, offload_policy)
         shareable = getattr(generation, "shares_weight_memory", False) and _one_node(src, dst)
         if channel == "shared_memory" and not (shareable and not src.cluster.use_gpus):
             nodes = {
@@ -182,15 +183,15 @@ class WeightSync:
             )
         requested = channel
         channel = pick_channel(channel, config.colocated, src.cluster.use_gpus, shareable)
-        stats = RefitStats(version=policy.weight_version, channel=channel)
+        stats = RefitStats(version=policy.weight_version, channel=channel, offloaded_policy=offload)
         start = time.perf_counter()
 
-        if colocated:
+        if offload:
             src.call_all("offload_optimizer_state")  # room on the device for the generator
         dst.call_all("prepare_for_weight_update")
         if channel == "shared_memory":
             if self._refit_through_region(src, dst, bucket_bytes, dtype, stats):
-                return _finish(src, colocated, stats, start)
+                return _finish(src, offload, stats, start)
             if requested == "shared_memory":
                 raise ValueError(f"refit channel 'shared_memory' cannot be used: {stats.fallback}")
             channel = stats.channel = "object_store"
@@ -219,7 +220,7 @@ class WeightSync:
         stats.export = src.call_all("finish_weight_export")
         dst.call_all("set_weight_version", version=policy.weight_version)
         generation.weight_version = policy.weight_version
-        return _finish(src, colocated, stats, start)
+        return _finish(src, offload, stats, start)
 
     def _refit_through_region(
         self,
@@ -294,8 +295,8 @@ def refit(
     )
 
 
-def _finish(src: RayWorkerGroup, colocated: bool, stats: RefitStats, start: float) -> RefitStats:
-    if colocated:
+def _finish(src: RayWorkerGroup, offload: bool, stats: RefitStats, start: float) -> RefitStats:
+    if offload:
         src.call_all("offload_weights")
     stats.seconds = time.perf_counter() - start
     return stats

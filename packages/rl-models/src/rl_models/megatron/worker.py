@@ -327,6 +327,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         self._fill(self.model, path)  # this rank's slices of the saved safetensors only
         optim = torch.load(os.path.join(path, self._optimizer_file()), weights_only=False)
         self.optimizer.load_state_dict(optim)
+        self._restore_configured_kernels()
         self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE)))
 
     def shutdown(self) -> None:

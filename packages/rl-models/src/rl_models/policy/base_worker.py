@@ -71,6 +71,9 @@ def init_distributed(device: torch.device, always: bool = False) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+#: Optimiser options that choose how an update is computed, not what it is.
+KERNEL_OPTIONS = ("fused", "foreach")
+
 #: How a batch is cut into micro-batches (see ``batching_kind``).
 Batching = Literal["packed", "dynamic", "fixed"]
 
@@ -199,6 +202,25 @@ class PolicyWorker(abc.ABC):
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = getattr(torch.optim, opt.name)(trainable, **opt.kwargs)
         self.scheduler = build_scheduler(self.optimizer, self.config.scheduler)
+
+    def _restore_configured_kernels(self) -> None:
+        """After loading optimiser state: the update kernels the config asks for, not the
+        checkpoint's. torch keeps a loaded state's parameter-group options, so a run resumed
+        from a checkpoint of a for-loop AdamW would stay on the for-loop even with ``fused:
+        true`` in its config (same numbers up to rounding, 4x the time here)."""
+        kwargs = self.config.optimizer.kwargs
+        fused = False
+        for group in self.optimizer.param_groups:
+            for key in KERNEL_OPTIONS:
+                if key in group:
+                    group[key] = kwargs.get(key)  # None: torch's default
+            fused |= bool(group.get("fused"))
+        # Fused kernels read each step count as a tensor on the parameter's device; the
+        # for-loop (not capturable) keeps it on the CPU. Move them to where this kernel reads.
+        for param, state in self.optimizer.state.items():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and step.dim() == 0:
+                state["step"] = step.to(param.device if fused else torch.device("cpu"))
 
     # -- collectives -------------------------------------------------------------------------
 

@@ -371,6 +371,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                 weights = saved.state_dict()
             set_model_state_dict(self.model, weights, options=opts)
             checkpoint.load_full_optimizer(self.model, self.optimizer, path)
+        self._restore_configured_kernels()
         checkpoint.load_scheduler(self.scheduler, path)
 
     def _hf_class(self) -> type[torch.nn.Module]:
