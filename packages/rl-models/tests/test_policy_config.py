@@ -27,6 +27,10 @@ def policy(**overrides) -> PolicyConfig:
         ),
         ({"optimizer": {"name": "Adamw"}}, r"optimizer\.name: .*no 'Adamw'; did you mean 'AdamW'"),
         (
+            {"optimizer": {"name": "AdamW", "kwargs": {"fused": "maybe"}}},
+            r"optimizer\.kwargs\n.*fused must be true, false or null, not 'maybe'",
+        ),
+        (
             {"scheduler": {"name": "CosineAnnealingLR", "kwargs": {"eta_min": 0.0}}},
             r"scheduler\.SchedulerConfig\.kwargs\n.*CosineAnnealingLR needs 'T_max'",
         ),

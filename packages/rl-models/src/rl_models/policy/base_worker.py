@@ -215,12 +215,14 @@ class PolicyWorker(abc.ABC):
                 if key in group:
                     group[key] = kwargs.get(key)  # None: torch's default
             fused |= bool(group.get("fused"))
-        # Fused kernels read each step count as a tensor on the parameter's device; the
-        # for-loop (not capturable) keeps it on the CPU. Move them to where this kernel reads.
+        if not fused:
+            return  # the for-loop reads a step count wherever the checkpoint left it
+        # Fused kernels read each step count on the parameter's device; a for-loop
+        # checkpoint keeps them on the CPU.
         for param, state in self.optimizer.state.items():
             step = state.get("step")
             if isinstance(step, torch.Tensor) and step.dim() == 0:
-                state["step"] = step.to(param.device if fused else torch.device("cpu"))
+                state["step"] = step.to(param.device)
 
     # -- collectives -------------------------------------------------------------------------
 

@@ -67,6 +67,10 @@ class OptimizerConfig(ConfigModel):
     def _taken(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if "name" in info.data:  # else the name was refused already
             _check_kwargs(getattr(torch.optim, info.data["name"]), kwargs, given_by_us=1)
+        # torch reads these as truthy: "false" or "maybe" would silently pick a kernel.
+        for key in ("fused", "foreach"):
+            if not isinstance(kwargs.get(key), bool | None):
+                raise ValueError(f"{key} must be true, false or null, not {kwargs[key]!r}")
         return kwargs
 
 
