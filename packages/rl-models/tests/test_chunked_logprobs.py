@@ -56,6 +56,46 @@ def test_bfloat16_inputs_get_a_float32_log_softmax():
     torch.testing.assert_close(lp, unchunked, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("k", [None, 3], ids=["one-target", "three-targets"])
+def test_temperature_and_several_targets_equal_the_float64_computation(k):
+    (hidden, weight, bias), targets, upstream = inputs(torch.float64, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    if k is not None:
+        targets = torch.randint(0, VOCAB, (*TOKENS, k), generator=gen)
+        targets[..., 1] = targets[..., 0]  # a token asked about twice gets both gradients
+        upstream = torch.randn(*TOKENS, k, generator=gen, dtype=torch.float64)
+    lp = chunked_logprobs(hidden, weight, targets, 7, bias=bias, temperature=0.6)
+    (lp * upstream).sum().backward()
+    h, w, b = (t.detach().clone().requires_grad_() for t in (hidden, weight, bias))
+    logp = torch.log_softmax((h @ w.T + b) / 0.6, dim=-1)
+    want = logp.gather(-1, targets if k else targets[..., None])
+    want = want if k else want[..., 0]
+    (want * upstream).sum().backward()
+    got = (lp, hidden.grad, weight.grad, bias.grad)
+    for g, ref, name in zip(
+        got, (want, h.grad, w.grad, b.grad), ("lp", "dh", "dw", "db"), strict=True
+    ):
+        torch.testing.assert_close(g, ref.detach(), rtol=0, atol=1e-12, msg=name)
+
+
+def test_under_bf16_autocast_the_gradients_are_autograds_own():
+    """The hand-written backward rounds as autograd does under autocast: bf16 logits, a
+    float32 log-softmax, the logits' gradient rounded to bf16 for the two matmuls."""
+    (hidden, weight, bias), targets, upstream = inputs(torch.float32, seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = chunked_logprobs(hidden, weight, targets, None, bias=bias)
+    (lp * upstream.float()).sum().backward()
+    h, w, b = (t.detach().clone().requires_grad_() for t in (hidden, weight, bias))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(h, w, b).float()
+        want = (logits.gather(-1, targets[..., None]) - logits.logsumexp(-1, True))[..., 0]
+    (want * upstream.float()).sum().backward()
+    assert lp.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+    torch.testing.assert_close(lp, want, rtol=0, atol=0)
+    for g, ref in ((hidden.grad, h.grad), (weight.grad, w.grad), (bias.grad, b.grad)):
+        torch.testing.assert_close(g, ref, rtol=0, atol=0)  # the same roundings, bit for bit
+
+
 class WidestVocabTensor(TorchDispatchMode):
     """Records the most rows any new tensor with a vocabulary-sized last dimension had (views,
     such as the transposed output weight, are not new memory)."""

@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.losses import NLLLoss, loss_token_mask
-from rl_models.policy import forward
+from rl_models.policy import forward, shared_prefix
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.shared_prefix import (
     prefix_lengths,
@@ -57,15 +57,32 @@ def test_shared_prefix_logprobs_equal_the_plain_forward(chunk):
     assert (shared[wanted] != 0).all()
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["by-segments", "checkpointed-dense"])
 def test_a_step_with_shared_prompts_equals_the_float64_reference_and_runs_prompts_once(
-    float64_norms,
+    float64_norms, monkeypatch, recompute
 ):
     data = grouped_batch()
-    worker = DTensorPolicyWorker(tiny_config(train_micro_batch_size=13, train_global_batch_size=13))
-    embedded = []
+    worker = DTensorPolicyWorker(
+        tiny_config(
+            train_micro_batch_size=13,
+            train_global_batch_size=13,
+            activation_checkpointing=recompute,
+        )
+    )
+    embedded, by_segments = [], []
     embed = worker.model.get_input_embeddings()
     embed.register_forward_pre_hook(lambda _m, args: embedded.append(int(args[0].numel())))
+    original = shared_prefix.attention_by_segments
+
+    def spy(model, layout):
+        by_segments.append(len(layout.problems))
+        return original(model, layout)
+
+    monkeypatch.setattr(shared_prefix, "attention_by_segments", spy)
     worker.train(data, NLLLoss())
+    # Attention by segments (prompts, and rows after a prompt: two shapes) unless a layer
+    # recomputes in backward, where only the dense mask is right.
+    assert by_segments == ([] if recompute else [2])
     got = {k: p.detach() for k, p in worker.model.named_parameters()}
     expected = reference_step(data)
     assert max(float((got[k] - expected[k]).abs().max()) for k in expected) < 1e-10
@@ -98,6 +115,20 @@ def test_sharing_runs_only_where_it_pays_and_where_the_mask_is_right():
     )
     long_wanted = torch.arange(200)[None, :].expand(8, -1) >= 4
     assert not sharing_pays(model, long_wanted, long["input_lengths"], long["input_ids"])
+    # A long prompt and long responses: by segments the rows' attention costs what the plain
+    # forward's does, less the prompt's repeats, so sharing pays; one dense square per group
+    # (under activation checkpointing) would cost more than it saves.
+    wanted_after_100 = torch.arange(250)[None, :].expand(8, -1) >= 100
+    prompted = BatchedDataDict(
+        input_ids=torch.randint(1, 100, (8, 250)).index_fill(1, torch.arange(100), 7),
+        input_lengths=torch.full((8,), 250),
+    )
+    assert sharing_pays(model, wanted_after_100, prompted["input_lengths"], prompted["input_ids"])
+    model.activation_checkpointing_enable()
+    assert not sharing_pays(
+        model, wanted_after_100, prompted["input_lengths"], prompted["input_ids"]
+    )
+    model.activation_checkpointing_disable()
     with torch.no_grad():
         for impl in ("eager", "sdpa"):
             model.config._attn_implementation = impl

@@ -48,10 +48,58 @@ def _chunk_logprobs(
     temperature: float,
 ) -> torch.Tensor:
     """``hidden [n, H]``, ``targets [n]`` or ``[n, k]`` -> log-probs of ``targets``' shape."""
-    logits = _chunk_logits(hidden, weight, bias, temperature)
     index = targets.unsqueeze(-1) if targets.dim() == 1 else targets  # [n, 1] or [n, k]
-    picked = logits.gather(-1, index) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    picked = _TargetLogProbs.apply(hidden, weight, bias, index, temperature)
     return picked.view(targets.shape)
+
+
+class _TargetLogProbs(torch.autograd.Function):
+    """``log softmax((hidden @ weight.T + bias) / T)`` at ``index [n, k]``, with a backward
+    written out: autograd's own takes the log-softmax apart into a dozen ``[n, V]`` passes
+    (the upcast, logsumexp's, gather's zeros and scatter, their sum, the downcast), where
+    the gradient of the logits is one expression, ``(onehot - softmax) * g / T``, made in
+    one float32 buffer. The matmuls run in the dtype autocast would give them (the compute
+    dtype of the weights otherwise); the log-softmax in at least float32. Saved for
+    backward: the logits in their compute dtype (not a float32 copy)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, temperature):
+        device = hidden.device.type
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
+        with torch.autocast(device, enabled=False):
+            h, w = hidden.to(dtype), weight.to(dtype)
+            logits = F.linear(h, w, None if bias is None else bias.to(dtype))
+            z = logits.float() if dtype in HALF else logits
+            if temperature != 1.0:
+                z = z / temperature
+            lse = torch.logsumexp(z, dim=-1, keepdim=True)
+            picked = z.gather(-1, index) - lse
+        ctx.save_for_backward(h, w, logits, index, lse)
+        ctx.temperature = temperature
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w, logits, index, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        with torch.autocast(h.device.type, enabled=False):
+            # d picked[j] / d z = onehot(index[j]) - softmax(z); summed over the k columns.
+            g = logits.to(lse.dtype, copy=True)
+            if temperature != 1.0:
+                g.div_(temperature)
+            g.sub_(lse).exp_().mul_(-grad.sum(-1, keepdim=True))
+            g.scatter_add_(-1, index, grad.to(g.dtype))
+            if temperature != 1.0:
+                g.div_(temperature)
+            g = g.to(logits.dtype)
+            need = ctx.needs_input_grad
+            hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+            d_hidden = (g @ w).to(hidden_dtype) if need[0] else None
+            d_weight = (g.T @ h).to(weight_dtype) if need[1] else None
+            d_bias = g.sum(0).to(bias_dtype) if need[2] else None
+        return d_hidden, d_weight, d_bias, None, None
 
 
 def over_token_chunks(

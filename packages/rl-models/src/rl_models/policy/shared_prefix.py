@@ -9,10 +9,13 @@ the rows' contributions into the one prompt pass. Log-probs and gradients are th
 plain forward up to float rounding.
 
 What it saves and costs: the per-token work (projections, MLP) drops from ``G (P + R)`` to
-``P + G R`` tokens, but attention is dense over each packed row, ``(P + G R)^2`` pairs against
-``G (P + R)^2``. ``sharing_pays`` weighs the two for the micro-batch at hand (for SmolLM2-135M,
-``G = 8``, ``P = 46``, ``R = 23``, it is ~40 % of the plain forward's FLOPs; for long
-responses it declines and the plain forward runs).
+``P + G R`` tokens. Attention runs by segments (``segment_attention.py``): the prompt on its
+own, ``P^2`` pairs, and each row's rest against the prompt and itself, ``R (P + R)``, the
+pairs of the plain forward less the prompt's repeats. Under activation checkpointing it falls
+back to one dense masked square per packed row, ``(P + G R)^2`` pairs, which grows past the
+plain forward's ``G (P + R)^2`` for long responses. ``sharing_pays`` weighs the costs for the
+micro-batch at hand (for SmolLM2-135M, ``G = 8``, ``P = 46``, ``R = 23``, sharing is ~40 % of
+the plain forward's FLOPs) and runs the plain forward where sharing would not pay.
 
 Which tokens are shared: a row's *prefix* is everything before the output position of its
 first wanted log-prob (log p(token t) is read at position t - 1), so every wanted log-prob is
@@ -24,10 +27,13 @@ given) without sliding-window layers (a hand-made mask would bypass their window
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.policy.logprobs import output_layer_computes_logprobs
+from rl_models.policy.segment_attention import SegmentLayout, attention_by_segments, segment_layout
 
 
 def prefix_lengths(wanted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -88,20 +94,51 @@ def _packed_rows(
     return packed
 
 
+def _segments(
+    packed: list[list[tuple[int, int, int, int]]], width: int, device: torch.device
+) -> SegmentLayout:
+    """The attention problems of the packed rows (``segment_attention.py``): each shared
+    prefix on its own, then each row's rest after its prefix (or alone, without one)."""
+    blocks = []
+    for tokens in packed:
+        prefix = [k for k, (_, _, seg, _) in enumerate(tokens) if seg < 0]
+        own: dict[int, list[int]] = {}
+        for k, (_, _, seg, _) in enumerate(tokens):
+            if seg >= 0:
+                own.setdefault(seg, []).append(k)
+        blocks.append([([], prefix)] * bool(prefix) + [(prefix, rest) for rest in own.values()])
+    return segment_layout(blocks, width, device)
+
+
+def recomputes_in_backward(model: torch.nn.Module) -> bool:
+    """Whether some layer recomputes its forward in backward (activation checkpointing): the
+    recompute would run outside ``attention_by_segments``, so the dense mask is used."""
+    return any(
+        getattr(m, "gradient_checkpointing", False) or type(m).__name__ == "CheckpointWrapper"
+        for m in model.modules()
+    )
+
+
 def sharing_pays(
     model: torch.nn.Module, wanted: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor
 ) -> bool:
     """Whether the packed rows cost clearly fewer FLOPs than the padded batch: per layer,
-    ~24 h^2 per token (projections and MLP) plus ~4 h per attended pair, every pair of a dense
-    square counted (sdpa computes masked pairs too)."""
+    ~24 h^2 per token (projections and MLP) plus ~4 h per attended pair. Attention by
+    segments computes each problem's pairs (``_segments``); the dense mask (under activation
+    checkpointing) and the padded batch compute every pair of their squares."""
     prefix = prefix_lengths(wanted, lengths)
     firsts, group = shared_prefixes(ids, prefix)
     if len(firsts) == sum(g >= 0 for g in group):
         return False  # nothing shared
     hidden = model.config.get_text_config().hidden_size
-    rows = [len(r) for r in _packed_rows(prefix, lengths, firsts, group)]
+    packed = _packed_rows(prefix, lengths, firsts, group)
+    rows = [len(r) for r in packed]
+    if recomputes_in_backward(model):
+        pairs = len(rows) * max(rows) ** 2
+    else:
+        pairs = sum(p.pairs for p in _segments(packed, max(rows), torch.device("cpu")).problems)
     width, batch = int(lengths.max()), len(lengths)
-    shared = 24 * hidden * sum(rows) + 4 * len(rows) * max(rows) ** 2
+    shared = 24 * hidden * sum(rows) + 4 * pairs
     plain = 24 * hidden * batch * width + 4 * batch * width**2
     return shared < 0.8 * plain
 
@@ -137,7 +174,13 @@ def shared_prefix_logprobs(
     # (never for prefix tokens, by the choice of prefix).
     next_cols = (cols + 1).clamp(max=width - 1)
     keep = real & (seg >= 0) & (cols + 1 < lengths[rows]) & wanted[rows, next_cols]
-    with output_layer_computes_logprobs(model, ids[rows, next_cols], chunk_size, temperature, keep):
+    attention = contextlib.nullcontext()
+    if not recomputes_in_backward(model):
+        attention = attention_by_segments(model, _segments(packed, longest, device))
+    with (
+        attention,
+        output_layer_computes_logprobs(model, ids[rows, next_cols], chunk_size, temperature, keep),
+    ):
         out = model(
             input_ids=ids[rows, cols] * real,
             position_ids=cols,
