@@ -96,6 +96,43 @@ def test_a_step_with_shared_prompts_equals_the_float64_reference_and_runs_prompt
     assert embedded[0] < data["input_ids"].numel()
 
 
+def test_a_group_of_one_row_and_a_lone_row_share_nothing_wrongly():
+    # Rows 3..7: row 3 is alone with its prompt (its group's other rows are cut off), then a
+    # group of four; row 2, with nothing wanted, is appended from the front of the batch.
+    data = grouped_batch()
+    data = BatchedDataDict.from_batches([data.slice(3, 8), data.slice(2, 3)])
+    wanted = loss_token_mask(data) > 0
+    model = initial_model()
+    with torch.no_grad():
+        plain = forward.forward_logprobs(model, data, packed=False)
+        shared = forward.forward_logprobs(model, data, False, wanted=wanted, share_prefix=True)
+    torch.testing.assert_close(shared, plain * wanted, rtol=0, atol=1e-12)
+    prefix = prefix_lengths(wanted, data["input_lengths"])
+    firsts, group = shared_prefixes(data["input_ids"], prefix)
+    packed = shared_prefix._packed_rows(prefix, data["input_lengths"], firsts, group)
+    layout = shared_prefix._segments(packed, max(map(len, packed)), torch.device("cpu"))
+    # sharing_pays counts what the kernel computes.
+    assert shared_prefix._segment_pairs(packed) == sum(p.pairs for p in layout.problems)
+
+
+def test_under_bf16_autocast_sharing_is_as_close_to_float64_as_the_plain_forward():
+    """The recipe's precision: a float32 model under bf16 autocast. Attention by segments
+    (float32 inside on a CPU) is no further from a float64 forward than the plain bf16
+    forward is."""
+    data = grouped_batch()
+    wanted = (loss_token_mask(data) > 0) & forward._padding_mask(data)
+    model = initial_model()
+    with torch.no_grad():
+        truth = forward.forward_logprobs(model, data, packed=False) * wanted
+        model.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain = forward.forward_logprobs(model, data, packed=False) * wanted
+            shared = forward.forward_logprobs(model, data, False, wanted=wanted, share_prefix=True)
+    plain_error = (plain.double() - truth).abs().max()
+    shared_error = (shared.double() - truth).abs().max()
+    assert 0 < shared_error <= 1.5 * plain_error + 1e-3, (float(shared_error), float(plain_error))
+
+
 def test_sharing_runs_only_where_it_pays_and_where_the_mask_is_right():
     data = grouped_batch()
     wanted = loss_token_mask(data) > 0

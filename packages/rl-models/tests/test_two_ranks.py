@@ -81,6 +81,7 @@ def test_groups_share_their_prompt_pass_on_two_ranks(ranks, float64_norms):
     for rank, r in enumerate(ranks):
         half = grouped_batch().slice(rank * 6, rank * 6 + 6)
         assert len(r["embedded"]) == 1 and r["embedded"][0] < half["input_ids"].numel()
+        assert r["segments"] == TINY_LLAMA["num_hidden_layers"]  # attention by segments
     expected = reference_step(grouped_batch().slice(0, 12))
     for name, tensor in expected.items():
         got = ranks[0]["trained_weights"][name]

@@ -28,6 +28,7 @@ from conftest import (
 )
 
 from rl_models.losses import NLLLoss
+from rl_models.policy import segment_attention
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
 # Big enough that a whole copy (~110 MB in float32) stands far above the noise of a process's
@@ -132,16 +133,23 @@ def shared_prefix_step(rank: int) -> dict:
         half = grouped_batch().slice(rank * 6, rank * 6 + 6)
         config = tiny_config(train_global_batch_size=12, train_micro_batch_size=6)
         worker = DTensorPolicyWorker(config)
-        embedded = []
+        embedded, segment_calls = [], []
         worker.model.get_input_embeddings().register_forward_pre_hook(
             lambda _m, args: embedded.append(int(args[0].numel()))
+        )
+        segment_attention.AttentionInterface.register(
+            segment_attention.NAME,
+            lambda *a, **k: segment_calls.append(1) or segment_attention.segment_attention(*a, **k),
         )
         worker.train(half, NLLLoss())
         weights = get_model_state_dict(
             worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return {"trained_weights": weights, "embedded": embedded}
+        return {"trained_weights": weights, "embedded": embedded, "segments": len(segment_calls)}
     finally:
+        segment_attention.AttentionInterface.register(
+            segment_attention.NAME, segment_attention.segment_attention
+        )
         modeling_llama.LlamaRMSNorm.forward = original
 
 

@@ -58,15 +58,21 @@ class _TargetLogProbs(torch.autograd.Function):
     written out: autograd's own takes the log-softmax apart into a dozen ``[n, V]`` passes
     (the upcast, logsumexp's, gather's zeros and scatter, their sum, the downcast), where
     the gradient of the logits is one expression, ``(onehot - softmax) * g / T``, made in
-    one float32 buffer. The matmuls run in the dtype autocast would give them (the compute
-    dtype of the weights otherwise); the log-softmax in at least float32. Saved for
-    backward: the logits in their compute dtype (not a float32 copy)."""
+    place in one float32 buffer (then rounded to the matmuls' dtype). The matmuls run in the
+    dtype autocast would give them (the inputs' otherwise); the log-softmax in at least
+    float32. Saved for backward: the logits in their compute dtype (not a float32 copy).
+    Under autocast the output weight is cast once per chunk of tokens (autocast's own cache
+    would cast it once per forward): a cost when a forward has many chunks."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, index, temperature):
         device = hidden.device.type
-        autocast = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
+        # Autocast's rule for a matmul: float32 inputs run in its dtype; other precisions
+        # (float64) are left alone, as are tensors outside autocast.
+        if torch.is_autocast_enabled(device) and hidden.dtype == torch.float32:
+            dtype = torch.get_autocast_dtype(device)
+        else:
+            dtype = torch.promote_types(hidden.dtype, weight.dtype)
         with torch.autocast(device, enabled=False):
             h, w = hidden.to(dtype), weight.to(dtype)
             logits = F.linear(h, w, None if bias is None else bias.to(dtype))
@@ -81,6 +87,7 @@ class _TargetLogProbs(torch.autograd.Function):
         return picked
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         h, w, logits, index, lse = ctx.saved_tensors
         temperature = ctx.temperature

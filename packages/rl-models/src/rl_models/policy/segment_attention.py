@@ -10,17 +10,22 @@ rows (P = 46, G = 8, R ~ 25) that is about a third of the pairs; the saving grow
 
 How: the keys and queries of each problem are gathered out of the packed row (the prompt's
 keys once per sample that reads them; backward sums their gradients), problems of one shape
-run as one batched ``scaled_dot_product_attention`` under a causal-with-prefix mask, and the
-outputs are scattered back to their tokens. Every token of the packed row is a query of
-exactly one problem; the row's padding is a query of none and gets zeros (its outputs are
+run as one batched ``scaled_dot_product_attention`` per kind under a causal-with-prefix mask
+(below), and the
+outputs are scattered back to their tokens. Problems are batched by kind (a prompt alone,
+or a row's rest after its prompt), each kind padded to its largest problem. Every token of
+the packed row is a query of exactly one problem; the row's padding is a query of none and gets zeros (its outputs are
 never read).
 
 The kernel is chosen by name through Hugging Face's ``AttentionInterface`` while
 ``attention_by_segments`` is active: the model's attention layers call it with their own
 projected, rotated queries and keys, so the projections, norms and MLPs run as they always
-do. The layout travels in a context variable, not through the model's call: a recompute in
-backward (activation checkpointing) would run outside the context, so callers use this only
-without it (``shared_prefix.py``).
+do. The layout travels in a context variable, not through the model's call, and the switch
+is on the model's config: a recompute in backward (activation checkpointing) would run
+outside the context, so callers use this only without it (``shared_prefix.py``; a
+checkpoint the detection there misses fails loudly, torch's recompute finding other saved
+tensors). The config is the model's own object, switched for the length of one forward
+call: another model sharing it would see the kernel meanwhile.
 """
 
 from __future__ import annotations
@@ -119,21 +124,26 @@ def segment_attention(
     """Hugging Face's attention-function signature: ``query [B, H, L, D]``, ``key`` and
     ``value [B, H_kv, L, D]`` over the packed rows; returns ``[B, L, H, D]`` (no weights).
     ``attention_mask`` (the dense block mask the call was also given) is not read."""
+    unsupported = [k for k in ("softcap", "sliding_window", "s_aux") if kwargs.get(k) is not None]
+    if unsupported:
+        raise ValueError(f"attention kernel {NAME!r} does not apply {unsupported}")
     layout = _ACTIVE.get()
     if layout is None:
         raise RuntimeError(f"attention kernel {NAME!r} called outside attention_by_segments")
     rows, heads, width, dim = query.shape
-    kv_heads = key.shape[1]
+    value_dim = value.shape[-1]
     if rows * width != layout.tokens:
         raise ValueError(f"the layout is for {layout.tokens} tokens, the call has {rows * width}")
     # On a CPU the flash kernel runs these small problems faster in float32 than in bf16 (and
     # the softmax is then float32, as eager attention has it); on an accelerator the half
     # kernel is the fast one.
     dtype = torch.float32 if query.dtype in HALF and query.device.type == "cpu" else query.dtype
+    # Keys and values repeated per query head: with a mask, sdpa's own grouped-query option
+    # would send CUDA to its math kernel (Hugging Face's sdpa path repeats them too).
     q = query.transpose(1, 2).reshape(rows * width, heads, dim).to(dtype)
-    k = key.transpose(1, 2).reshape(rows * width, kv_heads, dim).to(dtype)
-    v = value.transpose(1, 2).reshape(rows * width, kv_heads, dim).to(dtype)
-    out = q.new_zeros(rows * width, heads, dim)
+    k = _per_query_head(key, heads).transpose(1, 2).reshape(rows * width, heads, -1).to(dtype)
+    v = _per_query_head(value, heads).transpose(1, 2).reshape(rows * width, heads, -1).to(dtype)
+    out = q.new_zeros(rows * width, heads, value_dim)
     for p in layout.problems:
         n, _, q_len, k_len = p.mask.shape
         with torch.autocast(query.device.type, enabled=False):
@@ -144,15 +154,20 @@ def segment_attention(
                 attn_mask=p.mask,
                 dropout_p=dropout,
                 scale=scaling,
-                enable_gqa=kv_heads != heads,
             )
-        o = o.transpose(1, 2).reshape(n * q_len, heads, dim).index_select(0, p.outputs)
+        o = o.transpose(1, 2).reshape(n * q_len, heads, value_dim).index_select(0, p.outputs)
         out = out.index_copy(0, p.destinations, o)
-    return out.view(rows, width, heads, dim).to(query.dtype), None
+    return out.view(rows, width, heads, value_dim).to(query.dtype), None
+
+
+def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, H_kv, L, D]`` -> ``[B, heads, L, D]``, each key/value head repeated for the
+    query heads of its group."""
+    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
 
 
 def _gathered(t: torch.Tensor, index: torch.Tensor, n: int, length: int) -> torch.Tensor:
-    """``[n, heads, length, dim]`` from the flat tokens ``t [tokens, heads, dim]`` at ``index``."""
+    """``[n, heads, length, D]`` from the flat tokens ``t [tokens, heads, D]`` at ``index``."""
     return t.index_select(0, index).view(n, length, *t.shape[1:]).transpose(1, 2)
 
 

@@ -110,6 +110,30 @@ def _segments(
     return segment_layout(blocks, width, device)
 
 
+def _segment_pairs(packed: list[list[tuple[int, int, int, int]]]) -> int:
+    """The query-key pairs ``segment_attention`` computes for ``_segments(packed)``: per kind
+    of problem (a prefix alone or a row without one; a row's rest after its prefix), the
+    count of problems times the largest query length times the largest key length."""
+    alone: list[int] = []  # query lengths of problems with no prefix (keys: the same)
+    after: list[tuple[int, int]] = []  # (prefix length, rest length)
+    for tokens in packed:
+        prefix = sum(seg < 0 for _, _, seg, _ in tokens)
+        rest = len(tokens) - prefix
+        if prefix:
+            alone.append(prefix)
+            sizes: dict[int, int] = {}
+            for _, _, seg, _ in tokens:
+                if seg >= 0:
+                    sizes[seg] = sizes.get(seg, 0) + 1
+            after += [(prefix, r) for r in sizes.values()]
+        else:
+            alone.append(rest)
+    pairs = len(alone) * max(alone, default=0) ** 2
+    if after:
+        pairs += len(after) * max(r for _, r in after) * max(p + r for p, r in after)
+    return pairs
+
+
 def recomputes_in_backward(model: torch.nn.Module) -> bool:
     """Whether some layer recomputes its forward in backward (activation checkpointing): the
     recompute would run outside ``attention_by_segments``, so the dense mask is used."""
@@ -133,10 +157,7 @@ def sharing_pays(
     hidden = model.config.get_text_config().hidden_size
     packed = _packed_rows(prefix, lengths, firsts, group)
     rows = [len(r) for r in packed]
-    if recomputes_in_backward(model):
-        pairs = len(rows) * max(rows) ** 2
-    else:
-        pairs = sum(p.pairs for p in _segments(packed, max(rows), torch.device("cpu")).problems)
+    pairs = len(rows) * max(rows) ** 2 if recomputes_in_backward(model) else _segment_pairs(packed)
     width, batch = int(lengths.max()), len(lengths)
     shared = 24 * hidden * sum(rows) + 4 * pairs
     plain = 24 * hidden * batch * width + 4 * batch * width**2
@@ -153,8 +174,9 @@ def shared_prefix_logprobs(
     """``[B, S]`` log-probs at the ``wanted`` positions (0 elsewhere) of a right-padded
     micro-batch, each distinct prefix run once (module docstring). ``model`` is a Hugging
     Face causal LM for which ``supports_shared_prefix`` holds and whose output layer returns
-    plain logits (``supports_chunked_logprobs``). One ordinary forward call, so FSDP2 and
-    activation checkpointing see nothing unusual."""
+    plain logits (``supports_chunked_logprobs``). One ordinary forward call, so FSDP2's hooks
+    see nothing unusual; under activation checkpointing the attention is the dense masked
+    one (``recomputes_in_backward``)."""
     ids, lengths = mb["input_ids"], mb["input_lengths"].to(mb["input_ids"].device)
     device, (batch, width) = ids.device, ids.shape
     prefix = prefix_lengths(wanted, lengths)
@@ -167,15 +189,18 @@ def shared_prefix_logprobs(
     table = torch.tensor([r + [pad] * (longest - len(r)) for r in packed], device=device)
     rows, cols, seg, parent = table.unbind(-1)
     real = torch.tensor([[k < len(r) for k in range(longest)] for r in packed], device=device)
-    causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
-    own = seg[:, :, None] == seg[:, None, :]
-    mask = causal & (own | (parent[:, :, None] == seg[:, None, :]))
     # The output at a token predicts the next one of its row: kept where that one is wanted
     # (never for prefix tokens, by the choice of prefix).
     next_cols = (cols + 1).clamp(max=width - 1)
     keep = real & (seg >= 0) & (cols + 1 < lengths[rows]) & wanted[rows, next_cols]
-    attention = contextlib.nullcontext()
-    if not recomputes_in_backward(model):
+    if recomputes_in_backward(model):
+        # One dense square per packed row: each token sees its own segment and its parent.
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+        own = seg[:, :, None] == seg[:, None, :]
+        mask = (causal & (own | (parent[:, :, None] == seg[:, None, :])))[:, None]
+        attention = contextlib.nullcontext()
+    else:  # the kernel knows the segments; no [longest, longest] mask is made
+        mask = None
         attention = attention_by_segments(model, _segments(packed, longest, device))
     with (
         attention,
@@ -184,7 +209,7 @@ def shared_prefix_logprobs(
         out = model(
             input_ids=ids[rows, cols] * real,
             position_ids=cols,
-            attention_mask=mask[:, None],
+            attention_mask=mask,
             use_cache=False,
         ).logits
     # Back to the row layout: the log-prob of token (row, col + 1); the unkept ones land in a
