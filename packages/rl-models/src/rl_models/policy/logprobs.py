@@ -44,13 +44,24 @@ def _chunk_logprobs(
     hidden: torch.Tensor,
     targets: torch.Tensor,
     weight: torch.Tensor,
+    cast: torch.Tensor,
     bias: torch.Tensor | None,
     temperature: float,
 ) -> torch.Tensor:
-    """``hidden [n, H]``, ``targets [n]`` or ``[n, k]`` -> log-probs of ``targets``' shape."""
+    """``hidden [n, H]``, ``targets [n]`` or ``[n, k]`` -> log-probs of ``targets``' shape;
+    ``cast`` is ``weight`` in the matmuls' dtype (``_matmul_dtype``), without gradient."""
     index = targets.unsqueeze(-1) if targets.dim() == 1 else targets  # [n, 1] or [n, k]
-    picked = _TargetLogProbs.apply(hidden, weight, bias, index, temperature)
+    picked = _TargetLogProbs.apply(hidden, weight, cast, bias, index, temperature)
     return picked.view(targets.shape)
+
+
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would run ``hidden @ weight.T`` in: its own when it is on (float64
+    is never autocast), the inputs' promoted dtype otherwise."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and torch.float64 not in (hidden.dtype, weight.dtype):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
 
 
 class _TargetLogProbs(torch.autograd.Function):
@@ -61,20 +72,14 @@ class _TargetLogProbs(torch.autograd.Function):
     place in one float32 buffer (then rounded to the matmuls' dtype). The matmuls run in the
     dtype autocast would give them (the inputs' otherwise); the log-softmax in at least
     float32. Saved for backward: the logits in their compute dtype (not a float32 copy).
-    Under autocast the output weight is cast once per chunk of tokens (autocast's own cache
-    would cast it once per forward): a cost when a forward has many chunks."""
+    ``weight`` is the parameter (its gradient is returned in its dtype); ``cast`` the same
+    values in the matmuls' dtype, made once for all chunks by ``chunked_logprobs``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, temperature):
-        device = hidden.device.type
-        # Autocast's rule for a matmul: float32 inputs run in its dtype; other precisions
-        # (float64) are left alone, as are tensors outside autocast.
-        if torch.is_autocast_enabled(device) and hidden.dtype == torch.float32:
-            dtype = torch.get_autocast_dtype(device)
-        else:
-            dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    def forward(ctx, hidden, weight, cast, bias, index, temperature):
+        device, dtype = hidden.device.type, cast.dtype
         with torch.autocast(device, enabled=False):
-            h, w = hidden.to(dtype), weight.to(dtype)
+            h, w = hidden.to(dtype), cast
             logits = F.linear(h, w, None if bias is None else bias.to(dtype))
             z = logits.float() if dtype in HALF else logits
             if temperature != 1.0:
@@ -105,8 +110,8 @@ class _TargetLogProbs(torch.autograd.Function):
             hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
             d_hidden = (g @ w).to(hidden_dtype) if need[0] else None
             d_weight = (g.T @ h).to(weight_dtype) if need[1] else None
-            d_bias = g.sum(0).to(bias_dtype) if need[2] else None
-        return d_hidden, d_weight, d_bias, None, None
+            d_bias = g.sum(0).to(bias_dtype) if need[3] else None
+        return d_hidden, d_weight, None, d_bias, None, None
 
 
 def over_token_chunks(
@@ -156,8 +161,12 @@ def chunked_logprobs(
     """``log softmax((hidden @ weight.T + bias) / temperature)[targets]`` for ``hidden
     [..., H]``, ``targets [...]`` (one token per position) or ``[..., k]`` (k tokens per
     position), computed ``chunk_size`` tokens at a time (``None``: all at once)."""
+    # The weight in the matmuls' dtype once for all chunks (under autocast a [V, H] copy),
+    # outside autograd: each chunk's weight gradient still comes back in the weight's own
+    # dtype, so the chunks' gradients add up in float32, not in bf16.
+    cast = weight.detach().to(_matmul_dtype(hidden, weight))
     return over_token_chunks(
-        _chunk_logprobs, hidden, targets, chunk_size, weight, bias, temperature
+        _chunk_logprobs, hidden, targets, chunk_size, weight, cast, bias, temperature
     )
 
 
