@@ -131,8 +131,17 @@ def wait_for_nodes(address: str, env: dict, count: int) -> None:
     probe = (
         f"import ray; ray.init(address='{address}'); print(sum(n['Alive'] for n in ray.nodes()))"
     )
-    for _ in range(90):
-        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=30
+            )
+        except subprocess.TimeoutExpired:
+            # A driver that connects while the head is still starting can hang in ray.init
+            # (seen once in CI: the probe never returned and the test hit its 300 s limit);
+            # a fresh probe connects to the started head.
+            continue
         if out.returncode == 0 and out.stdout.strip() == str(count):
             return
         time.sleep(1)
