@@ -131,21 +131,27 @@ def wait_for_nodes(address: str, env: dict, count: int) -> None:
     probe = (
         f"import ray; ray.init(address='{address}'); print(sum(n['Alive'] for n in ray.nodes()))"
     )
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline:
+    deadline, last = time.monotonic() + 120, "no probe finished"
+    while (left := deadline - time.monotonic()) > 0:
         try:
             out = subprocess.run(
-                [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=30
+                [sys.executable, "-c", probe],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=max(1.0, min(30.0, left)),
             )
         except subprocess.TimeoutExpired:
             # A driver that connects while the head is still starting can hang in ray.init
             # (seen once in CI: the probe never returned and the test hit its 300 s limit);
             # a fresh probe connects to the started head.
+            last = "the last probe hung in ray.init"
             continue
         if out.returncode == 0 and out.stdout.strip() == str(count):
             return
+        last = f"the last probe said {out.stdout.strip()!r}, stderr: {out.stderr[-1500:]}"
         time.sleep(1)
-    raise TimeoutError(f"the Ray cluster at {address} never had {count} nodes")
+    raise TimeoutError(f"the Ray cluster at {address} never had {count} nodes; {last}")
 
 
 def run_driver(env: dict, code: str) -> dict:

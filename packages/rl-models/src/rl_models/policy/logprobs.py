@@ -5,7 +5,9 @@ vocabulary and 16k tokens that is ~10 GB in float32 before the log-softmax and i
 double it. Here the output layer is applied ``chunk_size`` tokens at a time: each chunk's
 logits live only while that chunk's log-probs are computed, and backward recomputes them
 (activation checkpointing per chunk), so peak memory holds one chunk of logits, not all.
-The gradients are exactly those of the unchunked computation (same operations, recomputed).
+The gradients are those of the unchunked computation (same operations, recomputed): exactly
+in float32 and float64; under bf16 the weight's gradient is a sum of per-chunk products,
+rounded per chunk.
 Targets may carry a trailing dimension (``[..., k]``: the log-probs of k given tokens per
 position, a distillation student's at its teacher's top-k ids), and ``chunked_topk_logprobs``
 gives a position's k most likely tokens and their log-probs (a distillation teacher's side).
@@ -161,9 +163,10 @@ def chunked_logprobs(
     """``log softmax((hidden @ weight.T + bias) / temperature)[targets]`` for ``hidden
     [..., H]``, ``targets [...]`` (one token per position) or ``[..., k]`` (k tokens per
     position), computed ``chunk_size`` tokens at a time (``None``: all at once)."""
-    # The weight in the matmuls' dtype once for all chunks (under autocast a [V, H] copy),
-    # outside autograd: each chunk's weight gradient still comes back in the weight's own
-    # dtype, so the chunks' gradients add up in float32, not in bf16.
+    # The weight in the matmuls' dtype once for all chunks (under autocast a [V, H] copy,
+    # held until backward, as autocast's own cache would hold it), outside autograd: each
+    # chunk's weight gradient still comes back in the weight's own dtype, so the chunks'
+    # gradients add up in that dtype (float32 master weights: float32, not bf16).
     cast = weight.detach().to(_matmul_dtype(hidden, weight))
     return over_token_chunks(
         _chunk_logprobs, hidden, targets, chunk_size, weight, cast, bias, temperature
