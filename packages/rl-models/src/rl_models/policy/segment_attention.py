@@ -38,9 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from rl_models.policy.logprobs import HALF
 
 NAME = "rl_segments"
-HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ def segment_attention(
 ) -> tuple[torch.Tensor, None]:
     """Hugging Face's attention-function signature: ``query [B, H, L, D]``, ``key`` and
     ``value [B, H_kv, L, D]`` over the packed rows; returns ``[B, L, H, D]`` (no weights).
-    ``attention_mask`` (the dense block mask the call was also given) is not read."""
+    ``attention_mask`` is not read (the layout says who sees whom; callers pass None)."""
     unsupported = [k for k in ("softcap", "sliding_window", "s_aux") if kwargs.get(k) is not None]
     if unsupported:
         raise ValueError(f"attention kernel {NAME!r} does not apply {unsupported}")
@@ -141,8 +143,9 @@ def segment_attention(
     # Keys and values repeated per query head: with a mask, sdpa's own grouped-query option
     # would send CUDA to its math kernel (Hugging Face's sdpa path repeats them too).
     q = query.transpose(1, 2).reshape(rows * width, heads, dim).to(dtype)
-    k = _per_query_head(key, heads).transpose(1, 2).reshape(rows * width, heads, -1).to(dtype)
-    v = _per_query_head(value, heads).transpose(1, 2).reshape(rows * width, heads, -1).to(dtype)
+    groups = heads // key.shape[1]
+    k = repeat_kv(key, groups).transpose(1, 2).reshape(rows * width, heads, -1).to(dtype)
+    v = repeat_kv(value, groups).transpose(1, 2).reshape(rows * width, heads, -1).to(dtype)
     out = q.new_zeros(rows * width, heads, value_dim)
     for p in layout.problems:
         n, _, q_len, k_len = p.mask.shape
@@ -158,12 +161,6 @@ def segment_attention(
         o = o.transpose(1, 2).reshape(n * q_len, heads, value_dim).index_select(0, p.outputs)
         out = out.index_copy(0, p.destinations, o)
     return out.view(rows, width, heads, value_dim).to(query.dtype), None
-
-
-def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[B, H_kv, L, D]`` -> ``[B, heads, L, D]``, each key/value head repeated for the
-    query heads of its group."""
-    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
 
 
 def _gathered(t: torch.Tensor, index: torch.Tensor, n: int, length: int) -> torch.Tensor:
