@@ -134,7 +134,7 @@ def main() -> None:
         data = ProcessedDataset(rows, tokenizer, template, "sft")
         collate = partial(sft_collate, pad_token_id=tokenizer.pad_token_id)
         loader = StatefulDataLoader(data, args.batch_size, collate, drop_last=False)
-        return sum(int(batch["input_lengths"].sum()) for batch in loader)
+        return sum(int(batch.input_lengths.sum()) for batch in loader)
 
     # alternate the two and keep each one's best round: the machine's other load hits both alike
     best = {"baseline": float("inf"), "ours": float("inf")}

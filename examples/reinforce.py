@@ -11,7 +11,6 @@ from rl_algorithms.cli import build_config
 from rl_algorithms.grpo.steps import refit_if_stale, rollout_prompts, shaped_rewards, validate
 from rl_algorithms.losses.common import global_count
 from rl_algorithms.run import Run, end_step, reduce_step_metrics, start_loop
-from rl_models.losses import loss_token_mask
 
 
 class ReinforceLoss:
@@ -21,11 +20,11 @@ class ReinforceLoss:
     input_type = "loss_token_logprobs"  # the policy hands us log-probs of the loss tokens
 
     def batch_fields(self) -> frozenset[str]:
-        return frozenset({"input_ids", "input_lengths", "token_mask", "advantages"})
+        return frozenset({"advantages"})  # TrainBatch fields, checked at setup
 
-    def __call__(self, logprobs, data, global_valid_seqs, global_valid_toks):
-        mask = loss_token_mask(data).to(logprobs)
-        advantages = data["advantages"][:, : logprobs.shape[1]].to(logprobs)
+    def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
+        mask = batch.loss_token_mask().to(logprobs)
+        advantages = batch.advantages[:, : logprobs.shape[1]].to(logprobs)
         loss = -(advantages * logprobs * mask).sum() / global_count(global_valid_toks, logprobs)
         return loss, {"loss": float(loss)}
 
@@ -40,7 +39,8 @@ def reinforce_train(run: Run) -> dict[str, float]:
         result = rollout_prompts(run, prompts)  # generate, and the environment scores
         batch = result.training_batch(run.tokenizer.pad_token_id)
         rewards = shaped_rewards(run, result)  # plus the overlong penalty, if configured
-        batch["advantages"] = (rewards - rewards.mean())[:, None] * batch["token_mask"]
+        advantages = (rewards - rewards.mean())[:, None] * batch.loss_mask
+        batch = batch.replace(advantages=advantages)
         run.policy.prepare_for_training()
         metrics = reduce_step_metrics(run.policy.train(batch, run.loss_fn))
         metrics["reward_mean"] = float(result.rewards.mean())

@@ -34,6 +34,7 @@ def test_the_reinforce_loss_matches_a_float64_reference_and_splits_exactly():
     them: two micro-batches give the full batch's loss and gradient."""
     import torch
 
+    from rl_data.batch import TrainBatch
     from rl_distributed.batched_data_dict import BatchedDataDict
 
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ def test_the_reinforce_loss_matches_a_float64_reference_and_splits_exactly():
     data = BatchedDataDict(
         input_ids=torch.ones(B, S, dtype=torch.long),
         input_lengths=lengths,
-        token_mask=token_mask,
+        loss_mask=token_mask,
         advantages=torch.randn(B, S) * token_mask,
     )
     logprobs = -torch.rand(B, S, dtype=torch.float64)
@@ -56,14 +57,16 @@ def test_the_reinforce_loss_matches_a_float64_reference_and_splits_exactly():
     total, grad = 0.0, torch.zeros(B, S, dtype=torch.float64)
     for rows in ([0, 1], [2, 3]):  # micro-batches, normalised by the global count
         lp = logprobs[rows].clone().requires_grad_(True)
-        part, _ = loss_fn(lp, data.select_indices(rows), torch.tensor(2), tokens)
+        part, _ = loss_fn(
+            lp, TrainBatch.from_transport(data.select_indices(rows)), torch.tensor(2), tokens
+        )
         part.backward()
         total += float(part)
         grad[rows] = lp.grad
     assert total == pytest.approx(float(reference), rel=1e-12)
     expected_grad = -(data["advantages"].double() * token_mask.double()) / tokens
     torch.testing.assert_close(grad, expected_grad)
-    assert loss_fn.batch_fields() <= {"input_ids", "input_lengths", "token_mask", "advantages"}
+    assert loss_fn.batch_fields() <= {"input_ids", "input_lengths", "loss_mask", "advantages"}
 
 
 @pytest.mark.slow

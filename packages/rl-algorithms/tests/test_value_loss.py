@@ -8,8 +8,8 @@ import torch
 from pydantic import ValidationError
 
 from rl_algorithms.losses import ClippedValueLossFn, ValueLossConfig
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.losses import loss_token_mask, sample_valid_mask
 
 CLIP = 0.2
 
@@ -33,7 +33,7 @@ def value_batch(seed: int = 0) -> tuple[torch.Tensor, BatchedDataDict]:
     data = BatchedDataDict(
         input_ids=torch.randint(1, 50, (B, S), generator=g) * real,
         input_lengths=lengths,
-        token_mask=token_mask.double(),
+        loss_mask=token_mask.double(),
         sample_mask=sample_mask,
         values=old.masked_fill(off, torch.inf),
         returns=returns.masked_fill(off, -torch.inf),
@@ -48,7 +48,7 @@ def reference_loss(values, data, clip):
         if data["sample_mask"][b] == 0:
             continue
         for t in range(1, int(data["input_lengths"][b])):
-            if data["token_mask"][b, t] == 0:
+            if data["loss_mask"][b, t] == 0:
                 continue
             v, v_old, r = values[b, t], float(data["values"][b, t]), float(data["returns"][b, t])
             plain = (v - r) ** 2
@@ -67,13 +67,17 @@ def reference_loss(values, data, clip):
 
 
 def counts(data):
-    return sample_valid_mask(data).sum(), loss_token_mask(data).sum()
+    return TrainBatch.from_transport(data).sample_valid_mask().sum(), TrainBatch.from_transport(
+        data
+    ).loss_token_mask().sum()
 
 
 @pytest.mark.parametrize("clip", [CLIP, None])
 def test_value_loss_and_gradient_match_the_reference(clip):
     values, data = value_batch()
-    loss, metrics = ClippedValueLossFn({"value_clip": clip})(values, data, *counts(data))
+    loss, metrics = ClippedValueLossFn({"value_clip": clip})(
+        values, TrainBatch.from_transport(data), *counts(data)
+    )
     (grad,) = torch.autograd.grad(loss, values)
 
     ref_values = values.detach().clone().requires_grad_(True)
@@ -88,7 +92,7 @@ def test_value_loss_and_gradient_match_the_reference(clip):
     if clip is not None:
         assert 0 < clip_fraction < 1  # the batch exercises both branches
     assert metrics.keys() == ClippedValueLossFn.METRICS
-    mask = loss_token_mask(data) > 0
+    mask = TrainBatch.from_transport(data).loss_token_mask() > 0
     v = values.detach()[mask]
     assert math.isclose(metrics["value_mean"], float(v.sum()) / n, rel_tol=1e-12)
     assert metrics["value_min"] == float(v.min()) and metrics["value_max"] == float(v.max())
@@ -106,7 +110,9 @@ def test_clipped_tokens_get_no_gradient():
         returns=torch.ones(1, 4, dtype=torch.float64),
     )
     values = torch.tensor([[0.0, 0.9, 0.1, -0.5]], dtype=torch.float64, requires_grad=True)
-    loss, metrics = ClippedValueLossFn({"value_clip": CLIP})(values, data, *counts(data))
+    loss, metrics = ClippedValueLossFn({"value_clip": CLIP})(
+        values, TrainBatch.from_transport(data), *counts(data)
+    )
     (grad,) = torch.autograd.grad(loss, values)
     n = 3  # position 0 is never a loss token
     want = torch.tensor([[0.0, 0.0, (0.1 - 1) / n, (-0.5 - 1) / n]], dtype=torch.float64)
@@ -121,14 +127,14 @@ def test_micro_batches_add_up_to_the_global_batch():
     values, data = value_batch(seed=1)
     fn = ClippedValueLossFn()
     seqs, toks = counts(data)
-    whole, whole_metrics = fn(values, data, seqs, toks)
+    whole, whole_metrics = fn(values, TrainBatch.from_transport(data), seqs, toks)
     (whole_grad,) = torch.autograd.grad(whole, values)
 
     parts, grads, metric_sums = [], [], {}
     for rows in (slice(0, 2), slice(2, 6)):
         part_values = values.detach()[rows].clone().requires_grad_(True)
         part = BatchedDataDict({k: v[rows] for k, v in data.items()})
-        loss, metrics = fn(part_values, part, seqs, toks)
+        loss, metrics = fn(part_values, TrainBatch.from_transport(part), seqs, toks)
         (g,) = torch.autograd.grad(loss, part_values)
         parts.append(loss)
         grads.append(g)
@@ -158,4 +164,4 @@ def test_config_and_missing_keys():
     values, data = value_batch()
     del data["returns"]
     with pytest.raises(KeyError, match="'returns'"):
-        fn(values, data, *counts(data))
+        fn(values, TrainBatch.from_transport(data), *counts(data))

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from rl_data.batch import TrainBatch
 from rl_data.collate import flatten_message_logs, preference_collate, rl_collate, sft_collate
-from rl_distributed.batched_data_dict import BatchedDataDict
 
 
 def msg(role, ids, **extra):
@@ -43,7 +43,6 @@ def test_flatten_matches_a_plain_padding_loop():
         pad = width - len(ids)
         assert out["input_ids"][b].tolist() == ids + [0] * pad
         assert out["loss_mask"][b].tolist() == loss + [0] * pad
-        assert out["token_mask"][b].tolist() == [1] * len(ids) + [0] * pad
         assert out["input_lengths"][b].item() == len(ids)
 
 
@@ -53,12 +52,12 @@ def test_pad_to_multiple_rounds_the_width_up():
     assert flatten_message_logs(LOGS[:1], 0, pad_to_multiple=5)["input_ids"].shape == (1, 5)
 
 
-def test_sft_collate_gives_a_batched_data_dict_with_sample_mask():
+def test_sft_collate_gives_a_train_batch_with_sample_mask():
     batch = sft_collate([datum(LOGS[0], 3), datum(LOGS[1], 8, mult=0.0)], pad_token_id=99)
-    assert isinstance(batch, BatchedDataDict) and batch.size == 2
-    assert batch["sample_mask"].tolist() == [1.0, 0.0]
-    assert batch["idx"].tolist() == [3, 8]
-    assert batch["input_ids"][0].tolist() == [5, 6, 7, 8, 9, 99]
+    assert isinstance(batch, TrainBatch) and batch.size == 2
+    assert batch.sample_mask.tolist() == [1.0, 0.0]
+    assert batch.idx.tolist() == [3, 8]
+    assert batch.input_ids[0].tolist() == [5, 6, 7, 8, 9, 99]
 
 
 def test_preference_collate_interleaves_chosen_and_rejected():
@@ -76,8 +75,8 @@ def test_preference_collate_interleaves_chosen_and_rejected():
         [pair(LOGS[0], LOGS[1], 0), pair(LOGS[2], LOGS[0], 1)], pad_token_id=0
     )
     assert batch.size == 4
-    assert batch["input_lengths"].tolist() == [5, 6, 3, 5]
-    assert batch["idx"].tolist() == [0, 0, 1, 1]
+    assert batch.input_lengths.tolist() == [5, 6, 3, 5]
+    assert batch.idx.tolist() == [0, 0, 1, 1]
 
 
 def test_rl_collate_keeps_message_logs_and_env_info():

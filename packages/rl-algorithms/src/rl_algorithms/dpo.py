@@ -19,7 +19,7 @@ from rl_algorithms.config import LoopConfig, SupervisedRunConfig, recipe_path
 from rl_algorithms.losses.dpo import DPOLossConfig
 from rl_algorithms.run import Run
 from rl_algorithms.supervised import setup_supervised, train_loop
-from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_data.batch import TrainBatch
 from rl_models.policy.config import PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("dpo")
@@ -66,15 +66,13 @@ def setup(config: MasterConfig) -> Run:
     return setup_supervised(config, config.dpo, "preference", preference_collate, "dpo", loss_fn)
 
 
-def with_reference_logprobs(run: Run) -> Callable[[BatchedDataDict], BatchedDataDict]:
-    """Batch preparation: response-token mask and the reference policy's log-probs."""
+def with_reference_logprobs(run: Run) -> Callable[[TrainBatch], TrainBatch]:
+    """Batch preparation: the reference policy's log-probs of both responses of each pair."""
 
-    def prepare(batch: BatchedDataDict) -> BatchedDataDict:
-        batch["token_mask"] = batch["loss_mask"]  # the log-ratio sums over response tokens
+    def prepare(batch: TrainBatch) -> TrainBatch:
         run.policy.prepare_for_lp_inference()
         reference = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
-        batch["reference_policy_logprobs"] = reference
-        return batch
+        return batch.replace(reference_logprobs=reference)
 
     return prepare
 

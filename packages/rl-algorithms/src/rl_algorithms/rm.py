@@ -17,7 +17,6 @@ from pydantic import Field, model_validator
 from rl_algorithms.config import LoopConfig, SupervisedRunConfig, recipe_path
 from rl_algorithms.run import Run
 from rl_algorithms.supervised import setup_supervised, train_loop
-from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.policy.config import PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("rm")
@@ -63,14 +62,9 @@ def setup(config: MasterConfig) -> Run:
     return setup_supervised(config, config.rm, "preference", preference_collate, "rm", loss_fn)
 
 
-def rm_batch(batch: BatchedDataDict) -> BatchedDataDict:
-    """Scores are read at each row's last real token; nothing to add to the batch."""
-    return batch
-
-
 def rm_train(run: Run) -> dict[str, float]:
     """Train until ``rm.max_num_steps`` or ``rm.max_num_epochs``; the last train metrics."""
-    return train_loop(run, run.config.rm, rm_batch, rows_per_sample=2)
+    return train_loop(run, run.config.rm, rows_per_sample=2)
 
 
 def main(config: MasterConfig) -> dict[str, float]:

@@ -33,6 +33,7 @@ from typing import Any
 import ray
 import torch
 
+from rl_data.batch import TrainBatch
 from rl_data.collate import flatten_message_logs
 from rl_data.messages import tokenize_message_logs, truncate_message_log
 from rl_data.templates import ChatTemplate
@@ -130,8 +131,8 @@ class RolloutResult:
             ),
         )
 
-    def training_batch(self, pad_token_id: int) -> BatchedDataDict:
-        """Right-padded ``input_ids`` with ``token_mask`` on sampled tokens only and the
+    def training_batch(self, pad_token_id: int) -> TrainBatch:
+        """Right-padded ``input_ids`` with ``loss_mask`` on sampled tokens only and the
         generator's ``generation_logprobs`` aligned to them (0 elsewhere)."""
         # Only tokens carrying a ``token_loss_mask`` (the sampled ones) are trained on: an
         # assistant turn that came with the prompt (few-shot) was never sampled.
@@ -147,10 +148,10 @@ class RolloutResult:
             ]
             row = torch.cat(pieces)
             gen_lp[b, : len(row)] = row
-        return BatchedDataDict(
+        return TrainBatch(
             input_ids=flat["input_ids"],
             input_lengths=flat["input_lengths"],
-            token_mask=flat["loss_mask"].to(torch.float32),
+            loss_mask=flat["loss_mask"].to(torch.float32),
             generation_logprobs=gen_lp,
         )
 

@@ -15,7 +15,6 @@ from pydantic import Field
 from rl_algorithms.config import LoopConfig, SupervisedRunConfig, recipe_path
 from rl_algorithms.run import Run
 from rl_algorithms.supervised import setup_supervised, train_loop
-from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.policy.config import PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("sft")
@@ -43,15 +42,9 @@ def setup(config: MasterConfig) -> Run:
     return setup_supervised(config, config.sft, "sft", sft_collate, "sft", NLLLoss())
 
 
-def sft_batch(batch: BatchedDataDict) -> BatchedDataDict:
-    """The loss counts the assistant tokens (collate's ``loss_mask``), not every real token."""
-    batch["token_mask"] = batch["loss_mask"]
-    return batch
-
-
 def sft_train(run: Run) -> dict[str, float]:
     """Train until ``sft.max_num_steps`` or ``sft.max_num_epochs``; the last train metrics."""
-    return train_loop(run, run.config.sft, sft_batch)
+    return train_loop(run, run.config.sft)
 
 
 def main(config: MasterConfig) -> dict[str, float]:

@@ -12,14 +12,14 @@ from typing import Any
 
 from rl_algorithms.config import LoopConfig, SupervisedRunConfig
 from rl_algorithms.run import DataPlan, Run, end_step, reduce_step_metrics, setup_run, start_loop
-from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_data.batch import TrainBatch
 
 
 def setup_supervised(
     config: SupervisedRunConfig,
     loop: LoopConfig,
     processor: str,
-    collate: Callable[..., BatchedDataDict],
+    collate: Callable[..., TrainBatch],
     name: str,
     loss_fn: Any,
 ) -> Run:
@@ -49,19 +49,21 @@ def setup_supervised(
 def train_loop(
     run: Run,
     loop: LoopConfig,
-    prepare_batch: Callable[[BatchedDataDict], BatchedDataDict],
+    prepare_batch: Callable[[TrainBatch], TrainBatch] | None = None,
     rows_per_sample: int = 1,
 ) -> dict[str, float]:
     """Train until the step or epoch limit; returns the last train metrics.
 
-    ``prepare_batch`` turns a collated batch into what ``run.loss_fn`` reads (masks, reference
-    log-probs); ``rows_per_sample`` is 2 for preference pairs (a chosen and a rejected row).
+    ``prepare_batch`` adds to a collated batch what ``run.loss_fn`` reads besides it (DPO: the
+    reference log-probs); ``rows_per_sample`` is 2 for preference pairs (a chosen and a
+    rejected row).
     """
+    prepare_batch = prepare_batch or (lambda batch: batch)
     gbs = run.config.policy.train_global_batch_size * rows_per_sample
     mbs = run.config.policy.train_micro_batch_size * rows_per_sample
     timer = run.logger.timer
 
-    def evaluate(batch: BatchedDataDict) -> Mapping[str, Any]:
+    def evaluate(batch: TrainBatch) -> Mapping[str, Any]:
         return run.policy.train(
             prepare_batch(batch),
             run.loss_fn,
@@ -89,7 +91,7 @@ def train_loop(
 
 
 def validate_batches(
-    run: Run, loop: LoopConfig, evaluate: Callable[[BatchedDataDict], Mapping[str, Any]]
+    run: Run, loop: LoopConfig, evaluate: Callable[[TrainBatch], Mapping[str, Any]]
 ) -> dict[str, float]:
     """The mean of ``evaluate(batch)``'s metrics over the validation set (from its start; it
     is never shuffled), or its first ``loop.val_batches`` batches."""

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.losses import loss_token_mask, sample_valid_mask
 
 CPU_RECIPE = Path(__file__).resolve().parents[4] / "examples" / "configs" / "grpo_math_cpu.yaml"
 
@@ -31,12 +31,12 @@ def pg_batch(seed: int = 0) -> tuple[torch.Tensor, BatchedDataDict]:
     data = BatchedDataDict(
         input_ids=torch.randint(1, 50, (B, S), generator=g) * real,
         input_lengths=lengths,
-        token_mask=token_mask.double(),
+        loss_mask=token_mask.double(),
         sample_mask=sample_mask,
         advantages=adv,
         prev_logprobs=prev * real,
         generation_logprobs=gen * real,
-        reference_policy_logprobs=ref * real,
+        reference_logprobs=ref * real,
     )
     return logprobs.requires_grad_(True), data
 
@@ -49,7 +49,7 @@ def reference_loss(lp: torch.Tensor, data: BatchedDataDict, cfg: ClippedPGLossCo
             continue
         n_samples += 1
         tokens = [
-            t for t in range(1, int(data["input_lengths"][b])) if data["token_mask"][b, t] == 1
+            t for t in range(1, int(data["input_lengths"][b])) if data["loss_mask"][b, t] == 1
         ]
         prev, gen = data["prev_logprobs"][b], data["generation_logprobs"][b]
         seq_log_ratio = sum(lp[b, t] - prev[t] for t in tokens) / max(len(tokens), 1)
@@ -74,7 +74,7 @@ def reference_loss(lp: torch.Tensor, data: BatchedDataDict, cfg: ClippedPGLossCo
                     w = min(w, cfg.truncated_importance_sampling_ratio)
                 loss = loss * w
             if cfg.reference_policy_kl_penalty:
-                d = data["reference_policy_logprobs"][b, t] - lp[b, t]
+                d = data["reference_logprobs"][b, t] - lp[b, t]
                 if cfg.kl_input_clamp_value is not None:
                     d = torch.clamp(d, -cfg.kl_input_clamp_value, cfg.kl_input_clamp_value)
                 kl = {"k1": -d, "k2": d * d / 2, "k3": torch.exp(d) - d - 1}[
@@ -124,7 +124,9 @@ CONFIGS = {
 
 
 def global_counts(data):
-    return sample_valid_mask(data).sum(), loss_token_mask(data).sum()
+    return TrainBatch.from_transport(data).sample_valid_mask().sum(), TrainBatch.from_transport(
+        data
+    ).loss_token_mask().sum()
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -132,7 +134,7 @@ def test_loss_and_gradient_match_the_reference(name):
     cfg = ClippedPGLossConfig.model_validate(CONFIGS[name])
     lp, data = pg_batch()
     seqs, toks = global_counts(data)
-    loss, metrics = ClippedPGLossFn(cfg)(lp, data, seqs, toks)
+    loss, metrics = ClippedPGLossFn(cfg)(lp, TrainBatch.from_transport(data), seqs, toks)
     (grad,) = torch.autograd.grad(loss, lp)
     expected = reference_loss(lp, data, cfg)
     (expected_grad,) = torch.autograd.grad(expected, lp)
@@ -152,8 +154,8 @@ def test_dual_clip_caps_the_loss_of_a_negative_advantage():
         prev_logprobs=torch.tensor([[0.0, -3.0]], dtype=torch.float64),
     )
     one = torch.tensor(1.0)
-    plain, _ = ClippedPGLossFn({})(lp, data, one, one)
-    dual, _ = ClippedPGLossFn({"ratio_clip_c": 3.0})(lp, data, one, one)
+    plain, _ = ClippedPGLossFn({})(lp, TrainBatch.from_transport(data), one, one)
+    dual, _ = ClippedPGLossFn({"ratio_clip_c": 3.0})(lp, TrainBatch.from_transport(data), one, one)
     assert plain.item() == pytest.approx(math.exp(2.0))
     assert dual.item() == pytest.approx(3.0)
     (grad,) = torch.autograd.grad(dual, lp)
@@ -163,8 +165,8 @@ def test_dual_clip_caps_the_loss_of_a_negative_advantage():
 def test_metrics_report_ratios_clipping_and_generator_mismatch():
     lp, data = pg_batch()
     seqs, toks = global_counts(data)
-    _, metrics = ClippedPGLossFn({})(lp, data, seqs, toks)
-    mask = loss_token_mask(data).bool()
+    _, metrics = ClippedPGLossFn({})(lp, TrainBatch.from_transport(data), seqs, toks)
+    mask = TrainBatch.from_transport(data).loss_token_mask().bool()
     ratio = torch.exp(lp.detach() - data["prev_logprobs"])[mask]
     assert metrics["probs_ratio"] == pytest.approx(float(ratio.mean()))
     assert metrics["probs_ratio_min"] == pytest.approx(float(ratio.min()))
@@ -178,7 +180,7 @@ def test_metrics_report_ratios_clipping_and_generator_mismatch():
 def test_sampled_token_entropy_is_the_mean_negative_logprob_over_loss_tokens():
     lp, data = pg_batch()
     seqs, toks = global_counts(data)
-    _, metrics = ClippedPGLossFn({})(lp, data, seqs, toks)
+    _, metrics = ClippedPGLossFn({})(lp, TrainBatch.from_transport(data), seqs, toks)
     # Written plainly: every token of every kept sample from position 2 on (pg_batch's layout).
     total, count = 0.0, 0
     for b in range(lp.shape[0]):
@@ -205,7 +207,7 @@ def test_sampled_token_entropy_estimates_the_entropy_of_on_policy_tokens():
         prev_logprobs=lp,
     )
     one_seq, toks = torch.tensor(float(B)), torch.tensor(float(B * S))
-    _, metrics = ClippedPGLossFn({})(lp, data, one_seq, toks)
+    _, metrics = ClippedPGLossFn({})(lp, TrainBatch.from_transport(data), one_seq, toks)
     # Standard error of the mean of -log pi(y): sqrt(Var / n).
     var = float((probs * probs.log().square()).sum()) - exact**2
     assert abs(metrics["sampled_token_entropy"] - exact) < 4 * math.sqrt(var / (B * S))
@@ -216,12 +218,12 @@ def test_on_policy_the_ratio_is_one_and_the_gradient_is_the_policy_gradient():
     data["prev_logprobs"] = lp.detach().clone()
     data["generation_logprobs"] = lp.detach().clone()
     seqs, toks = global_counts(data)
-    loss, metrics = ClippedPGLossFn({})(lp, data, seqs, toks)
+    loss, metrics = ClippedPGLossFn({})(lp, TrainBatch.from_transport(data), seqs, toks)
     assert metrics["probs_ratio_min"] == pytest.approx(1.0)
     assert metrics["probs_ratio_max"] == pytest.approx(1.0)
     assert metrics["token_mult_prob_error"] == pytest.approx(1.0)
     (grad,) = torch.autograd.grad(loss, lp)
-    mask = loss_token_mask(data)
+    mask = TrainBatch.from_transport(data).loss_token_mask()
     torch.testing.assert_close(grad, -data["advantages"] * mask / mask.sum())
 
 
@@ -231,12 +233,14 @@ def test_micro_batches_add_up_to_the_whole_batch(name):
     lp, data = pg_batch(seed=3)
     seqs, toks = global_counts(data)
     loss_fn = ClippedPGLossFn(CONFIGS[name])
-    whole, whole_metrics = loss_fn(lp, data, seqs, toks)
+    whole, whole_metrics = loss_fn(lp, TrainBatch.from_transport(data), seqs, toks)
     (whole_grad,) = torch.autograd.grad(whole, lp)
 
     total, parts = 0.0, []
     for start, end in [(0, 1), (1, 4), (4, 6)]:
-        part, m = loss_fn(lp[start:end], data.slice(start, end), seqs, toks)
+        part, m = loss_fn(
+            lp[start:end], TrainBatch.from_transport(data.slice(start, end)), seqs, toks
+        )
         total = total + part
         parts.append(m)
     (split_grad,) = torch.autograd.grad(total, lp)
@@ -257,7 +261,9 @@ def test_bad_config_and_missing_keys_are_named():
     lp, data = pg_batch()
     del data["prev_logprobs"]
     with pytest.raises(KeyError, match="prev_logprobs"):
-        ClippedPGLossFn({})(lp, data, torch.tensor(1.0), torch.tensor(1.0))
+        ClippedPGLossFn({})(
+            lp, TrainBatch.from_transport(data), torch.tensor(1.0), torch.tensor(1.0)
+        )
 
 
 @pytest.mark.parametrize(
@@ -270,7 +276,9 @@ def test_without_prev_logprobs_pi_old_is_the_current_policy(name):
     lp, data = pg_batch(seed=3)
     del data["prev_logprobs"]
     seqs, toks = global_counts(data)
-    loss, metrics = ClippedPGLossFn(cfg, pi_old_is_current=True)(lp, data, seqs, toks)
+    loss, metrics = ClippedPGLossFn(cfg, pi_old_is_current=True)(
+        lp, TrainBatch.from_transport(data), seqs, toks
+    )
     (grad,) = torch.autograd.grad(loss, lp)
     ref_data = BatchedDataDict({**data, "prev_logprobs": lp.detach().clone()})
     expected = reference_loss(lp, ref_data, cfg)
@@ -280,7 +288,7 @@ def test_without_prev_logprobs_pi_old_is_the_current_policy(name):
     assert metrics["probs_ratio_min"] == metrics["probs_ratio_max"] == 1.0
     # Off (the default), a batch without pi_old's log-probs is an error, not a silent ratio 1.
     with pytest.raises(KeyError, match="prev_logprobs"):
-        ClippedPGLossFn(cfg)(lp, data, seqs, toks)
+        ClippedPGLossFn(cfg)(lp, TrainBatch.from_transport(data), seqs, toks)
 
 
 # The default recipe's loss (KL penalty 0.01, clamped k3), and the same with both clamps off
@@ -305,13 +313,13 @@ def test_a_sample_with_sample_mask_0_is_inert(config):
     extra = {
         "input_ids": torch.randint(1, 50, (filler, S), generator=g),
         "input_lengths": torch.full((filler,), S),
-        "token_mask": torch.ones(filler, S, dtype=torch.float64),
+        "loss_mask": torch.ones(filler, S, dtype=torch.float64),
         "sample_mask": torch.zeros(filler),
         "advantages": torch.full((filler, S), 1.7, dtype=torch.float64),  # e.g. whitened 0s
         "prev_logprobs": torch.full((filler, S), -1.0, dtype=torch.float64),
         "generation_logprobs": torch.full((filler, S), -1.0, dtype=torch.float64),
         # log pi_ref - log pi = 1000 on the filler's tokens: exp overflows even in float64
-        "reference_policy_logprobs": torch.full((filler, S), -1.0, dtype=torch.float64),
+        "reference_logprobs": torch.full((filler, S), -1.0, dtype=torch.float64),
     }
     data = BatchedDataDict({k: torch.cat([real[k], extra[k]]) for k in real})
     filler_lp = torch.full((filler, S), -1001.0, dtype=torch.float64)
@@ -322,14 +330,16 @@ def test_a_sample_with_sample_mask_0_is_inert(config):
     real_seqs, real_toks = global_counts(real)
     assert (seqs, toks) == (real_seqs, real_toks)
 
-    loss, metrics = ClippedPGLossFn(cfg)(all_lp, data, seqs, toks)
+    loss, metrics = ClippedPGLossFn(cfg)(all_lp, TrainBatch.from_transport(data), seqs, toks)
     (grad,) = torch.autograd.grad(loss, all_lp)
     expected = reference_loss(lp, real, cfg)
     (expected_grad,) = torch.autograd.grad(expected, lp)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-10, abs=1e-12)
     torch.testing.assert_close(grad[:B], expected_grad, rtol=1e-9, atol=1e-12)
     assert torch.equal(grad[B:], torch.zeros(filler, S, dtype=torch.float64))
-    _, real_metrics = ClippedPGLossFn(cfg)(lp, real, real_seqs, real_toks)
+    _, real_metrics = ClippedPGLossFn(cfg)(
+        lp, TrainBatch.from_transport(real), real_seqs, real_toks
+    )
     for key in ("kl_penalty", "clip_fraction", "probs_ratio"):
         assert metrics[key] == pytest.approx(real_metrics[key], rel=1e-12), key
 
@@ -341,15 +351,15 @@ def test_an_overflowing_prompt_position_gives_no_nan():
     cfg = ClippedPGLossConfig.model_validate(UNCLAMPED_KL)
     lp64, data = pg_batch(seed=2)
     lp64 = lp64.detach()
-    assert data["token_mask"][0, 1] == 0  # position 1 of sample 0 is a prompt token
+    assert data["loss_mask"][0, 1] == 0  # position 1 of sample 0 is a prompt token
     lp64[0, 1] = -100.0
-    data["reference_policy_logprobs"][0, 1] = -5.0
+    data["reference_logprobs"][0, 1] = -5.0
     data32 = BatchedDataDict(
         {k: v.float() if v.is_floating_point() else v for k, v in data.items()}
     )
     lp32 = lp64.float().requires_grad_(True)
     seqs, toks = global_counts(data32)
-    loss, metrics = ClippedPGLossFn(cfg)(lp32, data32, seqs, toks)
+    loss, metrics = ClippedPGLossFn(cfg)(lp32, TrainBatch.from_transport(data32), seqs, toks)
     (grad,) = torch.autograd.grad(loss, lp32)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert all(math.isfinite(v) for k, v in metrics.items() if not k.endswith(("_min", "_max")))
@@ -359,7 +369,7 @@ def test_an_overflowing_prompt_position_gives_no_nan():
     (expected_grad,) = torch.autograd.grad(expected, lp_ref)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4, atol=1e-7)
-    mask = loss_token_mask(data32) > 0
+    mask = TrainBatch.from_transport(data32).loss_token_mask() > 0
     assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
 
 
@@ -371,9 +381,9 @@ def test_clip_fraction_counts_tokens_whose_clipped_branch_is_active():
     lp, data = pg_batch()
     seqs, toks = global_counts(data)
     _, metrics = ClippedPGLossFn({"ratio_clip_min": 0.1, "ratio_clip_max": 0.3})(
-        lp, data, seqs, toks
+        lp, TrainBatch.from_transport(data), seqs, toks
     )
-    mask = loss_token_mask(data).bool()
+    mask = TrainBatch.from_transport(data).loss_token_mask().bool()
     ratio = torch.exp(lp.detach() - data["prev_logprobs"])[mask]
     adv = data["advantages"][mask]
     active = ((ratio > 1.3) & (adv > 0)) | ((ratio < 0.9) & (adv < 0))
@@ -394,7 +404,7 @@ def gspo_reference(lp, data, eps_low, eps_high):
         if data["sample_mask"][b] == 0:
             continue
         tokens = [
-            t for t in range(1, int(data["input_lengths"][b])) if data["token_mask"][b, t] == 1
+            t for t in range(1, int(data["input_lengths"][b])) if data["loss_mask"][b, t] == 1
         ]
         log_s = sum(lp[b, t] - data["prev_logprobs"][b, t] for t in tokens) / len(tokens)
         s = torch.exp(log_s)
@@ -408,10 +418,10 @@ def test_gspo_weights_sequences_equally_by_default():
     lp, data = pg_batch(seed=4)
     # GSPO's advantage is one per sequence.
     data["advantages"] = data["advantages"][:, :1].expand_as(data["advantages"]).clone()
-    lengths = loss_token_mask(data).sum(1)
+    lengths = TrainBatch.from_transport(data).loss_token_mask().sum(1)
     assert len(set(lengths[data["sample_mask"] > 0].tolist())) > 1  # lengths differ
     seqs, toks = global_counts(data)
-    loss, _ = ClippedPGLossFn(cfg)(lp, data, seqs, toks)
+    loss, _ = ClippedPGLossFn(cfg)(lp, TrainBatch.from_transport(data), seqs, toks)
     (grad,) = torch.autograd.grad(loss, lp)
     expected = gspo_reference(lp, data, 0.2, 0.2)
     (expected_grad,) = torch.autograd.grad(expected, lp)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rl_algorithms.losses import ClippedPGLossFn, DistillationLossConfig, DistillationLossFn
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.losses import loss_token_mask
 
 B, S, V, K = 5, 8, 13, 4
 
@@ -27,7 +27,7 @@ def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, BatchedDataDict]:
     data = BatchedDataDict(
         input_ids=ids,
         input_lengths=lengths,
-        token_mask=((torch.arange(S)[None, :] >= 2) & real).double(),
+        loss_mask=((torch.arange(S)[None, :] >= 2) & real).double(),
         sample_mask=torch.tensor([1.0, 1, 0, 1, 1]),
         teacher_logprobs=teacher_lp.gather(-1, ids[..., None])[..., 0] * real,
         teacher_topk_logprobs=top_lp * real[..., None],
@@ -52,13 +52,13 @@ def loss_tokens(data: BatchedDataDict) -> list[tuple[int, int]]:
         (b, t)
         for b in range(B)
         for t in range(1, int(data["input_lengths"][b]))
-        if data["token_mask"][b, t] == 1 and data["sample_mask"][b] == 1
+        if data["loss_mask"][b, t] == 1 and data["sample_mask"][b] == 1
     ]
 
 
 def call(loss_fn, values, data, tokens=None):
     toks = torch.tensor(float(len(tokens if tokens is not None else loss_tokens(data))))
-    return loss_fn(values, data, torch.tensor(4.0), toks)
+    return loss_fn(values, TrainBatch.from_transport(data), torch.tensor(4.0), toks)
 
 
 # -- on-policy reverse KL on the sampled tokens ----------------------------------------------
@@ -98,7 +98,8 @@ def test_sampled_token_gradient_is_the_reverse_kl_gradient_in_expectation():
         )
         lp = torch.stack([torch.zeros((), dtype=torch.float64), s_logp[y]])[None]
         (grad,) = torch.autograd.grad(
-            loss_fn(lp, data, torch.tensor(1.0), torch.tensor(1.0))[0], theta
+            loss_fn(lp, TrainBatch.from_transport(data), torch.tensor(1.0), torch.tensor(1.0))[0],
+            theta,
         )
         expected += s_logp[y].exp().detach() * grad
     s_logp = torch.log_softmax(theta, -1)
@@ -179,7 +180,9 @@ def test_with_k_equal_to_the_vocabulary_the_divergence_is_the_full_one(kl_type, 
     )
     values = torch.cat([torch.zeros(1, 2, 1, dtype=torch.float64), s_logp.gather(-1, ids)], -1)
     cfg = {"kl_type": kl_type, "zero_outside_topk": zero_outside_topk, "jsd_beta": 0.5}
-    loss, _ = DistillationLossFn(cfg)(values, data, torch.tensor(1.0), torch.tensor(1.0))
+    loss, _ = DistillationLossFn(cfg)(
+        values, TrainBatch.from_transport(data), torch.tensor(1.0), torch.tensor(1.0)
+    )
     p, q = t_logp[0, 1].exp(), s_logp[0, 1].exp()
     if kl_type == "forward":
         want = (p * (p.log() - q.log())).sum()
@@ -225,14 +228,14 @@ def test_micro_batch_splits_sum_to_the_whole_batch(config):
     loss_fn = DistillationLossFn(config)
     toks = torch.tensor(float(len(loss_tokens(data))))
     whole, whole_metrics = loss_fn(
-        values_for(loss_fn, student, data), data, torch.tensor(4.0), toks
+        values_for(loss_fn, student, data), TrainBatch.from_transport(data), torch.tensor(4.0), toks
     )
     (whole_grad,) = torch.autograd.grad(whole, student)
     parts, sums = [], {}
     for rows in (slice(0, 2), slice(2, 3), slice(3, 5)):
         mb = BatchedDataDict({k: v[rows] for k, v in data.items()})
         values = values_for(loss_fn, student[rows], mb)
-        loss, metrics = loss_fn(values, mb, torch.tensor(4.0), toks)
+        loss, metrics = loss_fn(values, TrainBatch.from_transport(mb), torch.tensor(4.0), toks)
         parts.append(loss)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
@@ -250,7 +253,7 @@ def test_prompt_padding_and_dropped_samples_add_nothing_even_when_extreme(config
     clean, clean_metrics = call(loss_fn, values_for(loss_fn, student, data), data)
     (clean_grad,) = torch.autograd.grad(clean, student)
 
-    off = loss_token_mask(data) == 0
+    off = TrainBatch.from_transport(data).loss_token_mask() == 0
     extreme = BatchedDataDict(dict(data))
     for key, value in (("teacher_logprobs", 1e30), ("teacher_topk_logprobs", -math.inf)):
         extreme[key] = data[key].clone()

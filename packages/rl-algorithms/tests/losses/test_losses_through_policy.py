@@ -38,7 +38,7 @@ def grpo_like_batch() -> BatchedDataDict:
     data = BatchedDataDict(
         input_ids=ids,
         input_lengths=lengths,
-        token_mask=((torch.arange(S)[None, :] >= 2) & real).double(),
+        loss_mask=((torch.arange(S)[None, :] >= 2) & real).double(),
         sample_mask=torch.tensor([1.0, 1, 1, 1, 1, 1, 0, 1]),
         advantages=torch.randn(8, 1, generator=g, dtype=torch.float64).expand(8, S).clone(),
     )
@@ -52,7 +52,7 @@ def add_logprobs(data, logprobs, reference):
         logprobs + torch.randn(logprobs.shape, generator=g, dtype=torch.float64) * 0.3
     )
     data["generation_logprobs"] = data["prev_logprobs"].clone()
-    data["reference_policy_logprobs"] = reference
+    data["reference_logprobs"] = reference
     return data
 
 
@@ -62,7 +62,7 @@ def test_two_ranks_train_like_one_and_report_the_loss_metrics(ray_session, tmp_p
     local = DTensorPolicyWorker(config())
     data = grpo_like_batch()
     lp = local.get_logprobs(data)["logprobs"]
-    ref = local.get_reference_policy_logprobs(data)["reference_logprobs"]
+    ref = local.get_reference_logprobs(data)["reference_logprobs"]
     data = add_logprobs(data, lp, ref)
     local_metrics = local.train(data, ClippedPGLossFn(LOSS))
     expected = {k: v.detach() for k, v in local.model.state_dict().items()}

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rl_algorithms.losses import BradleyTerryLoss, DPOLoss, DPOLossConfig, NLLLoss
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.losses import loss_token_mask, sample_valid_mask
 
 
 def preference_batch(pairs: int = 4, seed: int = 0) -> tuple[torch.Tensor, BatchedDataDict]:
@@ -21,16 +21,18 @@ def preference_batch(pairs: int = 4, seed: int = 0) -> tuple[torch.Tensor, Batch
     data = BatchedDataDict(
         input_ids=torch.randint(1, 50, (2 * pairs, S), generator=g) * real,
         input_lengths=lengths,
-        token_mask=((torch.arange(S)[None, :] >= 3) & real).double(),
+        loss_mask=((torch.arange(S)[None, :] >= 3) & real).double(),
         sample_mask=sample_mask,
-        reference_policy_logprobs=ref * real,
+        reference_logprobs=ref * real,
         idx=torch.arange(pairs).repeat_interleave(2),
     )
     return logprobs.requires_grad_(True), data
 
 
 def counts(data):
-    return sample_valid_mask(data).sum(), loss_token_mask(data).sum()
+    return TrainBatch.from_transport(data).sample_valid_mask().sum(), TrainBatch.from_transport(
+        data
+    ).loss_token_mask().sum()
 
 
 def reference_dpo(lp, data, cfg: DPOLossConfig):
@@ -43,9 +45,9 @@ def reference_dpo(lp, data, cfg: DPOLossConfig):
         ratios, nlls = [], []
         for row in (2 * i, 2 * i + 1):
             tokens = [
-                t for t in range(1, int(data["input_lengths"][row])) if data["token_mask"][row, t]
+                t for t in range(1, int(data["input_lengths"][row])) if data["loss_mask"][row, t]
             ]
-            total = sum(lp[row, t] - data["reference_policy_logprobs"][row, t] for t in tokens)
+            total = sum(lp[row, t] - data["reference_logprobs"][row, t] for t in tokens)
             ratios.append(total / len(tokens) if cfg.preference_average_log_probs else total)
             nll = -sum(lp[row, t] for t in tokens)
             nlls.append(nll / len(tokens) if cfg.sft_average_log_probs else nll)
@@ -67,7 +69,7 @@ def reference_dpo(lp, data, cfg: DPOLossConfig):
 def test_dpo_matches_the_reference_with_gradients(config):
     cfg = DPOLossConfig.model_validate(config)
     lp, data = preference_batch()
-    loss, metrics = DPOLoss(cfg)(lp, data, *counts(data))
+    loss, metrics = DPOLoss(cfg)(lp, TrainBatch.from_transport(data), *counts(data))
     expected = reference_dpo(lp, data, cfg)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-10)
     (grad,) = torch.autograd.grad(loss, lp)
@@ -79,9 +81,11 @@ def test_dpo_matches_the_reference_with_gradients(config):
 
 def test_dpo_accuracy_and_rewards_are_per_pair():
     lp, data = preference_batch()
-    data["reference_policy_logprobs"] = torch.zeros_like(lp)
-    _, metrics = DPOLoss({"reference_policy_kl_penalty": 1.0})(lp, data, *counts(data))
-    mask = loss_token_mask(data)
+    data["reference_logprobs"] = torch.zeros_like(lp)
+    _, metrics = DPOLoss({"reference_policy_kl_penalty": 1.0})(
+        lp, TrainBatch.from_transport(data), *counts(data)
+    )
+    mask = TrainBatch.from_transport(data).loss_token_mask()
     rewards = (lp.detach() * mask).sum(dim=1)
     kept = [0, 2, 3]
     right = sum(float(rewards[2 * i] > rewards[2 * i + 1]) for i in kept) / 3
@@ -94,10 +98,11 @@ def test_dpo_accuracy_and_rewards_are_per_pair():
 def test_dpo_micro_batches_of_pairs_add_up_to_the_whole_batch():
     lp, data = preference_batch(pairs=5, seed=1)
     loss_fn = DPOLoss({"sft_loss_weight": 0.5})
-    whole, _ = loss_fn(lp, data, *counts(data))
+    whole, _ = loss_fn(lp, TrainBatch.from_transport(data), *counts(data))
     (whole_grad,) = torch.autograd.grad(whole, lp)
     total = sum(
-        loss_fn(lp[s:e], data.slice(s, e), *counts(data))[0] for s, e in [(0, 2), (2, 8), (8, 10)]
+        loss_fn(lp[s:e], TrainBatch.from_transport(data.slice(s, e)), *counts(data))[0]
+        for s, e in [(0, 2), (2, 8), (8, 10)]
     )
     (grad,) = torch.autograd.grad(total, lp)
     assert total.item() == pytest.approx(whole.item(), rel=1e-12)
@@ -107,9 +112,9 @@ def test_dpo_micro_batches_of_pairs_add_up_to_the_whole_batch():
 def test_dpo_refuses_batches_cut_across_pairs():
     lp, data = preference_batch()
     with pytest.raises(ValueError, match="cannot hold whole"):
-        DPOLoss()(lp[:3], data.slice(0, 3), *counts(data))
+        DPOLoss()(lp[:3], TrainBatch.from_transport(data.slice(0, 3)), *counts(data))
     with pytest.raises(ValueError, match="same pair"):
-        DPOLoss()(lp[1:5], data.slice(1, 5), *counts(data))
+        DPOLoss()(lp[1:5], TrainBatch.from_transport(data.slice(1, 5)), *counts(data))
 
 
 @pytest.mark.parametrize("loss_fn", [DPOLoss(), BradleyTerryLoss()], ids=["dpo", "bt"])
@@ -122,10 +127,10 @@ def test_a_pair_masked_on_one_side_only_is_refused(loss_fn):
     with pytest.raises(
         ValueError, match=r"pair 2 \(rows 4 and 5, idx 2\).*sample_mask 1.0 and 0.0"
     ):
-        loss_fn(scores, data, *counts(data))
+        loss_fn(scores, TrainBatch.from_transport(data), *counts(data))
     # A later micro-batch names the pair by its row in that micro-batch and by its dataset idx.
     with pytest.raises(ValueError, match=r"pair 1 \(rows 2 and 3, idx 2\)"):
-        loss_fn(scores[2:6], data.slice(2, 6), *counts(data))
+        loss_fn(scores[2:6], TrainBatch.from_transport(data.slice(2, 6)), *counts(data))
 
 
 def reference_bradley_terry(scores, data):
@@ -144,7 +149,7 @@ def test_bradley_terry_matches_the_reference_and_splits():
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(10, 2, generator=g, dtype=torch.float64, requires_grad=True)
     _, data = preference_batch(pairs=5)
-    loss, metrics = BradleyTerryLoss()(scores, data, *counts(data))
+    loss, metrics = BradleyTerryLoss()(scores, TrainBatch.from_transport(data), *counts(data))
     expected, accuracy = reference_bradley_terry(scores, data)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
     assert metrics["accuracy"] == pytest.approx(accuracy)
@@ -153,7 +158,9 @@ def test_bradley_terry_matches_the_reference_and_splits():
     torch.testing.assert_close(grad, expected_grad)
     assert float(grad[:, 1].abs().sum()) == 0.0  # only the first label is the reward
     total = sum(
-        BradleyTerryLoss()(scores[s:e], data.slice(s, e), *counts(data))[0]
+        BradleyTerryLoss()(scores[s:e], TrainBatch.from_transport(data.slice(s, e)), *counts(data))[
+            0
+        ]
         for s, e in [(0, 4), (4, 10)]
     )
     assert total.item() == pytest.approx(loss.item(), rel=1e-12)
@@ -162,16 +169,16 @@ def test_bradley_terry_matches_the_reference_and_splits():
 def test_bradley_terry_asks_for_a_sequence_classifier():
     lp, data = preference_batch()
     with pytest.raises(ValueError, match="sequence_classification"):
-        BradleyTerryLoss()(lp.unsqueeze(-1), data, *counts(data))
+        BradleyTerryLoss()(lp.unsqueeze(-1), TrainBatch.from_transport(data), *counts(data))
 
 
 def test_nll_is_the_mean_over_loss_tokens_of_the_global_batch():
     lp, data = preference_batch()
-    loss, _ = NLLLoss()(lp, data, *counts(data))
+    loss, _ = NLLLoss()(lp, TrainBatch.from_transport(data), *counts(data))
     terms = [
         -lp[b, t]
         for b in range(lp.shape[0])
         for t in range(1, int(data["input_lengths"][b]))
-        if data["token_mask"][b, t] and data["sample_mask"][b]
+        if data["loss_mask"][b, t] and data["sample_mask"][b]
     ]
     assert loss.item() == pytest.approx((sum(terms) / len(terms)).item(), rel=1e-12)

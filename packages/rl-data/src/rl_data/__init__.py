@@ -45,6 +45,7 @@ _EXPORTS = {
     "ProcessedDataset": "rl_data.processors",
     "get_processor": "rl_data.processors",
     "register_processor": "rl_data.processors",
+    "TrainBatch": "rl_data.batch",
     "flatten_message_logs": "rl_data.collate",
     "preference_collate": "rl_data.collate",
     "rl_collate": "rl_data.collate",
@@ -78,6 +79,7 @@ __all__ = [
     "TaskDataSpec",
     "TemplateError",
     "TokenizerConfig",
+    "TrainBatch",
     "__version__",
     "build_tokenizer",
     "check_messages",
@@ -103,6 +105,7 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:
+    from rl_data.batch import TrainBatch
     from rl_data.collate import flatten_message_logs, preference_collate, rl_collate, sft_collate
     from rl_data.datasets import (
         ArithmeticConfig,

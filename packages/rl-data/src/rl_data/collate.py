@@ -3,12 +3,12 @@
 Flattened message logs give, per row:
 
 - ``input_ids`` [B, S]: the tokens of all messages, right-padded with the pad token;
-- ``input_lengths`` [B]: the real lengths;
-- ``token_mask`` [B, S]: 1 on real tokens, 0 on padding;
+- ``input_lengths`` [B]: the real lengths (the real tokens are the first ``input_lengths``);
 - ``loss_mask`` [B, S]: 1 on tokens the loss is computed on (those of the trained roles, or a
-  message's own ``token_loss_mask``), 0 elsewhere;
-- ``sample_mask`` [B]: the sample's ``loss_multiplier`` (0 for samples over the length limit).
+  message's own ``token_loss_mask``), 0 elsewhere.
 
+SFT and preference batches are ``TrainBatch``es (``rl_data.batch``) with these and
+``sample_mask`` [B], the sample's ``loss_multiplier`` (0 for samples over the length limit).
 ``S`` is the longest row, rounded up to ``pad_to_multiple``.
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl_data.batch import TrainBatch
 from rl_data.types import DatumSpec, MessageLog, PreferenceDatumSpec
 from rl_distributed.batched_data_dict import BatchedDataDict
 
@@ -41,7 +42,7 @@ def flatten_message_logs(
     pad_to_multiple: int = 1,
     loss_roles: Collection[str] = ("assistant",),
 ) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``input_lengths``, ``token_mask`` and ``loss_mask`` for these logs."""
+    """``input_ids``, ``input_lengths`` and ``loss_mask`` for these logs."""
     if not logs:
         raise ValueError("cannot collate an empty batch")
     if pad_to_multiple < 1:
@@ -80,21 +81,15 @@ def flatten_message_logs(
         loss_mask[rows, columns] = loss
     lengths = torch.from_numpy(lengths_np)
     input_ids, loss_mask = torch.from_numpy(input_ids), torch.from_numpy(loss_mask)
-    token_mask = (torch.arange(width)[None, :] < lengths[:, None]).to(torch.long)
-    return {
-        "input_ids": input_ids,
-        "input_lengths": lengths,
-        "token_mask": token_mask,
-        "loss_mask": loss_mask,
-    }
+    return {"input_ids": input_ids, "input_lengths": lengths, "loss_mask": loss_mask}
 
 
 def sft_collate(
     batch: Sequence[DatumSpec], pad_token_id: int, pad_to_multiple: int = 1
-) -> BatchedDataDict[Any]:
+) -> TrainBatch:
     """SFT batches: loss on assistant tokens; ``idx`` says which dataset rows they are."""
     flat = flatten_message_logs([d["message_log"] for d in batch], pad_token_id, pad_to_multiple)
-    return BatchedDataDict(
+    return TrainBatch(
         **flat,
         sample_mask=torch.tensor([d["loss_multiplier"] for d in batch], dtype=torch.float32),
         idx=torch.tensor([d["idx"] for d in batch], dtype=torch.long),
@@ -103,14 +98,14 @@ def sft_collate(
 
 def preference_collate(
     batch: Sequence[PreferenceDatumSpec], pad_token_id: int, pad_to_multiple: int = 1
-) -> BatchedDataDict[Any]:
+) -> TrainBatch:
     """Preference batches of 2B rows: chosen and rejected interleaved (row 2i is pair i's
     chosen, row 2i+1 its rejected), so one forward pass scores both and pairs stay adjacent
     when the batch is split into micro-batches of even size."""
     logs = [log for d in batch for log in (d["message_log_chosen"], d["message_log_rejected"])]
     flat = flatten_message_logs(logs, pad_token_id, pad_to_multiple)
     twice = [d for d in batch for _ in range(2)]
-    return BatchedDataDict(
+    return TrainBatch(
         **flat,
         sample_mask=torch.tensor([d["loss_multiplier"] for d in twice], dtype=torch.float32),
         idx=torch.tensor([d["idx"] for d in twice], dtype=torch.long),

@@ -4,33 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_data.batch import TrainBatch
 
 
-def loss_token_mask(data: BatchedDataDict) -> torch.Tensor:
-    """``[B, S]`` float mask of the tokens a token-level loss counts.
-
-    ``token_mask`` (default: every real token) times ``sample_mask``, without position 0, which
-    has no log-prob, and without padding. Workers count ``global_valid_toks`` with this same
-    mask, so a loss using it is normalised exactly.
-    """
-    ids = data["input_ids"]
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    lengths = data["input_lengths"].to(ids.device)
-    mask = (positions[None, :] < lengths[:, None]) & (positions[None, :] > 0)
-    mask = mask.to(torch.float64)
-    if "token_mask" in data:
-        mask = mask * data["token_mask"][:, : ids.shape[1]].to(mask)
-    if "sample_mask" in data:
-        mask = mask * data["sample_mask"].to(mask)[:, None]
-    return mask
+def loss_token_mask(batch: TrainBatch) -> torch.Tensor:
+    """``[B, S]`` float mask of the tokens a token-level loss counts (``TrainBatch``'s)."""
+    return batch.loss_token_mask()
 
 
-def sample_valid_mask(data: BatchedDataDict) -> torch.Tensor:
+def sample_valid_mask(batch: TrainBatch) -> torch.Tensor:
     """``[B]`` float mask of the samples that count (``sample_mask``, default all)."""
-    if "sample_mask" in data:
-        return data["sample_mask"].to(torch.float64)
-    return torch.ones(data["input_ids"].shape[0], dtype=torch.float64)
+    return batch.sample_valid_mask()
 
 
 class NLLLoss:
@@ -43,11 +27,11 @@ class NLLLoss:
     def __call__(
         self,
         logprobs: torch.Tensor,
-        data: BatchedDataDict,
+        batch: TrainBatch,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = loss_token_mask(data).to(logprobs)
+        mask = batch.loss_token_mask().to(logprobs)
         # Divide by the global count, not this micro-batch's: see interfaces.LossFunction.
         loss = -(logprobs * mask).sum() / global_valid_toks.clamp(min=1).to(logprobs)
         return loss, {"num_valid_tokens": float(mask.sum())}
@@ -70,15 +54,15 @@ class LabelSmoothedNLLLoss:
     def __call__(
         self,
         logits: torch.Tensor,
-        data: BatchedDataDict,
+        batch: TrainBatch,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if logits.dim() != 3:
             raise ValueError(f"expected [B, S, V] logits, got shape {tuple(logits.shape)}")
         logp = torch.log_softmax(logits.float() if logits.dtype.itemsize < 4 else logits, dim=-1)
-        target = logp.gather(-1, data["input_ids"].unsqueeze(-1)).squeeze(-1)
+        target = logp.gather(-1, batch.input_ids.unsqueeze(-1)).squeeze(-1)
         per_token = -(1 - self.smoothing) * target - self.smoothing * logp.mean(dim=-1)
-        mask = loss_token_mask(data).to(per_token)
+        mask = batch.loss_token_mask().to(per_token)
         loss = (per_token * mask).sum() / global_valid_toks.clamp(min=1).to(per_token)
         return loss, {"num_valid_tokens": float(mask.sum())}

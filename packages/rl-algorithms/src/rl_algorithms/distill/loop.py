@@ -31,7 +31,7 @@ from rl_algorithms.run import (
     ModelPlan,
     Run,
 )
-from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_data.batch import TrainBatch
 
 PHASES = ("refit", "generation", "teacher", "advantages", "logprobs", "train")
 
@@ -88,7 +88,7 @@ def check_vocabularies(config: MasterConfig) -> None:
     )
 
 
-def teacher_scores(run: Run, batch: BatchedDataDict) -> dict[str, torch.Tensor]:
+def teacher_scores(run: Run, batch: TrainBatch) -> dict[str, torch.Tensor]:
     """What the loss reads of the teacher: its log-probs of the sampled tokens, or its top-k
     log-probs and their ids at every position. A teacher offloaded between its turns
     (``teacher.offload.when_idle``) comes back for this and leaves again after."""
@@ -110,7 +110,7 @@ def teacher_scores(run: Run, batch: BatchedDataDict) -> dict[str, torch.Tensor]:
 
 
 def reward_fields(
-    run: Run, result: RolloutResult, token_mask: torch.Tensor
+    run: Run, result: RolloutResult, loss_mask: torch.Tensor
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Reward metrics, and with ``grpo_reward`` GRPO's group-normalised advantages."""
     rewards = shaped_rewards(run, result)
@@ -125,7 +125,7 @@ def reward_fields(
     fields: dict[str, torch.Tensor] = {"sample_mask": sample_mask}
     if d.grpo_reward:
         per_sample = grpo_advantages(rewards, d.num_generations_per_prompt)
-        fields["advantages"] = (per_sample[:, None] * token_mask).to(torch.float32)
+        fields["advantages"] = (per_sample[:, None] * loss_mask).to(torch.float32)
     return fields, metrics
 
 
@@ -137,13 +137,13 @@ def distill_step(run: Run) -> dict[str, float]:
         result, rollout_metrics = generate_rollouts(run)
     batch = result.training_batch(run.tokenizer.pad_token_id)
     with timer("teacher"):
-        batch.update(teacher_scores(run, batch))
+        batch = batch.replace(**teacher_scores(run, batch))
     with timer("advantages"):
-        fields, reward_metrics = reward_fields(run, result, batch["token_mask"])
-    batch.update(fields)
+        fields, reward_metrics = reward_fields(run, result, batch.loss_mask)
+    batch = batch.replace(**fields)
     if run.config.distillation.grpo_reward and run.config.grpo_loss_fn.reference_policy_kl_penalty:
         with timer("logprobs"):
-            batch.update(compute_logprobs(run, batch, frozenset({"reference_policy_logprobs"})))
+            batch = batch.replace(**compute_logprobs(run, batch, frozenset({"reference_logprobs"})))
     with timer("train"):
         train_metrics = train_step(run, batch)
     return {**train_metrics, **reward_metrics, **rollout_metrics, **refit_metrics}

@@ -24,10 +24,12 @@ from rl_algorithms.losses import ClippedPGLossFn
 from rl_algorithms.losses.clipped_pg import masked_kl_estimate
 from rl_algorithms.rollouts import RolloutResult, run_rollouts
 from rl_algorithms.run import Run, reduce_step_metrics
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 
-# What a rollout's ``training_batch`` holds, and what the steps add before the train step.
-ROLLOUT_FIELDS = frozenset({"input_ids", "input_lengths", "token_mask", "generation_logprobs"})
+# The ``TrainBatch`` fields a rollout's ``training_batch`` fills, and those the steps add
+# before the train step.
+ROLLOUT_FIELDS = frozenset({"input_ids", "input_lengths", "loss_mask", "generation_logprobs"})
 ADVANTAGE_FIELDS = frozenset({"advantages", "sample_mask"})
 
 
@@ -41,12 +43,20 @@ def make_loss(config: MasterConfig) -> ClippedPGLossFn:
 
 def check_batch_fields(loss_fn: Any, config: MasterConfig) -> None:
     """Refuse, at setup, a loss that would read a batch field a GRPO step with this config
-    does not produce (a missing or misspelt field), rather than failing mid-run. A loss that
-    declares nothing (no ``batch_fields``) is not checked."""
+    does not produce, rather than failing mid-run: a name that is no ``TrainBatch`` field at
+    all (misspelt, or an old name), or one this config leaves empty. A loss that declares
+    nothing (no ``batch_fields``) is not checked."""
     if not hasattr(loss_fn, "batch_fields"):
         return
+    declared = set(loss_fn.batch_fields())
+    unknown = declared - TrainBatch.field_names()
+    if unknown:
+        raise ValueError(
+            f"{type(loss_fn).__name__}.batch_fields() names {sorted(unknown)}, which are not "
+            f"TrainBatch fields (they are {sorted(TrainBatch.field_names())})"
+        )
     produced = ROLLOUT_FIELDS | ADVANTAGE_FIELDS | logprob_fields(config)
-    missing = set(loss_fn.batch_fields()) - produced
+    missing = declared - produced
     if missing:
         raise ValueError(
             f"{type(loss_fn).__name__} reads batch fields {sorted(missing)} that a GRPO step "
@@ -71,7 +81,7 @@ def logprob_fields(config: MasterConfig) -> frozenset[str]:
     if not single_update_per_batch(config) or config.loss_fn.use_kl_in_reward:
         fields.add("prev_logprobs")
     if config.loss_fn.reference_policy_kl_penalty > 0:
-        fields.add("reference_policy_logprobs")
+        fields.add("reference_logprobs")
     return frozenset(fields)
 
 
@@ -167,7 +177,7 @@ def response_length(log: list[dict]) -> int:
 def compute_advantages(
     run: Run,
     result: RolloutResult,
-    token_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     logprobs: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """``advantages`` [B, S] and ``sample_mask`` [B] for the batch, and reward metrics.
@@ -176,7 +186,7 @@ def compute_advantages(
     filtering) get sample mask 0 and advantage 0, and the estimators' statistics leave them
     out. With ``loss_fn.use_kl_in_reward`` (REINFORCE++ only), ``logprobs`` holds
     ``compute_logprobs``' fields: the per-token KL of ``prev_logprobs`` (pi_old) to
-    ``reference_policy_logprobs`` goes into the returns with ``reference_policy_kl_penalty``.
+    ``reference_logprobs`` goes into the returns with ``reference_policy_kl_penalty``.
     """
     g = run.config.grpo
     rewards = shaped_rewards(run, result)
@@ -192,18 +202,18 @@ def compute_advantages(
             if logprobs is None:
                 raise ValueError(
                     "loss_fn.use_kl_in_reward: compute_advantages needs the log-probs "
-                    "(compute_logprobs' prev_logprobs and reference_policy_logprobs)"
+                    "(compute_logprobs' prev_logprobs and reference_logprobs)"
                 )
             kl = masked_kl_estimate(
                 logprobs["prev_logprobs"],
-                logprobs["reference_policy_logprobs"],
-                token_mask,
+                logprobs["reference_logprobs"],
+                loss_mask,
                 loss,
             )
             kl_coef = loss.reference_policy_kl_penalty
         advantages = reinforce_plus_plus_advantages(
             rewards,
-            token_mask,
+            loss_mask,
             group_size=g.num_generations_per_prompt,
             kl=kl,
             kl_coef=kl_coef,
@@ -216,9 +226,9 @@ def compute_advantages(
             leave_one_out=g.use_leave_one_out_baseline,
             normalize_std=g.normalize_rewards,
         )
-        advantages = per_sample[:, None] * token_mask
+        advantages = per_sample[:, None] * loss_mask
     advantages = advantages * (~result.filler)[:, None].to(advantages.dtype)
-    on = (token_mask * sample_mask[:, None]) > 0  # the tokens the loss counts
+    on = (loss_mask * sample_mask[:, None]) > 0  # the tokens the loss counts
     metrics = {
         "reward_mean": float(result.rewards.mean()),
         "reward_std": float(result.rewards.std()) if len(rewards) > 1 else 0.0,
@@ -260,11 +270,11 @@ def warn_if_no_signal(run: Run, rewards: torch.Tensor) -> None:
 
 
 def compute_logprobs(
-    run: Run, batch: BatchedDataDict, fields: frozenset[str] | None = None
+    run: Run, batch: TrainBatch, fields: frozenset[str] | None = None
 ) -> dict[str, torch.Tensor]:
     """``prev_logprobs`` (the policy before this step) and, for the KL penalty, the
-    reference policy's ``reference_policy_logprobs``: the ``fields`` asked for (default: the
-    ones ``logprob_fields`` names for GRPO).
+    reference policy's ``reference_logprobs``: the ``fields`` asked for (default: the ones
+    ``logprob_fields`` names for GRPO), by their ``TrainBatch`` names.
 
     With a single optimiser step per batch pi_old is the policy being trained, so its
     log-probs come out of the train step's own forward pass (see ``ClippedPGLossFn``).
@@ -276,13 +286,14 @@ def compute_logprobs(
     out = {}
     if "prev_logprobs" in fields:
         out["prev_logprobs"] = run.policy.get_logprobs(batch)["logprobs"]
-    if "reference_policy_logprobs" in fields:
-        ref = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
-        out["reference_policy_logprobs"] = ref
+    if "reference_logprobs" in fields:
+        out["reference_logprobs"] = run.policy.get_reference_policy_logprobs(batch)[
+            "reference_logprobs"
+        ]
     return out
 
 
-def train_step(run: Run, batch: BatchedDataDict) -> dict[str, float]:
+def train_step(run: Run, batch: TrainBatch) -> dict[str, float]:
     run.policy.prepare_for_training()
     return reduce_step_metrics(run.policy.train(batch, run.loss_fn))
 
@@ -299,18 +310,19 @@ def train_on_rollouts(run: Run, result: RolloutResult) -> dict[str, float]:
     batch = result.training_batch(run.tokenizer.pad_token_id)
     if run.config.loss_fn.use_kl_in_reward:
         with timer("logprobs"):
-            batch.update(compute_logprobs(run, batch))
+            logprobs = compute_logprobs(run, batch)
+            batch = batch.replace(**logprobs)
         with timer("rewards_and_advantages"):
             advantages, reward_metrics = compute_advantages(
-                run, result, batch["token_mask"], logprobs=batch
+                run, result, batch.loss_mask, logprobs=logprobs
             )
-        batch.update(advantages)
+        batch = batch.replace(**advantages)
     else:
         with timer("rewards_and_advantages"):
-            advantages, reward_metrics = compute_advantages(run, result, batch["token_mask"])
-        batch.update(advantages)
+            advantages, reward_metrics = compute_advantages(run, result, batch.loss_mask)
+        batch = batch.replace(**advantages)
         with timer("logprobs"):
-            batch.update(compute_logprobs(run, batch))
+            batch = batch.replace(**compute_logprobs(run, batch))
     with timer("train"):
         train_metrics = train_step(run, batch)
     return {**train_metrics, **reward_metrics}

@@ -2,14 +2,14 @@
 
 Data (``[B, S]`` tensors aligned like the policy's log-probs, see ``rl_models.interfaces``):
 
-- ``input_ids``, ``input_lengths``, ``token_mask`` (1 on generated tokens), ``sample_mask``;
+- ``input_ids``, ``input_lengths``, ``loss_mask`` (1 on generated tokens), ``sample_mask``;
 - ``advantages`` ``[B, S]`` (a per-sample advantage broadcast over its tokens, or per token);
 - ``prev_logprobs``: log-probs of the policy that the batch is trained from (pi_old), taken by
   the training backend before the first optimiser step (with ``pi_old_is_current``, when the
   batch gets one optimiser step, it may be left out: pi_old is then the current policy);
 - ``generation_logprobs``: the generator's log-probs of the sampled tokens (for the
   importance-sampling correction and ``token_mult_prob_error``);
-- ``reference_policy_logprobs``: the frozen reference (only when the KL penalty is on).
+- ``reference_logprobs``: the frozen reference (only when the KL penalty is on).
 
 Per token, with ``ratio = pi / pi_old`` and ``A`` the advantage::
 
@@ -60,13 +60,8 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from rl_algorithms.losses.common import (
-    global_count,
-    loss_token_mask,
-    masked_extreme,
-    sample_valid_mask,
-)
-from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_algorithms.losses.common import global_count, masked_extreme
+from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
 
 
@@ -186,45 +181,40 @@ class ClippedPGLossFn:
         self.pi_old_is_current = pi_old_is_current
 
     def batch_fields(self) -> frozenset[str]:
-        """The batch fields this loss reads under its config (``token_mask`` and
-        ``sample_mask`` are optional: every real token and every sample by default), so a run
-        can check them at setup instead of failing at the first step."""
+        """The ``TrainBatch`` fields this loss reads under its config besides the ids and masks,
+        so a run can check them at setup instead of failing at the first step."""
         cfg = self.config
-        fields = {"input_ids", "input_lengths", "advantages"}
+        fields = {"advantages"}
         if not self.pi_old_is_current:
             fields.add("prev_logprobs")
         if cfg.use_importance_sampling_correction or cfg.use_on_policy_kl_approximation:
             fields.add("generation_logprobs")
         if cfg.reference_policy_kl_penalty > 0:
-            fields.add("reference_policy_logprobs")
+            fields.add("reference_logprobs")
         return frozenset(fields)
 
-    def _need(
-        self, data: BatchedDataDict, key: str, width: int, like: torch.Tensor
-    ) -> torch.Tensor:
-        if key not in data:
-            raise KeyError(f"ClippedPGLossFn needs {key!r} [B, S] in the batch")
-        return data[key][:, :width].to(like)
+    def _need(self, batch: TrainBatch, name: str, width: int, like: torch.Tensor) -> torch.Tensor:
+        return batch.need(name, "ClippedPGLossFn", "[B, S]")[:, :width].to(like)
 
     def __call__(
         self,
         logprobs: torch.Tensor,
-        data: BatchedDataDict,
+        batch: TrainBatch,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
         width = logprobs.shape[1]
-        mask = loss_token_mask(data).to(logprobs)
-        advantages = self._need(data, "advantages", width, logprobs)
-        if "prev_logprobs" not in data and self.pi_old_is_current:
+        mask = batch.loss_token_mask().to(logprobs)
+        advantages = self._need(batch, "advantages", width, logprobs)
+        if batch.prev_logprobs is None and self.pi_old_is_current:
             prev = logprobs.detach()
         else:
-            prev = self._need(data, "prev_logprobs", width, logprobs)
+            prev = self._need(batch, "prev_logprobs", width, logprobs)
         needs_gen = cfg.use_importance_sampling_correction or cfg.use_on_policy_kl_approximation
         gen = (
-            self._need(data, "generation_logprobs", width, logprobs)
-            if (needs_gen or "generation_logprobs" in data)
+            self._need(batch, "generation_logprobs", width, logprobs)
+            if (needs_gen or batch.generation_logprobs is not None)
             else None
         )
 
@@ -251,7 +241,7 @@ class ClippedPGLossFn:
         per_token = pg
         kl = torch.zeros_like(logprobs)
         if cfg.reference_policy_kl_penalty > 0:
-            reference = self._need(data, "reference_policy_logprobs", width, logprobs)
+            reference = self._need(batch, "reference_logprobs", width, logprobs)
             # Inputs zeroed off the loss tokens (d = 0 there, whose KL is 0 for k1, k2 and k3).
             kl = kl_estimate(_masked(logprobs, mask), _masked(reference, mask), cfg)
             if cfg.use_on_policy_kl_approximation:
@@ -267,7 +257,7 @@ class ClippedPGLossFn:
                 return (x * mask).sum() / toks
         else:
             sample_tokens = mask.sum(dim=1).clamp(min=1)
-            samples = sample_valid_mask(data).to(logprobs)
+            samples = batch.sample_valid_mask().to(logprobs)
 
             def reduce(x: torch.Tensor) -> torch.Tensor:
                 return ((x * mask).sum(dim=1) / sample_tokens * samples).sum() / seqs

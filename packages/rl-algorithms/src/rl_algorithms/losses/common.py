@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.losses import loss_token_mask, sample_valid_mask
-
-__all__ = ["check_pairs", "loss_token_mask", "masked_extreme", "sample_valid_mask"]
+from rl_data.batch import TrainBatch
 
 
-def check_pairs(data: BatchedDataDict, rows: int, what: str) -> None:
+def check_pairs(batch: TrainBatch, rows: int, what: str) -> None:
     """Preference rows come as (chosen, rejected) pairs: row 2i and row 2i + 1.
 
     A micro-batch with an odd row count, or whose paired rows have different dataset ``idx``,
@@ -28,22 +25,21 @@ def check_pairs(data: BatchedDataDict, rows: int, what: str) -> None:
             f"{what}: a micro-batch of {rows} rows cannot hold whole (chosen, rejected) pairs; "
             "use even micro-batch and global batch sizes and no dynamic batching or packing"
         )
-    if "idx" in data:
-        idx = data["idx"]
-        if not torch.equal(idx[0::2], idx[1::2]):
-            raise ValueError(
-                f"{what}: rows 2i and 2i+1 must be the chosen and rejected response of the same "
-                f"pair, but their idx differ ({idx.tolist()}); keep the order preference_collate "
-                "gives"
-            )
-    if "sample_mask" in data:
-        chosen, rejected = data["sample_mask"][0::2], data["sample_mask"][1::2]
+    idx = batch.idx
+    if idx is not None and not torch.equal(idx[0::2], idx[1::2]):
+        raise ValueError(
+            f"{what}: rows 2i and 2i+1 must be the chosen and rejected response of the same "
+            f"pair, but their idx differ ({idx.tolist()}); keep the order preference_collate "
+            "gives"
+        )
+    if batch.sample_mask is not None:
+        chosen, rejected = batch.sample_mask[0::2], batch.sample_mask[1::2]
         differ = (chosen != rejected).nonzero().flatten().tolist()
         if differ:
             i = differ[0]
             where = f"rows {2 * i} and {2 * i + 1}"
-            if "idx" in data:
-                where += f", idx {int(data['idx'][2 * i])}"
+            if idx is not None:
+                where += f", idx {int(idx[2 * i])}"
             raise ValueError(
                 f"{what}: pair {i} ({where}) of this micro-batch has sample_mask "
                 f"{float(chosen[i])} and {float(rejected[i])} on its chosen and rejected rows; "

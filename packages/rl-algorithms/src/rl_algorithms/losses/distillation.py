@@ -63,8 +63,8 @@ import torch
 from pydantic import Field, model_validator
 
 from rl_algorithms.losses.clipped_pg import ClippedPGLossFn
-from rl_algorithms.losses.common import global_count, loss_token_mask
-from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_algorithms.losses.common import global_count
+from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
 
 
@@ -137,8 +137,8 @@ class DistillationLossFn:
         self.METRICS = frozenset(own | pg)
 
     def batch_fields(self) -> frozenset[str]:
-        """The batch fields this loss reads (``token_mask``, ``sample_mask`` optional)."""
-        fields = {"input_ids", "input_lengths"}
+        """The ``TrainBatch`` fields this loss reads besides the ids and masks."""
+        fields = set()
         if self.config.estimator == "sampled_token":
             fields.add("teacher_logprobs")
         else:
@@ -147,20 +147,19 @@ class DistillationLossFn:
             fields |= self.pg_loss.batch_fields()
         return frozenset(fields)
 
-    def _need(self, data: BatchedDataDict, key: str, shape: str, width: int) -> torch.Tensor:
-        if key not in data:
-            raise KeyError(f"DistillationLossFn ({self.config.estimator}) needs {key!r} {shape}")
-        return data[key][:, :width]
+    def _need(self, batch: TrainBatch, name: str, shape: str, width: int) -> torch.Tensor:
+        reader = f"DistillationLossFn ({self.config.estimator})"
+        return batch.need(name, reader, shape)[:, :width]
 
     def __call__(
         self,
         logprobs: torch.Tensor,
-        data: BatchedDataDict,
+        batch: TrainBatch,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         width = logprobs.shape[1]
-        mask = loss_token_mask(data).to(logprobs)
+        mask = batch.loss_token_mask().to(logprobs)
         toks = global_count(global_valid_toks, logprobs)
 
         def token_sum(x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +171,7 @@ class DistillationLossFn:
                 raise ValueError(f"expected [B, S] log-probs, got {tuple(logprobs.shape)}")
             sampled = _masked(logprobs, mask)
             teacher = _masked(
-                self._need(data, "teacher_logprobs", "[B, S]", width).to(sampled), mask
+                self._need(batch, "teacher_logprobs", "[B, S]", width).to(sampled), mask
             )
             d = (sampled - teacher).detach()
             # Value d (the k1 estimate of the KL), gradient d * grad log s (module docstring).
@@ -186,7 +185,7 @@ class DistillationLossFn:
                 )
             gathered = _masked(logprobs, mask)
             sampled, student = gathered[..., 0], gathered[..., 1:]
-            teacher = self._need(data, "teacher_topk_logprobs", "[B, S, k]", width)
+            teacher = self._need(batch, "teacher_topk_logprobs", "[B, S, k]", width)
             if teacher.shape != student.shape:
                 raise ValueError(
                     f"teacher_topk_logprobs has shape {tuple(teacher.shape)} but the student's "
@@ -202,7 +201,7 @@ class DistillationLossFn:
         metrics["kl"] = float(kl.detach())
         metrics["student_logprob_mean"] = float(token_sum(sampled.detach()))
         if self.pg_loss is not None:
-            pg, pg_metrics = self.pg_loss(sampled, data, global_valid_seqs, global_valid_toks)
+            pg, pg_metrics = self.pg_loss(sampled, batch, global_valid_seqs, global_valid_toks)
             loss = loss + pg
             metrics |= {f"pg_{k}": v for k, v in pg_metrics.items()}
         metrics["loss"] = float(loss.detach())

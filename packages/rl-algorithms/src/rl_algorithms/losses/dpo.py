@@ -1,16 +1,15 @@
 """Direct preference optimisation, with an optional SFT term on the chosen responses.
 
-Data layout (what ``rl_data.collate.preference_collate`` produces, with its ``loss_mask`` as
-``token_mask``): 2P rows for P pairs, **interleaved** — row ``2i`` is pair ``i``'s chosen
-response, row ``2i + 1`` its rejected one — so that any even-sized contiguous cut of the batch
-keeps pairs whole.
+Data layout (the ``TrainBatch`` ``rl_data.collate.preference_collate`` produces): 2P rows
+for P pairs, **interleaved** — row ``2i`` is pair ``i``'s chosen response, row ``2i + 1`` its
+rejected one — so that any even-sized contiguous cut of the batch keeps pairs whole.
 
 - ``input_ids`` / ``input_lengths`` ``[2P, S]`` / ``[2P]``: prompt + response, right-padded;
-- ``token_mask`` ``[2P, S]``: 1 on response tokens (the log-ratio is summed over these);
+- ``loss_mask`` ``[2P, S]``: 1 on response tokens (the log-ratio is summed over these);
 - ``sample_mask`` ``[2P]``: the pair's loss multiplier, the same on both rows (checked: a pair
   masked on one side only is refused, naming it);
-- ``reference_policy_logprobs`` ``[2P, S]``: the frozen reference's next-token log-probs
-  (``Policy.get_reference_policy_logprobs(...)["reference_logprobs"]``);
+- ``reference_logprobs`` ``[2P, S]``: the frozen reference's next-token log-probs
+  (``Policy.get_reference_policy_logprobs``);
 - ``idx`` ``[2P]`` (optional): dataset index, equal on both rows of a pair (checked).
 
 Per pair, with ``r(y) = sum_t (log pi(y_t) - log pi_ref(y_t))`` over response tokens (the mean
@@ -26,13 +25,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from rl_algorithms.losses.common import (
-    check_pairs,
-    global_count,
-    loss_token_mask,
-    sample_valid_mask,
-)
-from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_algorithms.losses.common import check_pairs, global_count
+from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
 
 
@@ -64,19 +58,22 @@ class DPOLoss:
     def __init__(self, config: DPOLossConfig | dict | None = None) -> None:
         self.config = DPOLossConfig.model_validate(config or {})
 
+    def batch_fields(self) -> frozenset[str]:
+        """The ``TrainBatch`` fields this loss reads besides the ids and masks."""
+        return frozenset({"reference_logprobs"})
+
     def __call__(
         self,
         logprobs: torch.Tensor,
-        data: BatchedDataDict,
+        batch: TrainBatch,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
-        check_pairs(data, logprobs.shape[0], "DPOLoss")
-        if "reference_policy_logprobs" not in data:
-            raise KeyError("DPOLoss needs 'reference_policy_logprobs' [2P, S] in the batch")
-        mask = loss_token_mask(data).to(logprobs)
-        ref = data["reference_policy_logprobs"][:, : logprobs.shape[1]].to(logprobs)
+        check_pairs(batch, logprobs.shape[0], "DPOLoss")
+        ref = batch.need("reference_logprobs", "DPOLoss", "[2P, S]")
+        ref = ref[:, : logprobs.shape[1]].to(logprobs)
+        mask = batch.loss_token_mask().to(logprobs)
         tokens = mask.sum(dim=1)
         log_ratio = ((logprobs - ref) * mask).sum(dim=1)
         if cfg.preference_average_log_probs:
@@ -84,7 +81,7 @@ class DPOLoss:
         rewards = cfg.reference_policy_kl_penalty * log_ratio  # the implicit rewards
         chosen, rejected = rewards[0::2], rewards[1::2]
         # Only pairs whose both rows count; sample_mask is the pair's multiplier on both rows.
-        pair_mask = sample_valid_mask(data).to(logprobs)[0::2]
+        pair_mask = batch.sample_valid_mask().to(logprobs)[0::2]
         pairs = global_count(global_valid_seqs, logprobs) / 2
 
         preference = -(F.logsigmoid(chosen - rejected) * pair_mask).sum() / pairs

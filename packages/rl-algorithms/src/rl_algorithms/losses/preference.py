@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rl_algorithms.losses.common import check_pairs, global_count, sample_valid_mask
-from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_algorithms.losses.common import check_pairs, global_count
+from rl_data.batch import TrainBatch
 
 
 class BradleyTerryLoss:
@@ -24,7 +24,7 @@ class BradleyTerryLoss:
     def __call__(
         self,
         scores: torch.Tensor,
-        data: BatchedDataDict,
+        batch: TrainBatch,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -33,10 +33,10 @@ class BradleyTerryLoss:
                 f"BradleyTerryLoss takes [rows, num_labels] scores of a sequence classifier, got "
                 f"shape {tuple(scores.shape)}: set policy.model.kind to sequence_classification"
             )
-        check_pairs(data, scores.shape[0], "BradleyTerryLoss")
+        check_pairs(batch, scores.shape[0], "BradleyTerryLoss")
         reward = scores[:, 0]
         chosen, rejected = reward[0::2], reward[1::2]
-        pair_mask = sample_valid_mask(data).to(scores)[0::2]
+        pair_mask = batch.sample_valid_mask().to(scores)[0::2]
         pairs = global_count(global_valid_seqs, scores) / 2
         loss = -(F.logsigmoid(chosen - rejected) * pair_mask).sum() / pairs
         margin = (chosen - rejected).detach()

@@ -2,7 +2,7 @@
 
 Data (``[B, S]`` tensors aligned like the log-probs, see ``rl_models.interfaces``):
 
-- ``input_ids``, ``input_lengths``, ``token_mask`` (1 on generated tokens), ``sample_mask``:
+- ``input_ids``, ``input_lengths``, ``loss_mask`` (1 on generated tokens), ``sample_mask``:
   they make the loss tokens (``loss_token_mask``), the action tokens of ``ppo.gae``;
 - ``values``: the critic's predictions when the batch was collected (V_old, before this
   training step); ``returns``: the GAE returns (``ppo.gae.gae``).
@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from rl_algorithms.losses.common import global_count, loss_token_mask, masked_extreme
-from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_algorithms.losses.common import global_count, masked_extreme
+from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
 
 
@@ -66,33 +66,28 @@ class ClippedValueLossFn:
         self.config = ValueLossConfig.model_validate(config or {})
 
     def batch_fields(self) -> frozenset[str]:
-        """The batch fields this loss reads (``token_mask`` and ``sample_mask`` are optional,
-        as for every loss: every real token and every sample by default)."""
-        return frozenset({"input_ids", "input_lengths", "values", "returns"})
+        """The ``TrainBatch`` fields this loss reads besides the ids and masks."""
+        return frozenset({"values", "returns"})
 
-    def _need(
-        self, data: BatchedDataDict, key: str, width: int, like: torch.Tensor
-    ) -> torch.Tensor:
-        if key not in data:
-            raise KeyError(f"ClippedValueLossFn needs {key!r} [B, S] in the batch")
-        return data[key][:, :width].to(like)
+    def _need(self, batch: TrainBatch, name: str, width: int, like: torch.Tensor) -> torch.Tensor:
+        return batch.need(name, "ClippedValueLossFn", "[B, S]")[:, :width].to(like)
 
     def __call__(
         self,
         values: torch.Tensor,
-        data: BatchedDataDict,
+        batch: TrainBatch,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if values.dim() != 2:
             raise ValueError(f"ClippedValueLossFn expects [B, S] values, got {list(values.shape)}")
         width = values.shape[1]
-        mask = loss_token_mask(data).to(values)
+        mask = batch.loss_token_mask().to(values)
         on = mask > 0
         zero = torch.zeros((), dtype=values.dtype, device=values.device)
         value = torch.where(on, values, zero)
-        old = torch.where(on, self._need(data, "values", width, values), zero)
-        returns = torch.where(on, self._need(data, "returns", width, values), zero)
+        old = torch.where(on, self._need(batch, "values", width, values), zero)
+        returns = torch.where(on, self._need(batch, "returns", width, values), zero)
 
         unclipped = (value - returns).square()
         clip = self.config.value_clip

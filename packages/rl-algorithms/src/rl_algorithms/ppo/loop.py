@@ -29,11 +29,11 @@ from rl_algorithms.grpo.steps import (
 )
 from rl_algorithms.losses import ClippedPGLossFn, ClippedValueLossFn
 from rl_algorithms.losses.clipped_pg import masked_kl_estimate
-from rl_algorithms.losses.common import loss_token_mask
 from rl_algorithms.ppo.config import MasterConfig
 from rl_algorithms.ppo.gae import explained_variance, gae, token_level_rewards, whiten
 from rl_algorithms.rollouts import RolloutResult
 from rl_algorithms.run import ModelPlan, Run, reduce_step_metrics
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 
 PHASES = ("refit", "generation", "logprobs", "values", "advantages", "critic_train", "train")
@@ -69,12 +69,12 @@ def logprob_fields(config: MasterConfig) -> frozenset[str]:
     if several_steps or config.loss_fn.use_kl_in_reward:
         fields.add("prev_logprobs")
     if config.loss_fn.reference_policy_kl_penalty > 0:
-        fields.add("reference_policy_logprobs")
+        fields.add("reference_logprobs")
     return frozenset(fields)
 
 
 def compute_advantages(
-    run: Run, result: RolloutResult, batch: BatchedDataDict, values: BatchedDataDict
+    run: Run, result: RolloutResult, batch: TrainBatch, values: BatchedDataDict
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """``advantages``, ``returns``, ``values`` (the critic's, before its update) and
     ``sample_mask`` for the batch, and their metrics."""
@@ -84,14 +84,14 @@ def compute_advantages(
     sample_mask = torch.ones(len(scores))
     if p.overlong_filtering:
         sample_mask = sample_mask * (~result.truncated).to(sample_mask.dtype)
-    mask = loss_token_mask(BatchedDataDict({**batch, "sample_mask": sample_mask}))
+    mask = batch.replace(sample_mask=sample_mask).loss_token_mask()
     kl_in_reward = loss.use_kl_in_reward
     rewards = token_level_rewards(
         scores,
         mask,
         kl_penalty=loss.reference_policy_kl_penalty if kl_in_reward else 0.0,
-        logprobs=batch.get("prev_logprobs") if kl_in_reward else None,
-        reference_logprobs=batch.get("reference_policy_logprobs") if kl_in_reward else None,
+        logprobs=batch.prev_logprobs if kl_in_reward else None,
+        reference_logprobs=batch.reference_logprobs if kl_in_reward else None,
         kl_type=loss.reference_policy_kl_type,
         kl_input_clamp_value=loss.kl_input_clamp_value,
         kl_output_clamp_value=loss.kl_output_clamp_value,
@@ -101,7 +101,7 @@ def compute_advantages(
         rewards,
         values["values"],
         mask,
-        bootstrap_values(values, mask, batch["input_lengths"]),
+        bootstrap_values(values, mask, batch.input_lengths),
         open_episodes(result),
         gamma=g.gae_gamma,
         lam=g.gae_lambda,
@@ -124,7 +124,10 @@ def compute_advantages(
     if kl_in_reward and on.any():
         # The loss's kl_penalty is 0 then: this is where the run's drift from the reference shows.
         kl = masked_kl_estimate(
-            batch["prev_logprobs"], batch["reference_policy_logprobs"], mask, loss
+            batch.need("prev_logprobs", "kl_in_reward"),
+            batch.need("reference_logprobs", "kl_in_reward"),
+            mask,
+            loss,
         )
         metrics["kl_in_reward_mean"] = float(kl[on].mean())
     warn_if_no_signal(run, result.rewards)
@@ -160,7 +163,7 @@ def bootstrap_values(
     return torch.where(inside, picked, values["final_values"].to(aligned.dtype))
 
 
-def critic_values(run: Run, batch: BatchedDataDict) -> BatchedDataDict:
+def critic_values(run: Run, batch: TrainBatch) -> BatchedDataDict:
     """The critic's ``values`` and ``final_values`` of the batch; a critic offloaded between
     its turns gets its weights back first (its optimiser state waits for its training)."""
     if run.is_taking_turns(run.critic):
@@ -168,7 +171,7 @@ def critic_values(run: Run, batch: BatchedDataDict) -> BatchedDataDict:
     return run.critic.get_values(batch)
 
 
-def train_critic(run: Run, batch: BatchedDataDict) -> dict[str, float]:
+def train_critic(run: Run, batch: TrainBatch) -> dict[str, float]:
     """``critic_ppo_epochs`` passes of the clipped value loss; metrics under ``critic/``.
     Then the critic leaves the device if it takes turns with the policy (the policy trains
     next), else its optimiser state does with ``critic.offload.optimizer_state``."""
@@ -185,7 +188,7 @@ def train_critic(run: Run, batch: BatchedDataDict) -> dict[str, float]:
     return {f"critic/{k}": v for k, v in reduce_step_metrics(results).items()}
 
 
-def train_policy(run: Run, batch: BatchedDataDict) -> dict[str, float]:
+def train_policy(run: Run, batch: TrainBatch) -> dict[str, float]:
     """``ppo_epochs`` passes of the clipped policy loss once the critic's warm-up is over."""
     if run.step < run.config.ppo.policy_training_start_step:
         return {"policy_trained": 0.0}
@@ -205,12 +208,12 @@ def ppo_step(run: Run) -> dict[str, float]:
         result, rollout_metrics = generate_rollouts(run)
     batch = result.training_batch(run.tokenizer.pad_token_id)
     with timer("logprobs"):
-        batch.update(compute_logprobs(run, batch, logprob_fields(run.config)))
+        batch = batch.replace(**compute_logprobs(run, batch, logprob_fields(run.config)))
     with timer("values"):
         values = critic_values(run, batch)
     with timer("advantages"):
         fields, advantage_metrics = compute_advantages(run, result, batch, values)
-    batch.update(fields)
+    batch = batch.replace(**fields)
     with timer("critic_train"):
         critic_metrics = train_critic(run, batch)
     with timer("train"):
