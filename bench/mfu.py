@@ -75,7 +75,7 @@ def make_batch(lengths: torch.Tensor, vocab: int) -> BatchedDataDict:
     width = int(lengths.max())
     real = torch.arange(width)[None, :] < lengths[:, None]
     ids = torch.randint(1, vocab, (len(lengths), width)) * real
-    return BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=real.float())
+    return BatchedDataDict(input_ids=ids, input_lengths=lengths, loss_mask=real.float())
 
 
 def training_flops(model: dict, n_matmul: int, lengths: torch.Tensor) -> float:

@@ -111,7 +111,7 @@ def child_logprobs(chunk: int | None) -> None:
     data = BatchedDataDict(
         input_ids=ids,
         input_lengths=torch.full((ROWS,), ROW_TOKENS),
-        token_mask=torch.ones(ROWS, ROW_TOKENS),
+        loss_mask=torch.ones(ROWS, ROW_TOKENS),
     )
     before = _reset_peak()
     worker.train(data, NLLLoss())

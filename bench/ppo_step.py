@@ -27,8 +27,8 @@ import torch
 
 from rl_algorithms.advantages import grpo_advantages
 from rl_algorithms.losses import ClippedPGLossFn, ClippedValueLossFn
-from rl_algorithms.losses.common import loss_token_mask
 from rl_algorithms.ppo.gae import gae, token_level_rewards, whiten
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
@@ -86,19 +86,19 @@ def rollout_batch(seed: int = 0) -> tuple[BatchedDataDict, torch.Tensor]:
     prompts = torch.randint(1, 1000, (ROWS // GROUP, PROMPT), generator=gen)
     ids[:, :PROMPT] = prompts.repeat_interleave(GROUP, dim=0)  # GRPO's prefix sharing applies
     ids = ids * real
-    token_mask = (real & (pos >= PROMPT)).float()
+    loss_mask = (real & (pos >= PROMPT)).float()
     rewards = (torch.rand(ROWS, generator=gen) < 0.3).float()
     batch = BatchedDataDict(
         input_ids=ids,
         input_lengths=lengths,
-        token_mask=token_mask,
+        loss_mask=loss_mask,
         generation_logprobs=torch.zeros(ROWS, width),
     )
     return batch, rewards
 
 
 def grpo_step(policy: DTensorPolicyWorker, batch: BatchedDataDict, rewards: torch.Tensor) -> None:
-    advantages = grpo_advantages(rewards, GROUP)[:, None] * batch["token_mask"]
+    advantages = grpo_advantages(rewards, GROUP)[:, None] * batch["loss_mask"]
     batch = BatchedDataDict({**batch, "advantages": advantages})
     policy.train(batch, ClippedPGLossFn({}, pi_old_is_current=True))
 
@@ -110,7 +110,7 @@ def ppo_step(
     rewards: torch.Tensor,
 ) -> None:
     values = critic.get_values(batch)
-    mask = loss_token_mask(batch)
+    mask = TrainBatch.from_transport(batch).loss_token_mask()
     token_rewards = token_level_rewards(rewards, mask)
     truncated = torch.zeros(ROWS, dtype=torch.bool)
     adv, returns = gae(

@@ -50,7 +50,7 @@ def make_batch(seed: int = 0) -> BatchedDataDict:
     real = torch.arange(width)[None, :] < lengths_t[:, None]
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, MODEL["vocab_size"], (SEQUENCES, width), generator=gen) * real
-    return BatchedDataDict(input_ids=ids, input_lengths=lengths_t, token_mask=real.float())
+    return BatchedDataDict(input_ids=ids, input_lengths=lengths_t, loss_mask=real.float())
 
 
 def tokens_per_second(layout: dict, data: BatchedDataDict, repeats: int = 2) -> float:

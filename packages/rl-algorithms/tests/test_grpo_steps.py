@@ -101,8 +101,8 @@ def test_dynamic_sampling_stops_at_its_round_limit_and_fills_up(make_run):
     assert result.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]  # group 0, then set-aside group 1
     assert result.filler.tolist() == [False, False, True, True]
     batch = result.training_batch(run.tokenizer.pad_token_id)
-    fields, _ = grpo.compute_advantages(run, result, batch["token_mask"])
-    per_row = (fields["advantages"] * batch["token_mask"]).sum(1)
+    fields, _ = grpo.compute_advantages(run, result, batch.loss_mask)
+    per_row = (fields["advantages"] * batch.loss_mask).sum(1)
     assert per_row[2:].abs().sum() == 0  # the filler group adds no gradient
     # and counts nowhere: neither in the loss's token divisor nor in its KL term
     assert fields["sample_mask"].tolist() == [1.0, 1.0, 0.0, 0.0]
@@ -120,11 +120,9 @@ def test_advantages_sit_on_the_sampled_tokens_and_truncated_samples_drop_out(mak
     result, _ = grpo.generate_rollouts(run)
     result.truncated[3] = True  # as if sample 3 had hit the length limit
     batch = result.training_batch(run.tokenizer.pad_token_id)
-    fields, metrics = grpo.compute_advantages(run, result, batch["token_mask"])
+    fields, metrics = grpo.compute_advantages(run, result, batch.loss_mask)
     expected = grpo_advantages(result.rewards, 2, leave_one_out=True)
-    torch.testing.assert_close(
-        fields["advantages"], (expected[:, None] * batch["token_mask"]).float()
-    )
+    torch.testing.assert_close(fields["advantages"], (expected[:, None] * batch.loss_mask).float())
     assert fields["sample_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
     assert metrics["reward_mean"] == pytest.approx(float(result.rewards.mean()))
 
@@ -225,11 +223,11 @@ class CountingPolicy:
 
     def get_logprobs(self, batch):
         self.calls.append("policy")
-        return {"logprobs": torch.zeros_like(batch["input_ids"], dtype=torch.float32)}
+        return {"logprobs": torch.zeros_like(batch.input_ids, dtype=torch.float32)}
 
     def get_reference_policy_logprobs(self, batch):
         self.calls.append("reference")
-        return {"reference_logprobs": torch.zeros_like(batch["input_ids"], dtype=torch.float32)}
+        return {"reference_logprobs": torch.zeros_like(batch.input_ids, dtype=torch.float32)}
 
 
 @pytest.mark.parametrize(
@@ -265,7 +263,7 @@ def test_zero_variance_groups_fraction_counts_groups_whose_rewards_are_all_equal
     result, _ = grpo.generate_rollouts(run)
     assert result.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]  # group 0 differs, group 1 does not
     batch = result.training_batch(run.tokenizer.pad_token_id)
-    _, metrics = grpo.compute_advantages(run, result, batch["token_mask"])
+    _, metrics = grpo.compute_advantages(run, result, batch.loss_mask)
     assert metrics["zero_variance_groups_fraction"] == 0.5
 
 
@@ -278,7 +276,7 @@ def advantages_warnings(run, result, steps):
     for _ in range(steps):
         with warnings.catch_warnings(record=True) as records:
             warnings.simplefilter("always")
-            grpo.compute_advantages(run, result, batch["token_mask"])
+            grpo.compute_advantages(run, result, batch.loss_mask)
         caught.append([str(r.message) for r in records if r.category is RuntimeWarning])
     return caught
 
@@ -315,14 +313,23 @@ def test_a_loss_reading_a_field_no_step_produces_is_refused_at_setup(make_run):
     result, _ = grpo.generate_rollouts(run)
     batch = result.training_batch(run.tokenizer.pad_token_id)
     # The declared rollout fields are exactly what a rollout's training batch holds.
-    assert set(batch.keys()) == grpo.steps.ROLLOUT_FIELDS
+    assert batch.present() == grpo.steps.ROLLOUT_FIELDS
 
     class Misspelt:
         def batch_fields(self):
             return frozenset({"input_ids", "advantagez"})
 
-    with pytest.raises(ValueError, match=r"Misspelt reads batch fields \['advantagez'\]"):
+    with pytest.raises(ValueError, match=r"names \['advantagez'\], which are not TrainBatch"):
         grpo.steps.check_batch_fields(Misspelt(), run.config)
+
+    class ReadsATeacher:  # a real field, but no GRPO step fills it
+        def batch_fields(self):
+            return frozenset({"advantages", "teacher_logprobs"})
+
+    with pytest.raises(
+        ValueError, match=r"ReadsATeacher reads batch fields \['teacher_logprobs'\]"
+    ):
+        grpo.steps.check_batch_fields(ReadsATeacher(), run.config)
     grpo.steps.check_batch_fields(grpo.steps.make_loss(run.config), run.config)
     # With the KL penalty on, the default loss needs the reference log-probs, which the
     # step then produces.
@@ -330,7 +337,7 @@ def test_a_loss_reading_a_field_no_step_produces_is_refused_at_setup(make_run):
     config["loss_fn"]["reference_policy_kl_penalty"] = 0.1
     config["policy"]["reference_policy"] = {"enabled": True}
     kl_config = grpo.MasterConfig.model_validate(config)
-    assert "reference_policy_logprobs" in grpo.steps.make_loss(kl_config).batch_fields()
+    assert "reference_logprobs" in grpo.steps.make_loss(kl_config).batch_fields()
     grpo.steps.check_batch_fields(grpo.steps.make_loss(kl_config), kl_config)
 
 
@@ -379,7 +386,7 @@ class LogprobPolicy:
 
     def _logprobs(self, batch, seed):
         g = torch.Generator().manual_seed(seed)
-        return -torch.rand(batch["input_ids"].shape, generator=g)
+        return -torch.rand(batch.input_ids.shape, generator=g)
 
     def get_logprobs(self, batch):
         self.calls.append("get_logprobs")
@@ -444,24 +451,24 @@ def test_kl_in_reward_folds_the_kl_into_reinforce_plus_plus_returns_through_the_
         "train",
     ]
     batch = run.policy.trained
-    mask = batch["token_mask"] > 0
+    mask = batch.loss_mask > 0
     expected = reference_kl_in_reward_returns(
         result.rewards.double(),
         mask,
         2,
-        batch["prev_logprobs"].double(),
-        batch["reference_policy_logprobs"].double(),
+        batch.prev_logprobs.double(),
+        batch.reference_logprobs.double(),
         0.3,
     )
     assert float(expected[mask].abs().sum()) > 0
-    torch.testing.assert_close(batch["advantages"].double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(batch.advantages.double(), expected, rtol=1e-5, atol=1e-6)
     # The KL it folded in is logged (the loss's kl_penalty is 0 under this setting).
-    kl = (batch["prev_logprobs"].double() - batch["reference_policy_logprobs"].double())[mask]
+    kl = (batch.prev_logprobs.double() - batch.reference_logprobs.double())[mask]
     assert metrics["kl_in_reward_mean"] == pytest.approx(float(kl.mean()), rel=1e-6)
     # Without the KL the advantages differ: the penalty is really in them.
     run.config.loss_fn.use_kl_in_reward = False
-    plain, _ = grpo.compute_advantages(run, result, batch["token_mask"])
-    assert not torch.allclose(plain["advantages"], batch["advantages"])
+    plain, _ = grpo.compute_advantages(run, result, batch.loss_mask)
+    assert not torch.allclose(plain["advantages"], batch.advantages)
     # The loss's own KL term is off: the KL counts once, in the returns.
     assert run.loss_fn.config.reference_policy_kl_penalty == 0.0
-    assert "reference_policy_logprobs" not in run.loss_fn.batch_fields()
+    assert "reference_logprobs" not in run.loss_fn.batch_fields()

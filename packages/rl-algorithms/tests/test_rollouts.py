@@ -178,12 +178,12 @@ def test_training_batch_masks_all_but_sampled_tokens(tokenizer, template):
             for m in log
             if m["role"] == "assistant"
         )
-        assert int(train["token_mask"][b].sum()) == sampled
+        assert int(train.loss_mask[b].sum()) == sampled
         # generation log-probs sit exactly on the loss tokens
-        on = train["token_mask"][b] > 0
-        assert torch.all(train["generation_logprobs"][b][on] == -0.25)
-        assert torch.all(train["generation_logprobs"][b][~on] == 0)
-        assert int(train["input_lengths"][b]) == sum(len(m["token_ids"]) for m in log)
+        on = train.loss_mask[b] > 0
+        assert torch.all(train.generation_logprobs[b][on] == -0.25)
+        assert torch.all(train.generation_logprobs[b][~on] == 0)
+        assert int(train.input_lengths[b]) == sum(len(m["token_ids"]) for m in log)
 
 
 def test_a_sample_at_the_length_limit_is_truncated_and_stops(tokenizer, template):
@@ -314,9 +314,9 @@ def test_assistant_messages_of_the_prompt_stay_out_of_the_loss(tokenizer, templa
     )
     train = result.training_batch(tokenizer.pad_token_id)
     sampled = result.message_logs[0][-1]
-    assert int(train["token_mask"][0].sum()) == int(sampled["token_loss_mask"].sum())
-    on = train["token_mask"][0] > 0
-    assert torch.all(train["generation_logprobs"][0][on] == -0.25)
+    assert int(train.loss_mask[0].sum()) == int(sampled["token_loss_mask"].sum())
+    on = train.loss_mask[0] > 0
+    assert torch.all(train.generation_logprobs[0][on] == -0.25)
 
 
 def test_an_observation_past_the_length_limit_is_cut_to_it(tokenizer, template):
@@ -347,7 +347,7 @@ def test_an_observation_past_the_length_limit_is_cut_to_it(tokenizer, template):
     log = result.message_logs[0]
     assert sum(len(m["token_ids"]) for m in log) == limit
     train = result.training_batch(tokenizer.pad_token_id)
-    assert train["input_ids"].shape[1] == limit
+    assert train.input_ids.shape[1] == limit
 
 
 def test_take_environment_counts_hands_out_and_resets_what_each_environment_counted():
