@@ -86,7 +86,7 @@ def skewed_batch(lengths=(3, 61, 5, 7, 2, 40, 9, 4), seed: int = 0) -> BatchedDa
     return BatchedDataDict(
         input_ids=ids,
         input_lengths=lengths_t,
-        token_mask=token_mask.double(),
+        loss_mask=token_mask.double(),
         sample_mask=sample_mask,
     )
 
@@ -115,7 +115,7 @@ def grouped_batch(seed: int = 0) -> BatchedDataDict:
     sample_mask = torch.ones(len(rows))
     sample_mask[2] = 0  # one sample off: nothing of it is wanted
     return BatchedDataDict(
-        input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=sample_mask
+        input_ids=ids, input_lengths=lengths, loss_mask=token_mask, sample_mask=sample_mask
     )
 
 

@@ -88,7 +88,7 @@ def test_trimming_keeps_per_row_values():
     data = skewed_batch().slice(2, 4)
     data["target"] = torch.ones(2, 3)  # [B, labels]: not a per-token tensor
     cut = base_worker.trim_to_longest_row(data)
-    assert cut["input_ids"].shape == (2, 7) and cut["token_mask"].shape == (2, 7)
+    assert cut["input_ids"].shape == (2, 7) and cut["loss_mask"].shape == (2, 7)
     assert cut["target"].shape == (2, 3)
 
 
