@@ -1,7 +1,7 @@
 """A Ray-free check of the library's CUDA code: training step, log-probs, sampling, refit, MFU.
 
-The GPU machines this project can borrow have their own torch and transformers but no package
-index, and Ray's and vLLM's wheels are too big to carry there. So this script builds the DTensor
+A GPU machine may have its own torch and transformers but no package index, and no room for
+Ray's and vLLM's large wheels. So this script builds the DTensor
 policy worker, the Hugging Face generation worker and the weight channels directly, one process
 per rank (``torch.multiprocessing``), and holds each result against an independent reference
 computed in this process in float64 on the CPU (plain transformers model, ``log_softmax``,
@@ -60,8 +60,8 @@ from rl_models.weight_transfer.shared_memory import RegionLayout
 LR = 0.5  # SGD's step: big enough that the update stands far above float32 rounding
 # bfloat16 keeps 8 significant bits, so every product and partial sum of the bf16 forward and
 # backward is off by up to ~2**-9 of its size. On the CPU (micro and tiny models, 2 and 4
-# layers) the errors measured 9x (update) to 150x (loss) below these bounds (docs/gpu-results.md); the headroom is
-# for qwen2-0.5b's 24 layers of bf16 rounding, not yet measured on a GPU. What the checks are
+# layers) the errors stay far below these bounds (docs/gpu-results.md has them); the headroom
+# is for qwen2-0.5b's 24 layers of bf16 rounding, not yet measured on a GPU. What the checks are
 # for shows far above them: a wrong mask, a shifted token or a missing gradient reduction gives
 # log-prob errors of order 1 and update errors of tens of percent.
 BF16_LOGPROB_MAX, BF16_LOGPROB_MEAN = 0.15, 0.03  # |log-prob error|, nats

@@ -6,7 +6,7 @@ backward, optimiser) of a model built from config, on a length-skewed batch with
 packing. Training FLOPs are counted the usual way, without activation recomputation:
 ``6 * N_matmul * tokens + 6 * layers * d_attn * sum(len_i ** 2)`` (causal attention).
 Prints the ratio (ours / measured matmul peak) last; on a known GPU also MFU against the
-vendor's dense peak (H100/H200 SXM bf16: 989 TFLOP/s), the number the issue's target is
+vendor's dense peak (H100/H200 SXM bf16: 989 TFLOP/s), the number the project's target is
 stated in (>= 40% for a ~0.5B model on an H100).
 
     uv run python bench/mfu.py                  # tiny model, float32 (CPU smoke run)

@@ -96,6 +96,37 @@ def test_every_code_block_of_the_page_runs(page, tmp_path):
         )
 
 
+# -- the README ---------------------------------------------------------------------------------
+
+README = ROOT / "README.md"
+
+
+def test_the_readme_gives_the_set_up_and_test_commands_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    setup = next(line for line in ci if "uv sync" in line)
+    test = next(line for line in ci if "nox" in line)
+    blocks = [code for lang, code, _ in code_blocks(README) if lang == "bash"]
+    develop = next(code for code in blocks if test in code.splitlines())
+    assert setup in develop.splitlines(), f"the README's test block does not set up as CI: {setup}"
+
+
+def test_the_readmes_reward_function_is_the_guides_which_its_tests_run():
+    # packages/rl-algorithms/tests/functional/test_grpo_reward_functions.py runs the guide's.
+    guide = DOCS / "guides" / "reward-functions.md"
+    for lang in ("python", "yaml"):
+        readme_blocks = [code for kind, code, _ in code_blocks(README) if kind == lang]
+        guide_blocks = [code for kind, code, _ in code_blocks(guide) if kind == lang]
+        assert readme_blocks == guide_blocks, f"the README's {lang} block differs from the guide's"
+
+
+def test_every_relative_link_of_the_readme_leads_to_a_file():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    relative = [link for link in links if "://" not in link]
+    assert relative, "the README links to no file of the repository"
+    missing = [link for link in relative if not (ROOT / link).exists()]
+    assert not missing, f"README links to missing files: {missing}"
+
+
 # -- the config reference -----------------------------------------------------------------------
 
 

@@ -173,9 +173,9 @@ class SequencePackingConfig(ConfigModel):
     Meant for the flash-attention kernels (GPU), which run packed rows as variable-length
     sequences (not measured here). On a CPU (sdpa with a dense block-diagonal mask, whose
     attention cost grows with the square of the packed row) ``bench/train_step.py`` measured
-    packing slower than dynamic batching (0.84x-0.99x over two runs on a shared 2-core
-    machine; packing was 1.4x-1.7x over fixed micro-batches trimmed to their longest row), so
-    the CPU default is dynamic batching (``dynamic_batching.enabled: auto``).
+    packing slower than dynamic batching, though faster than fixed micro-batches trimmed to
+    their longest row (docs/benchmarks.md), so the CPU default is dynamic batching
+    (``dynamic_batching.enabled: auto``).
     """
 
     enabled: bool = False
