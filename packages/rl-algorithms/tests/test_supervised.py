@@ -12,6 +12,7 @@ from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManage
 from rl_algorithms.utils.logger import Logger, LoggerConfig
 from rl_data.loader import StatefulDataLoader
 from rl_distributed.launchers import CHECKPOINT_DEADLINE_ENV
+from rl_models.interfaces import TrainResult
 
 
 class CountingPolicy:
@@ -25,9 +26,9 @@ class CountingPolicy:
 
     def train(self, batch, loss_fn, eval_mode=False, gbs=None, mbs=None):
         if eval_mode:
-            return {"loss": [10.0 + self.steps]}
+            return TrainResult(0, {"loss": [10.0 + self.steps]})
         self.steps += 1
-        return {"loss": [1.0 / self.steps]}
+        return TrainResult(1, {"loss": [1.0 / self.steps]})
 
     def save_checkpoint(self, path):
         pass

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from rl_algorithms.losses import ClippedValueLossFn, ValueLossConfig
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.interfaces import Values
 from rl_models.losses import loss_token_mask, sample_valid_mask
 
 CLIP = 0.2
@@ -153,7 +154,7 @@ def test_config_and_missing_keys():
     with pytest.raises(ValidationError):
         ValueLossConfig(cliprange_value=0.2)
     fn = ClippedValueLossFn()
-    assert fn.input_type == "values"
+    assert fn.input_type is Values
     assert {"values", "returns"} <= fn.batch_fields()
     values, data = value_batch()
     del data["returns"]

@@ -7,6 +7,7 @@ import torch
 
 from rl_algorithms.losses import ClippedPGLossFn, DistillationLossConfig, DistillationLossFn
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.interfaces import GatheredLogprobs
 from rl_models.losses import loss_token_mask
 
 B, S, V, K = 5, 8, 13, 4
@@ -38,7 +39,7 @@ def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, BatchedDataDict]:
 
 
 def gathered(student_logits: torch.Tensor, data: BatchedDataDict) -> torch.Tensor:
-    """What the policy passes a "gathered_logprobs" loss: ``[B, S, 1 + k]``."""
+    """What the policy passes a ``GatheredLogprobs`` loss: ``[B, S, 1 + k]``."""
     tokens = torch.cat([data["input_ids"][..., None], data["teacher_topk_ids"]], -1)
     return torch.log_softmax(student_logits, -1).gather(-1, tokens)
 
@@ -214,7 +215,7 @@ ALL_CONFIGS = [{"estimator": "sampled_token"}, *TOPK_CONFIGS]
 def values_for(loss_fn, student, data):
     return (
         gathered(student, data)
-        if loss_fn.input_type == "gathered_logprobs"
+        if loss_fn.input_type is GatheredLogprobs
         else sampled(student, data)
     )
 

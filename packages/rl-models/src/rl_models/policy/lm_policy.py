@@ -17,7 +17,7 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
-from rl_models.interfaces import LossFunction, PolicyInterface
+from rl_models.interfaces import LossFunction, PolicyInterface, TrainResult
 from rl_models.model_files import materialize
 from rl_models.policy.base_worker import (
     Batching,
@@ -152,13 +152,13 @@ class Policy(PolicyInterface):
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> TrainResult:
         gbs = gbs or self.config.train_global_batch_size
         shards, _ = self._shard(data, gbs, training=True, mbs=mbs)
         results = self._run("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
-        if not eval_mode:
-            self.weight_version += len(results[0].get("grad_norm", []))
-        return results[0]  # the metrics are all-reduced: every rank returns the same
+        result = results[0]  # the metrics are all-reduced: every rank returns the same
+        self.weight_version += result.optimizer_steps
+        return result
 
     def prepare_for_training(self) -> None:
         self.worker_group.call_all("prepare_for_training")
