@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from rl_algorithms.losses import ClippedValueLossFn, ValueLossConfig
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.interfaces import Values
+from rl_models.interfaces import Max, Min, Values
 from rl_models.losses import loss_token_mask, sample_valid_mask
 
 CLIP = 0.2
@@ -160,3 +160,10 @@ def test_config_and_missing_keys():
     del data["returns"]
     with pytest.raises(KeyError, match="'returns'"):
         fn(values, data, *counts(data))
+
+
+def test_value_extremes_are_declared_min_and_max():
+    values, data = value_batch()
+    _, metrics = ClippedValueLossFn({})(values, data, *counts(data))
+    assert isinstance(metrics["value_min"], Min) and isinstance(metrics["value_max"], Max)
+    assert type(metrics["value_mean"]) is float

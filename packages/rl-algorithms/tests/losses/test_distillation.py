@@ -7,7 +7,7 @@ import torch
 
 from rl_algorithms.losses import ClippedPGLossFn, DistillationLossConfig, DistillationLossFn
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.interfaces import GatheredLogprobs
+from rl_models.interfaces import GatheredLogprobs, Max, Min
 from rl_models.losses import loss_token_mask
 
 B, S, V, K = 5, 8, 13, 4
@@ -291,3 +291,12 @@ def test_mixing_with_grpo_adds_the_clipped_pg_loss_unchanged(estimator):
         "advantages",
         "teacher_logprobs" if estimator == "sampled_token" else "teacher_topk_ids",
     } <= mixed_fn.batch_fields()
+
+
+def test_the_mixed_pg_extremes_keep_their_declared_reduction():
+    student, _, data = batch()
+    pg = ClippedPGLossFn(pi_old_is_current=True)
+    loss_fn = DistillationLossFn({"estimator": "sampled_token"}, pg_loss=pg)
+    _, metrics = call(loss_fn, values_for(loss_fn, student, data), data)
+    assert isinstance(metrics["pg_probs_ratio_min"], Min)
+    assert isinstance(metrics["pg_probs_ratio_max"], Max)

@@ -130,7 +130,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
     def _dummy_logits(self, model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
 
-    def _output(self, output: Output) -> Output:
+    def _checked(self, output: Output) -> Output:
         """``output``, once it is checked to be one this worker's model has."""
         kind = self.config.model.kind
         if output.model_kind != kind:
@@ -173,7 +173,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
     def _per_row(self, model: torch.nn.Module, data: BatchedDataDict, output: Output) -> Any:
         """Per-row ``output`` of ``data``, in its row order, padded back to its width (a
         tensor, or for ``TopkLogprobs`` a (values, ids) pair of tensors)."""
-        output = self._output(output)
+        output = self._checked(output)
         model.eval()
         width = data["input_ids"].shape[1]
         (mbs,), restore = self._steps(data, data.size, self.config.lp_micro_batch_size, False)
