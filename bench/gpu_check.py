@@ -120,7 +120,7 @@ def run_policy_rank(rank: int, world: int, setup: Setup, to_parent: Any, to_rank
     part = setup.batch.slice(rank * rows, (rank + 1) * rows)
     result: dict[str, Any] = {"initial": full_weights(worker)}
     result["logprobs"] = worker.get_logprobs(part)["logprobs"]
-    result["metrics"] = worker.train(part, NLLLoss())
+    result["metrics"] = worker.train(part, NLLLoss()).metrics
     result["final"] = full_weights(worker)
     result["device"] = str(worker.device)
     result["backend"] = dist.get_backend() if dist.is_initialized() else "none (one process)"

@@ -11,13 +11,14 @@ from rl_algorithms.cli import build_config
 from rl_algorithms.grpo.steps import refit_if_stale, rollout_prompts, shaped_rewards, validate
 from rl_algorithms.losses.common import global_count
 from rl_algorithms.run import Run, end_step, reduce_step_metrics, start_loop
+from rl_models.interfaces import LossTokenLogprobs
 
 
 class ReinforceLoss:
     """-(r - mean r) * log pi(token), summed over the response tokens of the global batch and
     divided by their number, so the gradient does not depend on how the batch is split."""
 
-    input_type = "loss_token_logprobs"  # the policy hands us log-probs of the loss tokens
+    input_type = LossTokenLogprobs  # the policy hands us log-probs of the loss tokens
 
     def batch_fields(self) -> frozenset[str]:
         return frozenset({"advantages"})  # TrainBatch fields, checked at setup
@@ -42,7 +43,7 @@ def reinforce_train(run: Run) -> dict[str, float]:
         advantages = (rewards - rewards.mean())[:, None] * batch.loss_mask
         batch = batch.replace(advantages=advantages)
         run.policy.prepare_for_training()
-        metrics = reduce_step_metrics(run.policy.train(batch, run.loss_fn))
+        metrics = reduce_step_metrics(run.policy.train(batch, run.loss_fn).metrics)
         metrics["reward_mean"] = float(result.rewards.mean())
         run.step += 1
         end_step(run, metrics, lambda: validate(run))  # log, validate, checkpoint when due

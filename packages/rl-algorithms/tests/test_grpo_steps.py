@@ -12,6 +12,7 @@ from rl_algorithms.utils.logger import Logger, LoggerConfig
 from rl_data.collate import rl_collate
 from rl_data.loader import StatefulDataLoader
 from rl_envs.sliding_puzzle import SlidingPuzzleEnvironment
+from rl_models.interfaces import TrainResult
 
 from .test_rollouts import ScriptedGeneration, puzzle_datums
 
@@ -399,7 +400,7 @@ class LogprobPolicy:
     def train(self, batch, loss_fn):
         self.calls.append("train")
         self.trained = batch
-        return {"loss": [0.0]}
+        return TrainResult(1, {"loss": [0.0]})
 
 
 def reference_kl_in_reward_returns(rewards, mask, group_size, pi_old, pi_ref, coef, eps=1e-8):

@@ -6,12 +6,13 @@ from types import SimpleNamespace
 import pytest
 
 from rl_algorithms.config import LoopConfig
-from rl_algorithms.run import Run
+from rl_algorithms.run import Run, reduce_step_metrics
 from rl_algorithms.supervised import train_loop
 from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from rl_algorithms.utils.logger import Logger, LoggerConfig
 from rl_data.loader import StatefulDataLoader
 from rl_distributed.launchers import CHECKPOINT_DEADLINE_ENV
+from rl_models.interfaces import Max, Min, TrainResult
 
 
 class CountingPolicy:
@@ -25,9 +26,9 @@ class CountingPolicy:
 
     def train(self, batch, loss_fn, eval_mode=False, gbs=None, mbs=None):
         if eval_mode:
-            return {"loss": [10.0 + self.steps]}
+            return TrainResult(0, {"loss": [10.0 + self.steps]})
         self.steps += 1
-        return {"loss": [1.0 / self.steps]}
+        return TrainResult(1, {"loss": [1.0 / self.steps]})
 
     def save_checkpoint(self, path):
         pass
@@ -128,3 +129,10 @@ def test_near_the_time_limit_the_run_saves_and_stops(
     assert policy.steps == stop_step and run.step == stop_step
     # The only checkpoint is the one the limit forced (save_period is 100), of the last step.
     assert [p.name for p in run.checkpointer.checkpoints()] == [f"step_{stop_step}"]
+
+
+def test_step_metrics_reduce_as_declared_not_as_named():
+    steps = {"lo": [Min(3.0), Min(1.0)], "hi": [Max(1.0), Max(3.0)], "x_min": [1.0, 3.0]}
+    reduced = reduce_step_metrics(steps)
+    assert reduced == {"lo": 1.0, "hi": 3.0, "x_min": 2.0}  # a plain float: the mean
+    assert all(type(v) is float for v in reduced.values())

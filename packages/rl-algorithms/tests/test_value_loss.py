@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from rl_algorithms.losses import ClippedValueLossFn, ValueLossConfig
 from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.interfaces import Max, Min, Values
 
 CLIP = 0.2
 
@@ -159,9 +160,16 @@ def test_config_and_missing_keys():
     with pytest.raises(ValidationError):
         ValueLossConfig(cliprange_value=0.2)
     fn = ClippedValueLossFn()
-    assert fn.input_type == "values"
+    assert fn.input_type is Values
     assert {"values", "returns"} <= fn.batch_fields()
     values, data = value_batch()
     del data["returns"]
     with pytest.raises(KeyError, match="'returns'"):
         fn(values, TrainBatch.from_transport(data), *counts(data))
+
+
+def test_value_extremes_are_declared_min_and_max():
+    values, data = value_batch()
+    _, metrics = ClippedValueLossFn({})(values, TrainBatch.from_transport(data), *counts(data))
+    assert isinstance(metrics["value_min"], Min) and isinstance(metrics["value_max"], Max)
+    assert type(metrics["value_mean"]) is float

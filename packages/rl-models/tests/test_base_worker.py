@@ -6,11 +6,13 @@ import inspect
 import pytest
 import torch
 
+from rl_models.interfaces import Max, Min
 from rl_models.losses import NLLLoss
 from rl_models.policy import base_worker
 from rl_models.policy.base_worker import PolicyWorker, local_device
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.policy.lm_policy import Policy
 
 from .conftest import TINY_LLAMA, skewed_batch, tiny_config
 from .test_logprobs import reference_logprobs
@@ -120,3 +122,54 @@ def test_combinations_that_would_silently_misbehave_are_refused(overrides, messa
     config = {"model": {"hf_config": TINY_LLAMA}, "train_global_batch_size": 8, **overrides}
     with pytest.raises(ValueError, match=message):
         PolicyConfig.model_validate(config)
+
+
+class RowCountMetrics(NLLLoss):
+    """NLL, reporting each micro-batch's row count three ways: as a declared minimum, a declared
+    maximum, and a plain float whose name merely ends in ``_min``."""
+
+    def __call__(self, logprobs, data, global_valid_seqs, global_valid_toks):
+        loss, _ = super().__call__(logprobs, data, global_valid_seqs, global_valid_toks)
+        rows = float(data.size)
+        return loss, {"rows_lo": Min(rows), "rows_hi": Max(rows), "rows_min": rows}
+
+
+def test_loss_metrics_combine_over_micro_batches_as_declared_not_as_named():
+    worker = DTensorPolicyWorker(tiny_config(dynamic_batching={"enabled": False}))
+    result = worker.train(skewed_batch(), RowCountMetrics(), mbs=3)  # rows 3, 3 and 2
+    assert result.metrics["rows_lo"] == [2.0] and isinstance(result.metrics["rows_lo"][0], Min)
+    assert result.metrics["rows_hi"] == [3.0] and isinstance(result.metrics["rows_hi"][0], Max)
+    assert result.metrics["rows_min"] == [8.0]  # a plain float adds up, whatever its name
+
+
+def test_train_reports_the_optimizer_steps_it_took():
+    worker = DTensorPolicyWorker(tiny_config())
+    trained = worker.train(skewed_batch(), NLLLoss(), gbs=4)
+    assert trained.optimizer_steps == 2 and len(trained.metrics["grad_norm"]) == 2
+    evaluated = worker.train(skewed_batch(), NLLLoss(), eval_mode=True, gbs=4)
+    assert evaluated.optimizer_steps == 0 and len(evaluated.metrics["loss"]) == 2
+
+
+class InProcessWorkers:
+    """The worker-group calls ``Policy.train`` makes, answered by one worker in this process."""
+
+    def __init__(self, worker: DTensorPolicyWorker) -> None:
+        self.worker = worker
+
+    def run_all_workers_sharded_data(self, method, *, common_kwargs, data, **_):
+        (shard,) = data
+        return [getattr(self.worker, method)(data=shard, **common_kwargs)]
+
+    def get_all_worker_results(self, futures):
+        return futures
+
+
+def test_the_policy_weight_version_advances_by_the_optimizer_steps():
+    policy = Policy.__new__(Policy)
+    policy.config = tiny_config()
+    policy.worker_group = InProcessWorkers(DTensorPolicyWorker(policy.config))
+    policy.dp_size, policy.on_gpu, policy.weight_version = 1, False, 0
+    policy.train(skewed_batch(), NLLLoss(), gbs=4)
+    assert policy.weight_version == 2
+    policy.train(skewed_batch(), NLLLoss(), eval_mode=True, gbs=4)
+    assert policy.weight_version == 2

@@ -67,7 +67,7 @@ def test_a_cpu_worker_uses_dynamic_micro_batches_by_default():
 
     auto = DTensorPolicyWorker(tiny_config(train_micro_batch_size=2))
     assert auto.batching == "dynamic"
-    metrics = auto.train(data, RecordingNLL())
+    metrics = auto.train(data, RecordingNLL()).metrics
     # Rows sorted by length and cut at 2 x 61 padded tokens: the short rows share micro-batches
     # (more than 2 rows), so fewer passes than the 4 fixed micro-batches of 2 rows.
     assert all(rows * width <= 2 * 61 for rows, width in seen)
@@ -78,7 +78,7 @@ def test_a_cpu_worker_uses_dynamic_micro_batches_by_default():
     )
     assert fixed.batching == "fixed"
     seen.clear()
-    ref_metrics = fixed.train(data, RecordingNLL())
+    ref_metrics = fixed.train(data, RecordingNLL()).metrics
     assert [rows for rows, _ in seen] == [2, 2, 2, 2]
     # The same update either way (losses are normalised by global counts).
     assert metrics["loss"][0] == pytest.approx(ref_metrics["loss"][0], rel=1e-12)

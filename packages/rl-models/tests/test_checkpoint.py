@@ -24,7 +24,7 @@ def saved(tmp_path_factory, request):
     worker.train(skewed_batch(seed=1), NLLLoss())
     worker.save_checkpoint(str(path))
     logprobs = worker.get_logprobs(skewed_batch())["logprobs"]
-    metrics = worker.train(skewed_batch(seed=2), NLLLoss())
+    metrics = worker.train(skewed_batch(seed=2), NLLLoss()).metrics
     return path, logprobs, metrics, worker.model.state_dict()
 
 
@@ -44,7 +44,7 @@ def test_training_resumes_identically_after_loading(saved):
     fresh = DTensorPolicyWorker(tiny_config(**CONFIG, seed=123))  # other initial weights
     # Either layout loads whatever the worker's own checkpoint setting.
     fresh.load_checkpoint(str(path))
-    resumed = fresh.train(skewed_batch(seed=2), NLLLoss())
+    resumed = fresh.train(skewed_batch(seed=2), NLLLoss()).metrics
     assert resumed["lr"] == metrics["lr"] == [pytest.approx(5e-3)]
     assert resumed["loss"] == pytest.approx(metrics["loss"], abs=1e-12)
     got = fresh.model.state_dict()
@@ -60,7 +60,7 @@ def test_a_resumed_optimizer_runs_the_kernel_its_config_asks_for(saved, fused):
     fresh = DTensorPolicyWorker(tiny_config(**{**CONFIG, "optimizer": optimizer}, seed=123))
     fresh.load_checkpoint(str(path))
     assert all(group["fused"] is fused for group in fresh.optimizer.param_groups)
-    resumed = fresh.train(skewed_batch(seed=2), NLLLoss())
+    resumed = fresh.train(skewed_batch(seed=2), NLLLoss()).metrics
     assert resumed["loss"] == pytest.approx(metrics["loss"], abs=1e-12)
     got = fresh.model.state_dict()
     assert max(float((got[k] - weights[k]).abs().max()) for k in weights) < 1e-12
@@ -89,7 +89,7 @@ def test_sharded_checkpoint_of_two_ranks_resumes_on_one(ray_session, tmp_path):
     try:
         policy.train(skewed_batch(seed=1), NLLLoss())
         policy.save_checkpoint(str(tmp_path))
-        metrics = policy.train(skewed_batch(seed=2), NLLLoss())
+        metrics = policy.train(skewed_batch(seed=2), NLLLoss()).metrics
         after = policy.get_logprobs(skewed_batch())["logprobs"]
     finally:
         policy.shutdown()
@@ -101,7 +101,7 @@ def test_sharded_checkpoint_of_two_ranks_resumes_on_one(ray_session, tmp_path):
 
     single = DTensorPolicyWorker(tiny_config(**CONFIG, train_micro_batch_size=2, seed=7))
     single.load_checkpoint(str(tmp_path))
-    resumed = single.train(skewed_batch(seed=2), NLLLoss())
+    resumed = single.train(skewed_batch(seed=2), NLLLoss()).metrics
     assert resumed["lr"] == metrics["lr"]
     assert resumed["loss"] == pytest.approx(metrics["loss"], abs=1e-9)
     got = single.get_logprobs(skewed_batch())["logprobs"]

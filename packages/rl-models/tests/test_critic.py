@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from rl_models.interfaces import Values
 from rl_models.modeling.build import build_model
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -20,7 +21,7 @@ def critic_config(**overrides) -> PolicyConfig:
 class SquaredErrorToTarget:
     """0.5 * (V - target)^2 over the loss tokens, a mean over the global token count."""
 
-    input_type = "values"
+    input_type = Values
 
     def __call__(self, values, data, global_valid_seqs, global_valid_toks):
         from rl_models.losses import loss_token_mask
@@ -68,7 +69,7 @@ def test_a_value_model_has_no_logprobs_and_trains_only_on_value_losses():
     worker = DTensorPolicyWorker(critic_config())
     with pytest.raises(ValueError, match=r"value model has no logprobs \(model.kind: value\)"):
         worker.get_logprobs(skewed_batch())
-    with pytest.raises(ValueError, match="input_type 'values'"):
+    with pytest.raises(ValueError, match="input_type Values"):
         worker.train(skewed_batch(), NLLLoss())
 
 

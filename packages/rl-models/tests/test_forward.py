@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rl_models.interfaces import loss_input_type
+from rl_models.interfaces import Logits, Logprobs, LossTokenLogprobs, loss_input_type
 from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss, loss_token_mask
 from rl_models.policy import forward, logprobs
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -30,7 +30,7 @@ def test_logits_are_aligned_to_the_tokens_they_predict(packed):
     config = tiny_config(sequence_packing={"enabled": packed, "max_tokens_per_microbatch": 70})
     worker = DTensorPolicyWorker(config)
     with torch.no_grad():
-        got = forward.forward_logits(worker.model, data, packed)
+        got = forward.forward_logits(worker.model, data, forward.ForwardOptions(packed=packed))
         expected = reference_logits(reference_model(), data)
         logprobs = worker.get_logprobs(data)["logprobs"]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
@@ -49,8 +49,8 @@ def test_packed_rows_without_a_mask_are_split_by_their_position_ids(monkeypatch)
     _, inputs = forward._packed_inputs(data, "sdpa")
     assert inputs["attention_mask"] is None
     with torch.no_grad():
-        got = forward.forward_logprobs(worker.model, data, packed=True)
-        unpacked = forward.forward_logprobs(worker.model, data, packed=False)
+        got = forward.forward_logprobs(worker.model, data, forward.ForwardOptions(packed=True))
+        unpacked = forward.forward_logprobs(worker.model, data, forward.ForwardOptions())
     torch.testing.assert_close(got, unpacked, rtol=0, atol=1e-10)
 
 
@@ -60,8 +60,11 @@ def test_packed_rows_under_eager_attention_are_kept_apart():
     model = reference_model()
     model.config._attn_implementation = "eager"
     with torch.no_grad():
-        packed = forward.forward_logprobs(model, data, packed=True, attn_implementation="eager")
-        padded = forward.forward_logprobs(model, data, packed=False, attn_implementation="eager")
+        for_packed = forward.ForwardOptions(packed=True, attn_implementation="eager")
+        packed = forward.forward_logprobs(model, data, for_packed)
+        padded = forward.forward_logprobs(
+            model, data, forward.ForwardOptions(attn_implementation="eager")
+        )
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-6)  # eager softmax: float32
 
 
@@ -89,8 +92,8 @@ def label_smoothed_reference_step(data, smoothing: float) -> dict[str, torch.Ten
 def test_a_logits_loss_trains_like_the_hand_written_reference(split):
     data = skewed_batch()
     loss = LabelSmoothedNLLLoss(smoothing=0.2)
-    assert loss_input_type(loss) == "logits"
-    assert loss_input_type(NLLLoss()) == "loss_token_logprobs"
+    assert loss_input_type(loss) is Logits
+    assert loss_input_type(NLLLoss()) is LossTokenLogprobs
     worker = DTensorPolicyWorker(tiny_config(**split))
     worker.train(data, loss)
     expected = label_smoothed_reference_step(data, smoothing=0.2)
@@ -99,7 +102,7 @@ def test_a_logits_loss_trains_like_the_hand_written_reference(split):
 
 
 class FullNLLLoss(NLLLoss):
-    input_type = "logprobs"  # every position's log-prob computed
+    input_type = Logprobs  # every position's log-prob computed
 
 
 def nll_reference_gradients(data, weights=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -165,7 +168,7 @@ def test_clipped_adamw_steps_match_the_formula(fused):
 def test_loss_token_logprobs_skip_the_prompt_and_train_exactly_like_full_logprobs(
     split, monkeypatch
 ):
-    """A loss with ``input_type = "loss_token_logprobs"`` gets log-probs at its tokens only: the
+    """A loss with ``input_type = LossTokenLogprobs`` gets log-probs at its tokens only: the
     output layer sees just those hidden states, and the step equals the float64 reference."""
     data = skewed_batch()
     seen = []
@@ -196,8 +199,8 @@ def test_label_smoothing_zero_is_plain_nll():
     data = skewed_batch()
     a = DTensorPolicyWorker(tiny_config(train_micro_batch_size=3))
     b = DTensorPolicyWorker(tiny_config(train_micro_batch_size=3))
-    la = a.train(data, LabelSmoothedNLLLoss(smoothing=0.0))["loss"]
-    lb = b.train(data, NLLLoss())["loss"]
+    la = a.train(data, LabelSmoothedNLLLoss(smoothing=0.0)).metrics["loss"]
+    lb = b.train(data, NLLLoss()).metrics["loss"]
     assert la == pytest.approx(lb, abs=1e-12)
 
 

@@ -80,7 +80,7 @@ def test_eval_mode_reports_the_loss_without_updating():
     data = skewed_batch()
     worker = DTensorPolicyWorker(tiny_config())
     before = worker.get_logprobs(data)["logprobs"]
-    metrics = worker.train(data, NLLLoss(), eval_mode=True)
+    metrics = worker.train(data, NLLLoss(), eval_mode=True).metrics
     torch.testing.assert_close(worker.get_logprobs(data)["logprobs"], before, rtol=0, atol=0)
     # The NLL of the loss tokens is the mean of their negated log-probs.
     from rl_models.losses import loss_token_mask
@@ -107,7 +107,7 @@ def test_training_lowers_the_loss_with_clipping_and_a_schedule():
     )
     losses, lrs = [], []
     for _ in range(3):
-        metrics = worker.train(data, NLLLoss())
+        metrics = worker.train(data, NLLLoss()).metrics
         assert len(metrics["loss"]) == 2  # 8 rows, global batches of 4: two steps
         losses += metrics["loss"]
         lrs += metrics["lr"]
@@ -138,7 +138,7 @@ def test_bfloat16_mixed_precision_computes_in_bf16_and_keeps_float32_weights():
     assert seen == [torch.bfloat16] and lp_mixed.dtype == torch.float32
     # bf16 keeps ~3 significant digits: close to float32, and not identical to it.
     assert 0 < float((lp_full - lp_mixed).abs().max()) < 0.05
-    loss_full, loss_mixed = (w.train(data, NLLLoss())["loss"][0] for w in (full, mixed))
+    loss_full, loss_mixed = (w.train(data, NLLLoss()).metrics["loss"][0] for w in (full, mixed))
     assert loss_mixed == pytest.approx(loss_full, rel=1e-2)
     assert {p.dtype for p in mixed.model.parameters()} == {torch.float32}
     after_full, after_mixed = (w.get_logprobs(data)["logprobs"] for w in (full, mixed))

@@ -54,7 +54,7 @@ def trained(tmp_path_factory):
     worker = lora_worker(optimizer=ADAM, reference_policy={"enabled": True})
     before = snapshot(worker.model)
     data = skewed_batch()
-    losses = [worker.train(data, NLLLoss())["loss"][0] for _ in range(3)]
+    losses = [worker.train(data, NLLLoss()).metrics["loss"][0] for _ in range(3)]
     worker.save_checkpoint(str(path))
     return worker, before, losses, path
 

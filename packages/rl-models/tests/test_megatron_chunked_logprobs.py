@@ -71,7 +71,7 @@ def test_chunked_vocab_parallel_logprobs_match_float64(tiny_llama, tmp_path, cas
     try:
         got = policy.get_logprobs(data)["logprobs"]
         policy.prepare_for_training()
-        metrics = policy.train(data, NLLLoss())
+        metrics = policy.train(data, NLLLoss()).metrics
         ckpt = str(tmp_path / "ckpt")
         policy.save_checkpoint(ckpt)
     finally:

@@ -59,11 +59,11 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(case, tiny_llam
         mask = loss_token_mask(data)
         nll = float(-(expected * mask).sum() / mask.sum())
         # A loss over whole-vocabulary logits (gathered over the tensor-parallel ranks).
-        evaluated = policy.train(data, LabelSmoothedNLLLoss(0.0), eval_mode=True)
+        evaluated = policy.train(data, LabelSmoothedNLLLoss(0.0), eval_mode=True).metrics
         assert evaluated["loss"][0] == pytest.approx(nll, rel=1e-9)
 
         policy.prepare_for_training()
-        metrics = policy.train(data, NLLLoss())
+        metrics = policy.train(data, NLLLoss()).metrics
         policy.prepare_for_lp_inference()
         assert metrics["global_valid_toks"] == [float(mask.sum())]
         assert metrics["loss"][0] == pytest.approx(nll)
@@ -77,7 +77,7 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(case, tiny_llam
         cluster.shutdown()
 
     reference = DTensorPolicyWorker(tiny_config(model={"path": tiny_llama, "dtype": "float64"}))
-    ref_metrics = reference.train(data, NLLLoss())
+    ref_metrics = reference.train(data, NLLLoss()).metrics
     assert metrics["loss"][0] == pytest.approx(ref_metrics["loss"][0], rel=1e-6)
     assert metrics["grad_norm"][0] == pytest.approx(ref_metrics["grad_norm"][0], rel=1e-6)
     trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()

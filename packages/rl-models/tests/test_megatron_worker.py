@@ -71,10 +71,10 @@ def test_megatron_worker_matches_hf_and_the_dtensor_worker(tiny_llama, tmp_path)
 
         # One SGD step (lr=1) moves the weights as the DTensor worker moves the HF model's.
         call(plain, "prepare_for_training")
-        metrics = call(plain, "train", data=data, loss_fn=NLLLoss())
+        metrics = call(plain, "train", data=data, loss_fn=NLLLoss()).metrics
         call(plain, "prepare_for_lp_inference")
         reference = DTensorPolicyWorker(config)
-        ref_metrics = reference.train(data, NLLLoss())
+        ref_metrics = reference.train(data, NLLLoss()).metrics
         mask = loss_token_mask(data)
         assert metrics["global_valid_toks"] == [float(mask.sum())]
         assert metrics["loss"][0] == pytest.approx(float(-(expected * mask).sum() / mask.sum()))
@@ -119,14 +119,14 @@ def test_two_data_parallel_ranks_train_like_one(tiny_llama, tmp_path):
             data=shards,
             common_kwargs={"loss_fn": NLLLoss()},
         )
-        metrics = group.get_all_worker_results(futures)
+        metrics = [r.metrics for r in group.get_all_worker_results(futures)]
         ckpt = str(tmp_path / "ckpt")
         group.call_all("save_checkpoint", path=ckpt)
     finally:
         group.shutdown()
         cluster.shutdown()
     reference = DTensorPolicyWorker(config)
-    ref_metrics = reference.train(data, NLLLoss())
+    ref_metrics = reference.train(data, NLLLoss()).metrics
     assert metrics[0] == metrics[1]  # the metrics are all-reduced
     assert metrics[0]["loss"][0] == pytest.approx(ref_metrics["loss"][0], rel=1e-6)
     assert metrics[0]["grad_norm"][0] == pytest.approx(ref_metrics["grad_norm"][0], rel=1e-6)

@@ -96,7 +96,7 @@ def test_two_data_parallel_ray_workers_give_the_same_gradient(
     try:
         data = skewed_batch()
         before = policy.get_logprobs(data)["logprobs"]
-        metrics = policy.train(data, NLLLoss())
+        metrics = policy.train(data, NLLLoss()).metrics
         policy.save_checkpoint(str(tmp_path))
     finally:
         policy.shutdown()

@@ -61,6 +61,13 @@ def test_a_reward_model_has_no_logprobs():
         DTensorPolicyWorker(rm_config()).get_logprobs(skewed_batch())
 
 
+def test_a_reward_model_trains_only_on_losses_of_scores():
+    from rl_models.losses import NLLLoss
+
+    with pytest.raises(ValueError, match=r"input_type Scores, not NLLLoss \(LossTokenLogprobs\)"):
+        DTensorPolicyWorker(rm_config()).train(rm_batch(), NLLLoss())
+
+
 def test_reward_model_gradient_does_not_depend_on_the_split(tmp_path):
     one = DTensorPolicyWorker(rm_config(train_micro_batch_size=8))
     one.train(rm_batch(), PairwiseMarginLoss())

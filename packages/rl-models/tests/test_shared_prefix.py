@@ -49,10 +49,9 @@ def test_shared_prefix_logprobs_equal_the_plain_forward(chunk):
     model = initial_model()
     wanted = loss_token_mask(data) > 0
     with torch.no_grad():
-        plain = forward.forward_logprobs(model, data, packed=False, temperature=0.7)
-        shared = forward.forward_logprobs(
-            model, data, False, chunk_size=chunk, temperature=0.7, wanted=wanted, share_prefix=True
-        )
+        plain = forward.forward_logprobs(model, data, forward.ForwardOptions(temperature=0.7))
+        options = forward.ForwardOptions(chunk_size=chunk, temperature=0.7, share_prefix=True)
+        shared = forward.forward_logprobs(model, data, options, wanted=wanted)
     torch.testing.assert_close(shared, plain * wanted, rtol=0, atol=1e-12)
     assert (shared[wanted] != 0).all()
 
@@ -104,8 +103,10 @@ def test_a_group_of_one_row_and_a_lone_row_share_nothing_wrongly():
     wanted = loss_token_mask(data) > 0
     model = initial_model()
     with torch.no_grad():
-        plain = forward.forward_logprobs(model, data, packed=False)
-        shared = forward.forward_logprobs(model, data, False, wanted=wanted, share_prefix=True)
+        plain = forward.forward_logprobs(model, data, forward.ForwardOptions())
+        shared = forward.forward_logprobs(
+            model, data, forward.ForwardOptions(share_prefix=True), wanted=wanted
+        )
     torch.testing.assert_close(shared, plain * wanted, rtol=0, atol=1e-12)
     prefix = prefix_lengths(wanted, data["input_lengths"])
     firsts, group = shared_prefixes(data["input_ids"], prefix)
@@ -123,11 +124,13 @@ def test_under_bf16_autocast_sharing_is_as_close_to_float64_as_the_plain_forward
     wanted = (loss_token_mask(data) > 0) & forward._padding_mask(data)
     model = initial_model()
     with torch.no_grad():
-        truth = forward.forward_logprobs(model, data, packed=False) * wanted
+        truth = forward.forward_logprobs(model, data, forward.ForwardOptions()) * wanted
         model.float()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            plain = forward.forward_logprobs(model, data, packed=False) * wanted
-            shared = forward.forward_logprobs(model, data, False, wanted=wanted, share_prefix=True)
+            plain = forward.forward_logprobs(model, data, forward.ForwardOptions()) * wanted
+            shared = forward.forward_logprobs(
+                model, data, forward.ForwardOptions(share_prefix=True), wanted=wanted
+            )
     plain_error = (plain.double() - truth).abs().max()
     shared_error = (shared.double() - truth).abs().max()
     assert 0 < shared_error <= 1.5 * plain_error + 1e-3, (float(shared_error), float(plain_error))
@@ -169,10 +172,9 @@ def test_sharing_runs_only_where_it_pays_and_where_the_mask_is_right():
     with torch.no_grad():
         for impl in ("eager", "sdpa"):
             model.config._attn_implementation = impl
-            plain = forward.forward_logprobs(model, data, packed=False)
-            got = forward.forward_logprobs(
-                model, data, False, impl, wanted=wanted, share_prefix=True
-            )
+            plain = forward.forward_logprobs(model, data, forward.ForwardOptions())
+            options = forward.ForwardOptions(attn_implementation=impl, share_prefix=True)
+            got = forward.forward_logprobs(model, data, options, wanted=wanted)
             torch.testing.assert_close(got, plain * wanted, rtol=0, atol=1e-12)
 
 

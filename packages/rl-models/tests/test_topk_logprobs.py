@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.interfaces import loss_input_type
+from rl_models.interfaces import GatheredLogprobs, loss_input_type
 from rl_models.losses import loss_token_mask
 from rl_models.modeling.build import build_model
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
-from rl_models.policy.forward import forward_logprobs, forward_topk_logprobs
+from rl_models.policy.forward import ForwardOptions, forward_logprobs, forward_topk_logprobs
 from rl_models.policy.logprobs import chunked_logprobs, chunked_topk_logprobs
 
 from .conftest import TINY_LLAMA, initial_model, skewed_batch, tiny_config
@@ -110,8 +110,9 @@ def test_gathered_logprobs_are_the_input_token_then_the_given_ids(packed, chunk_
     )
     model = initial_model()
     with torch.no_grad():
-        got = forward_logprobs(model, data, packed, chunk_size=chunk_size, gather_ids=gather)
-        plain = forward_logprobs(model, data, packed, chunk_size=chunk_size)
+        options = ForwardOptions(packed=packed, chunk_size=chunk_size)
+        got = forward_logprobs(model, data, options, gather_ids=gather)
+        plain = forward_logprobs(model, data, options)
     full = whole_model_log_softmax(data)
     real = real_positions(data)
     assert got.shape == (*data["input_ids"].shape, 1 + K)
@@ -127,8 +128,8 @@ def test_forward_topk_without_the_worker_matches_padded_and_packed():
     data = skewed_batch()
     model = initial_model()
     with torch.no_grad():
-        padded = forward_topk_logprobs(model, data, False, k=3, chunk_size=4)
-        packed = forward_topk_logprobs(model, data, True, k=3, chunk_size=None)
+        padded = forward_topk_logprobs(model, data, ForwardOptions(chunk_size=4), k=3)
+        packed = forward_topk_logprobs(model, data, ForwardOptions(packed=True), k=3)
     assert torch.equal(padded[1], packed[1])
     torch.testing.assert_close(padded[0], packed[0], rtol=0, atol=1e-10)
 
@@ -136,7 +137,7 @@ def test_forward_topk_without_the_worker_matches_padded_and_packed():
 class GatheredSum:
     """A loss over gathered log-probs: a fixed linear function of every entry it reads."""
 
-    input_type = "gathered_logprobs"
+    input_type = GatheredLogprobs
 
     def __init__(self, weights: torch.Tensor):
         self.weights = weights
@@ -160,7 +161,7 @@ def test_training_on_gathered_logprobs_never_makes_whole_logits_and_matches_floa
     )
     weights = torch.randn(*data["input_ids"].shape, 1 + K, generator=gen, dtype=torch.float64)
     loss = GatheredSum(weights)
-    assert loss_input_type(loss) == "gathered_logprobs"
+    assert loss_input_type(loss) is GatheredLogprobs
     config = tiny_config(model=model, logprob_chunk_size=5, train_micro_batch_size=3)
     worker = DTensorPolicyWorker(config)
     widest = WidestVocabTensor(VOCAB_SIZE)

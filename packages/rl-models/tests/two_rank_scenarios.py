@@ -27,6 +27,7 @@ from conftest import (
     tiny_config,
 )
 
+from rl_models.interfaces import Values
 from rl_models.losses import NLLLoss
 from rl_models.policy import segment_attention
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -172,7 +173,7 @@ def critic_step(half, out: str) -> dict:
     from rl_models.losses import loss_token_mask
 
     class HalfSquaredError:
-        input_type = "values"
+        input_type = Values
 
         def __call__(self, values, data, global_valid_seqs, global_valid_toks):
             mask = loss_token_mask(data).to(values)

@@ -25,6 +25,7 @@ from rl_algorithms.utils.logger import Logger
 from rl_data.loader import StatefulDataLoader
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import GenerationConfig
+from rl_models.interfaces import combine_metric
 from rl_models.policy.config import ModelConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -364,18 +365,11 @@ def save_checkpoint(run: Run, metrics: Mapping[str, float]) -> None:
 
 
 def reduce_step_metrics(results: Mapping[str, Any]) -> dict[str, float]:
-    """``Policy.train``'s per-step lists as one number each (min/max for ``_min``/``_max``
-    keys, else the mean over the steps)."""
+    """``Policy.train``'s per-step metric lists (``TrainResult.metrics``) as one number each:
+    min / max for ``Min`` / ``Max`` values, else the mean over the steps."""
     out: dict[str, float] = {}
     for key, values in results.items():
         values = values if isinstance(values, list | tuple) else [values]
-        values = [float(v) for v in values]
-        if not values:
-            continue
-        if key.endswith("_min"):
-            out[key] = min(values)
-        elif key.endswith("_max"):
-            out[key] = max(values)
-        else:
-            out[key] = sum(values) / len(values)
+        if values:
+            out[key] = float(combine_metric(values, lambda v: sum(v) / len(v)))
     return out

@@ -70,7 +70,7 @@ def train_loop(
             eval_mode=True,
             gbs=loop.val_global_batch_size * rows_per_sample,
             mbs=loop.val_micro_batch_size * rows_per_sample,
-        )
+        ).metrics
 
     def validate() -> dict[str, float]:
         return validate_batches(run, loop, evaluate) if run.val_loader is not None else {}
@@ -83,7 +83,9 @@ def train_loop(
             batch = prepare_batch(batch)
         with timer("train"):
             run.policy.prepare_for_training()
-            last = reduce_step_metrics(run.policy.train(batch, run.loss_fn, gbs=gbs, mbs=mbs))
+            last = reduce_step_metrics(
+                run.policy.train(batch, run.loss_fn, gbs=gbs, mbs=mbs).metrics
+            )
         run.step += 1
         end_step(run, last, validate)
     run.logger.progress.stop()

@@ -9,6 +9,7 @@ import torch
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.interfaces import Max, Min
 
 CPU_RECIPE = Path(__file__).resolve().parents[4] / "examples" / "configs" / "grpo_math_cpu.yaml"
 
@@ -446,3 +447,11 @@ def test_the_recipe_gives_gspo_the_papers_aggregation():
     assert cli.build_config(grpo, base).loss_fn.token_level is True
     chosen = ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=true"]
     assert cli.build_config(grpo, [*base, *chosen]).loss_fn.token_level is True
+
+
+def test_ratio_extremes_are_declared_min_and_max_and_the_means_plain():
+    lp, data = pg_batch()
+    _, metrics = ClippedPGLossFn({})(lp, data, *global_counts(data))
+    assert isinstance(metrics["probs_ratio_min"], Min)
+    assert isinstance(metrics["probs_ratio_max"], Max)
+    assert type(metrics["probs_ratio"]) is float

@@ -8,6 +8,7 @@ import torch
 from rl_algorithms.losses import ClippedPGLossFn, DistillationLossConfig, DistillationLossFn
 from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.interfaces import GatheredLogprobs, Max, Min
 
 B, S, V, K = 5, 8, 13, 4
 
@@ -38,7 +39,7 @@ def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, BatchedDataDict]:
 
 
 def gathered(student_logits: torch.Tensor, data: BatchedDataDict) -> torch.Tensor:
-    """What the policy passes a "gathered_logprobs" loss: ``[B, S, 1 + k]``."""
+    """What the policy passes a ``GatheredLogprobs`` loss: ``[B, S, 1 + k]``."""
     tokens = torch.cat([data["input_ids"][..., None], data["teacher_topk_ids"]], -1)
     return torch.log_softmax(student_logits, -1).gather(-1, tokens)
 
@@ -217,7 +218,7 @@ ALL_CONFIGS = [{"estimator": "sampled_token"}, *TOPK_CONFIGS]
 def values_for(loss_fn, student, data):
     return (
         gathered(student, data)
-        if loss_fn.input_type == "gathered_logprobs"
+        if loss_fn.input_type is GatheredLogprobs
         else sampled(student, data)
     )
 
@@ -293,3 +294,12 @@ def test_mixing_with_grpo_adds_the_clipped_pg_loss_unchanged(estimator):
         "advantages",
         "teacher_logprobs" if estimator == "sampled_token" else "teacher_topk_ids",
     } <= mixed_fn.batch_fields()
+
+
+def test_the_mixed_pg_extremes_keep_their_declared_reduction():
+    student, _, data = batch()
+    pg = ClippedPGLossFn(pi_old_is_current=True)
+    loss_fn = DistillationLossFn({"estimator": "sampled_token"}, pg_loss=pg)
+    _, metrics = call(loss_fn, values_for(loss_fn, student, data), data)
+    assert isinstance(metrics["pg_probs_ratio_min"], Min)
+    assert isinstance(metrics["pg_probs_ratio_max"], Max)

@@ -64,13 +64,13 @@ def test_two_ranks_train_like_one_and_report_the_loss_metrics(ray_session, tmp_p
     lp = local.get_logprobs(data)["logprobs"]
     ref = local.get_reference_logprobs(data)["reference_logprobs"]
     data = add_logprobs(data, lp, ref)
-    local_metrics = local.train(data, ClippedPGLossFn(LOSS))
+    local_metrics = local.train(data, ClippedPGLossFn(LOSS)).metrics
     expected = {k: v.detach() for k, v in local.model.state_dict().items()}
 
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = Policy(cluster, config())
     try:
-        metrics = policy.train(data, ClippedPGLossFn(LOSS))
+        metrics = policy.train(data, ClippedPGLossFn(LOSS)).metrics
         policy.save_checkpoint(str(tmp_path))
     finally:
         policy.shutdown()

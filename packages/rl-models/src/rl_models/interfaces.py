@@ -1,10 +1,9 @@
 """What the algorithms see of a policy, and what a loss function must look like.
 
-Data conventions (keys of the ``BatchedDataDict`` a policy takes):
-
-- ``input_ids`` ``[B, S]``: right-padded token ids; ``input_lengths`` ``[B]``: real lengths.
-- ``token_mask`` ``[B, S]`` (training): 1 where a token's log-prob counts in the loss.
-- ``sample_mask`` ``[B]`` (training, optional): 0 drops a whole sample.
+A policy takes a ``rl_data.batch.TrainBatch`` (or, for inference, any ``BatchedDataDict``
+with ``input_ids`` ``[B, S]``, right-padded, and ``input_lengths`` ``[B]``); its workers
+receive it as a ``BatchedDataDict`` whose keys are the batch's field names, and a loss gets
+each micro-batch back as a ``TrainBatch``.
 
 Log-probs are next-token log-probs aligned to the input: ``logprobs[:, t] =
 log p(input_ids[t] | input_ids[<t])``, 0 at position 0 and on padding.
@@ -13,91 +12,141 @@ log p(input_ids[t] | input_ids[<t])``, 0 at position 0 and on padding.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Literal, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 
-LossInput = Literal["logprobs", "loss_token_logprobs", "gathered_logprobs", "logits", "values"]
-LOSS_INPUTS = ("logprobs", "loss_token_logprobs", "gathered_logprobs", "logits", "values")
+
+class LossInput:
+    """What a policy hands a loss as its first argument. A loss names one of the subclasses
+    below as its ``input_type`` (the class itself); without one it gets ``Logprobs``, or a
+    reward model's ``Scores``."""
+
+
+class Logprobs(LossInput):
+    """``[B, S]`` next-token log-probs of every token (module docstring)."""
+
+
+class LossTokenLogprobs(LossInput):
+    """``[B, S]`` log-probs where ``losses.loss_token_mask`` is non-zero, 0 elsewhere: the
+    policy may skip the output layer elsewhere (the prompt). A backend without that saving
+    gives every log-prob, so such a loss must multiply what it reads by the mask."""
+
+
+class GatheredLogprobs(LossInput):
+    """``[B, S, 1 + k]`` at the loss tokens (0 elsewhere), each a log-softmax over the whole
+    vocabulary: ``[..., 0]`` the input token's, ``[..., 1:]`` those of the batch's
+    ``teacher_topk_ids`` ``[B, S, k]`` (aligned like the log-probs), with no ``[tokens,
+    vocab]`` tensor made. For distillation over a teacher's top-k; DTensor backend only."""
+
+
+class Logits(LossInput):
+    """``[B, S, V]`` next-token logits aligned like the log-probs (``[:, t]`` predicts token
+    ``t``; 0 at position 0 and on padding), for losses over the whole vocabulary."""
+
+
+class Values(LossInput):
+    """A value model's (``model.kind: value``) ``[B, S]`` values aligned like the log-probs:
+    ``[:, t]`` values the state that chose token ``t``."""
+
+
+class Scores(LossInput):
+    """A sequence classifier's (reward model's) ``[B, num_labels]`` scores."""
+
+
+class Min(float):
+    """A metric that combines by its minimum over micro-batches, ranks and steps (an extreme,
+    such as the smallest probability ratio). A plain float metric is additive instead: summed
+    over micro-batches and ranks, averaged over steps."""
+
+    __slots__ = ()
+
+
+class Max(float):
+    """A metric that combines by its maximum (see ``Min``)."""
+
+    __slots__ = ()
+
+
+def combine_metric(values: Sequence[float], plain: Callable[[list[float]], float]) -> float:
+    """One metric's ``values`` as one number, by the reduction the first declares: ``Min`` /
+    ``Max`` by min / max (and still declared so), a plain float by ``plain`` (a sum, a mean)."""
+    if isinstance(values[0], Min):
+        return Min(min(values))
+    if isinstance(values[0], Max):
+        return Max(max(values))
+    return plain([float(v) for v in values])
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` did: its optimiser steps (0 in eval mode) and, per global batch, one
+    entry of each metric (the loss's own metrics reduced over micro-batches and ranks)."""
+
+    optimizer_steps: int
+    metrics: dict[str, list[float]]
 
 
 @runtime_checkable
 class LossFunction(Protocol):
     """A loss over one micro-batch whose gradients do not depend on how a batch is split.
 
-    What the first argument holds: by default ``[B, S]`` next-token log-probs (see the module
-    docstring). A loss with the class attribute ``input_type = "logits"`` gets ``[B, S, V]``
-    next-token logits aligned the same way (``[:, t]`` predicts token ``t``; zeros at position
-    0 and on padding), for losses over the whole vocabulary (entropy, distillation). A loss
-    that reads log-probs only where ``losses.loss_token_mask`` is non-zero (and multiplies
-    them by it) may say ``input_type = "loss_token_logprobs"``: the policy then computes the
-    output layer and its log-softmax at those tokens alone (the response, not the prompt) and
-    passes 0 elsewhere; a backend without that saving passes every log-prob, which such a
-    loss must accept as well. A sequence-classifier policy (reward model) always passes its
-    ``[B, num_labels]`` scores. A value model (``model.kind: value``, a critic) passes
-    ``[B, S]`` values aligned like log-probs (``[:, t]`` values the state that chose token
-    ``t``) to a loss with ``input_type = "values"``.
-
-    ``input_type = "gathered_logprobs"`` (distillation over a teacher's top-k): the batch
-    carries ``teacher_topk_ids`` ``[B, S, k]`` (aligned like the log-probs: ``[:, t]`` are
-    tokens of the distribution that predicts token ``t``), and the loss gets ``[B, S, 1 + k]``
-    log-probs: ``[..., 0]`` those of the input tokens (what "loss_token_logprobs" gives, so a
-    policy-gradient term can be added), ``[..., 1:]`` those of ``teacher_topk_ids``, each a
-    log-softmax over the whole vocabulary. Like "loss_token_logprobs" they are computed at the
-    loss tokens only (0 elsewhere), without a ``[tokens, vocab]`` tensor. The DTensor backend
-    provides it; the Megatron backend refuses such a loss.
-
+    The first argument is what the class attribute ``input_type`` (a ``LossInput``) names.
     ``global_valid_seqs`` and ``global_valid_toks`` count the valid samples and loss tokens of
     the whole *global* batch (all micro-batches, all data-parallel ranks). A token-level loss
     sums over its micro-batch and divides by ``global_valid_toks``, so that summing the
     micro-batch losses of every rank gives the global-batch mean, however the batch was cut.
-    Returns the loss (a scalar tensor with grad) and float metrics.
+    Returns the loss (a scalar tensor with grad) and float metrics, additive or ``Min`` /
+    ``Max``.
     """
 
     def __call__(
         self,
         logprobs: torch.Tensor,
-        data: BatchedDataDict,
+        batch: TrainBatch,
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
-def loss_input_type(loss_fn: LossFunction) -> LossInput:
-    """What ``loss_fn`` wants to be given: "logprobs" (the default), "loss_token_logprobs",
-    "gathered_logprobs", "logits" or "values"."""
-    kind = getattr(loss_fn, "input_type", "logprobs")
-    if kind not in LOSS_INPUTS:
+def loss_input_type(loss_fn: LossFunction, default: type[LossInput] = Logprobs) -> type[LossInput]:
+    """The ``LossInput`` ``loss_fn`` declares as its ``input_type`` (``default`` if none)."""
+    declared = getattr(loss_fn, "input_type", default)
+    if not (isinstance(declared, type) and issubclass(declared, LossInput)):
+        names = ", ".join(c.__name__ for c in LossInput.__subclasses__())
         raise ValueError(
-            f"{type(loss_fn).__name__}.input_type is {kind!r}; expected one of "
-            + ", ".join(repr(k) for k in LOSS_INPUTS)
+            f"{type(loss_fn).__name__}.input_type is {declared!r}; expected one of the "
+            f"LossInput classes of rl_models.interfaces: {names}"
         )
-    return kind
+    return declared
 
 
 class PolicyInterface(ABC):
     """A trainable language-model policy, however it is placed and parallelised."""
 
     @abstractmethod
-    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+    def get_logprobs(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
         """``{"logprobs": [B, S]}`` of the current weights, in ``data``'s row order."""
 
     @abstractmethod
-    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+    def get_reference_policy_logprobs(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
         """``{"reference_logprobs": [B, S]}`` of the frozen initial weights."""
 
     @abstractmethod
     def train(
         self,
-        data: BatchedDataDict,
+        data: TrainBatch | BatchedDataDict,
         loss_fn: LossFunction,
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
-    ) -> dict[str, Any]:
-        """One optimiser step per ``gbs`` rows of ``data``; returns per-step metrics.
+    ) -> TrainResult:
+        """One optimiser step per ``gbs`` rows of ``data``; its steps and per-step metrics.
 
         With ``eval_mode`` the losses are computed but nothing is updated.
         """

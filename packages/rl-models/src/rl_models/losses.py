@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rl_data.batch import TrainBatch
+from rl_models.interfaces import Logits, LossTokenLogprobs
 
 
 def loss_token_mask(batch: TrainBatch) -> torch.Tensor:
@@ -20,7 +21,7 @@ def sample_valid_mask(batch: TrainBatch) -> torch.Tensor:
 class NLLLoss:
     """Mean negative log-likelihood over the loss tokens of the global batch (SFT)."""
 
-    input_type = "loss_token_logprobs"  # reads log-probs at the loss tokens only
+    input_type = LossTokenLogprobs  # reads log-probs at the loss tokens only
     # The names of the metrics __call__ returns (what a run may rank checkpoints by).
     METRICS = frozenset({"num_valid_tokens"})
 
@@ -41,10 +42,10 @@ class LabelSmoothedNLLLoss:
     """NLL against targets smoothed towards uniform: ``(1 - eps) * NLL + eps * mean_v(-log p_v)``.
 
     Needs the whole next-token distribution, so it asks the policy for logits
-    (``input_type = "logits"``); normalised by the global loss-token count like ``NLLLoss``.
+    (``input_type = Logits``); normalised by the global loss-token count like ``NLLLoss``.
     """
 
-    input_type = "logits"
+    input_type = Logits
 
     def __init__(self, smoothing: float = 0.1) -> None:
         if not 0.0 <= smoothing <= 1.0:

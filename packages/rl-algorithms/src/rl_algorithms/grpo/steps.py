@@ -295,7 +295,7 @@ def compute_logprobs(
 
 def train_step(run: Run, batch: TrainBatch) -> dict[str, float]:
     run.policy.prepare_for_training()
-    return reduce_step_metrics(run.policy.train(batch, run.loss_fn))
+    return reduce_step_metrics(run.policy.train(batch, run.loss_fn).metrics)
 
 
 def train_on_rollouts(run: Run, result: RolloutResult) -> dict[str, float]:

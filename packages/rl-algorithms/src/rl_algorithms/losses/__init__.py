@@ -1,7 +1,7 @@
 """Loss functions (``rl_models.interfaces.LossFunction``) of the training algorithms.
 
 ``NLLLoss`` (SFT) is rl-models' own; the others live here. See each module for the batch keys
-it reads. Metrics follow the convention of ``common.py``: additive, or ``*_min`` / ``*_max``.
+it reads. Metrics follow the convention of ``common.py``: additive, or ``Min`` / ``Max``.
 """
 
 from rl_algorithms.losses.clipped_pg import ClippedPGLossConfig, ClippedPGLossFn, kl_estimate

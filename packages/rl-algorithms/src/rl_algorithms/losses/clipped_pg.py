@@ -63,6 +63,7 @@ from pydantic import Field, model_validator
 from rl_algorithms.losses.common import global_count, masked_extreme
 from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
+from rl_models.interfaces import LossTokenLogprobs, Max, Min
 
 
 class ClippedPGLossConfig(ConfigModel):
@@ -154,7 +155,7 @@ class ClippedPGLossFn:
 
     # Every log-prob read is multiplied by (or selected with) the loss-token mask: the policy
     # may skip the output layer on prompt tokens.
-    input_type = "loss_token_logprobs"
+    input_type = LossTokenLogprobs
     # The metrics _metrics returns under every config (``token_mult_prob_error`` needs the
     # generator's log-probs in the batch, so it is not among them).
     METRICS = frozenset(
@@ -282,8 +283,8 @@ class ClippedPGLossFn:
             "loss": float(loss.detach()),
             "kl_penalty": float(reduce(kl.detach())),
             "probs_ratio": token_mean(ratio),
-            "probs_ratio_min": masked_extreme(ratio, mask, "min"),
-            "probs_ratio_max": masked_extreme(ratio, mask, "max"),
+            "probs_ratio_min": masked_extreme(ratio, mask, Min),
+            "probs_ratio_max": masked_extreme(ratio, mask, Max),
             "probs_ratio_clamped": token_mean(clipped),
             # The clipped term is in force where it is the larger loss (module docstring).
             "clip_fraction": token_mean((-advantages * clipped > -advantages * ratio).to(ratio)),

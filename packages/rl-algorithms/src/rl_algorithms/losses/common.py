@@ -1,9 +1,10 @@
 """Small helpers the losses share: masks, pair layout checks and metric conventions.
 
-Metric convention: every metric a loss returns is either *additive* (already divided by the
-global count, like the loss itself, so summing it over micro-batches and data-parallel ranks
-gives the global-batch value) or an extreme whose key ends in ``_min`` / ``_max`` (combined by
-min / max). The policy worker reduces the metrics of a step by that rule.
+Metric convention: every metric a loss returns is either *additive* (a plain float, already
+divided by the global count like the loss itself, so summing it over micro-batches and
+data-parallel ranks gives the global-batch value) or an extreme declared ``Min`` / ``Max``
+(``rl_models.interfaces``: combined by min / max). The policy worker reduces the metrics of a
+step by that rule.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from rl_data.batch import TrainBatch
+from rl_models.interfaces import Max, Min
 
 
 def check_pairs(batch: TrainBatch, rows: int, what: str) -> None:
@@ -48,13 +50,13 @@ def check_pairs(batch: TrainBatch, rows: int, what: str) -> None:
             )
 
 
-def masked_extreme(values: torch.Tensor, mask: torch.Tensor, kind: str) -> float:
-    """min or max of ``values`` where ``mask`` > 0 (+inf / -inf when nothing is masked in, so
-    that an empty micro-batch does not win the reduction)."""
+def masked_extreme(values: torch.Tensor, mask: torch.Tensor, kind: type[Min | Max]) -> Min | Max:
+    """``Min`` or ``Max`` of ``values`` where ``mask`` > 0 (+inf / -inf when nothing is masked
+    in, so that an empty micro-batch does not win the reduction)."""
     picked = values.detach()[mask > 0]
     if picked.numel() == 0:
-        return float("inf") if kind == "min" else float("-inf")
-    return float(picked.min() if kind == "min" else picked.max())
+        return kind(float("inf") if kind is Min else float("-inf"))
+    return kind(float(picked.min() if kind is Min else picked.max()))
 
 
 def global_count(count: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

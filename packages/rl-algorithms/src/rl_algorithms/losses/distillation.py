@@ -23,7 +23,7 @@ correction is applied.
 ``"topk"``: divergences over the teacher's top-k support. Data: ``teacher_topk_logprobs``
 ``[B, S, k]`` and ``teacher_topk_ids`` ``[B, S, k]`` (a teacher policy's
 ``get_topk_logprobs``: ``topk_logprobs`` / ``topk_ids``); the policy gives this loss the
-student's log-probs at those ids (``input_type = "gathered_logprobs"``). With ``p`` the
+student's log-probs at those ids (``input_type = GatheredLogprobs``). With ``p`` the
 teacher's and ``q`` the student's probabilities on the k ids, per position:
 
 - ``kl_type: forward``: ``KL(p || q) = sum_i p_i (log p_i - log q_i)``;
@@ -50,8 +50,8 @@ Normalisation and masking as in ``clipped_pg.py``: per-token values are summed o
 tokens (``loss_token_mask``) and divided by the global loss-token count; every input off the
 loss tokens is replaced by 0 with ``where`` before any ``exp``, so extreme values there add
 nothing to the loss or its gradient. Metrics are additive (divided by the global token count)
-except those ending in ``_min`` / ``_max``; the policy-gradient loss's metrics come prefixed
-with ``pg_``.
+except the ``Min`` / ``Max`` ones; the policy-gradient loss's metrics come prefixed with
+``pg_``.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from rl_algorithms.losses.clipped_pg import ClippedPGLossFn
 from rl_algorithms.losses.common import global_count
 from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
+from rl_models.interfaces import GatheredLogprobs, LossTokenLogprobs
 
 
 class DistillationLossConfig(ConfigModel):
@@ -130,7 +131,7 @@ class DistillationLossFn:
         self.pg_loss = pg_loss
         sampled = self.config.estimator == "sampled_token"
         # Both read log-probs at the loss tokens only: the policy may skip the prompt.
-        self.input_type = "loss_token_logprobs" if sampled else "gathered_logprobs"
+        self.input_type = LossTokenLogprobs if sampled else GatheredLogprobs
         own = {"loss", "kl", "student_logprob_mean"}
         own |= {"teacher_logprob_mean"} if sampled else {"teacher_topk_mass", "student_topk_mass"}
         pg = {f"pg_{m}" for m in pg_loss.METRICS} if pg_loss is not None else set()
@@ -180,7 +181,7 @@ class DistillationLossFn:
         else:
             if logprobs.dim() != 3:
                 raise ValueError(
-                    "expected [B, S, 1 + k] gathered log-probs (input_type 'gathered_logprobs'), "
+                    "expected [B, S, 1 + k] gathered log-probs (input_type GatheredLogprobs), "
                     f"got {tuple(logprobs.shape)}"
                 )
             gathered = _masked(logprobs, mask)

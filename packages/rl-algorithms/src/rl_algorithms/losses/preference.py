@@ -13,11 +13,13 @@ import torch.nn.functional as F
 
 from rl_algorithms.losses.common import check_pairs, global_count
 from rl_data.batch import TrainBatch
+from rl_models.interfaces import Scores
 
 
 class BradleyTerryLoss:
     """``loss_fn`` for ``Policy.train`` with a ``sequence_classification`` model."""
 
+    input_type = Scores
     # The names of the metrics __call__ returns (what a run may rank checkpoints by).
     METRICS = frozenset({"loss", "accuracy", "margin_mean", "num_valid_pairs"})
 

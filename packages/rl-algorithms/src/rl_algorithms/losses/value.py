@@ -23,7 +23,7 @@ over the global batch.
 Masking: every input is replaced by 0 off the loss tokens with ``where`` before it is squared,
 so a value left there (NaN, inf) reaches neither the loss nor the gradient.
 
-Metrics (additive, divided by the global token count, or ``*_min`` / ``*_max``, see
+Metrics (additive, divided by the global token count, or ``Min`` / ``Max``, see
 ``common.py``): ``value_loss``; ``value_clip_fraction``, the fraction of tokens where the
 clipped term is in force (0 without clipping); ``value_mean`` (of ``V``) with ``value_min`` /
 ``value_max``; ``returns_mean``; ``value_abs_error``, the mean ``|V - R|``.
@@ -37,6 +37,7 @@ from pydantic import Field
 from rl_algorithms.losses.common import global_count, masked_extreme
 from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
+from rl_models.interfaces import Max, Min, Values
 
 
 class ValueLossConfig(ConfigModel):
@@ -49,7 +50,7 @@ class ClippedValueLossFn:
     """``loss_fn`` for training the critic on PPO batches (module docstring for the keys)."""
 
     # The critic passes its value predictions [B, S] (not log-probs) as the first argument.
-    input_type = "values"
+    input_type = Values
     METRICS = frozenset(
         {
             "value_loss",
@@ -110,8 +111,8 @@ class ClippedValueLossFn:
             "value_loss": float(loss.detach()),
             "value_clip_fraction": token_mean(clip_active),
             "value_mean": token_mean(value),
-            "value_min": masked_extreme(value, mask, "min"),
-            "value_max": masked_extreme(value, mask, "max"),
+            "value_min": masked_extreme(value, mask, Min),
+            "value_max": masked_extreme(value, mask, Max),
             "returns_mean": token_mean(returns),
             "value_abs_error": token_mean((value - returns).abs()),
         }

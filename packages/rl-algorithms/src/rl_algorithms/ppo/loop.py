@@ -179,7 +179,7 @@ def train_critic(run: Run, batch: TrainBatch) -> dict[str, float]:
     run.critic.prepare_for_training()
     results: dict[str, list[Any]] = {}
     for _ in range(run.config.ppo.critic_epochs):
-        for key, values in run.critic.train(batch, loss_fn).items():
+        for key, values in run.critic.train(batch, loss_fn).metrics.items():
             results.setdefault(key, []).extend(values)
     if run.is_taking_turns(run.critic):
         run.critic.offload()
@@ -195,7 +195,7 @@ def train_policy(run: Run, batch: TrainBatch) -> dict[str, float]:
     run.policy.prepare_for_training()
     results: dict[str, list[Any]] = {}
     for _ in range(run.config.ppo.ppo_epochs):
-        for key, values in run.policy.train(batch, run.loss_fn).items():
+        for key, values in run.policy.train(batch, run.loss_fn).metrics.items():
             results.setdefault(key, []).extend(values)
     return {**reduce_step_metrics(results), "policy_trained": 1.0}
 

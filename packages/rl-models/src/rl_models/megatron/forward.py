@@ -276,17 +276,17 @@ def run_pipeline(
     on_output: OnOutput,
     vocab_size: int,
     forward_only: bool,
-    output: str = "logprobs",
+    logits: bool = False,
     temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> None:
     """Forward (and unless ``forward_only``, backward) every micro-batch through the stages.
 
-    ``on_output`` runs on the last pipeline stage only and gets ``output`` ("logprobs" or
-    "logits", see ``aligned_logits``; any other log-prob request, such as a loss's
-    "loss_token_logprobs", gets every position's log-prob). Log-probs with a ``chunk_size`` are
-    computed from the output layer's input, ``chunk_size`` tokens at a time
-    (``logprobs_from_hidden``); whole logits are only made for "logits" or ``chunk_size=None``.
+    ``on_output`` runs on the last pipeline stage only and gets every position's log-probs, or
+    with ``logits`` the aligned logits (``aligned_logits``). Log-probs with a ``chunk_size``
+    are computed from the output layer's input, ``chunk_size`` tokens at a time
+    (``logprobs_from_hidden``); whole logits are only made for ``logits`` or
+    ``chunk_size=None``.
     Gradients accumulate in the parameters' ``.grad``; nothing is reduced across data-parallel
     ranks here.
     """
@@ -298,19 +298,17 @@ def run_pipeline(
         inp = next(batches)
         width = inp.shape[1]
         pos = torch.arange(width, device=inp.input_ids.device)[None].expand(*inp.shape)
-        chunked = output != "logits" and chunk_size is not None
+        chunked = not logits and chunk_size is not None
         with output_layer_returns_hidden(gpt) if chunked else contextlib.nullcontext() as weight:
             out = gpt(input_ids=inp.input_ids, position_ids=pos, attention_mask=inp.mask)
 
-        def loss_func(logits):
-            if output == "logits":
-                values = aligned_logits(logits, inp, vocab_size)
-            elif chunked:  # ``logits`` holds the output layer's input here
-                values = logprobs_from_hidden(
-                    logits, weight, inp, vocab_size, chunk_size, temperature
-                )
+        def loss_func(out):
+            if logits:
+                values = aligned_logits(out, inp, vocab_size)
+            elif chunked:  # ``out`` holds the output layer's input here
+                values = logprobs_from_hidden(out, weight, inp, vocab_size, chunk_size, temperature)
             else:
-                values = logprobs_from_logits(logits, inp, vocab_size, temperature)
+                values = logprobs_from_logits(out, inp, vocab_size, temperature)
             loss = on_output(values, inp)
             if loss is None:  # inference: the schedule only needs a number
                 loss = values.new_zeros(())

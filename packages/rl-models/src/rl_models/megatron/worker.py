@@ -33,8 +33,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from transformers import AutoModelForCausalLM
 
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.interfaces import LossFunction, loss_input_type
+from rl_models.interfaces import (
+    GatheredLogprobs,
+    Logits,
+    Logprobs,
+    LossFunction,
+    LossInput,
+    LossTokenLogprobs,
+    loss_input_type,
+)
 from rl_models.megatron import cpu_shim
 from rl_models.megatron.convert import GPTLayout
 from rl_models.megatron.forward import (
@@ -65,6 +74,14 @@ from rl_models.policy.base_worker import PolicyWorker, init_distributed, local_d
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.weight_export import WeightExportMethods
+
+#: The inputs a loss may declare here, and whether each is the whole logits (``run_pipeline``'s
+#: ``logits``; else every position's log-probs, which a ``LossTokenLogprobs`` loss accepts).
+LOSS_INPUT_IS_LOGITS: dict[type[LossInput], bool] = {
+    Logprobs: False,
+    LossTokenLogprobs: False,
+    Logits: True,
+}
 
 
 class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
@@ -218,28 +235,40 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
 
     # -- training ------------------------------------------------------------------------------
 
+    def _loss_output(self, loss_fn: LossFunction) -> bool:
+        """Whether ``loss_fn`` takes whole logits (else log-probs), by its ``input_type``."""
+        declared = loss_input_type(loss_fn)
+        if declared is GatheredLogprobs:
+            # The vocab-parallel output layer gathers one token per position only.
+            raise ValueError(
+                f"{type(loss_fn).__name__} has input_type GatheredLogprobs (log-probs at "
+                "'teacher_topk_ids'), which backend 'megatron' does not provide; train it with "
+                "policy.backend: dtensor"
+            )
+        if declared not in LOSS_INPUT_IS_LOGITS:
+            raise ValueError(
+                f"{type(loss_fn).__name__} has input_type {declared.__name__}, which backend "
+                "'megatron' (causal LMs only) does not provide"
+            )
+        return LOSS_INPUT_IS_LOGITS[declared]
+
     def _run_step(
         self,
         step: list[BatchedDataDict],
         loss_fn: LossFunction,
+        output: bool,
         global_seqs: torch.Tensor,
         global_toks: torch.Tensor,
         eval_mode: bool,
     ) -> torch.Tensor:
-        """Forward/backward of one step's micro-batches; their summed loss, on every rank of
-        the replica (the last stage computes it)."""
-        if loss_input_type(loss_fn) == "gathered_logprobs":
-            # The vocab-parallel output layer gathers one token per position only.
-            raise ValueError(
-                f"{type(loss_fn).__name__} has input_type 'gathered_logprobs' (log-probs at "
-                "'teacher_topk_ids'), which backend 'megatron' does not provide; train it with "
-                "policy.backend: dtensor"
-            )
+        """Forward/backward of one step's micro-batches (``output``: whole logits for the loss,
+        else log-probs); their summed loss, on every rank of the replica (the last stage
+        computes it)."""
         losses: list[torch.Tensor] = []
 
         def loss_of(values: torch.Tensor, inp: Inputs) -> torch.Tensor:
             seqs, toks = global_seqs.to(values.device), global_toks.to(values.device)
-            loss, _ = loss_fn(values, inp.data, seqs, toks)
+            loss, _ = loss_fn(values, TrainBatch.from_transport(inp.data), seqs, toks)
             losses.append(loss.detach().double().cpu())
             return loss
 
@@ -249,7 +278,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             loss_of,
             self.hf_config.vocab_size,
             forward_only=eval_mode,
-            output=loss_input_type(loss_fn),
+            logits=output,
             temperature=self.config.logprob_temperature,
             chunk_size=self.config.logprob_chunk_size,
         )

@@ -23,9 +23,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.interfaces import LossFunction
-from rl_models.losses import loss_token_mask, sample_valid_mask
+from rl_models.interfaces import LossFunction, TrainResult, combine_metric
 from rl_models.policy import offload
 from rl_models.policy.config import PolicyConfig, build_scheduler
 
@@ -279,12 +279,13 @@ class PolicyWorker(abc.ABC):
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
-    ) -> dict[str, list[float]]:
+    ) -> TrainResult:
         """One optimiser step per global batch of ``gbs`` rows (this rank holds 1/dp of each).
 
-        ``_run_step`` (forward and backward of one step's micro-batches) and
-        ``_clip_and_step`` are where the backends differ.
+        ``_loss_output`` (what the loss is given), ``_run_step`` (forward and backward of one
+        step's micro-batches) and ``_clip_and_step`` are where the backends differ.
         """
+        output = self._loss_output(loss_fn)
         gbs = gbs or self.config.train_global_batch_size
         mbs = mbs or self.config.train_micro_batch_size
         if gbs % self.dp_size:
@@ -292,14 +293,16 @@ class PolicyWorker(abc.ABC):
         steps, _ = self._steps(data, gbs // self.dp_size, mbs, training=True)
         self.model.train(not eval_mode)
         metrics: dict[str, list[float]] = {}
+        optimizer_steps = 0
         for step in self._same_count(steps):
             step = [mb for mb in step or [] if mb.size > 0]
             # Count the valid samples and tokens of the whole global batch before any loss is
             # computed, so every micro-batch loss is normalised by the same global count.
+            batches = [TrainBatch.from_transport(mb) for mb in step]
             local = torch.tensor(
                 [
-                    sum(float(sample_valid_mask(mb).sum()) for mb in step),
-                    sum(float(loss_token_mask(mb).sum()) for mb in step),
+                    sum(float(batch.sample_valid_mask().sum()) for batch in batches),
+                    sum(float(batch.loss_token_mask().sum()) for batch in batches),
                 ],
                 dtype=torch.float64,
             )
@@ -307,7 +310,9 @@ class PolicyWorker(abc.ABC):
             self.optimizer.zero_grad(set_to_none=True)
             self._loss_metrics = None  # a backend's _run_step may collect the losses' metrics
             with torch.set_grad_enabled(not eval_mode):
-                loss_sum = self._run_step(step, loss_fn, global_seqs, global_toks, eval_mode)
+                loss_sum = self._run_step(
+                    step, loss_fn, output, global_seqs, global_toks, eval_mode
+                )
             step_metrics = {
                 **self._reduce_loss_metrics(),
                 "loss": float(self._all_reduce(loss_sum)),
@@ -317,18 +322,19 @@ class PolicyWorker(abc.ABC):
             }
             if not eval_mode:
                 step_metrics["grad_norm"] = self._clip_and_step()
+                optimizer_steps += 1
                 # Gradients are dead once applied: free them now rather than keep a model's
                 # worth of memory through generation until the next step's zero_grad.
                 self.optimizer.zero_grad(set_to_none=True)
             for k, v in step_metrics.items():
                 metrics.setdefault(k, []).append(v)
-        return metrics
+        return TrainResult(optimizer_steps, metrics)
 
     def _reduce_loss_metrics(self) -> dict[str, float]:
         """The metrics the loss returned for this step's micro-batches, over all ranks.
 
         Losses normalise their metrics like the loss (by the global counts), so they add up;
-        keys ending in ``_min`` / ``_max`` are extremes and combine by min / max. Empty when the
+        ``Min`` / ``Max`` values are extremes and combine by min / max. Empty when the
         backend's ``_run_step`` does not collect them.
         """
         if self._loss_metrics is None:
@@ -337,29 +343,29 @@ class PolicyWorker(abc.ABC):
         if self.dp_size > 1:
             per_rank = [None] * self.dp_size
             dist.all_gather_object(per_rank, self._loss_metrics)
-        reduced: dict[str, float] = {}
+        gathered: dict[str, list[float]] = {}
         for metrics in (m for rank in per_rank for m in rank):
             for key, value in metrics.items():
-                if key not in reduced:
-                    reduced[key] = float(value)
-                elif key.endswith("_min"):
-                    reduced[key] = min(reduced[key], float(value))
-                elif key.endswith("_max"):
-                    reduced[key] = max(reduced[key], float(value))
-                else:
-                    reduced[key] += float(value)
-        return reduced
+                gathered.setdefault(key, []).append(value)
+        return {key: combine_metric(values, _sum_in_order) for key, values in gathered.items()}
+
+    @abc.abstractmethod
+    def _loss_output(self, loss_fn: LossFunction) -> Any:
+        """What ``_run_step`` computes for ``loss_fn``, from its declared ``input_type`` (this
+        backend's object for it); refuses an input this backend or model cannot give."""
 
     @abc.abstractmethod
     def _run_step(
         self,
         step: list[BatchedDataDict],
         loss_fn: LossFunction,
+        output: Any,
         global_seqs: torch.Tensor,
         global_toks: torch.Tensor,
         eval_mode: bool,
     ) -> torch.Tensor:
-        """Forward (and backward) of one step's micro-batches; the sum of their losses."""
+        """Forward (and backward) of one step's micro-batches, giving ``loss_fn`` ``output``
+        (``_loss_output``'s); the sum of their losses."""
 
     @abc.abstractmethod
     def _clip_and_step(self) -> float:
@@ -402,3 +408,11 @@ class PolicyWorker(abc.ABC):
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _sum_in_order(values: list[float]) -> float:
+    """``values[0] + values[1] + ...``, in that order, from the first (not from 0)."""
+    total = values[0]
+    for v in values[1:]:
+        total += v
+    return total

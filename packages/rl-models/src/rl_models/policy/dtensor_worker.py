@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.interfaces import LossFunction, loss_input_type
-from rl_models.losses import loss_token_mask
+from rl_models.interfaces import Logprobs, LossFunction, Scores, loss_input_type
 from rl_models.modeling.build import build_model
 from rl_models.policy import checkpoint, lora, offload
 from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-export)
@@ -39,26 +39,16 @@ from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-ex
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.forward import (
+    LOSS_OUTPUTS,
+    ForwardOptions,
+    Output,
+    SequenceScores,
+    StateValues,
+    TokenLogprobs,
+    TopkLogprobs,
     align_values,
-    forward_logits,
-    forward_logprobs,
-    forward_scores,
-    forward_state_values,
-    forward_topk_logprobs,
 )
 from rl_models.policy.weight_export import DTensorWeightExporter, WeightExportMethods
-
-#: The model kind (``model.kind``) that has each output of ``_forward``.
-OUTPUT_KIND = {
-    "logprobs": "causal_lm",
-    "loss_token_logprobs": "causal_lm",
-    "gathered_logprobs": "causal_lm",
-    "topk_logprobs": "causal_lm",
-    "logits": "causal_lm",
-    "scores": "sequence_classification",
-    "state_values": "value",
-    "values": "value",
-}
 
 
 class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
@@ -71,6 +61,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         self.dp_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.lora = self.config.lora.enabled
+        self.forward_options = ForwardOptions.of(self.config)
 
         self.model = self._build_policy()
         self.reference: torch.nn.Module | None = None
@@ -140,74 +131,50 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
     def _dummy_logits(self, model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
 
-    def _forward(
-        self, model: torch.nn.Module, mb: BatchedDataDict, output: str, k: int | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``output`` of one micro-batch on this device: a causal LM's "logprobs",
-        "loss_token_logprobs", "gathered_logprobs", "logits" or "topk_logprobs" (with ``k``: a
-        (values, ids) pair), a sequence classifier's "scores", or a value model's
-        "state_values" (unshifted) or "values" (aligned to the tokens they choose)."""
+    def _checked(self, output: Output) -> Output:
+        """``output``, once it is checked to be one this worker's model has."""
         kind = self.config.model.kind
-        if OUTPUT_KIND[output] != kind:
-            raise ValueError(f"a {kind} model has no {output} (model.kind: {kind})")
-        if output == "topk_logprobs":
-            return self._forward_topk(model, mb, k)
-        wanted, gather_ids = None, None
-        if output == "gathered_logprobs":  # distillation: the loss tokens' and the teacher's ids'
-            gather_ids = _teacher_topk_ids(mb)
-        if output in ("loss_token_logprobs", "gathered_logprobs"):  # the loss's tokens only
-            wanted, output = loss_token_mask(mb) > 0, "logprobs"
-        forward = {
-            "logprobs": forward_logprobs,
-            "logits": forward_logits,
-            "scores": forward_scores,
-            "state_values": forward_state_values,
-            "values": forward_state_values,
-        }
-        packed = self.config.sequence_packing.enabled
-        kwargs: dict[str, Any] = {}
-        if output == "logprobs":
-            kwargs = {
-                "chunk_size": self.config.logprob_chunk_size,
-                "temperature": self.config.logprob_temperature,
-                "wanted": wanted,
-                "share_prefix": self.config.share_prompt_prefix,
-                "gather_ids": gather_ids,
-            }
-        with self._autocast():
-            out = forward[output](
-                model, mb, packed, self.config.model.attn_implementation, **kwargs
-            )
-        if output == "values":
-            out = align_values(out, mb["input_lengths"])
-        # Losses and metrics in at least the weights' precision, whatever the compute dtype.
-        return out.to(torch.promote_types(out.dtype, self.config.model.torch_dtype))
+        if output.model_kind != kind:
+            raise ValueError(f"a {kind} model has no {output.what} (model.kind: {kind})")
+        return output
 
-    def _forward_topk(
-        self, model: torch.nn.Module, mb: BatchedDataDict, k: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if k is None or k < 1:
-            raise ValueError(f"top-k log-probs need k >= 1, got {k}")
-        with self._autocast():
-            values, ids = forward_topk_logprobs(
-                model,
-                mb,
-                self.config.sequence_packing.enabled,
-                self.config.model.attn_implementation,
-                k=k,
-                chunk_size=self.config.logprob_chunk_size,
-                temperature=self.config.logprob_temperature,
+    def _loss_output(self, loss_fn: LossFunction) -> Output:
+        """The output ``loss_fn`` is given, from its declared ``input_type``."""
+        kind = self.config.model.kind
+        declared = loss_input_type(
+            loss_fn, default=Scores if kind == "sequence_classification" else Logprobs
+        )
+        output = LOSS_OUTPUTS[declared]
+        if output.model_kind != kind:
+            fitting = [d.__name__ for d, o in LOSS_OUTPUTS.items() if o.model_kind == kind]
+            raise ValueError(
+                f"a {kind} model (model.kind: {kind}) trains on losses of input_type "
+                f"{' or '.join(fitting)}, not {type(loss_fn).__name__} ({declared.__name__})"
             )
-        return values.to(torch.promote_types(values.dtype, self.config.model.torch_dtype)), ids
+        return output
+
+    def _forward(
+        self, model: torch.nn.Module, mb: BatchedDataDict, output: Output
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``output`` of one micro-batch on this device (a tensor, or for ``TopkLogprobs`` a
+        (values, ids) pair)."""
+        with self._autocast():
+            out = output(model, mb, self.forward_options)
+        # Losses and metrics in at least the weights' precision, whatever the compute dtype.
+        dtype = self.config.model.torch_dtype
+
+        def promoted(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.promote_types(t.dtype, dtype)) if t.is_floating_point() else t
+
+        return tuple(map(promoted, out)) if isinstance(out, tuple) else promoted(out)
 
     # -- inference ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _per_row(
-        self, model: torch.nn.Module, data: BatchedDataDict, output: str, k: int | None = None
-    ) -> Any:
+    def _per_row(self, model: torch.nn.Module, data: BatchedDataDict, output: Output) -> Any:
         """Per-row ``output`` of ``data``, in its row order, padded back to its width (a
-        tensor, or for "topk_logprobs" a (values, ids) pair of tensors)."""
+        tensor, or for ``TopkLogprobs`` a (values, ids) pair of tensors)."""
+        output = self._checked(output)
         model.eval()
         width = data["input_ids"].shape[1]
         (mbs,), restore = self._steps(data, data.size, self.config.lp_micro_batch_size, False)
@@ -216,9 +183,10 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             if mb is None or mb.size == 0:
                 self._dummy_logits(model)  # keep FSDP's all-gathers in step with the peers
                 continue
-            values = self._forward(model, mb.to(self.device), output, k)
-            parts = values if isinstance(values, tuple) else (values,)
-            if output != "scores":  # per-token values [B, S, ...]: pad to the batch's width
+            values = self._forward(model, mb.to(self.device), output)
+            pair = isinstance(values, tuple)
+            parts = values if pair else (values,)
+            if output.per_token:  # [B, S, ...]: pad to the batch's width
                 parts = tuple(
                     F.pad(v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1])) for v in parts
                 )
@@ -226,28 +194,28 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         results = tuple(torch.cat(column) for column in zip(*out, strict=True))
         if restore is not None:
             results = tuple(r[torch.tensor(restore)] for r in results)
-        return results if output == "topk_logprobs" else results[0]
+        return results if pair else results[0]
 
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        return BatchedDataDict({"logprobs": self._per_row(self.model, data, "logprobs")})
+        return BatchedDataDict({"logprobs": self._per_row(self.model, data, TokenLogprobs())})
 
     def get_topk_logprobs(self, data: BatchedDataDict, k: int) -> BatchedDataDict:
         """``{"topk_logprobs": [B, S, k], "topk_ids": [B, S, k]}``: at every position ``t`` the
         ``k`` most likely tokens of the distribution that predicts token ``t`` (descending,
         log-softmax over the whole vocabulary at ``logprob_temperature``) and their ids; 0 at
         position 0 and on padding. What a distillation teacher reports (``teacher_topk_*``)."""
-        values, ids = self._per_row(self.model, data, "topk_logprobs", k)
+        values, ids = self._per_row(self.model, data, TopkLogprobs(k))
         return BatchedDataDict({"topk_logprobs": values, "topk_ids": ids})
 
     def get_scores(self, data: BatchedDataDict) -> BatchedDataDict:
         """``{"scores": [B, num_labels]}`` of a sequence classifier (reward model)."""
-        return BatchedDataDict({"scores": self._per_row(self.model, data, "scores")})
+        return BatchedDataDict({"scores": self._per_row(self.model, data, SequenceScores())})
 
     def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
         """A value model's ``{"values": [B, S], "final_values": [B]}``: ``values[:, t]`` values
         the state that chose token ``t`` (0 at position 0 and on padding); ``final_values`` the
         state after the row's last token (what a truncated response is bootstrapped from)."""
-        state = self._per_row(self.model, data, "state_values")
+        state = self._per_row(self.model, data, StateValues())
         lengths = data["input_lengths"]
         last = (lengths - 1).clamp(min=0).long()
         return BatchedDataDict(
@@ -261,13 +229,13 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         if self.lora and self.config.reference_policy.enabled:
             # The frozen base weights are the initial policy: switch the adapters off.
             with self.model.disable_adapter():
-                lp = self._per_row(self.model, data, "logprobs")
+                lp = self._per_row(self.model, data, TokenLogprobs())
             return BatchedDataDict({"reference_logprobs": lp})
         if self.reference is None:
             raise RuntimeError("this policy has no reference model (reference_policy.enabled)")
         offload.move_module(self.reference, self.device, copy=False)
         try:
-            lp = self._per_row(self.reference, data, "logprobs")
+            lp = self._per_row(self.reference, data, TokenLogprobs())
             return BatchedDataDict({"reference_logprobs": lp})
         finally:
             if self.config.reference_policy.offload_to_cpu:
@@ -279,18 +247,12 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         self,
         step: list[BatchedDataDict],
         loss_fn: LossFunction,
+        output: Output,
         global_seqs: torch.Tensor,
         global_toks: torch.Tensor,
         eval_mode: bool,
     ) -> torch.Tensor:
         """Forward (and backward) of one step's micro-batches; the sum of their losses."""
-        output = "scores" if self.config.model.kind == "sequence_classification" else None
-        output = output or loss_input_type(loss_fn)
-        if self.config.model.kind == "value" and output != "values":
-            raise ValueError(
-                f"a value model (model.kind: value) trains on losses of input_type 'values', "
-                f"not {type(loss_fn).__name__} ({output!r})"
-            )
         loss_sum = torch.zeros((), dtype=torch.float64)
         self._loss_metrics = []
         mbs = self._same_count(step)
@@ -304,8 +266,9 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                 loss = self._dummy_logits(self.model).sum() * 0.0
             else:
                 mb = mb.to(self.device)
+                out = self._forward(self.model, mb, output)
                 loss, metrics = loss_fn(
-                    self._forward(self.model, mb, output), mb, global_seqs, global_toks
+                    out, TrainBatch.from_transport(mb), global_seqs, global_toks
                 )
                 self._loss_metrics.append(metrics)
             if not eval_mode:
@@ -381,15 +344,3 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             if cls.__module__.startswith("transformers."):
                 return cls
         return type(model)
-
-
-def _teacher_topk_ids(mb: BatchedDataDict) -> torch.Tensor:
-    """The ``[B, S, k]`` token ids a "gathered_logprobs" loss wants the student's log-probs of."""
-    ids = mb.get("teacher_topk_ids")
-    if ids is None or ids.dim() != 3:
-        got = "missing" if ids is None else f"shape {tuple(ids.shape)}"
-        raise KeyError(
-            "a loss with input_type 'gathered_logprobs' needs 'teacher_topk_ids' [B, S, k] in "
-            f"the batch (the teacher's get_topk_logprobs 'topk_ids'); it is {got}"
-        )
-    return ids[:, : mb["input_ids"].shape[1]]

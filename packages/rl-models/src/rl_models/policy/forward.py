@@ -1,6 +1,6 @@
 """Forward passes of a Hugging Face model over one micro-batch, padded or packed.
 
-Four outputs, all in the row order and right padding of the micro-batch:
+Five outputs, all in the row order and right padding of the micro-batch:
 
 - ``forward_logprobs``: ``[B, S]`` next-token log-probs, 0 at position 0 and on padding (with
   ``gather_ids`` ``[B, S, k]``: ``[B, S, 1 + k]``, the input token's and those k tokens'
@@ -14,24 +14,42 @@ Four outputs, all in the row order and right padding of the micro-batch:
 - ``forward_state_values``: ``[B, S]`` a value model's (critic's) output at every position:
   ``[:, t]`` is the value of the state after tokens ``0..t``.
 
-Packed micro-batches (``packed=True``) put all sequences in one row with positions restarting
-at 0 per sequence. How the sequences are kept apart depends on the attention kernel: sdpa and
-eager get a dense block-diagonal causal mask; the flash-attention and flex kernels get no mask
-at all and find the sequence boundaries from the position ids (Hugging Face's packed-sequence
-path: variable-length kernels, no ``[T, T]`` mask in memory).
+The ``Output`` objects at the end wrap them as what a worker asks for: one object per kind of
+output, which knows the model kind that has it; ``LOSS_OUTPUTS`` gives the one for each
+``LossInput`` a loss may declare.
+
+Packed micro-batches (``ForwardOptions.packed``) put all sequences in one row with positions
+restarting at 0 per sequence. How the sequences are kept apart depends on the attention kernel:
+sdpa and eager get a dense block-diagonal causal mask; the flash-attention and flex kernels get
+no mask at all and find the sequence boundaries from the position ids (Hugging Face's
+packed-sequence path: variable-length kernels, no ``[T, T]`` mask in memory).
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
+from rl_models.interfaces import (
+    GatheredLogprobs,
+    Logits,
+    Logprobs,
+    LossInput,
+    LossTokenLogprobs,
+    Scores,
+    Values,
+)
+from rl_models.policy.config import PolicyConfig
 from rl_models.policy.logprobs import (
     output_layer_computes_logprobs,
     output_layer_computes_topk,
@@ -44,6 +62,27 @@ from rl_models.policy.shared_prefix import (
 )
 
 DENSE_MASK_KERNELS = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How a policy runs its forward passes: what its ``PolicyConfig`` says, read once."""
+
+    packed: bool = False  # sequence_packing.enabled: one packed row per micro-batch
+    attn_implementation: str = "sdpa"  # model.attn_implementation
+    chunk_size: int | None = None  # logprob_chunk_size: tokens per output-layer chunk
+    temperature: float = 1.0  # logprob_temperature
+    share_prefix: bool = False  # share_prompt_prefix (shared_prefix.py)
+
+    @classmethod
+    def of(cls, config: PolicyConfig) -> ForwardOptions:
+        return cls(
+            packed=config.sequence_packing.enabled,
+            attn_implementation=config.model.attn_implementation,
+            chunk_size=config.logprob_chunk_size,
+            temperature=config.logprob_temperature,
+            share_prefix=config.share_prompt_prefix,
+        )
 
 
 def token_logprobs(
@@ -97,42 +136,40 @@ def _packed_inputs(
 def forward_logprobs(
     model: torch.nn.Module,
     mb: BatchedDataDict,
-    packed: bool,
-    attn_implementation: str = "sdpa",
-    chunk_size: int | None = None,
-    temperature: float = 1.0,
+    options: ForwardOptions,
     wanted: torch.Tensor | None = None,
-    share_prefix: bool = False,
     gather_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding),
-    under the temperature-scaled distribution (``PolicyConfig.logprob_temperature``).
+    under the temperature-scaled distribution (``options.temperature``).
 
     ``gather_ids``: ``[B, S, k]`` token ids aligned like the output (``[:, t]`` are tokens the
     distribution predicting token ``t`` is asked about, e.g. a teacher's top-k there); the
     result is then ``[B, S, 1 + k]``: ``[..., 0]`` the input token's log-prob as without
     ``gather_ids``, ``[..., 1:]`` those k tokens' log-probs (0 at position 0 and on padding).
 
-    ``chunk_size``: the output layer computes the log-probs that many tokens at a time inside
-    the model's forward (``logprobs.py``), so no ``[tokens, vocab]`` logits exist at once.
-    ``wanted``: ``[B, S]`` bool, the positions whose log-prob is needed (a loss's tokens); the
-    others are 0 and, with a chunkable output layer, never reach it (for a GRPO batch that is
-    the whole prompt: most of the output layer's and the log-softmax's work).
-    ``share_prefix``: rows of a padded micro-batch that start with the same tokens before their
-    first wanted one (a GRPO group's prompt) run those tokens once (``shared_prefix.py``).
+    ``options.chunk_size``: the output layer computes the log-probs that many tokens at a time
+    inside the model's forward (``logprobs.py``), so no ``[tokens, vocab]`` logits exist at
+    once. ``wanted``: ``[B, S]`` bool, the positions whose log-prob is needed (a loss's
+    tokens); the others are 0 and, with a chunkable output layer, never reach it (for a GRPO
+    batch that is the whole prompt: most of the output layer's and the log-softmax's work).
+    ``options.share_prefix``: rows of a padded micro-batch that start with the same tokens
+    before their first wanted one (a GRPO group's prompt) run those tokens once
+    (``shared_prefix.py``).
     """
     ids, lengths = mb["input_ids"], mb["input_lengths"]
+    chunk_size, temperature = options.chunk_size, options.temperature
     # The output layer computes log-probs itself only where its output is the plain logits.
     in_head = supports_chunked_logprobs(model) and (chunk_size is not None or wanted is not None)
     wanted = wanted if in_head else None
     # Per position, the tokens whose log-probs are wanted: the input token, then gather_ids.
     tokens = ids if gather_ids is None else torch.cat([ids[..., None], gather_ids.to(ids)], -1)
     p: PackedSequences | None = None
-    if not packed:
+    if not options.packed:
         real = _padding_mask(mb)
-        if share_prefix and wanted is not None and gather_ids is None:
+        if options.share_prefix and wanted is not None and gather_ids is None:
             wanted = wanted & real
-            if supports_shared_prefix(model, attn_implementation) and sharing_pays(
+            if supports_shared_prefix(model, options.attn_implementation) and sharing_pays(
                 model, wanted, lengths, ids
             ):
                 return shared_prefix_logprobs(model, mb, wanted, chunk_size, temperature)
@@ -140,13 +177,16 @@ def forward_logprobs(
         row_tokens = tokens
         row_wanted = wanted
     else:
-        p, inputs = _packed_inputs(mb, attn_implementation)
+        p, inputs = _packed_inputs(mb, options.attn_implementation)
         row_tokens = pack_sequences(tokens, lengths).input_ids
         row_wanted = None if wanted is None else pack_sequences(wanted, lengths).input_ids
     # Position t's output is log p(token t+1); the last position has no next token.
     keep = None if row_wanted is None else F.pad(row_wanted[:, 1:].bool(), (0, 1))
     trailing = (0, 0) * (tokens.dim() - 2)  # F.pad widths that leave a k dimension alone
     if in_head:
+        # The output layer's forward is swapped for the chunked log-probs while the model runs
+        # (not called on hidden states taken out of it): FSDP2's and peft's hooks then see one
+        # ordinary call, and the output layer's sharded weight is gathered as usual.
         targets = F.pad(row_tokens[:, 1:], (*trailing, 0, 1))
         with output_layer_computes_logprobs(model, targets, chunk_size, temperature, keep):
             lp = model(**inputs).logits[:, :-1]
@@ -171,26 +211,15 @@ def _aligned(
 
 
 def forward_topk_logprobs(
-    model: torch.nn.Module,
-    mb: BatchedDataDict,
-    packed: bool,
-    attn_implementation: str = "sdpa",
-    k: int = 1,
-    chunk_size: int | None = None,
-    temperature: float = 1.0,
+    model: torch.nn.Module, mb: BatchedDataDict, options: ForwardOptions, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` most likely next tokens of every position: log-probs ``[B, S, k]`` (under the
     temperature-scaled distribution, descending) and their ids ``[B, S, k]`` (int64), aligned
     like ``forward_logprobs`` (``[:, t]`` is the distribution that predicts token ``t``; both
     are 0 at position 0 and on padding). With a chunkable output layer no ``[tokens, vocab]``
     logits exist: the output layer computes the top-k ``chunk_size`` tokens at a time."""
-    ids = mb["input_ids"]
-    p: PackedSequences | None = None
-    if not packed:
-        real = _padding_mask(mb).long()
-        inputs = {"input_ids": ids, "attention_mask": real, "use_cache": False}
-    else:
-        p, inputs = _packed_inputs(mb, attn_implementation)
+    p, inputs = _model_inputs(mb, options)
+    chunk_size, temperature = options.chunk_size, options.temperature
     if supports_chunked_logprobs(model):
         with output_layer_computes_topk(model, k, chunk_size, temperature) as found:
             values = model(**inputs).logits
@@ -201,33 +230,35 @@ def forward_topk_logprobs(
     return values, top_ids
 
 
+def _model_inputs(
+    mb: BatchedDataDict, options: ForwardOptions
+) -> tuple[PackedSequences | None, dict[str, torch.Tensor | bool | None]]:
+    """The model's arguments for ``mb``: its padded rows, or one packed row (with its
+    ``PackedSequences``)."""
+    if options.packed:
+        return _packed_inputs(mb, options.attn_implementation)
+    real = _padding_mask(mb).long()
+    return None, {"input_ids": mb["input_ids"], "attention_mask": real, "use_cache": False}
+
+
 def forward_logits(
-    model: torch.nn.Module, mb: BatchedDataDict, packed: bool, attn_implementation: str = "sdpa"
+    model: torch.nn.Module, mb: BatchedDataDict, options: ForwardOptions
 ) -> torch.Tensor:
     """``[B, S, V]`` next-token logits; ``[:, t]`` predicts token ``t`` (0 at t=0 and padding)."""
-    ids, lengths = mb["input_ids"], mb["input_lengths"]
-    if not packed:
-        real = _padding_mask(mb)
-        logits = model(input_ids=ids, attention_mask=real.long(), use_cache=False).logits
-        return F.pad(logits[:, :-1], (0, 0, 1, 0)) * real[..., None]
-    p, inputs = _packed_inputs(mb, attn_implementation)
-    logits = F.pad(model(**inputs).logits[0, :-1], (0, 0, 1, 0))
-    logits = logits * (p.position_ids[0] > 0)[:, None]
-    return unpack_sequences(logits[None], p.cu_seqlens, lengths, ids.shape[1])
+    p, inputs = _model_inputs(mb, options)
+    return _aligned(F.pad(model(**inputs).logits[:, :-1], (0, 0, 1, 0)), mb, p)
 
 
 def forward_state_values(
-    model: torch.nn.Module, mb: BatchedDataDict, packed: bool, attn_implementation: str = "sdpa"
+    model: torch.nn.Module, mb: BatchedDataDict, options: ForwardOptions
 ) -> torch.Tensor:
     """``[B, S]`` the value head's output at every position (0 on padding), unshifted: position
     ``t`` values the state that has seen tokens ``0..t`` (see ``align_values``)."""
     ids, lengths = mb["input_ids"], mb["input_lengths"]
-    if not packed:
-        real = _padding_mask(mb)
-        out = model(input_ids=ids, attention_mask=real.long(), use_cache=False).logits[..., 0]
-        return out * real
-    p, inputs = _packed_inputs(mb, attn_implementation)
+    p, inputs = _model_inputs(mb, options)
     out = model(**inputs).logits[..., 0]
+    if p is None:
+        return out * _padding_mask(mb)
     return unpack_sequences(out, p.cu_seqlens, lengths, ids.shape[1])
 
 
@@ -272,17 +303,121 @@ def _score_head_picks(model: PreTrainedModel, rows: torch.Tensor) -> Iterator[No
 
 
 def forward_scores(
-    model: PreTrainedModel, mb: BatchedDataDict, packed: bool, attn_implementation: str = "sdpa"
+    model: PreTrainedModel, mb: BatchedDataDict, options: ForwardOptions
 ) -> torch.Tensor:
     """``[B, num_labels]`` classifier scores at each sequence's last real token."""
     ids, lengths = mb["input_ids"], mb["input_lengths"].to(mb["input_ids"].device)
-    if not packed:
-        real = _padding_mask(mb).long()
-        inputs = {"input_ids": ids, "attention_mask": real, "use_cache": False}
+    p, inputs = _model_inputs(mb, options)
+    if p is None:
         rows = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1] + lengths - 1
     else:
-        p, inputs = _packed_inputs(mb, attn_implementation)
         rows = p.cu_seqlens[:-1].long().to(ids.device) + lengths - 1
     with _score_head_picks(model, rows):
         pooled = model(**inputs).logits
     return pooled.reshape(ids.shape[0], -1)
+
+
+def teacher_topk_ids(batch: TrainBatch) -> torch.Tensor:
+    """The ``[B, S, k]`` token ids a ``GatheredLogprobs`` loss wants the log-probs of."""
+    ids = batch.need("teacher_topk_ids", "a loss with input_type GatheredLogprobs", "[B, S, k]")
+    if ids.dim() != 3:
+        raise ValueError(
+            "a loss with input_type GatheredLogprobs needs 'teacher_topk_ids' [B, S, k] (the "
+            f"teacher's get_topk_logprobs 'topk_ids'); it has shape {tuple(ids.shape)}"
+        )
+    return ids[:, : batch.input_ids.shape[1]]
+
+
+class Output(abc.ABC):
+    """One kind of output of a forward pass over a micro-batch: ``output(model, mb,
+    options)``, in the micro-batch's row order and padding."""
+
+    #: The ``model.kind`` whose model has this output.
+    model_kind: ClassVar[str] = "causal_lm"
+    #: What it is called in messages.
+    what: ClassVar[str]
+    #: ``[B, S, ...]`` per token (else ``[B, ...]``, one per sequence).
+    per_token: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def __call__(
+        self, model: torch.nn.Module, mb: BatchedDataDict, options: ForwardOptions
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class TokenLogprobs(Output):
+    """Next-token log-probs (``forward_logprobs``): of every position, or ``at_loss_tokens``
+    only (``loss_token_mask``; 0 elsewhere), and with ``teacher_topk`` also those of the
+    batch's ``teacher_topk_ids``."""
+
+    at_loss_tokens: bool = False
+    teacher_topk: bool = False
+    what: ClassVar[str] = "logprobs"
+
+    def __call__(self, model, mb, options):
+        batch = TrainBatch.from_transport(mb) if self.at_loss_tokens or self.teacher_topk else None
+        wanted = batch.loss_token_mask() > 0 if self.at_loss_tokens else None
+        gather_ids = teacher_topk_ids(batch) if self.teacher_topk else None
+        return forward_logprobs(model, mb, options, wanted, gather_ids)
+
+
+@dataclass(frozen=True)
+class TopkLogprobs(Output):
+    """The ``k`` most likely next tokens' log-probs and ids (``forward_topk_logprobs``): what a
+    distillation teacher reports."""
+
+    k: int
+    what: ClassVar[str] = "top-k logprobs"
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"top-k log-probs need k >= 1, got {self.k}")
+
+    def __call__(self, model, mb, options):
+        return forward_topk_logprobs(model, mb, options, self.k)
+
+
+class NextTokenLogits(Output):
+    """``[B, S, V]`` next-token logits (``forward_logits``)."""
+
+    what: ClassVar[str] = "logits"
+
+    def __call__(self, model, mb, options):
+        return forward_logits(model, mb, options)
+
+
+@dataclass(frozen=True)
+class StateValues(Output):
+    """A value model's outputs (``forward_state_values``): unshifted, or ``aligned`` to the
+    tokens they choose like log-probs (``align_values``; what a value loss takes)."""
+
+    aligned: bool = False
+    model_kind: ClassVar[str] = "value"
+    what: ClassVar[str] = "values"
+
+    def __call__(self, model, mb, options):
+        values = forward_state_values(model, mb, options)
+        return align_values(values, mb["input_lengths"]) if self.aligned else values
+
+
+class SequenceScores(Output):
+    """A sequence classifier's ``[B, num_labels]`` scores (``forward_scores``)."""
+
+    model_kind: ClassVar[str] = "sequence_classification"
+    what: ClassVar[str] = "scores"
+    per_token: ClassVar[bool] = False
+
+    def __call__(self, model, mb, options):
+        return forward_scores(model, mb, options)
+
+
+#: The output that gives each input a loss may declare (``interfaces.LossInput``).
+LOSS_OUTPUTS: dict[type[LossInput], Output] = {
+    Logprobs: TokenLogprobs(),
+    LossTokenLogprobs: TokenLogprobs(at_loss_tokens=True),
+    GatheredLogprobs: TokenLogprobs(at_loss_tokens=True, teacher_topk=True),
+    Logits: NextTokenLogits(),
+    Values: StateValues(aligned=True),
+    Scores: SequenceScores(),
+}

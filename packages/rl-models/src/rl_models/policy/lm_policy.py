@@ -13,11 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from rl_data.batch import TrainBatch, as_transport
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
-from rl_models.interfaces import LossFunction, PolicyInterface
+from rl_models.interfaces import LossFunction, PolicyInterface, TrainResult
 from rl_models.model_files import materialize
 from rl_models.policy.base_worker import (
     Batching,
@@ -85,7 +86,7 @@ class Policy(PolicyInterface):
 
     def _shard(
         self,
-        data: BatchedDataDict,
+        data: TrainBatch | BatchedDataDict,
         batch_size: int | None,
         training: bool,
         mbs: int | None = None,
@@ -96,6 +97,7 @@ class Policy(PolicyInterface):
         Such micro-batches are planned here, over all ranks at once, so that every rank gets the
         same number per global batch (FSDP needs the ranks' forward passes to pair up).
         """
+        data = as_transport(data)  # what crosses to the workers
         width = data["input_ids"].shape[1]
         args = microbatch_args(self.config, training, self.on_gpu, width, rows=mbs)
         if args:
@@ -113,22 +115,24 @@ class Policy(PolicyInterface):
         )
         return self.worker_group.get_all_worker_results(futures)
 
-    def _per_row(self, method: str, data: BatchedDataDict, **common: Any) -> BatchedDataDict:
+    def _per_row(
+        self, method: str, data: TrainBatch | BatchedDataDict, **common: Any
+    ) -> BatchedDataDict:
         shards, restore = self._shard(data, None, training=False)
         out = BatchedDataDict.from_batches(self._run(method, shards, **common))
         return out.reorder_data(restore) if restore is not None else out
 
-    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+    def get_logprobs(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
         return self._per_row("get_logprobs", data)
 
-    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+    def get_reference_policy_logprobs(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
         return self._per_row("get_reference_policy_logprobs", data)
 
-    def get_scores(self, data: BatchedDataDict) -> BatchedDataDict:
+    def get_scores(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
         """``{"scores": [B, num_labels]}`` of a sequence classifier (``model.kind``)."""
         return self._per_row("get_scores", data)
 
-    def get_topk_logprobs(self, data: BatchedDataDict, k: int) -> BatchedDataDict:
+    def get_topk_logprobs(self, data: TrainBatch | BatchedDataDict, k: int) -> BatchedDataDict:
         """``{"topk_logprobs": [B, S, k], "topk_ids": [B, S, k]}``: the ``k`` most likely
         next tokens at every position and their log-probs (a distillation teacher's answer),
         computed a chunk of tokens at a time. DTensor backend only."""
@@ -140,25 +144,25 @@ class Policy(PolicyInterface):
             )
         return self._per_row("get_topk_logprobs", data, k=k)
 
-    def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
+    def get_values(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
         """A value model's (critic's) ``{"values": [B, S], "final_values": [B]}``: see
         ``DTensorPolicyWorker.get_values``."""
         return self._per_row("get_values", data)
 
     def train(
         self,
-        data: BatchedDataDict,
+        data: TrainBatch | BatchedDataDict,
         loss_fn: LossFunction,
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> TrainResult:
         gbs = gbs or self.config.train_global_batch_size
         shards, _ = self._shard(data, gbs, training=True, mbs=mbs)
         results = self._run("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
-        if not eval_mode:
-            self.weight_version += len(results[0].get("grad_norm", []))
-        return results[0]  # the metrics are all-reduced: every rank returns the same
+        result = results[0]  # the metrics are all-reduced: every rank returns the same
+        self.weight_version += result.optimizer_steps
+        return result
 
     def prepare_for_training(self) -> None:
         self.worker_group.call_all("prepare_for_training")
