@@ -62,7 +62,7 @@ def test_a_cpu_worker_uses_dynamic_micro_batches_by_default():
 
     class RecordingNLL(NLLLoss):
         def __call__(self, logprobs, mb, *counts):
-            seen.append(tuple(mb["input_ids"].shape))
+            seen.append(tuple(mb.input_ids.shape))
             return super().__call__(logprobs, mb, *counts)
 
     auto = DTensorPolicyWorker(tiny_config(train_micro_batch_size=2))

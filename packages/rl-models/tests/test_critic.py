@@ -24,10 +24,9 @@ class SquaredErrorToTarget:
     input_type = Values
 
     def __call__(self, values, data, global_valid_seqs, global_valid_toks):
-        from rl_models.losses import loss_token_mask
 
-        mask = loss_token_mask(data).to(values)
-        err = torch.where(mask > 0, values - data["target"].to(values), 0.0)
+        mask = data.loss_token_mask().to(values)
+        err = torch.where(mask > 0, values - data.returns.to(values), 0.0)
         return 0.5 * (err.square() * mask).sum() / global_valid_toks.to(values), {}
 
 
@@ -99,8 +98,8 @@ def test_a_critic_built_from_a_causal_lm_keeps_its_backbone_and_draws_its_head(t
 
 def test_critic_training_does_not_depend_on_the_split_and_round_trips(tmp_path):
     data = skewed_batch()
-    data["target"] = torch.linspace(-1.0, 1.0, data["input_ids"].numel(), dtype=torch.float64)
-    data["target"] = data["target"].view(data["input_ids"].shape)
+    data["returns"] = torch.linspace(-1.0, 1.0, data["input_ids"].numel(), dtype=torch.float64)
+    data["returns"] = data["returns"].view(data["input_ids"].shape)
     one = DTensorPolicyWorker(critic_config(train_micro_batch_size=8))
     before = one.get_values(data)["values"]
     one.train(data, SquaredErrorToTarget())

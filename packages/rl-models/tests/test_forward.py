@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from rl_data.batch import TrainBatch
 from rl_models.interfaces import Logits, Logprobs, LossTokenLogprobs, loss_input_type
-from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss, loss_token_mask
+from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss
 from rl_models.policy import forward, logprobs
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
@@ -35,8 +36,10 @@ def test_logits_are_aligned_to_the_tokens_they_predict(packed):
         logprobs = worker.get_logprobs(data)["logprobs"]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
     # The log-probs a worker reports are these logits' log-softmax at the input tokens.
-    from_logits = forward.token_logprobs(got, data["input_ids"]) * loss_token_mask(data).ne(0)
-    mask = loss_token_mask(data).ne(0)
+    from_logits = forward.token_logprobs(got, data["input_ids"]) * TrainBatch.from_transport(
+        data
+    ).loss_token_mask().ne(0)
+    mask = TrainBatch.from_transport(data).loss_token_mask().ne(0)
     torch.testing.assert_close(from_logits[mask], logprobs[mask], rtol=0, atol=1e-10)
 
 
@@ -71,7 +74,7 @@ def test_packed_rows_under_eager_attention_are_kept_apart():
 def label_smoothed_reference_step(data, smoothing: float) -> dict[str, torch.Tensor]:
     """One SGD step (lr=1) on the float64 reference model, the loss written out by hand."""
     model = reference_model()
-    mask = loss_token_mask(data)
+    mask = TrainBatch.from_transport(data).loss_token_mask()
     total = torch.zeros((), dtype=torch.float64)
     for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
         logits = model(ids[None, :n]).logits[0, : n - 1]
@@ -111,7 +114,7 @@ def nll_reference_gradients(data, weights=None) -> dict[str, tuple[torch.Tensor,
     model = reference_model()
     if weights is not None:
         model.load_state_dict(weights, strict=False)
-    mask = loss_token_mask(data)
+    mask = TrainBatch.from_transport(data).loss_token_mask()
     total = torch.zeros((), dtype=torch.float64)
     for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
         logp = torch.log_softmax(model(ids[None, :n]).logits[0, : n - 1], -1)
@@ -181,7 +184,7 @@ def test_loss_token_logprobs_skip_the_prompt_and_train_exactly_like_full_logprob
     monkeypatch.setattr(logprobs, "_chunk_logprobs", counted)
     worker = DTensorPolicyWorker(tiny_config(**split))
     worker.train(data, NLLLoss())
-    loss_tokens = int(loss_token_mask(data).ne(0).sum())
+    loss_tokens = int(TrainBatch.from_transport(data).loss_token_mask().ne(0).sum())
     assert loss_tokens < int(data["input_lengths"].sum()) // 2 + 8
     # Once each (twice where chunks are recomputed in backward), never a prompt token.
     assert sum(seen) in (loss_tokens, 2 * loss_tokens)

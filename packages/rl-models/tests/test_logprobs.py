@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from rl_data.batch import TrainBatch
 from rl_models.losses import NLLLoss
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -83,9 +84,8 @@ def test_eval_mode_reports_the_loss_without_updating():
     metrics = worker.train(data, NLLLoss(), eval_mode=True).metrics
     torch.testing.assert_close(worker.get_logprobs(data)["logprobs"], before, rtol=0, atol=0)
     # The NLL of the loss tokens is the mean of their negated log-probs.
-    from rl_models.losses import loss_token_mask
 
-    mask = loss_token_mask(data)
+    mask = TrainBatch.from_transport(data).loss_token_mask()
     assert metrics["loss"][0] == pytest.approx(float(-(before * mask).sum() / mask.sum()))
     assert metrics["global_valid_toks"] == [float(mask.sum())]
     assert "grad_norm" not in metrics

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from torch.func import functional_call
 from transformers import AutoModelForCausalLM
 
-from rl_models.losses import NLLLoss, loss_token_mask
+from rl_data.batch import TrainBatch
+from rl_models.losses import NLLLoss
 from rl_models.modeling.build import build_model
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lora import ADAPTER_DIR
@@ -158,7 +159,7 @@ def test_lora_gradient_matches_a_hand_built_float64_lora():
     real = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
     logits = functional_call(plain, weights, (ids,), {"attention_mask": real.long()}).logits
     logp = torch.log_softmax(logits[:, :-1].double(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-    mask = loss_token_mask(data)[:, 1:]
+    mask = TrainBatch.from_transport(data).loss_token_mask()[:, 1:]
     (-(logp * mask).sum() / mask.sum()).backward()
 
     assert len(leaves) == 2 * 7  # two layers, seven projections each

@@ -13,8 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import rl_models.megatron  # noqa: F401  (registers rl_models.megatron -> the mcore env)
+from rl_data.batch import TrainBatch
 from rl_distributed import RayVirtualCluster
-from rl_models.losses import NLLLoss, loss_token_mask
+from rl_models.losses import NLLLoss
 from rl_models.policy.lm_policy import Policy
 
 from .conftest import skewed_batch, tiny_config
@@ -45,7 +46,7 @@ def reference_step(path: str, data) -> tuple[torch.Tensor, dict[str, torch.Tenso
         rows.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[1:n, None])[:, 0])
     for row, values in enumerate(rows):
         lp[row, 1 : 1 + values.numel()] = values
-    mask = loss_token_mask(data)
+    mask = TrainBatch.from_transport(data).loss_token_mask()
     loss = -(lp * mask).sum() / mask.sum()
     loss.backward()
     after = {k: (p - p.grad).detach() for k, p in model.named_parameters()}
@@ -78,7 +79,7 @@ def test_chunked_vocab_parallel_logprobs_match_float64(tiny_llama, tmp_path, cas
         policy.shutdown()
         cluster.shutdown()
     torch.testing.assert_close(got, expected_lp, rtol=0, atol=ATOL)
-    mask = loss_token_mask(data)
+    mask = TrainBatch.from_transport(data).loss_token_mask()
     assert metrics["loss"][0] == pytest.approx(float(-(expected_lp * mask).sum() / mask.sum()))
     trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()
     for name, tensor in expected_after.items():

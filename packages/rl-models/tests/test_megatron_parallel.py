@@ -11,8 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import rl_models.megatron  # noqa: F401  (registers rl_models.megatron -> the mcore env)
+from rl_data.batch import TrainBatch
 from rl_distributed import RayVirtualCluster
-from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss, loss_token_mask
+from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lm_policy import Policy
 
@@ -56,7 +57,7 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(case, tiny_llam
         assert got.shape == data["input_ids"].shape and got.dtype == torch.float64
         torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
 
-        mask = loss_token_mask(data)
+        mask = TrainBatch.from_transport(data).loss_token_mask()
         nll = float(-(expected * mask).sum() / mask.sum())
         # A loss over whole-vocabulary logits (gathered over the tensor-parallel ranks).
         evaluated = policy.train(data, LabelSmoothedNLLLoss(0.0), eval_mode=True).metrics

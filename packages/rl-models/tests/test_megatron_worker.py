@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import rl_models.megatron  # noqa: F401  (registers rl_models.megatron -> the mcore env)
+from rl_data.batch import TrainBatch
 from rl_distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
-from rl_models.losses import NLLLoss, loss_token_mask
+from rl_models.losses import NLLLoss
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
 from .conftest import skewed_batch, tiny_config
@@ -75,7 +76,7 @@ def test_megatron_worker_matches_hf_and_the_dtensor_worker(tiny_llama, tmp_path)
         call(plain, "prepare_for_lp_inference")
         reference = DTensorPolicyWorker(config)
         ref_metrics = reference.train(data, NLLLoss()).metrics
-        mask = loss_token_mask(data)
+        mask = TrainBatch.from_transport(data).loss_token_mask()
         assert metrics["global_valid_toks"] == [float(mask.sum())]
         assert metrics["loss"][0] == pytest.approx(float(-(expected * mask).sum() / mask.sum()))
         assert metrics["loss"][0] == pytest.approx(ref_metrics["loss"][0], rel=1e-6)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_data.batch import TrainBatch
 from rl_distributed.virtual_cluster import RayVirtualCluster
-from rl_models.losses import NLLLoss, loss_token_mask
+from rl_models.losses import NLLLoss
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lm_policy import Policy
 
@@ -20,7 +21,7 @@ class MeanPerMicrobatchNLL:
     """The classic mistake: normalise by the micro-batch's own token count."""
 
     def __call__(self, logprobs, data, global_valid_seqs, global_valid_toks):
-        mask = loss_token_mask(data).to(logprobs)
+        mask = data.loss_token_mask().to(logprobs)
         return -(logprobs * mask).sum() / mask.sum().clamp(min=1), {}
 
 
@@ -105,6 +106,8 @@ def test_two_data_parallel_ray_workers_give_the_same_gradient(
 
     # Gathered back in the caller's row order, and equal to the single-process log-probs.
     torch.testing.assert_close(before, reference_logprobs(data), rtol=0, atol=1e-10)
-    assert metrics["global_valid_toks"] == [float(loss_token_mask(data).sum())]
+    assert metrics["global_valid_toks"] == [
+        float(TrainBatch.from_transport(data).loss_token_mask().sum())
+    ]
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert max_diff({k: saved[k] for k in one_microbatch}, one_microbatch) < 1e-6

@@ -5,8 +5,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.losses import NLLLoss, loss_token_mask
+from rl_models.losses import NLLLoss
 from rl_models.policy import forward, shared_prefix
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.shared_prefix import (
@@ -22,7 +23,7 @@ from .conftest import TINY_LLAMA, grouped_batch, initial_model, tiny_config
 def reference_step(data, temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """One SGD step (lr=1) of the loss-token NLL, every row run alone in float64."""
     model = initial_model()
-    mask = loss_token_mask(data)
+    mask = TrainBatch.from_transport(data).loss_token_mask()
     total = torch.zeros((), dtype=torch.float64)
     for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
         logits = model(ids[None, :n]).logits[0, : n - 1] / temperature
@@ -35,7 +36,7 @@ def reference_step(data, temperature: float = 1.0) -> dict[str, torch.Tensor]:
 
 def test_the_prefix_is_what_comes_before_the_first_wanted_logprob():
     data = grouped_batch()
-    wanted = loss_token_mask(data) > 0
+    wanted = TrainBatch.from_transport(data).loss_token_mask() > 0
     prefix = prefix_lengths(wanted, data["input_lengths"])
     assert prefix[:12].tolist() == [4, 4, 0, 4] + [8] * 4 + [11] * 4
     assert prefix[2] == 0 and prefix[12] == 0  # nothing wanted; loss from token 1
@@ -47,7 +48,7 @@ def test_the_prefix_is_what_comes_before_the_first_wanted_logprob():
 def test_shared_prefix_logprobs_equal_the_plain_forward(chunk):
     data = grouped_batch()
     model = initial_model()
-    wanted = loss_token_mask(data) > 0
+    wanted = TrainBatch.from_transport(data).loss_token_mask() > 0
     with torch.no_grad():
         plain = forward.forward_logprobs(model, data, forward.ForwardOptions(temperature=0.7))
         options = forward.ForwardOptions(chunk_size=chunk, temperature=0.7, share_prefix=True)
@@ -100,7 +101,7 @@ def test_a_group_of_one_row_and_a_lone_row_share_nothing_wrongly():
     # group of four; row 2, with nothing wanted, is appended from the front of the batch.
     data = grouped_batch()
     data = BatchedDataDict.from_batches([data.slice(3, 8), data.slice(2, 3)])
-    wanted = loss_token_mask(data) > 0
+    wanted = TrainBatch.from_transport(data).loss_token_mask() > 0
     model = initial_model()
     with torch.no_grad():
         plain = forward.forward_logprobs(model, data, forward.ForwardOptions())
@@ -121,7 +122,7 @@ def test_under_bf16_autocast_sharing_is_as_close_to_float64_as_the_plain_forward
     (float32 inside on a CPU) is no further from a float64 forward than the plain bf16
     forward is."""
     data = grouped_batch()
-    wanted = (loss_token_mask(data) > 0) & forward._padding_mask(data)
+    wanted = (TrainBatch.from_transport(data).loss_token_mask() > 0) & forward._padding_mask(data)
     model = initial_model()
     with torch.no_grad():
         truth = forward.forward_logprobs(model, data, forward.ForwardOptions()) * wanted
@@ -138,7 +139,7 @@ def test_under_bf16_autocast_sharing_is_as_close_to_float64_as_the_plain_forward
 
 def test_sharing_runs_only_where_it_pays_and_where_the_mask_is_right():
     data = grouped_batch()
-    wanted = loss_token_mask(data) > 0
+    wanted = TrainBatch.from_transport(data).loss_token_mask() > 0
     ids, lengths = data["input_ids"], data["input_lengths"]
     model = initial_model()
     assert sharing_pays(model, wanted, lengths, ids)

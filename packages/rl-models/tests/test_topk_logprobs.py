@@ -4,9 +4,9 @@ log-probs at given ids, chunked, against the whole float64 log-softmax."""
 import pytest
 import torch
 
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.interfaces import GatheredLogprobs, loss_input_type
-from rl_models.losses import loss_token_mask
 from rl_models.modeling.build import build_model
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.forward import ForwardOptions, forward_logprobs, forward_topk_logprobs
@@ -143,8 +143,8 @@ class GatheredSum:
         self.weights = weights
 
     def __call__(self, lp, data, global_valid_seqs, global_valid_toks):
-        mask = loss_token_mask(data).to(lp)[..., None]
-        w = self.weights[data["idx"], : lp.shape[1]].to(lp)
+        mask = data.loss_token_mask().to(lp)[..., None]
+        w = self.weights[data.idx, : lp.shape[1]].to(lp)
         return (lp * w * mask).sum() / global_valid_toks.to(lp), {}
 
 
@@ -172,7 +172,7 @@ def test_training_on_gathered_logprobs_never_makes_whole_logits_and_matches_floa
     # Reference: the whole float64 log-softmax, one SGD step with lr 1.
     ref = build_model(config.model, config.seed)
     ids, lengths = data["input_ids"], data["input_lengths"]
-    mask = loss_token_mask(data)
+    mask = TrainBatch.from_transport(data).loss_token_mask()
     total = torch.zeros((), dtype=torch.float64)
     for row in range(data.size):
         n = int(lengths[row])

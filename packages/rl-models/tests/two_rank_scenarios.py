@@ -170,13 +170,12 @@ def pretrained(half, out: str) -> dict:
 def critic_step(half, out: str) -> dict:
     """A critic built from a saved causal LM (each rank reads its slices; the value head,
     absent from the files, drawn from the seed): values, then one step of a value loss."""
-    from rl_models.losses import loss_token_mask
 
     class HalfSquaredError:
         input_type = Values
 
         def __call__(self, values, data, global_valid_seqs, global_valid_toks):
-            mask = loss_token_mask(data).to(values)
+            mask = data.loss_token_mask().to(values)
             err = torch.where(mask > 0, values - 1.0, 0.0)
             return 0.5 * (err.square() * mask).sum() / global_valid_toks.to(values), {}
 

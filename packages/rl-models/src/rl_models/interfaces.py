@@ -33,7 +33,7 @@ class Logprobs(LossInput):
 
 
 class LossTokenLogprobs(LossInput):
-    """``[B, S]`` log-probs where ``losses.loss_token_mask`` is non-zero, 0 elsewhere: the
+    """``[B, S]`` log-probs where ``TrainBatch.loss_token_mask()`` is non-zero, 0 elsewhere: the
     policy may skip the output layer elsewhere (the prompt). A backend without that saving
     gives every log-prob, so such a loss must multiply what it reads by the mask."""
 

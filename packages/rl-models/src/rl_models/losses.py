@@ -8,16 +8,6 @@ from rl_data.batch import TrainBatch
 from rl_models.interfaces import Logits, LossTokenLogprobs
 
 
-def loss_token_mask(batch: TrainBatch) -> torch.Tensor:
-    """``[B, S]`` float mask of the tokens a token-level loss counts (``TrainBatch``'s)."""
-    return batch.loss_token_mask()
-
-
-def sample_valid_mask(batch: TrainBatch) -> torch.Tensor:
-    """``[B]`` float mask of the samples that count (``sample_mask``, default all)."""
-    return batch.sample_valid_mask()
-
-
 class NLLLoss:
     """Mean negative log-likelihood over the loss tokens of the global batch (SFT)."""
 
