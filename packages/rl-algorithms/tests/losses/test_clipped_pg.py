@@ -451,7 +451,7 @@ def test_the_recipe_gives_gspo_the_papers_aggregation():
 
 def test_ratio_extremes_are_declared_min_and_max_and_the_means_plain():
     lp, data = pg_batch()
-    _, metrics = ClippedPGLossFn({})(lp, data, *global_counts(data))
+    _, metrics = ClippedPGLossFn({})(lp, TrainBatch.from_transport(data), *global_counts(data))
     assert isinstance(metrics["probs_ratio_min"], Min)
     assert isinstance(metrics["probs_ratio_max"], Max)
     assert type(metrics["probs_ratio"]) is float
