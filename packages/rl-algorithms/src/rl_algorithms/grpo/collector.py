@@ -73,7 +73,7 @@ class CollectorReply:
     """What ``take`` answers: the groups scored since the last call, and the collector's state."""
 
     groups: list[TrajectoryGroup]
-    error: str | None  # what stopped the collector's loop, with its traceback
+    error: str | None  # why the collector stopped (an exception with its traceback)
     exhausted: bool  # no prompt left and none generating, none handed over in this reply
     requeued_groups: int  # hung groups cancelled and generated again, so far
     aborted_groups: int  # groups vLLM aborted on its own, generated again
