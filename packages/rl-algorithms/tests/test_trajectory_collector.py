@@ -240,12 +240,12 @@ def test_a_hung_generation_is_requeued_then_every_prompt_scored_then_running_out
         with pytest.raises(CollectorError, match=r"collector-hang.*ran out of prompts"):
             for _ in range(200):
                 reply = client.take(consumed, timeout=0.5)
-                groups += reply["groups"]
-                consumed += len(reply["groups"])
+                groups += reply.groups
+                consumed += len(reply.groups)
     finally:
         client.stop()
     assert ray.get(engine.get_cancelled.remote()) == ["s0"]
-    assert reply["requeued_groups"] == 1
+    assert reply.requeued_groups == 1
     # The hung prompt (the first one) came back through a new stream: all four are there.
     assert sorted(g.prompt["idx"][0] for g in groups) == [0, 1, 2, 3]
     for g in groups:
@@ -272,8 +272,8 @@ def test_checkpoint_state_holds_every_prompt_drawn_and_not_handed_over(tokenizer
         taken = []
         deadline = time.monotonic() + 30
         while len(taken) < 3 and time.monotonic() < deadline:
-            taken += client.take(len(taken), timeout=0.5)["groups"]
-        state = client.call("state_dict")
+            taken += client.take(len(taken), timeout=0.5).groups
+        state = client.state_dict()
     finally:
         client.stop()
     pending = [p["idx"][0] for p in state["pending_prompts"]]
@@ -286,12 +286,12 @@ def test_checkpoint_state_holds_every_prompt_drawn_and_not_handed_over(tokenizer
 
 def take_all(client) -> tuple[list, dict]:
     """Every group until the collector runs out of prompts, and its last reply."""
-    groups, consumed, reply = [], 0, {}
+    groups, consumed, reply = [], 0, None
     with pytest.raises(CollectorError, match=r"ran out of prompts"):
         for _ in range(200):
             reply = client.take(consumed, timeout=0.5)
-            groups += reply["groups"]
-            consumed += len(reply["groups"])
+            groups += reply.groups
+            consumed += len(reply.groups)
     return groups, reply
 
 
@@ -305,7 +305,7 @@ def test_an_aborted_group_is_requeued_and_a_too_long_prompt_has_the_engines_vers
         groups, reply = take_all(client)
     finally:
         client.stop()
-    assert reply["aborted_groups"] == 1 and reply["requeued_groups"] == 0
+    assert reply.aborted_groups == 1 and reply.requeued_groups == 0
     assert sorted(g.prompt["idx"][0] for g in groups) == [0, 1, 2, 3]
     (again,) = [g for g in groups if g.prompt["idx"][0] == 0]
     assert again.requeues == 1 and again.result.rewards.tolist() == [1.0] * G
@@ -332,7 +332,7 @@ def test_stale_groups_are_generated_again_until_a_prompt_is_requeued_too_often(t
     finally:
         client.stop()
     reply = trajectories.last_reply
-    assert reply["stale_requeued_groups"] >= 2 and buffer.dropped_groups >= 4
+    assert reply.stale_requeued_groups >= 2 and buffer.dropped_groups >= 4
 
 
 def test_a_wedged_engine_is_reported_by_name_within_seconds(tokenizer, template):
@@ -374,15 +374,15 @@ def test_no_generation_starts_between_a_drain_and_the_resume_after_it(tokenizer,
     try:
         consumed, deadline = 0, time.monotonic() + 1.5
         while time.monotonic() < deadline:  # keep it submitting
-            consumed += len(client.take(consumed, timeout=0.2)["groups"])
-        assert client.call("drain", 10.0)
+            consumed += len(client.take(consumed, timeout=0.2).groups)
+        assert client.drain(10.0)
         drained = time.time()
         time.sleep(1.0)  # the refit
         resumed = time.time()
-        client.call("resume")
+        client.resume()
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:  # and take what it makes, so it goes on
-            consumed += len(client.take(consumed, timeout=0.2)["groups"])
+            consumed += len(client.take(consumed, timeout=0.2).groups)
         starts = ray.get(engine.get_starts.remote())
     finally:
         client.stop()
@@ -425,11 +425,11 @@ def test_a_drain_with_scoring_leaves_no_environment_call_running_until_the_resum
     )
     try:
         time.sleep(1.5)  # groups generate quickly and queue for the slow scorer
-        assert client.call("drain", 30.0, True, timeout=60)
+        assert client.drain(30.0, scoring=True)
         drained = time.time()
         time.sleep(1.5)  # validation
         resumed = time.time()
-        client.call("resume")
+        client.resume()
         calls = ray.get(env.get_calls.remote())
     finally:
         client.stop()

@@ -40,7 +40,7 @@ from rl_data.templates import ChatTemplate
 from rl_data.tokenizers import encode_texts
 from rl_data.types import MessageLog
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_envs.interfaces import EnvironmentReturn
+from rl_envs.interfaces import EnvironmentReturn, EnvironmentStep
 from rl_models.generation.interfaces import GenerationInterface
 
 
@@ -171,12 +171,9 @@ def step_environments(
     logs: Sequence[MessageLog],
     metadata: Sequence[Any],
     task_names: Sequence[str],
-) -> list[tuple[dict, dict | None, list[str] | None, float, bool, str | None]]:
-    """One environment step per sample, batched per environment and run concurrently.
-
-    Returns per sample ``(observation, metadata, next_stop_strings, reward, terminated,
-    answer)``, in the order of ``logs``.
-    """
+) -> list[EnvironmentStep]:
+    """One environment step per sample, in the order of ``logs``, batched per environment and
+    run concurrently."""
     by_task: dict[str, list[int]] = defaultdict(list)
     for i, task in enumerate(task_names):
         if task not in envs:
@@ -189,23 +186,15 @@ def step_environments(
         task: _call_env(envs[task], [logs[i] for i in rows], [metadata[i] for i in rows])
         for task, rows in by_task.items()
     }
-    out: list[Any] = [None] * len(logs)
+    steps: dict[int, EnvironmentStep] = {}
     for task, rows in by_task.items():
         ret = _resolve(pending[task])
         if len(ret.rewards) != len(rows):
             raise RuntimeError(
                 f"environment {task!r} returned {len(ret.rewards)} rewards for {len(rows)} samples"
             )
-        for j, i in enumerate(rows):
-            out[i] = (
-                ret.observations[j],
-                ret.metadata[j],
-                ret.next_stop_strings[j],
-                float(ret.rewards[j]),
-                bool(ret.terminateds[j]),
-                ret.answers[j],
-            )
-    return out
+        steps.update(zip(rows, ret.steps(), strict=True))
+    return [steps[i] for i in range(len(logs))]
 
 
 def environment_metrics(
@@ -370,19 +359,22 @@ class Episodes:
             [self.tasks[i] for i in active],
         )
         turn_rewards = []
-        for i, (_obs, meta, stop, reward, done, answer) in zip(active, results, strict=True):
-            self.rewards[i] += reward
-            turn_rewards.append(reward)
-            self.metadata[i], self.stops[i], self.answers[i] = meta, stop, answer
-            self.terminated[i] = done
+        for i, step in zip(active, results, strict=True):
+            self.rewards[i] += step.reward
+            turn_rewards.append(step.reward)
+            self.metadata[i] = step.metadata
+            self.stops[i] = step.next_stop_strings
+            self.answers[i] = step.answer
+            self.terminated[i] = step.terminated
         self.metrics[f"turn_{turn}/active_samples"] = float(len(active))
         self.metrics[f"turn_{turn}/mean_generation_length"] = gen_tokens / len(active)
         self.metrics[f"turn_{turn}/reward_mean"] = sum(turn_rewards) / len(turn_rewards)
 
         going = [i for i in active if not self.terminated[i] and not self.out_of_room[i]]
         if not last and going:
-            for i, (obs, *_rest) in zip(active, results, strict=True):
+            for i, step in zip(active, results, strict=True):
                 if i in going:
+                    obs = step.observation
                     logs[i].append({"role": obs["role"], "content": obs["content"]})  # type: ignore[typeddict-item]
             tokenize_message_logs(
                 [logs[i] for i in going], self.tokenizer, self.template, add_generation_prompt=True

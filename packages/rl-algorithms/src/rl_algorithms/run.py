@@ -15,10 +15,10 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rl_algorithms import actors
-from rl_algorithms.config import set_seed
+from rl_algorithms.config import RunConfig, set_seed
 from rl_algorithms.environments import required_metadata, stop_environments
 from rl_algorithms.utils.checkpoint import CheckpointManager
 from rl_algorithms.utils.logger import Logger
@@ -28,7 +28,20 @@ from rl_models.generation.config import GenerationConfig
 from rl_models.interfaces import combine_metric
 from rl_models.policy.config import ModelConfig, PolicyConfig
 
+if TYPE_CHECKING:  # the run's actors and tokenizer: heavy imports, for annotations only
+    from ray.actor import ActorHandle
+    from transformers import PreTrainedTokenizerBase
+
+    from rl_data.templates import ChatTemplate
+    from rl_distributed.virtual_cluster import RayVirtualCluster
+    from rl_models.generation.interfaces import GenerationInterface
+    from rl_models.interfaces import LossFunction
+    from rl_models.policy.lm_policy import Policy
+
 log = logging.getLogger(__name__)
+
+#: The algorithm's MasterConfig (``sft.MasterConfig``, ``grpo.MasterConfig``...).
+ConfigT = TypeVar("ConfigT", bound=RunConfig)
 
 
 @dataclass(frozen=True)
@@ -67,28 +80,28 @@ class ModelPlan:
 
 
 @dataclass
-class Run:
+class Run(Generic[ConfigT]):
     """Everything a loop works with; ``step`` counts the steps done (restored on resume)."""
 
     name: str
-    config: Any  # the algorithm's MasterConfig
-    tokenizer: Any
-    template: Any  # rl_data ChatTemplate
+    config: ConfigT
+    tokenizer: PreTrainedTokenizerBase
+    template: ChatTemplate
     train_loader: StatefulDataLoader
     val_loader: StatefulDataLoader | None
     logger: Logger
     checkpointer: CheckpointManager | None  # None: this run neither resumes nor saves
-    clusters: list[Any]
+    clusters: list[RayVirtualCluster]
     total_steps: int  # lowered to ``step`` when ``end_step`` stops at the time limit
     val_period: int = 0  # validate every N steps and after the last (0: never)
-    policy: Any = None  # rl_models Policy
-    generation: Any = None  # a GenerationInterface
-    envs: dict[str, Any] = field(default_factory=dict)  # task name -> environment actor
-    critic: Any = None  # rl_models Policy of a value model (PPO), trained beside the policy
-    teacher: Any = None  # rl_models Policy of a frozen model (distillation)
-    loss_fn: Any = None
+    policy: Policy | None = None
+    generation: GenerationInterface | None = None
+    envs: dict[str, ActorHandle] = field(default_factory=dict)  # task name -> its environment
+    critic: Policy | None = None  # a value model (PPO), trained beside the policy
+    teacher: Policy | None = None  # a frozen model (distillation)
+    loss_fn: LossFunction | None = None
     # The models beside the policy that leave the device between their turns (see take_turns).
-    offloaded_when_idle: list[Any] = field(default_factory=list)
+    offloaded_when_idle: list[Policy] = field(default_factory=list)
     step: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # algorithm state saved with checkpoints
     _batches: Iterator[BatchedDataDict] | None = None
@@ -102,18 +115,18 @@ class Run:
         self._batches = iter(self.train_loader)
         return next(self._batches)
 
-    def take_turns(self, model: Any) -> None:
+    def take_turns(self, model: Policy) -> None:
         """Offload ``model`` (a critic or teacher ``Policy``) now and from now on between its
         turns: a loop brings it back before using it (``prepare_for_lp_inference`` /
         ``prepare_for_training``) and offloads it after (``model.offload()``)."""
         model.offload()
         self.offloaded_when_idle.append(model)
 
-    def is_taking_turns(self, model: Any) -> bool:
+    def is_taking_turns(self, model: Policy) -> bool:
         """Whether ``model`` leaves the device between its turns (``take_turns``)."""
         return any(m is model for m in self.offloaded_when_idle)
 
-    def trained_models(self) -> dict[str, Any]:
+    def trained_models(self) -> dict[str, Policy]:
         """What a checkpoint holds besides the policy: the models trained beside it."""
         return {"critic": self.critic} if self.critic is not None else {}
 
@@ -129,7 +142,7 @@ class Run:
 
 
 def setup_run(
-    config: Any,
+    config: ConfigT,
     *,
     name: str,
     seed: int,
@@ -143,7 +156,7 @@ def setup_run(
     max_steps: int | None = None,
     max_epochs: int = 1,
     val_period: int = 0,
-) -> Run:
+) -> Run[ConfigT]:
     """Build a run of algorithm ``name`` from its validated ``config``.
 
     ``config`` has ``tokenizer``, ``data``, ``cluster`` and ``logger`` sections, and
@@ -225,7 +238,7 @@ def setup_run(
         val_period=val_period,
     )
 
-    def placed(plan: GeneratorPlan | ModelPlan, role: str) -> Any:
+    def placed(plan: GeneratorPlan | ModelPlan, role: str) -> RayVirtualCluster:
         """The cluster an actor runs on: the main one (the policy's, shared in turns, or the
         only actor's), or one of its own."""
         if plan.colocated or policy is None:

@@ -18,6 +18,7 @@ _WHERE = {
     "CodeEnvironment": "rl_envs.code.env",
     "EnvironmentInterface": "rl_envs.interfaces",
     "EnvironmentReturn": "rl_envs.interfaces",
+    "EnvironmentStep": "rl_envs.interfaces",
     "MathEnvConfig": "rl_envs.math_env",
     "MathEnvironment": "rl_envs.math_env",
     "Outcome": "rl_envs.pool",

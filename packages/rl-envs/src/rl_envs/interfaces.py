@@ -8,12 +8,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import ray
 import torch
 
 from rl_data.types import Message, MessageLog
+
+
+@dataclass(frozen=True)
+class EnvironmentStep:
+    """One sample's share of an ``EnvironmentReturn``."""
+
+    observation: Message  # the environment's reply, appended to the conversation
+    metadata: dict[str, Any] | None  # passed back in on the next step (multi-turn state)
+    next_stop_strings: list[str] | None  # for the next generation; None: the default
+    reward: float
+    terminated: bool  # the episode is over
+    answer: str | None  # what was extracted from the response and scored, for logging
 
 
 class EnvironmentReturn(NamedTuple):
@@ -25,6 +38,16 @@ class EnvironmentReturn(NamedTuple):
     rewards: torch.Tensor  # float32 [B]
     terminateds: torch.Tensor  # bool [B]: the episode is over
     answers: list[str | None]  # what was extracted from the response and scored, for logging
+
+    def steps(self) -> list[EnvironmentStep]:
+        """Each sample's step, in the batch's order."""
+        lengths = {name: len(value) for name, value in self._asdict().items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"an EnvironmentReturn's fields differ in length: {lengths}")
+        return [
+            EnvironmentStep(obs, meta, stops, float(reward), bool(done), answer)
+            for obs, meta, stops, reward, done, answer in zip(*self, strict=True)
+        ]
 
 
 class EnvironmentInterface(ABC):

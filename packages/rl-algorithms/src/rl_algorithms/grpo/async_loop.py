@@ -47,7 +47,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rl_algorithms.grpo.collector import CollectorClient, CollectorError
+from rl_algorithms.grpo.collector import CollectorClient, CollectorError, CollectorReply
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer, TrajectoryGroup
 from rl_algorithms.grpo.steps import (
     refit_if_stale,
@@ -96,7 +96,7 @@ class Trajectories:
         self.collector = collector
         self.max_wait = max_wait
         self.consumed = 0  # groups trained on or dropped, as the collector counts them
-        self.last_reply: dict[str, Any] = {}
+        self.last_reply: CollectorReply | None = None  # the collector's latest, see ``pull``
 
     @classmethod
     def start(cls, run: Run) -> Trajectories:
@@ -112,7 +112,7 @@ class Trajectories:
     def pull(self, timeout: float) -> None:
         stale = [(group.prompt, group.requeues) for group in self.buffer.pop_stale()]
         self.last_reply = self.collector.take(self.consumed, timeout, stale)
-        self.buffer.add(self.last_reply["groups"])
+        self.buffer.add(self.last_reply.groups)
 
     def take(self, n: int, step: int) -> tuple[list[TrajectoryGroup], float]:
         """``n`` groups young enough for ``step``, and the seconds spent waiting for them."""
@@ -136,7 +136,7 @@ class Trajectories:
 
     def state_dict(self) -> dict[str, Any]:
         self.pull(timeout=0)  # what finished is saved rather than generated again
-        return {"buffer": self.buffer.state_dict(), "collector": self.collector.call("state_dict")}
+        return {"buffer": self.buffer.state_dict(), "collector": self.collector.state_dict()}
 
 
 def refit_generator(run: Run, trajectories: Trajectories) -> dict[str, float]:
@@ -145,14 +145,14 @@ def refit_generator(run: Run, trajectories: Trajectories) -> dict[str, float]:
     if a.in_flight_weight_updates:
         return refit_if_stale(run)
     collector = trajectories.collector
-    drained = collector.call("drain", a.max_group_seconds + 30, timeout=a.max_group_seconds + 90)
+    drained = collector.drain(a.max_group_seconds + 30)
     if not drained:
         trajectories.pull(timeout=0)  # raises the collector's own error, if it has one
         raise CollectorError(f"the {collector.describe()} did not drain its running groups")
     try:
         return refit_if_stale(run)
     finally:
-        collector.call("resume")
+        collector.resume()
 
 
 def validate_paused(run: Run, trajectories: Trajectories) -> dict[str, float]:
@@ -165,9 +165,7 @@ def validate_paused(run: Run, trajectories: Trajectories) -> dict[str, float]:
         return {}
     a = run.config.grpo.async_grpo
     collector = trajectories.collector
-    paused = collector.call(
-        "drain", a.max_group_seconds + 30, True, timeout=a.max_group_seconds + 90
-    )
+    paused = collector.drain(a.max_group_seconds + 30, scoring=True)
     try:
         if not paused:
             trajectories.pull(timeout=0)  # raises the collector's own error, if it has one
@@ -175,7 +173,7 @@ def validate_paused(run: Run, trajectories: Trajectories) -> dict[str, float]:
         take_environment_counts(run.envs)
         return validate(run)
     finally:
-        collector.call("resume")
+        collector.resume()
 
 
 def trajectory_metrics(
@@ -230,7 +228,8 @@ def async_grpo_train(run: Run) -> dict[str, float]:
             buffer.record_step(run.step, run.policy.weight_version)
 
             reply = trajectories.last_reply
-            generator_idle = reply.get("generator_idle_seconds", idle_before)
+            assert reply is not None  # ``take`` pulls from the collector before it returns
+            generator_idle = reply.generator_idle_seconds
             lengths = [response_length(log) for log in result.message_logs]
             last = {
                 **step_metrics,
@@ -242,9 +241,9 @@ def async_grpo_train(run: Run) -> dict[str, float]:
                 "buffer_size": float(len(buffer)),
                 "dropped_groups": float(buffer.dropped_groups),
                 "dropped_samples": float(buffer.dropped_samples),
-                "requeued_groups": float(reply.get("requeued_groups", 0)),
-                "aborted_groups": float(reply.get("aborted_groups", 0)),
-                "stale_requeued_groups": float(reply.get("stale_requeued_groups", 0)),
+                "requeued_groups": float(reply.requeued_groups),
+                "aborted_groups": float(reply.aborted_groups),
+                "stale_requeued_groups": float(reply.stale_requeued_groups),
                 "trainer_idle_seconds": trainer_idle,
                 "generator_idle_seconds": generator_idle - idle_before,
             }

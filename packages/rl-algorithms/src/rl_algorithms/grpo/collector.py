@@ -68,6 +68,22 @@ def describe_prompt(prompt: BatchedDataDict) -> str:
     return f"prompt idx={idx} {text!r}" if idx is not None else f"prompt {text!r}"
 
 
+@dataclass(frozen=True)
+class CollectorReply:
+    """What ``take`` answers: the groups scored since the last call, and the collector's state."""
+
+    groups: list[TrajectoryGroup]
+    error: str | None  # why the collector stopped (an exception with its traceback)
+    exhausted: bool  # no prompt left and none generating, none handed over in this reply
+    requeued_groups: int  # hung groups cancelled and generated again, so far
+    aborted_groups: int  # groups vLLM aborted on its own, generated again
+    stale_requeued_groups: int  # groups the trainer dropped as too stale, generated again
+    generator_idle_seconds: float  # in all, with no group generating
+    groups_running: int  # generating or being scored
+    heartbeat_age_seconds: float  # since the loop last came round
+    doing: str  # what the loop is waiting on, for a stall report
+
+
 @dataclass
 class _Group:
     prompt: BatchedDataDict  # one row
@@ -151,7 +167,7 @@ class TrajectoryCollector:
         consumed: int,
         timeout: float,
         stale: list[tuple[BatchedDataDict, int]] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CollectorReply:
         """Scored groups since the last call (waits up to ``timeout`` s for one) and the
         collector's state. ``consumed``: groups the trainer has used or dropped in all;
         ``stale``: the prompts (and their re-queue counts) of groups it dropped as too old,
@@ -166,18 +182,18 @@ class TrajectoryCollector:
             if not self.finished and self.error is None and not self._exhausted():
                 self.cond.wait(timeout)
             groups, self.finished = self.finished, []
-            return {
-                "groups": groups,
-                "error": self.error,
-                "exhausted": self._exhausted() and not groups,
-                "requeued_groups": self.requeued,
-                "aborted_groups": self.aborted,
-                "stale_requeued_groups": self.stale_requeued,
-                "generator_idle_seconds": self.generator_idle_seconds,
-                "groups_running": len(self.groups),
-                "heartbeat_age_seconds": time.monotonic() - self.heartbeat,
-                "doing": self.doing,
-            }
+            return CollectorReply(
+                groups=groups,
+                error=self.error,
+                exhausted=self._exhausted() and not groups,
+                requeued_groups=self.requeued,
+                aborted_groups=self.aborted,
+                stale_requeued_groups=self.stale_requeued,
+                generator_idle_seconds=self.generator_idle_seconds,
+                groups_running=len(self.groups),
+                heartbeat_age_seconds=time.monotonic() - self.heartbeat,
+                doing=self.doing,
+            )
 
     def drain(self, timeout: float, scoring: bool = False) -> bool:
         """Stop submitting and wait until no group is generating or being submitted (a refit
@@ -445,8 +461,8 @@ class CollectorError(RuntimeError):
 
 class CollectorClient:
     """The trainer's side: starts the collector as a named Ray actor (no CPU of its own: it
-    waits on the engines and environments) and turns every way it can fail into a
-    ``CollectorError`` naming it and the cause, within seconds."""
+    waits on the engines and environments), with one method per remote call, and turns every
+    way it can fail into a ``CollectorError`` naming it and the cause, within seconds."""
 
     def __init__(self, name: str, *args: Any, **kwargs: Any) -> None:
         actor = ray.remote(TrajectoryCollector).options(
@@ -455,13 +471,13 @@ class CollectorClient:
         self.name = name
         self.heartbeat_timeout = kwargs.get("engine_call_seconds", 300.0) + HEARTBEAT_GRACE_SECONDS
         self.actor = actor.remote(*args, **kwargs)
-        self.pid = self.call("pid", timeout=300)
+        self.pid: int = self._wait(self.actor.pid.remote(), "pid", timeout=300)
 
     def describe(self) -> str:
         return f"trajectory collector (Ray actor {self.name!r}, pid {getattr(self, 'pid', '?')})"
 
-    def call(self, method: str, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
-        ref = getattr(self.actor, method).remote(*args, **kwargs)
+    def _wait(self, ref: ray.ObjectRef, method: str, timeout: float) -> Any:
+        """The answer of a remote call of ``method``, waited for up to ``timeout`` s."""
         try:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayActorError as err:
@@ -476,21 +492,36 @@ class CollectorClient:
         consumed: int,
         timeout: float = 1.0,
         stale: list[tuple[BatchedDataDict, int]] | None = None,
-    ) -> dict[str, Any]:
-        reply = self.call("take", consumed, timeout, stale, timeout=timeout + 60)
-        if reply["error"] is not None:
-            raise CollectorError(f"the {self.describe()} stopped: {reply['error']}")
-        if reply["heartbeat_age_seconds"] > self.heartbeat_timeout:
+    ) -> CollectorReply:
+        """``TrajectoryCollector.take``; its error, a stalled loop, or the end of its prompts
+        raise here."""
+        reply: CollectorReply = self._wait(
+            self.actor.take.remote(consumed, timeout, stale), "take", timeout + 60
+        )
+        if reply.error is not None:
+            raise CollectorError(f"the {self.describe()} stopped: {reply.error}")
+        if reply.heartbeat_age_seconds > self.heartbeat_timeout:
             raise CollectorError(
                 f"the {self.describe()} is stalled: its loop has not come round for "
-                f"{reply['heartbeat_age_seconds']:.0f} s (waiting on {reply['doing']})"
+                f"{reply.heartbeat_age_seconds:.0f} s (waiting on {reply.doing})"
             )
-        if reply["exhausted"]:
+        if reply.exhausted:
             raise CollectorError(
                 f"the {self.describe()} ran out of prompts (data.train, grpo.max_num_epochs) "
                 "before the trainer had enough groups for its next step"
             )
         return reply
+
+    def drain(self, timeout: float, scoring: bool = False) -> bool:
+        """``TrajectoryCollector.drain`` (the call waits a minute longer than the drain)."""
+        return self._wait(self.actor.drain.remote(timeout, scoring), "drain", timeout + 60)
+
+    def resume(self) -> None:
+        self._wait(self.actor.resume.remote(), "resume", timeout=60)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``TrajectoryCollector.state_dict``: the loader's position and the pending prompts."""
+        return self._wait(self.actor.state_dict.remote(), "state_dict", timeout=60)
 
     def stop(self) -> None:
         # Already dead or stuck: the kill below is what counts.

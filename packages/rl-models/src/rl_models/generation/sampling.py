@@ -16,6 +16,10 @@ temperature`` computes, so on-policy importance ratios are 1; with ``top_k``/``t
 higher than the policy's value by ``-log`` of the kept probability mass. Greedy decoding takes
 the argmax and reports its log-prob under the model's own distribution (temperature 1, no
 truncation), as vLLM does for greedy requests.
+
+Decoding steps go through a ``Decoder``, chosen once per call by ``start_decoding``: the lean
+static-KV decoder (``static_decode.py``) where it mirrors the model, else the model's own
+forward over a Hugging Face KV cache (``ForwardDecoder``). Both compute the same logits.
 """
 
 from __future__ import annotations
@@ -23,16 +27,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
 from rl_models.generation.config import SamplingConfig
-from rl_models.generation.static_decode import (
-    StaticKVDecoder,
-    prefill_logits,
-    unsupported_reason,
-)
+from rl_models.generation.static_decode import StaticKVDecoder, unsupported_reason
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
@@ -160,8 +161,87 @@ class Samples:
     truncated: torch.Tensor  # [B] bool
 
 
+class Decoder(Protocol):
+    """Decoding steps from the KV cache of a batch of prompts (``start_decoding`` makes one)."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """These rows (indices into the current batch; one may repeat, to copy a shared
+        prompt's cache) decode from now on."""
+        ...
+
+    def __call__(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``[B, V]`` of the next token after ``tokens [B]``: ``attention_mask [B, T]``
+        covers every cached token and this one (1: attend), ``positions [B, 1]`` are the
+        tokens' positions."""
+        ...
+
+
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+class ForwardDecoder:
+    """Decoding steps by the model's own forward, its keys and values in a ``DynamicCache``:
+    a ``Decoder`` for any causal LM, started by ``prefill``."""
+
+    def __init__(self, model: torch.nn.Module, cache: DynamicCache) -> None:
+        self.model, self.cache = model, cache
+
+    @classmethod
+    def prefill(
+        cls,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, ForwardDecoder]:
+        """The logits ``[B, V]`` at the last position of left-padded prompts, and the decoder
+        of the steps after them."""
+        cache = DynamicCache(config=model.config)
+        # The prompt's last position is the only one sampled from: asking for its logits alone
+        # spares the LM head [batch, width, vocab] (the largest matmul of a small model's
+        # prefill).
+        last_only = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            **last_only,
+        ).logits[:, -1]
+        return logits, cls(model, cache)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.cache.reorder_cache(rows)
+
+    def __call__(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        return self.model(
+            input_ids=tokens[:, None],
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+        ).logits[:, -1]
+
+
+def start_decoding(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    new_tokens: int,
+    static_kv: bool,
+) -> tuple[torch.Tensor, Decoder]:
+    """The logits ``[B, V]`` at the last position of left-padded prompts, and the decoder of up
+    to ``new_tokens`` steps after them: with ``static_kv``, the lean decoder where it mirrors
+    the model (after a prefill by the model's own decoder stack); else the model's forward
+    throughout."""
+    if static_kv and unsupported_reason(model) is None:
+        return StaticKVDecoder.prefill(model, input_ids, attention_mask, position_ids, new_tokens)
+    return ForwardDecoder.prefill(model, input_ids, attention_mask, position_ids)
 
 
 def _distinct_prompts(
@@ -225,32 +305,12 @@ def sample(
         mask[k, width - n :] = 1
     left, mask = left.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    # Decoding steps by the lean decoder where it mirrors the model (static_decode.py), after
-    # a prefill by the model's own decoder stack; else the model's forward throughout.
-    decoder = None
-    if static_kv and unsupported_reason(model) is None:
-        logits = prefill_logits(model, left, mask, positions, cache)
-        decoder = StaticKVDecoder(model, cache, sampling.max_new_tokens)
-        del cache  # the decoder holds its own copy of the prefill's keys and values
-    else:
-        # The prompt's last position is the only one sampled from: asking for its logits alone
-        # spares the LM head [batch, width, vocab] (the largest matmul of a small model's
-        # prefill).
-        last_only = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
-        logits = model(
-            input_ids=left,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            **last_only,
-        ).logits[:, -1]
+    logits, decoder = start_decoding(
+        model, left, mask, positions, sampling.max_new_tokens, static_kv
+    )
     if len(firsts) < batch:  # one copy of its prompt's cache per row
         expand = torch.tensor(row_of, device=device)
-        if decoder is not None:
-            decoder.select_rows(expand)
-        else:
-            cache.reorder_cache(expand)
+        decoder.select_rows(expand)
         logits, mask, positions = logits[expand], mask[expand], positions[expand]
     next_position = positions[:, -1:] + 1
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
@@ -290,10 +350,7 @@ def sample(
         still = ~done[rows]
         if int(still.sum()) <= 3 * len(rows) // 4:
             keep = still.nonzero().flatten()
-            if decoder is not None:
-                decoder.select_rows(keep)
-            else:
-                cache.reorder_cache(keep)
+            decoder.select_rows(keep)
             rows, tokens, mask, next_position = (
                 rows[keep],
                 tokens[keep],
@@ -301,15 +358,7 @@ def sample(
                 next_position[keep],
             )
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=device)], dim=1)
-        if decoder is not None:
-            logits = decoder(tokens, mask, next_position)
-        else:
-            logits = model(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=next_position,
-                past_key_values=cache,
-            ).logits[:, -1]
+        logits = decoder(tokens, mask, next_position)
         next_position = next_position + 1
 
     generated = generated[:, :steps].cpu()

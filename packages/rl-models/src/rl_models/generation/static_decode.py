@@ -80,28 +80,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def prefill_logits(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    cache: DynamicCache,
-) -> torch.Tensor:
-    """The logits ``[B, V]`` at the last position of left-padded prompts, their keys and values
-    written to ``cache``: the model's own decoder stack, then its output layer on the last
-    hidden state only. (Through ``logits_to_keep``, the output layer meets a strided ``[B, 1,
-    H]`` slice, which torch multiplies as a batched matmul against ``B`` copies of the weight:
-    ~0.4 s for a 50k vocabulary on a CPU, against ~2 ms here.)"""
-    hidden = model.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-    ).last_hidden_state
-    return model.lm_head(hidden[:, -1].contiguous())
-
-
 #: The KV cache's first room for new tokens (it doubles when full).
 GROWTH_TOKENS = 256
 
@@ -136,7 +114,8 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
 
 class StaticKVDecoder:
     """Decoding steps of ``model`` (``unsupported_reason(model)`` must be None) from the KV
-    cache a prefill of the Hugging Face forward filled, with room for ``new_tokens`` more."""
+    cache a prefill of the Hugging Face forward filled, with room for ``new_tokens`` more: a
+    ``rl_models.generation.sampling.Decoder``, started by ``prefill``."""
 
     def __init__(self, model: torch.nn.Module, cache: DynamicCache, new_tokens: int) -> None:
         inner = model.model
@@ -182,6 +161,33 @@ class StaticKVDecoder:
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             self.keys[i, :, :, : self.length] = k
             self.values[i, :, :, : self.length] = v
+
+    @classmethod
+    def prefill(
+        cls,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        new_tokens: int,
+    ) -> tuple[torch.Tensor, StaticKVDecoder]:
+        """The logits ``[B, V]`` at the last position of left-padded prompts, and the decoder of
+        up to ``new_tokens`` steps after them. The prompts run through the model's own decoder
+        stack (their keys and values go to the decoder's cache), then its output layer on the
+        last hidden state only. (Through ``logits_to_keep``, the output layer meets a strided
+        ``[B, 1, H]`` slice, which torch multiplies as a batched matmul against ``B`` copies of
+        the weight: ~0.4 s for a 50k vocabulary on a CPU, against ~2 ms here.)"""
+        cache = DynamicCache(config=model.config)
+        hidden = model.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        logits = model.lm_head(hidden[:, -1].contiguous())
+        # The decoder copies the prefill's keys and values into its own buffers.
+        return logits, cls(model, cache, new_tokens)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """These rows (indices into the current batch; one may repeat, to copy a shared
