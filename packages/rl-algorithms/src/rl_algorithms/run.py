@@ -22,6 +22,7 @@ from rl_algorithms.config import RunConfig, set_seed
 from rl_algorithms.environments import required_metadata, stop_environments
 from rl_algorithms.utils.checkpoint import CheckpointManager
 from rl_algorithms.utils.logger import Logger
+from rl_data.batch import TrainBatch
 from rl_data.loader import StatefulDataLoader
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import GenerationConfig
@@ -50,7 +51,8 @@ class DataPlan:
     (``prompt``, ``sft``, ``preference``), how samples are collated, and batch sizes."""
 
     processor: str
-    collate: Callable[..., BatchedDataDict]  # called with pad_token_id=...
+    # Called with pad_token_id=...: a TrainBatch (SFT, DPO, RM) or RL prompts.
+    collate: Callable[..., TrainBatch | BatchedDataDict]
     batch_size: int  # samples per train step
     val_batch_size: int
     shuffle: bool = True
@@ -104,10 +106,11 @@ class Run(Generic[ConfigT]):
     offloaded_when_idle: list[Policy] = field(default_factory=list)
     step: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # algorithm state saved with checkpoints
-    _batches: Iterator[BatchedDataDict] | None = None
+    _batches: Iterator[TrainBatch | BatchedDataDict] | None = None
 
-    def next_batch(self) -> BatchedDataDict:
-        """The next training batch, going on into the next epoch when one ends."""
+    def next_batch(self) -> TrainBatch | BatchedDataDict:
+        """The next batch of the training data (a ``TrainBatch`` of SFT, DPO or RM samples, or RL
+        prompts), going on into the next epoch when one ends."""
         if self._batches is not None:
             batch = next(self._batches, None)
             if batch is not None:
