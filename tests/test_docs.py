@@ -126,6 +126,8 @@ def test_the_reference_has_a_page_per_command_of_the_rl_command(reference):
     # a key of one form of a union, and an environment kind's own config
     assert "| `data.train.columns`<br>*(source: chat_file)* | `dict[str, str]` | `{}` |" in grpo
     assert "### `kind: sliding_puzzle`" in grpo
+    # a key of one backend's config, labelled with it
+    assert "| `generation.vllm.max_model_len`<br>*(backend: vllm)* | `int` | `1024` |" in grpo
 
 
 def test_every_key_of_every_command_has_a_description(reference):

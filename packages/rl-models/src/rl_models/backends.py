@@ -21,6 +21,7 @@ config written before the switch of backend still loads.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import types
@@ -252,7 +253,7 @@ def _combined(extension: type[BackendConfig], config: type[BackendConfig]) -> ty
         "__module__": extension.__module__,
         "__qualname__": f"{extension.__qualname__}[{config.model_fields['backend'].default}]",
         "__annotations__": {name: config.model_fields[name].annotation for name in own},
-        **{name: config.model_fields[name] for name in own},
+        **{name: copy.copy(config.model_fields[name]) for name in own},
         "__reduce__": _reduce_combined,
     }
     return types.new_class(

@@ -202,15 +202,17 @@ def config_keys(
         if nested is not None:
             out += _section_keys(nested, value, f"{key}.", variant)
             continue
-        if isinstance(recipe, Mapping) and name in recipe:
+        members = models_in(field.annotation)
+        is_dict = typing.get_origin(unwrap(field.annotation)) is dict
+        default = None if field.is_required() else field.get_default(call_default_factory=True)
+        if members and not is_dict and isinstance(default, BaseModel):
+            pass  # a section of several forms: its default form (the recipe's keys follow)
+        elif isinstance(recipe, Mapping) and name in recipe:
             default = REQUIRED if value == "???" else value
         elif field.is_required():
             default = REQUIRED
-        else:
-            default = field.get_default(call_default_factory=True)
         out.append(Key(key, field.annotation, default, field_description(model, name), variant))
-        members = models_in(field.annotation)
-        if members and typing.get_origin(unwrap(field.annotation)) is dict:
+        if members and is_dict:
             for member in members:  # a mapping of named sections (e.g. env.<task>)
                 out += config_keys(member, None, f"{key}.<name>.", variant)
             continue
