@@ -5,30 +5,27 @@ It is an mkdocs hook (``hooks:`` in mkdocs.yml): ``on_config`` lists one page pe
 ``rl_algorithms.cli.ALGORITHMS`` under "Config reference" in the nav, and ``on_files`` adds the
 pages, so a new command or key appears without anyone writing a page, and no page can go stale.
 
-Descriptions come from the source of the config classes, the way their authors write them:
-``Field(description=...)`` if given, else the ``#`` comment lines just above the field, else the
-comment at the end of its line; a field a subclass redeclares without a comment keeps its
-parent's. ``uv run python docs/config_reference.py OUT_DIR`` writes the pages to a folder, and
-``tests/test_docs.py`` fails on a key without a description (bar the few listed there).
+Keys, defaults and descriptions come from ``rl_distributed.config.config_keys``, which
+``rl <cmd> --help`` prints too: a key's description is the one on its field
+(``Field(description=...)`` or the comment above it). ``uv run python docs/config_reference.py
+OUT_DIR`` writes the pages to a folder, and ``tests/test_docs.py`` fails on a key without a
+description.
 """
 
 from __future__ import annotations
 
-import ast
-import functools
 import inspect
-import io
 import json
 import re
 import sys
-import textwrap
-import tokenize
-import types
 import typing
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel
+
+from rl_distributed.config import REQUIRED, config_keys
+from rl_distributed.config._describe import models_in, unwrap
 
 PAGE_DIR = "reference/config"  # under docs/
 NAV_TITLE = "Config reference"
@@ -44,116 +41,8 @@ class Key(NamedTuple):
     variant: str = ""
 
 
-# -- descriptions, read from the source --------------------------------------------------------
-
-
-@functools.cache
-def _source_descriptions(cls: type) -> dict[str, str]:
-    """``{field: its comment}`` for the fields ``cls`` itself declares, from its source."""
-    try:
-        lines, _ = inspect.getsourcelines(cls)
-    except (OSError, TypeError):
-        return {}
-    source = textwrap.dedent("".join(lines))
-    comments: dict[int, str] = {}  # line number (1-based, in `source`) -> comment text
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
-    text_lines = source.splitlines()
-    (class_node,) = ast.parse(source).body
-    out: dict[str, str] = {}
-    for node in class_node.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        above = []
-        line = node.lineno - 1
-        while line >= 1 and text_lines[line - 1].strip().startswith("#"):
-            above.insert(0, comments[line])
-            line -= 1
-        inline = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-        text = " ".join(above) or " ".join(inline)
-        text = re.sub(r"\s+", " ", text).strip()
-        if text and not text.startswith(("fmt:", "noqa", "type:")):
-            out[node.target.id] = text
-    return out
-
-
-SUPPLEMENT = Path(__file__).with_name("config_descriptions.yaml")
-
-
-@functools.cache
-def supplement() -> dict[str, dict[str, str]]:
-    """``{"module:Class": {field: description}}`` for fields whose source says nothing."""
-    import yaml
-
-    return yaml.safe_load(SUPPLEMENT.read_text()) or {}
-
-
-def class_id(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def declaring_classes(model: type[BaseModel], name: str) -> list[type]:
-    """The classes of ``model``'s MRO that declare ``name``, the subclass first."""
-    return [c for c in model.__mro__ if name in vars(c).get("__annotations__", {})]
-
-
-def source_description(model: type[BaseModel], name: str) -> str:
-    """What the source says about ``model.name``: ``Field(description=...)`` or comments."""
-    given = model.model_fields[name].description
-    if given:
-        return " ".join(given.split())
-    for cls in declaring_classes(model, name):
-        found = _source_descriptions(cls).get(name)
-        if found:
-            return found
-    return ""
-
-
-def field_description(model: type[BaseModel], name: str) -> str:
-    """The description of ``model.name``: the source's, else config_descriptions.yaml's
-    (empty if neither says anything)."""
-    found = source_description(model, name)
-    for cls in declaring_classes(model, name):
-        found = found or supplement().get(class_id(cls), {}).get(name, "")
-    return found
-
-
-# -- types and defaults ----------------------------------------------------------------------
-
-
-def _unwrap(annotation: Any) -> Any:
-    while typing.get_origin(annotation) is typing.Annotated:
-        annotation = typing.get_args(annotation)[0]
-    return annotation
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    """The pydantic models an annotation can hold (directly, in a union, a list or a dict)."""
-    annotation = _unwrap(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    found: list[type[BaseModel]] = []
-    for arg in typing.get_args(annotation):
-        for model in _models_in(arg):
-            if model not in found:
-                found.append(model)
-    return found
-
-
-def _is_single_model(annotation: Any) -> bool:
-    """``Model`` or ``Model | None``: a nested section whose keys are listed one by one."""
-    annotation = _unwrap(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return len(args) == 1 and _is_single_model(args[0])
-    return False
-
-
 def type_name(annotation: Any) -> str:
-    annotation = _unwrap(annotation)
+    annotation = unwrap(annotation)
     if isinstance(annotation, type) and not typing.get_args(annotation):
         return annotation.__name__
     text = repr(annotation).replace("typing.", "")
@@ -164,61 +53,18 @@ def type_name(annotation: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    if value == "???":
-        return "required"
-    return json.dumps(value, default=str)
+    if isinstance(value, BaseModel):  # a section of several forms: its keys follow
+        return type(value).__name__
+    return REQUIRED if value is REQUIRED else json.dumps(value, default=str)
 
 
-def _variant_label(model: type[BaseModel]) -> str:
-    """``source: chat_file`` for a member of a union told apart by a one-value Literal."""
-    for name, field in model.model_fields.items():
-        annotation = _unwrap(field.annotation)
-        if (
-            typing.get_origin(annotation) is typing.Literal
-            and len(typing.get_args(annotation)) == 1
-        ):
-            return f"{name}: {typing.get_args(annotation)[0]}"
-    return model.__name__
-
-
-def model_keys(
-    model: type[BaseModel], recipe: Any = None, prefix: str = "", variant: str = ""
-) -> list[Key]:
-    """The keys of ``model`` (nested sections flattened to dotted keys), with defaults from
-    ``recipe`` where it sets them, else from the model."""
-    out: list[Key] = []
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
-        in_recipe = isinstance(recipe, dict) and name in recipe
-        value = recipe.get(name) if isinstance(recipe, dict) else None
-        if _is_single_model(field.annotation):
-            (nested,) = _models_in(field.annotation)
-            out += model_keys(nested, value, f"{key}.", variant)
-            continue
-        if in_recipe:
-            default = _show(value)
-        elif field.is_required():
-            default = "required"
-        else:
-            default = _show(field.get_default(call_default_factory=True))
-        out.append(
-            Key(key, type_name(field.annotation), default, field_description(model, name), variant)
-        )
-        members = _models_in(field.annotation)
-        annotation = _unwrap(field.annotation)
-        if members and typing.get_origin(annotation) is dict:
-            for member in members:  # a mapping of named sections (e.g. env.<task>)
-                out += model_keys(member, None, f"{key}.<name>.", variant)
-        else:
-            for member in members:  # one form of a union (e.g. data.train by its source)
-                label = _variant_label(member)
-                chosen = value if isinstance(value, dict) else None
-                if chosen is not None and label != member.__name__:
-                    tag, _, tag_value = label.partition(": ")
-                    if str(chosen.get(tag)) != tag_value:
-                        chosen = None
-                out += model_keys(member, chosen, f"{key}.", label)
-    return out
+def model_keys(model: type[BaseModel], recipe: Any = None, prefix: str = "") -> list[Key]:
+    """The rows of ``model``'s keys: dotted key, type, default (the recipe's where it sets one)
+    and description, as ``rl_distributed.config.config_keys`` lists them."""
+    return [
+        Key(k.key, type_name(k.annotation), _show(k.default), k.description, k.variant)
+        for k in config_keys(model, recipe, prefix)
+    ]
 
 
 # -- pages --------------------------------------------------------------------------------------
@@ -300,7 +146,7 @@ def command_page(command: str, summary: str) -> str:
         sections.setdefault(k.key.split(".")[0], []).append(k)
     for section, rows in sections.items():
         field = algorithm.MasterConfig.model_fields[section]
-        (model,) = _models_in(field.annotation)[:1] or [None]
+        (model,) = models_in(field.annotation)[:1] or [None]
         doc = inspect.getdoc(model) if model is not None and model.__doc__ else ""
         lines += ["", f"## `{section}`", ""]
         if doc and model is not BaseModel:

@@ -147,3 +147,26 @@ def test_a_bad_environment_config_fails_with_the_config(override, expected, caps
     argv = ["grpo", "--config", recipe, "tokenizer.path=tok", override, "--print-config"]
     assert cli.main(argv) == cli.CONFIG_ERROR_EXIT
     assert expected in capsys.readouterr().err
+
+
+def test_print_config_commented_describes_each_key_and_reads_back_the_same(capsys):
+    import yaml
+
+    argv = [
+        "sft",
+        "--print-config",
+        "tokenizer.path=tok",
+        "+policy.model.hf_config={model_type: llama}",
+        "+data.train={source: arithmetic, size: 4}",
+    ]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    plain = capsys.readouterr().out
+    assert cli.main([*argv, "--commented"]) == 0, capsys.readouterr().err
+    commented = capsys.readouterr().out
+    assert yaml.safe_load(commented) == yaml.safe_load(plain)
+    lines = commented.splitlines()
+    # the description on a field, above its key; a data source's own, by the source given
+    at = lines.index("  train_global_batch_size: 8")
+    assert lines[at - 1] == "  # Samples per optimiser step, across all data-parallel ranks."
+    at = lines.index("    size: 4")
+    assert lines[at - 1] == "    # Number of questions generated."

@@ -4,10 +4,11 @@ Every algorithm builds its actors here and nowhere else, so a new algorithm (or 
 kind: a critic, a teacher) adds a factory, not a copy of another algorithm's setup:
 
 - ``start_cluster``: the Ray virtual cluster the worker groups are placed on;
-- ``make_policy``: a trained model (``rl_models.Policy``: FSDP2 or Megatron by
-  ``policy.backend``). The reference policy of the KL penalty and DPO is a frozen copy held by
+- ``make_policy``: a trained model (``rl_models.Policy``: its workers those of the backend
+  ``policy.backend`` names). The reference policy of the KL penalty and DPO is a frozen copy held by
   the same workers (``policy.reference_policy``), so it has no actor of its own;
-- ``make_generator``: a sampler (``generation.backend``: ``hf`` or ``vllm``);
+- ``make_generator``: a sampler, the controller of the backend ``generation.backend`` names
+  (``hf``, ``vllm``, or any registered one: ``rl_models.backends``);
 - ``make_critic``: a value model trained beside the policy (PPO): a ``Policy`` whose model is
   ``model.kind: value``, with its own optimiser, micro-batching and checkpoint;
 - ``make_teacher``: a frozen model that scores the policy's samples (distillation): a
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rl_algorithms.config import ClusterConfig
+from rl_algorithms.config import ClusterConfig, import_path
 from rl_algorithms.environments import start_environments
 from rl_models.generation.config import GenerationConfig
 from rl_models.policy.config import ModelConfig, PolicyConfig
@@ -35,13 +36,6 @@ __all__ = [
     "start_cluster",
     "start_environments",
 ]
-
-# generation.backend -> the controller class that runs it (imported only when chosen: the
-# vLLM backend's module needs the vllm extra's dependencies on the driver).
-GENERATORS = {
-    "hf": ("rl_models.generation.hf_generation", "HfGeneration"),
-    "vllm": ("rl_models.generation.vllm", "VllmGeneration"),
-}
 
 
 def start_cluster(
@@ -91,16 +85,18 @@ def make_teacher(cluster: Any, config: PolicyConfig, name: str) -> Any:
 def make_generator(
     cluster: Any, config: GenerationConfig, model: ModelConfig | None, name: str
 ) -> Any:
-    """The generator ``config.backend`` names, sampling from ``model`` on ``cluster``."""
-    import importlib
+    """The generator ``config.backend`` names, sampling from ``model`` on ``cluster``: the
+    controller its registration names (imported only now: a backend's module may need
+    dependencies of its own on the driver)."""
+    from rl_distributed.venvs import registry as python_envs
 
-    module_name, class_name = GENERATORS[config.backend]
+    backend = config.registry.get(config.backend)
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
+        controller = import_path(backend.implementation, "generation.backend")
+    except ValueError as e:
+        extras = python_envs.get(backend.env_name).extras
         raise RuntimeError(
-            f"generation.backend: {config.backend}, but its module {module_name} cannot be "
-            f"imported ({e}); use generation.backend: hf or install rl-models with the "
-            f"{config.backend} extra"
+            f"{e}; use generation.backend: hf, or install rl-models with the "
+            f"{' and '.join(extras) or config.backend} extra"
         ) from e
-    return getattr(module, class_name)(cluster, config, model=model, name_prefix=name)
+    return controller(cluster, config, model=model, name_prefix=name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Sequence
@@ -40,8 +41,9 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
 CONFIG_ERROR_EXIT = 2
 
 USAGE = """usage: rl ALGORITHM [--config FILE] [key=value ...]
-       rl ALGORITHM --help         the config keys of ALGORITHM, with their defaults
+       rl ALGORITHM --help         the config keys of ALGORITHM: defaults, descriptions
        rl ALGORITHM --print-config  the resolved, validated config; nothing runs
+       rl ALGORITHM --print-config --commented  the same, each key's description above it
        rl convert-config NEMO.yaml [-o OURS.yaml]  a NeMo RL recipe as a native one
 A NeMo RL recipe given to --config is translated (see docs/nemo-rl.md)."""
 
@@ -78,7 +80,9 @@ def build_config(
         if nemo is not None:
             nemo.append(translation)
     elif path is not None:
-        cfg = OmegaConf.merge(cfg, load_config(path))
+        layer = load_config(path)
+        cfg = OmegaConf.merge(_replaced_by(cfg, layer, []), layer)
+    cfg = _replaced_by(cfg, None, overrides)
     overrides = [_allow_schema_keys(cfg, algorithm.MasterConfig, o) for o in overrides]
     cfg = apply_overrides(cfg, overrides)
     if path is not None and _nemo_recipe(path):
@@ -89,6 +93,24 @@ def build_config(
         with deferred_path_checks():
             return validate_all(cfg, algorithm.MasterConfig)
     return validate_all(cfg, algorithm.MasterConfig)
+
+
+# Sections that a class of the user's own replaces whole (``loss_fn: {kind: module:Class,
+# kwargs: ...}``): the default recipe's keys of the built-in loss would not fit it.
+OWN_CLASS_SECTIONS = ("loss_fn",)
+
+
+def _replaced_by(cfg: Any, layer: Any, overrides: list[str]) -> Any:
+    """``cfg`` without the sections that ``layer`` (a config file) or ``overrides`` give a
+    ``kind`` of their own to."""
+    from omegaconf import OmegaConf
+
+    for section in OWN_CLASS_SECTIONS:
+        in_layer = layer is not None and OmegaConf.select(layer, f"{section}.kind") is not None
+        keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+        if (in_layer or f"{section}.kind" in keys) and section in cfg:
+            cfg.pop(section)
+    return cfg
 
 
 def _nemo_recipe(path: str) -> bool:
@@ -136,13 +158,19 @@ _ABSENT = object()
 
 
 def _schema_has(model: Any, parts: list[str]) -> bool:
-    for i, part in enumerate(parts):
-        model = _single_model(model)
-        if model is None or part not in model.model_fields:
+    """Whether the typed config has the key ``parts`` (in any form of a section that has
+    several: ``generation.vllm.*`` is a key of the vllm backend's)."""
+    from rl_distributed.config._describe import single_model, variants_of
+
+    annotation = model
+    for part in parts:
+        section = single_model(annotation)
+        if section is None:
             return False
-        model = model.model_fields[part].annotation
-        if i < len(parts) - 1 and _single_model(model) is None:
+        forms = [m for m in variants_of(section) if part in m.model_fields]
+        if not forms:
             return False
+        annotation = forms[0].model_fields[part].annotation
     return True
 
 
@@ -242,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "-h" in rest or "--help" in rest:
         return print_all(describe(name, algorithm) + "\n")
     print_only = "--print-config" in rest
-    rest = [a for a in rest if a != "--print-config"]
+    commented = "--commented" in rest
+    rest = [a for a in rest if a not in ("--print-config", "--commented")]
 
     from rl_distributed.config import ConfigError, to_yaml
 
@@ -253,7 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rl {name}: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     if print_only:
-        return print_all(to_yaml(config))
+        from rl_distributed.config import commented_yaml
+
+        return print_all(commented_yaml(config) if commented else to_yaml(config))
     try:
         for translation in nemo:  # hub ids to local models, NeMo's datasets to our files
             config = translation.prepare(config)
@@ -305,10 +336,11 @@ def _overview() -> str:
 
 
 def describe(name: str, algorithm: types.ModuleType) -> str:
-    """``rl NAME --help``: every key of the algorithm's config with its type and default."""
+    """``rl NAME --help``: every key of the algorithm's config with its type, default (the
+    default recipe's) and description, as the docs' config reference lists them."""
     from omegaconf import OmegaConf
 
-    from rl_distributed.config import load_config
+    from rl_distributed.config import config_keys, load_config
 
     defaults = OmegaConf.to_container(load_config(algorithm.DEFAULT_RECIPE), resolve=False)
     lines = [
@@ -317,48 +349,44 @@ def describe(name: str, algorithm: types.ModuleType) -> str:
         f"{ALGORITHMS[name][1]}.",
         f"default recipe: {algorithm.DEFAULT_RECIPE}",
         "",
-        "config keys (type = default; ??? or 'required' must be given):",
+        "config keys (type = default; 'required' must be given), each with its description:",
     ]
-    for group, field in algorithm.MasterConfig.model_fields.items():
-        if _single_model(field.annotation) is None:  # e.g. env: a mapping, not a fixed section
-            lines.append(f"{group}: {_type_name(field.annotation)}")
-            continue
-        lines.append(f"{group}:")
-        lines += _field_lines(field.annotation, defaults.get(group), field, "  ")
+    shown: list[str] = []  # the sections whose header is printed, outermost first
+    for key in config_keys(algorithm.MasterConfig, defaults):
+        *sections, leaf = key.key.split(".")
+        common = next(
+            (i for i, (a, b) in enumerate(zip(shown, sections, strict=False)) if a != b),
+            min(len(shown), len(sections)),
+        )
+        shown = shown[:common]
+        for section in sections[common:]:
+            lines.append(f"{'  ' * len(shown)}{section}:")
+            shown.append(section)
+        indent = "  " * len(sections)
+        variant = f"  [{key.variant}]" if key.variant else ""
+        lines.append(
+            f"{indent}{leaf}: {_type_name(key.annotation)} = {_default(key.default)}{variant}"
+        )
+        if key.description:
+            lines += textwrap.wrap(
+                key.description,
+                100,
+                initial_indent=indent + "    ",
+                subsequent_indent=indent + "    ",
+            )
     return "\n".join(lines)
 
 
-def _field_lines(annotation: Any, recipe: Any, field: Any, indent: str) -> list[str]:
-    model = _single_model(annotation)
-    if model is None:
-        return []
-    out = []
-    for key, sub in model.model_fields.items():
-        value = recipe.get(key) if isinstance(recipe, dict) else None
-        nested = _single_model(sub.annotation)
-        if nested is not None:
-            out.append(f"{indent}{key}:")
-            out += _field_lines(sub.annotation, value, sub, indent + "  ")
-            continue
-        if isinstance(recipe, dict) and key in recipe:
-            default = value
-        elif sub.is_required():
-            default = "required"
-        else:
-            default = sub.get_default(call_default_factory=True)
-        out.append(f"{indent}{key}: {_type_name(sub.annotation)} = {default!r}")
-    return out
-
-
-def _single_model(annotation: Any) -> Any:
+def _default(value: Any) -> str:
     from pydantic import BaseModel
 
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
-        annotation = args[0]
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return None
+    from rl_distributed.config import REQUIRED
+
+    if value is REQUIRED:
+        return REQUIRED
+    if isinstance(value, BaseModel):  # a section of several forms: its keys follow
+        return type(value).__name__
+    return repr(value)
 
 
 def _type_name(annotation: Any) -> str:

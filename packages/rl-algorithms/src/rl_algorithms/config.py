@@ -15,42 +15,119 @@ Key names follow NeMo RL where it has one, so its recipes move over with few cha
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import random
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from omegaconf import OmegaConf
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from rl_algorithms.utils.checkpoint import CheckpointingConfig
 from rl_algorithms.utils.logger import LoggerConfig
 from rl_data.datasets import DataConfig
 from rl_data.tokenizers import TokenizerConfig
 from rl_distributed.config import ConfigModel
-from rl_models.policy.config import OffloadConfig
+from rl_models.policy.config import OffloadConfig, check_kwargs
 
 __all__ = [
     "POLICY_STEP_METRICS",
     "CheckpointingConfig",
     "ClusterConfig",
+    "CustomLossConfig",
     "DataSection",
     "LoggerConfig",
     "LoopConfig",
     "RunConfig",
     "TokenizerConfig",
+    "import_path",
     "prefixed",
     "recipe_path",
     "set_seed",
 ]
 
 
+def import_path(path: str, key: str | None = None) -> Any:
+    """What an import path ``module:Name`` names (an environment's or a loss's ``kind``, a
+    backend's class); a ValueError naming the config ``key`` when it cannot be imported."""
+    where = f"{key}: " if key else ""
+    module, sep, name = path.partition(":")
+    if not (sep and module and name):
+        raise ValueError(f"{where}{path!r} is not an import path 'module:Class'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{where}cannot import {path!r}: {e}") from None
+
+
+class CustomLossConfig(ConfigModel):
+    """``loss_fn: {kind: module:Class, kwargs: {...}}``: a loss of your own instead of the
+    algorithm's, the way ``env.<task>.kind`` takes an environment of your own.
+
+    ``Class(**kwargs)`` (an ``rl_models.interfaces.LossFunction``) is built on the driver and
+    sent to the policy workers; ``kwargs`` are checked against its constructor when the config
+    is read, before anything starts. Its ``METRICS`` (if it declares them) are what the run
+    logs as ``train/<metric>``, and its ``batch_fields()`` are checked against what a step
+    produces.
+    """
+
+    # An import path module:Class of a LossFunction (the module importable on the driver and
+    # the policy workers).
+    kind: str
+    # Keyword arguments of the class, checked against its constructor.
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("kind")
+    @classmethod
+    def _a_class(cls, kind: str) -> str:
+        if not isinstance(import_path(kind), type):
+            raise ValueError(f"{kind!r} is not a class")
+        return kind
+
+    @field_validator("kwargs")
+    @classmethod
+    def _taken(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "kind" in info.data:  # else the kind was refused already
+            check_kwargs(import_path(info.data["kind"]), kwargs, given_by_us=0)
+        return kwargs
+
+    def loss_class(self) -> type:
+        return import_path(self.kind, "loss_fn.kind")
+
+    def build(self) -> Any:
+        """The loss: ``Class(**kwargs)``."""
+        return self.loss_class()(**self.kwargs)
+
+    def metrics(self) -> frozenset[str]:
+        return frozenset(getattr(self.loss_class(), "METRICS", ()))
+
+
+def loss_section(builtin: type[ConfigModel]) -> Any:
+    """The type of a ``loss_fn`` section: the algorithm's own loss (``builtin``, its keys at
+    the top of the section) or, with a ``kind``, a :class:`CustomLossConfig`."""
+
+    def tag(value: Any) -> str:
+        custom = isinstance(value, CustomLossConfig) or (
+            isinstance(value, dict) and "kind" in value
+        )
+        return "CustomLossConfig" if custom else builtin.__name__
+
+    return Annotated[
+        Annotated[builtin, Tag(builtin.__name__)]
+        | Annotated[CustomLossConfig, Tag("CustomLossConfig")],
+        Discriminator(tag),
+    ]
+
+
 class ClusterConfig(ConfigModel):
     """Where the workers run: ``num_nodes`` nodes of ``gpus_per_node`` GPUs (0: CPU only)."""
 
+    # Nodes of the Ray cluster the run uses.
     num_nodes: int = Field(1, ge=1)
+    # GPUs per node (0 runs everything on CPUs).
     gpus_per_node: int = Field(0, ge=0)
     # Policy workers per node on a CPU-only cluster (with GPUs: one per GPU).
     cpu_workers_per_node: int = Field(1, ge=1)
@@ -95,19 +172,26 @@ class DataSection(DataConfig):
 
     # Longer samples are cut and drop out of the loss (they keep their place in the batch).
     max_seq_length: int | None = Field(None, ge=1)
+    # Shuffle the training rows each epoch.
     shuffle: bool = True
 
 
 class LoopConfig(ConfigModel):
     """Length, validation and seeding of a supervised loop (SFT, DPO, RM)."""
 
+    # Passes over the training data; the run stops at max_num_epochs or max_num_steps, whichever
+    # comes first.
     max_num_epochs: int = Field(1, ge=1)
     max_num_steps: int = Field(100, ge=1)  # the run stops at whichever limit comes first
     val_period: int = Field(0, ge=0)  # validate every N steps (0: never during training)
     val_batches: int = Field(0, ge=0)  # 0: the whole validation set
+    # Samples per validation batch.
     val_global_batch_size: int = Field(8, ge=1)
+    # Samples per validation forward pass on one rank.
     val_micro_batch_size: int = Field(1, ge=1)
+    # Validate once before the first step.
     val_at_start: bool = False
+    # Seeds the controller (data order, held-out rows).
     seed: int = 42
 
 

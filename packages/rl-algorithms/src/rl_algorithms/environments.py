@@ -18,11 +18,11 @@ routed by their ``task_name``. See docs/guides/reward-functions.md for reward fu
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, ValidationError
 
+from rl_algorithms.config import import_path
 from rl_distributed.config import ConfigModel
 
 # kind -> (environment class, its config class)
@@ -50,12 +50,8 @@ KNOWN_ENVIRONMENTS = {
 
 class EnvSpec(ConfigModel):
     kind: str | None = None  # None: the task name
+    # The environment's own config, checked against its kind's config (see env.<task>.config below).
     config: dict[str, Any] = Field(default_factory=dict)
-
-
-def _import(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def environment_class(task: str, spec: EnvSpec) -> tuple[type, Any]:
@@ -63,7 +59,8 @@ def environment_class(task: str, spec: EnvSpec) -> tuple[type, Any]:
     kind = spec.kind or task
     if kind in KNOWN_ENVIRONMENTS:
         cls_path, cfg_path = KNOWN_ENVIRONMENTS[kind]
-        cls, cfg_cls = _import(cls_path), _import(cfg_path)
+        key = f"env.{task}.kind"
+        cls, cfg_cls = import_path(cls_path, key), import_path(cfg_path, key)
         config = dict(spec.config)
         if "config_key" in cfg_cls.model_fields:  # its errors name where it sits in the recipe
             config["config_key"] = f"env.{task}.config"
@@ -73,11 +70,7 @@ def environment_class(task: str, spec: EnvSpec) -> tuple[type, Any]:
             f"env.{task}.kind is {kind!r}; expected one of {sorted(KNOWN_ENVIRONMENTS)} or an "
             "import path 'module:Class'"
         )
-    try:
-        cls = _import(kind)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"env.{task}.kind: cannot import {kind!r}: {e}") from None
-    return cls, spec.config
+    return import_path(kind, f"env.{task}.kind"), spec.config
 
 
 def required_metadata(task: str, spec: EnvSpec) -> tuple[str, ...]:

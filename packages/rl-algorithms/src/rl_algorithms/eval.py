@@ -43,10 +43,13 @@ class EvalConfig(ConfigModel):
     pass_k_value: list[int] = Field(default_factory=lambda: [1])  # the k of pass@k (each <= n)
     max_num_prompts: int | None = Field(None, ge=1)  # None: the whole dataset
     prompts_per_batch: int = Field(8, ge=1)  # prompts per generate call (x n rows)
+    # Turns per rollout (more for multi-turn environments).
     max_rollout_turns: int = Field(1, ge=1)
     max_total_sequence_length: int = Field(2048, ge=2)  # prompt + all turns
     success_threshold: float = 1.0  # reward >= this: correct
+    # Greedy decoding instead of sampling.
     greedy: bool = False
+    # Seeds the sampler and the prompt order.
     seed: int = 42
     output_file: str | None = None  # per-sample JSONL (prompt, response, reward, answer)
 
@@ -66,6 +69,7 @@ class EvalConfig(ConfigModel):
 
 
 class EvalDataConfig(ConfigModel):
+    # The dataset evaluated, one of the sources below (chosen by source).
     dataset: DatasetConfig
     max_seq_length: int | None = Field(None, ge=1)  # longer prompts are cut
 
@@ -75,6 +79,8 @@ class MasterConfig(ConfigModel):
     checkpoint: str | None = None  # a step_<n> directory or a checkpoint directory (latest)
     tokenizer: TokenizerConfig
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    # One environment per task name: env.<task>.kind (a built-in kind, default the task name, or
+    # module:Class) and env.<task>.config.
     env: EnvSection
     data: EvalDataConfig
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -46,6 +46,8 @@ CHATML_TEMPLATE = (
 class ChatTemplateConfig(ConfigModel):
     """Which chat template turns message logs into text."""
 
+    # tokenizer (the tokenizer's own chat template), jinja (the template given in template) or
+    # passthrough.
     kind: Literal["tokenizer", "passthrough", "jinja"] = "tokenizer"
     template: str | None = None  # the Jinja source, for kind=jinja only
     # Render the fixed text around messages once per sequence of roles and reuse it (see

@@ -57,6 +57,7 @@ class RewardFunctionSpec(ConfigModel):
     # A built-in name ("math"), "package.module:function" or "path/to/file.py:function" (a
     # relative path is taken from the directory the run starts in).
     function: str
+    # Its weight in the sum of the functions' rewards.
     weight: float = Field(1.0, allow_inf_nan=False)
     name: str | None = None  # in the metrics' names; None: the built-in's or function's name
 
@@ -83,6 +84,7 @@ class RewardFunctionSpec(ConfigModel):
 
 
 class RewardFunctionsEnvConfig(VerifierEnvConfig):
+    # The reward functions (function, weight, name) whose weighted sum is the reward.
     functions: list[RewardFunctionSpec] = Field(min_length=1)
     # Where this config sits in the recipe, for error messages (set by the recipe's loader).
     config_key: str = "reward_functions"

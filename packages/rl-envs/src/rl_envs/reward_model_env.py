@@ -26,10 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 class RewardModelEnvConfig(ConfigModel):
+    # A local reward model directory (a sequence-classification model, e.g. one trained by rl rm).
     model_path: str
+    # Conversations scored per forward pass.
     batch_size: int = 8
     max_length: int = 4096  # longer conversations keep their last max_length tokens
     device: str = "auto"  # "auto": cuda when there is one
+    # The reward model's dtype.
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     success_threshold: float = 0.0  # score at which a response counts towards "accuracy"
 

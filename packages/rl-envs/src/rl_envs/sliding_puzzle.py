@@ -27,7 +27,9 @@ _ACTION = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
 
 
 class SlidingPuzzleConfig(ConfigModel):
+    # Turns before an unsolved episode ends.
     max_turns: int = 8
+    # Most moves one response may make; more is an invalid action.
     max_moves_per_turn: int = 32
 
 

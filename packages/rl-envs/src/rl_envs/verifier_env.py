@@ -22,10 +22,13 @@ from rl_envs.pool import Outcome, WorkerPool
 
 
 class VerifierEnvConfig(ConfigModel):
+    # Verifier worker processes scoring samples in parallel.
     num_workers: int = 2
+    # Ray CPUs reserved per verifier worker.
     num_cpus_per_worker: float = 1.0
     timeout_s: float = 10.0  # per sample
     chunk_size: int | None = None  # samples per worker call; None: about a quarter of a share
+    # The k of the pass@k metrics reported at validation.
     pass_at_k: list[int] = [1]
     success_threshold: float = 1.0  # reward at which a sample counts as correct
 

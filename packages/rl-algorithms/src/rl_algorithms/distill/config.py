@@ -106,7 +106,7 @@ class MasterConfig(RLMasterConfig):
                 "grpo_loss_fn.reference_policy_kl_penalty > 0 needs "
                 "policy.reference_policy.enabled: true"
             )
-        if self.loss_fn.estimator == "topk" and self.policy.backend != "dtensor":
+        if self.loss_fn.estimator == "topk" and not self.policy.supports_topk_logprobs:
             raise ValueError(
                 "loss_fn.estimator: topk needs policy.backend: dtensor (the student's log-probs "
                 "at the teacher's top-k ids); use loss_fn.estimator: sampled_token"
@@ -118,7 +118,7 @@ class MasterConfig(RLMasterConfig):
             )
         if d.use_dynamic_sampling:
             raise ValueError("distillation.use_dynamic_sampling is not supported; set it to false")
-        if self.loss_fn.estimator == "topk" and self.teacher.backend != "dtensor":
+        if self.loss_fn.estimator == "topk" and not self.teacher.supports_topk_logprobs:
             raise ValueError(
                 "loss_fn.estimator: topk needs teacher.backend: dtensor (a Megatron teacher "
                 "gives the sampled tokens' log-probs only: loss_fn.estimator: sampled_token)"

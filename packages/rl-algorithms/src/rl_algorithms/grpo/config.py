@@ -13,9 +13,11 @@ from pydantic import Field, model_validator
 
 from rl_algorithms.config import (
     POLICY_STEP_METRICS,
+    CustomLossConfig,
     DataSection,
     RunConfig,
     TokenizerConfig,
+    loss_section,
     prefixed,
     recipe_path,
 )
@@ -52,6 +54,8 @@ class AsyncGRPOConfig(ConfigModel):
     """Generation overlaps training: rollouts for step n come from a policy up to
     ``max_trajectory_age_steps`` steps old, and importance sampling corrects for the lag."""
 
+    # Asynchronous GRPO, generation for later steps overlaps training (needs
+    # generation.vllm.async_engine).
     enabled: bool = False
     # A sample's age is the trainer's step minus the oldest weight version (in steps) that
     # produced any of its tokens; older samples are dropped (and counted), never trained on.
@@ -80,8 +84,11 @@ class AsyncGRPOConfig(ConfigModel):
 class RewardShapingConfig(ConfigModel):
     """DAPO's soft overlong penalty, added to the reward (see ``advantages.overlong_penalty``)."""
 
+    # Add DAPO's soft overlong penalty (negative past the buffer's start) to the reward.
     enabled: bool = False
+    # Response length (tokens) at which the full penalty applies.
     max_response_length: int = Field(512, ge=1)
+    # Tokens before max_response_length over which the penalty grows linearly from 0.
     overlong_buffer_length: int = Field(128, ge=1)
     overlong_buffer_penalty: float = Field(1.0, ge=0)  # the penalty at full length
 
@@ -127,6 +134,8 @@ class RolloutLoopConfig(ConfigModel):
 class GRPOConfig(RolloutLoopConfig):
     """The loop (NeMo RL's ``grpo.*`` keys)."""
 
+    # grpo (group-normalised rewards) or reinforce_plus_plus (batch-normalised;
+    # loss_fn.use_kl_in_reward puts the KL penalty into its returns).
     advantage_estimator: Literal["grpo", "reinforce_plus_plus"] = "grpo"
     normalize_rewards: bool = True  # divide by the group's std (grpo)
     use_leave_one_out_baseline: bool = False  # grpo: RLOO baseline (normalize_rewards=false: RLOO)
@@ -184,6 +193,8 @@ class RLMasterConfig(RunConfig):
     policy: GRPOPolicyConfig
     tokenizer: TokenizerConfig
     generation: GRPOGenerationConfig = Field(default_factory=GRPOGenerationConfig)
+    # One environment per task name: env.<task>.kind (a built-in kind, default the task name, or
+    # module:Class) and env.<task>.config.
     env: EnvSection
     data: DataSection
 
@@ -214,10 +225,11 @@ class RLMasterConfig(RunConfig):
             raise ValueError(
                 "loss_fn.reference_policy_kl_penalty > 0 needs policy.reference_policy.enabled: true"
             )
-        if self.generation.backend == "vllm" and self.policy.model.path is None:
+        if self.generation.loads_model_from_disk and self.policy.model.path is None:
             raise ValueError(
-                "generation.backend: vllm loads the model from disk: set policy.model.path "
-                "(a model built from policy.model.hf_config needs generation.backend: hf)"
+                f"generation.backend: {self.generation.backend} loads the model from disk: set "
+                "policy.model.path (a model built from policy.model.hf_config needs "
+                "generation.backend: hf)"
             )
         if not self.env:
             raise ValueError("env: configure at least one environment (task_name: {kind: ...})")
@@ -246,20 +258,34 @@ class RLMasterConfig(RunConfig):
         return self
 
 
+def builtin_loss(config: Any) -> GRPOLossConfig | None:
+    """``loss_fn`` when it is the clipped policy gradient's keys, None for a loss of your own
+    (``loss_fn.kind``: no KL penalty, nothing folded into the rewards)."""
+    return None if isinstance(config.loss_fn, CustomLossConfig) else config.loss_fn
+
+
 class MasterConfig(RLMasterConfig):
-    loss_fn: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
+    # The clipped policy gradient's keys, or a loss of your own: {kind: module:Class, kwargs}.
+    loss_fn: loss_section(GRPOLossConfig) = Field(default_factory=GRPOLossConfig)  # type: ignore[valid-type]
     grpo: GRPOConfig
 
     LOOP_SECTION: ClassVar[str] = "grpo"
 
     def logged_metrics(self) -> frozenset[str]:
-        train = POLICY_STEP_METRICS | {"grad_norm"} | ClippedPGLossFn.METRICS | STEP_METRICS
+        loss = builtin_loss(self)
+        loss_metrics = ClippedPGLossFn.METRICS if loss is not None else self.loss_fn.metrics()
+        train = POLICY_STEP_METRICS | {"grad_norm"} | loss_metrics | STEP_METRICS
         return prefixed("train", train) | prefixed("val", VALIDATION_METRICS)
 
     @model_validator(mode="after")
     def _async_consistent(self) -> MasterConfig:
         check_async_config(self)
-        if self.loss_fn.use_kl_in_reward and self.grpo.advantage_estimator != "reinforce_plus_plus":
+        loss = builtin_loss(self)
+        if (
+            loss is not None
+            and loss.use_kl_in_reward
+            and self.grpo.advantage_estimator != "reinforce_plus_plus"
+        ):
             raise ValueError(
                 "loss_fn.use_kl_in_reward: true needs grpo.advantage_estimator: "
                 f"reinforce_plus_plus, not {self.grpo.advantage_estimator!r}: GRPO's advantage "
@@ -281,7 +307,8 @@ def check_async_config(config: Any) -> None:
             f"grpo.async_grpo.max_group_seconds ({a.max_group_seconds}): a hung group is "
             "cancelled and generated again before the trainer gives up waiting"
         )
-    if not config.loss_fn.use_importance_sampling_correction:
+    loss = builtin_loss(config)
+    if loss is not None and not loss.use_importance_sampling_correction:
         raise ValueError(
             "grpo.async_grpo.enabled: true trains on samples from older weights: set "
             "loss_fn.use_importance_sampling_correction: true (its ratios correct for the lag)"
@@ -292,7 +319,7 @@ def check_async_config(config: Any) -> None:
             "grpo.async_grpo.enabled: true needs generation.colocated: false (the generator "
             "runs beside the trainer on workers of its own)"
         )
-    if gen.backend != "vllm" or not gen.vllm.async_engine:
+    if not gen.streams_samples:
         raise ValueError(
             "grpo.async_grpo.enabled: true needs generation.backend: vllm with "
             "generation.vllm.async_engine: true (samples stream back as they finish)"

@@ -19,7 +19,7 @@ from rl_algorithms.advantages import (
     overlong_penalty,
     reinforce_plus_plus_advantages,
 )
-from rl_algorithms.grpo.config import MasterConfig, RLMasterConfig
+from rl_algorithms.grpo.config import MasterConfig, RLMasterConfig, builtin_loss
 from rl_algorithms.losses import ClippedPGLossFn
 from rl_algorithms.losses.clipped_pg import masked_kl_estimate
 from rl_algorithms.rollouts import RolloutResult, run_rollouts
@@ -35,7 +35,10 @@ ADVANTAGE_FIELDS = frozenset({"advantages", "sample_mask"})
 
 def make_loss(config: MasterConfig) -> ClippedPGLossFn:
     """The clipped policy-gradient loss of ``loss_fn.*`` (without its KL term when
-    ``loss_fn.use_kl_in_reward`` puts the KL into the returns)."""
+    ``loss_fn.use_kl_in_reward`` puts the KL into the returns), or the loss of your own that
+    ``loss_fn.kind`` names."""
+    if builtin_loss(config) is None:
+        return config.loss_fn.build()
     return ClippedPGLossFn(
         config.loss_fn.policy_loss(), pi_old_is_current=single_update_per_batch(config)
     )
@@ -78,9 +81,10 @@ def logprob_fields(config: MasterConfig) -> frozenset[str]:
     than one optimiser step per batch (pi_old) or for the KL in the returns, the reference's
     log-probs whenever there is a KL penalty."""
     fields = set()
-    if not single_update_per_batch(config) or config.loss_fn.use_kl_in_reward:
+    loss = builtin_loss(config)
+    if not single_update_per_batch(config) or (loss is not None and loss.use_kl_in_reward):
         fields.add("prev_logprobs")
-    if config.loss_fn.reference_policy_kl_penalty > 0:
+    if loss is not None and loss.reference_policy_kl_penalty > 0:
         fields.add("reference_logprobs")
     return frozenset(fields)
 
@@ -197,8 +201,8 @@ def compute_advantages(
     kl = None
     if g.advantage_estimator == "reinforce_plus_plus":
         kl_coef = 0.0
-        loss = run.config.loss_fn
-        if loss.use_kl_in_reward:
+        loss = builtin_loss(run.config)
+        if loss is not None and loss.use_kl_in_reward:
             if logprobs is None:
                 raise ValueError(
                     "loss_fn.use_kl_in_reward: compute_advantages needs the log-probs "
@@ -308,7 +312,8 @@ def train_on_rollouts(run: Run, result: RolloutResult) -> dict[str, float]:
     is kept: its numbers do not change)."""
     timer = run.logger.timer
     batch = result.training_batch(run.tokenizer.pad_token_id)
-    if run.config.loss_fn.use_kl_in_reward:
+    loss = builtin_loss(run.config)
+    if loss is not None and loss.use_kl_in_reward:
         with timer("logprobs"):
             logprobs = compute_logprobs(run, batch)
             batch = batch.replace(**logprobs)

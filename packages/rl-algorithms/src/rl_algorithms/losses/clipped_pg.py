@@ -70,13 +70,22 @@ class ClippedPGLossConfig(ConfigModel):
     ratio_clip_min: float = Field(0.2, ge=0)  # ratio is clipped below at 1 - ratio_clip_min
     ratio_clip_max: float = Field(0.2, ge=0)  # and above at 1 + ratio_clip_max
     ratio_clip_c: float | None = Field(None, gt=1)  # dual clip (None: off); > 1 by definition
+    # Weight of the KL(pi || pi_ref) penalty per token (0, off; needs
+    # policy.reference_policy.enabled).
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
+    # KL estimator, k1 (-d), k2 (d^2 / 2) or k3 (exp(d) - d - 1), with d = log pi_ref - log pi.
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    # d is clamped to +-this before the estimator (None, no clamp).
     kl_input_clamp_value: float | None = Field(20.0, gt=0)
+    # The estimator's value is clamped to +-this (None, no clamp).
     kl_output_clamp_value: float | None = Field(10.0, gt=0)
+    # Weight the KL by pi / pi_gen, estimating the current policy's KL rather than the generator's.
     use_on_policy_kl_approximation: bool = False
+    # Weight each token's loss by pi_old / pi_gen, correcting for the generator's numerics.
     use_importance_sampling_correction: bool = False
+    # Cap on that importance weight (TIS; None, no cap).
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
+    # Ratios per sequence, the geometric mean over its tokens (GSPO).
     sequence_level_importance_ratios: bool = False
     # None: follow the ratios (token-level, or sequence-level for GSPO), see the module docstring
     token_level_loss: bool | None = None

@@ -33,7 +33,9 @@ from rl_distributed.config import ConfigModel
 class DPOLossConfig(ConfigModel):
     # beta: the strength of the implicit KL to the reference (NeMo RL's name for it)
     reference_policy_kl_penalty: float = Field(0.05, gt=0)
+    # Weight of the DPO preference loss.
     preference_loss_weight: float = Field(1.0, ge=0)
+    # Weight of an added NLL loss on the chosen replies (0, none).
     sft_loss_weight: float = Field(0.0, ge=0)
     preference_average_log_probs: bool = False  # mean (not sum) of the log-ratio over tokens
     sft_average_log_probs: bool = False  # mean (not sum) of the chosen NLL over tokens

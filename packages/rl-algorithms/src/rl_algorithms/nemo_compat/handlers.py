@@ -268,8 +268,11 @@ def _metric_name(value: Any, ctx: Context) -> str | None:
 
 
 def _generation_backend(value: Any, ctx: Context) -> str:
-    if value not in ("vllm", "hf"):
-        raise Refuse(f"would generate with NeMo's {value!r} backend; here: vllm or hf")
+    from rl_models.backends import GENERATION_BACKENDS
+
+    known = GENERATION_BACKENDS.names()
+    if value not in known:
+        raise Refuse(f"would generate with NeMo's {value!r} backend; here: {' or '.join(known)}")
     return value
 
 

@@ -69,12 +69,15 @@ IDENTITY_KEYS = (
 class CheckpointingConfig(ConfigModel):
     """When and where checkpoints are written, and which are kept (NeMo RL's key names)."""
 
+    # Write checkpoints (and resume from the latest one in checkpoint_dir).
     enabled: bool = True
+    # Where checkpoints go, one step_N folder each; re-running with the same folder resumes.
     checkpoint_dir: str = "results/checkpoints"
     save_period: int = Field(10, ge=1)  # steps between checkpoints (and one at the end)
     # Keep the best k by metric_name, plus always the latest; None keeps every checkpoint.
     keep_top_k: int | None = Field(3, ge=1)
     metric_name: str | None = None  # e.g. "val/loss"; None ranks by step (the k newest)
+    # Whether a larger metric_name is better when ranking checkpoints.
     higher_is_better: bool = False
     # Save and stop before this much time since the run started ("DD:HH:MM:SS"); None: no limit.
     # A job of `rl-cluster slurm` also sets RL_CHECKPOINT_DEADLINE: the earlier limit applies.

@@ -33,6 +33,7 @@ from rl_distributed.config import ConfigModel
 
 
 class WandbConfig(ConfigModel):
+    # W&B project name.
     project: str = "rl"
     name: str | None = None  # None: W&B picks one
     # None: "online" when WANDB_API_KEY is set, else "offline" (files under log_dir/wandb).
@@ -44,7 +45,9 @@ class TensorboardConfig(ConfigModel):
 
 
 class MlflowConfig(ConfigModel):
+    # MLflow experiment the run is logged under.
     experiment_name: str = "rl"
+    # MLflow run name; None lets MLflow pick one.
     run_name: str | None = None
     tracking_uri: str | None = None  # None: a file store under log_dir/mlruns
 
@@ -52,12 +55,17 @@ class MlflowConfig(ConfigModel):
 class LoggerConfig(ConfigModel):
     """Which backends a run logs to (NeMo RL's key names)."""
 
+    # Where logs are written (metrics.jsonl, TensorBoard, curves, the resolved config.yaml).
     log_dir: str = "logs"
     jsonl_enabled: bool = True  # log_dir/metrics.jsonl, one line per log_metrics call
+    # Log to TensorBoard (under log_dir unless tensorboard.log_dir is set).
     tensorboard_enabled: bool = False
+    # Log to Weights & Biases (see wandb.*).
     wandb_enabled: bool = False
+    # Log to MLflow (see mlflow.*).
     mlflow_enabled: bool = False
     monitor_gpus: bool = True  # GPU memory/utilisation with each log call (no-op without CUDA)
+    # Show a progress line per step (step, elapsed time, ETA, progress_metrics).
     progress_bar: bool = True
     # Metrics shown next to the progress bar (names without prefix, e.g. "loss").
     progress_metrics: list[str] = Field(default_factory=lambda: ["loss"])

@@ -69,11 +69,17 @@ class DataConfig(ConfigModel):
     ``{prompt}``): the last user turn of a prompt, the first of an SFT conversation.
     """
 
+    # The training dataset, one of the sources below (chosen by source).
     train: DatasetConfig
+    # A validation dataset of its own; None holds validation_fraction of train out instead.
     validation: DatasetConfig | None = None
+    # Share of train held out for validation (0, none, unless validation is given).
     validation_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     seed: int = 0  # which rows are held out
+    # Put first in every conversation that has no system message.
     system_prompt: str | None = None
+    # A format string the user's text goes into (as {} or {prompt}), e.g. to ask for an answer
+    # format.
     prompt_template: str | None = None
 
     @model_validator(mode="after")

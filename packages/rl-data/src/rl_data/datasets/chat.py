@@ -34,6 +34,8 @@ class FileSourceConfig(ConfigModel):
     # A JSONL or Parquet file, a folder of such shards or a glob of them
     # ("data/train-*.parquet"), or a folder written by datasets' save_to_disk.
     path: str
+    # The files' format; auto tells it from the path (jsonl, parquet, or a save_to_disk folder,
+    # hf_disk).
     format: FileFormat = "auto"
     split: str | None = None  # which split of a saved DatasetDict
     # Column renames applied to every row before anything reads it: {name in the file: name
@@ -41,6 +43,7 @@ class FileSourceConfig(ConfigModel):
     columns: dict[str, str] = {}
     # Where Parquet shards are converted to memory-mapped Arrow (None: datasets' cache).
     cache_dir: str | None = None
+    # raise stops at a malformed row, naming its file and row; skip leaves it out and counts it.
     on_bad_row: BadRowPolicy = "raise"
 
     @field_validator("path")
@@ -64,14 +67,20 @@ class ChatFileConfig(FileSourceConfig):
     assistant turns from ``system_key`` and ``response_key``.
     """
 
+    # Selects this source, rows in TRL's formats (messages, prompt/completion, text).
     source: Literal["chat_file"] = "chat_file"
+    # Column holding a conversation (a list of messages).
     messages_key: str = "messages"
+    # Column holding the user turn (a string); set it for data not in TRL's column names.
     prompt_key: str | None = None
+    # With prompt_key, the column holding the assistant reply.
     response_key: str | None = None
+    # With prompt_key, the column holding a system message.
     system_key: str | None = None
     # Columns handed to the environment (e.g. the answer); None: every column the messages
     # were not read from.
     env_info_keys: list[str] | None = None
+    # The environment (env.<task_name>) that scores these rows.
     task_name: str | None = None
 
 

@@ -29,11 +29,18 @@ class PreferenceFileConfig(FileSourceConfig):
     prompt (see the module).
     """
 
+    # Selects this source, preference pairs (explicit or implicit prompt, or ranked completions).
     source: Literal["preference_file"] = "preference_file"
+    # Column holding the prompt (a string or messages); rows without it have an implicit prompt.
     prompt_key: str = "prompt"
+    # Column holding the preferred reply.
     chosen_key: str = "chosen"
+    # Column holding the other reply.
     rejected_key: str = "rejected"
+    # Column holding replies ranked best first, instead of chosen/rejected.
     completions_key: str | None = None
+    # With completions_key, best_vs_rest (the best against each other one) or all (every
+    # better/worse pair).
     pairs: Literal["best_vs_rest", "all"] = "best_vs_rest"
 
 

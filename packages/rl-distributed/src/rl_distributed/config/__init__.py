@@ -19,6 +19,13 @@ on the command line must be quoted (``'x=${mul:${a},2}'``). Interpolations (``${
 """
 
 from rl_distributed.config._cli import parse_cli, save_config, to_yaml
+from rl_distributed.config._describe import (
+    REQUIRED,
+    Key,
+    commented_yaml,
+    config_keys,
+    field_description,
+)
 from rl_distributed.config._errors import ConfigError, ConfigIssue
 from rl_distributed.config._loading import load_config
 from rl_distributed.config._overrides import apply_overrides
@@ -26,10 +33,15 @@ from rl_distributed.config._resolvers import register_resolvers
 from rl_distributed.config._validation import ConfigModel, resolve_config, validate_config
 
 __all__ = [
+    "REQUIRED",
     "ConfigError",
     "ConfigIssue",
     "ConfigModel",
+    "Key",
     "apply_overrides",
+    "commented_yaml",
+    "config_keys",
+    "field_description",
     "load_config",
     "parse_cli",
     "register_resolvers",

@@ -94,7 +94,7 @@ def _issue(model: type[BaseModel], err: Any) -> ConfigIssue:
     msg = err["msg"].removeprefix("Value error, ")
     if kind == "extra_forbidden":
         parent = _walk(model, loc[:-1])[1]
-        names = list(parent.model_fields) if _is_model(parent) else []
+        names = list(dict.fromkeys(n for m in _variants(parent) for n in m.model_fields))
         hint = did_you_mean(str(loc[-1]), names) or (
             f"allowed keys: {', '.join(names)}" if names else ""
         )
@@ -161,9 +161,21 @@ def _is_tag_for(member: Any, tag: str | int) -> bool:
     return any(get_origin(a) is Literal and tag in get_args(a) for a in literals)
 
 
+def _variants(ann: Any) -> list[type[BaseModel]]:
+    """A model and the forms a section of its type can take (``config_variants``: one per
+    backend of a section chosen by ``backend``)."""
+    if not _is_model(ann):
+        return []
+    variants = getattr(ann, "config_variants", None)
+    return [ann, *(variants() if variants is not None else [])]
+
+
 def _child(ann: Any, part: str | int) -> Any:
     if _is_model(ann):
-        field = ann.model_fields.get(part) if isinstance(part, str) else None
+        if not isinstance(part, str):
+            return None
+        fields = (m.model_fields.get(part) for m in _variants(ann))
+        field = next((f for f in fields if f is not None), None)
         return field.annotation if field else None
     origin, args = get_origin(ann), get_args(ann)
     if origin in (dict, Mapping) and len(args) == 2:

@@ -104,6 +104,7 @@ class SandboxLimits(ConfigModel):
     memory_mb: int = 1024  # address space per process, and all memory of all together
     max_processes: int = 16  # processes and threads in the sandbox
     cpus: float = 1.0  # CPU time per second of all its processes together (with a cgroup)
+    # Largest file the program may write.
     max_file_size_mb: int = 16
     tmp_size_mb: int = 64  # the private /tmp (working directory) and /dev/shm, each
     max_output_bytes: int = 1 << 20  # stdout per case; more fails the case

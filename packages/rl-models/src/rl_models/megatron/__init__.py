@@ -2,11 +2,10 @@
 
 ``convert`` (HF <-> Megatron weights) is pure torch and imports anywhere. ``worker`` and
 ``cpu_shim`` import ``megatron.core``, which lives only in the isolated ``mcore`` worker
-environment (the root workspace's ``mcore`` extra), not in the driver: importing this package
-registers every class under ``rl_models.megatron`` to run in that environment, so
+environment (the root workspace's ``mcore`` extra), not in the driver: the backend's
+registration (``rl_models.policy.config``, imported here) runs every class under
+``rl_models.megatron`` in that environment, so
 ``RayWorkerBuilder("rl_models.megatron.worker.MegatronPolicyWorker", ...)`` needs nothing else.
 """
 
-from rl_distributed.venvs import register_worker_env
-
-register_worker_env("rl_models.megatron", "mcore")
+import rl_models.policy.config  # noqa: F401  (registers the megatron backend)

@@ -16,18 +16,22 @@ DType = Literal["float32", "float64", "bfloat16", "float16"]
 class ModelConfig(ConfigModel):
     """Either a local Hugging Face model directory or an HF config to build fresh weights from."""
 
+    # A local Hugging Face model directory (or a folder holding gguf_file); None with hf_config
+    # builds fresh weights.
     path: str | None = None
     # A GGUF file inside `path` (or an absolute path): converted once to safetensors in a cache
     # (rl_models.model_files) that every worker and vLLM then load as an HF directory.
     gguf_file: str | None = None
     # e.g. {"model_type": "llama", "hidden_size": 64, ...}; weights are initialised from `seed`.
     hf_config: dict[str, Any] | None = None
+    # The weights' dtype (the master weights when mixed_precision is on).
     dtype: DType = "float32"
     # "sequence_classification": a reward model, AutoModelForSequenceClassification with
     # `num_labels` scores read at each sequence's last real token. "value": a critic,
     # AutoModelForTokenClassification with one output per token (the state's value) on the
     # same backbone; built from a causal LM's weights, its value head starts fresh from `seed`.
     kind: Literal["causal_lm", "sequence_classification", "value"] = "causal_lm"
+    # Scores per sequence of a sequence_classification model (a reward model has 1).
     num_labels: int = Field(1, ge=1)
     # Hugging Face attention kernel. "sdpa" takes our dense block-diagonal masks for packed rows;
     # "flash_attention_2"/"flash_attention_3" (GPU) run packed rows as variable-length

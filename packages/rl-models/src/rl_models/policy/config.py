@@ -1,19 +1,21 @@
-"""Typed configuration of a policy (model, optimiser, batching)."""
+"""Typed configuration of a policy (model, optimiser, batching): ``PolicyConfig``, one class
+per backend (``DTensorPolicyConfig``, ``MegatronPolicyConfig``) chosen by ``policy.backend``."""
 
 from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rl_distributed.config import ConfigModel
+from rl_models.backends import POLICY_BACKENDS, Backend, BackendConfig, BackendRegistry
 from rl_models.modeling.config import DType, ModelConfig  # noqa: F401 (DType: re-exported)
 
 
-def _check_kwargs(cls: type, kwargs: dict[str, Any], given_by_us: int) -> None:
+def check_kwargs(cls: type, kwargs: dict[str, Any], given_by_us: int) -> None:
     """Refuse keyword arguments ``cls`` does not take, and required ones that are missing.
 
     ``given_by_us``: how many leading parameters the worker passes itself (the parameters, or
@@ -53,7 +55,10 @@ def _torch_class(module: Any, name: str, owner: str) -> type:
 class OptimizerConfig(ConfigModel):
     """A class of ``torch.optim`` by name, with its keyword arguments (checked against it)."""
 
+    # A torch.optim class name (AdamW, SGD, ...).
     name: str = "AdamW"
+    # Its keyword arguments (lr, weight_decay, ...), checked against the class before any worker
+    # starts.
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 1e-5})
 
     @field_validator("name")
@@ -66,7 +71,7 @@ class OptimizerConfig(ConfigModel):
     @classmethod
     def _taken(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if "name" in info.data:  # else the name was refused already
-            _check_kwargs(getattr(torch.optim, info.data["name"]), kwargs, given_by_us=1)
+            check_kwargs(getattr(torch.optim, info.data["name"]), kwargs, given_by_us=1)
         # torch reads these as truthy: "false" or "maybe" would silently pick a kernel.
         for key in ("fused", "foreach"):
             if not isinstance(kwargs.get(key), bool | None):
@@ -78,7 +83,9 @@ class SchedulerConfig(ConfigModel):
     """A class of ``torch.optim.lr_scheduler`` by name, stepped once per optimiser step; its
     keyword arguments are checked against it (all it requires, nothing it does not take)."""
 
+    # A torch.optim.lr_scheduler class name (LinearLR, CosineAnnealingLR, ...).
     name: str
+    # Its keyword arguments, checked against the class (all it requires, nothing it does not take).
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
@@ -103,7 +110,7 @@ class SchedulerConfig(ConfigModel):
     def _taken(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if "name" in info.data:
             scheduler = getattr(torch.optim.lr_scheduler, info.data["name"])
-            _check_kwargs(scheduler, kwargs, given_by_us=1)
+            check_kwargs(scheduler, kwargs, given_by_us=1)
         return kwargs
 
 
@@ -121,6 +128,7 @@ class SchedulerMilestones(ConfigModel):
     Each scheduler counts its steps from its own start (``SequentialLR``).
     """
 
+    # The steps at which a chain of schedulers hands over to the next (one per hand-over).
     milestones: list[int]
 
 
@@ -178,7 +186,9 @@ class SequencePackingConfig(ConfigModel):
     (``dynamic_batching.enabled: auto``).
     """
 
+    # Pack each micro-batch's sequences into rows of at most max_tokens_per_microbatch tokens.
     enabled: bool = False
+    # Token budget of one packed row.
     max_tokens_per_microbatch: int = Field(4096, ge=1)
     algorithm: str = "first_fit_decreasing"  # a name in rl_distributed.packing's PACKING_ALGORITHMS
 
@@ -208,7 +218,11 @@ class DynamicBatchingConfig(ConfigModel):
     still bounds memory.
     """
 
+    # true, false or auto (dynamic batching on CPU, fixed micro-batches on GPU; fixed whenever
+    # sequence packing is on).
     enabled: bool | Literal["auto"] = "auto"
+    # Padded-token budget of a training micro-batch (None, train_micro_batch_size times the batch's
+    # width).
     train_mb_tokens: int | None = Field(None, ge=1)
     logprob_mb_tokens: int | None = Field(None, ge=1)  # None: train_mb_tokens if set
     sequence_length_round: int = Field(1, ge=1)  # pad each micro-batch to a multiple of this
@@ -225,13 +239,17 @@ class CheckpointConfig(ConfigModel):
     Not with LoRA (its checkpoint is the merged model, gathered) nor the Megatron backend.
     """
 
+    # Every rank writes its own shards (torch.distributed.checkpoint) instead of gathering to rank
+    # 0.
     sharded: bool = False
 
 
 class MegatronConfig(ConfigModel):
     """Model parallelism of the Megatron-core backend (data parallel is what is left over)."""
 
+    # Ranks each layer's matrices are split over (Megatron backend).
     tensor_parallel_size: int = Field(1, ge=1)
+    # Pipeline stages the layers are split into (Megatron backend).
     pipeline_parallel_size: int = Field(1, ge=1)
     # Split activations along the sequence in the tensor-parallel regions (needs TP > 1).
     sequence_parallel: bool = False
@@ -240,6 +258,7 @@ class MegatronConfig(ConfigModel):
 class ReferencePolicyConfig(ConfigModel):
     """A frozen copy of the initial weights, for KL penalties."""
 
+    # Keep a frozen copy of the initial weights (needed by KL penalties and DPO).
     enabled: bool = False
     # Keep the copy in host memory and move it to the device only while it is used.
     offload_to_cpu: bool = True
@@ -251,9 +270,13 @@ class LoraConfig(ConfigModel):
     When enabled only the adapters train; the base weights stay frozen and bit-identical.
     """
 
+    # Train low-rank adapters only; the base weights stay frozen.
     enabled: bool = False
+    # Rank of the adapters' A and B matrices.
     rank: int = Field(8, ge=1)
+    # Scale of the adapters' update, alpha / rank.
     alpha: float = Field(16.0, gt=0)
+    # Dropout on the adapters' input.
     dropout: float = Field(0.0, ge=0, lt=1)
     # Names (suffixes) of the modules to adapt; the default covers Llama-style attention + MLP.
     # ["all-linear"] (or "all-linear"): every linear layer but the output layer, as peft
@@ -291,22 +314,32 @@ class OffloadConfig(ConfigModel):
     ``offload_weights`` / ``offload_optimizer_state`` / ``reload`` do the moves on demand.
     """
 
+    # Move the optimiser state to offload.device while the policy is not training.
     optimizer_state: bool = False
     # Host memory normally; any torch device string (the CPU-only tests use "cpu" copies).
     device: str = "cpu"
 
 
-class PolicyConfig(ConfigModel):
+class PolicyConfig(BackendConfig):
+    """A trained model: its backend (``backend``), optimiser, batching and memory settings.
+
+    Validating ``{"backend": name, ...}`` gives that backend's config class; the keys below are
+    every backend's, each backend's own are in its class.
+    """
+
+    registry: ClassVar[BackendRegistry] = POLICY_BACKENDS
+
     model: ModelConfig
     # "dtensor": HF model sharded with FSDP2 (system environment); "megatron": Megatron-core
     # GPTModel with tensor/pipeline parallelism (isolated `mcore` environment).
-    backend: Literal["dtensor", "megatron"] = "dtensor"
-    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    backend: str = "dtensor"
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     # One scheduler, or a chain of them (see SchedulerMilestones); None: constant learning rate.
     scheduler: SchedulerSpec | None = None
     max_grad_norm: float | None = Field(1.0, gt=0)  # None: no clipping
+    # Samples per optimiser step, across all data-parallel ranks.
     train_global_batch_size: int = Field(ge=1)
+    # Samples per forward/backward pass on one rank (gradients accumulate over micro-batches).
     train_micro_batch_size: int = Field(1, ge=1)
     logprob_micro_batch_size: int | None = Field(None, ge=1)  # None: train_micro_batch_size
     # Log-probs are computed this many tokens at a time in the output layer (recomputed in
@@ -322,6 +355,7 @@ class PolicyConfig(ConfigModel):
     share_prompt_prefix: bool = True
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    # Recompute activations in backward instead of keeping them (less memory, more compute).
     activation_checkpointing: bool = False
     # Compute in bfloat16 while the weights, gradients' reduction and optimiser state stay in
     # model.dtype (normally float32): FSDP2's MixedPrecisionPolicy when sharded, autocast alone.
@@ -333,31 +367,13 @@ class PolicyConfig(ConfigModel):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    # Seeds the policy workers (and a model built from hf_config's initial weights).
     seed: int = 0
 
     @model_validator(mode="after")
     def _compatible(self) -> PolicyConfig:
         if self.sequence_packing.enabled and self.dynamic_batching.enabled is True:
             raise ValueError("enable sequence_packing or dynamic_batching, not both")
-        if self.backend == "megatron":
-            # mixed_precision would need fp32 master weights behind Megatron's bf16 model
-            # (its Float16Module + DistributedOptimizer), and checkpoint.sharded its
-            # dist-checkpointing: neither is wired up, so both are refused rather than ignored.
-            unsupported = {
-                "lora.enabled": self.lora.enabled,
-                "activation_checkpointing": self.activation_checkpointing,
-                f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
-                "mixed_precision": self.mixed_precision is not None,
-                "checkpoint.sharded": self.checkpoint.sharded,
-            }
-            named = [k for k, on in unsupported.items() if on]
-            if named:
-                raise ValueError(
-                    f"backend 'megatron' does not support {', '.join(named)}; use backend "
-                    "'dtensor' for these, or model.dtype for the Megatron weights' precision"
-                )
-        elif self.megatron != MegatronConfig():
-            raise ValueError("megatron.* settings need backend: megatron")
         if self.lora.enabled and self.checkpoint.sharded:
             # The sharded writer would save peft's unmerged, prefixed tensors, which
             # from_pretrained cannot read (it would silently start from random weights).
@@ -367,17 +383,83 @@ class PolicyConfig(ConfigModel):
             )
         if isinstance(self.scheduler, list):
             check_scheduler_chain(self.scheduler)
+        return self
+
+    @property
+    def model_parallel_layout(self) -> tuple[int, int]:
+        """``(pipeline stages, tensor-parallel ranks)`` of one copy of the model: (1, 1) where
+        each worker holds a whole copy (FSDP shards it, but per data-parallel rank)."""
+        return 1, 1
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model between them (1 for FSDP's data parallel)."""
+        pipeline, tensor = self.model_parallel_layout
+        return pipeline * tensor
+
+    @property
+    def supports_topk_logprobs(self) -> bool:
+        """Whether the workers can give the ``k`` most likely next tokens' log-probs at every
+        position (``Policy.get_topk_logprobs``, a distillation teacher's answer)."""
+        return True
+
+    @property
+    def lp_micro_batch_size(self) -> int:
+        return self.logprob_micro_batch_size or self.train_micro_batch_size
+
+
+class DTensorPolicyConfig(PolicyConfig):
+    """``backend: dtensor``: the Hugging Face model, sharded with FSDP2 over the workers."""
+
+    backend: Literal["dtensor"] = "dtensor"
+
+
+class MegatronPolicyConfig(PolicyConfig):
+    """``backend: megatron``: a Megatron-core GPTModel with tensor and pipeline parallelism."""
+
+    backend: Literal["megatron"] = "megatron"
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+
+    @model_validator(mode="after")
+    def _megatron_supports_it(self) -> MegatronPolicyConfig:
+        # mixed_precision would need fp32 master weights behind Megatron's bf16 model (its
+        # Float16Module + DistributedOptimizer), and checkpoint.sharded its dist-checkpointing:
+        # neither is wired up, so both are refused rather than ignored.
+        unsupported = {
+            "lora.enabled": self.lora.enabled,
+            "activation_checkpointing": self.activation_checkpointing,
+            f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
+            "mixed_precision": self.mixed_precision is not None,
+            "checkpoint.sharded": self.checkpoint.sharded,
+        }
+        named = [k for k, on in unsupported.items() if on]
+        if named:
+            raise ValueError(
+                f"backend 'megatron' does not support {', '.join(named)}; use backend "
+                "'dtensor' for these, or model.dtype for the Megatron weights' precision"
+            )
         if self.megatron.sequence_parallel and self.megatron.tensor_parallel_size == 1:
             raise ValueError("megatron.sequence_parallel needs tensor_parallel_size > 1")
         return self
 
     @property
-    def model_parallel_size(self) -> int:
-        """Ranks that hold one copy of the model between them (1 for FSDP's data parallel)."""
-        if self.backend == "dtensor":
-            return 1
-        return self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size
+    def model_parallel_layout(self) -> tuple[int, int]:
+        return self.megatron.pipeline_parallel_size, self.megatron.tensor_parallel_size
 
     @property
-    def lp_micro_batch_size(self) -> int:
-        return self.logprob_micro_batch_size or self.train_micro_batch_size
+    def supports_topk_logprobs(self) -> bool:
+        return False
+
+
+POLICY_BACKENDS.register(
+    Backend("dtensor", DTensorPolicyConfig, "rl_models.policy.dtensor_worker:DTensorPolicyWorker")
+)
+POLICY_BACKENDS.register(
+    Backend(
+        "megatron",
+        MegatronPolicyConfig,
+        "rl_models.megatron.worker:MegatronPolicyWorker",
+        python_env="mcore",  # the root workspace's mcore extra
+        workers="rl_models.megatron",
+    )
+)

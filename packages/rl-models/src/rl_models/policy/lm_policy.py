@@ -1,4 +1,5 @@
-"""The driver-side policy: a group of policy workers of the backend the config names.
+"""The driver-side policy: a group of policy workers of the backend the config names (the
+worker class its registration gives, ``rl_models.backends``).
 
 DTensor/FSDP2: one worker per data-parallel rank. Megatron-core: ``world = pp * dp * tp``
 workers laid out the way Megatron numbers its ranks (tensor-parallel fastest, then data
@@ -30,17 +31,12 @@ from rl_models.policy.config import PolicyConfig
 
 logger = logging.getLogger(__name__)
 
-WORKER_CLASSES = {
-    "dtensor": "rl_models.policy.dtensor_worker.DTensorPolicyWorker",
-    "megatron": "rl_models.megatron.worker.MegatronPolicyWorker",
-}
 MODEL_PARALLEL_AXES = ["pipeline_parallel", "tensor_parallel"]
 
 
 def worker_sharding(config: PolicyConfig, world: int) -> NamedSharding:
     """Workers as a ``[pipeline_parallel, data_parallel, tensor_parallel]`` grid."""
-    tp = config.megatron.tensor_parallel_size if config.backend == "megatron" else 1
-    pp = config.megatron.pipeline_parallel_size if config.backend == "megatron" else 1
+    pp, tp = config.model_parallel_layout
     if world % (tp * pp):
         raise ValueError(
             f"{world} workers cannot be split into model replicas of tensor_parallel_size {tp} "
@@ -61,9 +57,10 @@ class Policy(PolicyInterface):
     ) -> None:
         self.config = PolicyConfig.model_validate(config)
         self.config.model = materialize(self.config.model)  # a GGUF file: converted once
+        worker_class = self.config.registry.get(self.config.backend).implementation
         self.worker_group = RayWorkerGroup(
             cluster,
-            RayWorkerBuilder(WORKER_CLASSES[self.config.backend], self.config.model_dump()),
+            RayWorkerBuilder(worker_class.replace(":", "."), self.config.model_dump()),
             name_prefix=name_prefix,
             sharding_annotations=worker_sharding(self.config, cluster.world_size()),
         )
@@ -135,12 +132,13 @@ class Policy(PolicyInterface):
     def get_topk_logprobs(self, data: TrainBatch | BatchedDataDict, k: int) -> BatchedDataDict:
         """``{"topk_logprobs": [B, S, k], "topk_ids": [B, S, k]}``: the ``k`` most likely
         next tokens at every position and their log-probs (a distillation teacher's answer),
-        computed a chunk of tokens at a time. DTensor backend only."""
-        if self.config.backend != "dtensor":
+        computed a chunk of tokens at a time, where the backend can
+        (``PolicyConfig.supports_topk_logprobs``)."""
+        if not self.config.supports_topk_logprobs:
             raise ValueError(
-                f"top-k log-probs need policy.backend: dtensor (this model's backend is "
-                f"{self.config.backend}); a Megatron teacher can give the sampled tokens' "
-                "log-probs only (distillation loss_fn.estimator: sampled_token)"
+                f"top-k log-probs: the {self.config.backend} backend cannot give them (dtensor "
+                "can); such a teacher gives the sampled tokens' log-probs only (distillation "
+                "loss_fn.estimator: sampled_token)"
             )
         return self._per_row("get_topk_logprobs", data, k=k)
 

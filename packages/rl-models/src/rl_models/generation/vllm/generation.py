@@ -23,7 +23,7 @@ from rl_distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.named_sharding import NamedSharding
 from rl_distributed.worker_groups import WorkerCallError
-from rl_models.generation.config import GenerationConfig
+from rl_models.generation.config import GenerationConfig, VllmGenerationConfig
 from rl_models.generation.interfaces import GenerationInterface, StaleWeightsError
 from rl_models.generation.seeds import SamplingSeeds
 from rl_models.generation.vllm.streaming import VllmStreamingSampler
@@ -66,7 +66,7 @@ class VllmGeneration(GenerationInterface):
         bundle_indices_list: list[tuple[int, list[int]]] | None = None,
     ) -> None:
         self.config = GenerationConfig.model_validate(config)
-        if self.config.backend != "vllm":
+        if not isinstance(self.config, VllmGenerationConfig):
             raise ValueError(
                 f"VllmGeneration needs generation.backend 'vllm', not {self.config.backend!r}"
             )

