@@ -36,6 +36,31 @@ def test_a_key_that_is_no_field_is_refused_by_name(old_name):
         TrainBatch.from_transport(data)
 
 
+def test_an_old_name_says_the_new_one():
+    data = small_batch().to_transport()
+    data["token_mask"] = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="'token_mask' is now 'loss_mask'"):
+        TrainBatch.from_transport(data)
+    with pytest.raises(TypeError, match=r"batch\.reference_logprobs.*is now"):
+        small_batch()["reference_policy_logprobs"]
+
+
+def test_extras_travel_under_their_prefix_and_come_back():
+    batch = small_batch().replace(extras={"target": torch.arange(3.0)})
+    data = batch.to_transport()
+    assert torch.equal(data["extras.target"], torch.arange(3.0))
+    back = TrainBatch.from_transport(data.slice(1, 3))
+    assert back.extras["target"].tolist() == [1.0, 2.0]
+    assert back.select([1]).extras["target"].tolist() == [2.0]
+
+
+def test_a_field_with_the_wrong_number_of_rows_is_refused():
+    with pytest.raises(ValueError, match="advantages has 2 rows but input_ids has 3"):
+        small_batch().replace(advantages=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"extras\.target has 4 rows"):
+        small_batch().replace(extras={"target": torch.zeros(4)})
+
+
 def test_a_batch_without_ids_is_refused():
     with pytest.raises(ValueError, match="'input_lengths'"):
         TrainBatch.from_transport({"input_ids": torch.zeros(2, 3, dtype=torch.long)})

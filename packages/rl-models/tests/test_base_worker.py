@@ -6,6 +6,7 @@ import inspect
 import pytest
 import torch
 
+from rl_data.batch import TrainBatch
 from rl_models.interfaces import Max, Min
 from rl_models.losses import NLLLoss
 from rl_models.policy import base_worker
@@ -173,3 +174,20 @@ def test_the_policy_weight_version_advances_by_the_optimizer_steps():
     assert policy.weight_version == 2
     policy.train(skewed_batch(), NLLLoss(), eval_mode=True, gbs=4)
     assert policy.weight_version == 2
+
+
+def test_a_train_batch_goes_through_the_policy_and_a_stray_key_is_refused_on_the_driver():
+    policy = Policy.__new__(Policy)
+    policy.config = tiny_config()
+    policy.worker_group = InProcessWorkers(DTensorPolicyWorker(policy.config))
+    policy.dp_size, policy.on_gpu, policy.weight_version = 1, False, 0
+    data = skewed_batch()
+    batch = TrainBatch.from_transport(data)
+    # The same rows as a TrainBatch or as their transport train the same step.
+    typed = policy.train(batch, NLLLoss(), eval_mode=True, gbs=4).metrics
+    plain = policy.train(data, NLLLoss(), eval_mode=True, gbs=4).metrics
+    assert typed["loss"] == plain["loss"] and typed["global_valid_toks"][0] > 0
+    data["token_mask"] = data["loss_mask"]
+    with pytest.raises(ValueError, match="'token_mask' is now 'loss_mask'"):
+        policy.train(data, NLLLoss(), gbs=4)
+    assert policy.weight_version == 0

@@ -26,7 +26,7 @@ class SquaredErrorToTarget:
     def __call__(self, values, data, global_valid_seqs, global_valid_toks):
 
         mask = data.loss_token_mask().to(values)
-        err = torch.where(mask > 0, values - data.returns.to(values), 0.0)
+        err = torch.where(mask > 0, values - data.extras["target"].to(values), 0.0)
         return 0.5 * (err.square() * mask).sum() / global_valid_toks.to(values), {}
 
 
@@ -98,8 +98,10 @@ def test_a_critic_built_from_a_causal_lm_keeps_its_backbone_and_draws_its_head(t
 
 def test_critic_training_does_not_depend_on_the_split_and_round_trips(tmp_path):
     data = skewed_batch()
-    data["returns"] = torch.linspace(-1.0, 1.0, data["input_ids"].numel(), dtype=torch.float64)
-    data["returns"] = data["returns"].view(data["input_ids"].shape)
+    data["extras.target"] = torch.linspace(
+        -1.0, 1.0, data["input_ids"].numel(), dtype=torch.float64
+    )
+    data["extras.target"] = data["extras.target"].view(data["input_ids"].shape)
     one = DTensorPolicyWorker(critic_config(train_micro_batch_size=8))
     before = one.get_values(data)["values"]
     one.train(data, SquaredErrorToTarget())

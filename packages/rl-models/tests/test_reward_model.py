@@ -29,13 +29,13 @@ class PairwiseMarginLoss:
     """Squared error of each score against a per-sample target, a mean over global samples."""
 
     def __call__(self, scores, data, global_valid_seqs, global_valid_toks):
-        err = (scores[:, 0] - data.returns.to(scores)) ** 2 * data.sample_mask.to(scores)
+        err = (scores[:, 0] - data.extras["target"].to(scores)) ** 2 * data.sample_mask.to(scores)
         return err.sum() / global_valid_seqs.to(scores), {}
 
 
 def rm_batch():
     data = skewed_batch()
-    data["returns"] = torch.linspace(-1.0, 1.0, data.size, dtype=torch.float64)
+    data["extras.target"] = torch.linspace(-1.0, 1.0, data.size, dtype=torch.float64)
     return data
 
 

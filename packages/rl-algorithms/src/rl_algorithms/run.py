@@ -387,5 +387,5 @@ def reduce_step_metrics(results: Mapping[str, Any]) -> dict[str, float]:
     for key, values in results.items():
         values = values if isinstance(values, list | tuple) else [values]
         if values:
-            out[key] = float(combine_metric(values, lambda v: sum(v) / len(v)))
+            out[key] = float(combine_metric(values, lambda v: sum(v) / len(v), key))
     return out

@@ -62,7 +62,7 @@ def test_two_ranks_train_like_one_and_report_the_loss_metrics(ray_session, tmp_p
     local = DTensorPolicyWorker(config())
     data = grpo_like_batch()
     lp = local.get_logprobs(data)["logprobs"]
-    ref = local.get_reference_logprobs(data)["reference_logprobs"]
+    ref = local.get_reference_policy_logprobs(data)["reference_logprobs"]
     data = add_logprobs(data, lp, ref)
     local_metrics = local.train(data, ClippedPGLossFn(LOSS)).metrics
     expected = {k: v.detach() for k, v in local.model.state_dict().items()}

@@ -8,21 +8,33 @@ teacher's scores. Per-token fields are ``[B, S]`` (or ``[B, S, k]``), right-padd
 Across processes a batch travels as a ``BatchedDataDict`` whose keys are exactly the field
 names (``to_transport`` / ``from_transport``); a key that is not a field is refused there, so a
 misspelt or renamed field fails at the boundary instead of silently dropping out of the loss.
+What a loss of one's own needs beyond these fields travels in ``extras`` (a tensor per name,
+one row per sample), under ``extras.<name>`` in transport.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 
+EXTRAS_PREFIX = "extras."
 
-@dataclass(kw_only=True)
+#: What each field was called before it had one name, for the errors that meet the old name.
+RENAMED = {
+    "token_mask": "loss_mask",
+    "reference_policy_logprobs": "reference_logprobs",
+    "topk_logprobs": "teacher_topk_logprobs",
+    "topk_ids": "teacher_topk_ids",
+}
+
+
+@dataclass(kw_only=True, eq=False)
 class TrainBatch:
     """What a policy trains on. Only ``input_ids`` and ``input_lengths`` are always there."""
 
@@ -55,18 +67,47 @@ class TrainBatch:
     """``[B, S, k]`` a distillation teacher's top-k log-probs at every position."""
     teacher_topk_ids: torch.Tensor | None = None
     """``[B, S, k]`` the token ids of ``teacher_topk_logprobs``."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-row tensors ``[B, ...]`` a loss of one's own reads (regression targets, per-turn
+    rewards, ...), by name; none of the built-in losses reads them."""
+
+    def __post_init__(self) -> None:
+        # Every per-row tensor must have a row per sample: one of another length would be cut
+        # or broadcast wrongly when the batch is split into micro-batches.
+        rows = self.input_ids.shape[0]
+        for name, value in self._tensors():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                raise ValueError(f"TrainBatch.{name} must be a tensor [B, ...], got {value!r}")
+            if value.shape[0] != rows:
+                raise ValueError(
+                    f"TrainBatch.{name} has {value.shape[0]} rows but input_ids has {rows}"
+                )
+
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(transport name, tensor) of everything the batch carries."""
+        out = [(name, getattr(self, name)) for name in self.present()]
+        out += [(EXTRAS_PREFIX + name, value) for name, value in self.extras.items()]
+        return out
+
+    def __getitem__(self, key: str) -> None:
+        new = RENAMED.get(key, key)
+        raise TypeError(
+            f"a TrainBatch's fields are attributes: batch.{new}"
+            + (f" ({key!r} is now {new!r})" if new != key else "")
+        )
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
-        return frozenset(f.name for f in fields(cls))
+        """The names of the tensor fields (``extras`` aside)."""
+        return frozenset(f.name for f in fields(cls) if f.name != "extras")
 
     @property
     def size(self) -> int:
         return int(self.input_ids.shape[0])
 
     def present(self) -> frozenset[str]:
-        """The names of the fields this batch carries (not None)."""
-        return frozenset(f.name for f in fields(self) if getattr(self, f.name) is not None)
+        """The names of the tensor fields this batch carries (not None)."""
+        return frozenset(name for name in self.field_names() if getattr(self, name) is not None)
 
     def need(self, name: str, reader: str, shape: str = "") -> torch.Tensor:
         """Field ``name``, or a ``KeyError`` naming ``reader`` when the batch lacks it."""
@@ -83,12 +124,7 @@ class TrainBatch:
     def select(self, rows: Sequence[int] | torch.Tensor) -> TrainBatch:
         """These rows, in this order."""
         index = torch.as_tensor(rows, dtype=torch.long)
-        return TrainBatch(
-            **{name: getattr(self, name)[index] for name in self.present()}  # type: ignore[arg-type]
-        )
-
-    def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(**{name: getattr(self, name).to(device) for name in self.present()})
+        return TrainBatch.from_transport({key: value[index] for key, value in self._tensors()})
 
     # -- the tokens and samples a loss counts ------------------------------------------------
 
@@ -118,21 +154,28 @@ class TrainBatch:
 
     def to_transport(self) -> BatchedDataDict[Any]:
         """The fields it carries as a ``BatchedDataDict`` (what crosses process boundaries)."""
-        return BatchedDataDict({name: getattr(self, name) for name in self.present()})
+        return BatchedDataDict(dict(self._tensors()))
 
     @classmethod
     def from_transport(cls, data: Mapping[str, Any]) -> TrainBatch:
         """The batch a ``BatchedDataDict`` (or any mapping of field names) carries."""
-        unknown = sorted(set(data) - cls.field_names())
+        extras = {
+            k[len(EXTRAS_PREFIX) :]: v for k, v in data.items() if k.startswith(EXTRAS_PREFIX)
+        }
+        named = {k: v for k, v in data.items() if not k.startswith(EXTRAS_PREFIX)}
+        unknown = sorted(set(named) - cls.field_names())
         if unknown:
+            renamed = [f"{k!r} is now {RENAMED[k]!r}" for k in unknown if k in RENAMED]
             raise ValueError(
-                f"batch keys {unknown} are not TrainBatch fields (they would be ignored by every "
-                f"loss); the fields are {sorted(cls.field_names())}"
+                f"batch keys {unknown} are not TrainBatch fields"
+                + (f" ({'; '.join(renamed)})" if renamed else "")
+                + f"; the fields are {sorted(cls.field_names())}, and a loss's own per-row "
+                f"data goes in extras (key '{EXTRAS_PREFIX}<name>')"
             )
         for name in ("input_ids", "input_lengths"):
-            if name not in data:
+            if name not in named:
                 raise ValueError(f"a training batch needs {name!r}; it has {sorted(data)}")
-        return cls(**{name: data[name] for name in data})
+        return cls(**named, extras=extras)
 
 
 def as_transport(data: TrainBatch | BatchedDataDict[Any]) -> BatchedDataDict[Any]:

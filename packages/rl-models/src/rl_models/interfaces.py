@@ -73,9 +73,19 @@ class Max(float):
     __slots__ = ()
 
 
-def combine_metric(values: Sequence[float], plain: Callable[[list[float]], float]) -> float:
-    """One metric's ``values`` as one number, by the reduction the first declares: ``Min`` /
-    ``Max`` by min / max (and still declared so), a plain float by ``plain`` (a sum, a mean)."""
+def combine_metric(
+    values: Sequence[float], plain: Callable[[list[float]], float], name: str = "metric"
+) -> float:
+    """One metric's ``values`` as one number, by the reduction they declare: ``Min`` / ``Max``
+    by min / max (and still declared so), plain floats by ``plain`` (a sum, a mean). Values of
+    one metric that declare different reductions are an error: the result would depend on
+    their order."""
+    kinds = {Min if isinstance(v, Min) else Max if isinstance(v, Max) else float for v in values}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"metric {name!r} is returned as {sorted(k.__name__ for k in kinds)} by different "
+            "micro-batches or steps; a loss must declare one reduction per metric"
+        )
     if isinstance(values[0], Min):
         return Min(min(values))
     if isinstance(values[0], Max):
@@ -114,16 +124,41 @@ class LossFunction(Protocol):
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
-def loss_input_type(loss_fn: LossFunction, default: type[LossInput] = Logprobs) -> type[LossInput]:
-    """The ``LossInput`` ``loss_fn`` declares as its ``input_type`` (``default`` if none)."""
+#: Every kind of loss input a policy backend may provide (a closed set: a backend maps each to
+#: a forward pass).
+LOSS_INPUTS: tuple[type[LossInput], ...] = (
+    Logprobs,
+    LossTokenLogprobs,
+    GatheredLogprobs,
+    Logits,
+    Values,
+    Scores,
+)
+#: The string modes losses once declared, and the class each became (for the error message).
+_RENAMED_INPUTS = {
+    "logprobs": Logprobs,
+    "loss_token_logprobs": LossTokenLogprobs,
+    "gathered_logprobs": GatheredLogprobs,
+    "logits": Logits,
+    "values": Values,
+}
+
+
+def loss_input_type(loss_fn: object, default: type[LossInput] = Logprobs) -> type[LossInput]:
+    """The ``LossInput`` ``loss_fn`` (a loss or its class) declares as its ``input_type``
+    (``default`` if none)."""
     declared = getattr(loss_fn, "input_type", default)
-    if not (isinstance(declared, type) and issubclass(declared, LossInput)):
-        names = ", ".join(c.__name__ for c in LossInput.__subclasses__())
-        raise ValueError(
-            f"{type(loss_fn).__name__}.input_type is {declared!r}; expected one of the "
-            f"LossInput classes of rl_models.interfaces: {names}"
-        )
-    return declared
+    if declared in LOSS_INPUTS:
+        return declared
+    owner = loss_fn.__name__ if isinstance(loss_fn, type) else type(loss_fn).__name__
+    names = ", ".join(c.__name__ for c in LOSS_INPUTS)
+    hint = ""
+    if isinstance(declared, str) and declared in _RENAMED_INPUTS:
+        hint = f" (the string {declared!r} is now the class {_RENAMED_INPUTS[declared].__name__})"
+    raise ValueError(
+        f"{owner}.input_type is {declared!r}{hint}; expected one of the LossInput classes of "
+        f"rl_models.interfaces: {names}"
+    )
 
 
 class PolicyInterface(ABC):

@@ -347,7 +347,7 @@ class PolicyWorker(abc.ABC):
         for metrics in (m for rank in per_rank for m in rank):
             for key, value in metrics.items():
                 gathered.setdefault(key, []).append(value)
-        return {key: combine_metric(values, _sum_in_order) for key, values in gathered.items()}
+        return {key: combine_metric(values, _sum_in_order, key) for key, values in gathered.items()}
 
     @abc.abstractmethod
     def _loss_output(self, loss_fn: LossFunction) -> Any:

@@ -94,6 +94,8 @@ class Policy(PolicyInterface):
         Such micro-batches are planned here, over all ranks at once, so that every rank gets the
         same number per global batch (FSDP needs the ranks' forward passes to pair up).
         """
+        if training and not isinstance(data, TrainBatch):
+            data = TrainBatch.from_transport(data)  # a key no loss reads: refused here, by name
         data = as_transport(data)  # what crosses to the workers
         width = data["input_ids"].shape[1]
         args = microbatch_args(self.config, training, self.on_gpu, width, rows=mbs)
