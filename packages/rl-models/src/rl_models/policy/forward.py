@@ -133,6 +133,17 @@ def _packed_inputs(
     return p, {**inputs, "use_cache": False}
 
 
+def _model_inputs(
+    mb: BatchedDataDict, options: ForwardOptions
+) -> tuple[PackedSequences | None, dict[str, torch.Tensor | bool | None]]:
+    """The model's arguments for ``mb``: its padded rows, or one packed row (with its
+    ``PackedSequences``)."""
+    if options.packed:
+        return _packed_inputs(mb, options.attn_implementation)
+    real = _padding_mask(mb).long()
+    return None, {"input_ids": mb["input_ids"], "attention_mask": real, "use_cache": False}
+
+
 def forward_logprobs(
     model: torch.nn.Module,
     mb: BatchedDataDict,
@@ -164,20 +175,16 @@ def forward_logprobs(
     wanted = wanted if in_head else None
     # Per position, the tokens whose log-probs are wanted: the input token, then gather_ids.
     tokens = ids if gather_ids is None else torch.cat([ids[..., None], gather_ids.to(ids)], -1)
-    p: PackedSequences | None = None
-    if not options.packed:
-        real = _padding_mask(mb)
-        if options.share_prefix and wanted is not None and gather_ids is None:
-            wanted = wanted & real
-            if supports_shared_prefix(model, options.attn_implementation) and sharing_pays(
-                model, wanted, lengths, ids
-            ):
-                return shared_prefix_logprobs(model, mb, wanted, chunk_size, temperature)
-        inputs = {"input_ids": ids, "attention_mask": real.long(), "use_cache": False}
-        row_tokens = tokens
-        row_wanted = wanted
-    else:
-        p, inputs = _packed_inputs(mb, options.attn_implementation)
+    sharing = options.share_prefix and not options.packed and gather_ids is None
+    if sharing and wanted is not None:
+        wanted = wanted & _padding_mask(mb)
+        if supports_shared_prefix(model, options.attn_implementation) and sharing_pays(
+            model, wanted, lengths, ids
+        ):
+            return shared_prefix_logprobs(model, mb, wanted, chunk_size, temperature)
+    p, inputs = _model_inputs(mb, options)
+    row_tokens, row_wanted = tokens, wanted
+    if p is not None:  # the one packed row's
         row_tokens = pack_sequences(tokens, lengths).input_ids
         row_wanted = None if wanted is None else pack_sequences(wanted, lengths).input_ids
     # Position t's output is log p(token t+1); the last position has no next token.
@@ -228,17 +235,6 @@ def forward_topk_logprobs(
         values, top_ids = _log_softmax(model(**inputs).logits, temperature).topk(k, dim=-1)
     values, top_ids = (_aligned(F.pad(t[:, :-1], (0, 0, 1, 0)), mb, p) for t in (values, top_ids))
     return values, top_ids
-
-
-def _model_inputs(
-    mb: BatchedDataDict, options: ForwardOptions
-) -> tuple[PackedSequences | None, dict[str, torch.Tensor | bool | None]]:
-    """The model's arguments for ``mb``: its padded rows, or one packed row (with its
-    ``PackedSequences``)."""
-    if options.packed:
-        return _packed_inputs(mb, options.attn_implementation)
-    real = _padding_mask(mb).long()
-    return None, {"input_ids": mb["input_ids"], "attention_mask": real, "use_cache": False}
 
 
 def forward_logits(
