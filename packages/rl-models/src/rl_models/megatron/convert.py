@@ -57,6 +57,8 @@ class GPTLayout:
     # The HF vocabulary; tensor parallelism pads it (``padded_vocab_size``) and unsharding
     # drops the padding again. None: take it from the embedding (no padding is ever undone).
     vocab_size: int | None = None
+    # The table that names and lays out the weights: ``from_hf_config`` picks it by the
+    # config's ``model_type``; a layout made by hand gets Llama's.
     family: ModelFamily = LLAMA
 
     def __post_init__(self) -> None:
