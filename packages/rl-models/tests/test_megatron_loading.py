@@ -31,7 +31,6 @@ def _plan(config, layout, tp, tp_rank, pp, pp_rank):
     return shard_plan(
         layout,
         vocab_size=config.vocab_size,
-        ffn_size=config.intermediate_size,
         tp=tp,
         tp_rank=tp_rank,
         pp=pp,

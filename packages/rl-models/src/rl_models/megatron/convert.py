@@ -1,41 +1,52 @@
-"""Hugging Face Llama/Qwen2-family weights <-> a Megatron-core ``GPTModel`` state dict.
+"""Hugging Face weights <-> a Megatron-core ``GPTModel`` state dict, for any registered family.
 
-Pure torch (no megatron import), so conversions are testable wherever torch is. The Megatron
-names are those of the *local* layer spec (``get_gpt_layer_local_spec``: separate
-``input_layernorm``/``pre_mlp_layernorm`` modules, not Transformer Engine's layernorm fused
-into ``linear_qkv``). ``hf_to_megatron``/``megatron_to_hf`` work on whole, unsharded tensors
-(tensor and pipeline parallel size 1); ``shard_megatron``/``unshard_megatron`` cut such a state
-dict into the pieces each tensor/pipeline-parallel rank holds, and put them back together.
+Pure torch (no megatron import), so conversions are testable wherever torch is. What is
+converted, and how, comes from the family's table (``family.py``, ``families/``); this module
+walks the table. ``hf_to_megatron``/``megatron_to_hf`` work on whole, unsharded tensors (tensor
+and pipeline parallel size 1); ``shard_megatron``/``unshard_megatron`` cut such a state dict into
+the pieces each tensor/pipeline-parallel rank holds, and put them back together.
 
-Layout differences:
+Tied embeddings: Megatron keeps no ``output_layer.weight``; HF gets ``lm_head.weight`` as a copy
+of the input embedding.
 
-* attention: HF has separate ``q_proj``/``k_proj``/``v_proj``; Megatron one ``linear_qkv``
-  whose output rows are grouped per key/value head group ``g``:
-  ``[q heads of group g (num_heads / num_kv_heads of them), k_g, v_g]`` for g = 0, 1, ...
-  (Qwen2's q/k/v biases are fused the same way);
-* MLP: HF ``gate_proj``/``up_proj`` are stacked into ``linear_fc1`` as ``[gate; up]``
-  (Megatron's gated linear unit applies the activation to the first half);
-* tied embeddings: Megatron keeps no ``output_layer.weight``; HF gets ``lm_head.weight`` as
-  a copy of the input embedding.
+Pipeline stage s of pp holds decoder layers ``[s * L/pp, (s+1) * L/pp)``, numbered from 0 in its
+own state dict; the embedding lives on the first stage and the final norm and output layer on
+the last. Tied embeddings with pp > 1 give the last stage its own copy of the embedding as
+``output_layer.weight`` (the worker keeps the two equal by summing their grads).
 
 Tensors are only sliced, stacked and reshaped, so HF -> Megatron -> HF is bit-exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-#: HF modules that hold no weights of their own (buffers recomputed from the config).
-_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+from rl_models.megatron.families import family_for
+from rl_models.megatron.families.llama import FAMILY as LLAMA
+from rl_models.megatron.family import MEGATRON_LAYERS, ModelFamily, Weight, padded_vocab_size
+
+__all__ = [
+    "GPTLayout",
+    "hf_to_megatron",
+    "megatron_global_to_hf",
+    "megatron_layer_to_hf",
+    "megatron_to_hf",
+    "padded_vocab_size",
+    "shard_megatron",
+    "stage_layers",
+    "tp_whole",
+    "unshard_megatron",
+]
 
 
 @dataclass(frozen=True)
 class GPTLayout:
-    """The shapes that decide how weights are laid out."""
+    """The shapes that decide how weights are laid out, and the family whose table names them."""
 
     num_layers: int
     num_heads: int
@@ -46,6 +57,9 @@ class GPTLayout:
     # The HF vocabulary; tensor parallelism pads it (``padded_vocab_size``) and unsharding
     # drops the padding again. None: take it from the embedding (no padding is ever undone).
     vocab_size: int | None = None
+    # The table that names and lays out the weights: ``from_hf_config`` picks it by the
+    # config's ``model_type``; a layout made by hand gets Llama's.
+    family: ModelFamily = LLAMA
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -58,91 +72,76 @@ class GPTLayout:
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def check_tp(self, tp: int) -> None:
+        if self.num_kv_heads % tp:
+            raise ValueError(
+                f"{self.num_kv_heads} key/value heads do not split over {tp} tensor-parallel ranks"
+            )
+
+    def per_rank(self, tp: int) -> GPTLayout:
+        """The head counts one of ``tp`` tensor-parallel ranks holds."""
+        self.check_tp(tp)
+        return dataclasses.replace(
+            self, num_heads=self.num_heads // tp, num_kv_heads=self.num_kv_heads // tp
+        )
+
     @classmethod
     def from_hf_config(cls, config: Any) -> GPTLayout:
         """From a ``transformers`` config (or anything with its attribute names)."""
-        model_type = getattr(config, "model_type", "llama")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"no Megatron conversion for model_type {model_type!r}")
-        if getattr(config, "mlp_bias", False):
-            raise ValueError("MLP biases are not supported")
+        family = family_for(config)
+        family.check(config)
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        # Llama's attention_bias also puts a bias on o_proj, which Megatron cannot hold
-        # without biases on every linear layer; Qwen2 has q/k/v biases only.
-        if model_type == "llama" and getattr(config, "attention_bias", False):
-            raise ValueError("Llama attention_bias (o_proj bias) is not supported")
         return cls(
             num_layers=config.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=family.qkv_bias,
             vocab_size=config.vocab_size,
+            family=family,
         )
 
 
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: GPTLayout) -> torch.Tensor:
-    """Rows ``[q_g..., k_g, v_g]`` per group; works for weights ``[out, in]`` and biases."""
-    rest = q.shape[1:]
-    g, d = lay.num_kv_heads, lay.head_dim
-    parts = (
-        q.reshape(g, lay.heads_per_group * d, *rest),
-        k.reshape(g, d, *rest),
-        v.reshape(g, d, *rest),
-    )
-    return torch.cat(parts, dim=1).reshape(-1, *rest)
+def _taker(
+    state: Mapping[str, torch.Tensor], which: str
+) -> tuple[Callable[[str], torch.Tensor], set[str]]:
+    """``take(name)``: ``state[name]``, remembered in the returned set of used names."""
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in state:
+            raise KeyError(f"the {which} state dict has no {name!r}")
+        used.add(name)
+        return state[name]
+
+    return take, used
 
 
-def _split_qkv(qkv: torch.Tensor, lay: GPTLayout) -> tuple[torch.Tensor, ...]:
-    rest = qkv.shape[1:]
-    g, d = lay.num_kv_heads, lay.head_dim
-    grouped = qkv.reshape(g, (lay.heads_per_group + 2) * d, *rest)
-    q, k, v = torch.split(grouped, [lay.heads_per_group * d, d, d], dim=1)
-    return tuple(t.reshape(-1, *rest) for t in (q, k, v))
-
-
-def _layer_names(i: int) -> tuple[str, str]:
-    return f"model.layers.{i}.", f"decoder.layers.{i}."
+def _hf_of(
+    w: Weight, whole: torch.Tensor, layout: GPTLayout, prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """The HF tensors (named ``prefix`` + the row's names) of row ``w``'s whole tensor."""
+    return dict(zip((prefix + n for n in w.hf), w.rule.split(whole, layout), strict=True))
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: GPTLayout) -> dict[str, torch.Tensor]:
     """A Megatron ``GPTModel`` state dict (local spec, TP=PP=1) from an HF state dict."""
-    src = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
-    used: set[str] = set()
+    fam = layout.family
+    src = {k: v for k, v in hf.items() if not k.endswith(fam.hf_ignored)}
+    take, used = _taker(src, "Hugging Face")
 
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise KeyError(f"the Hugging Face state dict has no {name!r}")
-        used.add(name)
-        return src[name]
+    def fused(w: Weight, prefix: str = "") -> torch.Tensor:
+        return w.rule.fuse([take(prefix + n) for n in w.hf], layout)
 
-    out = {
-        "embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
-        "decoder.final_layernorm.weight": take("model.norm.weight"),
-    }
+    out = {w.megatron: fused(w) for w in (fam.embedding, fam.final_norm)}
     for i in range(layout.num_layers):
-        h, m = _layer_names(i)
-        attn, mlp = h + "self_attn.", h + "mlp."
-        out[m + "input_layernorm.weight"] = take(h + "input_layernorm.weight")
-        out[m + "pre_mlp_layernorm.weight"] = take(h + "post_attention_layernorm.weight")
-        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            *(take(f"{attn}{p}_proj.weight") for p in "qkv"), layout
-        )
-        if layout.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                *(take(f"{attn}{p}_proj.bias") for p in "qkv"), layout
-            )
-        out[m + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
-        )
-        out[m + "mlp.linear_fc2.weight"] = take(mlp + "down_proj.weight")
+        for w in fam.layer_weights(layout):
+            out[f"{MEGATRON_LAYERS}{i}.{w.megatron}"] = fused(w, fam.hf_layer(i))
     if layout.tied_embeddings:
-        used.add("lm_head.weight")  # HF may list the tied weight under both names
+        used.update(fam.output_layer.hf)  # HF may list the tied weight under both names
     else:
-        out["output_layer.weight"] = take("lm_head.weight")
+        out[fam.output_layer.megatron] = fused(fam.output_layer)
     unused = sorted(set(src) - used)
     if unused:
         raise ValueError(f"Hugging Face weights with no Megatron counterpart: {unused[:8]}")
@@ -157,22 +156,20 @@ def megatron_layer_to_hf(
     One layer at a time, so a weight export can convert layer by layer (``megatron_to_hf``
     applies it to every layer).
     """
-    h, m = _layer_names(i)
-    attn, mlp = h + "self_attn.", h + "mlp."
-    out = {
-        h + "input_layernorm.weight": take(m + "input_layernorm.weight"),
-        h + "post_attention_layernorm.weight": take(m + "pre_mlp_layernorm.weight"),
-    }
-    q, k, v = _split_qkv(take(m + "self_attention.linear_qkv.weight"), layout)
-    out |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v}
-    if layout.qkv_bias:
-        q, k, v = _split_qkv(take(m + "self_attention.linear_qkv.bias"), layout)
-        out |= {attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v}
-    out[attn + "o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
-    gate, up = torch.chunk(take(m + "mlp.linear_fc1.weight"), 2, dim=0)
-    out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = gate, up
-    out[mlp + "down_proj.weight"] = take(m + "mlp.linear_fc2.weight")
+    fam = layout.family
+    out: dict[str, torch.Tensor] = {}
+    for w in fam.layer_weights(layout):
+        whole = take(f"{MEGATRON_LAYERS}{i}.{w.megatron}")
+        out |= _hf_of(w, whole, layout, fam.hf_layer(i))
     return out
+
+
+def megatron_global_to_hf(
+    name: str, whole: torch.Tensor, layout: GPTLayout
+) -> dict[str, torch.Tensor]:
+    """The HF tensors of a weight outside the decoder layers (embedding, final norm, output
+    layer) from its whole Megatron tensor."""
+    return _hf_of(layout.family.weight_of(name), whole, layout)
 
 
 def megatron_to_hf(meg: Mapping[str, torch.Tensor], layout: GPTLayout) -> dict[str, torch.Tensor]:
@@ -181,27 +178,20 @@ def megatron_to_hf(meg: Mapping[str, torch.Tensor], layout: GPTLayout) -> dict[s
     Megatron's ``_extra_state`` entries (Transformer Engine / fp8 metadata) carry no weights
     and are skipped.
     """
+    fam = layout.family
     src = {k: v for k, v in meg.items() if not k.endswith("._extra_state")}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise KeyError(f"the Megatron state dict has no {name!r}")
-        used.add(name)
-        return src[name]
-
-    embed = take("embedding.word_embeddings.weight")
-    out = {
-        "model.embed_tokens.weight": embed,
-        "model.norm.weight": take("decoder.final_layernorm.weight"),
-    }
+    take, used = _taker(src, "Megatron")
+    out: dict[str, torch.Tensor] = {}
+    for w in (fam.embedding, fam.final_norm):
+        out |= _hf_of(w, take(w.megatron), layout)
     for i in range(layout.num_layers):
         out |= megatron_layer_to_hf(take, i, layout)
     if layout.tied_embeddings:
-        used.add("output_layer.weight")  # present (and equal) when Megatron lists it anyway
-        out["lm_head.weight"] = embed
+        used.add(fam.output_layer.megatron)  # present (and equal) when Megatron lists it anyway
+        embed = out[fam.embedding.hf[0]]
+        out |= dict.fromkeys(fam.output_layer.hf, embed)
     else:
-        out["lm_head.weight"] = take("output_layer.weight")
+        out |= _hf_of(fam.output_layer, take(fam.output_layer.megatron), layout)
     unused = sorted(set(src) - used)
     if unused:
         raise ValueError(f"Megatron weights with no Hugging Face counterpart: {unused[:8]}")
@@ -210,30 +200,7 @@ def megatron_to_hf(meg: Mapping[str, torch.Tensor], layout: GPTLayout) -> dict[s
 
 # -- tensor and pipeline parallelism ---------------------------------------------------------
 #
-# How Megatron's layers split a whole (TP=1) tensor over ``tp`` ranks, rank r taking part r:
-#
-# * column parallel (output rows split): ``linear_qkv`` weight and bias, ``linear_fc1``, the
-#   vocab-parallel ``word_embeddings`` and ``output_layer``. The per-group QKV rows above make
-#   a plain split of ``linear_qkv`` give each rank whole key/value groups (num_kv_heads must
-#   divide by tp). ``linear_fc1`` is ``[gate; up]`` on every rank, so gate and up are each split
-#   and rank r holds ``[gate_r; up_r]``. The vocabulary is first padded with zero rows to a
-#   multiple of tp (the model's logits of those rows must be masked out: they are not tokens).
-# * row parallel (input columns split): ``linear_proj`` (o_proj) and ``linear_fc2`` (down_proj).
-# * everything else (the RMSNorm weights) is replicated.
-#
-# Pipeline stage s of pp holds decoder layers ``[s * L/pp, (s+1) * L/pp)``, numbered from 0 in
-# its own state dict; the embedding lives on the first stage and the final norm and output
-# layer on the last. Tied embeddings with pp > 1 give the last stage its own copy of the
-# embedding as ``output_layer.weight`` (the worker keeps the two equal by summing their grads).
-
-_COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias")
-_ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")
-_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """The vocabulary rounded up to a multiple of ``tp`` (vocab-parallel layers need it)."""
-    return -(-vocab_size // tp) * tp
+# How each weight is split over the tensor-parallel ranks is its row's rule (``family.py``).
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -244,51 +211,18 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def _check_tp(layout: GPTLayout, tp: int) -> None:
-    if layout.num_kv_heads % tp:
-        raise ValueError(
-            f"{layout.num_kv_heads} key/value heads do not split over {tp} tensor-parallel ranks"
-        )
-
-
-def _tp_part(name: str, tensor: torch.Tensor, layout: GPTLayout, tp: int, rank: int):
-    if name.endswith(_VOCAB_PARALLEL):
-        vocab = layout.vocab_size or tensor.shape[0]
-        pad = padded_vocab_size(vocab, tp) - tensor.shape[0]
-        if pad:
-            tensor = torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])])
-        return tensor.chunk(tp, dim=0)[rank]
-    if name.endswith(_COLUMN_PARALLEL):
-        return tensor.chunk(tp, dim=0)[rank]
-    if name.endswith(".linear_fc1.weight"):
-        gate, up = tensor.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
-    if name.endswith(_ROW_PARALLEL):
-        return tensor.chunk(tp, dim=1)[rank]
-    return tensor
-
-
-def _tp_whole(name: str, parts: list[torch.Tensor], layout: GPTLayout) -> torch.Tensor:
-    if name.endswith(_VOCAB_PARALLEL):
-        whole = torch.cat(parts)
-        return whole[: layout.vocab_size] if layout.vocab_size else whole
-    if name.endswith(_COLUMN_PARALLEL):
-        return torch.cat(parts)
-    if name.endswith(".linear_fc1.weight"):
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    if name.endswith(_ROW_PARALLEL):
-        return torch.cat(parts, dim=1)
-    return parts[0]
+def tp_whole(name: str, parts: Sequence[torch.Tensor], layout: GPTLayout) -> torch.Tensor:
+    """Megatron tensor ``name`` (any stage's numbering) from every tensor-parallel rank's part."""
+    return layout.family.weight_of(name).rule.join(parts, layout)
 
 
 def _to_stage(name: str, layers: range) -> str | None:
     """The name of whole-model weight ``name`` on the stage holding ``layers`` (None: absent)."""
-    if name.startswith("decoder.layers."):
-        index, rest = name[len("decoder.layers.") :].split(".", 1)
+    if name.startswith(MEGATRON_LAYERS):
+        index, rest = name[len(MEGATRON_LAYERS) :].split(".", 1)
         if int(index) not in layers:
             return None
-        return f"decoder.layers.{int(index) - layers.start}.{rest}"
+        return f"{MEGATRON_LAYERS}{int(index) - layers.start}.{rest}"
     return name
 
 
@@ -307,26 +241,22 @@ def shard_megatron(
     ``GPTModel`` (built with ``pre_process``/``post_process`` for its stage); its tensors are
     views or fresh copies of ``full``'s, never modified in place.
     """
-    _check_tp(layout, tp)
+    layout.check_tp(tp)
+    fam = layout.family
     layers = stage_layers(layout.num_layers, pp, pp_rank)
     first, last = pp_rank == 0, pp_rank == pp - 1
     out = {}
     for name, tensor in full.items():
-        if name.startswith("embedding.") and not first:
+        if name == fam.embedding.megatron and not first:
             continue
-        if name.startswith(("decoder.final_layernorm.", "output_layer.")) and not last:
+        if name in (fam.final_norm.megatron, fam.output_layer.megatron) and not last:
             continue
         local = _to_stage(name, layers)
         if local is not None:
-            out[local] = _tp_part(name, tensor, layout, tp, tp_rank)
+            out[local] = fam.weight_of(name).rule.part(tensor, layout, tp, tp_rank)
     if layout.tied_embeddings and last and not first:
-        out["output_layer.weight"] = _tp_part(
-            "embedding.word_embeddings.weight",
-            full["embedding.word_embeddings.weight"],
-            layout,
-            tp,
-            tp_rank,
-        )
+        embed = full[fam.embedding.megatron]
+        out[fam.output_layer.megatron] = fam.embedding.rule.part(embed, layout, tp, tp_rank)
     return out
 
 
@@ -347,11 +277,12 @@ def unshard_megatron(
         offset = stage_layers(layout.num_layers, pp, stage).start
         tied_copy = layout.tied_embeddings and stage > 0
         for name in row[0]:
-            if name.endswith("._extra_state") or (tied_copy and name == "output_layer.weight"):
+            copy = tied_copy and name == layout.family.output_layer.megatron
+            if name.endswith("._extra_state") or copy:
                 continue
-            whole = _tp_whole(name, [shard[name] for shard in row], layout)
-            if name.startswith("decoder.layers."):
-                index, rest = name[len("decoder.layers.") :].split(".", 1)
-                name = f"decoder.layers.{int(index) + offset}.{rest}"
+            whole = tp_whole(name, [shard[name] for shard in row], layout)
+            if name.startswith(MEGATRON_LAYERS):
+                index, rest = name[len(MEGATRON_LAYERS) :].split(".", 1)
+                name = f"{MEGATRON_LAYERS}{int(index) + offset}.{rest}"
             out[name] = whole
     return out

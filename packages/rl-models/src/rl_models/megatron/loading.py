@@ -3,9 +3,8 @@
 ``convert.py`` turns a whole HF state dict into a whole Megatron one and then cuts it
 (``shard_megatron``); that needs every weight in memory on every rank. Here the cut comes
 first: ``shard_plan`` lists, for the rank at ``(tp_rank, pp_rank)``, each tensor of its
-``GPTModel`` and the row/column ranges of the HF tensors it is made from. Because Megatron's
-fused QKV rows are grouped per key/value head group and ``linear_fc1`` is ``[gate_r; up_r]``
-on every rank, a rank's piece of a fused tensor is the fusion of the matching *slices* of the
+``GPTModel`` and the chunks of the HF tensors it is made of, read off the family's table
+(``family.py``): a rank's piece of a fused tensor is the fusion of the matching *chunks* of the
 HF tensors (whole key/value groups; one tensor-parallel chunk of gate and of up).
 
 Two sources fill the plan, both handing each finished piece to ``emit`` at once (the caller
@@ -32,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
-from rl_models.megatron.convert import GPTLayout, _fuse_qkv, padded_vocab_size, stage_layers
+from rl_models.megatron.convert import GPTLayout, stage_layers
+from rl_models.megatron.family import MEGATRON_LAYERS, REPLICATED, Rule, Weight, chunk_bounds
 
 #: Receives each finished piece: its name in this rank's ``GPTModel`` and the tensor.
 Emit = Callable[[str, torch.Tensor], None]
@@ -40,32 +40,34 @@ Emit = Callable[[str, torch.Tensor], None]
 
 @dataclass(frozen=True)
 class Part:
-    """Rows ``[rows)`` and columns ``[cols)`` of the HF tensor ``name`` (None: all)."""
+    """Chunk ``index`` of ``count`` along ``dim`` of the HF tensor ``name`` (``torch.chunk``'s
+    split; ``dim`` None: all of it)."""
 
     name: str
-    rows: tuple[int, int] | None = None
-    cols: tuple[int, int] | None = None
+    dim: int | None = None
+    index: int = 0
+    count: int = 1
+
+    def slices(self, shape: tuple[int, ...] | list[int]) -> tuple[slice, ...]:
+        """The index of the part in a tensor of ``shape``."""
+        if self.dim is None:
+            return (slice(None),)
+        lo, hi = chunk_bounds(shape[self.dim], self.count, self.index)
+        return (slice(None),) * self.dim + (slice(lo, hi),)
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None:
-            tensor = tensor[self.rows[0] : self.rows[1]]
-        if self.cols is not None:
-            tensor = tensor[:, self.cols[0] : self.cols[1]]
-        return tensor
+        return tensor if self.dim is None else tensor[self.slices(tensor.shape)]
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One tensor of the rank's ``GPTModel`` and how to make it from HF parts.
-
-    ``kind``: "copy" (the one part as it is), "qkv" (fuse q, k, v parts per key/value group),
-    "cat" (stack the parts' rows: ``[gate_r; up_r]``), "vocab" (the part, padded with
-    ``pad_rows`` zero rows: the vocabulary rounded up to a multiple of tp).
-    """
+    """One tensor of the rank's ``GPTModel`` and how to make it from HF parts: ``rule.fuse``
+    of the parts (under the rank's head counts), then ``pad_rows`` zero rows (the vocabulary
+    rounded up to a multiple of tp)."""
 
     name: str
     parts: tuple[Part, ...]
-    kind: str = "copy"
+    rule: Rule = REPLICATED
     pad_rows: int = 0
 
 
@@ -87,38 +89,10 @@ class LoadStats:
     names_read: list[str] = field(default_factory=list)
 
 
-def _chunk(n: int, tp: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s range of ``torch.chunk(n, tp)`` (what ``shard_megatron`` cuts)."""
-    size = -(-n // tp)
-    start = min(rank * size, n)
-    return start, min(start + size, n)
-
-
-def _local_layout(layout: GPTLayout, tp: int) -> GPTLayout:
-    """The head counts one tensor-parallel rank holds (for fusing its QKV slices)."""
-    return GPTLayout(
-        num_layers=layout.num_layers,
-        num_heads=layout.num_heads // tp,
-        num_kv_heads=layout.num_kv_heads // tp,
-        head_dim=layout.head_dim,
-        tied_embeddings=layout.tied_embeddings,
-        qkv_bias=layout.qkv_bias,
-        vocab_size=layout.vocab_size,
-    )
-
-
-def _vocab_piece(name: str, hf_name: str, vocab: int, tp: int, rank: int) -> Piece:
-    per_rank = padded_vocab_size(vocab, tp) // tp
-    lo = min(rank * per_rank, vocab)
-    hi = min(lo + per_rank, vocab)
-    return Piece(name, (Part(hf_name, (lo, hi)),), "vocab", per_rank - (hi - lo))
-
-
 def shard_plan(
     layout: GPTLayout,
     *,
     vocab_size: int,
-    ffn_size: int,
     tp: int = 1,
     tp_rank: int = 0,
     pp: int = 1,
@@ -128,67 +102,36 @@ def shard_plan(
 
     Names and contents equal ``shard_megatron(hf_to_megatron(hf), layout, ...)`` exactly.
     """
-    if layout.num_kv_heads % tp:
-        raise ValueError(
-            f"{layout.num_kv_heads} key/value heads do not split over {tp} tensor-parallel ranks"
-        )
-    d, hpg = layout.head_dim, layout.heads_per_group
-    groups = layout.num_kv_heads // tp
-    g0, g1 = tp_rank * groups, (tp_rank + 1) * groups
+    layout.check_tp(tp)
+    fam = layout.family
+
+    def piece(name: str, w: Weight, prefix: str = "", hf: tuple[str, ...] | None = None):
+        dim = w.rule.dim
+        parts = tuple(Part(prefix + n, dim, tp_rank, tp) for n in hf or w.hf)
+        return Piece(name, parts, w.rule, w.rule.pad_rows(vocab_size, tp, tp_rank))
+
     first, last = pp_rank == 0, pp_rank == pp - 1
     plan: list[Piece] = []
     if first:
-        embed = "embedding.word_embeddings.weight"
-        plan.append(_vocab_piece(embed, "model.embed_tokens.weight", vocab_size, tp, tp_rank))
-    heads_cols = _chunk(layout.num_heads * d, tp, tp_rank)
-    ffn = _chunk(ffn_size, tp, tp_rank)
+        plan.append(piece(fam.embedding.megatron, fam.embedding))
     for local, i in enumerate(stage_layers(layout.num_layers, pp, pp_rank)):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
-        attn, mlp = h + "self_attn.", h + "mlp."
-        plan.append(Piece(m + "input_layernorm.weight", (Part(h + "input_layernorm.weight"),)))
-        plan.append(
-            Piece(m + "pre_mlp_layernorm.weight", (Part(h + "post_attention_layernorm.weight"),))
-        )
-        for kind in ("weight", "bias") if layout.qkv_bias else ("weight",):
-            qkv = (
-                Part(f"{attn}q_proj.{kind}", (g0 * hpg * d, g1 * hpg * d)),
-                Part(f"{attn}k_proj.{kind}", (g0 * d, g1 * d)),
-                Part(f"{attn}v_proj.{kind}", (g0 * d, g1 * d)),
-            )
-            plan.append(Piece(f"{m}self_attention.linear_qkv.{kind}", qkv, "qkv"))
-        plan.append(
-            Piece(
-                m + "self_attention.linear_proj.weight",
-                (Part(attn + "o_proj.weight", cols=heads_cols),),
-            )
-        )
-        gate_up = (Part(mlp + "gate_proj.weight", ffn), Part(mlp + "up_proj.weight", ffn))
-        plan.append(Piece(m + "mlp.linear_fc1.weight", gate_up, "cat"))
-        down = Part(mlp + "down_proj.weight", cols=ffn)
-        plan.append(Piece(m + "mlp.linear_fc2.weight", (down,)))
+        for w in fam.layer_weights(layout):
+            plan.append(piece(f"{MEGATRON_LAYERS}{local}.{w.megatron}", w, fam.hf_layer(i)))
     if last:
-        plan.append(Piece("decoder.final_layernorm.weight", (Part("model.norm.weight"),)))
+        plan.append(piece(fam.final_norm.megatron, fam.final_norm))
+        out = fam.output_layer
         if not layout.tied_embeddings:
-            plan.append(
-                _vocab_piece("output_layer.weight", "lm_head.weight", vocab_size, tp, tp_rank)
-            )
+            plan.append(piece(out.megatron, out))
         elif not first:  # the last stage's own copy of the tied embedding
-            plan.append(
-                _vocab_piece(
-                    "output_layer.weight", "model.embed_tokens.weight", vocab_size, tp, tp_rank
-                )
-            )
+            plan.append(piece(out.megatron, out, hf=fam.embedding.hf))
     return plan
 
 
 def build_piece(piece: Piece, tensors: list[torch.Tensor], local: GPTLayout) -> torch.Tensor:
-    """The piece from its parts' tensors (in ``piece.parts`` order)."""
-    if piece.kind == "qkv":
-        return _fuse_qkv(*tensors, local)
-    if piece.kind == "cat":
-        return torch.cat(tensors)
-    (tensor,) = tensors
-    if piece.kind == "vocab" and piece.pad_rows:
+    """The piece from its parts' tensors (in ``piece.parts`` order); ``local``: the rank's
+    head counts (``GPTLayout.per_rank``)."""
+    tensor = piece.rule.fuse(tensors, local)
+    if piece.pad_rows:
         tensor = torch.cat([tensor, tensor.new_zeros(piece.pad_rows, *tensor.shape[1:])])
     return tensor.contiguous()
 
@@ -230,8 +173,7 @@ class _SafetensorsFiles:
         if part.name not in self.where:
             raise KeyError(f"{self.path}: the safetensors files have no weight {part.name!r}")
         sliced = self.handles[self.where[part.name]].get_slice(part.name)
-        rows = slice(*part.rows) if part.rows is not None else slice(None)
-        tensor = sliced[rows] if part.cols is None else sliced[rows, slice(*part.cols)]
+        tensor = sliced[part.slices(sliced.get_shape())]
         stats.bytes_read += _nbytes(tensor)
         stats.names_read.append(part.name)
         return tensor
@@ -247,7 +189,7 @@ def load_from_safetensors(
 ) -> LoadStats:
     """Read each piece's parts (slices only) from the files in ``path`` and ``emit`` it."""
     stats = LoadStats()
-    local = _local_layout(layout, tp)
+    local = layout.per_rank(tp)
     with ExitStack() as stack:
         files = _SafetensorsFiles(path, stack)
         for piece in plan:
@@ -281,7 +223,7 @@ def load_from_fresh_init(
     from rl_models.modeling.build import init_weights_by_module
 
     stats = LoadStats()
-    local = _local_layout(layout, tp)
+    local = layout.per_rank(tp)
     pending = list(plan)
     wanted: dict[str, list[Part]] = {}
     for piece in pending:

@@ -7,9 +7,10 @@ Each pipeline stage exports its own layers (the first stage also the embedding, 
 final norm and, unless tied to the embedding, the LM head). Within a stage, one *unit* at a time
 (the embedding, one decoder layer, the final norm, the output layer) is gathered from the
 tensor-parallel ranks onto tensor-parallel rank 0 (``dist.gather``, never to every rank), put
-back together (``convert._tp_whole``) and converted to HF tensors
-(``convert.megatron_layer_to_hf``); the HF tensors are copied into the current bucket and the
-unit is dropped when the next one is gathered. A rank so holds at most one bucket plus one
+back together (``convert.tp_whole``) and converted to HF tensors
+(``convert.megatron_layer_to_hf``; both follow the family's table, ``family.py``); the HF
+tensors are copied into the current bucket and the unit is dropped when the next one is
+gathered. A rank so holds at most one bucket plus one
 layer, never the model. Only tensor-parallel rank 0 of data-parallel replica 0 of each stage
 produces buckets; the other tensor-parallel ranks of replica 0 take part in the gathers; other
 replicas (same weights) do nothing.
@@ -26,7 +27,14 @@ from typing import Any
 
 import torch
 
-from rl_models.megatron.convert import GPTLayout, _tp_whole, megatron_layer_to_hf, stage_layers
+from rl_models.megatron.convert import (
+    GPTLayout,
+    megatron_global_to_hf,
+    megatron_layer_to_hf,
+    stage_layers,
+    tp_whole,
+)
+from rl_models.megatron.family import MEGATRON_LAYERS
 from rl_models.policy.weight_export import Packer
 from rl_models.weight_transfer.buckets import ExportPlan, TensorSpec, pack_planned, plan_buckets
 
@@ -72,36 +80,32 @@ class MegatronWeightExporter:
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
     def _units(self, local: Mapping[str, torch.Tensor]) -> list[_Unit]:
+        fam = self.layout.family
         units = []
         if self.first:
-            units.append(_Unit(("embedding.word_embeddings.weight",), None))
+            units.append(_Unit((fam.embedding.megatron,), None))
         for j, i in enumerate(self.layers):
-            prefix = f"decoder.layers.{j}."
+            prefix = f"{MEGATRON_LAYERS}{j}."
             names = tuple(
                 k for k in local if k.startswith(prefix) and not k.endswith("_extra_state")
             )
             units.append(_Unit(names, i))
         if self.last:
-            units.append(_Unit(("decoder.final_layernorm.weight",), None))
+            units.append(_Unit((fam.final_norm.megatron,), None))
             if not self.layout.tied_embeddings:
-                units.append(_Unit(("output_layer.weight",), None))
+                units.append(_Unit((fam.output_layer.megatron,), None))
         return units
 
     def _convert(self, unit: _Unit, whole: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF tensors of ``unit`` from its whole (tensor-parallel merged) Megatron tensors."""
         if unit.layer is None:
             (name,) = unit.local_names
-            hf_name = {
-                "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-                "decoder.final_layernorm.weight": "model.norm.weight",
-                "output_layer.weight": "lm_head.weight",
-            }[name]
-            return {hf_name: whole[name]}
+            return megatron_global_to_hf(name, whole[name], self.layout)
         offset = self.layers.start
 
         def take(name: str) -> torch.Tensor:
-            j = int(name.split(".")[2]) - offset
-            local = f"decoder.layers.{j}." + name.split(".", 3)[3]
+            index, rest = name[len(MEGATRON_LAYERS) :].split(".", 1)
+            local = f"{MEGATRON_LAYERS}{int(index) - offset}.{rest}"
             if local not in whole:
                 raise KeyError(f"pipeline stage holding layers {self.layers} has no {local!r}")
             return whole[local]
@@ -117,7 +121,7 @@ class MegatronWeightExporter:
         specs, self._owner = [], {}
         for unit in self._units(local):
             meta = {
-                n: _tp_whole(n, [torch.empty_like(local[n], device="meta")] * self.tp, self.layout)
+                n: tp_whole(n, [torch.empty_like(local[n], device="meta")] * self.tp, self.layout)
                 for n in unit.local_names
             }
             for hf_name, t in self._convert(unit, meta).items():
@@ -139,7 +143,7 @@ class MegatronWeightExporter:
         parts = {n: self.gather(local[n].detach().contiguous()) for n in unit.local_names}
         converted: dict[str, torch.Tensor] = {}
         if self.producer:
-            whole = {n: _tp_whole(n, p, self.layout) for n, p in parts.items()}
+            whole = {n: tp_whole(n, p, self.layout) for n, p in parts.items()}
             converted = self._convert(unit, whole)
             if self._dtype is not None:
                 converted = {k: v.to(self._dtype) for k, v in converted.items()}

@@ -138,7 +138,6 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         return shard_plan(
             self.layout,
             vocab_size=self.hf_config.vocab_size,
-            ffn_size=self.hf_config.intermediate_size,
             tp=r.tp,
             tp_rank=r.tp_rank,
             pp=r.pp,
