@@ -4,13 +4,14 @@ and a loss of their own (``loss_fn: {kind: module:Class, kwargs}``)."""
 
 import importlib
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from rl_algorithms import actors, cli
-from rl_algorithms.grpo.steps import make_loss
+from rl_algorithms.grpo.steps import check_batch_fields, logprob_fields, make_loss
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.backends import GENERATION_BACKENDS
 from rl_models.losses import LabelSmoothedNLLLoss
@@ -89,3 +90,76 @@ def test_a_loss_of_ones_own_is_named_like_an_environment(capsys):
     assert "loss_fn.kind: got 'rl_models.losses:Nope'" in capsys.readouterr().err
     # without a kind, loss_fn holds the clipped policy gradient's keys as before
     assert grpo_config("loss_fn.ratio_clip_max=0.3").loss_fn.ratio_clip_max == 0.3
+
+
+class _Loss:
+    def __call__(self, inputs, data, global_valid_seqs, global_valid_toks):
+        raise AssertionError("not called here")
+
+
+class ReadsTheReference(_Loss):
+    def batch_fields(self):
+        return frozenset({"loss_mask", "advantages", "prev_logprobs", "reference_logprobs"})
+
+
+class ReadsTheSampler(_Loss):
+    def batch_fields(self):
+        return frozenset({"loss_mask", "advantages", "generation_logprobs"})
+
+
+class DeclaresAStringInput(_Loss):
+    input_type = "logits"
+
+
+@pytest.fixture
+def losses(monkeypatch):
+    """A module ``my_losses`` of losses of one's own, importable by ``loss_fn.kind``."""
+    module = types.ModuleType("my_losses")
+    for cls in (ReadsTheReference, ReadsTheSampler, DeclaresAStringInput):
+        setattr(module, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, "my_losses", module)
+    return module
+
+
+def test_a_loss_of_ones_own_gets_the_log_probs_it_lists(losses, capsys):
+    config = grpo_config("+loss_fn.kind=my_losses:ReadsTheReference")
+    assert logprob_fields(config) == {"prev_logprobs", "reference_logprobs"}
+    check_batch_fields(make_loss(config), config)  # all of them produced
+    assert logprob_fields(grpo_config("+loss_fn.kind=my_losses:ReadsTheSampler")) == set()
+
+    argv = [*GRPO, "+loss_fn.kind=my_losses:ReadsTheReference", "--print-config"]
+    assert cli.main([*argv, "policy.reference_policy.enabled=false"]) == cli.CONFIG_ERROR_EXIT
+    err = capsys.readouterr().err
+    assert "reads reference_logprobs" in err and "policy.reference_policy.enabled: true" in err
+
+
+def test_an_async_run_needs_a_loss_of_ones_own_that_reads_the_samplers_log_probs(losses, capsys):
+    async_run = [
+        *GRPO,
+        "~policy.model.hf_config",
+        "policy.model.path=/nonexistent",
+        "generation.backend=vllm",
+        "generation.colocated=false",
+        "generation.vllm.async_engine=true",
+        "grpo.async_grpo.enabled=true",
+        "--print-config",
+    ]
+    assert cli.main([*async_run, "+loss_fn.kind=my_losses:ReadsTheReference"]) == 2
+    err = capsys.readouterr().err
+    assert "generation_logprobs" in err and "grpo.async_grpo.enabled" in err
+    assert cli.main([*async_run, "+loss_fn.kind=my_losses:ReadsTheSampler"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("collections:OrderedDict", "'collections:OrderedDict' defines no __call__"),
+        ("my_losses:DeclaresAStringInput", "my_losses:DeclaresAStringInput.input_type is 'logits'"),
+        ("3", "loss_fn.kind: got 3 — expected an import path 'module:Class' of a loss class"),
+    ],
+)
+def test_a_kind_that_is_no_loss_class_is_refused_saying_what_was_expected(
+    losses, capsys, kind, why
+):
+    assert cli.main([*GRPO, f"+loss_fn.kind={kind}", "--print-config"]) == 2
+    assert why in capsys.readouterr().err
