@@ -6,6 +6,7 @@ import importlib
 import sys
 import types
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ import torch
 from rl_algorithms import actors, cli
 from rl_algorithms.grpo.steps import check_batch_fields, logprob_fields, make_loss
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.backends import GENERATION_BACKENDS
+from rl_models.backends import GENERATION_BACKENDS, POLICY_BACKENDS, Backend
 from rl_models.losses import LabelSmoothedNLLLoss
+from rl_models.policy.config import PolicyConfig
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 RECIPE = str(EXAMPLES / "configs" / "grpo_math_cpu.yaml")
@@ -163,3 +165,36 @@ def test_a_kind_that_is_no_loss_class_is_refused_saying_what_was_expected(
 ):
     assert cli.main([*GRPO, f"+loss_fn.kind={kind}", "--print-config"]) == 2
     assert why in capsys.readouterr().err
+
+
+@pytest.fixture
+def plugged_policy():
+    """A policy backend registered beside dtensor and megatron, claiming no capability."""
+
+    class PluggedPolicyConfig(PolicyConfig):
+        backend: Literal["plugged"] = "plugged"
+
+    POLICY_BACKENDS.register(Backend("plugged", PluggedPolicyConfig, "x:Y"))
+    yield
+    POLICY_BACKENDS.unregister("plugged")
+
+
+@pytest.mark.parametrize(
+    ("section", "why"),
+    [
+        ("policy", "the student's log-probs at the teacher's top-k ids"),
+        ("teacher", "the teacher's top-k log-probs"),
+    ],
+)
+def test_top_k_distillation_needs_backends_that_give_what_it_reads(
+    plugged_policy, capsys, section, why
+):
+    argv = ["distill", "--config", str(EXAMPLES / "configs" / "distill_math_cpu.yaml")]
+    argv += ["tokenizer.path=tok", "--print-config"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    for backend in ("plugged", "megatron"):
+        assert cli.main([*argv, f"{section}.backend={backend}"]) == cli.CONFIG_ERROR_EXIT
+        err = capsys.readouterr().err
+        assert why in err and f"{section}.backend: {backend} does not give" in err, err
+        assert "loss_fn.estimator: sampled_token" in err

@@ -166,3 +166,18 @@ def test_a_backend_is_accepted_while_it_is_registered():
         GENERATION_BACKENDS.unregister("literally")
     with pytest.raises(ValueError, match="no generation backend 'literally'"):
         GenerationConfig(backend="literally")
+
+
+def test_a_policy_backend_claims_only_the_capabilities_it_builds():
+    class Plugged(PolicyConfig):
+        backend: Literal["plugged"] = "plugged"
+
+    POLICY_BACKENDS.register(Backend("plugged", Plugged, "x:Y"))
+    try:
+        plugged = PolicyConfig(model=MODEL, train_global_batch_size=2, backend="plugged")
+    finally:
+        POLICY_BACKENDS.unregister("plugged")
+    assert type(plugged) is Plugged
+    assert not plugged.supports_topk_logprobs and not plugged.supports_gathered_logprobs
+    dtensor = PolicyConfig(model=MODEL, train_global_batch_size=2)
+    assert dtensor.supports_topk_logprobs and dtensor.supports_gathered_logprobs

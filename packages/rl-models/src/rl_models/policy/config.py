@@ -397,11 +397,21 @@ class PolicyConfig(BackendConfig):
         pipeline, tensor = self.model_parallel_layout
         return pipeline * tensor
 
+    # What a backend's workers can compute beyond log-probs and logits. A backend claims a
+    # capability by overriding it, so one registered later claims none it has not built;
+    # distillation's config checks read these before any worker starts.
+
     @property
     def supports_topk_logprobs(self) -> bool:
         """Whether the workers can give the ``k`` most likely next tokens' log-probs at every
         position (``Policy.get_topk_logprobs``, a distillation teacher's answer)."""
-        return True
+        return False
+
+    @property
+    def supports_gathered_logprobs(self) -> bool:
+        """Whether the workers can train a loss that reads log-probs at given token ids
+        (``input_type = GatheredLogprobs``: a top-k distillation student's)."""
+        return False
 
     @property
     def lp_micro_batch_size(self) -> int:
@@ -412,6 +422,14 @@ class DTensorPolicyConfig(PolicyConfig):
     """``backend: dtensor``: the Hugging Face model, sharded with FSDP2 over the workers."""
 
     backend: Literal["dtensor"] = "dtensor"
+
+    @property
+    def supports_topk_logprobs(self) -> bool:
+        return True
+
+    @property
+    def supports_gathered_logprobs(self) -> bool:
+        return True
 
 
 class MegatronPolicyConfig(PolicyConfig):
@@ -445,10 +463,6 @@ class MegatronPolicyConfig(PolicyConfig):
     @property
     def model_parallel_layout(self) -> tuple[int, int]:
         return self.megatron.pipeline_parallel_size, self.megatron.tensor_parallel_size
-
-    @property
-    def supports_topk_logprobs(self) -> bool:
-        return False
 
 
 POLICY_BACKENDS.register(
