@@ -181,3 +181,14 @@ def test_a_policy_backend_claims_only_the_capabilities_it_builds():
     assert not plugged.supports_topk_logprobs and not plugged.supports_gathered_logprobs
     dtensor = PolicyConfig(model=MODEL, train_global_batch_size=2)
     assert dtensor.supports_topk_logprobs and dtensor.supports_gathered_logprobs
+
+
+def test_a_backend_names_its_class_module_colon_class_and_its_workers_with_an_env():
+    dtensor = POLICY_BACKENDS.get("dtensor")
+    path = "rl_models.policy.dtensor_worker.DTensorPolicyWorker"
+    assert dtensor.implementation_class_path == path
+    with pytest.raises(ValueError, match=r"'x\.Y' is not an import path 'module:Class'"):
+        Backend("dotted", HfGenerationConfig, "x.Y")
+    with pytest.raises(ValueError, match=r"python_env 'mcore' needs workers"):
+        Backend("mine", HfGenerationConfig, "x:Y", python_env="mcore")
+    assert Backend("mine", HfGenerationConfig, "x:Y", "mcore", workers="x").env_name == "mcore"

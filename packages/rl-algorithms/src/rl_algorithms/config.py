@@ -31,6 +31,7 @@ from rl_algorithms.utils.logger import LoggerConfig
 from rl_data.datasets import DataConfig
 from rl_data.tokenizers import TokenizerConfig
 from rl_distributed.config import ConfigModel
+from rl_models.backends import split_import_path
 from rl_models.interfaces import loss_input_type
 from rl_models.policy.config import OffloadConfig, check_kwargs
 
@@ -55,9 +56,7 @@ def import_path(path: str, key: str | None = None) -> Any:
     """What an import path ``module:Name`` names (an environment's or a loss's ``kind``, a
     backend's class); a ValueError naming the config ``key`` when it cannot be imported."""
     where = f"{key}: " if key else ""
-    module, sep, name = path.partition(":")
-    if not (sep and module and name):
-        raise ValueError(f"{where}{path!r} is not an import path 'module:Class'")
+    module, name = split_import_path(path, key)
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
