@@ -14,6 +14,7 @@ import torch
 from rl_algorithms import actors, cli
 from rl_algorithms.grpo.steps import check_batch_fields, logprob_fields, make_loss
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_distributed.config import ConfigError
 from rl_models.backends import GENERATION_BACKENDS, POLICY_BACKENDS, Backend
 from rl_models.losses import LabelSmoothedNLLLoss
 from rl_models.policy.config import PolicyConfig
@@ -198,3 +199,24 @@ def test_top_k_distillation_needs_backends_that_give_what_it_reads(
         err = capsys.readouterr().err
         assert why in err and f"{section}.backend: {backend} does not give" in err, err
         assert "loss_fn.estimator: sampled_token" in err
+
+
+def test_a_kind_on_the_command_line_keeps_the_files_kwargs(tmp_path, losses):
+    from omegaconf import OmegaConf
+
+    recipe = OmegaConf.load(RECIPE)
+    kind = "rl_models.losses:LabelSmoothedNLLLoss"
+    recipe.loss_fn = {"kind": kind, "kwargs": {"smoothing": 0.25}}
+    path = tmp_path / "own_loss.yaml"
+    OmegaConf.save(recipe, path)
+    algorithm = cli.load_algorithm("grpo")
+    config = cli.build_config(algorithm, ["--config", str(path), "tokenizer.path=tok"])
+    assert config.loss_fn.kwargs == {"smoothing": 0.25}
+    argv = ["--config", str(path), "tokenizer.path=tok", f"loss_fn.kind={kind}"]
+    assert cli.build_config(algorithm, argv).loss_fn.kwargs == {"smoothing": 0.25}
+    # another class: the file's kwargs are checked against it, or dropped
+    other = "loss_fn.kind=my_losses:ReadsTheSampler"
+    with pytest.raises(ConfigError, match="smoothing"):
+        cli.build_config(algorithm, [*argv, other])
+    config = cli.build_config(algorithm, [*argv, other, "~loss_fn.kwargs"])
+    assert config.loss_fn.kind == "my_losses:ReadsTheSampler" and config.loss_fn.kwargs == {}
