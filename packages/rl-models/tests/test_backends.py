@@ -192,3 +192,12 @@ def test_a_backend_names_its_class_module_colon_class_and_its_workers_with_an_en
     with pytest.raises(ValueError, match=r"python_env 'mcore' needs workers"):
         Backend("mine", HfGenerationConfig, "x:Y", python_env="mcore")
     assert Backend("mine", HfGenerationConfig, "x:Y", "mcore", workers="x").env_name == "mcore"
+
+
+def test_policy_help_names_loss_inputs_by_their_classes():
+    from rl_distributed.config import field_description
+
+    for config in (DTensorPolicyConfig, MegatronPolicyConfig):
+        texts = [field_description(config, name) for name in config.model_fields]
+        assert not [t for t in texts if "loss_input_type" in t]
+    assert "input_type = Logits" in field_description(PolicyConfig, "logprob_chunk_size")

@@ -346,7 +346,8 @@ class PolicyConfig(BackendConfig):
     # backward), so no [tokens, vocab] float32 logits exist at once; None: all tokens at once.
     # Both backends; Megatron with tensor parallelism makes [chunk, vocab / tp] logits per rank
     # and all-reduces the log-softmax over the vocabulary shards.
-    # Losses that ask for whole logits (loss_input_type "logits") always get them in full.
+    # Losses that ask for whole logits (input_type = Logits, of rl_models.interfaces) always
+    # get them in full.
     logprob_chunk_size: int | None = Field(1024, ge=1)
     # Losses that read the loss tokens' log-probs only (GRPO's, SFT's): rows of a micro-batch
     # that share their tokens before the first loss token (a GRPO group's prompt) run those
