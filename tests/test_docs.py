@@ -127,6 +127,23 @@ def test_every_relative_link_of_the_readme_leads_to_a_file():
     assert not missing, f"README links to missing files: {missing}"
 
 
+SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
+
+
+def test_every_included_file_is_included_by_a_directive_the_site_reads():
+    # pymdownx.snippets replaces `--8<-- "path"` with the file; a line that is only close to
+    # that form (a formatter's `--8 < --"path"`) is shown as text instead of the file's code.
+    extensions = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^  - pymdownx\.snippets\b", extensions, re.M), "snippets is not enabled"
+    lines = [line for page in DOCS.rglob("*.md") for line in page.read_text().splitlines()]
+    near = [line for line in lines if re.match(r"^-+\s*8\s*<", line)]
+    assert near, "no page includes a file"
+    bad = [line for line in near if not SNIPPET.match(line)]
+    assert not bad, f"include lines the site does not read: {bad}"
+    missing = [line for line in near if not (ROOT / SNIPPET.match(line).group(1)).is_file()]
+    assert not missing, f"include lines naming missing files: {missing}"
+
+
 # -- the config reference -----------------------------------------------------------------------
 
 

@@ -4,16 +4,20 @@ and a loss of their own (``loss_fn: {kind: module:Class, kwargs}``)."""
 
 import importlib
 import sys
+import types
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
 
 from rl_algorithms import actors, cli
-from rl_algorithms.grpo.steps import make_loss
+from rl_algorithms.grpo.steps import check_batch_fields, logprob_fields, make_loss
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.backends import GENERATION_BACKENDS
+from rl_distributed.config import ConfigError
+from rl_models.backends import GENERATION_BACKENDS, POLICY_BACKENDS, Backend
 from rl_models.losses import LabelSmoothedNLLLoss
+from rl_models.policy.config import PolicyConfig
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 RECIPE = str(EXAMPLES / "configs" / "grpo_math_cpu.yaml")
@@ -89,3 +93,130 @@ def test_a_loss_of_ones_own_is_named_like_an_environment(capsys):
     assert "loss_fn.kind: got 'rl_models.losses:Nope'" in capsys.readouterr().err
     # without a kind, loss_fn holds the clipped policy gradient's keys as before
     assert grpo_config("loss_fn.ratio_clip_max=0.3").loss_fn.ratio_clip_max == 0.3
+
+
+class _Loss:
+    def __call__(self, inputs, data, global_valid_seqs, global_valid_toks):
+        raise AssertionError("not called here")
+
+
+class ReadsTheReference(_Loss):
+    def batch_fields(self):
+        return frozenset({"loss_mask", "advantages", "prev_logprobs", "reference_logprobs"})
+
+
+class ReadsTheSampler(_Loss):
+    def batch_fields(self):
+        return frozenset({"loss_mask", "advantages", "generation_logprobs"})
+
+
+class DeclaresAStringInput(_Loss):
+    input_type = "logits"
+
+
+@pytest.fixture
+def losses(monkeypatch):
+    """A module ``my_losses`` of losses of one's own, importable by ``loss_fn.kind``."""
+    module = types.ModuleType("my_losses")
+    for cls in (ReadsTheReference, ReadsTheSampler, DeclaresAStringInput):
+        setattr(module, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, "my_losses", module)
+    return module
+
+
+def test_a_loss_of_ones_own_gets_the_log_probs_it_lists(losses, capsys):
+    config = grpo_config("+loss_fn.kind=my_losses:ReadsTheReference")
+    assert logprob_fields(config) == {"prev_logprobs", "reference_logprobs"}
+    check_batch_fields(make_loss(config), config)  # all of them produced
+    assert logprob_fields(grpo_config("+loss_fn.kind=my_losses:ReadsTheSampler")) == set()
+
+    argv = [*GRPO, "+loss_fn.kind=my_losses:ReadsTheReference", "--print-config"]
+    assert cli.main([*argv, "policy.reference_policy.enabled=false"]) == cli.CONFIG_ERROR_EXIT
+    err = capsys.readouterr().err
+    assert "reads reference_logprobs" in err and "policy.reference_policy.enabled: true" in err
+
+
+def test_an_async_run_needs_a_loss_of_ones_own_that_reads_the_samplers_log_probs(losses, capsys):
+    async_run = [
+        *GRPO,
+        "~policy.model.hf_config",
+        "policy.model.path=/nonexistent",
+        "generation.backend=vllm",
+        "generation.colocated=false",
+        "generation.vllm.async_engine=true",
+        "grpo.async_grpo.enabled=true",
+        "--print-config",
+    ]
+    assert cli.main([*async_run, "+loss_fn.kind=my_losses:ReadsTheReference"]) == 2
+    err = capsys.readouterr().err
+    assert "generation_logprobs" in err and "grpo.async_grpo.enabled" in err
+    assert cli.main([*async_run, "+loss_fn.kind=my_losses:ReadsTheSampler"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("collections:OrderedDict", "'collections:OrderedDict' defines no __call__"),
+        ("my_losses:DeclaresAStringInput", "my_losses:DeclaresAStringInput.input_type is 'logits'"),
+        ("3", "loss_fn.kind: got 3 — expected an import path 'module:Class' of a loss class"),
+    ],
+)
+def test_a_kind_that_is_no_loss_class_is_refused_saying_what_was_expected(
+    losses, capsys, kind, why
+):
+    assert cli.main([*GRPO, f"+loss_fn.kind={kind}", "--print-config"]) == 2
+    assert why in capsys.readouterr().err
+
+
+@pytest.fixture
+def plugged_policy():
+    """A policy backend registered beside dtensor and megatron, claiming no capability."""
+
+    class PluggedPolicyConfig(PolicyConfig):
+        backend: Literal["plugged"] = "plugged"
+
+    POLICY_BACKENDS.register(Backend("plugged", PluggedPolicyConfig, "x:Y"))
+    yield
+    POLICY_BACKENDS.unregister("plugged")
+
+
+@pytest.mark.parametrize(
+    ("section", "why"),
+    [
+        ("policy", "the student's log-probs at the teacher's top-k ids"),
+        ("teacher", "the teacher's top-k log-probs"),
+    ],
+)
+def test_top_k_distillation_needs_backends_that_give_what_it_reads(
+    plugged_policy, capsys, section, why
+):
+    argv = ["distill", "--config", str(EXAMPLES / "configs" / "distill_math_cpu.yaml")]
+    argv += ["tokenizer.path=tok", "--print-config"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    for backend in ("plugged", "megatron"):
+        assert cli.main([*argv, f"{section}.backend={backend}"]) == cli.CONFIG_ERROR_EXIT
+        err = capsys.readouterr().err
+        assert why in err and f"{section}.backend: {backend} does not give" in err, err
+        assert "loss_fn.estimator: sampled_token" in err
+
+
+def test_a_kind_on_the_command_line_keeps_the_files_kwargs(tmp_path, losses):
+    from omegaconf import OmegaConf
+
+    recipe = OmegaConf.load(RECIPE)
+    kind = "rl_models.losses:LabelSmoothedNLLLoss"
+    recipe.loss_fn = {"kind": kind, "kwargs": {"smoothing": 0.25}}
+    path = tmp_path / "own_loss.yaml"
+    OmegaConf.save(recipe, path)
+    algorithm = cli.load_algorithm("grpo")
+    config = cli.build_config(algorithm, ["--config", str(path), "tokenizer.path=tok"])
+    assert config.loss_fn.kwargs == {"smoothing": 0.25}
+    argv = ["--config", str(path), "tokenizer.path=tok", f"loss_fn.kind={kind}"]
+    assert cli.build_config(algorithm, argv).loss_fn.kwargs == {"smoothing": 0.25}
+    # another class: the file's kwargs are checked against it, or dropped
+    other = "loss_fn.kind=my_losses:ReadsTheSampler"
+    with pytest.raises(ConfigError, match="smoothing"):
+        cli.build_config(algorithm, [*argv, other])
+    config = cli.build_config(algorithm, [*argv, other, "~loss_fn.kwargs"])
+    assert config.loss_fn.kind == "my_losses:ReadsTheSampler" and config.loss_fn.kwargs == {}

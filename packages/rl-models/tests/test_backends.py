@@ -166,3 +166,38 @@ def test_a_backend_is_accepted_while_it_is_registered():
         GENERATION_BACKENDS.unregister("literally")
     with pytest.raises(ValueError, match="no generation backend 'literally'"):
         GenerationConfig(backend="literally")
+
+
+def test_a_policy_backend_claims_only_the_capabilities_it_builds():
+    class Plugged(PolicyConfig):
+        backend: Literal["plugged"] = "plugged"
+
+    POLICY_BACKENDS.register(Backend("plugged", Plugged, "x:Y"))
+    try:
+        plugged = PolicyConfig(model=MODEL, train_global_batch_size=2, backend="plugged")
+    finally:
+        POLICY_BACKENDS.unregister("plugged")
+    assert type(plugged) is Plugged
+    assert not plugged.supports_topk_logprobs and not plugged.supports_gathered_logprobs
+    dtensor = PolicyConfig(model=MODEL, train_global_batch_size=2)
+    assert dtensor.supports_topk_logprobs and dtensor.supports_gathered_logprobs
+
+
+def test_a_backend_names_its_class_module_colon_class_and_its_workers_with_an_env():
+    dtensor = POLICY_BACKENDS.get("dtensor")
+    path = "rl_models.policy.dtensor_worker.DTensorPolicyWorker"
+    assert dtensor.implementation_class_path == path
+    with pytest.raises(ValueError, match=r"'x\.Y' is not an import path 'module:Class'"):
+        Backend("dotted", HfGenerationConfig, "x.Y")
+    with pytest.raises(ValueError, match=r"python_env 'mcore' needs workers"):
+        Backend("mine", HfGenerationConfig, "x:Y", python_env="mcore")
+    assert Backend("mine", HfGenerationConfig, "x:Y", "mcore", workers="x").env_name == "mcore"
+
+
+def test_policy_help_names_loss_inputs_by_their_classes():
+    from rl_distributed.config import field_description
+
+    for config in (DTensorPolicyConfig, MegatronPolicyConfig):
+        texts = [field_description(config, name) for name in config.model_fields]
+        assert not [t for t in texts if "loss_input_type" in t]
+    assert "input_type = Logits" in field_description(PolicyConfig, "logprob_chunk_size")

@@ -101,14 +101,18 @@ OWN_CLASS_SECTIONS = ("loss_fn",)
 
 
 def _replaced_by(cfg: Any, layer: Any, overrides: list[str]) -> Any:
-    """``cfg`` without the sections that ``layer`` (a config file) or ``overrides`` give a
-    ``kind`` of their own to."""
+    """``cfg`` without the built-in keys of the sections that ``layer`` (a config file) or
+    ``overrides`` give a ``kind`` of their own to. A section that already names a class of
+    its own (a config file's ``loss_fn: {kind, kwargs}``) is kept: ``loss_fn.kind=...`` on
+    the command line then changes the class and keeps the file's ``kwargs`` (checked against
+    the new class; ``~loss_fn.kwargs`` drops them)."""
     from omegaconf import OmegaConf
 
     for section in OWN_CLASS_SECTIONS:
         in_layer = layer is not None and OmegaConf.select(layer, f"{section}.kind") is not None
         keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
-        if (in_layer or f"{section}.kind" in keys) and section in cfg:
+        own_class = OmegaConf.select(cfg, f"{section}.kind") is not None
+        if (in_layer or f"{section}.kind" in keys) and section in cfg and not own_class:
             cfg.pop(section)
     return cfg
 

@@ -31,6 +31,8 @@ from rl_algorithms.utils.logger import LoggerConfig
 from rl_data.datasets import DataConfig
 from rl_data.tokenizers import TokenizerConfig
 from rl_distributed.config import ConfigModel
+from rl_models.backends import split_import_path
+from rl_models.interfaces import loss_input_type
 from rl_models.policy.config import OffloadConfig, check_kwargs
 
 __all__ = [
@@ -54,9 +56,7 @@ def import_path(path: str, key: str | None = None) -> Any:
     """What an import path ``module:Name`` names (an environment's or a loss's ``kind``, a
     backend's class); a ValueError naming the config ``key`` when it cannot be imported."""
     where = f"{key}: " if key else ""
-    module, sep, name = path.partition(":")
-    if not (sep and module and name):
-        raise ValueError(f"{where}{path!r} is not an import path 'module:Class'")
+    module, name = split_import_path(path, key)
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
@@ -80,11 +80,27 @@ class CustomLossConfig(ConfigModel):
     # Keyword arguments of the class, checked against its constructor.
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("kind")
+    @field_validator("kind", mode="before")
     @classmethod
-    def _a_class(cls, kind: str) -> str:
-        if not isinstance(import_path(kind), type):
-            raise ValueError(f"{kind!r} is not a class")
+    def _a_loss_class(cls, kind: Any) -> str:
+        expected = "expected an import path 'module:Class' of a loss class"
+        if not isinstance(kind, str):
+            raise ValueError(expected)
+        try:
+            loss = import_path(kind)
+        except ValueError as e:
+            raise ValueError(f"{expected} ({e})") from None
+        # The class is built into the loss the workers call, which reads the input its
+        # input_type declares: refuse here what would fail there.
+        if not isinstance(loss, type):
+            raise ValueError(f"{expected} ({kind!r} is not a class)")
+        if not any("__call__" in vars(c) for c in loss.__mro__):
+            raise ValueError(f"{expected} ({kind!r} defines no __call__)")
+        try:
+            loss_input_type(loss)
+        except ValueError as e:
+            wanted = str(e).partition("; ")[2]
+            raise ValueError(f"{kind}.input_type is {loss.input_type!r}; {wanted}") from None
         return kind
 
     @field_validator("kwargs")
@@ -103,6 +119,11 @@ class CustomLossConfig(ConfigModel):
 
     def metrics(self) -> frozenset[str]:
         return frozenset(getattr(self.loss_class(), "METRICS", ()))
+
+    def batch_fields(self) -> frozenset[str]:
+        """The batch fields the loss reads (its ``batch_fields()``; none declared: empty)."""
+        loss = self.build()
+        return frozenset(loss.batch_fields()) if hasattr(loss, "batch_fields") else frozenset()
 
 
 def loss_section(builtin: type[ConfigModel]) -> Any:

@@ -37,6 +37,16 @@ from rl_distributed.config import ConfigModel
 from rl_distributed.venvs import SYSTEM, PythonEnv, define_env, register_worker_env
 
 
+def split_import_path(path: str, key: str | None = None) -> tuple[str, str]:
+    """``(module, name)`` of an import path ``module:Name``, the one convention for classes a
+    config or a backend names; a ValueError naming the config ``key`` when it is not one."""
+    module, sep, name = path.partition(":") if isinstance(path, str) else ("", "", "")
+    if not (sep and module and name):
+        where = f"{key}: " if key else ""
+        raise ValueError(f"{where}{path!r} is not an import path 'module:Class'")
+    return module, name
+
+
 @dataclass(frozen=True)
 class Backend:
     """One backend of a config section."""
@@ -54,9 +64,24 @@ class Backend:
     #: The module (or class path) of its Ray worker classes, which run in ``python_env``.
     workers: str | None = None
 
+    def __post_init__(self) -> None:
+        split_import_path(self.implementation, f"backend {self.name!r}'s implementation")
+        # The environment is where Ray starts the classes under `workers`; with none named,
+        # nothing would run in it.
+        if self.env_name != SYSTEM and self.workers is None:
+            raise ValueError(
+                f"backend {self.name!r}: python_env {self.env_name!r} needs workers (the "
+                "module or class path of the Ray workers that run in it)"
+            )
+
     @property
     def env_name(self) -> str:
         return self.python_env if isinstance(self.python_env, str) else self.python_env.name
+
+    @property
+    def implementation_class_path(self) -> str:
+        """``implementation`` as the dotted class path a Ray worker builder imports."""
+        return ".".join(split_import_path(self.implementation))
 
 
 class BackendRegistry:

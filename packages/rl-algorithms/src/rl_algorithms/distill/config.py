@@ -106,10 +106,11 @@ class MasterConfig(RLMasterConfig):
                 "grpo_loss_fn.reference_policy_kl_penalty > 0 needs "
                 "policy.reference_policy.enabled: true"
             )
-        if self.loss_fn.estimator == "topk" and not self.policy.supports_topk_logprobs:
+        if self.loss_fn.estimator == "topk" and not self.policy.supports_gathered_logprobs:
             raise ValueError(
-                "loss_fn.estimator: topk needs policy.backend: dtensor (the student's log-probs "
-                "at the teacher's top-k ids); use loss_fn.estimator: sampled_token"
+                f"loss_fn.estimator: topk reads the student's log-probs at the teacher's top-k "
+                f"ids, which policy.backend: {self.policy.backend} does not give (dtensor does); "
+                "use loss_fn.estimator: sampled_token"
             )
         if d.grpo_reward and d.num_generations_per_prompt < 2:
             raise ValueError(
@@ -120,7 +121,8 @@ class MasterConfig(RLMasterConfig):
             raise ValueError("distillation.use_dynamic_sampling is not supported; set it to false")
         if self.loss_fn.estimator == "topk" and not self.teacher.supports_topk_logprobs:
             raise ValueError(
-                "loss_fn.estimator: topk needs teacher.backend: dtensor (a Megatron teacher "
-                "gives the sampled tokens' log-probs only: loss_fn.estimator: sampled_token)"
+                f"loss_fn.estimator: topk reads the teacher's top-k log-probs, which "
+                f"teacher.backend: {self.teacher.backend} does not give (dtensor does); use "
+                "loss_fn.estimator: sampled_token (the sampled tokens' log-probs)"
             )
         return self

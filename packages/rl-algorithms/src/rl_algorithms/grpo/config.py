@@ -218,13 +218,17 @@ class RLMasterConfig(RunConfig):
                 f"({rows})"
             )
         loss = getattr(self, "loss_fn", None)
-        if (
-            getattr(loss, "reference_policy_kl_penalty", 0) > 0
-            and not self.policy.reference_policy.enabled
-        ):
-            raise ValueError(
-                "loss_fn.reference_policy_kl_penalty > 0 needs policy.reference_policy.enabled: true"
-            )
+        if not self.policy.reference_policy.enabled:
+            if getattr(loss, "reference_policy_kl_penalty", 0) > 0:
+                raise ValueError(
+                    "loss_fn.reference_policy_kl_penalty > 0 needs "
+                    "policy.reference_policy.enabled: true"
+                )
+            if isinstance(loss, CustomLossConfig) and "reference_logprobs" in loss.batch_fields():
+                raise ValueError(
+                    f"loss_fn.kind {loss.kind!r} reads reference_logprobs (its batch_fields()): "
+                    "set policy.reference_policy.enabled: true"
+                )
         if self.generation.loads_model_from_disk and self.policy.model.path is None:
             raise ValueError(
                 f"generation.backend: {self.generation.backend} loads the model from disk: set "
@@ -312,6 +316,12 @@ def check_async_config(config: Any) -> None:
         raise ValueError(
             "grpo.async_grpo.enabled: true trains on samples from older weights: set "
             "loss_fn.use_importance_sampling_correction: true (its ratios correct for the lag)"
+        )
+    if loss is None and "generation_logprobs" not in config.loss_fn.batch_fields():
+        raise ValueError(
+            f"grpo.async_grpo.enabled: true trains on samples from older weights: the loss "
+            f"loss_fn.kind {config.loss_fn.kind!r} must correct for the lag and list "
+            "generation_logprobs (the sampling policy's log-probs) in its batch_fields()"
         )
     gen = config.generation
     if gen.colocated:

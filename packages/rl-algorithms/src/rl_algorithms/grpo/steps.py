@@ -79,13 +79,16 @@ def single_update_per_batch(config: RLMasterConfig) -> bool:
 def logprob_fields(config: MasterConfig) -> frozenset[str]:
     """The fields ``compute_logprobs`` returns under ``config``: ``prev_logprobs`` for more
     than one optimiser step per batch (pi_old) or for the KL in the returns, the reference's
-    log-probs whenever there is a KL penalty."""
+    log-probs whenever there is a KL penalty; for a loss of your own, either one its
+    ``batch_fields()`` lists."""
     fields = set()
     loss = builtin_loss(config)
     if not single_update_per_batch(config) or (loss is not None and loss.use_kl_in_reward):
         fields.add("prev_logprobs")
     if loss is not None and loss.reference_policy_kl_penalty > 0:
         fields.add("reference_logprobs")
+    if loss is None:
+        fields |= config.loss_fn.batch_fields() & {"prev_logprobs", "reference_logprobs"}
     return frozenset(fields)
 
 

@@ -107,8 +107,8 @@ def _issue(model: type[BaseModel], err: Any) -> ConfigIssue:
             expected = "one of " + ", ".join(repr(c) for c in choices)
         else:
             expected = "one of " + err.get("ctx", {}).get("expected", msg)
-    elif ann is None:
-        expected = msg
+    elif ann is None or msg.startswith("expected "):  # a validator that says what it wants
+        expected = msg.removeprefix("expected ")
     elif kind == "missing" or kind.endswith(("_type", "_parsing")) or kind == "int_from_float":
         expected = _type_name(ann)
     elif msg.startswith("Input should be "):  # constraints: 'greater than 0', ...

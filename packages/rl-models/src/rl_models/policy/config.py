@@ -346,7 +346,8 @@ class PolicyConfig(BackendConfig):
     # backward), so no [tokens, vocab] float32 logits exist at once; None: all tokens at once.
     # Both backends; Megatron with tensor parallelism makes [chunk, vocab / tp] logits per rank
     # and all-reduces the log-softmax over the vocabulary shards.
-    # Losses that ask for whole logits (loss_input_type "logits") always get them in full.
+    # Losses that ask for whole logits (input_type = Logits, of rl_models.interfaces) always
+    # get them in full.
     logprob_chunk_size: int | None = Field(1024, ge=1)
     # Losses that read the loss tokens' log-probs only (GRPO's, SFT's): rows of a micro-batch
     # that share their tokens before the first loss token (a GRPO group's prompt) run those
@@ -397,11 +398,21 @@ class PolicyConfig(BackendConfig):
         pipeline, tensor = self.model_parallel_layout
         return pipeline * tensor
 
+    # What a backend's workers can compute beyond log-probs and logits. A backend claims a
+    # capability by overriding it, so one registered later claims none it has not built;
+    # distillation's config checks read these before any worker starts.
+
     @property
     def supports_topk_logprobs(self) -> bool:
         """Whether the workers can give the ``k`` most likely next tokens' log-probs at every
         position (``Policy.get_topk_logprobs``, a distillation teacher's answer)."""
-        return True
+        return False
+
+    @property
+    def supports_gathered_logprobs(self) -> bool:
+        """Whether the workers can train a loss that reads log-probs at given token ids
+        (``input_type = GatheredLogprobs``: a top-k distillation student's)."""
+        return False
 
     @property
     def lp_micro_batch_size(self) -> int:
@@ -412,6 +423,14 @@ class DTensorPolicyConfig(PolicyConfig):
     """``backend: dtensor``: the Hugging Face model, sharded with FSDP2 over the workers."""
 
     backend: Literal["dtensor"] = "dtensor"
+
+    @property
+    def supports_topk_logprobs(self) -> bool:
+        return True
+
+    @property
+    def supports_gathered_logprobs(self) -> bool:
+        return True
 
 
 class MegatronPolicyConfig(PolicyConfig):
@@ -445,10 +464,6 @@ class MegatronPolicyConfig(PolicyConfig):
     @property
     def model_parallel_layout(self) -> tuple[int, int]:
         return self.megatron.pipeline_parallel_size, self.megatron.tensor_parallel_size
-
-    @property
-    def supports_topk_logprobs(self) -> bool:
-        return False
 
 
 POLICY_BACKENDS.register(

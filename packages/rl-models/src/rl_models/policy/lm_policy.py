@@ -57,10 +57,10 @@ class Policy(PolicyInterface):
     ) -> None:
         self.config = PolicyConfig.model_validate(config)
         self.config.model = materialize(self.config.model)  # a GGUF file: converted once
-        worker_class = self.config.registry.get(self.config.backend).implementation
+        backend = self.config.registry.get(self.config.backend)
         self.worker_group = RayWorkerGroup(
             cluster,
-            RayWorkerBuilder(worker_class.replace(":", "."), self.config.model_dump()),
+            RayWorkerBuilder(backend.implementation_class_path, self.config.model_dump()),
             name_prefix=name_prefix,
             sharding_annotations=worker_sharding(self.config, cluster.world_size()),
         )
