@@ -1,20 +1,15 @@
-"""Isolated, uv-built Python environments for worker groups (see ``registry`` and ``builder``)."""
+"""Isolated, uv-built Python environments for worker groups (see ``registry`` and ``builder``).
+
+Describing environments (the registry) needs nothing but the standard library; building and
+placing them needs Ray. Those names are imported on first use, so a package that only
+registers its environments imports where Ray is not installed (a GPU check, say).
+"""
 
 from __future__ import annotations
 
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group_table
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from rl_distributed.venvs.builder import (
-    EnvBuildError,
-    cache_root,
-    clean_envs,
-    ensure_env,
-    list_envs,
-    rebuild_requested,
-    resolve,
-)
 from rl_distributed.venvs.registry import (
     SYSTEM,
     EnvRegistry,
@@ -24,6 +19,36 @@ from rl_distributed.venvs.registry import (
     register_worker_env,
     registry,
 )
+
+_NEEDS_RAY = {
+    "EnvBuildError": "builder",
+    "cache_root": "builder",
+    "clean_envs": "builder",
+    "ensure_env": "builder",
+    "list_envs": "builder",
+    "rebuild_requested": "builder",
+    "resolve": "builder",
+    "python_per_node": "nodes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NEEDS_RAY:
+        return getattr(import_module(f"rl_distributed.venvs.{_NEEDS_RAY[name]}"), name)
+    raise AttributeError(f"module 'rl_distributed.venvs' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from rl_distributed.venvs.builder import (
+        EnvBuildError,
+        cache_root,
+        clean_envs,
+        ensure_env,
+        list_envs,
+        rebuild_requested,
+        resolve,
+    )
+    from rl_distributed.venvs.nodes import python_per_node
 
 __all__ = [
     "SYSTEM",
@@ -37,47 +62,8 @@ __all__ = [
     "ensure_env",
     "list_envs",
     "python_per_node",
+    "rebuild_requested",
     "register_worker_env",
     "registry",
     "resolve",
 ]
-
-# Rebuilds asked for with RL_REBUILD_ENVS happen once per driver, not once per worker group.
-_rebuilt: set[str] = set()
-
-
-@ray.remote(num_cpus=0)
-def _ensure_on_this_node(env: PythonEnv, rebuild: bool, resolution: str | None) -> str:
-    return ensure_env(env, rebuild=rebuild, resolution=resolution)
-
-
-def python_per_node(env: PythonEnv, placement_groups: list[PlacementGroup]) -> dict[str, str]:
-    """Build ``env`` once on every node holding a bundle; node id -> Python executable.
-
-    Requirements are resolved here, in the driver, once; every node builds from that one
-    resolution, so all of them get the same versions.
-    """
-    nodes = sorted(
-        {
-            node
-            for pg in placement_groups
-            for node in placement_group_table(pg)["bundles_to_node_id"].values()
-        }
-    )
-    rebuild = rebuild_requested(env) and env.name not in _rebuilt
-    resolution = resolve(env)
-    builds = [
-        _ensure_on_this_node.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-        ).remote(env, rebuild, resolution)
-        for node in nodes
-    ]
-    try:
-        pythons = ray.get(builds)
-    except ray.exceptions.RayTaskError as err:
-        if isinstance(err.cause, EnvBuildError):
-            raise err.cause from None  # uv's own output says it all; Ray's wrapper adds noise
-        raise
-    if rebuild:
-        _rebuilt.add(env.name)
-    return dict(zip(nodes, pythons, strict=True))
