@@ -116,16 +116,18 @@ def test_print_config_resolves_without_running(tmp_path, monkeypatch, capsys):
     assert not os.path.exists(tmp_path / "results")
 
 
+# An SFT config that validates without files: a built model and generated data.
+SFT_PRINT_CONFIG = (
+    "sft",
+    "--print-config",
+    "tokenizer.path=tok",
+    "+policy.model.hf_config={model_type: llama}",
+    "+data.train={source: arithmetic, size: 4}",
+)
+
+
 def test_a_key_the_recipe_leaves_out_but_the_model_has_can_be_overridden(capsys):
-    argv = [
-        "sft",
-        "--print-config",
-        "tokenizer.path=tok",
-        "+policy.model.hf_config={model_type: llama}",
-        "+data.train={source: arithmetic, size: 4}",
-        "cluster.ray_num_cpus=3",
-        "logger.wandb.project=demo",
-    ]
+    argv = [*SFT_PRINT_CONFIG, "cluster.ray_num_cpus=3", "logger.wandb.project=demo"]
     assert cli.main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "ray_num_cpus: 3" in out and "project: demo" in out
@@ -152,13 +154,7 @@ def test_a_bad_environment_config_fails_with_the_config(override, expected, caps
 def test_print_config_commented_describes_each_key_and_reads_back_the_same(capsys):
     import yaml
 
-    argv = [
-        "sft",
-        "--print-config",
-        "tokenizer.path=tok",
-        "+policy.model.hf_config={model_type: llama}",
-        "+data.train={source: arithmetic, size: 4}",
-    ]
+    argv = list(SFT_PRINT_CONFIG)
     assert cli.main(argv) == 0, capsys.readouterr().err
     plain = capsys.readouterr().out
     assert cli.main([*argv, "--commented"]) == 0, capsys.readouterr().err
