@@ -20,7 +20,12 @@ from rl_models.generation.config import (
     VllmConfig,
     VllmGenerationConfig,
 )
-from rl_models.policy.config import DTensorPolicyConfig, MegatronPolicyConfig, PolicyConfig
+from rl_models.policy.config import (
+    DTensorPolicyConfig,
+    MegatronPolicyConfig,
+    PolicyConfig,
+    worker_config,
+)
 
 MODEL = {"hf_config": {"model_type": "llama"}}
 
@@ -71,6 +76,18 @@ def test_keys_of_another_backend_are_refused_naming_it_unless_they_hold_its_defa
     with pytest.raises(ValueError, match=r"megatron\.\* settings need backend: megatron"):
         PolicyConfig.model_validate({**policy, "megatron": {"sequence_parallel": True}})
     assert type(PolicyConfig.model_validate({**policy, "megatron": {}})) is DTensorPolicyConfig
+
+
+def test_a_worker_refuses_the_config_of_another_backend():
+    # The Megatron worker handed a dtensor config once failed deep in its constructor.
+    policy = {"model": MODEL, "train_global_batch_size": 2}
+    assert type(worker_config("megatron", {**policy, "backend": "megatron"})) is (
+        MegatronPolicyConfig
+    )
+    with pytest.raises(ValueError, match=r"'megatron' policy worker was given a config for "):
+        worker_config("megatron", policy)
+    with pytest.raises(ValueError, match=r"set policy.backend: dtensor"):
+        worker_config("dtensor", PolicyConfig(backend="megatron", **policy))
 
 
 def test_an_unknown_backend_is_refused_listing_the_known_ones():

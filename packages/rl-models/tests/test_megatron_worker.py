@@ -44,19 +44,19 @@ def call(group: RayWorkerGroup, method: str, **kwargs):
 
 def test_megatron_worker_matches_hf_and_the_dtensor_worker(tiny_llama, tmp_path):
     data = skewed_batch()
-    config = tiny_config(
-        model={"path": tiny_llama, "dtype": "float64"},
-        logprob_micro_batch_size=3,
-        reference_policy={"enabled": True},
-    )
+    model = {"path": tiny_llama, "dtype": "float64"}
+    settings = dict(model=model, logprob_micro_batch_size=3, reference_policy={"enabled": True})
+    config = tiny_config(**settings)  # the DTensor worker's, for the reference step
+    mcore_config = tiny_config(backend="megatron", **settings)
     packed_config = tiny_config(
-        model={"path": tiny_llama, "dtype": "float64"},
+        model=model,
+        backend="megatron",
         sequence_packing={"enabled": True, "max_tokens_per_microbatch": 70},
     )
     cluster = RayVirtualCluster([1], use_gpus=False, max_colocated_worker_groups=2)
     groups = [
         RayWorkerGroup(cluster, RayWorkerBuilder(WORKER, c.model_dump()), name_prefix=name)
-        for c, name in ((config, "mcore"), (packed_config, "mcore-packed"))
+        for c, name in ((mcore_config, "mcore"), (packed_config, "mcore-packed"))
     ]
     plain, packed = groups
     try:
@@ -110,8 +110,9 @@ def test_two_data_parallel_ranks_train_like_one(tiny_llama, tmp_path):
     averaged over ranks, so one step equals the single-process step of the DTensor worker."""
     data = skewed_batch()
     config = tiny_config(model={"path": tiny_llama, "dtype": "float64"})
+    mcore_config = {**config.model_dump(), "backend": "megatron"}
     cluster = RayVirtualCluster([2], use_gpus=False)
-    group = RayWorkerGroup(cluster, RayWorkerBuilder(WORKER, config.model_dump()))
+    group = RayWorkerGroup(cluster, RayWorkerBuilder(WORKER, mcore_config))
     try:
         shards = data.shard_by_batch_size(2, batch_size=config.train_global_batch_size)
         futures = group.run_all_workers_sharded_data(

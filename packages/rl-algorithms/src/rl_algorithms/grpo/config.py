@@ -25,6 +25,7 @@ from rl_algorithms.environments import EnvSection
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_distributed.config import ConfigModel
 from rl_models.generation.config import GenerationConfig
+from rl_models.modeling.precision import generator_dtype
 from rl_models.policy.config import DType, PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("grpo")
@@ -179,8 +180,13 @@ class GRPOPolicyConfig(PolicyConfig):
 class GRPOGenerationConfig(GenerationConfig):
     num_workers: int = Field(1, ge=1)  # generation workers when not colocated
     # The generator's copy of the policy's model in another dtype (e.g. bfloat16 sampling for
-    # a float32 policy: refit casts on the way); None: the policy's dtype.
-    dtype: DType | None = None
+    # a float32 policy: refit casts on the way); None: the policy's dtype. "auto": bfloat16 on
+    # GPUs and on CPUs that compute it natively, the policy's dtype elsewhere.
+    dtype: DType | Literal["auto"] | None = None
+
+    def copy_dtype(self, use_gpus: bool) -> str | None:
+        """The dtype the generator holds the policy in (None: the policy's own)."""
+        return generator_dtype(self.dtype, use_gpus)
 
     def engine_config(self) -> GenerationConfig:
         return GenerationConfig.model_validate(self.model_dump(exclude={"num_workers", "dtype"}))

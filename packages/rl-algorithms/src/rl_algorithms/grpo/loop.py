@@ -59,8 +59,9 @@ def setup_rollout_run(config: RLMasterConfig, name: str, **models: ModelPlan) ->
 
     loop, gen = config.rollout, config.generation
     model = config.policy.model
-    if gen.dtype is not None:
-        model = model.model_copy(update={"dtype": gen.dtype})
+    dtype = gen.copy_dtype(config.cluster.use_gpus)
+    if dtype is not None:
+        model = model.model_copy(update={"dtype": dtype})
     data = DataPlan(
         "prompt",
         rl_collate,

@@ -101,7 +101,8 @@ def refit_if_stale(run: Run) -> dict[str, float]:
     # A generator that samples in a narrower dtype than the policy trains in gets its weights
     # cast on the way: half the bytes to move for a bf16 generator of an fp32 policy.
     gen = run.config.generation
-    dtype = gen.dtype or (gen.model.dtype if gen.model is not None else None)
+    dtype = gen.copy_dtype(run.config.cluster.use_gpus)
+    dtype = dtype or (gen.model.dtype if gen.model is not None else None)
     dtype = dtype if dtype != run.config.policy.model.dtype else None
     stats = refit(run.policy, run.generation, dtype=dtype)
     return {"refit_bytes": float(stats.bytes), "refit_seconds": stats.seconds}

@@ -72,7 +72,7 @@ from rl_models.megatron.weight_export import MegatronWeightExporter, tp_gather_t
 from rl_models.modeling.build import hf_config_of
 from rl_models.policy.base_worker import PolicyWorker, init_distributed, local_device
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE
-from rl_models.policy.config import PolicyConfig
+from rl_models.policy.config import PolicyConfig, worker_config
 from rl_models.policy.weight_export import WeightExportMethods
 
 #: The inputs a loss may declare here, and whether each is the whole logits (``run_pipeline``'s
@@ -88,17 +88,9 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
     """One rank of a Megatron ``GPTModel`` replica (and of its optional reference copy)."""
 
     def __init__(self, config: PolicyConfig | dict[str, Any]) -> None:
-        self.config = PolicyConfig.model_validate(config)
-        if self.config.activation_checkpointing:
-            raise ValueError("activation_checkpointing is not supported by the Megatron worker")
-        if self.config.lora.enabled:
-            raise ValueError("LoRA is not supported by the Megatron worker")
-        for name, on in (
-            ("mixed_precision", self.config.mixed_precision is not None),
-            ("checkpoint.sharded", self.config.checkpoint.sharded),
-        ):
-            if on:  # also refused by PolicyConfig for backend 'megatron'
-                raise ValueError(f"{name} is not supported by the Megatron worker")
+        # The config refuses what this worker does not support (LoRA, activation checkpointing,
+        # mixed precision, sharded checkpoints): see MegatronPolicyConfig.
+        self.config = worker_config("megatron", config)
         self.device = local_device()
         # Alone, outside a worker group, Megatron still wants a process group.
         init_distributed(self.device, always=True)

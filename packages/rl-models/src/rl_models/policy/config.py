@@ -13,6 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from rl_distributed.config import ConfigModel
 from rl_models.backends import POLICY_BACKENDS, Backend, BackendConfig, BackendRegistry
 from rl_models.modeling.config import DType, ModelConfig  # noqa: F401 (DType: re-exported)
+from rl_models.modeling.precision import HalfSetting
 
 
 def check_kwargs(cls: type, kwargs: dict[str, Any], given_by_us: int) -> None:
@@ -360,7 +361,9 @@ class PolicyConfig(BackendConfig):
     activation_checkpointing: bool = False
     # Compute in bfloat16 while the weights, gradients' reduction and optimiser state stay in
     # model.dtype (normally float32): FSDP2's MixedPrecisionPolicy when sharded, autocast alone.
-    mixed_precision: Literal["bfloat16"] | None = None
+    # "auto": bfloat16 where the worker's device computes it natively (GPUs, CPUs with
+    # AVX512-BF16 or AMX), none elsewhere (emulated bfloat16 is several times slower).
+    mixed_precision: HalfSetting | None = None
     reference_policy: ReferencePolicyConfig = Field(default_factory=ReferencePolicyConfig)
     # Log-probs (get_logprobs and logprob losses) of softmax(logits / T): set it to the
     # generator's sampling temperature, so on-policy importance ratios are exactly 1.
@@ -419,6 +422,18 @@ class PolicyConfig(BackendConfig):
         return self.logprob_micro_batch_size or self.train_micro_batch_size
 
 
+def worker_config(backend: str, config: PolicyConfig | dict[str, Any]) -> PolicyConfig:
+    """``config`` validated for a worker of ``backend``; a config naming another backend is
+    refused, since its settings would otherwise be silently ignored by this worker."""
+    config = PolicyConfig.model_validate(config)
+    if config.backend != backend:
+        raise ValueError(
+            f"a {backend!r} policy worker was given a config for backend {config.backend!r}; "
+            f"set policy.backend: {backend} (or start the {config.backend!r} worker)"
+        )
+    return config
+
+
 class DTensorPolicyConfig(PolicyConfig):
     """``backend: dtensor``: the Hugging Face model, sharded with FSDP2 over the workers."""
 
@@ -448,7 +463,8 @@ class MegatronPolicyConfig(PolicyConfig):
             "lora.enabled": self.lora.enabled,
             "activation_checkpointing": self.activation_checkpointing,
             f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
-            "mixed_precision": self.mixed_precision is not None,
+            # "auto" asks for bfloat16 only where it is native: here it is simply never.
+            "mixed_precision": self.mixed_precision == "bfloat16",
             "checkpoint.sharded": self.checkpoint.sharded,
         }
         named = [k for k, on in unsupported.items() if on]

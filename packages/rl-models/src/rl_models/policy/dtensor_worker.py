@@ -29,6 +29,7 @@ from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.interfaces import Logprobs, LossFunction, Scores, loss_input_type
 from rl_models.modeling.build import build_model
+from rl_models.modeling.precision import compute_dtype
 from rl_models.policy import checkpoint, lora, offload
 from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-export)
     PolicyWorker,
@@ -37,7 +38,7 @@ from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-ex
     microbatch_args,
 )
 from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE  # noqa: F401 (re-export)
-from rl_models.policy.config import PolicyConfig
+from rl_models.policy.config import PolicyConfig, worker_config
 from rl_models.policy.forward import (
     LOSS_OUTPUTS,
     ForwardOptions,
@@ -55,13 +56,15 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
     """Holds one rank of the policy (and optionally a frozen reference copy)."""
 
     def __init__(self, config: PolicyConfig | dict[str, Any]) -> None:
-        self.config = PolicyConfig.model_validate(config)
+        self.config = worker_config("dtensor", config)
         self.device = local_device()
         init_distributed(self.device)
         self.dp_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.lora = self.config.lora.enabled
         self.forward_options = ForwardOptions.of(self.config)
+        # None: compute in the weights' dtype ("auto" on a device without native bfloat16).
+        self.compute_dtype = compute_dtype(self.config.mixed_precision, self.device.type)
 
         self.model = self._build_policy()
         self.reference: torch.nn.Module | None = None
@@ -112,11 +115,12 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             self._mesh = init_device_mesh(self.device.type, (self.dp_size,), mesh_dim_names=("dp",))
         mesh = self._mesh
         precision = MixedPrecisionPolicy()
-        if self.config.mixed_precision is not None:
+        if self.compute_dtype is not None:
             # Parameters are all-gathered in the compute dtype (half the traffic); gradients
             # are reduced and kept in the weights' dtype.
-            compute = getattr(torch, self.config.mixed_precision)
-            precision = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+            precision = MixedPrecisionPolicy(
+                param_dtype=self.compute_dtype, reduce_dtype=torch.float32
+            )
         base = model.get_base_model() if self.lora else model
         for layer in getattr(getattr(base, "model", base), "layers", []):
             fully_shard(layer, mesh=mesh, mp_policy=precision)
@@ -124,9 +128,9 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """bfloat16 compute for an unsharded model (FSDP2 casts sharded ones itself)."""
-        if self.config.mixed_precision is None or self.dp_size > 1:
+        if self.compute_dtype is None or self.dp_size > 1:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=getattr(torch, self.config.mixed_precision))
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _dummy_logits(self, model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
