@@ -53,8 +53,10 @@ def sync(session: nox.Session, *args: str) -> None:
     )
 
 
-def pytest(session: nox.Session, *paths: str, marks: str = "not slow") -> None:
-    session.run("python", "-m", "pytest", *paths, "-m", marks, *session.posargs)
+def pytest(
+    session: nox.Session, *paths: str, marks: str = "not slow", options: tuple[str, ...] = ()
+) -> None:
+    session.run("python", "-m", "pytest", *paths, "-m", marks, *options, *session.posargs)
 
 
 for _package in PACKAGES:
@@ -145,7 +147,9 @@ def build_docs(session: nox.Session) -> None:
 def slow(session: nox.Session) -> None:
     """The slow tier of every package, in the full workspace environment."""
     sync(session)
-    pytest(session, "tests", *(f"packages/{p}/tests" for p in PACKAGES), marks="slow")
+    # The slowest tests' times are printed: this tier is what fills CI's time budget.
+    paths = ("tests", *(f"packages/{p}/tests" for p in PACKAGES))
+    pytest(session, *paths, marks="slow", options=("--durations=25",))
 
 
 WITHOUT_TORCH = f"""

@@ -28,13 +28,13 @@ warm-up and is left out. Each timed step's phases against their limits:
     of the generator's dtype. With 32 rows decoding together on two cores this floor is the
     higher one: the machine computes a step's 32 tokens more slowly than it reads the weights.
   The fraction is that floor's seconds over the generation phase's seconds. Bytes and peak
-  follow ``generation.dtype`` (bf16 in the recipe).
+  follow ``generation.dtype`` (``auto`` in the recipe: bf16 where native, else float32).
 - **training**, compute-bound: model FLOPs of the train phase (forward and backward, 6 per
   matmul parameter per token: the decoder stack on a group's shared prompt once, as the
   trainer runs it with ``share_prompt_prefix``, and on every response token; the output layer
   on the response tokens only; attention's own FLOPs, ~2 % here, left out) over its seconds,
   as a fraction of the measured matmul peak of the policy's compute dtype (bf16 autocast in
-  the recipe).
+  the recipe where native).
 - refit and the rest are reported in seconds only.
 
 Prints each fraction, generation's last.
@@ -52,6 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rl_models.modeling.precision import settle_mixed_precision
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mfu import measured_matmul_tflops  # bench/ is not a package: found through sys.path
@@ -155,8 +157,12 @@ def main() -> None:
     samples = groups * config.grpo.num_generations_per_prompt
     # The generator's dtype (None: the policy's weights') and the policy's compute dtype set
     # the bytes read per parameter and which matmul peak applies.
-    gen_dtype = dtype_of(config.generation.dtype, config.policy.model.dtype)
-    train_dtype = dtype_of(config.policy.mixed_precision, config.policy.model.dtype)
+    use_gpus = config.cluster.use_gpus
+    gen_dtype = dtype_of(config.generation.copy_dtype(use_gpus), config.policy.model.dtype)
+    train_dtype = dtype_of(
+        settle_mixed_precision(config.policy.mixed_precision, use_gpus),
+        config.policy.model.dtype,
+    )
     gen_peak = peak[gen_dtype if gen_dtype in peak else torch.float32]
     train_peak = peak[train_dtype if train_dtype in peak else torch.float32]
     width = gen_dtype.itemsize

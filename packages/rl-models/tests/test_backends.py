@@ -86,7 +86,7 @@ def test_a_worker_refuses_the_config_of_another_backend():
     )
     with pytest.raises(ValueError, match=r"'megatron' policy worker was given a config for "):
         worker_config("megatron", policy)
-    with pytest.raises(ValueError, match=r"set policy.backend: dtensor"):
+    with pytest.raises(ValueError, match=r"set the section.s backend: dtensor"):
         worker_config("dtensor", PolicyConfig(backend="megatron", **policy))
 
 

@@ -181,7 +181,8 @@ class GRPOGenerationConfig(GenerationConfig):
     num_workers: int = Field(1, ge=1)  # generation workers when not colocated
     # The generator's copy of the policy's model in another dtype (e.g. bfloat16 sampling for
     # a float32 policy: refit casts on the way); None: the policy's dtype. "auto": bfloat16 on
-    # GPUs and on CPUs that compute it natively, the policy's dtype elsewhere.
+    # GPUs and on CPUs that compute it natively, the policy's dtype elsewhere (vllm.dtype's
+    # own "auto" is another setting: the dtype vLLM loads the model in).
     dtype: DType | Literal["auto"] | None = None
 
     def copy_dtype(self, use_gpus: bool) -> str | None:

@@ -20,7 +20,8 @@ HalfSetting = Literal["bfloat16", "auto"]
 def native_bfloat16(device_type: str) -> bool:
     """Whether ``device_type`` ("cuda", "cpu") of this process computes bfloat16 natively."""
     if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        # Pre-Ampere GPUs (V100, T4) only emulate it, which torch counts by default.
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     if device_type == "cpu":
         # Private helpers, hence looked up: a torch without them is treated as lacking both.
         checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -46,10 +47,29 @@ def compute_dtype(setting: HalfSetting | None, device_type: str) -> torch.dtype 
     return getattr(torch, setting)
 
 
-def generator_dtype(setting: str | None, use_gpus: bool) -> str | None:
-    """The dtype a generator's copy of the policy is held in for ``generation.dtype: setting``
-    (None: the policy's own). ``auto`` is decided by the driver, for the run's devices: GPUs
-    are taken to compute bfloat16, CPUs are asked (the driver's stands for the workers')."""
+def run_has_native_bfloat16(use_gpus: bool) -> bool:
+    """Whether a run's workers compute bfloat16 natively, as the driver can tell: its GPUs when
+    it sees them (a CPU-only head node takes the cluster's GPUs to), else its CPU, which stands
+    for the workers' (the CPU runs this library targets are on one machine)."""
+    if use_gpus:
+        return not torch.cuda.is_available() or native_bfloat16("cuda")
+    return native_bfloat16("cpu")
+
+
+def settle_mixed_precision(
+    setting: HalfSetting | None, use_gpus: bool, supported: bool = True
+) -> HalfSetting | None:
+    """``mixed_precision`` with ``auto`` made concrete for a run, decided once on the driver so
+    that every rank computes alike. ``supported``: whether the backend has mixed precision
+    at all (Megatron here does not: ``auto`` is then its weights' own dtype)."""
     if setting != "auto":
         return setting
-    return "bfloat16" if use_gpus or native_bfloat16("cpu") else None
+    return "bfloat16" if supported and run_has_native_bfloat16(use_gpus) else None
+
+
+def generator_dtype(setting: str | None, use_gpus: bool) -> str | None:
+    """The dtype a generator's copy of the policy is held in for ``generation.dtype: setting``
+    (None: the policy's own), ``auto`` decided as ``settle_mixed_precision`` decides it."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if run_has_native_bfloat16(use_gpus) else None

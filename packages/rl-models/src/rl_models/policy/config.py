@@ -363,6 +363,8 @@ class PolicyConfig(BackendConfig):
     # model.dtype (normally float32): FSDP2's MixedPrecisionPolicy when sharded, autocast alone.
     # "auto": bfloat16 where the worker's device computes it natively (GPUs, CPUs with
     # AVX512-BF16 or AMX), none elsewhere (emulated bfloat16 is several times slower).
+    # Megatron: computes in model.dtype (bf16 over float32 weights is not wired up), so "auto"
+    # there is none and "bfloat16" is refused.
     mixed_precision: HalfSetting | None = None
     reference_policy: ReferencePolicyConfig = Field(default_factory=ReferencePolicyConfig)
     # Log-probs (get_logprobs and logprob losses) of softmax(logits / T): set it to the
@@ -418,6 +420,11 @@ class PolicyConfig(BackendConfig):
         return False
 
     @property
+    def supports_mixed_precision(self) -> bool:
+        """Whether the workers can compute in bfloat16 over weights of ``model.dtype``."""
+        return False
+
+    @property
     def lp_micro_batch_size(self) -> int:
         return self.logprob_micro_batch_size or self.train_micro_batch_size
 
@@ -429,7 +436,7 @@ def worker_config(backend: str, config: PolicyConfig | dict[str, Any]) -> Policy
     if config.backend != backend:
         raise ValueError(
             f"a {backend!r} policy worker was given a config for backend {config.backend!r}; "
-            f"set policy.backend: {backend} (or start the {config.backend!r} worker)"
+            f"set the section's backend: {backend} (or start the {config.backend!r} worker)"
         )
     return config
 
@@ -445,6 +452,10 @@ class DTensorPolicyConfig(PolicyConfig):
 
     @property
     def supports_gathered_logprobs(self) -> bool:
+        return True
+
+    @property
+    def supports_mixed_precision(self) -> bool:
         return True
 
 

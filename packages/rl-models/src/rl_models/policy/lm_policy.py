@@ -21,6 +21,7 @@ from rl_distributed.virtual_cluster import RayVirtualCluster
 from rl_distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
 from rl_models.interfaces import LossFunction, PolicyInterface, TrainResult
 from rl_models.model_files import materialize
+from rl_models.modeling.precision import settle_mixed_precision
 from rl_models.policy.base_worker import (
     Batching,
     batching_kind,
@@ -57,6 +58,16 @@ class Policy(PolicyInterface):
     ) -> None:
         self.config = PolicyConfig.model_validate(config)
         self.config.model = materialize(self.config.model)  # a GGUF file: converted once
+        # "auto" precision is settled here, once, so that every rank computes alike.
+        if self.config.mixed_precision == "auto":
+            settled = settle_mixed_precision(
+                "auto", cluster.use_gpus, self.config.supports_mixed_precision
+            )
+            self.config.mixed_precision = settled
+            logger.info(
+                f"{name_prefix}: mixed_precision auto -> {settled or 'none'} (computes in "
+                f"{settled or self.config.model.dtype})"
+            )
         backend = self.config.registry.get(self.config.backend)
         self.worker_group = RayWorkerGroup(
             cluster,
