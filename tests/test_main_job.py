@@ -28,6 +28,7 @@ def test_rl_grpo_with_no_config_is_the_smollm2_main_job():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # GGUF conversion, Ray, two workers: minutes on a loaded 2-core machine
 def test_main_job_end_to_end_leaves_plot_checkpoint_and_accuracy_line(tmp_path):
     env = {**os.environ, "RL_MODEL_CACHE": str(tmp_path / "models")}  # the GGUF converted anew
     run = subprocess.run(
@@ -46,7 +47,7 @@ def test_main_job_end_to_end_leaves_plot_checkpoint_and_accuracy_line(tmp_path):
         text=True,
         cwd=ROOT,
         env=env,
-        timeout=1200,
+        timeout=840,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     last = run.stdout.strip().splitlines()[-1]
