@@ -68,7 +68,7 @@ def reference(lp, data, c: dict):
             r = torch.exp(seq_log_r) if seq_ratios else torch.exp(lp[b, t] - prev[t])
             if c.get("use_cispo"):
                 # MiniMax-M1: sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi, negated.
-                w_clip = min(max(float(r), 1 - lo_clip), 1 + hi_clip)
+                w_clip = min(max(float(r.detach()), 1 - lo_clip), 1 + hi_clip)
                 term = -w_clip * a * lp[b, t]
             elif c.get("use_sapo"):
                 # SAPO: f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau by the advantage's sign.
@@ -195,6 +195,22 @@ def test_cispo_keeps_a_gradient_on_every_token_and_ppo_does_not():
     assert 0 < m["clip_fraction"] < 1
 
 
+@pytest.mark.parametrize("name, lo, hi", [("cispo", 0.0, 1.28), ("cispo-two-sided", 0.8, 1.3)])
+def test_cispo_clip_fraction_counts_the_clipped_weights(name, lo, hi):
+    """Under CISPO a token is clipped where its weight left [lo, hi], whatever A's sign."""
+    lp, data = toolkit_batch(2)
+    _, m = ClippedPGLossFn(CONFIGS[name])(lp, TrainBatch.from_transport(data), *counts(data))
+    clipped, n = 0, 0
+    for b in range(lp.shape[0]):
+        for t in loss_tokens(data, b):
+            r = math.exp(float(lp[b, t].detach() - data["prev_logprobs"][b, t]))
+            clipped += not lo <= r <= hi
+            n += 1
+    assert clipped > 0
+    assert m["clip_fraction"] == pytest.approx(clipped / n)
+    assert m["probs_ratio_outside_clip_range"] == pytest.approx(clipped / n)
+
+
 @pytest.mark.parametrize("taus", [(1.0, 1.05), (0.3, 3.0)])
 def test_sapo_on_policy_is_the_plain_policy_gradient(taus):
     """At r = 1 the gate's gradient scale 4 p (1 - p) is 1: the gradient is -A grad log pi."""
@@ -221,7 +237,10 @@ def test_sapo_gate_weight_is_the_mean_sigmoid_derivative():
             a = float(data["advantages"][b, t])
             tau = 0.5 if a > 0 else 2.0
             p = 1 / (
-                1 + math.exp(-tau * (math.exp(float(lp[b, t] - data["prev_logprobs"][b, t])) - 1))
+                1
+                + math.exp(
+                    -tau * (math.exp(float(lp[b, t].detach() - data["prev_logprobs"][b, t])) - 1)
+                )
             )
             total += 4 * p * (1 - p)
             n += 1
@@ -240,7 +259,7 @@ def test_mismatch_metrics_match_a_plain_count(seed):
         if data["sample_mask"][b] == 0:
             continue
         n_seq += 1
-        drift = sum(float(gen[b, t] - lp[b, t]) for t in toks) / max(len(toks), 1)
+        drift = sum(float(gen[b, t] - lp[b, t].detach()) for t in toks) / max(len(toks), 1)
         hit = False
         for t in toks:
             n_tok += 1
@@ -259,6 +278,25 @@ def test_mismatch_metrics_match_a_plain_count(seed):
     assert m["is_oob_ratio"] == pytest.approx(oob / n_tok)
     assert m["off_policy_masked_token_fraction"] == pytest.approx(off_tok / n_tok)
     assert m["off_policy_masked_seq_fraction"] == pytest.approx(off_seq / n_seq)
+
+
+def test_off_policy_mask_drops_only_negative_advantages():
+    """Every sequence drifts past delta; only the tokens with A < 0 go (A = 0 and A > 0 stay)."""
+    lp, data = toolkit_batch(0)
+    data["advantages"][5] = 0.0
+    data["generation_logprobs"] = lp.detach() + 1.0  # mean log pi_gen - log pi = 1 > 0.05
+    _, m = ClippedPGLossFn(OFF_POLICY)(lp, TrainBatch.from_transport(data), *counts(data))
+    negative, seqs, n_tok, n_seq = 0, 0, 0, 0
+    for b in range(lp.shape[0]):
+        if data["sample_mask"][b] == 0:
+            continue
+        toks = loss_tokens(data, b)
+        hits = sum(float(data["advantages"][b, t]) < 0 for t in toks)
+        negative, seqs = negative + hits, seqs + (hits > 0)
+        n_tok, n_seq = n_tok + len(toks), n_seq + 1
+    assert 0 < negative < n_tok
+    assert m["off_policy_masked_token_fraction"] == pytest.approx(negative / n_tok)
+    assert m["off_policy_masked_seq_fraction"] == pytest.approx(seqs / n_seq)
 
 
 def test_seq_mask_tis_reports_the_fraction_of_sequences():
@@ -352,14 +390,17 @@ def test_off_policy_mask_reads_the_generators_logprobs():
     "config, match",
     [
         ({"use_cispo": True, "use_sapo": True}, "pick one"),
-        ({"use_cispo": True, "ratio_clip_c": 3.0}, "ratio_clip_c"),
-        ({"use_sapo": True, "ratio_clip_c": 3.0}, "ratio_clip_c"),
-        ({"use_cispo": True, "sequence_level_importance_ratios": True}, "per sequence"),
+        ({"use_cispo": True, "ratio_clip_c": 3.0}, "ratio_clip_c .* not use_cispo"),
+        ({"use_cispo": True, "sequence_level_importance_ratios": True}, "use_cispo .* sequence_"),
+        ({"use_sapo": True, "sequence_level_importance_ratios": True}, "use_sapo .* sequence_"),
+        ({"use_sapo": True, "ratio_clip_c": 3.0}, "ratio_clip_c .* not use_sapo"),
+        ({"use_cispo": True, "ratio_clip_min": 1.5}, "ratio_clip_min must be <= 1 with use_cispo"),
+        ({"off_policy_sequence_mask_delta": -0.1}, "off_policy_sequence_mask_delta"),
         ({"use_cispo": True, "token_level_loss": False}, "token-level"),
         ({"ratio_clip_min": 1.0}, "ratio_clip_min"),
         ({"use_sapo": True, "sapo_tau_neg": 0.0}, "sapo_tau_neg"),
-        ({**ICEPOP, "truncated_importance_sampling_ratio_min": None}, "_ratio_min"),
-        ({**ICEPOP, "truncated_importance_sampling_ratio": None}, "upper bound"),
+        ({**ICEPOP, "truncated_importance_sampling_ratio_min": None}, "needs truncated_imp"),
+        ({**ICEPOP, "truncated_importance_sampling_ratio": None}, "_ratio_min need trunc"),
         ({**ICEPOP, "truncated_importance_sampling_ratio_min": 2.0}, "_ratio_min 2.0"),
         ({**ICEPOP, "use_importance_sampling_correction": False}, "use_importance_sampling"),
         ({**SEQ_MASK, "sequence_level_importance_ratios": True}, "seq-mask-tis"),

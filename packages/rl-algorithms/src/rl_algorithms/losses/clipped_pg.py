@@ -31,7 +31,10 @@ Other objectives replace ``pg`` (both with per-token ratios, ``r = ratio``):
 - ``use_sapo`` (SAPO, Qwen): ``pg = -A * (4 / tau) * sigmoid(tau * (r - 1))`` with ``tau =
   sapo_tau_pos`` where ``A > 0`` and ``sapo_tau_neg`` elsewhere: a soft gate whose gradient,
   ``4 p (1 - p)`` times the unclipped one (``p`` the sigmoid), is exactly it at ``r = 1`` and
-  fades smoothly as the ratio leaves 1, instead of the hard clip's cut.
+  fades smoothly as the ratio leaves 1, instead of the hard clip's cut. The paper's objective
+  is the mean over sequences of each one's token mean: ``token_level_loss: false``.
+
+Neither combines with ``ratio_clip_c`` or ``sequence_level_importance_ratios``.
 
 The generator's weight ``w`` may instead be truncated or masked
 (``truncated_importance_sampling_type``: tis, icepop, seq-mask-tis), and off-policy negative
@@ -122,7 +125,7 @@ class ClippedPGLossConfig(ConfigModel):
     truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
     # Drop the negative-advantage tokens of sequences whose mean log pi_gen - log pi exceeds
     # this (DeepSeek-V3.2's off-policy sequence masking; None, off).
-    off_policy_sequence_mask_delta: float | None = None
+    off_policy_sequence_mask_delta: float | None = Field(None, ge=0)
     # Ratios per sequence, the geometric mean over its tokens (GSPO).
     sequence_level_importance_ratios: bool = False
     # CISPO: a clipped, detached ratio weighting -A * log pi (module docstring).
@@ -149,7 +152,8 @@ class ClippedPGLossConfig(ConfigModel):
     def _consistent(self) -> ClippedPGLossConfig:
         # CISPO only weights by the clipped ratio, so a lower bound of 0 (min 1) is allowed.
         if self.ratio_clip_min > 1 or (self.ratio_clip_min == 1 and not self.use_cispo):
-            raise ValueError(f"ratio_clip_min must be < 1, got {self.ratio_clip_min}")
+            bound = "<= 1 with use_cispo" if self.use_cispo else "< 1 (<= 1 with use_cispo)"
+            raise ValueError(f"ratio_clip_min must be {bound}, got {self.ratio_clip_min}")
         self._check_objectives()
         self._check_truncation()
         if self.constant_length_normalizer is not None and self.token_level_loss is not None:
@@ -169,10 +173,16 @@ class ClippedPGLossConfig(ConfigModel):
     def _check_objectives(self) -> None:
         if self.use_cispo and self.use_sapo:
             raise ValueError("use_cispo and use_sapo are different objectives; pick one")
-        if (self.use_cispo or self.use_sapo) and self.ratio_clip_c is not None:
-            raise ValueError("ratio_clip_c (dual clip) applies to the clipped objective only")
-        if self.use_cispo and self.sequence_level_importance_ratios:
-            raise ValueError("use_cispo weights tokens by their own ratios, not per sequence")
+        objective = "use_cispo" if self.use_cispo else "use_sapo" if self.use_sapo else None
+        if objective is not None and self.ratio_clip_c is not None:
+            raise ValueError(
+                f"ratio_clip_c (dual clip) applies to the clipped objective only, not {objective}"
+            )
+        if objective is not None and self.sequence_level_importance_ratios:
+            raise ValueError(
+                f"{objective} weights each token by its own ratio: it does not combine with "
+                "sequence_level_importance_ratios"
+            )
         if self.use_cispo and self.token_level_loss is False:
             raise ValueError("use_cispo is a token-level loss (token_level_loss: false given)")
 
@@ -184,11 +194,14 @@ class ClippedPGLossConfig(ConfigModel):
         )
         if (kind is not None or lo is not None) and hi is None:
             raise ValueError(
-                "truncated_importance_sampling_type / _ratio_min need "
-                "truncated_importance_sampling_ratio (the upper bound)"
+                "truncated_importance_sampling_type and truncated_importance_sampling_ratio_min "
+                "need truncated_importance_sampling_ratio (the upper bound)"
             )
         if kind in ("icepop", "seq-mask-tis") and lo is None:
-            raise ValueError(f"truncated_importance_sampling_type {kind!r} needs _ratio_min")
+            raise ValueError(
+                f"truncated_importance_sampling_type {kind!r} needs "
+                "truncated_importance_sampling_ratio_min (the lower bound)"
+            )
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(
                 f"truncated_importance_sampling_ratio_min {lo} > truncated_importance_sampling_"
