@@ -22,6 +22,25 @@ numerics differ from the trainer's (``use_importance_sampling_correction``), cap
 ``truncated_importance_sampling_ratio`` (TIS). With ``sequence_level_importance_ratios`` (GSPO)
 both ratios are per sequence: the geometric mean over its tokens, ``exp(mean_t log ratio)``.
 
+Other objectives replace ``pg`` (both with per-token ratios, ``r = ratio``):
+
+- ``use_cispo`` (CISPO, MiniMax-M1): ``pg = -sg(clamp(r, 1 - ratio_clip_min, 1 +
+  ratio_clip_max)) * A * log pi``. The clipped ratio is a detached weight, so every token keeps
+  a REINFORCE gradient ``-w A grad log pi``; clipping bounds its size instead of dropping it.
+  ``ratio_clip_min`` may be 1 here (no lower bound), as CISPO is usually run.
+- ``use_sapo`` (SAPO, Qwen): ``pg = -A * (4 / tau) * sigmoid(tau * (r - 1))`` with ``tau =
+  sapo_tau_pos`` where ``A > 0`` and ``sapo_tau_neg`` elsewhere: a soft gate whose gradient,
+  ``4 p (1 - p)`` times the unclipped one (``p`` the sigmoid), is exactly it at ``r = 1`` and
+  fades smoothly as the ratio leaves 1, instead of the hard clip's cut. The paper's objective
+  is the mean over sequences of each one's token mean: ``token_level_loss: false``.
+
+Neither combines with ``ratio_clip_c`` or ``sequence_level_importance_ratios``.
+
+The generator's weight ``w`` may instead be truncated or masked
+(``truncated_importance_sampling_type``: tis, icepop, seq-mask-tis), and off-policy negative
+sequences dropped (``off_policy_sequence_mask_delta``): see ``mismatch.py``, which also computes the k1 / k3
+generator-trainer KL diagnostics reported whenever the batch has the generator's log-probs.
+
 ``kl`` is the k1, k2 or k3 estimator of KL(pi || pi_ref) per token from ``d = log pi_ref - log
 pi`` (clamped to ``±kl_input_clamp_value``): k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1, each
 then clamped to ``±kl_output_clamp_value``. ``use_on_policy_kl_approximation`` weights it by
@@ -35,6 +54,9 @@ whatever its length). Left out (``null``), it follows the ratios: token-level wi
 ratios (GRPO, DAPO), sample-level with ``sequence_level_importance_ratios``, which is the GSPO
 paper's objective (the mean over sequences of each one's clipped term); GSPO with
 ``token_level_loss: true`` weights each sequence by its length instead.
+``constant_length_normalizer`` (Dr. GRPO) replaces both: the sum of every token's loss divided by the global
+count of samples times that constant (e.g. the maximum response length), so that neither a
+sequence's length nor the batch's token count rescales a token's gradient.
 
 Masking: every position outside the loss tokens (prompt, padding, a sample with
 ``sample_mask`` 0) is replaced by 0 with ``where`` before any ``exp``, so that a value there
@@ -46,6 +68,9 @@ Metrics: ``clip_fraction`` is the fraction of loss tokens where the clipped term
 force (ratio above ``1 + ratio_clip_max`` with a positive advantage, or below ``1 -
 ratio_clip_min`` with a negative one: those tokens have no gradient), as TRL and veRL count it;
 ``probs_ratio_outside_clip_range`` counts every ratio outside the range, whatever the sign.
+Under CISPO ``clip_fraction`` counts the tokens whose weight was clipped (none loses its
+gradient); under SAPO nothing is clipped (both are 0) and ``sapo_gate_weight`` is the mean of
+the gate's gradient scale ``4 p (1 - p)`` (1 on-policy).
 ``sampled_token_entropy`` is the mean of ``-log pi(y_t)`` over the loss tokens: the policy sees
 only its sampled tokens' log-probs here, not its whole distribution, so this is the Monte-Carlo
 estimate of its mean per-token entropy, unbiased when the tokens were sampled from pi itself
@@ -61,6 +86,13 @@ import torch
 from pydantic import Field, model_validator
 
 from rl_algorithms.losses.common import global_count, masked_extreme
+from rl_algorithms.losses.mismatch import (
+    importance_weights,
+    masked,
+    mismatch_diagnostics,
+    off_policy_sequence_keep,
+    per_sequence,
+)
 from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
 from rl_models.interfaces import LossTokenLogprobs, Max, Min
@@ -85,10 +117,28 @@ class ClippedPGLossConfig(ConfigModel):
     use_importance_sampling_correction: bool = False
     # Cap on that importance weight (TIS; None, no cap).
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
+    # What an out-of-bounds generator weight becomes (mismatch.py): clamped ("tis", also when
+    # left out), its token masked ("icepop") or its sequence masked by the geometric-mean
+    # weight ("seq-mask-tis"). The bounds: [ratio_min, truncated_importance_sampling_ratio].
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    # Lower bound of that range (tis: default 0; icepop and seq-mask-tis need it).
+    truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
+    # Drop the negative-advantage tokens of sequences whose mean log pi_gen - log pi exceeds
+    # this (DeepSeek-V3.2's off-policy sequence masking; None, off).
+    off_policy_sequence_mask_delta: float | None = Field(None, ge=0)
     # Ratios per sequence, the geometric mean over its tokens (GSPO).
     sequence_level_importance_ratios: bool = False
+    # CISPO: a clipped, detached ratio weighting -A * log pi (module docstring).
+    use_cispo: bool = False
+    # SAPO: a soft sigmoid gate instead of the clip, its temperature by the advantage's sign.
+    use_sapo: bool = False
+    sapo_tau_pos: float = Field(1.0, gt=0)
+    sapo_tau_neg: float = Field(1.05, gt=0)
     # None: follow the ratios (token-level, or sequence-level for GSPO), see the module docstring
     token_level_loss: bool | None = None
+    # Dr. GRPO: the loss is its token sum over (global samples * this constant), e.g. the
+    # maximum response length (None, off; then token_level_loss decides).
+    constant_length_normalizer: float | None = Field(None, gt=0)
 
     @property
     def token_level(self) -> bool:
@@ -100,8 +150,17 @@ class ClippedPGLossConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ClippedPGLossConfig:
-        if self.ratio_clip_min >= 1:
-            raise ValueError(f"ratio_clip_min must be < 1, got {self.ratio_clip_min}")
+        # CISPO only weights by the clipped ratio, so a lower bound of 0 (min 1) is allowed.
+        if self.ratio_clip_min > 1 or (self.ratio_clip_min == 1 and not self.use_cispo):
+            bound = "<= 1 with use_cispo" if self.use_cispo else "< 1 (<= 1 with use_cispo)"
+            raise ValueError(f"ratio_clip_min must be {bound}, got {self.ratio_clip_min}")
+        self._check_objectives()
+        self._check_truncation()
+        if self.constant_length_normalizer is not None and self.token_level_loss is not None:
+            raise ValueError(
+                "constant_length_normalizer replaces the token/sample normalisation: leave "
+                "token_level_loss out"
+            )
         if (
             self.truncated_importance_sampling_ratio is not None
             and not self.use_importance_sampling_correction
@@ -110,6 +169,49 @@ class ClippedPGLossConfig(ConfigModel):
                 "truncated_importance_sampling_ratio needs use_importance_sampling_correction: true"
             )
         return self
+
+    def _check_objectives(self) -> None:
+        if self.use_cispo and self.use_sapo:
+            raise ValueError("use_cispo and use_sapo are different objectives; pick one")
+        objective = "use_cispo" if self.use_cispo else "use_sapo" if self.use_sapo else None
+        if objective is not None and self.ratio_clip_c is not None:
+            raise ValueError(
+                f"ratio_clip_c (dual clip) applies to the clipped objective only, not {objective}"
+            )
+        if objective is not None and self.sequence_level_importance_ratios:
+            raise ValueError(
+                f"{objective} weights each token by its own ratio: it does not combine with "
+                "sequence_level_importance_ratios"
+            )
+        if self.use_cispo and self.token_level_loss is False:
+            raise ValueError("use_cispo is a token-level loss (token_level_loss: false given)")
+
+    def _check_truncation(self) -> None:
+        kind = self.truncated_importance_sampling_type
+        hi, lo = (
+            self.truncated_importance_sampling_ratio,
+            self.truncated_importance_sampling_ratio_min,
+        )
+        if (kind is not None or lo is not None) and hi is None:
+            raise ValueError(
+                "truncated_importance_sampling_type and truncated_importance_sampling_ratio_min "
+                "need truncated_importance_sampling_ratio (the upper bound)"
+            )
+        if kind in ("icepop", "seq-mask-tis") and lo is None:
+            raise ValueError(
+                f"truncated_importance_sampling_type {kind!r} needs "
+                "truncated_importance_sampling_ratio_min (the lower bound)"
+            )
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(
+                f"truncated_importance_sampling_ratio_min {lo} > truncated_importance_sampling_"
+                f"ratio {hi}"
+            )
+        if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
+            raise ValueError(
+                "seq-mask-tis masks sequences but keeps per-token weights; it does not combine "
+                "with sequence_level_importance_ratios"
+            )
 
 
 def kl_estimate(
@@ -148,15 +250,9 @@ def masked_kl_estimate(
     )
 
 
-def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x`` on the loss tokens, 0 elsewhere (``where``: nothing there can become NaN)."""
-    return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _per_sequence(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` -> each sequence's mean log-ratio over its loss tokens, broadcast back."""
-    mean = (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    return mean[:, None].expand_as(log_ratio)
+# The helpers live in mismatch.py, which needs them too; the old names stay for readers.
+_masked = masked
+_per_sequence = per_sequence
 
 
 class ClippedPGLossFn:
@@ -197,11 +293,19 @@ class ClippedPGLossFn:
         fields = {"advantages"}
         if not self.pi_old_is_current:
             fields.add("prev_logprobs")
-        if cfg.use_importance_sampling_correction or cfg.use_on_policy_kl_approximation:
+        if self._needs_gen():
             fields.add("generation_logprobs")
         if cfg.reference_policy_kl_penalty > 0:
             fields.add("reference_logprobs")
         return frozenset(fields)
+
+    def _needs_gen(self) -> bool:
+        cfg = self.config
+        return (
+            cfg.use_importance_sampling_correction
+            or cfg.use_on_policy_kl_approximation
+            or cfg.off_policy_sequence_mask_delta is not None
+        )
 
     def _need(self, batch: TrainBatch, name: str, width: int, like: torch.Tensor) -> torch.Tensor:
         return batch.need(name, "ClippedPGLossFn", "[B, S]")[:, :width].to(like)
@@ -221,10 +325,9 @@ class ClippedPGLossFn:
             prev = logprobs.detach()
         else:
             prev = self._need(batch, "prev_logprobs", width, logprobs)
-        needs_gen = cfg.use_importance_sampling_correction or cfg.use_on_policy_kl_approximation
         gen = (
             self._need(batch, "generation_logprobs", width, logprobs)
-            if (needs_gen or batch.generation_logprobs is not None)
+            if (self._needs_gen() or batch.generation_logprobs is not None)
             else None
         )
 
@@ -233,20 +336,32 @@ class ClippedPGLossFn:
             log_ratio = _per_sequence(log_ratio, mask)
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
-        pg = torch.maximum(-advantages * ratio, -advantages * clipped)
-        if cfg.ratio_clip_c is not None:
-            dual = torch.minimum(pg, -advantages * cfg.ratio_clip_c)
-            pg = torch.where(advantages < 0, dual, pg)
+        extra: dict[str, float] = {}
+        if cfg.use_cispo:
+            # The weight is detached: the gradient is -w A grad log pi on every token.
+            pg = -advantages * clipped.detach() * _masked(logprobs, mask)
+        elif cfg.use_sapo:
+            pg, gate = self._sapo(ratio, advantages)
+            clipped = ratio  # nothing is clipped
+            extra["sapo_gate_weight"] = gate
+        else:
+            pg = torch.maximum(-advantages * ratio, -advantages * clipped)
+            if cfg.ratio_clip_c is not None:
+                dual = torch.minimum(pg, -advantages * cfg.ratio_clip_c)
+                pg = torch.where(advantages < 0, dual, pg)
 
+        outside = None
         if cfg.use_importance_sampling_correction:
             assert gen is not None
-            is_log = _masked(prev - gen, mask) * mask
-            if cfg.sequence_level_importance_ratios:
-                is_log = _per_sequence(is_log, mask)
-            weight = torch.exp(is_log).detach()
-            if cfg.truncated_importance_sampling_ratio is not None:
-                weight = weight.clamp(max=cfg.truncated_importance_sampling_ratio)
+            weight, outside = importance_weights(prev, gen, mask, cfg)
             pg = pg * weight
+        dropped = None
+        if cfg.off_policy_sequence_mask_delta is not None:
+            assert gen is not None
+            keep, dropped = off_policy_sequence_keep(
+                logprobs, gen, advantages, mask, cfg.off_policy_sequence_mask_delta
+            )
+            pg = pg * keep
 
         per_token = pg
         kl = torch.zeros_like(logprobs)
@@ -261,7 +376,12 @@ class ClippedPGLossFn:
 
         toks = global_count(global_valid_toks, logprobs)
         seqs = global_count(global_valid_seqs, logprobs)
-        if cfg.token_level:
+        if cfg.constant_length_normalizer is not None:
+            divisor = seqs * cfg.constant_length_normalizer
+
+            def reduce(x: torch.Tensor) -> torch.Tensor:
+                return (x * mask).sum() / divisor
+        elif cfg.token_level:
 
             def reduce(x: torch.Tensor) -> torch.Tensor:
                 return (x * mask).sum() / toks
@@ -276,7 +396,34 @@ class ClippedPGLossFn:
         metrics = self._metrics(
             loss, logprobs, ratio, clipped, advantages, kl, prev, gen, mask, toks, reduce
         )
+        if extra:
+            metrics.update({k: float((v * mask).sum() / toks) for k, v in extra.items()})
+        samples = batch.sample_valid_mask().to(logprobs)
+        if outside is not None and cfg.truncated_importance_sampling_type is not None:
+            # Tokens (tis, icepop) or sequences (seq-mask-tis) whose weight was out of bounds.
+            if outside.dim() == 1:
+                metrics["is_oob_ratio"] = float((outside.to(samples) * samples).sum() / seqs)
+            else:
+                metrics["is_oob_ratio"] = float((outside.to(mask) * mask).sum() / toks)
+        if dropped is not None:
+            metrics["off_policy_masked_token_fraction"] = float(((1 - keep) * mask).sum() / toks)
+            metrics["off_policy_masked_seq_fraction"] = float(
+                (dropped.to(samples) * samples).sum() / seqs
+            )
         return loss, metrics
+
+    def _sapo(
+        self, ratio: torch.Tensor, advantages: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SAPO's per-token loss and the gate's gradient scale ``4 p (1 - p)`` (detached)."""
+        cfg = self.config
+        tau = torch.where(
+            advantages > 0,
+            torch.full_like(ratio, cfg.sapo_tau_pos),
+            torch.full_like(ratio, cfg.sapo_tau_neg),
+        )
+        p = torch.sigmoid(tau * (ratio - 1))
+        return -advantages * (4 / tau) * p, (4 * p * (1 - p)).detach()
 
     def _metrics(
         self, loss, logprobs, ratio, clipped, advantages, kl, prev, gen, mask, toks, reduce
@@ -296,7 +443,7 @@ class ClippedPGLossFn:
             "probs_ratio_max": masked_extreme(ratio, mask, Max),
             "probs_ratio_clamped": token_mean(clipped),
             # The clipped term is in force where it is the larger loss (module docstring).
-            "clip_fraction": token_mean((-advantages * clipped > -advantages * ratio).to(ratio)),
+            "clip_fraction": token_mean(self._clip_active(ratio, clipped, advantages)),
             "probs_ratio_outside_clip_range": token_mean((ratio != clipped).to(ratio)),
             # The entropy estimate of the module docstring: -log pi of the sampled tokens.
             "sampled_token_entropy": token_mean(-logprobs),
@@ -305,4 +452,12 @@ class ClippedPGLossFn:
             # Mean of exp|log pi_old - log pi_gen| over tokens: 1 when the trainer and the
             # generator agree exactly on the sampled tokens' probabilities.
             metrics["token_mult_prob_error"] = token_mean(torch.exp((prev - gen).abs()))
+            metrics.update(mismatch_diagnostics(prev, gen, mask, toks))
         return metrics
+
+    def _clip_active(self, ratio, clipped, advantages) -> torch.Tensor:
+        """Where the clip is in force: for CISPO wherever the weight was clipped (the token
+        keeps a gradient), else where the clipped term is the larger loss (no gradient)."""
+        if self.config.use_cispo:
+            return (ratio != clipped).to(ratio)
+        return (-advantages * clipped > -advantages * ratio).to(ratio)
