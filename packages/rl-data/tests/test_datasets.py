@@ -16,6 +16,7 @@ from rl_data.datasets import (
     load_splits,
 )
 from rl_data.errors import DataError
+from rl_data.types import STRING_PROMPT_KEY
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -74,7 +75,7 @@ def test_hf_dataset_saved_to_disk_and_its_splits(tmp_path):
         ChatFileConfig(path=str(tmp_path / "flat"), prompt_key="prompt", env_info_keys=["answer"])
     )
     assert [r["messages"][0]["content"] for r in rows] == ["p0", "p1", "p2", "p3"]
-    assert rows[2]["extra_env_info"] == {"answer": "2"}
+    assert rows[2]["extra_env_info"] == {"answer": "2", STRING_PROMPT_KEY: "p2"}
 
     datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(tmp_path / "dict")
     rows = load_dataset(

@@ -21,6 +21,7 @@ from rl_data.datasets import (
 )
 from rl_data.errors import DataError
 from rl_data.processors import ProcessedDataset
+from rl_data.types import STRING_PROMPT_KEY
 
 
 def write_jsonl(path: Path, rows: list) -> str:
@@ -89,7 +90,9 @@ def test_trl_prompt_only_and_prompt_completion_formats(tmp_path):
     ]
     # every column the messages were not read from reaches the environment
     assert rows[3]["extra_env_info"] == {"ground_truth": "4"}
-    assert rows[0]["extra_env_info"] is None
+    # a prompt that is a string is kept as it is, for reward functions (TRL's standard format)
+    assert rows[0]["extra_env_info"] == {STRING_PROMPT_KEY: "2+2?"}
+    assert rows[1]["extra_env_info"] is None
 
 
 def test_trl_preference_explicit_and_implicit_prompt(tmp_path):
@@ -228,7 +231,7 @@ def test_rename_map_feeds_the_reward_column(tmp_path):
     cfg = ChatFileConfig(path=path, columns={"question": "prompt", "answer": "ground_truth"})
     row = load_dataset(cfg)[0]
     assert row["messages"] == [U("2+2?")]
-    assert row["extra_env_info"] == {"ground_truth": "4"}
+    assert row["extra_env_info"] == {"ground_truth": "4", STRING_PROMPT_KEY: "2+2?"}
     with pytest.raises(DataError, match=r"row 1: column 'solution' of the rename map"):
         load_dataset(ChatFileConfig(path=path, columns={"solution": "ground_truth"}))
     with pytest.raises(ValidationError, match="renames several columns to"):
@@ -270,7 +273,7 @@ def test_rows_are_read_lazily_not_held_in_memory(tmp_path, fmt):
     tracemalloc.start()
     try:
         rows = load_dataset(cfg)  # reads and checks every row once
-        assert rows[n - 1]["extra_env_info"] == {"ground_truth": str(n - 1)}
+        assert rows[n - 1]["extra_env_info"]["ground_truth"] == str(n - 1)
         retained, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

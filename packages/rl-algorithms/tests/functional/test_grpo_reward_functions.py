@@ -33,6 +33,9 @@ def test_the_guides_function_is_short_and_scores_as_it_says(tmp_path):
     contains_answer = load_reward_function(f"{tmp_path / 'my_rewards.py'}:contains_answer")
     completions = [[{"role": "assistant", "content": t}] for t in ("it is 12", "13", "  ")]
     assert contains_answer([[]] * 3, completions, ground_truth=["12"] * 3) == [1.0, 0.0, None]
+    # TRL's standard format: prompts and completions are strings.
+    texts = ["it is 12", "13", "  "]
+    assert contains_answer(["q"] * 3, texts, ground_truth=["12"] * 3) == [1.0, 0.0, None]
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,11 @@ class Message(TypedDict):
 
 
 MessageLog = list[Message]
+# The key of a row's ``extra_env_info`` that keeps its prompt as the dataset wrote it when that
+# was a string (TRL's standard format: a ``prompt`` column of strings, or ``prompt_key``), so
+# that reward functions get strings as TRL gives them; absent for a conversation. Not a column:
+# the reward-functions environment takes it out before the functions see the row's columns.
+STRING_PROMPT_KEY = "_string_prompt"
 # A message's per-token tensors: what is recomputed, cut or left out of what a template sees.
 TENSOR_KEYS = frozenset({"token_ids", "token_loss_mask", "generation_logprobs"})
 

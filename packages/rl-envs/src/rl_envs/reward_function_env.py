@@ -9,16 +9,22 @@ reward_functions``)::
             - {function: math, weight: 1.0}                        # the built-in math reward
             - {name: short, function: my_rewards.py:brevity, weight: 0.1}
 
-Each function is called once per completion, in the verifier pool's processes, under the
-per-sample ``timeout_s``: the isolation rules of the built-in environments (a function that
-hangs costs that sample's value, never the run). A value that is ``None`` (or a timeout, or an
-exception) is left out of the weighted sum. What a function returns is checked: anything but one
-number or ``None`` per completion stops the run, naming the function and the sample, since such
-a function would otherwise train on garbage. So does a function that raises on every sample of a
-batch (a wrong signature, a missing column): a reward of 0 everywhere would say nothing.
+Each function is called once per completion, as TRL calls it (strings for a dataset whose
+prompts are strings, message lists for conversations: see :mod:`rl_envs.reward_functions`), in
+the verifier pool's processes, under the per-sample ``timeout_s``: the isolation rules of the
+built-in environments (a function that hangs costs that sample's value, never the run). A value
+that is ``None`` (or a timeout, or an exception) is left out of the weighted sum. What a
+function returns is checked: anything but one number or ``None`` per completion stops the run,
+naming the function and the sample, since such a function would otherwise train on garbage. So
+does a function that raises on every sample of a batch (a wrong signature, a missing column),
+at once, before anything trains on it; one whose every call times out stops after a few batches
+in a row. A function that gives every sample of a step the same value, or no value at all, is
+warned about once it has done so for ``warn_constant_steps`` steps in a row: its reward
+teaches nothing.
 
 Each function's metrics are logged under its name: ``<name>/mean``, ``<name>/std`` (over its
-non-``None`` values), ``<name>/none_fraction`` and its timeouts and errors.
+non-``None`` values), ``<name>/none_fraction``, ``<name>/constant_steps`` (the steps in a row in
+which it was constant) and its timeouts and errors.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from rl_data.types import MessageLog
+from rl_data.types import STRING_PROMPT_KEY, MessageLog
 from rl_distributed.config import ConfigModel
 from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn, check_required_metadata
 from rl_envs.metrics import OutcomeCounts, reward_metrics
@@ -41,7 +47,9 @@ from rl_envs.reward_functions import (
     ValueStats,
     check_value,
     combine,
+    describe_reference,
     load_reward_function,
+    reference_for,
     required_columns,
     resolve_reference,
 )
@@ -55,7 +63,8 @@ FAILED_BATCHES_TO_STOP = 3
 
 class RewardFunctionSpec(ConfigModel):
     # A built-in name ("math"), "package.module:function" or "path/to/file.py:function" (a
-    # relative path is taken from the directory the run starts in).
+    # relative path is taken from the directory the run starts in); from Python, the function
+    # itself (kept as its import path, or pickled when it has none).
     function: str
     # Its weight in the sum of the functions' rewards.
     weight: float = Field(1.0, allow_inf_nan=False)
@@ -66,8 +75,18 @@ class RewardFunctionSpec(ConfigModel):
     def _default_name(cls, data: Any) -> Any:
         # From the name as written ("math", not the path it stands for).
         if isinstance(data, dict) and data.get("name") is None and "function" in data:
-            data = {**data, "name": str(data["function"]).rpartition(":")[2]}
+            function = data["function"]
+            if callable(function):
+                name = getattr(function, "__name__", type(function).__name__)
+            else:
+                name = str(function).rpartition(":")[2]
+            data = {**data, "name": name}
         return data
+
+    @field_validator("function", mode="before")
+    @classmethod
+    def _callable(cls, function: Any) -> Any:
+        return reference_for(function) if callable(function) else function
 
     @field_validator("function")
     @classmethod
@@ -88,6 +107,9 @@ class RewardFunctionsEnvConfig(VerifierEnvConfig):
     functions: list[RewardFunctionSpec] = Field(min_length=1)
     # Where this config sits in the recipe, for error messages (set by the recipe's loader).
     config_key: str = "reward_functions"
+    # Warn (once per function) when a function has given every sample the same value, or no
+    # value at all, for this many steps in a row: a reward that teaches nothing.
+    warn_constant_steps: int = Field(3, ge=1)
 
     @field_validator("functions")
     @classmethod
@@ -99,11 +121,27 @@ class RewardFunctionsEnvConfig(VerifierEnvConfig):
         return functions
 
 
-def _prompt_and_completion(log: MessageLog) -> tuple[list[dict[str, str]], str]:
-    """The conversation before the last assistant turn (roles and contents only) and that turn."""
+def _prompt_and_completion(
+    log: MessageLog, meta: Mapping[str, Any] | None
+) -> tuple[str | list[dict[str, str]], str, list[int] | None]:
+    """The prompt as the reward functions get it (the dataset's string, if it was one, else the
+    conversation before the last assistant turn, roles and contents only), that turn's text and
+    its token ids (if it has them)."""
     last = max((i for i, m in enumerate(log) if m["role"] == "assistant"), default=len(log))
-    prompt = [{"role": m["role"], "content": m["content"]} for m in log[:last]]
-    return prompt, (log[last]["content"] if last < len(log) else "")
+    prompt: str | list[dict[str, str]] = [
+        {"role": m["role"], "content": m["content"]} for m in log[:last]
+    ]
+    if meta and isinstance(meta.get(STRING_PROMPT_KEY), str):
+        prompt = meta[STRING_PROMPT_KEY]
+    if last == len(log):
+        return prompt, "", None
+    ids = log[last].get("token_ids")
+    return prompt, log[last]["content"], (None if ids is None else [int(t) for t in ids.tolist()])
+
+
+def _columns(meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A row's columns as the functions get them (without the kept string prompt)."""
+    return {k: v for k, v in (meta or {}).items() if k != STRING_PROMPT_KEY}
 
 
 class RewardFunctionsEnvironment(EnvironmentInterface):
@@ -123,6 +161,10 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
         # or timed out): a few such batches in a row stop the run. Counted across batches,
         # because async GRPO scores one group (one prompt's samples) at a time.
         self.failed_batches = {f.name: 0 for f in cfg.functions}
+        # Steps in a row in which a function gave every sample one value or none (and whether
+        # that was warned about).
+        self.constant_steps = {f.name: 0 for f in cfg.functions}
+        self.warned_constant: set[str] = set()
         preload = [m for f in cfg.functions for m in BUILTIN_PRELOAD.get(f.function, ())]
         # Each function is imported when its verifier process starts, under the start-up
         # timeout: a file whose top-level code is slow must not time out every sample instead.
@@ -148,19 +190,25 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
 
     def _where(self, f: int) -> str:
         spec = self.functions[f]
-        return f"{self.cfg.config_key}.functions[{f}] ({spec.name}: {spec.function})"
+        return (
+            f"{self.cfg.config_key}.functions[{f}] ({spec.name}: "
+            f"{describe_reference(spec.function)})"
+        )
 
     def step(
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]
     ) -> EnvironmentReturn:
         check_required_metadata(self, metadata)  # a missing column is no 0 reward
         n = len(message_log_batch)
-        samples = [_prompt_and_completion(log) for log in message_log_batch]
+        samples = [
+            _prompt_and_completion(log, meta)
+            for log, meta in zip(message_log_batch, metadata, strict=True)
+        ]
         # One job per (function, completion): each under its own timeout, spread over the pool.
         jobs = [
-            (spec.function, prompt, completion, dict(meta or {}))
+            (spec.function, prompt, completion, _columns(meta), ids)
             for spec in self.functions
-            for (prompt, completion), meta in zip(samples, metadata, strict=True)
+            for (prompt, completion, ids), meta in zip(samples, metadata, strict=True)
         ]
         outcomes = self._pool.map(jobs)
         values: list[list[float | None]] = []
@@ -168,6 +216,15 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
             mine = outcomes[f * n : (f + 1) * n]
             errors = [(i, o.error) for i, o in enumerate(mine) if o.status == "error"]
             failed = sum(o.status != "ok" for o in mine)
+            if n and len(errors) == n:
+                # It raised on every sample: a mistake in the function (a wrong signature, a
+                # misspelt column), never a reward of 0 to train on. Stop before any training.
+                raise RuntimeError(
+                    f"{self._where(f)} raised on every sample of the batch ({n}), so no reward "
+                    f"can come from it; sample 0 (prompt {_tail(samples[0][0])!r:.200}, "
+                    f"completion {samples[0][1]!r:.200}){_hint(samples[0][0], errors[0][1])}: "
+                    f"{errors[0][1]}"
+                )
             self.failed_batches[spec.name] = (
                 self.failed_batches[spec.name] + 1 if n and failed == n else 0
             )
@@ -176,7 +233,7 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
                 raise RuntimeError(
                     f"{self._where(f)} gave no value for any sample of {FAILED_BATCHES_TO_STOP} "
                     f"batches in a row (it raised or timed out); last batch, sample 0 (prompt "
-                    f"{samples[0][0][-1:]!r:.200}): {cause}"
+                    f"{_tail(samples[0][0])!r:.200}): {cause}"
                 )
             if errors:
                 logger.warning("%s raised on sample %d: %s", self._where(f), *errors[0])
@@ -219,13 +276,54 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
             success_threshold=self.cfg.success_threshold,
         )
         # Each function's values and outcomes since the last metrics call, as steps saw them.
-        for name, values in self.values.items():
+        for f, (name, values) in enumerate(self.values.items()):
+            constant = values.constant()
+            if constant is not None:  # a call without samples (counts only) judges nothing
+                self.constant_steps[name] = self.constant_steps[name] + 1 if constant else 0
+                metrics[f"{name}/constant_steps"] = self.constant_steps[name]
+                self._warn_if_constant(f, values)
             metrics.update({f"{name}/{k}": v for k, v in values.take().items()})
             metrics.update({f"{name}/{k}": v for k, v in self.counts[name].take().items()})
         return batch, metrics
 
+    def _warn_if_constant(self, f: int, values: ValueStats) -> None:
+        name = self.functions[f].name
+        steps = self.constant_steps[name]
+        if steps < self.cfg.warn_constant_steps or name in self.warned_constant:
+            return
+        self.warned_constant.add(name)
+        what = (
+            "no value (None or NaN) for any sample"
+            if values.scored == 0
+            else f"the same value ({values.low:g}) to every sample"
+        )
+        logger.warning(
+            "%s gave %s for %d steps in a row: its reward is constant, so it teaches nothing "
+            "(a function reading a completion in the wrong format, or an always-missing "
+            "column?). Warned once; the metric %s/constant_steps goes on counting.",
+            self._where(f),
+            what,
+            steps,
+            name,
+        )
+
     def shutdown(self) -> None:
         self._pool.shutdown()
+
+
+def _tail(prompt: str | list[dict[str, str]]) -> Any:
+    """The end of a prompt, for messages: a string as it is, a conversation's last message."""
+    return prompt if isinstance(prompt, str) else prompt[-1:]
+
+
+def _hint(prompt: str | list[dict[str, str]], error: str) -> str:
+    """Why a function written for message lists fails on strings, when that is likely."""
+    if isinstance(prompt, str) and error.startswith("TypeError") and "indices" in error:
+        return (
+            "; note: this dataset's prompts are strings, so prompts and completions are given "
+            "as strings (TRL's standard format), not message lists"
+        )
+    return ""
 
 
 def _show(value: float | None) -> str:

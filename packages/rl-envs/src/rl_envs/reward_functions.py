@@ -2,21 +2,31 @@
 
 A reward function is called as TRL's ``GRPOTrainer`` calls the functions in ``reward_funcs``::
 
-    fn(prompts=[...], completions=[...], **columns) -> list[float | None]
+    fn(prompts=[...], completions=[...], completion_ids=[...], **columns) -> list[float | None]
 
-with one entry per completion: ``prompts[i]`` is the conversation before the answer (a list of
-``{"role", "content"}`` messages), ``completions[i]`` the answer in TRL's conversational form
-(``[{"role": "assistant", "content": text}]``), and every column of the row's
-``extra_env_info`` (``ground_truth``, say) as a keyword argument holding one value per
-completion. ``None`` means "this function has no opinion on this completion".
+with one entry per completion, in the format of the dataset's prompts, as TRL does:
+
+- a prompt that is a string in the dataset (TRL's *standard* format: a ``prompt`` column of
+  strings, or the config's ``prompt_key``): ``prompts[i]`` is that string and ``completions[i]``
+  the answer's text;
+- a prompt that is a conversation (*conversational* format: ``prompt`` or ``messages`` holding
+  messages): ``prompts[i]`` is the conversation before the answer (``{"role", "content"}``
+  messages) and ``completions[i]`` is ``[{"role": "assistant", "content": text}]``.
+
+``completion_ids[i]`` (the answer's token ids) is passed to functions that take it or
+``**kwargs``, and every column of the row's ``extra_env_info`` (``ground_truth``, say) as a
+keyword argument holding one value per completion. ``None`` means "this function has no opinion
+on this completion".
 
 A function is named ``"package.module:function"``, ``"path/to/file.py:function"`` or a built-in
-name (:data:`BUILTIN_REWARD_FUNCTIONS`). This module is what verifier processes import (see
-:mod:`rl_envs.pool`), so it stays free of torch and Ray.
+name (:data:`BUILTIN_REWARD_FUNCTIONS`), or given as a Python callable (see
+:func:`reference_for`). This module is what verifier processes import (see :mod:`rl_envs.pool`),
+so it stays free of torch and Ray.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import importlib
@@ -24,6 +34,7 @@ import importlib.util
 import inspect
 import math
 import numbers
+import pickle
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +50,12 @@ BUILTIN_PRELOAD = {"rl_envs.reward_functions:math_reward": ("math_verify",)}
 
 #: The arguments every call gets; any other argument without a default is a dataset column.
 CALL_ARGUMENTS = ("prompts", "completions")
+#: Arguments passed only to a function that names them or takes ``**kwargs`` (as TRL passes
+#: them), so that a function written for ``prompts`` and ``completions`` alone still works.
+OPTIONAL_ARGUMENTS = ("completion_ids",)
+
+#: How a callable that cannot be imported by name travels to the verifier processes.
+PICKLED_PREFIX = "pickled:"
 
 
 def math_reward(
@@ -61,6 +78,35 @@ def completion_text(completion: Any) -> str:
     return completion[-1]["content"]
 
 
+def reference_for(function: Callable[..., Any]) -> str:
+    """A reference naming a Python callable (given from the Python API rather than as a
+    string): ``"package.module:function"`` when the function can be imported by that name, else
+    the function itself, pickled by value (cloudpickle), so that a function defined in a script
+    or a notebook reaches the verifier processes too."""
+    if not callable(function):
+        raise ValueError(f"{function!r} is not callable")
+    module = getattr(function, "__module__", None)
+    qualname = getattr(function, "__qualname__", "")
+    if module and module != "__main__" and "<" not in qualname and "." not in qualname:
+        try:
+            if getattr(importlib.import_module(module), qualname, None) is function:
+                return f"{module}:{qualname}"
+        except Exception:  # not importable where we are: pickle it instead
+            pass
+    import cloudpickle
+
+    data = cloudpickle.dumps(function, protocol=pickle.HIGHEST_PROTOCOL)
+    return PICKLED_PREFIX + base64.urlsafe_b64encode(data).decode("ascii")
+
+
+def describe_reference(ref: str) -> str:
+    """A reference as messages show it (a pickled function by its name, not its bytes)."""
+    if ref.startswith(PICKLED_PREFIX):
+        name = getattr(load_reward_function(ref), "__qualname__", "function")
+        return f"<pickled Python function {name}>"
+    return ref
+
+
 def is_file_reference(ref: str) -> bool:
     """``"dir/file.py:fn"`` names a file; ``"package.module:fn"`` a module."""
     location = ref.rpartition(":")[0]
@@ -70,6 +116,8 @@ def is_file_reference(ref: str) -> bool:
 def resolve_reference(ref: str) -> str:
     """The reference a worker can load from anywhere: a built-in name becomes its import path and
     a file path becomes absolute (Ray workers need not share the driver's working directory)."""
+    if ref.startswith(PICKLED_PREFIX):
+        return ref
     ref = BUILTIN_REWARD_FUNCTIONS.get(ref, ref)
     if ":" not in ref:
         raise ValueError(
@@ -87,6 +135,11 @@ def load_reward_function(ref: str) -> Callable[..., Any]:
     """The function a reference names (see :func:`resolve_reference`), imported once per
     process; a ``ValueError`` saying what is wrong when it cannot be."""
     ref = resolve_reference(ref)
+    if ref.startswith(PICKLED_PREFIX):
+        try:
+            return pickle.loads(base64.urlsafe_b64decode(ref[len(PICKLED_PREFIX) :]))
+        except Exception as e:
+            raise ValueError(f"a pickled reward function could not be loaded: {e!r}") from e
     location, _, name = ref.rpartition(":")
     if is_file_reference(ref):
         path = Path(location)
@@ -131,18 +184,47 @@ def required_columns(function: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(
         p.name
         for p in parameters
-        if p.kind in named and p.default is p.empty and p.name not in CALL_ARGUMENTS
+        if p.kind in named
+        and p.default is p.empty
+        and p.name not in CALL_ARGUMENTS + OPTIONAL_ARGUMENTS
     )
 
 
-def call_reward_function(ref: str, prompt: list[dict], completion: str, columns: dict) -> Any:
-    """One completion's call (what a verifier process runs, under the per-sample timeout):
-    ``fn(prompts=[prompt], completions=[[assistant message]], **{column: [value]})``. The
-    result is returned as it is; :func:`check_value` judges it."""
+@functools.cache
+def _takes(function: Callable[..., Any], argument: str) -> bool:
+    """Whether ``function`` accepts ``argument`` by keyword (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == argument and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in parameters
+    )
+
+
+def call_reward_function(
+    ref: str,
+    prompt: str | list[dict],
+    completion: str,
+    columns: dict,
+    completion_ids: list[int] | None = None,
+) -> Any:
+    """One completion's call (what a verifier process runs, under the per-sample timeout), as
+    TRL makes it: ``fn(prompts=[prompt], completions=[completion], **{column: [value]})``, with
+    the completion as a string when the prompt is one (TRL's standard format) and as
+    ``[{"role": "assistant", "content": completion}]`` when the prompt is a conversation.
+    ``completion_ids`` goes to a function that takes it. The result is returned as it is;
+    :func:`check_value` judges it."""
     function = load_reward_function(ref)
-    message = [{"role": "assistant", "content": completion}]
-    batch_columns = {key: [value] for key, value in columns.items()}
-    return function(prompts=[prompt], completions=[message], **batch_columns)
+    answer: Any = completion
+    if not isinstance(prompt, str):
+        answer = [{"role": "assistant", "content": completion}]
+    kwargs = {key: [value] for key, value in columns.items()}
+    if completion_ids is not None and _takes(function, "completion_ids"):
+        kwargs["completion_ids"] = [completion_ids]
+    return function(prompts=[prompt], completions=[answer], **kwargs)
 
 
 def check_value(result: Any) -> float | None:
@@ -197,6 +279,8 @@ class ValueStats:
     scored: int = 0
     total: float = 0.0
     total_sq: float = 0.0
+    low: float = math.inf
+    high: float = -math.inf
 
     def add(self, values: Sequence[float | None]) -> None:
         for v in values:
@@ -205,6 +289,15 @@ class ValueStats:
                 self.scored += 1
                 self.total += v
                 self.total_sq += v * v
+                self.low = min(self.low, v)
+                self.high = max(self.high, v)
+
+    def constant(self) -> bool | None:
+        """Whether these values say nothing to learn from: every one ``None``, or every one the
+        same number; ``None`` when there are no values."""
+        if not self.count:
+            return None
+        return self.scored == 0 or (self.scored == self.count and self.low == self.high)
 
     def take(self) -> dict[str, float]:
         """``mean`` and ``std`` (population) of the values that were not ``None``, and
@@ -219,4 +312,5 @@ class ValueStats:
             out["std"] = math.sqrt(max(0.0, self.total_sq / self.scored - mean * mean))
         self.count = self.scored = 0
         self.total = self.total_sq = 0.0
+        self.low, self.high = math.inf, -math.inf
         return out

@@ -25,6 +25,7 @@ from rl_data.datasets.procedural import (
     reasoning_gym_task_names,
 )
 from rl_data.errors import DataError
+from rl_data.types import STRING_PROMPT_KEY
 from rl_distributed.config import ConfigModel
 
 DATASET_SOURCES: dict[str, Callable[[Any], RowDataset]] = {
@@ -155,7 +156,7 @@ def require_env_info(rows: RowDataset, needs: Mapping[str | None, Collection[str
             source, n = rows.origin(i)
             raise DataError(
                 f"no column {missing[0]!r}, which task {task!r}'s reward reads (the row has "
-                f"{sorted(info)}); rename the column that holds it with "
+                f"{sorted(k for k in info if k != STRING_PROMPT_KEY)}); rename the column that holds it with "
                 f"columns: {{<its name>: {missing[0]}}}",
                 source,
                 n,

@@ -12,7 +12,9 @@ by their columns:
 
 Or columns named in the config: ``prompt_key`` (the user turn) with ``system_key`` and
 ``response_key``. Every other column goes to ``extra_env_info`` (what the environment and
-reward functions read), unless ``env_info_keys`` picks them.
+reward functions read), unless ``env_info_keys`` picks them. A prompt that is a string (a
+``prompt`` column of strings, or ``prompt_key``) is kept there too, under
+:data:`~rl_data.types.STRING_PROMPT_KEY`, so that reward functions get it as TRL gives it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pydantic import field_validator, model_validator
 from rl_data.datasets.base import FileFormat, Row, RowDataset, check_path, load_file_rows
 from rl_data.errors import BadRowPolicy
 from rl_data.messages import check_messages
+from rl_data.types import STRING_PROMPT_KEY
 from rl_distributed.config import ConfigModel
 
 
@@ -121,9 +124,13 @@ def _trl_row(cfg: ChatFileConfig, record: Row) -> tuple[list[dict[str, Any]], li
 
 def chat_row(cfg: ChatFileConfig, record: Row) -> Row:
     raw_text = False
+    string_prompt = None
     if cfg.prompt_key is None:
         messages, used, raw_text = _trl_row(cfg, record)
+        if used[0] == "prompt" and isinstance(record["prompt"], str):
+            string_prompt = record["prompt"]
     else:
+        string_prompt = _text(record, cfg.prompt_key)
         messages = [{"role": "user", "content": _text(record, cfg.prompt_key)}]
         used = [cfg.prompt_key]
         if cfg.system_key is not None:
@@ -136,6 +143,8 @@ def chat_row(cfg: ChatFileConfig, record: Row) -> Row:
         env_info = {k: v for k, v in record.items() if k not in used} or None
     else:
         env_info = {key: record[key] for key in cfg.env_info_keys} or None
+    if string_prompt is not None:
+        env_info = {**(env_info or {}), STRING_PROMPT_KEY: string_prompt}
     row = {"messages": messages, "extra_env_info": env_info, "task_name": cfg.task_name}
     if raw_text:
         row["raw_text"] = True
