@@ -132,7 +132,9 @@ class ClippedPGLossConfig(ConfigModel):
     use_cispo: bool = False
     # SAPO: a soft sigmoid gate instead of the clip, its temperature by the advantage's sign.
     use_sapo: bool = False
+    # SAPO's gate temperature for tokens with a positive advantage (higher: a sharper gate).
     sapo_tau_pos: float = Field(1.0, gt=0)
+    # SAPO's gate temperature for the others (the paper makes it the larger one).
     sapo_tau_neg: float = Field(1.05, gt=0)
     # None: follow the ratios (token-level, or sequence-level for GSPO), see the module docstring
     token_level_loss: bool | None = None
