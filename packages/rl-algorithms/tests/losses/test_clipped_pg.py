@@ -229,24 +229,14 @@ def test_on_policy_the_ratio_is_one_and_the_gradient_is_the_policy_gradient():
 
 
 @pytest.mark.parametrize("name", ["defaults", "sequence-mean", "gspo-sequence", "kl-k3-clamped"])
-def test_micro_batches_add_up_to_the_whole_batch(name):
+def test_micro_batches_add_up_to_the_whole_batch(name, split_matches_whole):
     """Losses, gradients and metrics of micro-batches (global counts) equal the whole batch's."""
     lp, data = pg_batch(seed=3)
     seqs, toks = global_counts(data)
     loss_fn = ClippedPGLossFn(CONFIGS[name])
-    whole, whole_metrics = loss_fn(lp, TrainBatch.from_transport(data), seqs, toks)
-    (whole_grad,) = torch.autograd.grad(whole, lp)
-
-    total, parts = 0.0, []
-    for start, end in [(0, 1), (1, 4), (4, 6)]:
-        part, m = loss_fn(
-            lp[start:end], TrainBatch.from_transport(data.slice(start, end)), seqs, toks
-        )
-        total = total + part
-        parts.append(m)
-    (split_grad,) = torch.autograd.grad(total, lp)
-    assert total.item() == pytest.approx(whole.item(), rel=1e-12)
-    torch.testing.assert_close(split_grad, whole_grad, rtol=1e-12, atol=1e-14)
+    whole_metrics, parts = split_matches_whole(
+        loss_fn, lp, data, [(0, 1), (1, 4), (4, 6)], seqs, toks
+    )
     additive = ("probs_ratio", "clip_fraction", "token_mult_prob_error", "kl_penalty")
     for key in (*additive, "sampled_token_entropy"):
         assert sum(m[key] for m in parts) == pytest.approx(whole_metrics[key], rel=1e-10)

@@ -252,11 +252,6 @@ def masked_kl_estimate(
     )
 
 
-# The helpers live in mismatch.py, which needs them too; the old names stay for readers.
-_masked = masked
-_per_sequence = per_sequence
-
-
 class ClippedPGLossFn:
     """``loss_fn`` for ``Policy.train`` on GRPO batches (module docstring for the keys)."""
 
@@ -333,15 +328,15 @@ class ClippedPGLossFn:
             else None
         )
 
-        log_ratio = _masked(logprobs - prev, mask) * mask
+        log_ratio = masked(logprobs - prev, mask) * mask
         if cfg.sequence_level_importance_ratios:
-            log_ratio = _per_sequence(log_ratio, mask)
+            log_ratio = per_sequence(log_ratio, mask)
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
         extra: dict[str, float] = {}
         if cfg.use_cispo:
             # The weight is detached: the gradient is -w A grad log pi on every token.
-            pg = -advantages * clipped.detach() * _masked(logprobs, mask)
+            pg = -advantages * clipped.detach() * masked(logprobs, mask)
         elif cfg.use_sapo:
             pg, gate = self._sapo(ratio, advantages)
             clipped = ratio  # nothing is clipped
@@ -370,10 +365,10 @@ class ClippedPGLossFn:
         if cfg.reference_policy_kl_penalty > 0:
             reference = self._need(batch, "reference_logprobs", width, logprobs)
             # Inputs zeroed off the loss tokens (d = 0 there, whose KL is 0 for k1, k2 and k3).
-            kl = kl_estimate(_masked(logprobs, mask), _masked(reference, mask), cfg)
+            kl = kl_estimate(masked(logprobs, mask), masked(reference, mask), cfg)
             if cfg.use_on_policy_kl_approximation:
                 assert gen is not None
-                kl = kl * torch.exp(_masked(logprobs - gen, mask) * mask).detach()
+                kl = kl * torch.exp(masked(logprobs - gen, mask) * mask).detach()
             per_token = per_token + cfg.reference_policy_kl_penalty * kl
 
         toks = global_count(global_valid_toks, logprobs)
