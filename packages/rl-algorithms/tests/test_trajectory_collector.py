@@ -284,9 +284,10 @@ def test_checkpoint_state_holds_every_prompt_drawn_and_not_handed_over(tokenizer
     assert 0 in pending  # the hung group's prompt goes to the checkpoint
 
 
-def take_all(client) -> tuple[list, dict]:
-    """Every group until the collector runs out of prompts, and its last reply."""
-    groups, consumed, reply = [], 0, None
+def take_all(client, consumed: int = 0) -> tuple[list, dict]:
+    """Every group until the collector runs out of prompts, and its last reply. ``consumed``:
+    groups the trainer had already used when it started taking (a resumed buffer's)."""
+    groups, reply = [], None
     with pytest.raises(CollectorError, match=r"ran out of prompts"):
         for _ in range(200):
             reply = client.take(consumed, timeout=0.5)
@@ -469,6 +470,7 @@ def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_
         8,
         hang_first=False,
         name="c-after",
+        max_groups_ahead=6,  # a resume keeps its config
         loader_state=state["collector"]["loader"],
         pending_prompts=state["collector"]["pending_prompts"],
         groups_out=len(resumed_buffer),
@@ -476,7 +478,9 @@ def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_
     try:
         restored = [(g.prompt["idx"][0], g.step_min.tolist()) for g in resumed_buffer.groups]
         assert restored == saved  # the same groups, still tagged with the step that made them
-        after, _ = take_all(client)
+        # The trainer trains on the restored groups first; until it says so they count as
+        # out, and as many as ``max_groups_ahead`` of them would hold the collector back.
+        after, _ = take_all(client, consumed=len(resumed_buffer))
     finally:
         client.stop()
     # The pending prompts are generated first, the hung one among them (this engine answers).
