@@ -315,6 +315,7 @@ def train_on_rollouts(run: Run, result: RolloutResult) -> dict[str, float]:
     log-probs are taken first; otherwise after the advantages (the order of the default path
     is kept: its numbers do not change)."""
     timer = run.logger.timer
+    run.recent_samples = result.samples(run.config.logger.num_val_samples_to_print)
     batch = result.training_batch(run.tokenizer.pad_token_id)
     loss = builtin_loss(run.config)
     if loss is not None and loss.use_kl_in_reward:
