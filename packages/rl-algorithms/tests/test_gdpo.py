@@ -233,15 +233,23 @@ def fake_run(config):
 COMPONENTS = [[1, 1], [0, 1], [1, 0], [1, 1], [0, 0], [1, 1], [0, 1], [1, 0]]
 
 
-def test_a_step_trains_on_gdpo_advantages_and_logs_each_rewards():
-    run = fake_run(gdpo_config(num_prompts_per_step=4))
+@pytest.mark.parametrize("leave_one_out", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_a_step_trains_on_gdpo_advantages_and_logs_each_rewards(leave_one_out, normalize):
+    run = fake_run(
+        gdpo_config(
+            num_prompts_per_step=4,
+            use_leave_one_out_baseline=leave_one_out,
+            normalize_rewards=normalize,
+        )
+    )
     filler = torch.tensor([False] * 6 + [True] * 2)  # dynamic sampling's filler group
     result = rollout(COMPONENTS, filler=filler)
     loss_mask = torch.zeros(8, 6)
     loss_mask[:, 2:5] = 1
     fields, metrics = compute_advantages(run, result, loss_mask)
     mask = (~filler).double().tolist()
-    expected, per_reward = reference_gdpo(COMPONENTS, WEIGHTS, 2, False, True, mask)
+    expected, per_reward = reference_gdpo(COMPONENTS, WEIGHTS, 2, leave_one_out, normalize, mask)
     torch.testing.assert_close(
         fields["advantages"], (expected[:, None] * loss_mask).float(), rtol=1e-6, atol=1e-6
     )
