@@ -175,3 +175,37 @@ def test_ctrl_c_during_a_run_is_one_line(monkeypatch, capsys):
     assert err.strip().splitlines() == [
         "rl grpo: interrupted before the first step; rerun the same command to resume from the start"
     ]
+
+
+def test_sigint_ends_the_command_with_one_line(tmp_path):
+    """The real signal, in a process of its own: a run that sleeps in its loop (no Ray)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time\n"
+        "from rl_algorithms import cli\n"
+        "def main(config):\n"
+        "    print('running', flush=True)\n"
+        "    time.sleep(60)\n"
+        "cli.load_algorithm('grpo').main = main\n"
+        "sys.exit(cli.main(['grpo']))\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout.readline() == "running\n"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == cli.INTERRUPTED_EXIT
+    assert err.strip().splitlines()[-1] == (
+        "rl grpo: interrupted before the first step; rerun the same command to resume from the start"
+    )
+    assert "Traceback" not in err
