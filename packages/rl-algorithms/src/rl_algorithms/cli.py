@@ -287,8 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = build_config(algorithm, rest, nemo)
     except ConfigError as e:
-        print(f"rl {name}: {e}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return _user_error(name, e)
     from rl_algorithms.checks import InputError, NothingToDo, check_inputs
 
     if print_only:
