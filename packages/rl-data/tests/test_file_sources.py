@@ -328,3 +328,23 @@ def test_prompt_template_must_fill_in_the_prompt_only(tmp_path, bad):
 def test_missing_data_file_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ValidationError, match=r"train\.chat_file\.path\n.*file not found"):
         DataConfig.model_validate({"train": {"source": "chat_file", "path": "nope.jsonl"}})
+
+
+def test_sampled_rows_reads_only_the_first_records_of_each_format(tmp_path):
+    from rl_data.datasets import sampled_rows
+
+    rows = [{"prompt": f"q{i}", "ground_truth": str(i)} for i in range(5)]
+    (tmp_path / "jsonl").mkdir()
+    write_jsonl(tmp_path / "jsonl" / "a.jsonl", rows[:2])
+    write_jsonl(tmp_path / "jsonl" / "b.jsonl", [*rows[2:], "not an object"])
+    (tmp_path / "parquet").mkdir()
+    for name, part in (("a", rows[:2]), ("b", rows[2:])):
+        pq.write_table(pa.Table.from_pylist(part), tmp_path / "parquet" / f"{name}.parquet")
+    for folder in ("jsonl", "parquet"):
+        source = {"source": "chat_file", "path": str(tmp_path / folder)}
+        with sampled_rows(3):
+            sample = load_dataset(source)
+        assert [r["extra_env_info"]["ground_truth"] for r in sample] == ["0", "1", "2"]
+        assert sample.origin(2) == (str(tmp_path / folder / f"b.{folder}"), 1)
+    with pytest.raises(DataError, match="row 4: a row must be a JSON object"):
+        load_dataset({"source": "chat_file", "path": str(tmp_path / "jsonl")})

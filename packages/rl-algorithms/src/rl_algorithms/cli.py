@@ -42,10 +42,14 @@ CONFIG_ERROR_EXIT = 2
 
 USAGE = """usage: rl ALGORITHM [--config FILE] [key=value ...]
        rl ALGORITHM --help         the config keys of ALGORITHM: defaults, descriptions
-       rl ALGORITHM --print-config  the resolved, validated config; nothing runs
+       rl ALGORITHM --print-config  the resolved, validated config, its model, tokenizer
+                                    and data files checked; nothing runs
        rl ALGORITHM --print-config --commented  the same, each key's description above it
        rl convert-config NEMO.yaml [-o OURS.yaml]  a NeMo RL recipe as a native one
-A NeMo RL recipe given to --config is translated (see docs/nemo-rl.md)."""
+A NeMo RL recipe given to --config is translated (see docs/nemo-rl.md).
+Errors in the config or the data are one message; RL_TRACEBACK=1 adds the traceback."""
+TRACEBACK_ENV = "RL_TRACEBACK"
+INTERRUPTED_EXIT = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 
 
 def load_algorithm(name: str) -> types.ModuleType:
@@ -283,11 +287,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = build_config(algorithm, rest, nemo)
     except ConfigError as e:
-        print(f"rl {name}: {e}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return _user_error(name, e)
+    from rl_algorithms.checks import InputError, NothingToDo, check_inputs
+
     if print_only:
         from rl_distributed.config import commented_yaml
 
+        if not nemo:  # a NeMo recipe's models and data are in place only once it runs
+            try:
+                check_inputs(config)
+            except InputError as e:
+                return _user_error(name, e)
         return print_all(commented_yaml(config) if commented else to_yaml(config))
     try:
         for translation in nemo:  # hub ids to local models, NeMo's datasets to our files
@@ -297,12 +307,60 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             dumped = OmegaConf.create(config.model_dump(mode="json"))
             config = validate_all(dumped, algorithm.MasterConfig)
-    except (FileNotFoundError, ConfigError) as e:
-        print(f"rl {name}: {e}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        check_inputs(config)  # seconds, before the tokenizer, the data or Ray are loaded
+    except (FileNotFoundError, ConfigError, InputError) as e:
+        return _user_error(name, e)
+    from rl_data.errors import DataError
+
     _save_resolved(config)
-    algorithm.main(config)
+    try:
+        algorithm.main(config)
+    except NothingToDo as e:
+        print(f"rl {name}: {e}", file=sys.stderr)
+    except DataError as e:  # a bad row past the checked sample
+        return _user_error(name, e)
+    except BaseException as e:
+        if not _interrupted(e):
+            raise
+        print(f"rl {name}: {interrupted_message(config)}", file=sys.stderr)
+        return INTERRUPTED_EXIT
     return 0
+
+
+def _user_error(name: str, error: BaseException) -> int:
+    """One message for a mistake in the user's config or data; the traceback too only when
+    RL_TRACEBACK is set (it shows this program's code, not the mistake)."""
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        raise error
+    print(f"rl {name}: {error}", file=sys.stderr)
+    return CONFIG_ERROR_EXIT
+
+
+def _interrupted(error: BaseException | None) -> bool:
+    """Whether ``error`` is Ctrl-C, or an error raised while shutting down after it."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__context__
+    return False
+
+
+def interrupted_message(config: Any, step: int | None = None) -> str:
+    """Where an interrupted run stopped (``step``: steps done, default the last run's) and
+    where the same command resumes it: its latest checkpoint, if it has one."""
+    from rl_algorithms.run import last_run
+    from rl_algorithms.utils.checkpoint import CheckpointManager, read_info
+
+    if step is None:
+        run = last_run()
+        step = run.step if run is not None else None
+    where = "before the first step" if step is None else f"at step {step}"
+    checkpointing = getattr(config, "checkpointing", None)
+    if checkpointing is None or not checkpointing.enabled:
+        return f"interrupted {where}; checkpointing is off, so a rerun starts from the start"
+    latest = CheckpointManager(checkpointing).latest()
+    resume = "the start" if latest is None else f"step {read_info(latest)['step']}"
+    return f"interrupted {where}; rerun the same command to resume from {resume}"
 
 
 def _save_resolved(config: Any) -> None:

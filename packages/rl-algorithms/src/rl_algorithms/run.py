@@ -18,9 +18,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rl_algorithms import actors
+from rl_algorithms.checks import check_rows_for_envs, refuse_finished_run
 from rl_algorithms.config import RunConfig, set_seed
-from rl_algorithms.environments import required_metadata, stop_environments
-from rl_algorithms.utils.checkpoint import CheckpointManager
+from rl_algorithms.environments import stop_environments
+from rl_algorithms.utils.checkpoint import CheckpointManager, read_info
 from rl_algorithms.utils.logger import Logger
 from rl_data.batch import TrainBatch
 from rl_data.loader import StatefulDataLoader
@@ -147,6 +148,15 @@ class Run(Generic[ConfigT]):
             cluster.shutdown()
 
 
+#: The run this process set up last: where an interrupted ``rl`` command stopped.
+_last_run: Run | None = None
+
+
+def last_run() -> Run | None:
+    """The run :func:`setup_run` built last in this process (None before any)."""
+    return _last_run
+
+
 def setup_run(
     config: ConfigT,
     *,
@@ -173,21 +183,24 @@ def setup_run(
     ``splits`` (default: ``load_splits(config.data)``) maps ``train`` / ``validation`` to rows.
     The run lasts ``max_steps`` steps or ``max_epochs`` epochs, whichever ends first.
     """
-    from rl_data.datasets import load_splits, require_env_info
+    from rl_data.datasets import load_splits
     from rl_data.processors import ProcessedDataset
     from rl_data.templates import ChatTemplate
     from rl_data.tokenizers import load_tokenizer
+
+    checkpointing = getattr(config, "checkpointing", None)
+    checkpointer = CheckpointManager(checkpointing) if checkpointing is not None else None
+    latest = checkpointer.latest() if checkpointer and checkpointing.enabled else None
+    if latest is not None and max_steps is not None:
+        refuse_finished_run(read_info(latest)["step"], max_steps, config, latest)
 
     set_seed(seed)
     tokenizer = load_tokenizer(config.tokenizer)
     template = ChatTemplate.from_config(config.tokenizer.chat_template, tokenizer)
     splits = load_splits(config.data) if splits is None else splits
     if envs:
-        # A row without the column its reward reads would score 0 forever: refuse it now.
-        needs = {task: required_metadata(task, spec) for task, spec in envs.items()}
-        for split, rows in splits.items():
-            check_task_names(rows, envs, split)
-            require_env_info(rows, needs)
+        for rows in splits.values():
+            check_rows_for_envs(rows, envs)
     collate = partial(data.collate, pad_token_id=tokenizer.pad_token_id)
 
     def samples(split: str) -> ProcessedDataset:
@@ -217,10 +230,12 @@ def setup_run(
             drop_last=data.val_drop_last,
         )
 
+    total_steps = min(max_steps or len(train_loader), max_epochs * len(train_loader))
+    if latest is not None:  # finished by its epochs, which only the data's length tells
+        limit = "max_num_steps" if total_steps == max_steps else "max_num_epochs"
+        refuse_finished_run(read_info(latest)["step"], total_steps, config, latest, limit)
+
     run_config = config.model_dump(mode="json")
-    checkpointing = getattr(config, "checkpointing", None)
-    checkpointer = CheckpointManager(checkpointing) if checkpointing is not None else None
-    latest = checkpointer.latest() if checkpointer and checkpointing.enabled else None
     if latest is not None:
         checkpointer.check_resumable(latest, run_config)  # before any worker starts
 
@@ -240,9 +255,12 @@ def setup_run(
         logger=None,  # type: ignore[arg-type]  (started last, once the state is restored)
         checkpointer=checkpointer,
         clusters=[cluster],
-        total_steps=min(max_steps or len(train_loader), max_epochs * len(train_loader)),
+        total_steps=total_steps,
         val_period=val_period,
     )
+
+    global _last_run
+    _last_run = run
 
     def placed(plan: GeneratorPlan | ModelPlan, role: str) -> RayVirtualCluster:
         """The cluster an actor runs on: the main one (the policy's, shared in turns, or the
@@ -291,17 +309,6 @@ def setup_run(
     if latest is not None:
         run.logger.log_metrics({"resumed_from_step": run.step}, step=run.step, prefix="run")
     return run
-
-
-def check_task_names(rows: Any, envs: Mapping[str, Any], split: str) -> None:
-    """Every row's ``task_name`` must have an environment, or the run would fail mid-step."""
-    for i in range(len(rows)):
-        task = rows[i].get("task_name")
-        if task not in envs:
-            raise ValueError(
-                f"data ({split} split) row {i} has task_name {task!r}, but env configures "
-                f"only {sorted(envs)}: add env.{task} or set the data's task_name"
-            )
 
 
 def start_loop(run: Run, validate: Callable[[], dict[str, float]] | None, at_start: bool) -> None:

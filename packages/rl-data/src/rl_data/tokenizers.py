@@ -57,6 +57,15 @@ def load_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerBase:
     """The tokenizer ``cfg`` names, with a pad token (the EOS token when it has none)."""
     from transformers import AutoTokenizer  # costs seconds: only when a tokenizer is needed
 
+    path, kwargs = tokenizer_files(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    return with_pad_token(tokenizer)
+
+
+def tokenizer_files(cfg: TokenizerConfig) -> tuple[Path, dict[str, Any]]:
+    """The directory the tokenizer is read from and the keyword arguments to read it with;
+    a ``FileNotFoundError`` naming the missing directory or GGUF file (cheap: checks before a
+    run call it too)."""
     path = Path(cfg.path)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if cfg.gguf_file is not None:
@@ -71,8 +80,7 @@ def load_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerBase:
             f"tokenizer directory not found: {path} (tokenizers are only read from local "
             "directories or GGUF files; there is no model hub access)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-    return with_pad_token(tokenizer)
+    return path, kwargs
 
 
 def with_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:

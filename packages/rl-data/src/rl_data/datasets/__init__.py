@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from rl_data.datasets.base import FileRows, RowDataset, read_records
+from rl_data.datasets.base import FileRows, RowDataset, read_records, sampled_rows
 from rl_data.datasets.chat import ChatFileConfig, load_chat_file
 from rl_data.datasets.preference import PreferenceFileConfig, load_preference_file
 from rl_data.datasets.procedural import (
@@ -179,4 +179,5 @@ __all__ = [
     "reasoning_gym_task_names",
     "register_source",
     "require_env_info",
+    "sampled_rows",
 ]

@@ -82,13 +82,15 @@ class _JsonlShard:
     decides. The file is opened on first read in each process (a pickled shard reopens it).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, limit: int | None = None) -> None:
         self.path = path
         # typed arrays, not lists: 8 bytes a line while counting millions of lines
         offsets, lines = array("q"), array("q")
         with path.open("rb") as f:
             offset = 0
             for n, line in enumerate(f, start=1):
+                if limit is not None and len(offsets) >= limit:
+                    break
                 if line.strip():
                     offsets.append(offset)
                     lines.append(n)
@@ -229,15 +231,22 @@ def _format_of(path: Path) -> FileFormat:
 def open_records(
     path: str, fmt: FileFormat = "auto", split: str | None = None, cache_dir: str | None = None
 ) -> _Records:
-    """The raw records of a file source (see :func:`resolve_files`), read on demand."""
+    """The raw records of a file source (see :func:`resolve_files`), read on demand; only the
+    first ones inside :func:`sampled_rows`."""
     detected, files = resolve_files(path)
     fmt = detected if fmt == "auto" else fmt
+    limit = _ROW_LIMIT.get()
     if fmt == "jsonl":
-        sources: list[Any] = [_JsonlShard(f) for f in files]
+        sources: list[Any] = []
+        for f in files:
+            left = None if limit is None else limit - sum(len(s) for s in sources)
+            if left == 0:
+                break
+            sources.append(_JsonlShard(f, left))
     elif fmt == "parquet":
-        sources = [_parquet(files, cache_dir)]
+        sources = [_parquet(files, cache_dir) if limit is None else _parquet_head(files, limit)]
     else:
-        sources = [_saved_dataset(files[0], split)]
+        sources = [_saved_dataset(files[0], split, limit)]
     records = _Records(sources)
     if len(records) == 0:
         raise DataError("contains no rows", path)
@@ -262,7 +271,38 @@ def _parquet(files: list[Path], cache_dir: str | None) -> _ArrowSource:
     return _ArrowSource(data, counts)
 
 
-def _saved_dataset(path: Path, split: str | None) -> _ArrowSource:
+def _parquet_head(files: list[Path], limit: int) -> _ArrowSource:
+    """The first ``limit`` rows of Parquet shards, read straight from the files: a sample to
+    check needs no conversion of the whole data into the Arrow cache."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables, counts = [], []
+    for f in files:
+        left = limit - sum(n for _, n in counts)
+        if left <= 0:
+            break
+        try:
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=left), None)
+        except Exception as e:  # pyarrow raises several types for unreadable files
+            raise DataError(f"cannot read as Parquet: {e}", str(f)) from None
+        rows = 0 if batch is None else batch.num_rows
+        if batch is not None:
+            tables.append(pa.Table.from_batches([batch]).to_pylist())
+        counts.append((str(f), rows))
+    return _ArrowSource(_RecordList([r for table in tables for r in table]), counts)
+
+
+class _RecordList(list):
+    """Records in memory, read the way ``_ArrowSource`` reads a ``datasets.Dataset``."""
+
+    def iter(self, batch_size: int) -> Iterator[dict[str, list[Any]]]:
+        for start in range(0, len(self), batch_size):
+            chunk = self[start : start + batch_size]
+            yield {c: [r[c] for r in chunk] for c in (chunk[0] if chunk else {})}
+
+
+def _saved_dataset(path: Path, split: str | None, limit: int | None = None) -> _ArrowSource:
     import datasets
 
     try:
@@ -273,6 +313,8 @@ def _saved_dataset(path: Path, split: str | None) -> _ArrowSource:
         if split not in data:
             raise DataError(f"has splits {sorted(data)}; set split to one of them", str(path))
         data = data[split]
+    if limit is not None and len(data) > limit:
+        data = data.select(range(limit))
     return _ArrowSource(data, [(str(path), len(data))])
 
 
@@ -403,6 +445,22 @@ def load_file_rows(
     ``convert``, which raises ``ValueError`` (or ``KeyError`` for a missing column) for a bad
     record; that becomes a :class:`DataError` naming the file and row, or a skipped row."""
     return FileRows(open_records(path, fmt, split, cache_dir), convert, on_bad_row, columns)
+
+
+# How many records each file source reads (None: all); set by ``sampled_rows``.
+_ROW_LIMIT: ContextVar[int | None] = ContextVar("rl_data_row_limit", default=None)
+
+
+@contextmanager
+def sampled_rows(limit: int) -> Iterator[None]:
+    """File sources opened inside read only their first ``limit`` records (across their
+    shards, in order): the same loaders and checks as a run's, in bounded time, for checking
+    data before a run (``rl ... --print-config``)."""
+    token = _ROW_LIMIT.set(limit)
+    try:
+        yield
+    finally:
+        _ROW_LIMIT.reset(token)
 
 
 # Whether config validation looks for data files (``deferred_path_checks`` turns it off).
