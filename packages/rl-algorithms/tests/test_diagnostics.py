@@ -72,3 +72,19 @@ def test_the_threshold_must_be_positive():
     with pytest.raises(ValueError, match="mismatch_kl_warn_threshold"):
         fake_run(0.0)
     assert GRPOConfig.model_fields["mismatch_kl_warn_threshold"].default == 1e-2
+
+
+def test_the_synchronous_loop_counts_and_warns_on_the_metrics_it_logs(monkeypatch):
+    from rl_algorithms.grpo import loop
+
+    logged = []
+    monkeypatch.setattr(loop, "start_loop", lambda run, validate, at_start: None)
+    monkeypatch.setattr(loop, "end_step", lambda run, metrics, validate: logged.append(metrics))
+    run = fake_run()
+    run.total_steps = 3
+    run.logger = SimpleNamespace(progress=SimpleNamespace(stop=lambda: None))
+    kls = iter([1e-3, 0.5, 0.5])
+    with pytest.warns(RuntimeWarning, match="step 2: .*gen_train_kl_k3 = 0.5") as caught:
+        loop.train_steps(run, lambda run: {"gen_train_kl_k3": next(kls)})
+    assert len([w for w in caught if "gen_train_kl_k3" in str(w.message)]) == 1
+    assert [m["mismatch_kl_warn_steps"] for m in logged] == [0.0, 1.0, 2.0]
