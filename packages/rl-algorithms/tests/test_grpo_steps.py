@@ -473,3 +473,24 @@ def test_kl_in_reward_folds_the_kl_into_reinforce_plus_plus_returns_through_the_
     # The loss's own KL term is off: the KL counts once, in the returns.
     assert run.loss_fn.config.reference_policy_kl_penalty == 0.0
     assert "reference_logprobs" not in run.loss_fn.batch_fields()
+
+
+def test_each_validation_logs_samples_of_the_latest_training_step(make_run):
+    import json
+
+    from rl_algorithms.run import end_step
+
+    run = make_run((0, 1, 2, 1))
+    run.config.logger.num_val_samples_to_print = 3
+    run.loss_fn = grpo.steps.make_loss(run.config)
+    run.policy = LogprobPolicy()
+    result, _ = grpo.generate_rollouts(run)
+    metrics = grpo.steps.train_on_rollouts(run, result)
+    run.val_period, run.total_steps = 2, 4
+    for run.step in (1, 2):  # validation after step 2 only
+        end_step(run, metrics, validate=lambda: {"accuracy": 0.5})
+
+    lines = [json.loads(x) for x in (run.logger.log_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [(r["step"], r["train/samples"]) for r in lines if "train/samples" in r]
+    assert logged == [(2, s) for s in result.samples(3)]
+    assert [s["reward"] for _, s in logged] == result.rewards[:3].tolist()

@@ -84,3 +84,28 @@ def test_colocated_bundles_are_shared_fractionally():
         assert cluster.resources.worker_gpus == 0
     finally:
         cluster.shutdown()
+
+
+def test_output_that_is_not_a_terminal_gets_no_colour_codes_or_redrawn_bars(monkeypatch):
+    import io
+
+    from ray._private.worker import print_worker_logs
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for name in virtual_cluster.PLAIN_OUTPUT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    virtual_cluster.use_plain_output(Terminal())  # a terminal: colours and bars stay
+    assert not any(name in virtual_cluster.os.environ for name in virtual_cluster.PLAIN_OUTPUT_ENV)
+
+    monkeypatch.setenv("TQDM_DISABLE", "0")  # the user's own choice is kept
+    virtual_cluster.use_plain_output(io.StringIO())  # `rl grpo > log.txt`
+    env = virtual_cluster.os.environ
+    assert (env["RAY_COLOR_PREFIX"], env["TQDM_DISABLE"]) == ("0", "0")
+    assert env["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    # What Ray then prints for a worker's line, through its own driver-side printer.
+    out = io.StringIO()
+    print_worker_logs({"pid": 7, "actor_name": "Policy", "lines": ["step 1"]}, out)
+    assert out.getvalue() == "(Policy pid=7) step 1\n"

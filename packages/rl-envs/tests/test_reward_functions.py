@@ -217,6 +217,21 @@ def test_functions_are_weighted_timed_out_and_logged_each_under_its_name(env):
 
 
 @pytest.mark.ray
+def test_each_functions_value_comes_apart_in_the_functions_order_and_weights(env):
+    """For GDPO: the components are the functions' values in ``functions``' order (a None as
+    0), under their names and weights, and their weighted sum is the reward, unchanged."""
+    out = step(env, [r"\boxed{4}", "skip", r"\boxed{5}"])
+    assert out.rewards.tolist() == [1.0 - 1.5, 0.0, -1.5]
+    components = out.reward_components
+    assert components.names == ("correct", "picky")
+    assert components.weights == (1.0, -0.5)
+    assert components.values.tolist() == [[1.0, 3.0], [0.0, 0.0], [0.0, 3.0]]
+    torch.testing.assert_close(components.combined().float(), out.rewards)
+    assert [s.reward_components.values.tolist() for s in out.steps()][2] == [0.0, 3.0]
+    assert RewardFunctionsEnvironment.returns_reward_components
+
+
+@pytest.mark.ray
 def test_a_row_without_a_column_a_function_reads_is_refused_naming_it(env):
     with pytest.raises(ray.exceptions.RayTaskError, match=r"sample 1 .* no 'label'"):
         step(env, ["x", "y"], [{"ground_truth": "4", "label": "a"}, {"ground_truth": "4"}])

@@ -8,6 +8,11 @@ truncate the advantages to integers).
 
 - ``grpo_advantages``: ``r - baseline``, the baseline the group mean (or, ``leave_one_out``, the
   mean of the *other* G-1 samples), optionally divided by the group's standard deviation.
+- ``gdpo_advantages``: GDPO (group reward-decoupled normalisation), for a reward that is the
+  weighted sum of K rewards ``r_k``: each reward gets its own GRPO advantage ``A_k``
+  (``grpo_advantages`` of ``r_k`` alone, with the same baseline and std settings), the weighted
+  sum ``A = sum_k w_k A_k`` is then whitened over the samples in the loss,
+  ``(A - mean(A)) / (std(A) + eps)``, so that its scale does not grow with K.
 - ``rloo_advantages``: REINFORCE leave-one-out, ``r_i - mean_{j != i} r_j`` (no scaling).
 - ``reinforce_plus_plus_advantages``: per-token returns (with the KL-in-reward variant:
   ``G_t = r - kl_coef * sum_{s >= t} kl_s``, the ``kl`` / ``kl_coef`` arguments; a GRPO run
@@ -23,6 +28,8 @@ truncate the advantages to integers).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -66,6 +73,54 @@ def grpo_advantages(
         std = groups.std(dim=1, keepdim=True)
         adv = torch.where(std > eps, adv / (std + eps), torch.zeros_like(adv))
     return adv.reshape(-1).to(_result_dtype(rewards))
+
+
+def gdpo_advantages(
+    components: torch.Tensor,
+    weights: Sequence[float],
+    group_size: int,
+    leave_one_out: bool = False,
+    normalize_std: bool = True,
+    sample_mask: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO's ``[N]`` advantages of the ``[N, K]`` rewards ``components`` (module docstring),
+    and the ``[N, K]`` per-reward advantages ``A_k`` they combine (float64, for metrics).
+
+    Each reward's group statistics are those of ``grpo_advantages`` (the whole group, samples
+    out of the loss included, as in GRPO); the batch whitening takes its mean and unbiased std
+    over the samples with ``sample_mask`` > 0 (default: all), and the others get 0. A batch
+    whose combined advantages are all equal gets 0, never a division by ~0.
+    """
+    if components.dim() != 2 or components.shape[1] != len(weights) or not len(weights):
+        raise ValueError(
+            f"components must be [N, K] with K = len(weights) = {len(weights)} >= 1, got shape "
+            f"{tuple(components.shape)}"
+        )
+    n = components.shape[0]
+    per_reward = torch.stack(
+        [
+            grpo_advantages(
+                components[:, k].to(torch.float64),
+                group_size,
+                leave_one_out=leave_one_out,
+                normalize_std=normalize_std,
+                eps=eps,
+            )
+            for k in range(len(weights))
+        ],
+        dim=1,
+    )
+    combined = per_reward @ torch.tensor(list(weights), dtype=torch.float64)
+    mask = torch.ones(n, dtype=torch.bool)
+    if sample_mask is not None:
+        check_shape("sample_mask", sample_mask, (n,))
+        mask = sample_mask > 0
+    mean, var = masked_moments(combined, mask)
+    std = var.sqrt()
+    whitened = torch.where(std > eps, (combined - mean) / (std + eps), 0.0)
+    advantages = torch.where(mask, whitened, 0.0)
+    return advantages.to(_result_dtype(components)), per_reward
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

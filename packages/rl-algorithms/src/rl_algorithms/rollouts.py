@@ -8,7 +8,8 @@ assistant header, as ``rl_data`` processors make them) and runs up to ``max_turn
    (with the generator's per-token ``generation_logprobs``), never re-tokenised text;
 3. samples are grouped by ``task_name`` and each environment actor steps its group in one
    batched call (all environments at once);
-4. rewards add up; a terminated sample stops; the others get the observation appended,
+4. rewards add up (and so do their components, when the environments keep them apart: see
+   ``RolloutResult.reward_components``); a terminated sample stops; the others get the observation appended,
    tokenised on its own (``rl_data.messages.tokenize_message_logs``), and go on.
 
 A sample also stops when its log reaches ``max_seq_len`` tokens (an observation that does not
@@ -40,7 +41,7 @@ from rl_data.templates import ChatTemplate
 from rl_data.tokenizers import encode_texts
 from rl_data.types import MessageLog
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_envs.interfaces import EnvironmentReturn, EnvironmentStep
+from rl_envs.interfaces import EnvironmentReturn, EnvironmentStep, RewardComponents
 from rl_models.generation.interfaces import GenerationInterface
 
 
@@ -63,6 +64,10 @@ class RolloutResult:
     # it; None when the data has no ``idx``): what ``environment_metrics`` needs afterwards.
     task_names: list[str] = field(default_factory=list)
     group_ids: list[int] | None = None
+    # [N, K]: the separate rewards that ``rewards`` is the weighted sum of, summed over turns
+    # like it, for GDPO. None unless every sample that met an environment got them, with the
+    # same names and weights (a sample too long to generate from has reward 0 and components 0).
+    reward_components: RewardComponents | None = None
 
     def __post_init__(self) -> None:
         if self.filler is None:
@@ -103,6 +108,9 @@ class RolloutResult:
             filler=self.filler[rows],
             task_names=[self.task_names[i] for i in rows] if self.task_names else [],
             group_ids=[self.group_ids[i] for i in rows] if self.group_ids is not None else None,
+            reward_components=(
+                None if self.reward_components is None else self.reward_components[rows]
+            ),
         )
 
     def as_filler(self) -> RolloutResult:
@@ -113,7 +121,13 @@ class RolloutResult:
 
     @staticmethod
     def concat(parts: Sequence[RolloutResult]) -> RolloutResult:
-        """The rows of ``parts`` one after the other (metrics are not carried over)."""
+        """The rows of ``parts`` one after the other (metrics are not carried over; reward
+        components only when every part has the same ones)."""
+        first = parts[0].reward_components if parts else None
+        components = None
+        if first is not None and all(first.same_rewards(p.reward_components) for p in parts):
+            values = torch.cat([p.reward_components.values for p in parts])  # type: ignore[union-attr]
+            components = RewardComponents(first.names, first.weights, values)
         return RolloutResult(
             message_logs=[log for p in parts for log in p.message_logs],
             rewards=torch.cat([p.rewards for p in parts]),
@@ -129,6 +143,7 @@ class RolloutResult:
                 if all(p.group_ids is not None for p in parts)
                 else None
             ),
+            reward_components=components,
         )
 
     def training_batch(self, pad_token_id: int) -> TrainBatch:
@@ -318,6 +333,10 @@ class Episodes:
         self.terminated = torch.zeros(n, dtype=torch.bool)
         self.turns = torch.zeros(n, dtype=torch.long)
         self.answers: list[str | None] = [None] * n
+        # Each sample's reward components so far ([K], summed over turns), and whether a turn
+        # came without them (or with other ones): then the rollout has none.
+        self.components: list[RewardComponents | None] = [None] * n
+        self.without_components = torch.zeros(n, dtype=torch.bool)
         self.stops: list[Any] = [None] * n
         self.metrics: dict[str, float] = {}
         for i in range(n):
@@ -361,6 +380,7 @@ class Episodes:
         turn_rewards = []
         for i, step in zip(active, results, strict=True):
             self.rewards[i] += step.reward
+            self._add_components(i, step.reward_components)
             turn_rewards.append(step.reward)
             self.metadata[i] = step.metadata
             self.stops[i] = step.next_stop_strings
@@ -385,6 +405,29 @@ class Episodes:
                     # and the observation cut to the limit: no row may outgrow max_seq_len
                     logs[i][:] = truncate_message_log(logs[i], max_seq_len)
         self.active = [i for i in going if not self.out_of_room[i]]
+
+    def _add_components(self, i: int, components: RewardComponents | None) -> None:
+        """Sum sample ``i``'s reward components over its turns, as its rewards are summed."""
+        mine = self.components[i]
+        if components is None or (mine is not None and not mine.same_rewards(components)):
+            self.without_components[i] = True
+        elif mine is None:
+            self.components[i] = components
+        else:
+            self.components[i] = RewardComponents(
+                mine.names, mine.weights, mine.values + components.values
+            )
+
+    def stacked_components(self) -> RewardComponents | None:
+        """The samples' reward components as one ``[N, K]`` (see ``RolloutResult``)."""
+        met = [c for c in self.components if c is not None]
+        if not met or bool(self.without_components.any()):
+            return None
+        if not all(met[0].same_rewards(c) for c in met):
+            return None
+        zeros = torch.zeros(len(met[0].names), dtype=torch.float32)
+        values = torch.stack([zeros if c is None else c.values.float() for c in self.components])
+        return RewardComponents(met[0].names, met[0].weights, values)
 
     def result(self, with_env_metrics: bool = True) -> RolloutResult:
         """The rollout's outcome; ``with_env_metrics`` asks every environment for its metrics
@@ -421,6 +464,7 @@ class Episodes:
             metrics,
             task_names=list(self.tasks),
             group_ids=self.group_ids,
+            reward_components=self.stacked_components(),
         )
 
 

@@ -106,6 +106,9 @@ class Run(Generic[ConfigT]):
     offloaded_when_idle: list[Policy] = field(default_factory=list)
     step: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # algorithm state saved with checkpoints
+    # A few of the latest training step's samples as text, logged as ``train/samples`` at
+    # each validation so that what the policy writes while it learns can be read beside it.
+    recent_samples: list[dict[str, Any]] = field(default_factory=list)
     _batches: Iterator[TrainBatch | BatchedDataDict] | None = None
 
     def next_batch(self) -> TrainBatch | BatchedDataDict:
@@ -337,6 +340,7 @@ def end_step(
             val_metrics = validate()
         if val_metrics:
             logger.log_metrics(val_metrics, step=run.step, prefix="val")
+        logger.log_samples(run.recent_samples, step=run.step, prefix="train")
     if run.checkpointer is not None and (
         out_of_time or run.checkpointer.should_save(run.step, last_step=done)
     ):

@@ -164,6 +164,29 @@ def test_samples_go_to_jsonl_lines_and_a_tensorboard_text_summary(tmp_path):
     assert "| What is 4*4? | 15 | 0 |" in text.splitlines()
 
 
+def test_samples_are_a_plain_table_on_a_console_that_is_not_a_terminal(tmp_path):
+    import io
+
+    from rl_algorithms.utils.logger import SHOWN_COMPLETION_CHARS
+
+    stream = io.StringIO()  # `rl grpo > log.txt`: no colour codes, no cursor movement
+    cfg = LoggerConfig(log_dir=str(tmp_path), jsonl_enabled=False, progress_bar=True)
+    long = {"prompt": "[user] Q", "completion": "x" * 2000 + "TAIL", "reward": 0.5}
+    with Logger(cfg) as logger:
+        logger.progress.stream = stream
+        logger.log_samples([*SAMPLES, long], step=3, prefix="train")
+        logger.log_samples([], step=4, prefix="train")  # nothing: no empty table
+    text = stream.getvalue()
+    assert "\x1b[" not in text and "\r" not in text
+    assert text.count("train/samples at step 3") == 1 and "step 4" not in text
+    for needed in ("prompt", "completion", "reward", "What is 2+3?", "15", "[user] Q"):
+        assert needed in text  # markup-like text is shown as written
+    # A long completion is cut on the console (the logs keep it whole).
+    assert "TAIL" not in text
+    assert "x" * 100 in text.replace("\n", "").replace("│", "").replace(" ", "")
+    assert text.count("x") < SHOWN_COMPLETION_CHARS + 50
+
+
 def test_samples_become_a_table_in_the_wandb_offline_run(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     cfg = LoggerConfig(

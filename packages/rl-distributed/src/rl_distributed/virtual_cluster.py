@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from typing import TextIO
 
 import ray
 from ray.util.placement_group import (
@@ -39,6 +41,28 @@ class ClusterError(RuntimeError):
     """The requested resources cannot be reserved on the Ray cluster."""
 
 
+# Set for a run whose output is not a terminal (`rl grpo > log.txt`, a Slurm job): Ray's
+# colour codes around each worker line and the workers' redrawn progress bars (tqdm's and
+# the Hugging Face hub's `\r` lines) only clutter a log file. A value the user set is kept.
+PLAIN_OUTPUT_ENV = {
+    "RAY_COLOR_PREFIX": "0",
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+
+
+def use_plain_output(stream: TextIO) -> None:
+    """``PLAIN_OUTPUT_ENV`` when ``stream`` is not a terminal. Called before Ray starts: a
+    local cluster's workers inherit the driver's environment."""
+    try:
+        terminal = stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        terminal = False
+    if not terminal:
+        for name, value in PLAIN_OUTPUT_ENV.items():
+            os.environ.setdefault(name, value)
+
+
 def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, **kwargs) -> None:
     """Attach to the Ray cluster in ``RAY_ADDRESS`` or start a local one; no-op if connected.
 
@@ -55,6 +79,7 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, **kwargs)
         from ray._private import ray_constants
 
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    use_plain_output(sys.stdout)
     kwargs.setdefault("log_to_driver", True)
     kwargs.setdefault("include_dashboard", False)
     if os.environ.get("RAY_ADDRESS"):

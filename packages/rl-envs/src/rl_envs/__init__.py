@@ -25,6 +25,7 @@ _WHERE = {
     "OutcomeCounts": "rl_envs.metrics",
     "ReasoningGymEnvConfig": "rl_envs.reasoning_gym_env",
     "ReasoningGymEnvironment": "rl_envs.reasoning_gym_env",
+    "RewardComponents": "rl_envs.interfaces",
     "RewardFunctionSpec": "rl_envs.reward_function_env",
     "RewardFunctionsEnvConfig": "rl_envs.reward_function_env",
     "RewardFunctionsEnvironment": "rl_envs.reward_function_env",

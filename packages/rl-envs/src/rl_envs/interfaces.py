@@ -18,6 +18,46 @@ from rl_data.types import Message, MessageLog
 
 
 @dataclass(frozen=True)
+class RewardComponents:
+    """The separate rewards a reward is the weighted sum of, kept apart for estimators that
+    normalise each on its own (GDPO, ``grpo.advantage_estimator: gdpo``).
+
+    ``values[..., k]`` is reward ``names[k]``, whose weight in the sum is ``weights[k]``: ``[B,
+    K]`` in an ``EnvironmentReturn`` (and, stacked over a rollout's samples, in a
+    ``RolloutResult``), ``[K]`` in one sample's ``EnvironmentStep``. A reward the environment
+    has no value for is 0, as it counts in the sum.
+    """
+
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+    values: torch.Tensor  # float32 [..., K]
+
+    def __post_init__(self) -> None:
+        k = len(self.names)
+        if k == 0 or len(self.weights) != k or self.values.dim() == 0 or self.values.shape[-1] != k:
+            raise ValueError(
+                f"RewardComponents: {k} names, {len(self.weights)} weights and values of shape "
+                f"{tuple(self.values.shape)} (the last dimension must be the number of names, >= 1)"
+            )
+        if len(set(self.names)) != k:
+            raise ValueError(f"RewardComponents: names repeat: {list(self.names)}")
+
+    def __getitem__(self, rows: Any) -> RewardComponents:
+        """The same rewards for these rows of ``values``."""
+        return RewardComponents(self.names, self.weights, self.values[rows])
+
+    def same_rewards(self, other: RewardComponents | None) -> bool:
+        """Whether ``other`` holds the same rewards (names and weights): the values of the two
+        can be stacked or added."""
+        return other is not None and (self.names, self.weights) == (other.names, other.weights)
+
+    def combined(self) -> torch.Tensor:
+        """The weighted sum of the rewards, ``[...]`` (float64)."""
+        weights = torch.tensor(self.weights, dtype=torch.float64)
+        return (self.values.to(torch.float64) * weights).sum(-1)
+
+
+@dataclass(frozen=True)
 class EnvironmentStep:
     """One sample's share of an ``EnvironmentReturn``."""
 
@@ -27,6 +67,8 @@ class EnvironmentStep:
     reward: float
     terminated: bool  # the episode is over
     answer: str | None  # what was extracted from the response and scored, for logging
+    # The reward's components ([K] values), when the environment keeps them apart.
+    reward_components: RewardComponents | None = None
 
 
 class EnvironmentReturn(NamedTuple):
@@ -38,15 +80,32 @@ class EnvironmentReturn(NamedTuple):
     rewards: torch.Tensor  # float32 [B]
     terminateds: torch.Tensor  # bool [B]: the episode is over
     answers: list[str | None]  # what was extracted from the response and scored, for logging
+    # The separate rewards ([B, K]) that ``rewards`` is the weighted sum of; None for an
+    # environment with a single reward (or one that does not keep them apart).
+    reward_components: RewardComponents | None = None
 
     def steps(self) -> list[EnvironmentStep]:
         """Each sample's step, in the batch's order."""
-        lengths = {name: len(value) for name, value in self._asdict().items()}
+        per_sample = self._asdict()
+        components = per_sample.pop("reward_components")
+        lengths = {name: len(value) for name, value in per_sample.items()}
+        if components is not None:
+            lengths["reward_components"] = len(components.values)
         if len(set(lengths.values())) > 1:
             raise ValueError(f"an EnvironmentReturn's fields differ in length: {lengths}")
         return [
-            EnvironmentStep(obs, meta, stops, float(reward), bool(done), answer)
-            for obs, meta, stops, reward, done, answer in zip(*self, strict=True)
+            EnvironmentStep(
+                obs,
+                meta,
+                stops,
+                float(reward),
+                bool(done),
+                answer,
+                None if components is None else components[i],
+            )
+            for i, (obs, meta, stops, reward, done, answer) in enumerate(
+                zip(*per_sample.values(), strict=True)
+            )
         ]
 
 
@@ -55,6 +114,9 @@ class EnvironmentInterface(ABC):
     # Setup checks the data against them (rl_data.datasets.require_env_info), and ``step``
     # refuses a sample without them rather than scoring it 0.
     required_metadata: ClassVar[tuple[str, ...]] = ()
+    # Whether ``step`` returns ``EnvironmentReturn.reward_components`` (the separate rewards
+    # its reward sums): GDPO (grpo.advantage_estimator: gdpo) refuses environments without.
+    returns_reward_components: ClassVar[bool] = False
 
     @classmethod
     def required_metadata_for(cls, cfg: Any) -> tuple[str, ...]:

@@ -25,6 +25,10 @@ teaches nothing.
 Each function's metrics are logged under its name: ``<name>/mean``, ``<name>/std`` (over its
 non-``None`` values), ``<name>/none_fraction``, ``<name>/constant_steps`` (the steps in a row in
 which it was constant) and its timeouts and errors.
+
+Besides the weighted sum, ``step`` returns each function's value apart (``reward_components``,
+in the order of ``functions``, named and weighted as there), for GRPO's ``advantage_estimator:
+gdpo``, which normalises each reward within its group before it weighs them.
 """
 
 from __future__ import annotations
@@ -39,7 +43,12 @@ from pydantic import Field, field_validator, model_validator
 
 from rl_data.types import STRING_PROMPT_KEY, MessageLog
 from rl_distributed.config import ConfigModel
-from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn, check_required_metadata
+from rl_envs.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    RewardComponents,
+    check_required_metadata,
+)
 from rl_envs.metrics import OutcomeCounts, reward_metrics
 from rl_envs.pool import WorkerPool
 from rl_envs.reward_functions import (
@@ -148,6 +157,8 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
     """Single-turn: one weighted reward per completion. Metadata per sample: the row's columns,
     passed to every function as keyword arguments."""
 
+    returns_reward_components = True
+
     def __init__(self, cfg: RewardFunctionsEnvConfig) -> None:
         self.cfg = cfg
         self.functions = cfg.functions
@@ -253,6 +264,16 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
             values.append(column)
             self.values[spec.name].add(column)
         rewards = combine(values, self.weights)
+        # Each function's value on its own, in the order of ``functions`` (a None as 0, as it
+        # counts in the sum), for estimators that normalise each reward apart (GDPO).
+        components = RewardComponents(
+            names=tuple(str(f.name) for f in self.functions),
+            weights=tuple(self.weights),
+            values=torch.tensor(
+                [[0.0 if v[i] is None else v[i] for v in values] for i in range(n)],
+                dtype=torch.float32,
+            ).reshape(n, len(self.functions)),
+        )
         answers = [
             " ".join(f"{s.name}={_show(v[i])}" for s, v in zip(self.functions, values, strict=True))
             for i in range(n)
@@ -264,6 +285,7 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
             rewards=torch.tensor(rewards, dtype=torch.float32),
             terminateds=torch.ones(n, dtype=torch.bool),
             answers=answers,
+            reward_components=components,
         )
 
     def global_post_process_and_metrics(

@@ -135,6 +135,7 @@ def distill_step(run: Run) -> dict[str, float]:
         refit_metrics = refit_if_stale(run)
     with timer("generation"):
         result, rollout_metrics = generate_rollouts(run)
+    run.recent_samples = result.samples(run.config.logger.num_val_samples_to_print)
     batch = result.training_batch(run.tokenizer.pad_token_id)
     with timer("teacher"):
         batch = batch.replace(**teacher_scores(run, batch))

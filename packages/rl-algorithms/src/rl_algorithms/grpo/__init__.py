@@ -14,7 +14,9 @@ take turns; otherwise it gets ``generation.num_workers`` workers of its own. Wit
 prompts are rolled out, up to ``grpo.dynamic_sampling_max_gen_batches`` rounds. With
 ``grpo.advantage_estimator: reinforce_plus_plus`` and ``loss_fn.use_kl_in_reward``, the KL
 penalty to the reference goes into the per-token returns instead of the loss (the log-probs are
-then taken before the advantages).
+then taken before the advantages). With ``grpo.advantage_estimator: gdpo`` each of the
+environments' rewards (``RolloutResult.reward_components``) is normalised within its group on
+its own before they are weighted, summed and whitened over the batch.
 """
 
 from rl_algorithms.grpo.config import DEFAULT_RECIPE, MAIN_RECIPE, MasterConfig

@@ -21,7 +21,7 @@ from rl_algorithms.config import (
     prefixed,
     recipe_path,
 )
-from rl_algorithms.environments import EnvSection
+from rl_algorithms.environments import EnvSection, environment_class
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_distributed.config import ConfigModel
 from rl_models.generation.config import GenerationConfig
@@ -138,11 +138,14 @@ class RolloutLoopConfig(ConfigModel):
 class GRPOConfig(RolloutLoopConfig):
     """The loop (NeMo RL's ``grpo.*`` keys)."""
 
-    # grpo (group-normalised rewards) or reinforce_plus_plus (batch-normalised;
+    # grpo (group-normalised rewards), gdpo (each of the environment's reward components
+    # group-normalised apart, then weighted and whitened over the batch: needs environments
+    # that return them, e.g. kind: reward_functions) or reinforce_plus_plus (batch-normalised;
     # loss_fn.use_kl_in_reward puts the KL penalty into its returns).
-    advantage_estimator: Literal["grpo", "reinforce_plus_plus"] = "grpo"
-    normalize_rewards: bool = True  # divide by the group's std (grpo)
-    use_leave_one_out_baseline: bool = False  # grpo: RLOO baseline (normalize_rewards=false: RLOO)
+    advantage_estimator: Literal["grpo", "gdpo", "reinforce_plus_plus"] = "grpo"
+    normalize_rewards: bool = True  # divide by the group's std (grpo, gdpo: each reward's)
+    # grpo, gdpo: RLOO baseline (grpo with normalize_rewards=false: RLOO)
+    use_leave_one_out_baseline: bool = False
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)  # see grpo/async_loop.py
 
 
@@ -306,7 +309,24 @@ class MasterConfig(RLMasterConfig):
                 "is one number per sample, with no per-token returns to fold the KL into (keep "
                 "the KL in the loss: use_kl_in_reward: false)"
             )
+        if self.grpo.advantage_estimator == "gdpo":
+            check_gdpo_environments(self)
         return self
+
+
+def check_gdpo_environments(config: Any) -> None:
+    """GDPO normalises each component of the reward apart: every environment must return them
+    (its class's ``returns_reward_components``), else there is nothing to decouple."""
+    for task, spec in config.env.items():
+        cls, _ = environment_class(task, spec)
+        if not getattr(cls, "returns_reward_components", False):
+            raise ValueError(
+                f"grpo.advantage_estimator: gdpo normalises each of a reward's components "
+                f"apart, but env.{task} ({cls.__name__}) returns a single reward, without "
+                "components: use kind: reward_functions with one function per reward (an "
+                "environment of your own sets returns_reward_components and returns "
+                "EnvironmentReturn.reward_components), or grpo.advantage_estimator: grpo"
+            )
 
 
 def check_async_config(config: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rl_algorithms.advantages import (
+    gdpo_advantages,
     groups_with_signal,
     grpo_advantages,
     overlong_filter,
@@ -26,6 +27,7 @@ from rl_algorithms.rollouts import RolloutResult, run_rollouts
 from rl_algorithms.run import Run, reduce_step_metrics
 from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_envs.interfaces import RewardComponents
 
 # The ``TrainBatch`` fields a rollout's ``training_batch`` fills, and those the steps add
 # before the train step.
@@ -169,13 +171,71 @@ def shaped_rewards(run: Run, result: RolloutResult) -> torch.Tensor:
     """The environments' rewards plus the overlong penalty when reward shaping is on."""
     shaping = run.config.rollout.reward_shaping
     rewards = result.rewards.clone()
-    if shaping.enabled:
-        lengths = torch.tensor([response_length(log) for log in result.message_logs])
-        penalty = overlong_penalty(
-            lengths, shaping.max_response_length, shaping.overlong_buffer_length
-        )
+    penalty = unweighted_overlong_penalty(run, result)
+    if penalty is not None:
         rewards += (penalty * shaping.overlong_buffer_penalty).to(rewards.dtype)
     return rewards
+
+
+def unweighted_overlong_penalty(run: Run, result: RolloutResult) -> torch.Tensor | None:
+    """``[N]`` overlong penalties in [-1, 0] before ``overlong_buffer_penalty`` weighs them;
+    None when reward shaping is off."""
+    shaping = run.config.rollout.reward_shaping
+    if not shaping.enabled:
+        return None
+    lengths = torch.tensor([response_length(log) for log in result.message_logs])
+    return overlong_penalty(lengths, shaping.max_response_length, shaping.overlong_buffer_length)
+
+
+# The name of reward shaping's overlong penalty among GDPO's rewards.
+OVERLONG_PENALTY_COMPONENT = "overlong_penalty"
+
+
+def reward_components(run: Run, result: RolloutResult) -> RewardComponents:
+    """The rewards GDPO normalises apart: the environments' components, and reward shaping's
+    overlong penalty as one more (weighted by ``overlong_buffer_penalty``), so that their
+    weighted sum is ``shaped_rewards``."""
+    components = result.reward_components
+    if components is None:
+        raise ValueError(
+            "grpo.advantage_estimator: gdpo needs every sample's reward components, and this "
+            "batch has none: an environment returned a single reward (no "
+            "EnvironmentReturn.reward_components), or the batch mixes environments whose "
+            "rewards differ (names or weights). Use env kind reward_functions with the same "
+            "functions for every task, or grpo.advantage_estimator: grpo"
+        )
+    penalty = unweighted_overlong_penalty(run, result)
+    if penalty is None:
+        return components
+    return RewardComponents(
+        (*components.names, OVERLONG_PENALTY_COMPONENT),
+        (*components.weights, run.config.rollout.reward_shaping.overlong_buffer_penalty),
+        torch.cat([components.values.float(), penalty[:, None].float()], dim=1),
+    )
+
+
+def gdpo_step_advantages(
+    run: Run, result: RolloutResult, sample_mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GDPO's ``[N]`` advantages, and each reward's normalised advantage's mean and std over
+    the samples in the loss (``gdpo/<reward>/advantage_mean``, ``.../advantage_std``)."""
+    g = run.config.grpo
+    components = reward_components(run, result)
+    advantages, per_reward = gdpo_advantages(
+        components.values,
+        components.weights,
+        g.num_generations_per_prompt,
+        leave_one_out=g.use_leave_one_out_baseline,
+        normalize_std=g.normalize_rewards,
+        sample_mask=sample_mask,
+    )
+    on = sample_mask > 0
+    metrics = {}
+    for k, name in enumerate(components.names):
+        values = per_reward[on, k]
+        metrics[f"gdpo/{name}/advantage_mean"] = float(values.mean()) if len(values) else 0.0
+        metrics[f"gdpo/{name}/advantage_std"] = float(values.std()) if len(values) > 1 else 0.0
+    return advantages, metrics
 
 
 def response_length(log: list[dict]) -> int:
@@ -191,8 +251,8 @@ def compute_advantages(
     """``advantages`` [B, S] and ``sample_mask`` [B] for the batch, and reward metrics.
 
     Rows out of the loss (dynamic sampling's fillers, truncated responses under overlong
-    filtering) get sample mask 0 and advantage 0, and the estimators' statistics leave them
-    out. With ``loss_fn.use_kl_in_reward`` (REINFORCE++ only), ``logprobs`` holds
+    filtering) get sample mask 0 and advantage 0, and the estimators' batch statistics
+    (REINFORCE++'s and GDPO's whitening) leave them out. With ``loss_fn.use_kl_in_reward`` (REINFORCE++ only), ``logprobs`` holds
     ``compute_logprobs``' fields: the per-token KL of ``prev_logprobs`` (pi_old) to
     ``reference_logprobs`` goes into the returns with ``reference_policy_kl_penalty``.
     """
@@ -203,6 +263,7 @@ def compute_advantages(
         sample_mask = overlong_filter(result.truncated, sample_mask)
     sample_mask = sample_mask * (~result.filler).to(sample_mask.dtype)
     kl = None
+    estimator_metrics: dict[str, float] = {}
     if g.advantage_estimator == "reinforce_plus_plus":
         kl_coef = 0.0
         loss = builtin_loss(run.config)
@@ -227,6 +288,9 @@ def compute_advantages(
             kl_coef=kl_coef,
             sample_mask=sample_mask,
         )
+    elif g.advantage_estimator == "gdpo":
+        per_sample, estimator_metrics = gdpo_step_advantages(run, result, sample_mask)
+        advantages = per_sample[:, None] * loss_mask
     else:
         per_sample = grpo_advantages(
             rewards,
@@ -247,6 +311,7 @@ def compute_advantages(
         # Groups whose G rewards are all equal: their advantages are 0, they teach nothing.
         "zero_variance_groups_fraction": 1.0
         - float(groups_with_signal(rewards, g.num_generations_per_prompt).double().mean()),
+        **estimator_metrics,
     }
     if g.advantage_estimator == "reinforce_plus_plus" and kl is not None and on.any():
         # The loss's kl_penalty is 0 then: this is where the run's drift from the reference shows.
@@ -315,6 +380,7 @@ def train_on_rollouts(run: Run, result: RolloutResult) -> dict[str, float]:
     log-probs are taken first; otherwise after the advantages (the order of the default path
     is kept: its numbers do not change)."""
     timer = run.logger.timer
+    run.recent_samples = result.samples(run.config.logger.num_val_samples_to_print)
     batch = result.training_batch(run.tokenizer.pad_token_id)
     loss = builtin_loss(run.config)
     if loss is not None and loss.use_kl_in_reward:

@@ -69,8 +69,9 @@ class LoggerConfig(ConfigModel):
     progress_bar: bool = True
     # Metrics shown next to the progress bar (names without prefix, e.g. "loss").
     progress_metrics: list[str] = Field(default_factory=lambda: ["loss"])
-    # Validation samples (prompt, completion, reward) logged at every validation: a table in
-    # W&B, a text summary in TensorBoard, one line each in the JSONL file (0: none).
+    # Samples (prompt, completion, reward) of the validation and of the latest training step,
+    # at every validation: a table on the console (long texts shortened) and in W&B, a text
+    # summary in TensorBoard, one line each in the JSONL file (0: none).
     num_val_samples_to_print: int = Field(4, ge=0)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
@@ -387,11 +388,50 @@ class ProgressBar:
                 shown.append(f"{name}={scalars[key]:.4g}")
         return " ".join(shown)
 
+    def print_samples(self, title: str, samples: list[dict[str, Any]]) -> None:
+        """``samples`` as a table on the console: through the live bar's console when it is
+        drawn (printing around it would tear it), else on the stream. A stream that is not a
+        terminal gets plain text, without colour codes."""
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(title=title, show_lines=True, title_justify="left")
+        columns = sample_columns(samples)
+        for column in columns:
+            table.add_column(column, overflow="fold")
+        for sample in samples:
+            # Text, not markup: a completion's "[assistant]" or "[/b]" is shown as written.
+            table.add_row(*(Text(_cell_text(c, sample.get(c))) for c in columns))
+        if self._progress is not None:
+            self._progress.console.print(table)
+            return
+        stream = self.stream if self.stream is not None else sys.stdout
+        Console(file=stream, width=None if _is_terminal(stream) else 120).print(table)
+
     def stop(self) -> None:
         self._plain = None
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+# How much of a sample a console table shows: the end of a prompt (where the question is)
+# and the start of a completion. The logs' own tables keep the whole text.
+SHOWN_PROMPT_CHARS = 300
+SHOWN_COMPLETION_CHARS = 600
+
+
+def _cell_text(column: str, value: Any) -> str:
+    value = _plain(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value)
+    if column == "prompt" and len(text) > SHOWN_PROMPT_CHARS:
+        return "..." + text[-SHOWN_PROMPT_CHARS:]
+    if len(text) > SHOWN_COMPLETION_CHARS:
+        return text[:SHOWN_COMPLETION_CHARS] + "..."
+    return text
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -491,6 +531,7 @@ class Logger:
         key = f"{prefix}/samples" if prefix else "samples"
         for backend in self.backends.values():
             backend.log_samples(key, samples, step)
+        self.progress.print_samples(f"{key} at step {step}", samples)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
