@@ -288,3 +288,25 @@ def test_the_example_loss_matches_a_float64_reference(example_losses):
     assert math.isclose(float(loss), total / float(toks), rel_tol=1e-5)
     assert math.isclose(metrics["clip_fraction"], clipped / float(toks), rel_tol=1e-6)
     assert 0 < clipped < toks  # both branches of the clip were exercised
+
+
+def test_ppo_takes_a_loss_of_ones_own_checked_against_what_its_step_produces(example_losses):
+    from rl_algorithms.ppo import loop as ppo_loop
+
+    algorithm = cli.load_algorithm("ppo")
+    recipe = str(EXAMPLES / "configs" / "ppo_math_cpu.yaml")
+    base = ["--config", recipe, "tokenizer.path=tok", "+loss_fn.kind=my_losses:ClippedTokenPG"]
+    config = cli.build_config(algorithm, base)
+    loss = ppo_loop.make_loss(config)
+    assert isinstance(loss, example_losses.ClippedTokenPG)
+    assert "prev_logprobs" in ppo_loop.logprob_fields(config)
+    assert "train/clip_fraction" in config.logged_metrics()
+
+    class ReadsTheReturns(example_losses.ClippedTokenPG):
+        def batch_fields(self):
+            return frozenset({"advantages", "returns"})
+
+    # A PPO step fills the critic's returns; a GRPO step has none to give.
+    check_batch_fields(ReadsTheReturns(), config, ppo_loop.step_fields(config), step="PPO")
+    with pytest.raises(ValueError, match=r"reads batch fields \['returns'\] that a GRPO step"):
+        check_batch_fields(ReadsTheReturns(), grpo_config(), None)
