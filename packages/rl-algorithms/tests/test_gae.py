@@ -215,3 +215,63 @@ def test_explained_variance():
     )
     assert explained_variance(returns, returns, mask) == 1.0
     assert math.isnan(explained_variance(values, torch.ones_like(returns), mask))
+
+
+def reference_explained_variance(values, returns, mask) -> float:
+    """Float64 in plain Python (exactly rounded sums), the valid entries only."""
+    on = [
+        (float(v), float(r))
+        for v, r, m in zip(values.flatten(), returns.flatten(), mask.flatten(), strict=True)
+        if m > 0
+    ]
+    r = [x for _, x in on]
+    e = [x - v for v, x in on]
+
+    def var(xs):
+        m = math.fsum(xs) / len(xs)
+        return math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+    return 1 - var(e) / var(r)
+
+
+def test_returns_equal_but_for_rounding_count_as_constant():
+    # Every row's return is the same 200 float32 numbers summed in float32, each row in
+    # another order: equal in exact arithmetic, different in their last bits.
+    g = torch.Generator().manual_seed(7)
+    terms = (torch.randn(200, generator=g) * torch.logspace(-3, 2, 200)).float()
+    rows = []
+    for _ in range(B):
+        total = torch.zeros((), dtype=torch.float32)
+        for i in torch.randperm(200, generator=g):
+            total = total + terms[i]
+        rows.append(total)
+    returns = torch.stack(rows)[:, None].expand(B, S).contiguous()
+    mask = torch.ones(B, S)
+    assert len(set(returns[:, 0].tolist())) > 1  # the rounding differs between rows
+    values = returns + 0.01 * torch.randn(B, S, generator=g)
+    # Dividing by the rounding noise: what the exact-zero test used to let through.
+    assert reference_explained_variance(values, returns, mask) < -1e3
+    assert math.isnan(explained_variance(values, returns, mask))
+    # The same numbers handed over as float64 claim float64's precision, and are taken at it.
+    assert not math.isnan(explained_variance(values, returns.double(), mask))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_explained_variance_against_a_float64_reference(dtype):
+    g = torch.Generator().manual_seed(8)
+    _, _, mask, _, _ = multi_turn_batch()
+    eps = torch.finfo(dtype).eps
+    for spread in (1.0, 1e-2, 30 * math.sqrt(eps)):  # down to just above the tolerance
+        returns = (5.0 + spread * torch.randn(B, S, generator=g, dtype=torch.float64)).to(dtype)
+        values = (returns + 0.3 * spread * torch.randn(B, S, generator=g, dtype=dtype)).to(dtype)
+        got = explained_variance(values, returns, mask)
+        assert math.isclose(got, reference_explained_variance(values, returns, mask), rel_tol=1e-9)
+    # A spread below sqrt(eps) of the returns' size is taken for rounding: NaN.
+    flat = (5.0 + 0.1 * math.sqrt(eps) * torch.randn(B, S, generator=g, dtype=torch.float64)).to(
+        dtype
+    )
+    assert math.isnan(explained_variance(flat, flat, mask))
+    # Integer returns: exact, so any spread counts.
+    ints = torch.arange(B * S).reshape(B, S) % 3
+    assert explained_variance(ints.double(), ints, mask) == 1.0
+    assert math.isnan(explained_variance(ints.double(), torch.full((B, S), 7), mask))

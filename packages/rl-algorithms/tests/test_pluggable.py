@@ -3,6 +3,7 @@ examples/echo_backend.py, through the same validation, ``--help`` and factory as
 and a loss of their own (``loss_fn: {kind: module:Class, kwargs}``)."""
 
 import importlib
+import math
 import sys
 import types
 from pathlib import Path
@@ -222,3 +223,92 @@ def test_a_kind_on_the_command_line_keeps_the_files_kwargs(tmp_path, losses):
         cli.build_config(algorithm, [*argv, other])
     config = cli.build_config(algorithm, [*argv, other, "~loss_fn.kwargs"])
     assert config.loss_fn.kind == "my_losses:ReadsTheSampler" and config.loss_fn.kwargs == {}
+
+
+@pytest.fixture
+def example_losses():
+    """examples/my_losses.py, importable as ``my_losses`` the way a recipe names it."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        yield importlib.import_module("my_losses")
+    finally:
+        sys.modules.pop("my_losses", None)
+        sys.path.remove(str(EXAMPLES))
+
+
+def test_the_example_loss_goes_through_the_real_setup_checks(example_losses, capsys):
+    kind = "+loss_fn.kind=my_losses:ClippedTokenPG"
+    config = grpo_config(kind, "+loss_fn.kwargs.epsilon=0.1")
+    loss = make_loss(config)
+    assert isinstance(loss, example_losses.ClippedTokenPG) and loss.epsilon == 0.1
+    check_batch_fields(loss, config)  # what it reads, a step produces
+    assert "prev_logprobs" in logprob_fields(config)  # asked for: the step computes pi_old
+    assert "train/clip_fraction" in config.logged_metrics()
+    # The constructor's own check and a misspelt keyword fail when the config is read.
+    for bad, why in (("epsilon=1.5", "epsilon must be in (0, 1)"), ("epsillon=0.1", "epsillon")):
+        assert cli.main([*GRPO, kind, f"+loss_fn.kwargs.{bad}", "--print-config"]) == 2
+        assert why in capsys.readouterr().err
+
+    class MisspeltField(example_losses.ClippedTokenPG):
+        def batch_fields(self):
+            return frozenset({"advantages", "prev_logprob"})
+
+    with pytest.raises(ValueError, match=r"names \['prev_logprob'\], which are not TrainBatch"):
+        check_batch_fields(MisspeltField(), config)
+
+
+def test_the_example_loss_matches_a_float64_reference(example_losses):
+    from rl_data.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(3)
+    B, S = 3, 7
+    lengths = torch.tensor([7, 5, 6])
+    loss_mask = torch.zeros(B, S)
+    loss_mask[:, 3:] = 1  # the response
+    batch = TrainBatch(
+        input_ids=torch.zeros(B, S, dtype=torch.long),
+        input_lengths=lengths,
+        loss_mask=loss_mask,
+        advantages=torch.randn(B, 1, generator=g).expand(B, S),
+        prev_logprobs=-torch.rand(B, S, generator=g) - 0.1,
+    )
+    logprobs = batch.prev_logprobs + 0.3 * torch.randn(B, S, generator=g)
+    logprobs[:, :3] = -torch.inf  # prompt positions: never read
+    mask = batch.loss_token_mask()
+    toks = mask.sum()
+    loss, metrics = example_losses.ClippedTokenPG(0.2)(logprobs, batch, torch.tensor(B), toks)
+
+    total, clipped = 0.0, 0
+    for b in range(B):
+        for t in range(S):
+            if mask[b, t] > 0:
+                r = math.exp(float(logprobs[b, t]) - float(batch.prev_logprobs[b, t]))
+                a = float(batch.advantages[b, t])
+                c = min(max(r, 0.8), 1.2)
+                total += -min(r * a, c * a)
+                clipped += c * a < r * a
+    assert math.isclose(float(loss), total / float(toks), rel_tol=1e-5)
+    assert math.isclose(metrics["clip_fraction"], clipped / float(toks), rel_tol=1e-6)
+    assert 0 < clipped < toks  # both branches of the clip were exercised
+
+
+def test_ppo_takes_a_loss_of_ones_own_checked_against_what_its_step_produces(example_losses):
+    from rl_algorithms.ppo import loop as ppo_loop
+
+    algorithm = cli.load_algorithm("ppo")
+    recipe = str(EXAMPLES / "configs" / "ppo_math_cpu.yaml")
+    base = ["--config", recipe, "tokenizer.path=tok", "+loss_fn.kind=my_losses:ClippedTokenPG"]
+    config = cli.build_config(algorithm, base)
+    loss = ppo_loop.make_loss(config)
+    assert isinstance(loss, example_losses.ClippedTokenPG)
+    assert "prev_logprobs" in ppo_loop.logprob_fields(config)
+    assert "train/clip_fraction" in config.logged_metrics()
+
+    class ReadsTheReturns(example_losses.ClippedTokenPG):
+        def batch_fields(self):
+            return frozenset({"advantages", "returns"})
+
+    # A PPO step fills the critic's returns; a GRPO step has none to give.
+    check_batch_fields(ReadsTheReturns(), config, ppo_loop.step_fields(config), step="PPO")
+    with pytest.raises(ValueError, match=r"reads batch fields \['returns'\] that a GRPO step"):
+        check_batch_fields(ReadsTheReturns(), grpo_config(), None)

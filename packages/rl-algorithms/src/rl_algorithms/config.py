@@ -68,8 +68,8 @@ class CustomLossConfig(ConfigModel):
     algorithm's, the way ``env.<task>.kind`` takes an environment of your own.
 
     ``Class(**kwargs)`` (an ``rl_models.interfaces.LossFunction``) is built on the driver and
-    sent to the policy workers; ``kwargs`` are checked against its constructor when the config
-    is read, before anything starts. Its ``METRICS`` (if it declares them) are what the run
+    sent to the policy workers; ``kwargs`` are checked against its constructor, and built once,
+    when the config is read, before anything starts. Its ``METRICS`` (if it declares them) are what the run
     logs as ``train/<metric>``, and its ``batch_fields()`` are checked against what a step
     produces.
     """
@@ -107,7 +107,14 @@ class CustomLossConfig(ConfigModel):
     @classmethod
     def _taken(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         if "kind" in info.data:  # else the kind was refused already
-            check_kwargs(import_path(info.data["kind"]), kwargs, given_by_us=0)
+            loss = import_path(info.data["kind"])
+            check_kwargs(loss, kwargs, given_by_us=0)
+            # Built once here too, so that the constructor's own checks of its arguments fail
+            # when the config is read, not when the run is being set up.
+            try:
+                loss(**kwargs)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{info.data['kind']} refused them: {e}") from None
         return kwargs
 
     def loss_class(self) -> type:

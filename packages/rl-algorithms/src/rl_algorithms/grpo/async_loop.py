@@ -47,6 +47,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rl_algorithms.diagnostics import warn_on_mismatch
 from rl_algorithms.grpo.collector import CollectorClient, CollectorError, CollectorReply
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer, TrajectoryGroup
 from rl_algorithms.grpo.steps import (
@@ -248,6 +249,7 @@ def async_grpo_train(run: Run) -> dict[str, float]:
                 "generator_idle_seconds": generator_idle - idle_before,
             }
             idle_before = generator_idle
+            last.update(warn_on_mismatch(run, last))
             end_step(
                 run,
                 last,

@@ -130,6 +130,9 @@ class RolloutLoopConfig(ConfigModel):
     # Warn when every reward of the batch has been the same for this many steps in a row (no
     # signal: nothing learns); 0: never.
     no_signal_warning_steps: int = Field(5, ge=0)
+    # Warn once when the loss's gen_train_kl_k3 (the generator/trainer KL per token) exceeds
+    # this, and count such steps in train/mismatch_kl_warn_steps; null: never (diagnostics.py).
+    mismatch_kl_warn_threshold: float | None = Field(1e-2, gt=0)
 
 
 class GRPOConfig(RolloutLoopConfig):

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rl_algorithms.diagnostics import warn_on_mismatch
 from rl_algorithms.grpo.config import MasterConfig, RLMasterConfig
 from rl_algorithms.grpo.steps import (
     check_batch_fields,
@@ -111,6 +112,7 @@ def train_steps(run: Run, step: Callable[[Run], dict[str, float]]) -> dict[str, 
         step_start = time.perf_counter()
         last = step(run)
         run.step += 1
+        last.update(warn_on_mismatch(run, last))
         last["step_seconds"] = time.perf_counter() - step_start  # wall clock, all phases
         end_step(run, last, lambda: validate(run))
     run.logger.progress.stop()

@@ -46,11 +46,17 @@ def make_loss(config: MasterConfig) -> ClippedPGLossFn:
     )
 
 
-def check_batch_fields(loss_fn: Any, config: MasterConfig) -> None:
-    """Refuse, at setup, a loss that would read a batch field a GRPO step with this config
+def check_batch_fields(
+    loss_fn: Any,
+    config: MasterConfig,
+    produced: frozenset[str] | None = None,
+    step: str = "GRPO",
+) -> None:
+    """Refuse, at setup, a loss that would read a batch field a ``step`` with this config
     does not produce, rather than failing mid-run: a name that is no ``TrainBatch`` field at
-    all (misspelt, or an old name), or one this config leaves empty. A loss that declares
-    nothing (no ``batch_fields``) is not checked."""
+    all (misspelt, or an old name), or one this config leaves empty. ``produced``: the fields
+    the step fills (default: a GRPO step's). A loss that declares nothing (no
+    ``batch_fields``) is not checked."""
     if not hasattr(loss_fn, "batch_fields"):
         return
     declared = set(loss_fn.batch_fields())
@@ -60,11 +66,12 @@ def check_batch_fields(loss_fn: Any, config: MasterConfig) -> None:
             f"{type(loss_fn).__name__}.batch_fields() names {sorted(unknown)}, which are not "
             f"TrainBatch fields (they are {sorted(TrainBatch.field_names())})"
         )
-    produced = ROLLOUT_FIELDS | ADVANTAGE_FIELDS | logprob_fields(config)
+    if produced is None:
+        produced = ROLLOUT_FIELDS | ADVANTAGE_FIELDS | logprob_fields(config)
     missing = declared - produced
     if missing:
         raise ValueError(
-            f"{type(loss_fn).__name__} reads batch fields {sorted(missing)} that a GRPO step "
+            f"{type(loss_fn).__name__} reads batch fields {sorted(missing)} that a {step} step "
             f"with this config does not produce (it produces {sorted(produced)})"
         )
 

@@ -8,8 +8,7 @@ with an extreme ``w`` follows ``truncated_importance_sampling_type`` (the NeMo R
 
 - ``tis``: ``w`` clamped to ``[truncated_importance_sampling_ratio_min (default 0),
   truncated_importance_sampling_ratio]`` (TIS; the behaviour when the type is left out).
-  NeMo RL's tis ignores ``_ratio_min`` (its clamp is ``[0, max]``); here a given minimum is
-  also a floor;
+  As in NeMo RL, a given minimum is a floor;
 - ``icepop``: tokens whose ``w`` is outside ``[min, max]`` get weight 0 (IcePop's token mask),
   the others keep their raw ``w``;
 - ``seq-mask-tis``: sequences whose geometric-mean weight ``exp(mean_t log w)`` is outside

@@ -18,6 +18,32 @@ def _torch_optimizer(value: Any, ctx: Context) -> str:
     return name
 
 
+def _importance_weight(value: Any, ctx: Context) -> Any:
+    if value and ctx.get("loss_fn.sequence_level_importance_ratios"):
+        # NeMo RL's sequence weight is the product of the token weights; ours is their
+        # geometric mean (the GSPO ratio's form), a different number for every long sequence.
+        raise Refuse(
+            "would weight each sequence by exp(sum_t log pi_old/pi_gen) with "
+            "sequence_level_importance_ratios; here the weight is exp(mean_t ...)"
+        )
+    return value
+
+
+def _kl_in_reward(value: Any, ctx: Context) -> Any:
+    if not value:
+        return value
+    if ctx.get("grpo.adv_estimator.name", "grpo") == "reinforce_plus_plus":
+        raise Refuse(
+            "would subtract each token's own KL (penalty * kl_t) from REINFORCE++'s "
+            "advantages; here use_kl_in_reward subtracts the KL summed from t to the "
+            "response's end (the REINFORCE++ paper's returns)"
+        )
+    raise Refuse(
+        "would take the KL out of the loss while GRPO's advantages ignore it, leaving no KL "
+        "penalty; for that here, set loss_fn.reference_policy_kl_penalty: 0"
+    )
+
+
 def _backend(ctx: Context) -> str:
     return "megatron" if ctx.get("policy.megatron_cfg.enabled") is True else "dtensor"
 

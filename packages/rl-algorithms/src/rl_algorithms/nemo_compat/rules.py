@@ -19,6 +19,8 @@ from rl_algorithms.nemo_compat.handlers import (
     _empty,
     _enabled_backend,
     _generation_backend,
+    _importance_weight,
+    _kl_in_reward,
     _max_length,
     _megatron_optimizer,
     _megatron_optimizer_off,
@@ -183,23 +185,22 @@ RULES: list[tuple[str, Any]] = [
             "ratio_clip_max",
             "ratio_clip_c",
             "use_on_policy_kl_approximation",
-            "use_importance_sampling_correction",
             "truncated_importance_sampling_ratio",
+            # tis / icepop / seq-mask-tis and the lower bound read alike (losses/mismatch.py).
+            "truncated_importance_sampling_type",
+            "truncated_importance_sampling_ratio_min",
             "sequence_level_importance_ratios",
             "token_level_loss",
+            # The same clipped, detached ratio times A * log pi, over the same clip range.
+            "use_cispo",
         )
     ],
     (
-        "loss_fn.truncated_importance_sampling_type",
-        Unless((None, "tis"), "use ICE-POP / seq-mask-tis importance-weight masking"),
-    ),
-    (
-        "loss_fn.truncated_importance_sampling_ratio_min",
-        Unless((None, 0, 0.0), "clamp IS weights from below"),
+        "loss_fn.use_importance_sampling_correction",
+        To("loss_fn.use_importance_sampling_correction", _importance_weight),
     ),
     ("loss_fn.force_on_policy_ratio", Unless((False,), "force the probability ratio to 1")),
-    ("loss_fn.use_kl_in_reward", Unless((False,), "put the KL penalty into the reward")),
-    ("loss_fn.use_cispo", Unless((False,), "use the CISPO objective")),
+    ("loss_fn.use_kl_in_reward", To("loss_fn.use_kl_in_reward", _kl_in_reward)),
     ("loss_fn.disable_ppo_ratio", Unless((False,), "drop the PPO ratio (REINFORCE loss)")),
     ("loss_fn.positive_example_nll_weight", Unless((0, 0.0), "add VAPO's positive NLL term")),
     # -- checkpointing ---------------------------------------------------------------------------

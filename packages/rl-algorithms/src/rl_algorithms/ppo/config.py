@@ -13,12 +13,19 @@ from typing import ClassVar, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
-from rl_algorithms.config import POLICY_STEP_METRICS, IdleOffloadConfig, prefixed, recipe_path
+from rl_algorithms.config import (
+    POLICY_STEP_METRICS,
+    IdleOffloadConfig,
+    loss_section,
+    prefixed,
+    recipe_path,
+)
 from rl_algorithms.grpo.config import (
     VALIDATION_METRICS,
     GRPOLossConfig,
     RLMasterConfig,
     RolloutLoopConfig,
+    builtin_loss,
 )
 from rl_algorithms.losses import ClippedPGLossFn, ClippedValueLossFn
 from rl_algorithms.losses.value import ValueLossConfig
@@ -99,8 +106,9 @@ class CriticConfig(PolicyConfig):
 
 class MasterConfig(RLMasterConfig):
     # GRPO's: with use_kl_in_reward, -reference_policy_kl_penalty * kl at every action token
-    # of the token rewards (the classic RLHF form), not in the loss.
-    loss_fn: GRPOLossConfig = Field(default_factory=GRPOLossConfig)
+    # of the token rewards (the classic RLHF form), not in the loss. Or the policy's loss of
+    # your own: {kind: module:Class, kwargs} (no KL penalty then).
+    loss_fn: loss_section(GRPOLossConfig) = Field(default_factory=GRPOLossConfig)  # type: ignore[valid-type]
     value_loss_fn: PPOValueLossConfig = Field(default_factory=PPOValueLossConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     ppo: PPOConfig
@@ -108,7 +116,9 @@ class MasterConfig(RLMasterConfig):
     LOOP_SECTION: ClassVar[str] = "ppo"
 
     def logged_metrics(self) -> frozenset[str]:
-        policy = POLICY_STEP_METRICS | {"grad_norm"} | ClippedPGLossFn.METRICS | STEP_METRICS
+        own = builtin_loss(self) is None
+        loss = self.loss_fn.metrics() if own else ClippedPGLossFn.METRICS
+        policy = POLICY_STEP_METRICS | {"grad_norm"} | loss | STEP_METRICS
         critic = prefixed(
             "critic", POLICY_STEP_METRICS | {"grad_norm"} | ClippedValueLossFn.METRICS
         )

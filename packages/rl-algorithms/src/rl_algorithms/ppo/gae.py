@@ -134,15 +134,28 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     """``1 - Var(R - V) / Var(R)`` over the entries where ``mask > 0``: 1 for a critic that
     predicts the returns exactly, 0 for one no better than their mean, negative for worse.
 
-    NaN when it is undefined: the returns do not vary (``Var(R) == 0``, e.g. every response
-    scored the same) or there are fewer than two valid entries. A made-up number there would
-    read as a critic that is (or is not) learning; NaN says there was nothing to explain.
+    NaN when it is undefined: fewer than two valid entries, or returns that do not vary (e.g.
+    every response scored the same). A made-up number there would read as a critic that is (or
+    is not) learning; NaN says there was nothing to explain. "Do not vary" allows for rounding:
+    returns equal in exact arithmetic but computed in float (sums in another order, GAE's
+    recursion) differ in their last bits, and dividing by that rounding noise would give an
+    arbitrary, hugely negative number. So the returns count as constant when
+
+        Var(R) <= eps * mean(R^2)
+
+    with ``eps`` the machine epsilon of the returns' dtype (float64's for integer returns):
+    their spread is at most ``sqrt(eps)`` of their size (3.5e-4 of it in float32, 1.5e-8 in
+    float64). That is some 2900 (float32) rounding units, room for the rounding of long sums,
+    and far below any spread a critic is meant to explain. The statistics themselves are taken
+    in float64.
     """
     check_shape("returns", returns, tuple(values.shape))
     check_shape("mask", mask, tuple(values.shape))
     valid = mask > 0
     _, var_returns = masked_moments(returns, valid)
-    if int(valid.sum()) < 2 or float(var_returns) == 0.0:
+    eps = torch.finfo(returns.dtype if returns.is_floating_point() else torch.float64).eps
+    mean_square = zero_off_mask(returns, valid).square().sum() / valid.sum().clamp(min=1)
+    if int(valid.sum()) < 2 or float(var_returns) <= eps * float(mean_square):
         return float("nan")
     residual = zero_off_mask(returns, valid) - zero_off_mask(values, valid)
     _, var_residual = masked_moments(residual, valid)

@@ -18,8 +18,12 @@ from typing import Any
 
 import torch
 
+from rl_algorithms.grpo.config import builtin_loss
 from rl_algorithms.grpo.loop import run_and_report, setup_rollout_run, train_steps
 from rl_algorithms.grpo.steps import (
+    ADVANTAGE_FIELDS,
+    ROLLOUT_FIELDS,
+    check_batch_fields,
     compute_logprobs,
     generate_rollouts,
     refit_if_stale,
@@ -49,27 +53,42 @@ def setup(config: MasterConfig) -> Run:
         critic.num_workers,
         offload_when_idle=critic.offload.when_idle is True,
     )
+    # The policy's loss is checked against what a PPO step produces before anything starts.
+    loss_fn = make_loss(config)
+    check_batch_fields(loss_fn, config, step_fields(config), step="PPO")
     run = setup_rollout_run(config, "ppo", critic=plan)
-    run.loss_fn = make_loss(config)
+    run.loss_fn = loss_fn
     return run
 
 
-def make_loss(config: MasterConfig) -> ClippedPGLossFn:
-    """The policy's clipped PG loss (its KL term off when the KL is in the rewards)."""
+def make_loss(config: MasterConfig) -> Any:
+    """The policy's clipped PG loss (its KL term off when the KL is in the rewards), or the
+    loss of your own that ``loss_fn.kind`` names."""
+    if builtin_loss(config) is None:
+        return config.loss_fn.build()
     pi_old_is_current = "prev_logprobs" not in logprob_fields(config)
     return ClippedPGLossFn(config.loss_fn.policy_loss(), pi_old_is_current=pi_old_is_current)
+
+
+def step_fields(config: MasterConfig) -> frozenset[str]:
+    """The ``TrainBatch`` fields a PPO step fills before the policy's train step."""
+    return ROLLOUT_FIELDS | ADVANTAGE_FIELDS | {"returns", "values"} | logprob_fields(config)
 
 
 def logprob_fields(config: MasterConfig) -> frozenset[str]:
     """What ``grpo.steps.compute_logprobs`` must give a PPO step: ``prev_logprobs`` for more
     than one optimiser step per batch (pi_old) or for the KL penalty in the rewards, the
-    reference's log-probs whenever there is a KL penalty."""
+    reference's log-probs whenever there is a KL penalty; for a loss of your own, either one
+    its ``batch_fields()`` lists."""
     fields = set()
+    loss = builtin_loss(config)
     several_steps = not single_update_per_batch(config) or config.ppo.ppo_epochs > 1
-    if several_steps or config.loss_fn.use_kl_in_reward:
+    if several_steps or (loss is not None and loss.use_kl_in_reward):
         fields.add("prev_logprobs")
-    if config.loss_fn.reference_policy_kl_penalty > 0:
+    if loss is not None and loss.reference_policy_kl_penalty > 0:
         fields.add("reference_logprobs")
+    if loss is None:
+        fields |= config.loss_fn.batch_fields() & {"prev_logprobs", "reference_logprobs"}
     return frozenset(fields)
 
 
@@ -79,23 +98,24 @@ def compute_advantages(
     """``advantages``, ``returns``, ``values`` (the critic's, before its update) and
     ``sample_mask`` for the batch, and their metrics."""
     config: MasterConfig = run.config
-    p, loss = config.ppo, config.loss_fn
+    p, loss = config.ppo, builtin_loss(config)
     scores = shaped_rewards(run, result)
     sample_mask = torch.ones(len(scores))
     if p.overlong_filtering:
         sample_mask = sample_mask * (~result.truncated).to(sample_mask.dtype)
     mask = batch.replace(sample_mask=sample_mask).loss_token_mask()
-    kl_in_reward = loss.use_kl_in_reward
-    rewards = token_level_rewards(
-        scores,
-        mask,
-        kl_penalty=loss.reference_policy_kl_penalty if kl_in_reward else 0.0,
-        logprobs=batch.prev_logprobs if kl_in_reward else None,
-        reference_logprobs=batch.reference_logprobs if kl_in_reward else None,
-        kl_type=loss.reference_policy_kl_type,
-        kl_input_clamp_value=loss.kl_input_clamp_value,
-        kl_output_clamp_value=loss.kl_output_clamp_value,
-    )
+    kl_in_reward = loss is not None and loss.use_kl_in_reward
+    kl_args: dict[str, Any] = {}
+    if kl_in_reward:
+        kl_args = {
+            "kl_penalty": loss.reference_policy_kl_penalty,
+            "logprobs": batch.prev_logprobs,
+            "reference_logprobs": batch.reference_logprobs,
+            "kl_type": loss.reference_policy_kl_type,
+            "kl_input_clamp_value": loss.kl_input_clamp_value,
+            "kl_output_clamp_value": loss.kl_output_clamp_value,
+        }
+    rewards = token_level_rewards(scores, mask, **kl_args)
     g = p.adv_estimator
     advantages, returns = gae(
         rewards,

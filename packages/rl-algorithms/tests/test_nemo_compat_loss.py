@@ -1,0 +1,85 @@
+"""NeMo RL's ``loss_fn`` keys of the newer objectives (CISPO, truncated importance sampling's
+types) translated onto ours, and the ones whose meaning differs here refused saying why."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_algorithms.nemo_compat import translate_file
+
+from .test_nemo_compat import recipe, validated
+
+NEMO_GRPO = "grpo_math_1B"
+
+
+def refused(*overrides: str) -> dict[str, str]:
+    translation, _ = translate_file(recipe(NEMO_GRPO), list(overrides), "grpo")
+    return {e.key: e.reason for e in translation.refused}
+
+
+def test_cispo_translates_with_its_clip_range():
+    overrides = ("loss_fn.use_cispo=true", "loss_fn.ratio_clip_min=1.0", "loss_fn.ratio_clip_max=4")
+    assert refused(*overrides) == {}
+    loss = validated(NEMO_GRPO, *overrides)["loss_fn"]
+    assert loss["use_cispo"] is True
+    assert (loss["ratio_clip_min"], loss["ratio_clip_max"]) == (1.0, 4.0)
+    assert loss["token_level_loss"] is True
+
+
+@pytest.mark.parametrize(
+    ("kind", "low", "high"),
+    [("tis", None, 2.0), ("icepop", 0.5, 5.0), ("seq-mask-tis", 0.999, 1.002)],
+)
+def test_truncated_importance_sampling_types_translate(kind, low, high):
+    overrides = (
+        "loss_fn.use_importance_sampling_correction=true",
+        f"loss_fn.truncated_importance_sampling_type={kind}",
+        f"loss_fn.truncated_importance_sampling_ratio={high}",
+        f"loss_fn.truncated_importance_sampling_ratio_min={'null' if low is None else low}",
+    )
+    assert refused(*overrides) == {}
+    loss = validated(NEMO_GRPO, *overrides)["loss_fn"]
+    assert loss["truncated_importance_sampling_type"] == kind
+    assert loss["truncated_importance_sampling_ratio"] == high
+    assert loss["truncated_importance_sampling_ratio_min"] == low
+    assert loss["use_importance_sampling_correction"] is True
+
+
+def test_a_tis_floor_translates():
+    overrides = (
+        "loss_fn.use_importance_sampling_correction=true",
+        "loss_fn.truncated_importance_sampling_type=tis",
+        "loss_fn.truncated_importance_sampling_ratio=2.0",
+        "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+    )
+    assert refused(*overrides) == {}
+    assert (
+        validated(NEMO_GRPO, *overrides)["loss_fn"]["truncated_importance_sampling_ratio_min"]
+        == 0.5
+    )
+
+
+def test_kl_in_reward_is_refused_saying_how_it_differs():
+    grpo = refused("loss_fn.use_kl_in_reward=true")
+    assert set(grpo) == {"loss_fn.use_kl_in_reward"}
+    assert "leaving no KL penalty" in grpo["loss_fn.use_kl_in_reward"]
+    assert "reference_policy_kl_penalty: 0" in grpo["loss_fn.use_kl_in_reward"]
+    rpp = refused("loss_fn.use_kl_in_reward=true", "grpo.adv_estimator.name=reinforce_plus_plus")
+    assert "summed from t to the response's end" in rpp["loss_fn.use_kl_in_reward"]
+    assert validated(NEMO_GRPO)["loss_fn"]["use_kl_in_reward"] is False
+
+
+def test_a_gspo_importance_weight_is_refused_as_nemo_multiplies_the_token_weights():
+    gspo = ("loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false")
+    assert refused(*gspo) == {}
+    why = refused(*gspo, "loss_fn.use_importance_sampling_correction=true")
+    assert set(why) == {"loss_fn.use_importance_sampling_correction"}
+    assert "exp(sum_t" in why["loss_fn.use_importance_sampling_correction"]
+
+
+@pytest.mark.parametrize(
+    "key", ["disable_ppo_ratio", "force_on_policy_ratio", "positive_example_nll_weight=0.1"]
+)
+def test_objectives_we_lack_stay_refused(key):
+    key, _, value = key.partition("=")
+    assert set(refused(f"loss_fn.{key}={value or 'true'}")) == {f"loss_fn.{key}"}
