@@ -83,3 +83,34 @@ def test_a_gspo_importance_weight_is_refused_as_nemo_multiplies_the_token_weight
 def test_objectives_we_lack_stay_refused(key):
     key, _, value = key.partition("=")
     assert set(refused(f"loss_fn.{key}={value or 'true'}")) == {f"loss_fn.{key}"}
+
+
+def test_gdpos_estimator_settings_win_over_the_top_level_ones_nemo_does_not_read():
+    """NeMo's GDPO recipe sets ``grpo.adv_estimator.use_leave_one_out_baseline: false`` under a
+    parent with ``grpo.use_leave_one_out_baseline: true``: NeMo's estimator reads the first."""
+    gdpo = ("grpo.adv_estimator.name=gdpo", "grpo.adv_estimator.use_leave_one_out_baseline=false")
+    translation, _ = translate_file(recipe(NEMO_GRPO), list(gdpo), "grpo")
+    assert not translation.refused
+    ignored = {e.key: e.reason for e in translation.ignored}
+    assert (
+        "reads grpo.adv_estimator.use_leave_one_out_baseline"
+        in (ignored["grpo.use_leave_one_out_baseline"])
+    )
+    # (Validation would then refuse GDPO with this recipe's single-reward math environment.)
+    grpo = translation.config["grpo"]
+    assert grpo["advantage_estimator"] == "gdpo"
+    assert grpo["use_leave_one_out_baseline"] is False
+    assert grpo["normalize_rewards"] is True
+    # Without a difference the top-level key translates as before.
+    assert validated(NEMO_GRPO)["grpo"]["use_leave_one_out_baseline"] is True
+
+
+@pytest.mark.parametrize(("weights", "refused_"), [(None, False), ([1, 1], False), ([1, 2], True)])
+def test_gdpos_reward_weights_are_refused_unless_they_change_nothing(weights, refused_):
+    from rl_algorithms.nemo_compat.translate import translate
+
+    tree = {"grpo": {"adv_estimator": {"name": "gdpo", "reward_weights": weights}}}
+    why = {e.key: e.reason for e in translate(tree, "grpo").refused}
+    assert ("grpo.adv_estimator.reward_weights" in why) is refused_
+    if refused_:
+        assert "env.<task>.config.functions" in why["grpo.adv_estimator.reward_weights"]

@@ -331,6 +331,26 @@ def _same_as(other: str) -> Any:
     return lambda value, ctx: value == ctx.get(other)
 
 
+def _estimator_setting(name: str) -> Any:
+    """``grpo.<name>`` (``normalize_rewards``, ``use_leave_one_out_baseline``). NeMo RL's
+    advantage estimators read ``grpo.adv_estimator.<name>``, which its recipes interpolate
+    from ``grpo.<name>`` and a child recipe (GDPO's) may set apart; the top-level key then only
+    steers NeMo's dynamic-sampling statistics, which here need no baseline."""
+
+    def handle(ctx: Context, key: str, value: Any) -> None:
+        read = f"grpo.adv_estimator.{name}"
+        if ctx.has(read) and ctx.get(read) != value:
+            ctx.ignore(key, value, f"NeMo's advantage estimator reads {read} instead")
+        else:
+            ctx.put(key, value, f"grpo.{name}")
+
+    return handle
+
+
+def _reward_weights_neutral(value: Any, ctx: Context) -> bool:
+    return value is None or all(float(w) == 1.0 for w in value)
+
+
 def _val_sampling(train_key: str) -> Any:
     def handle(ctx: Context, key: str, value: Any) -> None:
         ctx.ignore(

@@ -28,6 +28,8 @@ from rl_algorithms.nemo_compat.handlers import (
     _model_name,
     _packing_algorithm,
     _precision,
+    _estimator_setting,
+    _reward_weights_neutral,
     _same_as,
     _scheduler,
     _stop_strings,
@@ -131,8 +133,6 @@ RULES: list[tuple[str, Any]] = [
             "num_prompts_per_step",
             "num_generations_per_prompt",
             "max_rollout_turns",
-            "normalize_rewards",
-            "use_leave_one_out_baseline",
             "overlong_filtering",
             "max_val_samples",
             "val_batch_size",
@@ -151,13 +151,19 @@ RULES: list[tuple[str, Any]] = [
     ("grpo.stop_at_validation_*", Unless((None,), "stop early at a validation metric")),
     ("grpo.batch_multiplier", Unless((1,), "generate several batches per step")),
     ("grpo.adv_estimator.name", To("grpo.advantage_estimator")),
+    *[
+        (f"grpo.{k}", Call(_estimator_setting(k)))
+        for k in ("normalize_rewards", "use_leave_one_out_baseline")
+    ],
+    ("grpo.adv_estimator.normalize_rewards", To("grpo.normalize_rewards")),
+    ("grpo.adv_estimator.use_leave_one_out_baseline", To("grpo.use_leave_one_out_baseline")),
     (
-        "grpo.adv_estimator.normalize_rewards",
-        Unless(_same_as("grpo.normalize_rewards"), "normalise differently from grpo.*"),
-    ),
-    (
-        "grpo.adv_estimator.use_leave_one_out_baseline",
-        Unless(_same_as("grpo.use_leave_one_out_baseline"), "use a baseline unlike grpo.*"),
+        "grpo.adv_estimator.reward_weights",
+        Unless(
+            _reward_weights_neutral,
+            "weight the reward components by name; give each function its weight in "
+            "env.<task>.config.functions instead",
+        ),
     ),
     ("grpo.adv_estimator.minus_baseline", Unless((True,), "skip Reinforce++'s baseline")),
     ("grpo.seq_logprob_error_threshold", Unless((None,), "drop sequences by logprob error")),
