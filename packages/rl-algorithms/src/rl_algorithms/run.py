@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rl_algorithms import actors
@@ -167,17 +168,20 @@ def setup_run(
     generator: GeneratorPlan | None = None,
     critic: ModelPlan | None = None,
     teacher: ModelPlan | None = None,
+    loss_fn: LossFunction | None = None,
     envs: Mapping[str, Any] | None = None,
     splits: Mapping[str, Any] | None = None,
     max_steps: int | None = None,
     max_epochs: int = 1,
     val_period: int = 0,
 ) -> Run[ConfigT]:
-    """Build a run of algorithm ``name`` from its validated ``config``.
+    """Build a run of algorithm ``name`` (the ``rl`` command's) from its validated ``config``,
+    training with ``loss_fn``.
 
     ``config`` has ``tokenizer``, ``data``, ``cluster`` and ``logger`` sections, and
     ``checkpointing`` when the run saves and resumes: then the latest complete checkpoint in
-    ``checkpointing.checkpoint_dir`` is checked against the config before any worker starts,
+    ``checkpointing.checkpoint_dir`` is checked against the config, the algorithm and the
+    loss before any worker starts (``open_checkpoints``),
     and restores the policy (and critic), the train loader's position, the RNGs, the step and
     ``extra``. Actors that are not colocated get a cluster of their own each.
     ``splits`` (default: ``load_splits(config.data)``) maps ``train`` / ``validation`` to rows.
@@ -188,9 +192,8 @@ def setup_run(
     from rl_data.templates import ChatTemplate
     from rl_data.tokenizers import load_tokenizer
 
-    checkpointing = getattr(config, "checkpointing", None)
-    checkpointer = CheckpointManager(checkpointing) if checkpointing is not None else None
-    latest = checkpointer.latest() if checkpointer and checkpointing.enabled else None
+    # Another run's checkpoint is refused before anything else is said about it.
+    checkpointer, latest = open_checkpoints(config, name, loss_fn)  # before any worker starts
     if latest is not None and max_steps is not None:
         refuse_finished_run(read_info(latest)["step"], max_steps, config, latest)
 
@@ -235,10 +238,6 @@ def setup_run(
         limit = "max_num_steps" if total_steps == max_steps else "max_num_epochs"
         refuse_finished_run(read_info(latest)["step"], total_steps, config, latest, limit)
 
-    run_config = config.model_dump(mode="json")
-    if latest is not None:
-        checkpointer.check_resumable(latest, run_config)  # before any worker starts
-
     # Worker groups that share the policy's bundles, taking turns on them.
     sharing = [plan.colocated for plan in (generator, critic, teacher) if plan is not None]
     groups_per_bundle = 1 + sum(sharing) if policy is not None else 1
@@ -257,6 +256,7 @@ def setup_run(
         clusters=[cluster],
         total_steps=total_steps,
         val_period=val_period,
+        loss_fn=loss_fn,
     )
 
     global _last_run
@@ -305,10 +305,30 @@ def setup_run(
     except BaseException:
         run.shutdown()  # what did start, so a failed setup leaves no worker behind
         raise
+    run_config = config.model_dump(mode="json")
     run.logger = Logger(config.logger, run_config, state=run.extra.get("logger"))
     if latest is not None:
         run.logger.log_metrics({"resumed_from_step": run.step}, step=run.step, prefix="run")
     return run
+
+
+def open_checkpoints(
+    config: RunConfig, algorithm: str, loss_fn: LossFunction | None = None
+) -> tuple[CheckpointManager | None, Path | None]:
+    """The run's checkpoint manager (None without a ``checkpointing`` section) and the latest
+    checkpoint to resume from (None: none, or checkpointing disabled).
+
+    The latest checkpoint must have been written by this algorithm with this loss, model,
+    tokenizer and data (``CheckpointManager.check_resumable``): otherwise this raises, before
+    any worker starts, and the run never writes into the other run's folder."""
+    checkpointing = getattr(config, "checkpointing", None)
+    if checkpointing is None:
+        return None, None
+    checkpointer = CheckpointManager(checkpointing, algorithm=algorithm, loss=loss_fn)
+    latest = checkpointer.latest() if checkpointing.enabled else None
+    if latest is not None:
+        checkpointer.check_resumable(latest, config.model_dump(mode="json"))
+    return checkpointer, latest
 
 
 def start_loop(run: Run, validate: Callable[[], dict[str, float]] | None, at_start: bool) -> None:

@@ -32,18 +32,17 @@ def setup_supervised(
         val_batch_size=loop.val_global_batch_size,
         shuffle=config.data.shuffle,
     )
-    run = setup_run(
+    return setup_run(
         config,
         name=name,
         seed=loop.seed,
         data=data,
         policy=config.policy,
+        loss_fn=loss_fn,
         max_steps=loop.max_num_steps,
         max_epochs=loop.max_num_epochs,
         val_period=loop.val_period,
     )
-    run.loss_fn = loss_fn
-    return run
 
 
 def train_loop(

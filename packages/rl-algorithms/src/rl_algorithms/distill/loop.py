@@ -47,9 +47,7 @@ def setup(config: MasterConfig) -> Run:
         teacher.num_workers,
         offload_when_idle=teacher.offload.when_idle is True,
     )
-    run = setup_rollout_run(config, "distill", teacher=plan)
-    run.loss_fn = make_loss(config)
-    return run
+    return setup_rollout_run(config, "distill", make_loss(config), teacher=plan)
 
 
 def make_loss(config: MasterConfig) -> DistillationLossFn:

@@ -47,15 +47,14 @@ def setup(config: MasterConfig, loss_fn: Any = None) -> Run:
     step produces before anything starts."""
     loss_fn = make_loss(config) if loss_fn is None else loss_fn
     check_batch_fields(loss_fn, config)
-    run = setup_rollout_run(config, "grpo")
-    run.loss_fn = loss_fn
-    return run
+    return setup_rollout_run(config, "grpo", loss_fn)
 
 
-def setup_rollout_run(config: RLMasterConfig, name: str, **models: ModelPlan) -> Run:
+def setup_rollout_run(config: RLMasterConfig, name: str, loss_fn: Any, **models: ModelPlan) -> Run:
     """``setup_run`` for a loop that samples from its policy and scores the samples (GRPO,
-    PPO, distillation): prompts of the loop section, the policy, its generator, the
-    environments, and ``models`` beside them (``critic=``, ``teacher=``)."""
+    PPO, distillation) and trains it with ``loss_fn``: prompts of the loop section, the
+    policy, its generator, the environments, and ``models`` beside them (``critic=``,
+    ``teacher=``)."""
     from rl_data.collate import rl_collate
 
     loop, gen = config.rollout, config.generation
@@ -79,6 +78,7 @@ def setup_rollout_run(config: RLMasterConfig, name: str, **models: ModelPlan) ->
         policy=config.policy.worker_config(),
         generator=GeneratorPlan(gen.engine_config(), model, gen.colocated, gen.num_workers),
         envs=config.env,
+        loss_fn=loss_fn,
         max_steps=loop.max_num_steps,
         max_epochs=loop.max_num_epochs,
         val_period=loop.val_period,

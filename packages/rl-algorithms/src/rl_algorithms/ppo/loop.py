@@ -56,9 +56,7 @@ def setup(config: MasterConfig) -> Run:
     # The policy's loss is checked against what a PPO step produces before anything starts.
     loss_fn = make_loss(config)
     check_batch_fields(loss_fn, config, step_fields(config), step="PPO")
-    run = setup_rollout_run(config, "ppo", critic=plan)
-    run.loss_fn = loss_fn
-    return run
+    return setup_rollout_run(config, "ppo", loss_fn, critic=plan)
 
 
 def make_loss(config: MasterConfig) -> Any:

@@ -7,7 +7,8 @@ Layout of ``checkpoint_dir``::
         critic/              models trained beside the policy (PPO's critic), the same way
         training_state.pt    step, policy weight version, data-loader position, RNG states,
                              extra state
-        info.json            step and metrics (written last, before the rename)
+        info.json            step, metrics and the run's identity: its algorithm, loss,
+                             model, tokenizer and data (written last, before the rename)
     .tmp-step_60-1234/       being written (or left by a killed run): never loaded
 
 A checkpoint is written into a hidden temporary directory and renamed to ``step_<n>`` only
@@ -64,6 +65,10 @@ IDENTITY_KEYS = (
     "teacher.model.path",
     "teacher.model.hf_config",
 )
+# What makes a run what it is besides its config: the algorithm (``rl sft``, ``rl grpo``...) and
+# the class of its loss (a loss's hyper-parameters may change on resume, not the loss). Recorded
+# only when known; a checkpoint that records neither (written before they were) resumes as before.
+RUN_KEYS = ("algorithm", "loss")
 
 
 class CheckpointingConfig(ConfigModel):
@@ -153,10 +158,24 @@ def set_rng_states(state: Mapping[str, Any]) -> None:
 
 
 class CheckpointManager:
-    """Saves, prunes and finds checkpoints in ``config.checkpoint_dir``."""
+    """Saves, prunes and finds checkpoints in ``config.checkpoint_dir``.
 
-    def __init__(self, config: CheckpointingConfig, clock: Callable[[], float] = time.time) -> None:
+    ``algorithm`` (the ``rl`` command's name) and ``loss`` (the loss object the run trains
+    with) are recorded in every checkpoint written with a ``run_config``, and a checkpoint
+    of another algorithm or loss is refused by :meth:`check_resumable`."""
+
+    def __init__(
+        self,
+        config: CheckpointingConfig,
+        clock: Callable[[], float] = time.time,
+        *,
+        algorithm: str | None = None,
+        loss: object | None = None,
+    ) -> None:
         self.config = config
+        self.algorithm = algorithm
+        # The class name only: a loss whose module moved is still the same loss.
+        self.loss = type(loss).__qualname__ if loss is not None else None
         self.root = Path(config.checkpoint_dir)
         self._clock = clock
         # Unix time, or None: no limit (and a disabled manager never reads the environment).
@@ -229,7 +248,8 @@ class CheckpointManager:
         """Write the checkpoint of ``step`` atomically and prune old ones; returns its path.
 
         ``run_config`` (the run's config as JSON-able data) has its ``IDENTITY_KEYS`` kept in
-        ``info.json`` so that resuming with another model, tokenizer or training data is refused.
+        ``info.json``, with the manager's algorithm and loss, so that resuming with another
+        algorithm, loss, model, tokenizer or training data is refused.
         ``tokenizer`` is saved beside the policy's weights, so that ``transformers`` loads the
         checkpoint's ``policy`` directory as it is. ``models`` are saved beside the policy, each
         in the directory its key names (``critic``)."""
@@ -260,7 +280,7 @@ class CheckpointManager:
             "metrics": {k: float(v) for k, v in (metrics or {}).items()},
         }
         if run_config is not None:
-            info["identity"] = run_identity(run_config)
+            info["identity"] = run_identity(run_config, self.algorithm, self.loss)
         _write_synced(tmp / INFO_FILE, json.dumps(info, indent=1))
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. re-running a finished run)
@@ -294,22 +314,36 @@ class CheckpointManager:
     # -- resuming ------------------------------------------------------------------------------
 
     def check_resumable(self, path: Path, run_config: Mapping[str, Any]) -> None:
-        """Refuse to resume from ``path`` if it was written with another model, tokenizer or
-        data (``IDENTITY_KEYS``); call it before any worker starts."""
+        """Refuse to resume from ``path`` if it was written by another algorithm, or with
+        another loss, model, tokenizer or data (``RUN_KEYS``, ``IDENTITY_KEYS``); call it
+        before any worker starts, so that this run never writes into another run's folder."""
         saved = read_info(path).get("identity")
         if saved is None:  # written without a config: nothing to compare
             return
-        mine = run_identity(run_config)
-        differ = [key for key in IDENTITY_KEYS if saved.get(key) != mine.get(key)]
+        mine = run_identity(run_config, self.algorithm, self.loss)
+        where = f"checkpointing.checkpoint_dir {str(self.root)!r}"
+        theirs = saved.get("algorithm")
+        if theirs is not None and mine.get("algorithm") not in (None, theirs):
+            raise ValueError(
+                f"{where} holds a checkpoint of an `rl {theirs}` run ({path.name}), and this is "
+                f"`rl {mine['algorithm']}`: use a new checkpoint_dir (to start from that run's "
+                f"weights, set policy.model.path to {str(path / POLICY_DIR)!r})"
+            )
+        # A key that either side does not record (an older checkpoint) is not compared.
+        differ = [
+            key
+            for key in (*RUN_KEYS, *IDENTITY_KEYS)
+            if (key in IDENTITY_KEYS or (key in saved and key in mine))
+            and saved.get(key) != mine.get(key)
+        ]
         if differ:
             details = "; ".join(
                 f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
                 for key in differ
             )
             raise ValueError(
-                f"checkpointing.checkpoint_dir {str(self.root)!r} holds a checkpoint of another "
-                f"run ({path.name}: {details}); use a new checkpoint_dir, or the same config to "
-                "resume"
+                f"{where} holds a checkpoint of another run ({path.name}: {details}); use a new "
+                "checkpoint_dir, or the same config to resume"
             )
 
     def load(
@@ -349,9 +383,14 @@ class CheckpointManager:
         return {"step": state["step"], "extra": state["extra"], **read_info(path)}
 
 
-def run_identity(run_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``IDENTITY_KEYS`` sections of a config dump (``None`` where absent)."""
-    out: dict[str, Any] = {}
+def run_identity(
+    run_config: Mapping[str, Any], algorithm: str | None = None, loss: str | None = None
+) -> dict[str, Any]:
+    """The ``IDENTITY_KEYS`` sections of a config dump (``None`` where absent), with the
+    ``algorithm`` and ``loss`` class name (``RUN_KEYS``) where they are known."""
+    out: dict[str, Any] = {
+        key: value for key, value in zip(RUN_KEYS, (algorithm, loss), strict=True) if value
+    }
     for key in IDENTITY_KEYS:
         node: Any = run_config
         for part in key.split("."):
