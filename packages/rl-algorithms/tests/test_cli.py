@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rl_algorithms import cli
+from rl_distributed.config import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "configs"
 # A tokenizer directory that exists (--print-config checks it), for configs that load none.
@@ -168,3 +169,24 @@ def test_print_config_commented_describes_each_key_and_reads_back_the_same(capsy
     assert lines[at - 1] == "  # Samples per optimiser step, across all data-parallel ranks."
     at = lines.index("    size: 4")
     assert lines[at - 1] == "    # Number of questions generated."
+
+
+def test_a_recipe_replaces_its_parents_data_section_with_replace(tmp_path):
+    # The parent's data.train is the arithmetic source's; a child giving another kind of
+    # source would otherwise merge into it and fail on the arithmetic keys it cannot take.
+    child = tmp_path / "child.yaml"
+    train = "{_replace_: true, source: reasoning_gym, task: basic_arithmetic, size: 8}"
+    child.write_text(
+        f"defaults: {EXAMPLES / 'grpo_math_cpu.yaml'}\ndata:\n  train: {train}\n"
+        "tokenizer: {path: /tokenizer}\n"
+    )
+    grpo = cli.load_algorithm("grpo")
+    config = cli.build_config(grpo, ["--config", str(child)])
+    train = config.data.train
+    assert train.model_fields_set == {"source", "task", "size"}
+    assert (train.source, train.task, train.size) == ("reasoning_gym", "basic_arithmetic", 8)
+    assert config.data.validation_fraction == 0.1  # the rest of the parent's data section
+
+    child.write_text(child.read_text().replace("_replace_: true, ", ""))
+    with pytest.raises(ConfigError, match=r"data\.train\.max_operand"):
+        cli.build_config(grpo, ["--config", str(child)])

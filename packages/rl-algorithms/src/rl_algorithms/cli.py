@@ -2,7 +2,8 @@
 
 A run's config is built in three layers, later ones winning: the algorithm's default recipe
 (shipped in ``rl_algorithms/recipes``), the ``--config`` file (with its own ``defaults:``
-parents), and the overrides in Hydra's grammar (``a.b=1``, ``+new.key=x``, ``~drop``). The
+parents; a mapping of it marked ``_replace_: true`` replaces the one below it instead of
+merging into it), and the overrides in Hydra's grammar (``a.b=1``, ``+new.key=x``, ``~drop``). The
 result is resolved and validated against the algorithm's ``MasterConfig`` *before* anything
 starts, so a bad key or value exits with status 2 and a message naming the key, the value and
 what was expected, without a Ray cluster or worker ever starting.
@@ -68,7 +69,7 @@ def build_config(
     """
     from omegaconf import OmegaConf
 
-    from rl_distributed.config import apply_overrides, load_config, parse_cli
+    from rl_distributed.config import apply_overrides, load_config, merge_layers, parse_cli
 
     path, overrides = parse_cli(argv)
     cfg = load_config(algorithm.DEFAULT_RECIPE)
@@ -85,7 +86,7 @@ def build_config(
             nemo.append(translation)
     elif path is not None:
         layer = load_config(path)
-        cfg = OmegaConf.merge(_replaced_by(cfg, layer, []), layer)
+        cfg = merge_layers(_replaced_by(cfg, layer, []), layer)
     cfg = _replaced_by(cfg, None, overrides)
     overrides = [_allow_schema_keys(cfg, algorithm.MasterConfig, o) for o in overrides]
     cfg = apply_overrides(cfg, overrides)
