@@ -1,4 +1,5 @@
-"""Starting a run's environments on a real Ray cluster."""
+"""Starting a run's environments: their verifier pools sized to the CPUs Ray has free, and one
+that cannot be placed refused at once, naming its config key."""
 
 import time
 
@@ -6,29 +7,40 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rl_algorithms.environments import EnvSpec, start_environments
+from rl_algorithms.environments import EnvSpec, fit_worker_pool, start_environments
+from rl_envs.math_env import MathEnvConfig
 
-pytestmark = pytest.mark.ray
+
+def test_environments_share_the_free_cpus_one_after_the_other():
+    # Started together, each would see the same free CPUs: the sizes are decided in turn.
+    first, left = fit_worker_pool("a", MathEnvConfig(), free_cpus=3.0)
+    second, left = fit_worker_pool("b", MathEnvConfig(), left)
+    assert (first.num_workers, second.num_workers, left) == (2, 1, 0.0)
+    explicit, _ = fit_worker_pool("c", MathEnvConfig(num_workers=4, num_cpus_per_worker=0.5), 2.0)
+    assert explicit.num_workers == 4
+    with pytest.raises(ValueError, match=r"env\.d\.config\.num_workers: no room .* 0 CPUs free"):
+        fit_worker_pool("d", MathEnvConfig(), left)
+    untouched = object()  # an environment of one's own, without a verifier pool
+    assert fit_worker_pool("e", untouched, 1.0) == (untouched, 1.0)
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(120)
-def test_an_environment_the_cluster_has_no_room_for_fails_within_seconds(ray_session):
-    # The issue's case: a reasoning-gym environment at its defaults (2 verifier workers of one
-    # CPU each) on a cluster whose CPUs the policy and generation already hold. It used to sit
-    # at step 0 with no message: the driver waiting on the environment, the environment on
-    # verifier actors that Ray could not place.
+def test_an_environment_the_cluster_has_no_room_for_fails_at_once(ray_session):
+    # The issue's case: an environment at its defaults on a cluster whose CPUs the policy and
+    # generation already hold. It used to sit at step 0 with no message, then (with its pool's
+    # CPUs reserved first) failed after a wait without naming the key to change.
     policy_and_generation = placement_group([{"CPU": ray.available_resources()["CPU"]}])
     ray.get(policy_and_generation.ready(), timeout=60)
     try:
         start = time.monotonic()
-        with pytest.raises(RuntimeError) as refused:
-            actors = start_environments({"reasoning_gym": EnvSpec()})
-            # Before the fix start_environments returned at once: the first step is where the
-            # run hung. Bounded here, so that the old code fails instead of hanging the suite.
-            ray.get(actors["reasoning_gym"].step.remote([], []), timeout=60)
-        assert time.monotonic() - start < 30
+        with pytest.raises(ValueError) as refused:
+            start_environments({"reasoning_gym": EnvSpec()})
+        assert time.monotonic() - start < 5
         message = str(refused.value)
-        assert "env.reasoning_gym" in message and "verifier pool" in message
-        assert "{'CPU': 2.0} in all" in message and "{'CPU': 0.0} free" in message
+        assert message.startswith("env.reasoning_gym.config.num_workers: no room")
+        assert "the Ray cluster has 0 CPUs free" in message
+        with pytest.raises(ValueError, match=r"num_workers is 1: .* has 0 free"):
+            start_environments({"reasoning_gym": EnvSpec(config={"num_workers": 1})})
     finally:
         remove_placement_group(policy_and_generation)

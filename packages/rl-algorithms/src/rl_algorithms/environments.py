@@ -112,9 +112,11 @@ def start_environments(env: dict[str, EnvSpec]) -> dict[str, Any]:
     import ray
 
     actors = {}
+    free_cpus = ray.available_resources().get("CPU", 0.0)  # the worker groups have theirs
     try:
         for task, spec in env.items():
             cls, cfg = environment_class(task, spec)
+            cfg, free_cpus = fit_worker_pool(task, cfg, free_cpus)
             actors[task] = cls.as_actor(cfg)
         for task, actor in actors.items():
             try:
@@ -132,6 +134,21 @@ def start_environments(env: dict[str, EnvSpec]) -> dict[str, Any]:
         stop_environments(actors)
         raise
     return actors
+
+
+def fit_worker_pool(task: str, cfg: Any, free_cpus: float) -> tuple[Any, float]:
+    """``env.<task>``'s config with its verifier pool's size fitted to ``free_cpus`` (see
+    ``rl_envs.pool.fit_num_workers``), and the CPUs left for the next environment. The sizes
+    are decided here, one environment after the other, because the environments start
+    together: each reading the free CPUs itself would count the same CPUs twice. A config
+    without a verifier pool is returned as it is."""
+    from rl_envs.pool import fit_num_workers
+
+    if not (hasattr(cfg, "num_workers") and hasattr(cfg, "num_cpus_per_worker")):
+        return cfg, free_cpus
+    key = f"env.{task}.config.num_workers"
+    n = fit_num_workers(cfg.num_workers, cfg.num_cpus_per_worker, free_cpus, key)
+    return cfg.model_copy(update={"num_workers": n}), free_cpus - n * cfg.num_cpus_per_worker
 
 
 def stop_environments(actors: dict[str, Any]) -> None:

@@ -40,6 +40,40 @@ Status = Literal["ok", "timeout", "error"]
 
 #: How long a fresh verifier process may take to import its modules before it counts as broken.
 STARTUP_TIMEOUT_S = 120.0
+#: The most verifier workers a pool gets when its size is left to fit the free CPUs: two score
+#: a step's samples in parallel, and more would take CPUs that the trainer and the generator
+#: use on a small machine.
+AUTO_MAX_WORKERS = 2
+
+
+def fit_num_workers(
+    asked: int | None, cpus_per_worker: float, free_cpus: float, key: str = "num_workers"
+) -> int:
+    """How many verifier workers to start: ``asked``, or when it is None as many as
+    ``free_cpus`` (what Ray has free once the trainer's and generator's workers have their
+    CPUs) holds, at most ``AUTO_MAX_WORKERS``. Raises ``ValueError`` naming ``key`` (the
+    config key of ``asked``) when the workers cannot all be placed."""
+    fits = (
+        AUTO_MAX_WORKERS if cpus_per_worker <= 0 else math.floor(free_cpus / cpus_per_worker + 1e-9)
+    )
+    cpus_key = f"{key.rpartition('.')[0]}.num_cpus_per_worker".lstrip(".")
+    if asked is None:
+        if fits < 1:
+            raise ValueError(
+                f"{key}: no room for even one verifier worker of {cpus_per_worker:g} CPU "
+                f"({cpus_key}): the Ray cluster has {free_cpus:g} CPUs free once the trainer's "
+                "and generator's workers have theirs; give Ray more CPUs (cluster.ray_num_cpus) "
+                f"or lower {cpus_key}"
+            )
+        return min(AUTO_MAX_WORKERS, fits)
+    if asked > fits:
+        raise ValueError(
+            f"{key} is {asked}: {asked} verifier workers of {cpus_per_worker:g} CPU ({cpus_key}) "
+            f"need {asked * cpus_per_worker:g} CPUs, and the Ray cluster has {free_cpus:g} free "
+            "once the trainer's and generator's workers have theirs; lower it, or leave it out "
+            "to fit what is free"
+        )
+    return asked
 
 
 @dataclass(frozen=True)
@@ -158,7 +192,8 @@ class VerifierWorker:
 
 
 class WorkerPool:
-    """``num_workers`` :class:`VerifierWorker` actors sharing the samples of each :meth:`map`.
+    """``num_workers`` :class:`VerifierWorker` actors sharing the samples of each :meth:`map`
+    (None: as many as the CPUs Ray has free hold, at most two; see :func:`fit_num_workers`).
 
     ``function`` is an importable ``"module:function"`` path: the verifier processes import it
     themselves, so nothing unpicklable needs to cross a process boundary. ``preload`` names
@@ -172,12 +207,15 @@ class WorkerPool:
     def __init__(
         self,
         function: str,
-        num_workers: int = 2,
+        num_workers: int | None = None,
         timeout_s: float = 10.0,
         chunk_size: int | None = None,
         num_cpus_per_worker: float = 1.0,
         preload: tuple[str, ...] = (),
     ) -> None:
+        if num_workers is None:  # as many as the CPUs Ray has free now hold, at most two
+            free = ray.available_resources().get("CPU", 0.0)
+            num_workers = fit_num_workers(None, num_cpus_per_worker, free)
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.function = function

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
 
 from rl_data.types import MessageLog
 from rl_distributed.config import ConfigModel
@@ -22,8 +23,9 @@ from rl_envs.pool import Outcome, WorkerPool
 
 
 class VerifierEnvConfig(ConfigModel):
-    # Verifier worker processes scoring samples in parallel.
-    num_workers: int = 2
+    # Verifier worker processes scoring samples in parallel; null: as many as the CPUs Ray has
+    # free once the trainer and generator have theirs, at most 2.
+    num_workers: int | None = Field(None, ge=1)
     # Ray CPUs reserved per verifier worker.
     num_cpus_per_worker: float = 1.0
     timeout_s: float = 10.0  # per sample
