@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import ray
 
@@ -18,12 +20,28 @@ TINY_LLAMA = {
 }
 
 
+#: Logical CPUs of the tests' Ray cluster: more than a 2-core machine has, so that tests with
+#: several worker groups fit; a test of what fits a real machine uses ``machine_sized_ray``.
+TEST_RAY_CPUS = 4
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for the whole test process (starting Ray takes seconds)."""
-    init_ray(num_cpus=4, log_to_driver=False)
+    init_ray(num_cpus=TEST_RAY_CPUS, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def machine_sized_ray(ray_session):
+    """For one test, a Ray cluster with the machine's own CPUs, as `rl` starts it when
+    ``cluster.ray_num_cpus`` is left out (the session's cluster is back after the test)."""
+    ray.shutdown()
+    init_ray(num_cpus=os.cpu_count(), log_to_driver=False)
+    yield os.cpu_count()
+    ray.shutdown()
+    init_ray(num_cpus=TEST_RAY_CPUS, log_to_driver=False)
 
 
 # A tokenizer for rollout tests: the sliding puzzle's words and the scripted samples' markers.
