@@ -107,3 +107,25 @@ def test_a_garbled_or_truncated_result_frame_costs_only_its_sample(ray_session):
         assert outcomes[3].value == 5
     finally:
         pool.shutdown()
+
+
+def test_a_pool_of_no_given_size_fits_what_ray_has_free(ray_session):
+    # All CPUs but one held elsewhere (the trainer's, say): one worker, not two. (The module's
+    # other pools may hold some already.)
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    free = ray.available_resources()["CPU"]
+    held = placement_group([{"CPU": free - 1}]) if free > 1 else None
+    if held is not None:
+        ray.get(held.ready(), timeout=60)
+    try:
+        assert ray.available_resources()["CPU"] == 1
+        pool = WorkerPool("math:sqrt", timeout_s=5.0)
+        try:
+            assert len(pool._workers) == 1
+            assert [o.value for o in pool.map([(4.0,), (9.0,)])] == [2.0, 3.0]
+        finally:
+            pool.shutdown()
+    finally:
+        if held is not None:
+            remove_placement_group(held)
