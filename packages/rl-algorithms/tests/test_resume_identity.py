@@ -9,7 +9,6 @@ import ray
 import yaml
 
 from rl_algorithms import actors, cli
-from rl_algorithms.grpo import loop as grpo_loop
 from rl_algorithms.run import open_checkpoints
 from rl_algorithms.utils.checkpoint import INFO_FILE, RUN_KEYS
 from rl_models.losses import NLLLoss
@@ -80,7 +79,9 @@ def save_as_sft(tmp_path, shared, **manager_options):
     return checkpointer.save(3, None, run_config=config.model_dump(mode="json"))
 
 
-def test_grpo_refuses_an_sft_checkpoint_dir_before_ray_starts(tmp_path, shared, monkeypatch):
+def test_grpo_refuses_an_sft_checkpoint_dir_before_ray_starts(
+    tmp_path, shared, monkeypatch, capsys
+):
     path = save_as_sft(tmp_path, shared)
     info = json.loads((path / INFO_FILE).read_text())
     assert info["identity"]["algorithm"] == "sft"
@@ -90,11 +91,14 @@ def test_grpo_refuses_an_sft_checkpoint_dir_before_ray_starts(tmp_path, shared, 
         raise AssertionError("the cluster started: the checkpoint was not checked first")
 
     monkeypatch.setattr(actors, "start_cluster", no_cluster)
-    config = grpo_config(tmp_path, shared)
+    grpo_config(tmp_path, shared)  # writes grpo.yaml
+    assert cli.main(["grpo", "--config", str(tmp_path / "grpo.yaml")]) == cli.CONFIG_ERROR_EXIT
     ckpt = tmp_path / "ckpt"
-    message = rf"checkpoint_dir '{ckpt}' holds a checkpoint of an `rl sft` run \(step_3\), "
-    with pytest.raises(ValueError, match=message + "and this is `rl grpo`: use a new"):
-        grpo_loop.setup(config)  # what `rl grpo` runs first
+    assert capsys.readouterr().err == (
+        f"rl grpo: checkpointing.checkpoint_dir '{ckpt}' holds a checkpoint of an `rl sft` run "
+        "(step_3), and this is `rl grpo`: use a new checkpoint_dir (to start from that run's "
+        f"weights, set policy.model.path to '{ckpt / 'step_3' / 'policy'}')\n"
+    )
     assert not ray.is_initialized()
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_3"]  # nothing written into it
 

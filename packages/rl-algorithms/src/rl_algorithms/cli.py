@@ -311,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_inputs(config)  # seconds, before the tokenizer, the data or Ray are loaded
     except (FileNotFoundError, ConfigError, InputError) as e:
         return _user_error(name, e)
+    from rl_algorithms.utils.checkpoint import CheckpointOfAnotherRun
     from rl_data.errors import DataError
 
     _save_resolved(config)
@@ -318,8 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         algorithm.main(config)
     except NothingToDo as e:
         print(f"rl {name}: {e}", file=sys.stderr)
-    except DataError as e:  # a bad row past the checked sample
-        return _user_error(name, e)
+    except (DataError, CheckpointOfAnotherRun) as e:  # a bad row past the checked sample,
+        return _user_error(name, e)  # or a checkpoint_dir of another run (before Ray starts)
     except BaseException as e:
         if not _interrupted(e):
             raise

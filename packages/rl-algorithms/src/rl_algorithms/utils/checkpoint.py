@@ -71,6 +71,11 @@ IDENTITY_KEYS = (
 RUN_KEYS = ("algorithm", "loss")
 
 
+class CheckpointOfAnotherRun(ValueError):
+    """``checkpoint_dir`` holds a checkpoint that this run must not resume from (nor write
+    beside): another algorithm's, or one of another loss, model, tokenizer or data."""
+
+
 class CheckpointingConfig(ConfigModel):
     """When and where checkpoints are written, and which are kept (NeMo RL's key names)."""
 
@@ -324,7 +329,7 @@ class CheckpointManager:
         where = f"checkpointing.checkpoint_dir {str(self.root)!r}"
         theirs = saved.get("algorithm")
         if theirs is not None and mine.get("algorithm") not in (None, theirs):
-            raise ValueError(
+            raise CheckpointOfAnotherRun(
                 f"{where} holds a checkpoint of an `rl {theirs}` run ({path.name}), and this is "
                 f"`rl {mine['algorithm']}`: use a new checkpoint_dir (to start from that run's "
                 f"weights, set policy.model.path to {str(path / POLICY_DIR)!r})"
@@ -341,7 +346,7 @@ class CheckpointManager:
                 f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
                 for key in differ
             )
-            raise ValueError(
+            raise CheckpointOfAnotherRun(
                 f"{where} holds a checkpoint of another run ({path.name}: {details}); use a new "
                 "checkpoint_dir, or the same config to resume"
             )
