@@ -175,7 +175,7 @@ def test_a_recipe_replaces_its_parents_data_section_with_replace(tmp_path):
     # The parent's data.train is the arithmetic source's; a child giving another kind of
     # source would otherwise merge into it and fail on the arithmetic keys it cannot take.
     child = tmp_path / "child.yaml"
-    train = "{_replace_: true, source: reasoning_gym, task: basic_arithmetic, size: 8}"
+    train = "{_override_: true, source: reasoning_gym, task: basic_arithmetic, size: 8}"
     child.write_text(
         f"defaults: {EXAMPLES / 'grpo_math_cpu.yaml'}\ndata:\n  train: {train}\n"
         "tokenizer: {path: /tokenizer}\n"
@@ -187,6 +187,6 @@ def test_a_recipe_replaces_its_parents_data_section_with_replace(tmp_path):
     assert (train.source, train.task, train.size) == ("reasoning_gym", "basic_arithmetic", 8)
     assert config.data.validation_fraction == 0.1  # the rest of the parent's data section
 
-    child.write_text(child.read_text().replace("_replace_: true, ", ""))
+    child.write_text(child.read_text().replace("_override_: true, ", ""))
     with pytest.raises(ConfigError, match=r"data\.train\.max_operand"):
         cli.build_config(grpo, ["--config", str(child)])

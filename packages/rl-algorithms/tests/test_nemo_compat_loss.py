@@ -114,3 +114,29 @@ def test_gdpos_reward_weights_are_refused_unless_they_change_nothing(weights, re
     assert ("grpo.adv_estimator.reward_weights" in why) is refused_
     if refused_:
         assert "env.<task>.config.functions" in why["grpo.adv_estimator.reward_weights"]
+
+
+@pytest.mark.parametrize("override", [True, False])
+def test_a_nemo_child_recipe_replaces_its_parents_data_with_override(tmp_path, override):
+    """NeMo's GDPO recipe replaces its parent's whole ``data`` section with ``_override_:
+    true``, the marker our own recipes use: it is obeyed, and not a key to translate."""
+    import shutil
+
+    shutil.copy(recipe(NEMO_GRPO), tmp_path / f"{NEMO_GRPO}.yaml")
+    (tmp_path / "child.yaml").write_text(
+        f"defaults: {NEMO_GRPO}.yaml\n"
+        "data:\n"
+        f"  _override_: {str(override).lower()}\n"
+        "  train:\n"
+        "    dataset_name: OpenMathInstruct-2\n"
+        "  default:\n"
+        "    processor: math_hf_data_processor\n"
+        "    env_name: math\n"
+    )
+    translation, _ = translate_file(tmp_path / "child.yaml", [], "grpo")
+    assert not translation.refused
+    keys = {e.key for e in translation.translated + translation.ignored}
+    # The parent's validation split and prompt file are gone only when the child replaces.
+    parents = {"data.train.split_validation_size", "data.default.prompt_file", "data.shuffle"}
+    assert (keys & parents == set()) is override
+    assert not any("_override_" in k for k in keys)

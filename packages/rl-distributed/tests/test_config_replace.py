@@ -1,4 +1,4 @@
-"""``_replace_: true`` in a child's mapping replaces the parent's mapping instead of merging
+"""``_override_: true`` in a child's mapping replaces the parent's mapping instead of merging
 into it, so that a child can give a section of another form; without it, mappings merge."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_a_marked_mapping_replaces_the_parents(tmp_path: Path) -> None:
         """
         defaults: parent
         data:
-          train: {_replace_: true, source: arithmetic, size: 40}
+          train: {_override_: true, source: arithmetic, size: 40}
         """,
     )
     resolved = resolve_config(load_config(child))
@@ -50,8 +50,8 @@ def test_without_the_marker_mappings_merge_as_before(tmp_path: Path) -> None:
         "path": "other.jsonl",
         "columns": {"messages": "conversation"},
     }
-    # `_replace_: false` merges too (and is dropped).
-    child.write_text("defaults: parent\ndata: {train: {_replace_: false, path: other.jsonl}}\n")
+    # `_override_: false` merges too (and is dropped).
+    child.write_text("defaults: parent\ndata: {train: {_override_: false, path: other.jsonl}}\n")
     assert resolve_config(load_config(child))["data"]["train"] == train
 
 
@@ -59,7 +59,7 @@ def test_the_marker_holds_against_what_the_file_is_merged_onto_later(tmp_path: P
     # The `rl` command merges a --config file (itself a child of its parents) onto the
     # algorithm's default recipe: a replacement in the middle file replaces the recipe's too.
     recipe = OmegaConf.create(PARENT)
-    write(tmp_path, "mid.yaml", "data:\n  train: {_replace_: true, source: arithmetic}\n")
+    write(tmp_path, "mid.yaml", "data:\n  train: {_override_: true, source: arithmetic}\n")
     top = write(tmp_path, "top.yaml", "defaults: mid\ndata: {train: {size: 8}}\n")
     merged = merge_layers(recipe, load_config(top))
     assert resolve_config(merged)["data"]["train"] == {"source": "arithmetic", "size": 8}
@@ -69,8 +69,8 @@ def test_the_marker_holds_against_what_the_file_is_merged_onto_later(tmp_path: P
 def test_a_marker_that_is_not_a_bool_names_the_file_and_key(tmp_path: Path, value) -> None:
     write(tmp_path, "parent.yaml", PARENT)
     child = write(
-        tmp_path, "child.yaml", f"defaults: parent\ndata:\n  train: {{_replace_: {value}}}\n"
+        tmp_path, "child.yaml", f"defaults: parent\ndata:\n  train: {{_override_: {value}}}\n"
     )
-    message = rf"{child}: key 'data\.train\._replace_' must be true .* or false .*, got"
+    message = rf"{child}: key 'data\.train\._override_' must be true .* or false .*, got"
     with pytest.raises(ConfigError, match=message):
         load_config(child)

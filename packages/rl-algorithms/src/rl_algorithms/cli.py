@@ -2,7 +2,7 @@
 
 A run's config is built in three layers, later ones winning: the algorithm's default recipe
 (shipped in ``rl_algorithms/recipes``), the ``--config`` file (with its own ``defaults:``
-parents; a mapping of it marked ``_replace_: true`` replaces the one below it instead of
+parents; a mapping of it marked ``_override_: true`` replaces the one below it instead of
 merging into it), and the overrides in Hydra's grammar (``a.b=1``, ``+new.key=x``, ``~drop``). The
 result is resolved and validated against the algorithm's ``MasterConfig`` *before* anything
 starts, so a bad key or value exits with status 2 and a message naming the key, the value and

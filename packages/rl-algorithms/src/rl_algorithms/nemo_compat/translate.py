@@ -118,7 +118,12 @@ def translate_file(
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from rl_distributed.config import ConfigError, apply_overrides, load_config
+    from rl_distributed.config import (
+        ConfigError,
+        apply_overrides,
+        drop_override_markers,
+        load_config,
+    )
 
     cfg = load_config(path)
     theirs, ours = [], []
@@ -132,6 +137,7 @@ def translate_file(
     except OmegaConfBaseException as e:
         raise ConfigError(f"{path}: key '{e.full_key}': {str(e).splitlines()[0]}") from None
     assert isinstance(tree, dict)
+    drop_override_markers(tree)  # NeMo's too: they told the recipe's merge what to do
     return translate(tree, algorithm, str(path)), ours
 
 

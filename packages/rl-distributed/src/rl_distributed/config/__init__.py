@@ -10,7 +10,7 @@ A run is configured in four steps::
 YAML files may name parent files in a top-level ``defaults:`` key (a path or a list of paths,
 relative to the file naming them; ``.yaml`` may be left off). Parents are loaded depth-first and
 merged in order, later parents winning over earlier ones; the file's own keys win over all of
-them. Mappings merge key by key, except one marked ``_replace_: true``, which replaces the
+them. Mappings merge key by key, except one marked ``_override_: true``, which replaces the
 mapping it would merge into (``merge_layers``; the marker is gone once the config is resolved). Overrides use Hydra's grammar (parsed by Hydra itself): ``a.b=1`` changes an existing key,
 ``+a.b=1`` adds a new one, ``++a.b=1`` adds or changes, ``~a.b`` deletes (``~a.b=1`` only if the
 value is 1). As in Hydra, a dict value merges into an existing mapping, and a nested interpolation
@@ -28,7 +28,7 @@ from rl_distributed.config._describe import (
     field_description,
 )
 from rl_distributed.config._errors import ConfigError, ConfigIssue
-from rl_distributed.config._loading import load_config, merge_layers
+from rl_distributed.config._loading import drop_override_markers, load_config, merge_layers
 from rl_distributed.config._overrides import apply_overrides
 from rl_distributed.config._resolvers import register_resolvers
 from rl_distributed.config._validation import ConfigModel, resolve_config, validate_config
@@ -42,6 +42,7 @@ __all__ = [
     "apply_overrides",
     "commented_yaml",
     "config_keys",
+    "drop_override_markers",
     "field_description",
     "load_config",
     "merge_layers",

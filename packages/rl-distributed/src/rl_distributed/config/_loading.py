@@ -16,10 +16,10 @@ from rl_distributed.config._errors import ConfigError
 from rl_distributed.config._overrides import apply_overrides, has_key
 
 _DEFAULTS_KEY = "defaults"
-#: ``_replace_: true`` in a mapping of a config file: that mapping takes the place of the one it
+#: ``_override_: true`` in a mapping of a config file: that mapping takes the place of the one it
 #: would be merged into (a parent's, or the default recipe's) instead of merging key by key, so
 #: that a child can give a section of another form (another kind of data source, say).
-REPLACE_KEY = "_replace_"
+OVERRIDE_KEY = "_override_"
 
 
 def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> DictConfig:
@@ -38,7 +38,7 @@ def _load_tree(path: Path, chain: tuple[Path, ...]) -> DictConfig:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError(f"Cycle in `defaults`: {cycle}")
     cfg = _read_yaml(path)
-    _check_replace_markers(OmegaConf.to_container(cfg, resolve=False), path)
+    _check_override_markers(OmegaConf.to_container(cfg, resolve=False), path)
     parents = [_load_tree(p, (*chain, path)) for p in _pop_defaults(cfg, path)]
     if not parents:
         return cfg
@@ -47,7 +47,7 @@ def _load_tree(path: Path, chain: tuple[Path, ...]) -> DictConfig:
 
 def merge_layers(*layers: DictConfig) -> DictConfig:
     """``layers`` merged in order, later ones winning, as ``OmegaConf.merge`` does, except that
-    a mapping of a later layer marked ``_replace_: true`` replaces the earlier layers' mapping
+    a mapping of a later layer marked ``_override_: true`` replaces the earlier layers' mapping
     at its key instead of merging into it.
 
     The markers stay in the result, so that a file's replacement also holds against what it
@@ -63,24 +63,24 @@ def merge_layers(*layers: DictConfig) -> DictConfig:
     return merged
 
 
-def drop_replace_markers(tree: object) -> None:
-    """Remove every ``_replace_`` key from plain dicts and lists, in place."""
+def drop_override_markers(tree: object) -> None:
+    """Remove every ``_override_`` key from plain dicts and lists, in place."""
     if isinstance(tree, dict):
-        tree.pop(REPLACE_KEY, None)
+        tree.pop(OVERRIDE_KEY, None)
         children: Iterator[object] = iter(tree.values())
     elif isinstance(tree, list):
         children = iter(tree)
     else:
         return
     for child in children:
-        drop_replace_markers(child)
+        drop_override_markers(child)
 
 
 def _replacing(tree: object, keys: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    """The key paths of the mappings in ``tree`` marked ``_replace_: true``."""
+    """The key paths of the mappings in ``tree`` marked ``_override_: true``."""
     if not isinstance(tree, dict):
         return
-    if tree.get(REPLACE_KEY) is True:
+    if tree.get(OVERRIDE_KEY) is True:
         yield keys
         return  # what is below it replaces too: the whole mapping does
     for key, value in tree.items():
@@ -102,21 +102,21 @@ def _delete(cfg: DictConfig, keys: tuple[str, ...]) -> None:
         del node[keys[-1]]
 
 
-def _check_replace_markers(tree: object, path: Path, keys: tuple[str, ...] = ()) -> None:
+def _check_override_markers(tree: object, path: Path, keys: tuple[str, ...] = ()) -> None:
     if isinstance(tree, list):
         for i, item in enumerate(tree):
-            _check_replace_markers(item, path, (*keys, str(i)))
+            _check_override_markers(item, path, (*keys, str(i)))
     if not isinstance(tree, dict):
         return
-    marker = tree.get(REPLACE_KEY)
-    if REPLACE_KEY in tree and not isinstance(marker, bool):
-        where = ".".join((*keys, REPLACE_KEY))
+    marker = tree.get(OVERRIDE_KEY)
+    if OVERRIDE_KEY in tree and not isinstance(marker, bool):
+        where = ".".join((*keys, OVERRIDE_KEY))
         raise ConfigError(
             f"{path}: key '{where}' must be true (this mapping replaces its parent's) or false "
             f"(it merges into it), got {marker!r}"
         )
     for key, value in tree.items():
-        _check_replace_markers(value, path, (*keys, str(key)))
+        _check_override_markers(value, path, (*keys, str(key)))
 
 
 def _read_yaml(path: Path) -> DictConfig:

@@ -13,7 +13,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rl_distributed.config._errors import ConfigError, ConfigIssue, did_you_mean
-from rl_distributed.config._loading import drop_replace_markers
+from rl_distributed.config._loading import drop_override_markers
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -55,7 +55,7 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], model: type[T]) -> T:
 
 def resolve_config(cfg: DictConfig) -> dict[str, Any]:
     """``cfg`` as plain dicts and lists with every ``${...}`` resolved, without the
-    ``_replace_`` markers of its files.
+    ``_override_`` markers of its files.
 
     Raises :class:`ConfigError` naming the key whose interpolation failed, or the first key
     still set to ``???``.
@@ -63,7 +63,7 @@ def resolve_config(cfg: DictConfig) -> dict[str, Any]:
     try:
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         assert isinstance(data, dict)
-        drop_replace_markers(data)  # they told the merge what to do; no config has them
+        drop_override_markers(data)  # they told the merge what to do; no config has them
         return data
     except InterpolationResolutionError as e:
         key = _dotted(e.full_key)
