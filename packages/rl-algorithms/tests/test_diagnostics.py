@@ -88,3 +88,12 @@ def test_the_synchronous_loop_counts_and_warns_on_the_metrics_it_logs(monkeypatc
         loop.train_steps(run, lambda run: {"gen_train_kl_k3": next(kls)})
     assert len([w for w in caught if "gen_train_kl_k3" in str(w.message)]) == 1
     assert [m["mismatch_kl_warn_steps"] for m in logged] == [0.0, 1.0, 2.0]
+
+
+def test_distillations_policy_gradient_metric_is_watched_too():
+    from rl_algorithms.losses.distillation import PG_METRIC_PREFIX
+
+    run = fake_run()
+    with pytest.warns(RuntimeWarning, match="gen_train_kl_k3 = 0.05"):
+        logged = warn_on_mismatch(run, {f"{PG_METRIC_PREFIX}gen_train_kl_k3": 0.05})
+    assert logged == {"mismatch_kl_warn_steps": 1.0}

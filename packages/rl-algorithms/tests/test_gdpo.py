@@ -181,6 +181,19 @@ def test_gdpo_with_a_single_reward_environment_is_refused_naming_the_keys():
         gdpo_config(env={"puzzle": {"kind": "sliding_puzzle"}})
 
 
+def test_gdpo_with_tasks_whose_reward_functions_differ_is_refused_before_anything_runs():
+    qa = gdpo_config().model_dump()["env"]["qa"]
+    same = {"qa": qa, "qa2": qa}
+    assert set(gdpo_config(env=same).env) == {"qa", "qa2"}  # the same components: accepted
+    reweighted = {"functions": [{**f, "weight": 2.0} for f in qa["config"]["functions"]]}
+    for other in (
+        {"kind": "reward_functions", "config": reweighted},
+        {"kind": "reward_functions", "config": {"functions": [{"function": "math"}]}},
+    ):
+        with pytest.raises(ValueError, match=r"gdpo with several environments .* env\.qa2: "):
+            gdpo_config(env={"qa": qa, "qa2": other})
+
+
 def test_gdpo_with_the_kl_in_the_reward_is_refused_naming_the_keys():
     with pytest.raises(ValueError, match=r"use_kl_in_reward: true needs grpo\.advantage_estimator"):
         grpo.MasterConfig.model_validate(

@@ -36,10 +36,11 @@ class InputError(ValueError):
         super().__init__(f"the run's input has {n} problem{'s' * (n != 1)}:\n{lines}")
 
 
-def check_inputs(config: Any) -> None:
-    """Check what ``config`` (a validated ``MasterConfig``) points at; raises
+def check_inputs(config: Any, data: bool = True) -> None:
+    """Check what ``config`` (a validated ``MasterConfig``) points at: its models and
+    tokenizers, and its data files unless ``data`` is False (a run handed its rows). Raises
     :class:`InputError` listing every problem found. Starts nothing."""
-    problems = model_problems(config) + data_problems(config)
+    problems = model_problems(config) + (data_problems(config) if data else [])
     if problems:
         raise InputError(problems)
 

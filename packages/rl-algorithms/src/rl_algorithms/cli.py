@@ -308,8 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             dumped = OmegaConf.create(config.model_dump(mode="json"))
             config = validate_all(dumped, algorithm.MasterConfig)
-        check_inputs(config)  # seconds, before the tokenizer, the data or Ray are loaded
-    except (FileNotFoundError, ConfigError, InputError) as e:
+    except (FileNotFoundError, ConfigError) as e:
         return _user_error(name, e)
     from rl_algorithms.utils.checkpoint import CheckpointOfAnotherRun
     from rl_data.errors import DataError
@@ -319,8 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         algorithm.main(config)
     except NothingToDo as e:
         print(f"rl {name}: {e}", file=sys.stderr)
-    except (DataError, CheckpointOfAnotherRun) as e:  # a bad row past the checked sample,
-        return _user_error(name, e)  # or a checkpoint_dir of another run (before Ray starts)
+    except (InputError, DataError, CheckpointOfAnotherRun) as e:
+        # Files the config points at, checked before Ray starts; a bad row past the checked
+        # sample; or a checkpoint_dir of another run (before Ray starts too).
+        return _user_error(name, e)
     except BaseException as e:
         if not _interrupted(e):
             raise

@@ -16,6 +16,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from rl_algorithms.losses.distillation import PG_METRIC_PREFIX
+
 MISMATCH_METRIC = "gen_train_kl_k3"
 # The count of steps above the threshold, logged as train/<this> and kept in run.extra (a
 # resumed run goes on counting and does not warn again).
@@ -28,7 +30,8 @@ def warn_on_mismatch(run: Any, metrics: dict[str, float]) -> dict[str, float]:
     check. Returns the count as a metric to log, or nothing when the step reported no
     generator log-probs or the threshold is off (null)."""
     threshold = run.config.rollout.mismatch_kl_warn_threshold
-    kl = metrics.get(MISMATCH_METRIC)
+    # Distillation's loss reports its policy-gradient part's metrics under a prefix.
+    kl = metrics.get(MISMATCH_METRIC, metrics.get(PG_METRIC_PREFIX + MISMATCH_METRIC))
     if threshold is None or kl is None:
         return {}
     count = run.extra.get(MISMATCH_COUNT, 0)

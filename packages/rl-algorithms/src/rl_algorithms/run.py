@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rl_algorithms import actors
-from rl_algorithms.checks import check_rows_for_envs, refuse_finished_run
+from rl_algorithms.checks import check_inputs, check_rows_for_envs, refuse_finished_run
 from rl_algorithms.config import RunConfig, set_seed
 from rl_algorithms.environments import stop_environments
 from rl_algorithms.utils.checkpoint import CheckpointManager, read_info
@@ -196,6 +196,8 @@ def setup_run(
     checkpointer, latest = open_checkpoints(config, name, loss_fn)  # before any worker starts
     if latest is not None and max_steps is not None:
         refuse_finished_run(read_info(latest)["step"], max_steps, config, latest)
+    # Seconds: the files the config points at, before they are loaded or Ray starts.
+    check_inputs(config, data=splits is None)
 
     set_seed(seed)
     tokenizer = load_tokenizer(config.tokenizer)

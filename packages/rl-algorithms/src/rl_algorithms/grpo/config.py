@@ -316,9 +316,16 @@ class MasterConfig(RLMasterConfig):
 
 def check_gdpo_environments(config: Any) -> None:
     """GDPO normalises each component of the reward apart: every environment must return them
-    (its class's ``returns_reward_components``), else there is nothing to decouple."""
+    (its class's ``returns_reward_components``), else there is nothing to decouple. A batch's
+    components are stacked across its tasks, so several tasks must return the same ones:
+    the same reward functions with the same weights."""
+    components: dict[str, Any] = {}
     for task, spec in config.env.items():
-        cls, _ = environment_class(task, spec)
+        cls, env_config = environment_class(task, spec)
+        functions = getattr(env_config, "functions", None)
+        components[task] = (
+            None if functions is None else tuple((f.name, f.weight) for f in functions)
+        )
         if not getattr(cls, "returns_reward_components", False):
             raise ValueError(
                 f"grpo.advantage_estimator: gdpo normalises each of a reward's components "
@@ -327,6 +334,17 @@ def check_gdpo_environments(config: Any) -> None:
                 "environment of your own sets returns_reward_components and returns "
                 "EnvironmentReturn.reward_components), or grpo.advantage_estimator: grpo"
             )
+    if len(components) > 1 and (None in components.values() or len(set(components.values())) > 1):
+        shown = "; ".join(
+            f"env.{task}: {'its own' if c is None else [f'{n} x{w:g}' for n, w in c]}"
+            for task, c in components.items()
+        )
+        raise ValueError(
+            "grpo.advantage_estimator: gdpo with several environments needs the same reward "
+            f"functions, with the same weights, in each ({shown}): a batch's rewards are "
+            "normalised one function at a time across its tasks; give every task the same "
+            "functions, or train on one task"
+        )
 
 
 def check_async_config(config: Any) -> None:

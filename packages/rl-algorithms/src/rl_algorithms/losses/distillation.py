@@ -69,6 +69,10 @@ from rl_distributed.config import ConfigModel
 from rl_models.interfaces import GatheredLogprobs, LossTokenLogprobs
 
 
+# The policy-gradient part's metrics are logged under this prefix (``pg_loss``, ...).
+PG_METRIC_PREFIX = "pg_"
+
+
 class DistillationLossConfig(ConfigModel):
     # topk: divergences over the teacher's top-k per position; sampled_token: reverse KL on
     # the sampled tokens (the teacher's log-prob of each).
@@ -134,7 +138,7 @@ class DistillationLossFn:
         self.input_type = LossTokenLogprobs if sampled else GatheredLogprobs
         own = {"loss", "kl", "student_logprob_mean"}
         own |= {"teacher_logprob_mean"} if sampled else {"teacher_topk_mass", "student_topk_mass"}
-        pg = {f"pg_{m}" for m in pg_loss.METRICS} if pg_loss is not None else set()
+        pg = {f"{PG_METRIC_PREFIX}{m}" for m in pg_loss.METRICS} if pg_loss is not None else set()
         self.METRICS = frozenset(own | pg)
 
     def batch_fields(self) -> frozenset[str]:
@@ -204,6 +208,6 @@ class DistillationLossFn:
         if self.pg_loss is not None:
             pg, pg_metrics = self.pg_loss(sampled, batch, global_valid_seqs, global_valid_toks)
             loss = loss + pg
-            metrics |= {f"pg_{k}": v for k, v in pg_metrics.items()}
+            metrics |= {f"{PG_METRIC_PREFIX}{k}": v for k, v in pg_metrics.items()}
         metrics["loss"] = float(loss.detach())
         return loss, metrics
