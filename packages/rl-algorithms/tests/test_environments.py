@@ -24,6 +24,18 @@ def test_environments_share_the_free_cpus_one_after_the_other():
     assert fit_worker_pool("e", untouched, 1.0) == (untouched, 1.0)
 
 
+def test_on_an_attached_cluster_a_given_number_is_left_to_ray(monkeypatch):
+    # What is free on a shared or autoscaling cluster now says little about what Ray places.
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    asked, left = fit_worker_pool("a", MathEnvConfig(num_workers=8), free_cpus=2.0)
+    assert (asked.num_workers, left) == (8, -6.0)
+    fitted, _ = fit_worker_pool("b", MathEnvConfig(), free_cpus=2.0)  # None: still fitted
+    assert fitted.num_workers == 2
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(ValueError, match=r"env\.a\.config\.num_workers is 8"):
+        fit_worker_pool("a", MathEnvConfig(num_workers=8), free_cpus=2.0)
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(120)
 def test_an_environment_the_cluster_has_no_room_for_fails_at_once(ray_session):

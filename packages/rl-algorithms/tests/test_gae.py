@@ -10,7 +10,13 @@ import math
 import pytest
 import torch
 
-from rl_algorithms.ppo.gae import explained_variance, gae, token_level_rewards, whiten
+from rl_algorithms.ppo.gae import (
+    ROUNDING_UNITS,
+    explained_variance,
+    gae,
+    token_level_rewards,
+    whiten,
+)
 
 B, S = 6, 12
 
@@ -260,18 +266,25 @@ def test_returns_equal_but_for_rounding_count_as_constant():
 def test_explained_variance_against_a_float64_reference(dtype):
     g = torch.Generator().manual_seed(8)
     _, _, mask, _, _ = multi_turn_batch()
-    eps = torch.finfo(dtype).eps
-    for spread in (1.0, 1e-2, 30 * math.sqrt(eps)):  # down to just above the tolerance
+    unit = ROUNDING_UNITS * torch.finfo(dtype).eps  # the tolerance, relative to max|R|
+    for spread in (1.0, 1e-2, 30 * unit):  # down to just above the tolerance
         returns = (5.0 + spread * torch.randn(B, S, generator=g, dtype=torch.float64)).to(dtype)
         values = (returns + 0.3 * spread * torch.randn(B, S, generator=g, dtype=dtype)).to(dtype)
         got = explained_variance(values, returns, mask)
         assert math.isclose(got, reference_explained_variance(values, returns, mask), rel_tol=1e-9)
-    # A spread below sqrt(eps) of the returns' size is taken for rounding: NaN.
-    flat = (5.0 + 0.1 * math.sqrt(eps) * torch.randn(B, S, generator=g, dtype=torch.float64)).to(
-        dtype
-    )
+    # A spread well within the tolerance of the returns' size is taken for rounding: NaN.
+    flat = (5.0 + 0.01 * unit * torch.randn(B, S, generator=g, dtype=torch.float64)).to(dtype)
     assert math.isnan(explained_variance(flat, flat, mask))
+    # A real spread far from zero is explained: the tolerance scales with the returns' size,
+    # not with their mean square (100 +- 1e-3 is some 130 float32 rounding units of spread).
+    offset = (100.0 + 1e-3 * torch.randn(B, S, generator=g, dtype=torch.float64)).to(dtype)
+    near = (offset.double() + 1e-5 * torch.randn(B, S, generator=g, dtype=torch.float64)).to(dtype)
+    got = explained_variance(near, offset, mask)
+    assert math.isclose(got, reference_explained_variance(near, offset, mask), rel_tol=1e-6)
+    assert got > 0.9
     # Integer returns: exact, so any spread counts.
     ints = torch.arange(B * S).reshape(B, S) % 3
     assert explained_variance(ints.double(), ints, mask) == 1.0
     assert math.isnan(explained_variance(ints.double(), torch.full((B, S), 7), mask))
+    big = 10**9 + ints  # a spread of 1 in 1e9 is still a spread
+    assert explained_variance(big.double(), big, mask) == 1.0

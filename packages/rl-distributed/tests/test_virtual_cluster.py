@@ -96,7 +96,8 @@ def test_output_that_is_not_a_terminal_gets_no_colour_codes_or_redrawn_bars(monk
             return True
 
     for name in virtual_cluster.PLAIN_OUTPUT_ENV:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "unset")  # recorded, so the test leaves them as it found them
+        monkeypatch.delenv(name)
     virtual_cluster.use_plain_output(Terminal())  # a terminal: colours and bars stay
     assert not any(name in virtual_cluster.os.environ for name in virtual_cluster.PLAIN_OUTPUT_ENV)
 

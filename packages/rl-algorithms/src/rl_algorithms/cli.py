@@ -312,8 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _user_error(name, e)
     from rl_algorithms.utils.checkpoint import CheckpointOfAnotherRun
     from rl_data.errors import DataError
+    from rl_distributed.virtual_cluster import use_plain_output
 
     _save_resolved(config)
+    use_plain_output(sys.stdout)  # `rl grpo > log.txt`: no colour codes, no redrawn bars
     try:
         algorithm.main(config)
     except NothingToDo as e:

@@ -18,6 +18,7 @@ routed by their ``task_name``. See docs/guides/reward-functions.md for reward fu
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, ValidationError
@@ -141,11 +142,22 @@ def fit_worker_pool(task: str, cfg: Any, free_cpus: float) -> tuple[Any, float]:
     ``rl_envs.pool.fit_num_workers``), and the CPUs left for the next environment. The sizes
     are decided here, one environment after the other, because the environments start
     together: each reading the free CPUs itself would count the same CPUs twice. A config
-    without a verifier pool is returned as it is."""
+    without a verifier pool is returned as it is.
+
+    On a cluster this run attached to (``RAY_ADDRESS``) a number given is left alone: what is
+    free there now depends on other jobs, and an autoscaler may add nodes for it."""
+    from pydantic import BaseModel
+
     from rl_envs.pool import fit_num_workers
 
-    if not (hasattr(cfg, "num_workers") and hasattr(cfg, "num_cpus_per_worker")):
+    if not (
+        isinstance(cfg, BaseModel)
+        and hasattr(cfg, "num_workers")
+        and hasattr(cfg, "num_cpus_per_worker")
+    ):
         return cfg, free_cpus
+    if cfg.num_workers is not None and os.environ.get("RAY_ADDRESS"):
+        return cfg, free_cpus - cfg.num_workers * cfg.num_cpus_per_worker
     key = f"env.{task}.config.num_workers"
     n = fit_num_workers(cfg.num_workers, cfg.num_cpus_per_worker, free_cpus, key)
     return cfg.model_copy(update={"num_workers": n}), free_cpus - n * cfg.num_cpus_per_worker

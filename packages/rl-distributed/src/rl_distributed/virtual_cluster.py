@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -52,8 +51,9 @@ PLAIN_OUTPUT_ENV = {
 
 
 def use_plain_output(stream: TextIO) -> None:
-    """``PLAIN_OUTPUT_ENV`` when ``stream`` is not a terminal. Called before Ray starts: a
-    local cluster's workers inherit the driver's environment."""
+    """``PLAIN_OUTPUT_ENV`` when ``stream`` is not a terminal, for this process and what it
+    starts. A command line tool calls it before Ray starts (a local cluster's workers inherit
+    the driver's environment); a library call leaves a notebook's progress bars alone."""
     try:
         terminal = stream.isatty()
     except (AttributeError, ValueError):  # no isatty, or a closed stream
@@ -79,7 +79,6 @@ def init_ray(num_cpus: int | None = None, num_gpus: int | None = None, **kwargs)
         from ray._private import ray_constants
 
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
-    use_plain_output(sys.stdout)
     kwargs.setdefault("log_to_driver", True)
     kwargs.setdefault("include_dashboard", False)
     if os.environ.get("RAY_ADDRESS"):

@@ -68,7 +68,6 @@ from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
 from rl_models.interfaces import GatheredLogprobs, LossTokenLogprobs
 
-
 # The policy-gradient part's metrics are logged under this prefix (``pg_loss``, ...).
 PG_METRIC_PREFIX = "pg_"
 

@@ -130,6 +130,11 @@ def gae(
     return advantages.to(dtype), returns.to(dtype)
 
 
+# How many rounding units of the returns' largest value their spread may be and still count as
+# no spread at all (see explained_variance).
+ROUNDING_UNITS = 64
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """``1 - Var(R - V) / Var(R)`` over the entries where ``mask > 0``: 1 for a critic that
     predicts the returns exactly, 0 for one no better than their mean, negative for worse.
@@ -139,23 +144,28 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     is not) learning; NaN says there was nothing to explain. "Do not vary" allows for rounding:
     returns equal in exact arithmetic but computed in float (sums in another order, GAE's
     recursion) differ in their last bits, and dividing by that rounding noise would give an
-    arbitrary, hugely negative number. So the returns count as constant when
+    arbitrary, hugely negative number. So float returns count as constant when
 
-        Var(R) <= eps * mean(R^2)
+        std(R) <= ROUNDING_UNITS * eps * max|R|
 
-    with ``eps`` the machine epsilon of the returns' dtype (float64's for integer returns):
-    their spread is at most ``sqrt(eps)`` of their size (3.5e-4 of it in float32, 1.5e-8 in
-    float64). That is some 2900 (float32) rounding units, room for the rounding of long sums,
-    and far below any spread a critic is meant to explain. The statistics themselves are taken
-    in float64.
+    with ``eps`` the machine epsilon of the returns' dtype: their spread is within
+    ``ROUNDING_UNITS`` (64) rounding units of their largest value, room for the rounding of
+    long sums, while a spread of a critic's concern (in float32, anything above about 1e-5 of
+    the returns' size) is explained. Integer returns are exact: only equal ones are constant.
+    The statistics themselves are taken in float64.
     """
     check_shape("returns", returns, tuple(values.shape))
     check_shape("mask", mask, tuple(values.shape))
     valid = mask > 0
+    if int(valid.sum()) < 2:
+        return float("nan")
     _, var_returns = masked_moments(returns, valid)
-    eps = torch.finfo(returns.dtype if returns.is_floating_point() else torch.float64).eps
-    mean_square = zero_off_mask(returns, valid).square().sum() / valid.sum().clamp(min=1)
-    if int(valid.sum()) < 2 or float(var_returns) <= eps * float(mean_square):
+    if returns.is_floating_point():
+        largest = float(zero_off_mask(returns, valid).abs().max())
+        tolerance = ROUNDING_UNITS * torch.finfo(returns.dtype).eps * largest
+    else:
+        tolerance = 0.0
+    if float(var_returns) <= tolerance**2:
         return float("nan")
     residual = zero_off_mask(returns, valid) - zero_off_mask(values, valid)
     _, var_residual = masked_moments(residual, valid)
