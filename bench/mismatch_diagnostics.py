@@ -26,7 +26,7 @@ from train_step import MODEL, SEQUENCES, TOKEN_BUDGET, make_batch
 from rl_algorithms.losses.clipped_pg import ClippedPGLossFn
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
-REPEATS = 4
+REPEATS = 10
 
 
 def grpo_batch(with_generation_logprobs: bool):
@@ -69,7 +69,8 @@ def main() -> None:
         f"{REPEATS} steps each, {torch.get_num_threads()} threads"
     )
     for name, seconds in median.items():
-        print(f"{name} diagnostics: {seconds:.3f} s a step (median)")
+        low, high = min(times[name]), max(times[name])
+        print(f"{name} diagnostics: {seconds:.3f} s a step (median; {low:.3f} to {high:.3f})")
     print(f"with / without diagnostics: {median['with'] / median['without']:.3f}x")
 
 
