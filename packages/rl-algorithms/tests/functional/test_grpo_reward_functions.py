@@ -59,6 +59,29 @@ def test_a_function_that_cannot_be_loaded_is_refused_before_ray_starts(function,
     assert not ray.is_initialized()
 
 
+def test_the_guides_recipe_as_written_builds_on_the_main_job(tmp_path, monkeypatch):
+    """The guide's (and README's) files, written beside each other and read as `rl grpo
+    --config my_recipe.yaml` reads them: the main job with the guide's environment."""
+    (source,) = guide_blocks("python")
+    (recipe,) = guide_blocks("yaml")
+    (tmp_path / "my_rewards.py").write_text(source)
+    (tmp_path / "my_recipe.yaml").write_text(recipe)
+    monkeypatch.chdir(tmp_path)
+    grpo = cli.load_algorithm("grpo")
+    config = cli.build_config(grpo, ["--config", "my_recipe.yaml"])
+    main = cli.build_config(grpo, [])  # `rl grpo` alone: the main job
+    env = config.env["arithmetic"]
+    assert env.kind == "reward_functions"
+    assert [(f.get("name"), f["weight"]) for f in env.config["functions"]] == [
+        (None, 1.0),
+        (None, 0.5),
+    ]
+    assert [f["function"] for f in env.config["functions"]][1] == "my_rewards.py:contains_answer"
+    assert config.policy.model == main.policy.model and config.data == main.data
+    assert config.checkpointing.checkpoint_dir != main.checkpointing.checkpoint_dir
+    assert not ray.is_initialized()
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("machine_sized_ray")
 def test_the_guides_reward_function_trains_with_the_math_reward(tmp_path, assets, monkeypatch):

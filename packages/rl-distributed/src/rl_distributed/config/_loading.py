@@ -168,11 +168,34 @@ def _find_parent(entry: str, referrer: Path) -> Path:
         )
     candidate = (referrer.parent / Path(entry).expanduser()).resolve()  # absolute stays absolute
     tries = [candidate]
-    if candidate.suffix not in (".yaml", ".yml"):
-        tries.append(candidate.with_name(candidate.name + ".yaml"))
+    packaged = _packaged_file(entry)
+    if packaged is not None:
+        tries.insert(0, packaged)
+    for p in list(tries):
+        if p.suffix not in (".yaml", ".yml"):
+            tries.append(p.with_name(p.name + ".yaml"))
     for p in tries:
         if p.is_file():
             return p
     raise ConfigError(
-        f"Parent config not found: {candidate} (from `defaults: {entry}` in {referrer})"
+        f"Parent config not found: {tries[0]} (from `defaults: {entry}` in {referrer})"
     )
+
+
+def _packaged_file(entry: str) -> Path | None:
+    """``package:path/in/it.yaml``: a file installed with a Python package (a recipe that
+    ships with a library, such as ``rl_algorithms:recipes/grpo_main.yaml``), wherever the
+    package is installed. None when ``entry`` has no such form or names no package."""
+    import importlib.util
+    import re
+
+    match = re.fullmatch(r"([A-Za-z_][\w.]*):([^:]+)", entry)
+    if match is None:
+        return None
+    try:
+        spec = importlib.util.find_spec(match.group(1))
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / match.group(2)
