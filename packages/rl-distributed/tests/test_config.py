@@ -286,13 +286,17 @@ def test_overrides_apply_in_order(base: Path) -> None:
     assert cfg.trainer.epochs == 9
 
 
-def test_setting_a_missing_key_suggests_plus_and_close_keys(base: Path) -> None:
+def test_setting_a_missing_key_suggests_close_keys_else_plus(base: Path) -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(base, ["trainer.epoch=5"])
     msg = str(exc.value)
     assert "'trainer.epoch=5'" in msg
-    assert "'+trainer.epoch=5'" in msg
     assert "did you mean 'trainer.epochs'" in msg
+    # A near miss is a typo: '+' would add the typo, to be refused by the typed config next.
+    assert "+trainer.epoch" not in msg
+    with pytest.raises(ConfigError) as exc:
+        load_config(base, ["trainer.warmup_fraction=0.1"])  # nothing near it: a new key
+    assert "to add a new key use '+trainer.warmup_fraction=0.1'" in str(exc.value)
 
 
 def test_adding_an_existing_key_suggests_force_add(base: Path) -> None:

@@ -66,7 +66,10 @@ def _apply_override(cfg: DictConfig, text: str) -> None:
             f"use '{text[1:]}' to change it, or '+{text}' to add-or-change"
         )
     if not (ov.is_add() or ov.is_force_add() or exists):
-        raise fail(f"key '{key}' is not in the config{close()}; to add a new key use '+{text}'")
+        # A near miss is most likely a typo: adding it with '+' would only be refused next.
+        hint = close()
+        how = "" if hint else f"; to add a new key use '+{text}'"
+        raise fail(f"key '{key}' is not in the config{hint}{how}")
     try:
         OmegaConf.update(cfg, key, value, merge=True, force_add=True)
     except OmegaConfBaseException as e:
