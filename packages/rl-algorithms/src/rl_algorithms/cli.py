@@ -415,6 +415,14 @@ def describe(name: str, algorithm: types.ModuleType) -> str:
         "",
         f"{ALGORITHMS[name][1]}.",
         f"default recipe: {algorithm.DEFAULT_RECIPE}",
+        *(
+            [
+                f"without --config, `rl {name}` runs {main} on top of it (its values are not "
+                "the defaults below; --print-config shows them)"
+            ]
+            if (main := getattr(algorithm, "MAIN_RECIPE", None)) is not None
+            else []
+        ),
         "",
         "config keys (type = default; 'required' must be given), each with its description:",
     ]
