@@ -13,16 +13,7 @@ from rl_algorithms.run import open_checkpoints
 from rl_algorithms.utils.checkpoint import INFO_FILE, RUN_KEYS
 from rl_models.losses import NLLLoss
 
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-}
+from .conftest import TINY_LLAMA
 
 
 @pytest.fixture

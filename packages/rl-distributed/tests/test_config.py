@@ -88,22 +88,6 @@ def test_defaults_multi_level_multi_parent_merge_order(tmp_path: Path) -> None:
     }
 
 
-def test_defaults_may_name_a_file_installed_with_a_package(tmp_path: Path, monkeypatch) -> None:
-    # A recipe that ships with a library, found wherever the library is installed.
-    write(tmp_path, "site/shipped/__init__.py", "")
-    write(tmp_path, "site/shipped/recipes/main.yaml", "origin: shipped\nlr: 0.1\n")
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    for entry in ("shipped:recipes/main.yaml", "shipped:recipes/main"):
-        mine = write(tmp_path, "mine.yaml", f"defaults: {entry}\nlr: 0.2\n")
-        assert plain(load_config(mine)) == {"origin": "shipped", "lr": 0.2}
-    missing = write(tmp_path, "mine.yaml", "defaults: shipped:recipes/nope.yaml\n")
-    with pytest.raises(ConfigError, match=r"Parent config not found: .*shipped/recipes/nope\.yaml"):
-        load_config(missing)
-    unknown = write(tmp_path, "mine.yaml", "defaults: no_such_package_here:recipes/x.yaml\n")
-    with pytest.raises(ConfigError, match=r"Parent config not found: .*no_such_package_here:"):
-        load_config(unknown)
-
-
 def test_defaults_are_relative_to_the_file_that_names_them(tmp_path: Path) -> None:
     write(tmp_path, "base.yaml", "origin: top_level_base\n")  # must NOT be picked up
     write(tmp_path, "configs/common/base.yaml", "origin: common_base\nlr: 0.1\n")

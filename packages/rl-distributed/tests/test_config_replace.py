@@ -1,5 +1,6 @@
 """``_override_: true`` in a child's mapping replaces the parent's mapping instead of merging
-into it, so that a child can give a section of another form; without it, mappings merge."""
+into it, so that a child can give a section of another form; without it, mappings merge. And a
+parent named as ``package:path``, a recipe installed with a library."""
 
 from __future__ import annotations
 
@@ -74,3 +75,20 @@ def test_a_marker_that_is_not_a_bool_names_the_file_and_key(tmp_path: Path, valu
     message = rf"{child}: key 'data\.train\._override_' must be true .* or false .*, got"
     with pytest.raises(ConfigError, match=message):
         load_config(child)
+
+
+def test_defaults_may_name_a_file_installed_with_a_package(tmp_path: Path, monkeypatch) -> None:
+    # A recipe that ships with a library, found wherever the library is installed.
+    (tmp_path / "site" / "shipped" / "recipes").mkdir(parents=True)
+    write(tmp_path, "site/shipped/__init__.py", "")
+    write(tmp_path, "site/shipped/recipes/main.yaml", "origin: shipped\nlr: 0.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for entry in ("shipped:recipes/main.yaml", "shipped:recipes/main"):
+        mine = write(tmp_path, "mine.yaml", f"defaults: {entry}\nlr: 0.2\n")
+        assert OmegaConf.to_container(load_config(mine)) == {"origin": "shipped", "lr": 0.2}
+    missing = write(tmp_path, "mine.yaml", "defaults: shipped:recipes/nope.yaml\n")
+    with pytest.raises(ConfigError, match=r"Parent config not found: .*shipped/recipes/nope\.yaml"):
+        load_config(missing)
+    unknown = write(tmp_path, "mine.yaml", "defaults: no_such_package_here:recipes/x.yaml\n")
+    with pytest.raises(ConfigError, match=r"Parent config not found: .*no_such_package_here:"):
+        load_config(unknown)
