@@ -287,6 +287,16 @@ def _assistant_message(
     return message
 
 
+# What of an environment's reply message reaches the conversation (and the chat template).
+_OBSERVATION_KEYS = ("role", "content", "tool_call_id", "name")
+
+
+def _observation_messages(step: EnvironmentStep) -> list[dict[str, Any]]:
+    """The messages an environment step appends: their text fields only (token ids are made
+    by tokenising them in the conversation)."""
+    return [{k: m[k] for k in _OBSERVATION_KEYS if k in m} for m in step.messages]  # type: ignore[literal-required]
+
+
 def _length(log: MessageLog) -> int:
     return sum(len(m["token_ids"]) for m in log)
 
@@ -394,8 +404,7 @@ class Episodes:
         if not last and going:
             for i, step in zip(active, results, strict=True):
                 if i in going:
-                    obs = step.observation
-                    logs[i].append({"role": obs["role"], "content": obs["content"]})  # type: ignore[typeddict-item]
+                    logs[i].extend(_observation_messages(step))
             tokenize_message_logs(
                 [logs[i] for i in going], self.tokenizer, self.template, add_generation_prompt=True
             )

@@ -57,11 +57,16 @@ class RewardComponents:
         return (self.values.to(torch.float64) * weights).sum(-1)
 
 
+# An environment's reply to one sample's turn: one message, or several (a tool environment
+# answers each of the turn's tool calls with its own ``role: tool`` message).
+Observation = Message | list[Message]
+
+
 @dataclass(frozen=True)
 class EnvironmentStep:
     """One sample's share of an ``EnvironmentReturn``."""
 
-    observation: Message  # the environment's reply, appended to the conversation
+    observation: Observation  # the environment's reply, appended to the conversation
     metadata: dict[str, Any] | None  # passed back in on the next step (multi-turn state)
     next_stop_strings: list[str] | None  # for the next generation; None: the default
     reward: float
@@ -70,11 +75,16 @@ class EnvironmentStep:
     # The reward's components ([K] values), when the environment keeps them apart.
     reward_components: RewardComponents | None = None
 
+    @property
+    def messages(self) -> list[Message]:
+        """The reply as the messages to append, in order."""
+        return list(self.observation) if isinstance(self.observation, list) else [self.observation]
+
 
 class EnvironmentReturn(NamedTuple):
     """One ``step`` over a batch of B conversations; every field has one entry per sample."""
 
-    observations: list[Message]  # the environment's reply, appended to each conversation
+    observations: list[Observation]  # the environment's reply, appended to each conversation
     metadata: list[dict[str, Any] | None]  # passed back in on the next step (multi-turn state)
     next_stop_strings: list[list[str] | None]  # for the next generation; None: the default
     rewards: torch.Tensor  # float32 [B]
