@@ -132,8 +132,8 @@ def driver(config_path: str) -> int:
             def __getattr__(self, attr):
                 return getattr(policy, attr)
 
-            def save_checkpoint(self, path):
-                policy.save_checkpoint(path)
+            def save_checkpoint(self, path, training_state_dir=None):
+                policy.save_checkpoint(path, training_state_dir)
                 say("checkpoint", step)
 
         return save_policy(self, step, Announcing(), **kwargs)

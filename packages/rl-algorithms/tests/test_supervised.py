@@ -30,7 +30,7 @@ class CountingPolicy:
         self.steps += 1
         return TrainResult(1, {"loss": [1.0 / self.steps]})
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, training_state_dir=None):
         pass
 
 

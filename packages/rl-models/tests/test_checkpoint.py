@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,13 +18,19 @@ CONFIG = {
 }
 
 
+def state_dir(path) -> str:
+    """Where ``saved`` put the optimiser and scheduler state: beside the model, as a run's
+    checkpoint does."""
+    return str(path.parent / f"{path.name}-state")
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["full", "sharded"])
 def saved(tmp_path_factory, request):
     """A worker trained one step, checkpointed, then trained one step more."""
     path = tmp_path_factory.mktemp("ckpt")
     worker = DTensorPolicyWorker(tiny_config(**CONFIG, checkpoint={"sharded": request.param}))
     worker.train(skewed_batch(seed=1), NLLLoss())
-    worker.save_checkpoint(str(path))
+    worker.save_checkpoint(str(path), state_dir(path))
     logprobs = worker.get_logprobs(skewed_batch())["logprobs"]
     metrics = worker.train(skewed_batch(seed=2), NLLLoss()).metrics
     return path, logprobs, metrics, worker.model.state_dict()
@@ -43,7 +51,7 @@ def test_training_resumes_identically_after_loading(saved):
     path, _, metrics, weights = saved
     fresh = DTensorPolicyWorker(tiny_config(**CONFIG, seed=123))  # other initial weights
     # Either layout loads whatever the worker's own checkpoint setting.
-    fresh.load_checkpoint(str(path))
+    fresh.load_checkpoint(str(path), state_dir(path))
     resumed = fresh.train(skewed_batch(seed=2), NLLLoss()).metrics
     assert resumed["lr"] == metrics["lr"] == [pytest.approx(5e-3)]
     assert resumed["loss"] == pytest.approx(metrics["loss"], abs=1e-12)
@@ -58,12 +66,21 @@ def test_a_resumed_optimizer_runs_the_kernel_its_config_asks_for(saved, fused):
     path, _, metrics, weights = saved
     optimizer = {**CONFIG["optimizer"], "kwargs": {**CONFIG["optimizer"]["kwargs"], "fused": fused}}
     fresh = DTensorPolicyWorker(tiny_config(**{**CONFIG, "optimizer": optimizer}, seed=123))
-    fresh.load_checkpoint(str(path))
+    fresh.load_checkpoint(str(path), state_dir(path))
     assert all(group["fused"] is fused for group in fresh.optimizer.param_groups)
     resumed = fresh.train(skewed_batch(seed=2), NLLLoss()).metrics
     assert resumed["loss"] == pytest.approx(metrics["loss"], abs=1e-12)
     got = fresh.model.state_dict()
     assert max(float((got[k] - weights[k]).abs().max()) for k in weights) < 1e-12
+
+
+def test_the_model_folder_holds_the_model_and_the_state_folder_the_rest(saved):
+    path, _, _, _ = saved
+    model_files = {p.name for p in path.iterdir()}
+    assert "config.json" in model_files
+    assert not model_files & {"optimizer.pt", "optimizer", "scheduler.pt"}, model_files
+    state_files = {p.name for p in Path(state_dir(path)).iterdir()}
+    assert "scheduler.pt" in state_files and state_files & {"optimizer.pt", "optimizer"}
 
 
 def test_without_optimizer_state_training_would_differ(saved):

@@ -9,6 +9,8 @@ log-probs within 4.1e-8 of HF (padded and packed alike), weights after one SGD s
 5.9e-8 of the DTensor worker's, log-probs after it within 1.0e-7; hence ``atol=1e-6``.
 """
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -83,8 +85,10 @@ def test_megatron_worker_matches_hf_and_the_dtensor_worker(tiny_llama, tmp_path)
         assert metrics["grad_norm"][0] == pytest.approx(ref_metrics["grad_norm"][0], rel=1e-6)
 
         # The checkpoint is HF-loadable and holds the trained weights.
-        ckpt = str(tmp_path / "ckpt")
-        call(plain, "save_checkpoint", path=ckpt)
+        ckpt, state = str(tmp_path / "ckpt"), str(tmp_path / "state")
+        call(plain, "save_checkpoint", path=ckpt, training_state_dir=state)
+        assert not {"optimizer.pt", "scheduler.pt"} & set(os.listdir(ckpt))
+        assert {"optimizer.pt", "scheduler.pt"} <= set(os.listdir(state))
         trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()
         for name, tensor in reference.model.state_dict().items():
             torch.testing.assert_close(trained[name], tensor, rtol=0, atol=ATOL, msg=name)
@@ -96,7 +100,7 @@ def test_megatron_worker_matches_hf_and_the_dtensor_worker(tiny_llama, tmp_path)
         torch.testing.assert_close(ref_lp, got, rtol=0, atol=1e-12)
         # Loading the checkpoint back undoes a further step.
         call(plain, "train", data=data, loss_fn=NLLLoss())
-        call(plain, "load_checkpoint", path=ckpt)
+        call(plain, "load_checkpoint", path=ckpt, training_state_dir=state)
         restored = call(plain, "get_logprobs", data=data)["logprobs"]
         torch.testing.assert_close(restored, after, rtol=0, atol=1e-12)
     finally:

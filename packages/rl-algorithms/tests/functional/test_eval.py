@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 class SavedModel:
     """Writes a tiny HF model where Policy.save_checkpoint would (the checkpoint's policy/)."""
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         hf = dict(TINY_LLAMA)

@@ -33,17 +33,17 @@ class LinearPolicy:
         self.model(torch.ones(1, 4)).sum().backward()
         self.optimizer.step()
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        state_dir = training_state_dir or path
         os.makedirs(path, exist_ok=True)
-        torch.save(
-            {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()},
-            os.path.join(path, "state.pt"),
-        )
+        os.makedirs(state_dir, exist_ok=True)
+        torch.save(self.model.state_dict(), os.path.join(path, "model.pt"))
+        torch.save(self.optimizer.state_dict(), os.path.join(state_dir, "optim.pt"))
 
-    def load_checkpoint(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "state.pt"))
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+    def load_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        self.model.load_state_dict(torch.load(os.path.join(path, "model.pt")))
+        state_dir = training_state_dir or path
+        self.optimizer.load_state_dict(torch.load(os.path.join(state_dir, "optim.pt")))
 
 
 def manager(tmp_path, **kw) -> CheckpointManager:
@@ -76,6 +76,33 @@ def test_resume_restores_weights_optimizer_loader_rng_and_extra_state(tmp_path):
     torch.testing.assert_close(fresh.model.weight, expected_weight, rtol=0, atol=0)
 
 
+def test_the_policy_folder_holds_the_model_and_the_optimiser_state_lies_beside_it(tmp_path):
+    policy = LinearPolicy()
+    policy.step()
+    path = manager(tmp_path).save(1, policy, models={"critic": LinearPolicy(seed=2)})
+    for name in ("policy", "critic"):
+        assert sorted(os.listdir(path / name)) == ["model.pt"]
+        assert sorted(os.listdir(path / "optimizer_state" / name)) == ["optim.pt"]
+
+
+def test_a_checkpoint_with_the_optimiser_state_in_the_model_folder_still_loads(tmp_path):
+    """Checkpoints written before the optimiser state moved out of ``policy/`` resume."""
+    policy = LinearPolicy()
+    policy.step()
+    path = manager(tmp_path).save(1, policy)
+    os.rename(path / "optimizer_state" / "policy" / "optim.pt", path / "policy" / "optim.pt")
+    os.rmdir(path / "optimizer_state" / "policy")
+    os.rmdir(path / "optimizer_state")
+    policy.step()
+    expected = policy.model.weight.detach().clone()
+
+    fresh = LinearPolicy(seed=1)
+    resumed = manager(tmp_path)
+    resumed.load(resumed.latest(), fresh)
+    fresh.step()  # the same weights after the step: Adam's moments were read from policy/
+    torch.testing.assert_close(fresh.model.weight, expected, rtol=0, atol=0)
+
+
 def test_keeps_the_top_k_by_metric_plus_the_latest(tmp_path):
     ckpts = manager(tmp_path, keep_top_k=2, metric_name="val/loss", higher_is_better=False)
     losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.7, 5: 0.8}
@@ -100,7 +127,7 @@ def test_a_checkpoint_killed_mid_write_is_never_resumed_from(tmp_path):
         from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
 
         class SlowPolicy:
-            def save_checkpoint(self, path):
+            def save_checkpoint(self, path, training_state_dir=None):
                 os.makedirs(path)
                 with open(os.path.join(path, "model.safetensors"), "wb") as f:
                     f.write(b"x" * 1000)
@@ -161,8 +188,8 @@ class VersionedPolicy(LinearPolicy):
         super().step()
         self.weight_version += 1
 
-    def load_checkpoint(self, path: str) -> None:
-        super().load_checkpoint(path)
+    def load_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        super().load_checkpoint(path, training_state_dir)
         self.weight_version += 1
 
 

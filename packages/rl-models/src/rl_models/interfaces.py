@@ -195,8 +195,9 @@ class PolicyInterface(ABC):
         """Get ready for log-prob inference (e.g. move optimiser state away)."""
 
     @abstractmethod
-    def save_checkpoint(self, path: str) -> None:
-        """Write HF-loadable weights plus optimiser and scheduler state to ``path``."""
+    def save_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        """Write HF-loadable weights to ``path``, and the optimiser and scheduler state to
+        ``training_state_dir`` (into ``path`` too when it is not given)."""
 
     @abstractmethod
     def shutdown(self) -> None:

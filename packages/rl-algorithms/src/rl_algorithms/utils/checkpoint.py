@@ -3,8 +3,12 @@
 Layout of ``checkpoint_dir``::
 
     step_40/                 a complete checkpoint (only complete ones have this name)
-        policy/              Policy.save_checkpoint: HF weights, optimizer, scheduler
+        policy/              the policy as a Hugging Face model: weights, config, tokenizer
+                             (``from_pretrained`` loads the folder as it is)
         critic/              models trained beside the policy (PPO's critic), the same way
+        optimizer_state/
+            policy/          the policy's optimiser and learning-rate scheduler state
+            critic/          and each other model's
         training_state.pt    step, policy weight version, data-loader position, RNG states,
                              extra state
         info.json            step, metrics and the run's identity: its algorithm, loss,
@@ -47,6 +51,9 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 POLICY_DIR = "policy"
+# Beside the model folders, so that each of those holds a model and nothing else. Checkpoints
+# written before kept the optimiser and scheduler in the model folder; they still load.
+OPTIMIZER_STATE_DIR = "optimizer_state"
 STATE_FILE = "training_state.pt"
 INFO_FILE = "info.json"
 # Config keys that make a run what it is: a checkpoint directory written with other values
@@ -133,8 +140,11 @@ def save_deadline(config: CheckpointingConfig, now: float) -> float | None:
 
 
 class SupportsCheckpoint(Protocol):
-    def save_checkpoint(self, path: str) -> None: ...
-    def load_checkpoint(self, path: str) -> None: ...
+    """A trained model's checkpoint: its weights into ``path``, its optimiser and scheduler
+    state into ``training_state_dir`` (``path`` when None)."""
+
+    def save_checkpoint(self, path: str, training_state_dir: str | None = None) -> None: ...
+    def load_checkpoint(self, path: str, training_state_dir: str | None = None) -> None: ...
 
 
 class Stateful(Protocol):
@@ -264,11 +274,11 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         if policy is not None:
-            policy.save_checkpoint(str((tmp / POLICY_DIR).resolve()))
+            policy.save_checkpoint(*_model_dirs(tmp, POLICY_DIR))
             if tokenizer is not None:  # the weights' directory is then a whole HF model
                 tokenizer.save_pretrained(tmp / POLICY_DIR)
         for name, model in (models or {}).items():
-            model.save_checkpoint(str((tmp / name).resolve()))
+            model.save_checkpoint(*_model_dirs(tmp, name))
         state = {
             "step": step,
             # The policy's weight version (optimiser steps so far): a generator seeds its
@@ -367,7 +377,7 @@ class CheckpointManager:
         """
         state = torch.load(path / STATE_FILE, weights_only=False)  # our own file
         if policy is not None:
-            policy.load_checkpoint(str((path / POLICY_DIR).resolve()))
+            policy.load_checkpoint(*_model_dirs(path, POLICY_DIR, saved=True))
             version = state.get("policy_weight_version")
             # Version 0 names the initial weights, which every generator starts with: a policy
             # restored to a checkpoint keeps a version of its own then (the one loading gave
@@ -380,12 +390,22 @@ class CheckpointManager:
                     f"checkpoint {path} has no {name}/ directory: it was written by a run "
                     f"without a {name}, so this run cannot resume from it"
                 )
-            model.load_checkpoint(str((path / name).resolve()))
+            model.load_checkpoint(*_model_dirs(path, name, saved=True))
         if dataloader is not None and state["dataloader"] is not None:
             dataloader.load_state_dict(state["dataloader"])
         if restore_rng:
             set_rng_states(state["rng"])
         return {"step": state["step"], "extra": state["extra"], **read_info(path)}
+
+
+def _model_dirs(checkpoint: Path, name: str, saved: bool = False) -> tuple[str, str | None]:
+    """Where model ``name`` of a checkpoint keeps its weights and its optimiser state. A
+    checkpoint ``saved`` before the optimiser state moved out of the model folder has no
+    ``optimizer_state/<name>``: None then, which reads it from the model folder."""
+    state = checkpoint / OPTIMIZER_STATE_DIR / name
+    if saved and not state.is_dir():
+        return str((checkpoint / name).resolve()), None
+    return str((checkpoint / name).resolve()), str(state.resolve())
 
 
 def run_identity(

@@ -321,34 +321,39 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         stem, ext = os.path.splitext(OPTIMIZER_FILE)
         return f"{stem}-pp{r.pp_rank}-tp{r.tp_rank}{ext}"
 
-    def save_checkpoint(self, path: str) -> None:
-        """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler.
+    def save_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        """HF safetensors weights (``from_pretrained``-loadable) into ``path``; optimiser and
+        scheduler state into ``training_state_dir`` (``path`` when not given).
 
         Rank 0 writes the gathered weights and the scheduler; each rank of replica 0 writes
         its own optimiser state. Loading needs the same tensor and pipeline parallel sizes for
         the optimiser state (the weights load under any layout).
         """
+        state_dir = training_state_dir or path
         weights = gather_hf_state(self.model, self.layout, self.ranks, to_all=False)
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
+            os.makedirs(state_dir, exist_ok=True)
             hf = AutoModelForCausalLM.from_config(
                 self.hf_config, dtype=self.config.model.torch_dtype
             )
             hf.load_state_dict(weights)
             hf.save_pretrained(path)
-            torch.save(self.scheduler.state_dict(), os.path.join(path, SCHEDULER_FILE))
-        dist.barrier()  # the folder exists before the other ranks write into it
+            torch.save(self.scheduler.state_dict(), os.path.join(state_dir, SCHEDULER_FILE))
+        dist.barrier()  # the folders exist before the other ranks write into them
         if self.ranks.dp_rank == 0:
-            torch.save(self.optimizer.state_dict(), os.path.join(path, self._optimizer_file()))
+            optimizer_file = os.path.join(state_dir, self._optimizer_file())
+            torch.save(self.optimizer.state_dict(), optimizer_file)
         dist.barrier()
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what ``save_checkpoint`` wrote (every rank reads ``path``)."""
+    def load_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        """Restore what ``save_checkpoint`` wrote (every rank reads both directories)."""
+        state_dir = training_state_dir or path
         self._fill(self.model, path)  # this rank's slices of the saved safetensors only
-        optim = torch.load(os.path.join(path, self._optimizer_file()), weights_only=False)
+        optim = torch.load(os.path.join(state_dir, self._optimizer_file()), weights_only=False)
         self.optimizer.load_state_dict(optim)
         self._restore_configured_kernels()
-        self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE)))
+        self.scheduler.load_state_dict(torch.load(os.path.join(state_dir, SCHEDULER_FILE)))
 
     def shutdown(self) -> None:
         if parallel_state.model_parallel_is_initialized():

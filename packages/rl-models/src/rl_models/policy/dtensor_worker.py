@@ -296,37 +296,41 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
     def _weight_exporter(self) -> DTensorWeightExporter:
         return DTensorWeightExporter(self.model, self.lora, self.rank)
 
-    def save_checkpoint(self, path: str) -> None:
-        """HF safetensors weights (``from_pretrained``-loadable) + optimiser + scheduler.
+    def save_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        """HF safetensors weights (``from_pretrained``-loadable) into ``path``; optimiser and
+        scheduler state into ``training_state_dir`` (``path`` when not given).
 
         ``checkpoint.sharded``: every rank writes its own shards (see ``checkpoint.py``).
         Otherwise full state dicts are gathered to rank 0, which writes everything; with LoRA
         the weights are the merged model and the adapters go to ``path/adapter`` (``lora.py``).
         """
+        state_dir = training_state_dir or path
         if self.config.checkpoint.sharded:
-            checkpoint.save_sharded(self.model, self.optimizer, path, self.rank)
+            checkpoint.save_sharded(self.model, self.optimizer, path, state_dir, self.rank)
         else:
             weights = checkpoint.save_full_training_state(
-                self.model, self.optimizer, path, self.rank
+                self.model, self.optimizer, state_dir, self.rank
             )
             if self.rank == 0 and self.lora:
                 lora.save_lora_checkpoint(self.model, weights, path)
             elif self.rank == 0:
                 self.model.save_pretrained(path, state_dict=weights)
         if self.rank == 0:
-            checkpoint.save_scheduler(self.scheduler, path)
+            checkpoint.save_scheduler(self.scheduler, state_dir)
         if self.dp_size > 1:
             dist.barrier()
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what ``save_checkpoint`` wrote, in either layout (every rank reads ``path``)."""
+    def load_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        """Restore what ``save_checkpoint`` wrote, in either layout (every rank reads both
+        directories)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
         )
 
-        if checkpoint.is_sharded(path):
-            checkpoint.load_sharded(self.model, self.optimizer, path)
+        state_dir = training_state_dir or path
+        if checkpoint.is_sharded(state_dir):
+            checkpoint.load_sharded(self.model, self.optimizer, path, state_dir)
         else:
             opts = StateDictOptions(full_state_dict=True, strict=not self.lora)
             if self.lora:
@@ -337,9 +341,9 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                 saved = self._hf_class().from_pretrained(path, dtype=self.config.model.torch_dtype)
                 weights = saved.state_dict()
             set_model_state_dict(self.model, weights, options=opts)
-            checkpoint.load_full_optimizer(self.model, self.optimizer, path)
+            checkpoint.load_full_optimizer(self.model, self.optimizer, state_dir)
         self._restore_configured_kernels()
-        checkpoint.load_scheduler(self.scheduler, path)
+        checkpoint.load_scheduler(self.scheduler, state_dir)
 
     def _hf_class(self) -> type[torch.nn.Module]:
         """The Hugging Face model class (FSDP2 subclasses it on the fly; peft wraps it)."""

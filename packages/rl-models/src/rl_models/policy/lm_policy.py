@@ -188,11 +188,15 @@ class Policy(PolicyInterface):
         self.worker_group.call_all("offload_weights")
         self.worker_group.call_all("offload_optimizer_state")
 
-    def save_checkpoint(self, path: str) -> None:
-        self.worker_group.call_all("save_checkpoint", path=path)
+    def save_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        self.worker_group.call_all(
+            "save_checkpoint", path=path, training_state_dir=training_state_dir
+        )
 
-    def load_checkpoint(self, path: str) -> None:
-        self.worker_group.call_all("load_checkpoint", path=path)
+    def load_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
+        self.worker_group.call_all(
+            "load_checkpoint", path=path, training_state_dir=training_state_dir
+        )
         self.weight_version += 1  # other weights: a generator must be refit
 
     def shutdown(self) -> None:
