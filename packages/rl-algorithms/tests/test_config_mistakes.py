@@ -96,3 +96,27 @@ def test_supervised_checkpoint_metrics_are_the_losss_own():
     for name in ("val/accuracy", "val/grad_norm"):
         with pytest.raises(ConfigError, match=rf"metric_name '{name}' is not a metric"):
             cli.build_config(algorithm, [*base, f"checkpointing.metric_name={name}"])
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            "+env.arithmetic.config.num_workrs=1",
+            "env.arithmetic.config.num_workrs: got 1 — unknown key; did you mean 'num_workers'",
+        ),
+        (
+            "env.arithmetic.config.num_workers=abc",
+            "env.arithmetic.config.num_workers: got 'abc' — expected int",
+        ),
+    ],
+)
+def test_an_environments_config_mistake_is_one_line_naming_its_own_key(override, line):
+    """Not a dump of the whole ``env`` section with the useful part in brackets at its end."""
+    algorithm = cli.load_algorithm("grpo")
+    argv = ["--config", str(GRPO_RECIPE), "tokenizer.path=/tokenizer", override]
+    with pytest.raises(ConfigError) as raised:
+        cli.build_config(algorithm, argv)
+    problems = str(raised.value).splitlines()[1:]
+    assert len(problems) == 1 and problems[0].strip().startswith(line), problems
+    assert [issue.key for issue in raised.value.errors] == [line.split(":")[0]]

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, ValidationError
+from pydantic import AfterValidator, Field
 
 from rl_algorithms.config import import_path
-from rl_distributed.config import ConfigModel
+from rl_distributed.config import ConfigError, ConfigModel, validate_config
 
 # kind -> (environment class, its config class)
 KNOWN_ENVIRONMENTS = {
@@ -65,7 +66,11 @@ def environment_class(task: str, spec: EnvSpec) -> tuple[type, Any]:
         config = dict(spec.config)
         if "config_key" in cfg_cls.model_fields:  # its errors name where it sits in the recipe
             config["config_key"] = f"env.{task}.config"
-        return cls, cfg_cls.model_validate(config)
+        try:
+            return cls, validate_config(config, cfg_cls)
+        except ConfigError as e:  # its keys, as they sit in the recipe
+            issues = [replace(i, key=f"env.{task}.config.{i.key}") for i in e.errors]
+            raise ConfigError("; ".join(map(str, issues)), issues) from None
     if ":" not in kind:
         raise ValueError(
             f"env.{task}.kind is {kind!r}; expected one of {sorted(KNOWN_ENVIRONMENTS)} or an "
@@ -87,14 +92,7 @@ def check_environments(env: dict[str, EnvSpec]) -> dict[str, EnvSpec]:
     """Every ``env.<task>`` names an importable environment whose config validates, so that a
     typo fails with the config, before any Ray worker starts (environments start last)."""
     for task, spec in env.items():
-        try:
-            environment_class(task, spec)
-        except ValidationError as e:
-            problems = "; ".join(
-                f"env.{task}.config.{'.'.join(map(str, err['loc']))}: {err['msg']}"
-                for err in e.errors()
-            )
-            raise ValueError(problems) from None
+        environment_class(task, spec)  # a ConfigError: validate_config reports its keys
     return env
 
 

@@ -43,8 +43,12 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], model: type[T]) -> T:
     except ValidationError as e:
         issues: dict[str, ConfigIssue] = {}
         for err in e.errors():
-            issue = _issue(model, err)
-            issues.setdefault(issue.key, issue)  # a union reports once per member; keep one
+            # A validator that checked a section against a config of its own (an environment's
+            # config) raises a ConfigError: its issues name their own keys.
+            nested = err.get("ctx", {}).get("error")
+            found = nested.errors if isinstance(nested, ConfigError) and nested.errors else []
+            for issue in found or [_issue(model, err)]:
+                issues.setdefault(issue.key, issue)  # a union reports once per member; keep one
         n = len(issues)
         lines = "\n".join(f"  {issue}" for issue in issues.values())
         raise ConfigError(
