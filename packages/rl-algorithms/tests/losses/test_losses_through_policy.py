@@ -56,6 +56,21 @@ def add_logprobs(data, logprobs, reference):
     return data
 
 
+# CISPO, SAPO (its paper's sample-level mean), Dr. GRPO, GSPO and ICE-POP masking.
+OBJECTIVES = [
+    {"use_cispo": True, "ratio_clip_min": 1.0, "ratio_clip_max": 0.3},
+    {"use_sapo": True, "token_level_loss": False},
+    {"constant_length_normalizer": 12},
+    {"sequence_level_importance_ratios": True},
+    {
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 1.5,
+        "truncated_importance_sampling_ratio_min": 0.7,
+    },
+]
+
+
 @pytest.mark.ray
 @pytest.mark.slow  # a 2-rank Ray worker group: ~35 s on 2 cores
 def test_two_ranks_train_like_one_and_report_the_loss_metrics(ray_session, tmp_path):
@@ -65,6 +80,10 @@ def test_two_ranks_train_like_one_and_report_the_loss_metrics(ray_session, tmp_p
     ref = local.get_reference_policy_logprobs(data)["reference_logprobs"]
     data = add_logprobs(data, lp, ref)
     local_metrics = local.train(data, ClippedPGLossFn(LOSS)).metrics
+    # A generator whose log-probs differ from the trainer's, for the mismatch corrections.
+    mismatched = data.copy()
+    noise = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mismatched["generation_logprobs"] = data["prev_logprobs"] + 0.5 * noise
     expected = {k: v.detach() for k, v in local.model.state_dict().items()}
 
     cluster = RayVirtualCluster([2], use_gpus=False)
@@ -72,6 +91,11 @@ def test_two_ranks_train_like_one_and_report_the_loss_metrics(ray_session, tmp_p
     try:
         metrics = policy.train(data, ClippedPGLossFn(LOSS)).metrics
         policy.save_checkpoint(str(tmp_path))
+        two_rank_losses = [
+            policy.train(mismatched, ClippedPGLossFn({**LOSS, **extra})).metrics["loss"]
+            for extra in OBJECTIVES
+        ]
+        policy.save_checkpoint(str(tmp_path / "after"))
     finally:
         policy.shutdown()
         cluster.shutdown()
@@ -84,3 +108,12 @@ def test_two_ranks_train_like_one_and_report_the_loss_metrics(ray_session, tmp_p
     assert metrics["probs_ratio_min"][0] < 1 < metrics["probs_ratio_max"][0]
     assert metrics["kl_penalty"][0] == pytest.approx(0.0, abs=1e-12)  # current == reference
     assert metrics["token_mult_prob_error"] == [pytest.approx(1.0)]
+    # The newer objectives, one step each from there on, on both: their global normalisers
+    # (sample counts, constant lengths, sequence means) are where ranks could disagree.
+    for step, extra in enumerate(OBJECTIVES):
+        loss = ClippedPGLossFn({**LOSS, **extra})
+        want = local.train(mismatched, loss).metrics["loss"]
+        assert two_rank_losses[step] == pytest.approx(want, rel=1e-9), extra
+    expected = {k: v.detach() for k, v in local.model.state_dict().items()}
+    saved = load_file(str(tmp_path / "after" / "model.safetensors"))
+    assert max(float((saved[k] - expected[k]).abs().max()) for k in expected) < 1e-8
