@@ -130,7 +130,7 @@ def test_framed_texts_equal_rendered_texts(source, gen):
 
 
 def test_templates_that_change_contents_are_never_framed():
-    roles = (("user", "assistant"), False, 0)
+    roles = (("user", "assistant"), False, 0, None)  # roles, generation prompt, start, tools
     smol, trim, think = (
         ChatTemplate(SMOL_LIKE),
         ChatTemplate(TRIMMING),
