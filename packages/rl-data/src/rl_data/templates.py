@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -160,7 +161,7 @@ class ChatTemplate:
         # (roles, add_generation_prompt, start, tools as JSON) -> (before, after) text of each
         # message, or None where the template does not insert contents verbatim (then: render
         # each time)
-        self._frames: dict[_FrameKey, list[tuple[str, str]] | None] = {}
+        self._frames: OrderedDict[_FrameKey, list[tuple[str, str]] | None] = OrderedDict()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The compiled Jinja template does not pickle: rebuild it from its source (a template
@@ -232,12 +233,12 @@ class ChatTemplate:
         things a prefix may render differently from the whole conversation: the text after a
         message's content (Qwen's template closes a run of tool replies only after the last
         one: the cut then falls where the texts part, after any line ends there, which
-        tokenizers such as Qwen's join to the punctuation before them), and nothing at all (Llama 3's template
-        with tools refuses a conversation of only a system message: that message's text then
-        goes with the next one). A template that changes what an earlier message says when a
-        later one is added (e.g. one that drops past reasoning) is refused: it cannot be
-        tokenised incrementally. So is one that changes the text of ``messages[:start]``, which
-        are already tokenised.
+        tokenizers such as Qwen's join to the punctuation before them), and nothing at all
+        (Llama 3's template with tools refuses a conversation of only a system message: that
+        message's text then goes with the next one). A template that changes what an earlier
+        message says when a later one is added (e.g. one that drops past reasoning) is refused:
+        it cannot be tokenised incrementally. So is one that changes the text of
+        ``messages[:start]``, which are already tokenised.
 
         Rendering costs more than tokenising, so the text a template puts around each message
         (headers, end-of-turn markers, a default system prompt, the tools) is found once per
@@ -252,8 +253,12 @@ class ChatTemplate:
         ):
             tools_key = None if tools is None else json.dumps(tools, sort_keys=True)
             key = (tuple(m["role"] for m in messages), add_generation_prompt, start, tools_key)
-            if key not in self._frames:
+            if key in self._frames:
+                self._frames.move_to_end(key)
+            else:
                 self._frames[key] = self._probe_frame(key[0], add_generation_prompt, start, tools)
+                if len(self._frames) > _MAX_FRAMES:  # rows that each have their own tools
+                    self._frames.popitem(last=False)
             frame = self._frames[key]
             if frame is not None:
                 return [
@@ -343,6 +348,9 @@ class ChatTemplate:
 
 
 _FrameKey = tuple[tuple[str, ...], bool, int, str | None]
+# Frames kept per template, the least recently used dropped first: a frame holds the rendered
+# tools, and data whose rows each offer their own tools would otherwise keep them all.
+_MAX_FRAMES = 1024
 
 
 def _shared_prefix_length(a: str, b: str) -> int:
