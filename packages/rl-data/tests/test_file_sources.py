@@ -21,7 +21,7 @@ from rl_data.datasets import (
 )
 from rl_data.errors import DataError
 from rl_data.processors import ProcessedDataset
-from rl_data.types import STRING_PROMPT_KEY
+from rl_data.types import STRING_PROMPT_KEY, TOOLS_KEY
 
 
 def write_jsonl(path: Path, rows: list) -> str:
@@ -163,6 +163,71 @@ def test_tool_calls_of_the_wrong_shape_are_refused(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"messages": bad}])
     with pytest.raises(DataError, match=r"row 1: messages\[1\] tool_calls must be a list of dicts"):
         load_dataset(ChatFileConfig(path=path))
+
+
+ADD_TOOL = {
+    "type": "function",
+    "function": {"name": "add", "description": "a + b", "parameters": {"type": "object"}},
+}
+
+
+def test_a_tools_column_is_checked_and_travels_in_extra_env_info(tmp_path):
+    rows = [
+        {"prompt": "1+2?", "tools": [ADD_TOOL], "answer": "3"},
+        {"prompt": "2+2?", "answer": "4"},  # a row offered no tools
+    ]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    data = load_dataset(ChatFileConfig(path=path, columns={"answer": "ground_truth"}))
+    assert data[0]["extra_env_info"] == {
+        "ground_truth": "3",
+        STRING_PROMPT_KEY: "1+2?",
+        TOOLS_KEY: [ADD_TOOL],
+    }
+    assert TOOLS_KEY not in data[1]["extra_env_info"]
+    # the rows' tools are kept even when env_info_keys leaves the column out
+    picked = load_dataset(ChatFileConfig(path=path, env_info_keys=["answer"]))
+    assert picked[0]["extra_env_info"] == {
+        "answer": "3",
+        STRING_PROMPT_KEY: "1+2?",
+        TOOLS_KEY: [ADD_TOOL],
+    }
+
+
+def test_bad_tools_name_the_file_and_row(tmp_path):
+    rows = [{"prompt": "a", "tools": [ADD_TOOL]}, {"prompt": "b", "tools": [{"name": "add"}]}]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(
+        DataError, match=r't\.jsonl, row 2: tools\[0\] must be \{"type": "function"'
+    ):
+        load_dataset(ChatFileConfig(path=path))
+
+
+def test_parquet_rows_keep_tools_and_calls_as_json_strings(tmp_path):
+    # Arrow would give every tool schema the union of all tools' keys: JSON strings keep them
+    # whole; arguments too (OpenAI's format)
+    call = {
+        "type": "function",
+        "id": "c1",
+        "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+    }
+    messages = [
+        U("1+2?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1"},
+        A("3"),
+    ]
+    table = pa.Table.from_pylist(
+        [
+            {"messages": messages, "tools": json.dumps([ADD_TOOL])},
+            {"messages": [U("hi"), A("hello")], "tools": None},
+        ]
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    data = load_dataset(ChatFileConfig(path=str(tmp_path / "t.parquet")))
+    assert data[0]["extra_env_info"] == {TOOLS_KEY: [ADD_TOOL]}
+    assert data[0]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    assert data[0]["messages"][2] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
+    assert data[1]["extra_env_info"] is None
 
 
 # -- shards, saved datasets, renames --------------------------------------------------------

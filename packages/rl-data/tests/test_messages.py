@@ -1,7 +1,14 @@
+import json
+
 import pytest
 import torch
 
-from rl_data.messages import check_messages, tokenize_message_logs, truncate_message_log
+from rl_data.messages import (
+    check_messages,
+    check_tools,
+    tokenize_message_logs,
+    truncate_message_log,
+)
 from rl_data.templates import ChatTemplate, ChatTemplateConfig
 
 
@@ -74,3 +81,93 @@ def test_truncate_keeps_the_first_tokens():
     cut = truncate_message_log(log, 7)
     assert [m["token_ids"].tolist() for m in cut] == [[0, 1, 2, 3, 4], [5, 6]]
     assert len(log[1]["token_ids"]) == 4  # the original is untouched
+
+
+# -- tool calls and tools ---------------------------------------------------------------------
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+def _calling(*calls):
+    return [{"role": "user", "content": "1+2?"}, {"role": "assistant", "tool_calls": list(calls)}]
+
+
+def test_tool_call_arguments_given_as_json_are_parsed_for_templates():
+    call = {"type": "function", "id": "c1", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    reply = {"role": "tool", "tool_call_id": "c1", "name": "add", "content": "3"}
+    checked = check_messages([*_calling(call), reply])
+    assert checked[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "id": "c1", "function": {"name": "add", "arguments": {"a": 1}}}
+        ],
+    }
+    assert checked[2] == reply
+    assert call["function"]["arguments"] == '{"a": 1}'  # the row itself is left as it was
+
+
+def test_bad_tool_calls_and_replies_say_what_is_wrong():
+    def fails(messages, match):
+        with pytest.raises(ValueError, match=match):
+            check_messages(messages)
+
+    fn = {"name": "add", "arguments": "{}"}
+    fails(
+        _calling({"type": "function", "function": {**fn, "arguments": "{a: 1"}}),
+        r"messages\[1\] tool_calls\[0\] arguments are not valid JSON",
+    )
+    fails(
+        _calling({"type": "function", "function": {**fn, "arguments": "[1, 2]"}}),
+        "arguments must be a JSON object",
+    )
+    fails(
+        _calling({"type": "function", "function": {"arguments": "{}"}}),
+        r"tool_calls\[0\] function has no 'name'",
+    )
+    fails(
+        _calling({"name": "add", "arguments": {}}),
+        r'tool_calls\[0\] must be \{"type": "function", "function"',
+    )
+    fails(_calling({"type": "code", "function": fn}), r"tool_calls\[0\] must be")
+    fails(
+        [{"role": "user", "content": "x", "tool_calls": [{"function": fn}]}],
+        r"messages\[0\] \(user\) has tool_calls; only assistants",
+    )
+    fails(
+        [{"role": "user", "content": "x", "tool_call_id": "c1"}],
+        "has tool_call_id; only tool replies",
+    )
+    fails(
+        [{"role": "tool", "content": "3", "tool_call_id": 7}],
+        r"messages\[0\] \(tool\) tool_call_id must be a string",
+    )
+    answered_twice = [
+        *_calling({"id": "c1", "function": fn}),
+        {"role": "tool", "tool_call_id": "c2", "content": "3"},
+    ]
+    fails(
+        answered_twice,
+        r"messages\[2\] \(tool\) answers tool_call_id 'c2', but the calls before it have ids \['c1'\]",
+    )
+
+
+def test_check_tools_takes_schemas_or_their_json_and_drops_arrow_nulls():
+    assert check_tools([ADD]) == [ADD]
+    assert check_tools(json.dumps([ADD])) == [ADD]
+    # Arrow gives every tool the union of all tools' keys, nulls where a tool has none
+    with_nulls = {"type": "function", "function": {**ADD["function"], "description": None}}
+    assert check_tools([with_nulls]) == [ADD]
+
+
+def test_check_tools_names_the_bad_tool():
+    with pytest.raises(ValueError, match="tools must be a list of function schemas"):
+        check_tools({"name": "add"})
+    with pytest.raises(ValueError, match="tools is a string but not JSON"):
+        check_tools("[{")
+    with pytest.raises(ValueError, match=r'tools\[1\] must be \{"type": "function"'):
+        check_tools([ADD, {"name": "sub"}])
+    with pytest.raises(ValueError, match=r"tools\[0\] function has no 'name'"):
+        check_tools([{"type": "function", "function": {"description": "?"}}])
+    with pytest.raises(ValueError, match=r"tools\[0\] \(add\) parameters must be a JSON schema"):
+        check_tools([{"type": "function", "function": {"name": "add", "parameters": "a, b"}}])

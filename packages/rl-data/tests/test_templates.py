@@ -130,7 +130,7 @@ def test_framed_texts_equal_rendered_texts(source, gen):
 
 
 def test_templates_that_change_contents_are_never_framed():
-    roles = (("user", "assistant"), False, 0)
+    roles = (("user", "assistant"), False, 0, None)  # roles, generation prompt, start, tools
     smol, trim, think = (
         ChatTemplate(SMOL_LIKE),
         ChatTemplate(TRIMMING),
@@ -237,3 +237,15 @@ def test_chat_template_kwargs_is_one_key_with_chat_template_kwargs():
             chat_template={"kwargs": {"enable_thinking": True}},
             chat_template_kwargs={"enable_thinking": False},
         )
+
+
+def test_frames_kept_are_bounded_least_recently_used_first(monkeypatch):
+    import rl_data.templates
+
+    monkeypatch.setattr(rl_data.templates, "_MAX_FRAMES", 2)
+    framed, rendered = ChatTemplate(SMOL_LIKE), ChatTemplate(SMOL_LIKE, cache_frames=False)
+    for n in (2, 3, 4, 2, 5):  # four sequences of roles, the first one used again
+        assert framed.message_texts(CONVERSATION[:n]) == rendered.message_texts(CONVERSATION[:n])
+    assert [roles for roles, *_ in framed._frames] == [
+        tuple(m["role"] for m in CONVERSATION[:n]) for n in (2, 5)
+    ]

@@ -30,6 +30,7 @@ _EXPORTS = {
     "build_tokenizer": "rl_data.tokenizers",
     "load_tokenizer": "rl_data.tokenizers",
     "check_messages": "rl_data.messages",
+    "check_tools": "rl_data.messages",
     "tokenize_message_logs": "rl_data.messages",
     "ArithmeticConfig": "rl_data.datasets",
     "ChatFileConfig": "rl_data.datasets",
@@ -83,6 +84,7 @@ __all__ = [
     "__version__",
     "build_tokenizer",
     "check_messages",
+    "check_tools",
     "flatten_message_logs",
     "get_processor",
     "load_dataset",
@@ -121,7 +123,7 @@ if TYPE_CHECKING:
     )
     from rl_data.errors import DataError, SkippedRow, TemplateError
     from rl_data.loader import StatefulDataLoader
-    from rl_data.messages import check_messages, tokenize_message_logs
+    from rl_data.messages import check_messages, check_tools, tokenize_message_logs
     from rl_data.processors import (
         PROCESSORS,
         ProcessedDataset,

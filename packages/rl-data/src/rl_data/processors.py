@@ -21,7 +21,14 @@ from rl_data.datasets.base import Row, RowDataset
 from rl_data.errors import DataError, TemplateError
 from rl_data.messages import message_log_length, tokenize_message_logs, truncate_message_log
 from rl_data.templates import RAW_TEXT_TEMPLATE, ChatTemplate
-from rl_data.types import TENSOR_KEYS, DatumSpec, MessageLog, PreferenceDatumSpec, TaskDataSpec
+from rl_data.types import (
+    TENSOR_KEYS,
+    TOOLS_KEY,
+    DatumSpec,
+    MessageLog,
+    PreferenceDatumSpec,
+    TaskDataSpec,
+)
 
 Processor = Callable[[Row, TaskDataSpec], dict[str, Any]]
 PROCESSORS: dict[str, Processor] = {}
@@ -132,7 +139,9 @@ class ProcessedDataset(Sequence[Any]):
     and sample order do not depend on lengths.
 
     ``task_spec`` defaults to the rows' own (``RowDataset.task_spec``: the data config's system
-    prompt and prompt template). Plain-text rows (a ``text`` column, ``raw_text`` drafts) are
+    prompt and prompt template). A conversation is rendered with the tools its draft's
+    ``extra_env_info`` holds under :data:`~rl_data.types.TOOLS_KEY` (a row's ``tools``
+    column). Plain-text rows (a ``text`` column, ``raw_text`` drafts) are
     tokenised as their text followed by the EOS token, with no chat template.
     """
 
@@ -163,15 +172,15 @@ class ProcessedDataset(Sequence[Any]):
         drafts = [self._draft(i) for i in indices]
         # one tokenizer call per template and generation-prompt setting, over the whole batch
         for raw, gen in ((False, False), (False, True), (True, False)):
-            logs = [
-                log
-                for d in drafts
-                for log in _logs(d)
-                if d.get("add_generation_prompt", False) == gen and d.get("raw_text", False) == raw
-            ]
+            logs, tools = [], []  # each log with the tools its conversation is offered
+            for d in drafts:
+                if d.get("add_generation_prompt", False) == gen and d.get("raw_text", False) == raw:
+                    offered = (d.get("extra_env_info") or {}).get(TOOLS_KEY)
+                    logs += _logs(d)
+                    tools += [offered] * len(_logs(d))
             template = self.raw_template if raw else self.template
             try:
-                tokenize_message_logs(logs, self.tokenizer, template, add_generation_prompt=gen)
+                tokenize_message_logs(logs, self.tokenizer, template, gen, tools)
             except TemplateError as e:
                 raise TemplateError(f"{e} (batch of rows {list(indices)})") from None
         return [self._finish(i, d) for i, d in zip(indices, drafts, strict=True)]

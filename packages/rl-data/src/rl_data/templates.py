@@ -1,24 +1,29 @@
 """Chat templates, rendered so that each message's text can be tokenised on its own.
 
-Three kinds, picked by :class:`ChatTemplateConfig`:
+Four kinds, picked by :class:`ChatTemplateConfig`:
 
 - ``tokenizer``: the tokenizer's own ``chat_template`` (what the model was trained with);
 - ``passthrough``: the messages' contents concatenated, nothing added (base models, raw text);
-- ``jinja``: a Jinja string given in the config.
+- ``jinja``: a Jinja string given in the config;
+- ``chatml_tools``: ChatML that knows tools (:data:`CHATML_TOOLS_TEMPLATE`), for models whose
+  own template has none, such as SmolLM2.
 
-All three are Jinja templates rendered the way transformers renders chat templates
-(``trim_blocks``, ``lstrip_blocks``, a sandbox, ``{% generation %}`` blocks, ``tools`` and
-``documents`` defined as None, extra variables such as Qwen3's ``enable_thinking`` from
-``kwargs``), so a template that works with ``tokenizer.apply_chat_template`` renders the same
-text here.
+All are Jinja templates rendered the way transformers renders chat templates (``trim_blocks``,
+``lstrip_blocks``, a sandbox, ``{% generation %}`` blocks, the conversation's ``tools`` (None
+when it has none), ``documents`` defined as None, extra variables such as Qwen3's
+``enable_thinking`` from ``kwargs``), so a template renders here the text that
+``tokenizer.apply_chat_template(messages, tools=tools)`` renders.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from importlib.resources import files
 from typing import Any, Literal
 
 import jinja2
@@ -41,14 +46,21 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# ChatML with tools, Hermes style: the tools' JSON schemas in the system turn inside <tools>,
+# each call as JSON inside <tool_call>, each tool reply in a user turn inside <tool_response>.
+CHATML_TOOLS_TEMPLATE = files("rl_data").joinpath("chatml_tools.jinja").read_text()
+
+# The tools a conversation is offered (OpenAI function schemas), as a template receives them.
+Tools = Sequence[Mapping[str, Any]]
 
 
 class ChatTemplateConfig(ConfigModel):
     """Which chat template turns message logs into text."""
 
-    # tokenizer (the tokenizer's own chat template), jinja (the template given in template) or
-    # passthrough.
-    kind: Literal["tokenizer", "passthrough", "jinja"] = "tokenizer"
+    # tokenizer (the tokenizer's own chat template), jinja (the template given in template),
+    # passthrough, or chatml_tools (ChatML that renders tools and tool calls, Hermes style: for a
+    # model whose own template knows no tools, such as SmolLM2).
+    kind: Literal["tokenizer", "passthrough", "jinja", "chatml_tools"] = "tokenizer"
     template: str | None = None  # the Jinja source, for kind=jinja only
     # Render the fixed text around messages once per sequence of roles and reuse it (see
     # ChatTemplate.message_texts). Switch off for a template whose output depends on what a
@@ -146,9 +158,10 @@ class ChatTemplate:
         self.kwargs = dict(kwargs or {})
         self._template = _compile(source)
         self.cache_frames = cache_frames
-        # (roles, add_generation_prompt, start) -> (before, after) text of each message, or
-        # None where the template does not insert contents verbatim (then: render each time)
-        self._frames: dict[tuple[tuple[str, ...], bool, int], list[tuple[str, str]] | None] = {}
+        # (roles, add_generation_prompt, start, tools as JSON) -> (before, after) text of each
+        # message, or None where the template does not insert contents verbatim (then: render
+        # each time)
+        self._frames: OrderedDict[_FrameKey, list[tuple[str, str]] | None] = OrderedDict()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The compiled Jinja template does not pickle: rebuild it from its source (a template
@@ -166,6 +179,8 @@ class ChatTemplate:
             }
         if cfg.kind == "passthrough":
             return cls(PASSTHROUGH_TEMPLATE, special, cfg.cache_frames, cfg.kwargs)
+        if cfg.kind == "chatml_tools":
+            return cls(CHATML_TOOLS_TEMPLATE, special, cfg.cache_frames, cfg.kwargs)
         if cfg.kind == "jinja":
             assert cfg.template is not None
             return cls(cfg.template, special, cfg.cache_frames, cfg.kwargs)
@@ -179,15 +194,19 @@ class ChatTemplate:
         return cls(source, special, cfg.cache_frames, cfg.kwargs)
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: Tools | None = None,
     ) -> str:
+        """The conversation as text, offered ``tools`` (OpenAI function schemas) if any."""
         if not messages:
             return ""
         plain = [{k: v for k, v in m.items() if k not in TENSOR_KEYS} for m in messages]
         # the variables apply_chat_template passes: tools and documents are always defined
         return self._template.render(
             messages=plain,
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens,
@@ -199,55 +218,68 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = False,
         start: int = 0,
+        tools: Tools | None = None,
     ) -> list[str]:
         """The text each of ``messages[start:]`` adds to the rendered conversation.
 
-        Joined, the texts of all messages are exactly ``render(messages, add_generation_prompt)``.
-        The header the template writes before an assistant turn (``<|im_start|>assistant\\n``)
-        belongs to the message before it, so an assistant message's text is exactly what the
-        policy generates after the generation prompt, in SFT as in RL. Texts are taken as the
-        difference between renders of successive prefixes, so a template that rewrites earlier
-        turns when a later one is added (e.g. one that drops past reasoning) is refused: it
-        cannot be tokenised incrementally.
+        Joined, the texts of all messages are exactly ``render(messages, add_generation_prompt,
+        tools)``. The header the template writes before an assistant turn
+        (``<|im_start|>assistant\\n``) belongs to the message before it, so an assistant
+        message's text is exactly what the policy generates after the generation prompt, in SFT
+        as in RL; tools (which templates put in the system turn, or the first user turn) belong
+        to the message they are rendered in.
+
+        Texts are cut where the renders of successive prefixes of the conversation end. Two
+        things a prefix may render differently from the whole conversation: the text after a
+        message's content (Qwen's template closes a run of tool replies only after the last
+        one: the cut then falls where the texts part, after any line ends there, which
+        tokenizers such as Qwen's join to the punctuation before them), and nothing at all
+        (Llama 3's template with tools refuses a conversation of only a system message: that
+        message's text then goes with the next one). A template that changes what an earlier
+        message says when a later one is added (e.g. one that drops past reasoning) is refused:
+        it cannot be tokenised incrementally. So is one that changes the text of
+        ``messages[:start]``, which are already tokenised.
 
         Rendering costs more than tokenising, so the text a template puts around each message
-        (headers, end-of-turn markers, a default system prompt) is found once per sequence of
-        roles, by rendering probe contents, and reused: each message's text is then its frame's
-        ``before + content + after``. Probes with whitespace, line ends, mixed case, braces,
-        think/tool tags and more than 255 characters must
-        all come out verbatim in the same frame, else that sequence is rendered every time, as
-        are messages with empty content.
+        (headers, end-of-turn markers, a default system prompt, the tools) is found once per
+        sequence of roles and tools, by rendering probe contents, and reused: each message's
+        text is then its frame's ``before + content + after``. Probes with whitespace, line
+        ends, mixed case, braces, think/tool tags and more than 255 characters must all come out
+        verbatim in the same frame, else that sequence is rendered every time, as are messages
+        with empty content or with more than a role and a content (tool calls, tool call ids).
         """
-        # Frames hold only what the template writes around a content, so a message with more
-        # than a role and a content (tool calls...) is rendered each time.
         if self.cache_frames and all(
             m["content"] and m.keys() <= _FRAMED_KEYS for m in messages[start:]
         ):
-            frame = self._frame(tuple(m["role"] for m in messages), add_generation_prompt, start)
+            tools_key = None if tools is None else json.dumps(tools, sort_keys=True)
+            key = (tuple(m["role"] for m in messages), add_generation_prompt, start, tools_key)
+            if key in self._frames:
+                self._frames.move_to_end(key)
+            else:
+                self._frames[key] = self._probe_frame(key[0], add_generation_prompt, start, tools)
+                if len(self._frames) > _MAX_FRAMES:  # rows that each have their own tools
+                    self._frames.popitem(last=False)
+            frame = self._frames[key]
             if frame is not None:
                 return [
                     before + m["content"] + after
                     for (before, after), m in zip(frame, messages[start:], strict=True)
                 ]
-        return self._rendered_texts(messages, add_generation_prompt, start)
-
-    def _frame(
-        self, roles: tuple[str, ...], add_generation_prompt: bool, start: int
-    ) -> list[tuple[str, str]] | None:
-        key = (roles, add_generation_prompt, start)
-        if key not in self._frames:
-            self._frames[key] = self._probe_frame(roles, add_generation_prompt, start)
-        return self._frames[key]
+        return self._rendered_texts(messages, add_generation_prompt, start, tools)
 
     def _probe_frame(
-        self, roles: tuple[str, ...], add_generation_prompt: bool, start: int
+        self,
+        roles: tuple[str, ...],
+        add_generation_prompt: bool,
+        start: int,
+        tools: Tools | None,
     ) -> list[tuple[str, str]] | None:
         frames = []
         for variant in _PROBE_VARIANTS:
             contents = [variant.format(i=i) for i in range(len(roles))]
             probe = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
             try:
-                texts = self._rendered_texts(probe, add_generation_prompt, start)
+                texts = self._rendered_texts(probe, add_generation_prompt, start, tools)
             except TemplateError:
                 return None  # let the real messages raise (or pass) on their own
             frame = []
@@ -267,27 +299,82 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool,
         start: int,
+        tools: Tools | None,
     ) -> list[str]:
         """``message_texts`` by rendering every prefix of the conversation."""
         n = len(messages)
 
-        def boundary(k: int) -> str:
+        def prefix(k: int) -> str:
             # the rendered text once the first k messages are in
             gen = (k < n and messages[k]["role"] == "assistant") or (
                 k == n and add_generation_prompt
             )
-            return self.render(messages[:k], add_generation_prompt=gen)
+            return self.render(messages[:k], add_generation_prompt=gen, tools=tools)
 
-        texts = []
-        prev = boundary(start)
-        for k in range(start + 1, n + 1):
-            cur = boundary(k)
-            if not cur.startswith(prev):
+        whole = prefix(n)
+        done = prefix(start)
+        if not whole.startswith(done):
+            raise TemplateError(
+                f"the chat template changes the text of messages 0-{start - 1}, which are already"
+                f" tokenised, when message {start} ({messages[start]['role']}) is added;"
+                " tokenise them together with it (a template may close a run of tool replies"
+                " only after the last one)"
+            )
+        cuts = [len(done)]
+        for k in range(start + 1, n):
+            try:
+                text = prefix(k)
+            except TemplateError:
+                cuts.append(cuts[-1])  # no text of its own: message k-1 goes with message k
+                continue
+            cut = len(text)
+            if not whole.startswith(text):  # message k-1 ends otherwise once message k follows
+                cut = _shared_prefix_length(text, whole)
+                if not _content_kept(text, cut, messages[k - 1]):
+                    cut = -1  # what it says changed, not only how it ends
+                # Llama 3's and Qwen2's tokenizers keep line ends with the punctuation before
+                # them (">\n" is one piece): line ends right after such a cut stay before it.
+                else:
+                    cut = len(whole) - len(whole[cut:].lstrip("\r\n"))
+            if cut < cuts[-1]:
                 raise TemplateError(
-                    f"the chat template changes the text of earlier messages when message {k - 1}"
-                    f" ({messages[k - 1]['role']}) is added, so messages cannot be tokenised"
-                    " one at a time; use a template that only appends"
+                    f"the chat template changes the text of earlier messages when message {k}"
+                    f" ({messages[k]['role']}) is added, so messages cannot be tokenised one at"
+                    " a time; use a template that only appends"
                 )
-            texts.append(cur[len(prev) :])
-            prev = cur
-        return texts
+            cuts.append(cut)
+        cuts.append(len(whole))
+        return [whole[a:b] for a, b in itertools.pairwise(cuts)]
+
+
+_FrameKey = tuple[tuple[str, ...], bool, int, str | None]
+# Frames kept per template, the least recently used dropped first: a frame holds the rendered
+# tools, and data whose rows each offer their own tools would otherwise keep them all.
+_MAX_FRAMES = 1024
+
+
+def _shared_prefix_length(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` start with in common."""
+    low, high = 0, min(len(a), len(b))  # a binary search: startswith runs in C, a loop would not
+    while low < high:
+        mid = (low + high + 1) // 2
+        if b.startswith(a[:mid]):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _content_kept(prefix: str, cut: int, message: Mapping[str, Any]) -> bool:
+    """Whether what ``message`` says (its content, reasoning and the names of the functions it
+    calls), the last message of a rendered ``prefix`` that the whole conversation follows only
+    up to ``cut``, all comes before the cut: then only the text the template closes the message
+    with changed."""
+    said = [message["content"], message.get("reasoning_content")]
+    said += [(c.get("function") or c).get("name") for c in message.get("tool_calls") or ()]
+    for text in said:
+        if isinstance(text, str) and text:
+            at = prefix.rfind(text)
+            if at < 0 or at + len(text) > cut:
+                return False
+    return True

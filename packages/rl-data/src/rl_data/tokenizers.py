@@ -96,17 +96,30 @@ def build_tokenizer(
     texts: Iterable[str],
     vocab_size: int = 500,
     chat_template: str = CHATML_TEMPLATE,
+    split_pattern: str | None = None,
 ) -> PreTrainedTokenizerBase:
     """A small byte-level BPE tokenizer trained on ``texts``, with ChatML special tokens.
 
     For tests and examples: it behaves like a pretrained one (special tokens, chat template,
-    ``save_pretrained``) and takes a fraction of a second to build.
+    ``save_pretrained``) and takes a fraction of a second to build. ``split_pattern`` is the
+    regular expression that cuts text into the pieces BPE merges within (a model's
+    tokenizer.json has it, e.g. Llama 3's and Qwen2's, which keep a line end with the
+    punctuation before it); None: GPT-2's, as SmolLM2 uses.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if split_pattern is None
+        else pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -34,6 +34,11 @@ MessageLog = list[Message]
 # that reward functions get strings as TRL gives them; absent for a conversation. Not a column:
 # the reward-functions environment takes it out before the functions see the row's columns.
 STRING_PROMPT_KEY = "_string_prompt"
+# The key of a row's ``extra_env_info`` that holds the tools its conversation is offered (a
+# ``tools`` column of OpenAI function schemas, checked): the prompt is rendered with them, and
+# an environment reads there which tools the sample may call. Reward functions get it as the
+# ``tools`` column, as TRL gives it.
+TOOLS_KEY = "tools"
 # A message's per-token tensors: what is recomputed, cut or left out of what a template sees.
 TENSOR_KEYS = frozenset({"token_ids", "token_loss_mask", "generation_logprobs"})
 

@@ -5,14 +5,18 @@ A chat row is ``{"messages": [{"role", "content"}, ...], "extra_env_info": dict 
 with no chat template). Files hold TRL's dataset formats as they are, told apart row by row
 by their columns:
 
-- ``messages``: a conversation (OpenAI chat format; ``tool_calls`` are kept);
+- ``messages``: a conversation (OpenAI chat format: assistant ``tool_calls``, ``tool``
+  replies with ``tool_call_id``);
 - ``prompt`` (a string or messages), and optionally ``completion`` (the same): prompt-only
   (RL) and prompt-completion (SFT) data;
 - ``text``: plain text, for language-model SFT.
 
 Or columns named in the config: ``prompt_key`` (the user turn) with ``system_key`` and
-``response_key``. Every other column goes to ``extra_env_info`` (what the environment and
-reward functions read), unless ``env_info_keys`` picks them. A prompt that is a string (a
+``response_key``. A ``tools`` column (OpenAI function schemas, as TRL names it) is checked and
+always kept in ``extra_env_info`` under :data:`~rl_data.types.TOOLS_KEY`: the conversation is
+rendered with those tools, and the environment learns which tools the sample was offered.
+Every other column goes to ``extra_env_info`` (what the environment and reward functions
+read), unless ``env_info_keys`` picks them. A prompt that is a string (a
 ``prompt`` column of strings, or ``prompt_key``) is kept there too, under
 :data:`~rl_data.types.STRING_PROMPT_KEY`, so that reward functions get it as TRL gives it.
 """
@@ -26,8 +30,8 @@ from pydantic import field_validator, model_validator
 
 from rl_data.datasets.base import FileFormat, Row, RowDataset, check_path, load_file_rows
 from rl_data.errors import BadRowPolicy
-from rl_data.messages import check_messages
-from rl_data.types import STRING_PROMPT_KEY
+from rl_data.messages import check_messages, check_tools
+from rl_data.types import STRING_PROMPT_KEY, TOOLS_KEY
 from rl_distributed.config import ConfigModel
 
 
@@ -145,6 +149,10 @@ def chat_row(cfg: ChatFileConfig, record: Row) -> Row:
         env_info = {key: record[key] for key in cfg.env_info_keys} or None
     if string_prompt is not None:
         env_info = {**(env_info or {}), STRING_PROMPT_KEY: string_prompt}
+    if record.get(TOOLS_KEY) is not None:  # None: a row without tools in a Parquet column
+        env_info = {**(env_info or {}), TOOLS_KEY: check_tools(record[TOOLS_KEY], TOOLS_KEY)}
+    elif env_info is not None:
+        env_info = {k: v for k, v in env_info.items() if k != TOOLS_KEY} or None
     row = {"messages": messages, "extra_env_info": env_info, "task_name": cfg.task_name}
     if raw_text:
         row["raw_text"] = True
