@@ -213,6 +213,38 @@ def test_what_goes_wrong_with_a_call_is_told_to_the_model_and_counted(env):
     assert env.global_post_process_and_metrics({"rewards": out.rewards})[1]["tools/calls"] == 0
 
 
+# Two calls, written as each model family writes them (a Llama 3.1 turn starts with its calls).
+WRITTEN = {
+    "hermes": lambda calls: (
+        "Checking.\n"
+        + "".join(
+            f"<tool_call>{json.dumps({'name': n, 'arguments': a})}</tool_call>" for n, a in calls
+        )
+    ),
+    "llama3_json": lambda calls: "; ".join(
+        json.dumps({"name": n, "parameters": a}) for n, a in calls
+    ),
+    "mistral": lambda calls: (
+        "Checking. [TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    ),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITTEN))
+def test_an_unknown_tool_and_missing_arguments_are_told_in_every_format(files, monkeypatch, fmt):
+    env = make_env(files, monkeypatch, parser=fmt)
+    try:
+        text = WRITTEN[fmt]([("weather", {"city": "Paris"}), ("echo", {"times": 2})])
+        out = env.step([[*PROMPT, said(text)]], [{"answer": "42"}])
+        unknown, missing = out.observations[0]
+        assert (unknown["tool_call_id"], missing["tool_call_id"]) == ("call_0", "call_1")
+        assert unknown["content"].startswith("Error: there is no tool 'weather'.")
+        assert missing["content"].startswith("Error: wrong arguments for 'echo': 'text' is a")
+        assert not out.terminateds[0]
+    finally:
+        env.shutdown()
+
+
 def test_the_final_answer_is_scored_with_the_whole_trajectory(env):
     log = [*PROMPT, said(call("calculator", expression="6*7"))]
     meta = {"answer": "42"}
