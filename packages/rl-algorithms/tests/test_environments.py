@@ -7,7 +7,13 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rl_algorithms.environments import EnvSpec, fit_worker_pool, start_environments
+from rl_algorithms.environments import (
+    EnvSpec,
+    environment_class,
+    fit_worker_pool,
+    required_metadata,
+    start_environments,
+)
 from rl_envs.math_env import MathEnvConfig
 
 
@@ -34,6 +40,28 @@ def test_on_an_attached_cluster_a_given_number_is_left_to_ray(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS")
     with pytest.raises(ValueError, match=r"env\.a\.config\.num_workers is 8"):
         fit_worker_pool("a", MathEnvConfig(num_workers=8), free_cpus=2.0)
+
+
+def test_a_recipe_names_the_tool_environment_by_its_kind(tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(
+        "def correct(prompts, completions, trajectory, answer, **kw):\n    return [1.0]\n"
+    )
+    spec = EnvSpec(
+        kind="tools",
+        config={"tools": ["calculator"], "functions": [{"function": f"{rewards}:correct"}]},
+    )
+    cls, cfg = environment_class("calc", spec)
+    assert (cls.__name__, cfg.config_key, cfg.tools[0].name) == (
+        "ToolEnvironment",
+        "env.calc.config",
+        "calculator",
+    )
+    # The trajectory comes from the environment, not from the data.
+    assert required_metadata("calc", spec) == ("answer",)
+    # Its tool pool is sized like any verifier pool.
+    fitted, left = fit_worker_pool("calc", cfg, free_cpus=3.0)
+    assert (fitted.num_workers, left) == (2, 1.0)
 
 
 @pytest.mark.ray

@@ -9,6 +9,9 @@
           functions:
             - {function: math, weight: 1.0}
             - {function: my_rewards.py:brevity, weight: 0.1}
+      calc:                                              # multi-turn tool calling
+        kind: tools
+        config: {tools: [calculator], functions: [{function: my_rewards.py:correct}]}
 
 ``kind`` is a known environment name or an import path ``module:Class`` (a subclass of
 ``rl_envs.interfaces.EnvironmentInterface`` whose constructor takes its config). Samples are
@@ -47,6 +50,7 @@ KNOWN_ENVIRONMENTS = {
         "rl_envs.reward_function_env:RewardFunctionsEnvironment",
         "rl_envs.reward_function_env:RewardFunctionsEnvConfig",
     ),
+    "tools": ("rl_envs.tools.env:ToolEnvironment", "rl_envs.tools.env:ToolEnvConfig"),
 }
 
 
