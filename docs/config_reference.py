@@ -18,14 +18,13 @@ import inspect
 import json
 import re
 import sys
-import typing
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
-from rl_distributed.config import REQUIRED, config_keys
-from rl_distributed.config._describe import models_in, unwrap
+from rl_distributed.config import REQUIRED, config_keys, type_name
+from rl_distributed.config._describe import models_in
 
 PAGE_DIR = "reference/config"  # under docs/
 NAV_TITLE = "Config reference"
@@ -39,17 +38,6 @@ class Key(NamedTuple):
     default: str
     description: str
     variant: str = ""
-
-
-def type_name(annotation: Any) -> str:
-    annotation = unwrap(annotation)
-    if isinstance(annotation, type) and not typing.get_args(annotation):
-        return annotation.__name__
-    text = repr(annotation).replace("typing.", "")
-    text = re.sub(r"Annotated\[(.*?), [A-Za-z]+\(.*?\)\]", r"\1", text)
-    text = re.sub(r"\b(?:[a-z_][\w]*\.)+([A-Za-z_]\w*)", r"\1", text)  # module paths
-    text = re.sub(r"Optional\[(.*)\]$", r"\1 | None", text)
-    return text
 
 
 def _show(value: Any) -> str:

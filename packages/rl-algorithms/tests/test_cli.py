@@ -37,7 +37,11 @@ def test_algorithm_help_lists_its_keys(capsys):
 
 def test_grpo_help_shows_what_the_env_section_holds(capsys):
     assert cli.main(["grpo", "--help"]) == 0
-    assert "env: dict[str, rl_algorithms.environments.EnvSpec]" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "env: dict[str, EnvSpec]" in text
+    # Types as a user reads them: no module paths or pydantic internals.
+    assert "validation: ChatFileConfig | PreferenceFileConfig" in text
+    assert not [word for word in ("FieldInfo", "Annotated[", "rl_data.") if word in text]
 
 
 @pytest.mark.parametrize(

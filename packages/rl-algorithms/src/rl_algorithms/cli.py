@@ -19,7 +19,6 @@ import os
 import sys
 import textwrap
 import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -407,7 +406,7 @@ def describe(name: str, algorithm: types.ModuleType) -> str:
     default recipe's) and description, as the docs' config reference lists them."""
     from omegaconf import OmegaConf
 
-    from rl_distributed.config import config_keys, load_config
+    from rl_distributed.config import config_keys, load_config, type_name
 
     defaults = OmegaConf.to_container(load_config(algorithm.DEFAULT_RECIPE), resolve=False)
     lines = [
@@ -440,7 +439,7 @@ def describe(name: str, algorithm: types.ModuleType) -> str:
         indent = "  " * len(sections)
         variant = f"  [{key.variant}]" if key.variant else ""
         lines.append(
-            f"{indent}{leaf}: {_type_name(key.annotation)} = {_default(key.default)}{variant}"
+            f"{indent}{leaf}: {type_name(key.annotation)} = {_default(key.default)}{variant}"
         )
         if key.description:
             lines += textwrap.wrap(
@@ -462,12 +461,6 @@ def _default(value: Any) -> str:
     if isinstance(value, BaseModel):  # a section of several forms: its keys follow
         return type(value).__name__
     return repr(value)
-
-
-def _type_name(annotation: Any) -> str:
-    if isinstance(annotation, type) and not typing.get_args(annotation):
-        return annotation.__name__
-    return repr(annotation).replace("typing.", "")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,12 @@ from rl_distributed.config._errors import ConfigError, ConfigIssue
 from rl_distributed.config._loading import drop_override_markers, load_config, merge_layers
 from rl_distributed.config._overrides import apply_overrides
 from rl_distributed.config._resolvers import register_resolvers
-from rl_distributed.config._validation import ConfigModel, resolve_config, validate_config
+from rl_distributed.config._validation import (
+    ConfigModel,
+    resolve_config,
+    type_name,
+    validate_config,
+)
 
 __all__ = [
     "REQUIRED",
@@ -51,5 +56,6 @@ __all__ = [
     "resolve_config",
     "save_config",
     "to_yaml",
+    "type_name",
     "validate_config",
 ]

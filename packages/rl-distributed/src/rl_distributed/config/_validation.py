@@ -107,7 +107,7 @@ def _issue(model: type[BaseModel], err: Any) -> ConfigIssue:
         )
         expected = f"unknown key; {hint}" if hint else "unknown key"
     elif len(_members(ann)) > 1:  # stopped at a union of plain types
-        expected = _type_name(ann)
+        expected = type_name(ann)
     elif kind in ("literal_error", "enum"):
         choices = _choices(ann)
         if choices is not None:
@@ -117,11 +117,11 @@ def _issue(model: type[BaseModel], err: Any) -> ConfigIssue:
     elif ann is None or msg.startswith("expected "):  # a validator that says what it wants
         expected = msg.removeprefix("expected ")
     elif kind == "missing" or kind.endswith(("_type", "_parsing")) or kind == "int_from_float":
-        expected = _type_name(ann)
+        expected = type_name(ann)
     elif msg.startswith("Input should be "):  # constraints: 'greater than 0', ...
-        expected = f"{_type_name(ann)}, {msg.removeprefix('Input should be ')}"
+        expected = f"{type_name(ann)}, {msg.removeprefix('Input should be ')}"
     else:
-        expected = f"{_type_name(ann)} ({msg})"
+        expected = f"{type_name(ann)} ({msg})"
     return ConfigIssue(key, kind, expected, None if kind == "missing" else value)
 
 
@@ -211,10 +211,21 @@ def _choices(ann: Any) -> list[Any] | None:
     return None
 
 
-def _type_name(ann: Any) -> str:
+def type_name(ann: Any) -> str:
+    """An annotation as a user reads it: ``int | None``, ``list[str]``, ``ChatFileConfig |
+    ArithmeticConfig`` (no module paths, no ``Annotated`` metadata such as a discriminator)."""
+    origin, args = get_origin(ann), get_args(ann)
     if ann is type(None):
         return "None"
-    if isinstance(ann, type) and not get_args(ann):
+    if origin is Annotated:
+        return type_name(args[0])
+    if origin in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin is Literal:
+        return f"Literal[{', '.join(map(repr, args))}]"
+    if isinstance(ann, type) and not args:
         return ann.__name__
+    if origin is not None and args:
+        return f"{type_name(origin)}[{', '.join(type_name(a) for a in args)}]"
     text = repr(ann).replace("typing.", "")
     return re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", text)  # drop module paths
