@@ -134,6 +134,7 @@ def rollout_prompts(
             greedy=greedy,
             expected_weight_version=run.policy.weight_version,
             with_env_metrics=with_env_metrics,
+            loop=run.config.rollout.agent_loop,
         )
     finally:
         run.generation.finish_generation()
