@@ -162,8 +162,8 @@ def main() -> None:
                 tokens[name] = [torch.cat([m["token_ids"] for m in log]).tolist()
                                 for log in result.message_logs]  # fmt: skip
                 assert result.end_reasons == ["terminated"] * args.episodes, result.end_reasons
-                calls[name] = result.metrics.get("agent_loop/generation_calls", 0.0)
-                latency[name] = result.metrics.get("agent_loop/generation_latency_mean_s", 0.0)
+                calls[name] = result.timings.get("agent_loop/generation_calls", 0.0)
+                latency[name] = result.timings.get("agent_loop/generation_latency_mean_s", 0.0)
     finally:
         generation.shutdown()
     same = tokens["lockstep"] == tokens["per-sample"]

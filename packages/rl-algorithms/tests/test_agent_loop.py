@@ -233,7 +233,7 @@ def test_an_episode_past_its_wall_time_starts_no_new_turn(tokenizer, template):
     )
     assert result.end_reasons == ["time_limit", "terminated"]
     assert 1 <= int(result.turns[0]) < 10
-    assert result.metrics["episode_seconds_max"] >= 0.3
+    assert result.timings["episode_seconds_max"] >= 0.3
 
 
 def test_trained_tokens_are_the_sampled_tokens_across_turns(tokenizer, template):
@@ -333,7 +333,7 @@ def test_two_generation_workers_and_two_calls_in_flight(ray_session, tokenizer, 
         ref = run_lockstep_rollouts(generation, *args, max_seq_len=256, max_turns=3, greedy=True)
     finally:
         generation.shutdown()
-    assert ours.metrics["agent_loop/generation_calls"] > 3  # not one call per turn
+    assert ours.timings["agent_loop/generation_calls"] > 3  # not one call per turn
     for a, b in zip(ours.message_logs, ref.message_logs, strict=True):
         assert [m["role"] for m in a] == [m["role"] for m in b]
         assert torch.equal(

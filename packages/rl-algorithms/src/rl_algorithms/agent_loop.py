@@ -252,10 +252,12 @@ class _AgentLoop:
                 self.episodes.finish(i, ENV_TIMEOUT)
             future.cancel()  # an in-process call not started yet never starts
 
-    def metrics(self) -> dict[str, float]:
+    def timings(self) -> dict[str, float]:
         gen, env, rows = self.generation_seconds, self.env_seconds, self.generation_rows
         return {
             "agent_loop/generation_calls": float(len(gen)),
+            "agent_loop/generation_seconds": sum(gen),
+            "agent_loop/env_step_seconds": sum(env),
             "agent_loop/generation_batch_mean": sum(rows) / len(rows) if rows else 0.0,
             "agent_loop/generation_latency_mean_s": sum(gen) / len(gen) if gen else 0.0,
             "agent_loop/generation_latency_max_s": max(gen, default=0.0),
@@ -291,5 +293,5 @@ def run_agent_loop(
         expected_weight_version=expected_weight_version,
     )
     loop.run()
-    episodes.metrics.update(loop.metrics())
+    episodes.timings.update(loop.timings())
     return episodes.result(with_env_metrics)

@@ -151,6 +151,7 @@ class Episodes:
         self.turn_lengths: dict[int, list[int]] = defaultdict(list)
         self.turn_rewards: dict[int, list[float]] = defaultdict(list)
         self.metrics: dict[str, float] = {}
+        self.timings: dict[str, float] = {}
         # When the rollout started and when each episode ended (its wall time).
         self.started_at = time.monotonic()
         self.finished_at: list[float | None] = [None] * n
@@ -290,8 +291,6 @@ class Episodes:
             **self._turn_metrics(),
             "mean_turns": float(self.turns.double().mean()),
             "mean_tool_calls": float(self.tool_calls.double().mean()),
-            "episode_seconds_mean": sum(seconds) / n,
-            "episode_seconds_max": max(seconds, default=0.0),
             **{
                 f"end_reason/{reason}": sum(r == reason for r in self.end_reasons) / n
                 for reason in END_REASONS
@@ -323,6 +322,11 @@ class Episodes:
             reward_components=self.stacked_components(),
             end_reasons=[str(r) for r in self.end_reasons],
             tool_calls=self.tool_calls,
+            timings={
+                **self.timings,
+                "episode_seconds_mean": sum(seconds) / n if n else 0.0,
+                "episode_seconds_max": max(seconds, default=0.0),
+            },
         )
 
     def _turn_metrics(self) -> dict[str, float]:

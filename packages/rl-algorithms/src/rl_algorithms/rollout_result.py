@@ -43,6 +43,9 @@ class RolloutResult:
     # the rows were not rolled out here.
     end_reasons: list[str] = field(default_factory=list)
     tool_calls: torch.Tensor | None = None  # int64 [N]
+    # What depends on timing, kept out of ``metrics`` (which a rerun reproduces bit for bit):
+    # seconds per episode, per generate call and per environment step, the calls made.
+    timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.filler is None:
