@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from rl_algorithms.agent_loop import AgentLoopConfig
 from rl_algorithms.config import (
     POLICY_STEP_METRICS,
     CustomLossConfig,
@@ -115,6 +116,8 @@ class RolloutLoopConfig(ConfigModel):
     max_num_epochs: int = Field(1, ge=1)  # passes over the prompts
     # Turns per rollout (1: single-turn; more for multi-turn environments).
     max_rollout_turns: int = Field(1, ge=1)
+    # How episodes run: each at its own pace, its concurrency and per-episode limits.
+    agent_loop: AgentLoopConfig = Field(default_factory=AgentLoopConfig)
     # DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts.
     use_dynamic_sampling: bool = False
     # Most generation rounds a step may take to fill its batch with dynamic sampling.

@@ -123,7 +123,7 @@ def rollout_prompts(
     """Generation (and environment turns) for a batch whose rows are already repeated."""
     run.generation.prepare_for_generation()
     try:
-        return run_rollouts(
+        result = run_rollouts(
             run.generation,
             prompts,
             run.tokenizer,
@@ -134,9 +134,14 @@ def rollout_prompts(
             greedy=greedy,
             expected_weight_version=run.policy.weight_version,
             with_env_metrics=with_env_metrics,
+            loop=run.config.rollout.agent_loop,
         )
     finally:
         run.generation.finish_generation()
+    if run.logger is not None:  # the agent loop's time in generate calls and in environments
+        for name in ("agent_loop/generation_seconds", "agent_loop/env_step_seconds"):
+            run.logger.timer.add(name, result.timings.get(name, 0.0))
+    return result
 
 
 def generate_rollouts(run: Run) -> tuple[RolloutResult, dict[str, float]]:

@@ -294,6 +294,11 @@ class Timer:
         finally:
             self._totals[phase] += time.perf_counter() - start
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Count ``seconds`` to ``phase`` as if a ``with`` block had lasted that long (time
+        measured elsewhere, e.g. the agent loop's generate calls, which overlap)."""
+        self._totals[phase] += seconds
+
     def pop(self) -> dict[str, float]:
         """``{"timing/<phase>": seconds}`` since the last pop, then start afresh."""
         out = {f"timing/{phase}": seconds for phase, seconds in self._totals.items()}
