@@ -29,9 +29,9 @@ import torch
 from rl_algorithms.environment_calls import environment_metrics, step_environments
 from rl_algorithms.rollout_result import RolloutResult
 from rl_data.messages import tokenize_message_logs, truncate_message_log
-from rl_data.templates import ChatTemplate
+from rl_data.templates import ChatTemplate, Tools
 from rl_data.tokenizers import encode_texts
-from rl_data.types import MessageLog
+from rl_data.types import TOOLS_KEY, MessageLog
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_envs.interfaces import EnvironmentStep, RewardComponents
 
@@ -53,9 +53,11 @@ def _assistant_message(
     template: ChatTemplate,
     log: MessageLog,
     room: int,
+    tools: Tools | None = None,
 ) -> dict[str, Any]:
     """The generated turn as a message: the sampled ids as they are, plus the template's
-    closing text (if any, and if it fits in ``room`` tokens) as tokens out of the loss."""
+    closing text (if any, and if it fits in ``room`` tokens) as tokens out of the loss.
+    ``tools``: those the conversation is offered (its prompt was rendered with them)."""
     content = tokenizer.decode(ids.tolist(), skip_special_tokens=True)
     message: dict[str, Any] = {
         "role": "assistant",
@@ -65,7 +67,7 @@ def _assistant_message(
         "generation_logprobs": logprobs,
     }
     generated = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-    full = template.message_texts([*log, message], start=len(log))[0]
+    full = template.message_texts([*log, message], start=len(log), tools=tools)[0]
     if full.startswith(generated) and len(full) > len(generated):
         tail = torch.tensor(encode_texts(tokenizer, [full[len(generated) :]])[0], dtype=torch.long)
         if len(ids) + len(tail) > room:
@@ -129,6 +131,9 @@ class Episodes:
         self.logs: list[MessageLog] = [[dict(m) for m in log] for log in batch["message_log"]]  # type: ignore[misc]
         n = len(self.logs)
         self.metadata = [copy.deepcopy(m) for m in batch["extra_env_info"]]
+        # The tools each conversation is offered: every later turn is rendered with them, as
+        # its prompt was (the metadata an environment passes back may leave them out).
+        self.tools = [(m or {}).get(TOOLS_KEY) for m in batch["extra_env_info"]]
         self.tasks = list(batch["task_name"])
         self.group_ids = [int(i) for i in batch["idx"]] if "idx" in batch else None
         self.tokenizer, self.template, self.envs = tokenizer, template, envs
@@ -181,7 +186,10 @@ class Episodes:
         length = min(length, room)
         ids = out["output_ids"][row, start : start + length].to(torch.long)
         lps = out["logprobs"][row, start : start + length].to(torch.float32)
-        log.append(_assistant_message(ids, lps, self.tokenizer, self.template, log, room))  # type: ignore[arg-type]
+        message = _assistant_message(
+            ids, lps, self.tokenizer, self.template, log, room, self.tools[i]
+        )
+        log.append(message)  # type: ignore[arg-type]
         self.turn_lengths[int(self.turns[i])].append(length)
         self.turns[i] += 1
 
@@ -212,7 +220,13 @@ class Episodes:
         for i, step in zip(rows, steps, strict=True):
             self.logs[i].extend(_observation_messages(step))
         logs = [self.logs[i] for i in rows]
-        tokenize_message_logs(logs, self.tokenizer, self.template, add_generation_prompt=True)
+        tokenize_message_logs(
+            logs,
+            self.tokenizer,
+            self.template,
+            add_generation_prompt=True,
+            tools=[self.tools[i] for i in rows],
+        )
         going = []
         for i in rows:
             if _length(self.logs[i]) >= self.max_seq_len:  # the episode is cut short

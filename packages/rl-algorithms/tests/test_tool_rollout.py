@@ -1,0 +1,134 @@
+"""A tool-calling episode end to end, with the real pieces: a row's tools rendered into its
+prompt by the ``chatml_tools`` template, a generated ``<tool_call>`` parsed and run by the tool
+environment (a Ray actor, the calculator in its worker process), the tool's reply appended, the
+final answer scored by a reward function. The conversation that is trained on must be exactly
+what the chat template renders for it, token for token, with only the sampled tokens in the
+loss."""
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from rl_algorithms.agent_loop import AgentLoopConfig
+from rl_algorithms.rollouts import run_rollouts
+from rl_data.messages import tokenize_message_logs
+from rl_data.templates import ChatTemplate, ChatTemplateConfig
+from rl_data.tokenizers import build_tokenizer, encode_texts
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_envs.tools.env import ToolEnvConfig, ToolEnvironment
+from rl_envs.tools.registry import ToolSpec, tool_schema
+
+from .test_agent_loop import RandomTokenGeneration
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+# Qwen2.5-Instruct's own template (rl-data's test fixture, see its SOURCES.md): it renders
+# tools into a system turn of its own, so every later turn must be rendered with them too.
+QWEN = Path(__file__).parents[2] / "rl-data/tests/fixtures/chat_templates/qwen2.5-instruct.jinja"
+TEMPLATES = {
+    "chatml_tools": ChatTemplateConfig(kind="chatml_tools"),
+    "qwen2.5": ChatTemplateConfig(kind="jinja", template=QWEN.read_text()),
+}
+
+REWARDS = '''
+def exact(completions, answer, **kwargs):
+    """1 when the final answer is the expected number."""
+    return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer)]
+'''
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>'
+TURNS = [CALL, "56088"]  # what the model says: a call, then the answer the tool gave it
+
+
+class ScriptedGeneration(RandomTokenGeneration):
+    """Says ``TURNS[k]`` (then EOS) on each conversation's k-th turn, counted by the assistant
+    headers in its input; log-probs are arbitrary."""
+
+    def generate(self, data, greedy=False, *, expected_weight_version=None):
+        header = encode_texts(self.tokenizer, ["<|im_start|>assistant\n"])[0]
+        rows = []
+        for b in range(data.size):
+            prompt = data["input_ids"][b, : data["input_lengths"][b]].tolist()
+            turn = sum(prompt[i : i + len(header)] == header for i in range(len(prompt))) - 1
+            said = encode_texts(self.tokenizer, [TURNS[turn]])[0] + [self.tokenizer.eos_token_id]
+            rows.append((prompt, said))
+        width = max(len(p) + len(s) for p, s in rows)
+        out = torch.full((data.size, width), self.tokenizer.pad_token_id)
+        logprobs = torch.zeros(data.size, width)
+        for b, (prompt, said) in enumerate(rows):
+            out[b, : len(prompt) + len(said)] = torch.tensor(prompt + said)
+            logprobs[b, len(prompt) : len(prompt) + len(said)] = -0.5
+        lengths = torch.tensor([len(s) for _, s in rows])
+        return BatchedDataDict(
+            output_ids=out,
+            generation_lengths=lengths,
+            unpadded_sequence_lengths=data["input_lengths"] + lengths,
+            logprobs=logprobs,
+            truncated=torch.zeros(data.size, dtype=torch.bool),
+        )
+
+
+@pytest.fixture(scope="module")
+def calculator_env(tmp_path_factory):
+    rewards = tmp_path_factory.mktemp("tool_rollout") / "rewards.py"
+    rewards.write_text(REWARDS)
+    config = ToolEnvConfig(
+        tools=["calculator"], functions=[{"function": f"{rewards}:exact"}], num_workers=1
+    )
+    actor = ToolEnvironment.as_actor(config)
+    yield actor
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+
+
+@pytest.mark.parametrize(
+    ("template_name", "env_steps"),
+    [("chatml_tools", "batched"), ("chatml_tools", "per_episode"), ("qwen2.5", "batched")],
+)
+def test_a_tool_call_is_run_and_the_trained_conversation_is_the_templates(
+    calculator_env, template_name, env_steps
+):
+    tools = [tool_schema(ToolSpec(function="calculator"))]
+    texts = [CALL, "56088 123*456 What is calculator expression", json.dumps(tools)] * 20
+    tokenizer = build_tokenizer(texts, vocab_size=600)
+    template = ChatTemplate.from_config(TEMPLATES[template_name], tokenizer)
+    prompt = [{"role": "user", "content": "What is 123 * 456?"}]
+    tokenize_message_logs([prompt], tokenizer, template, add_generation_prompt=True, tools=[tools])
+    batch = BatchedDataDict(
+        message_log=[prompt],
+        extra_env_info=[{"answer": "56088", "tools": tools}],
+        task_name=["calc"],
+    )
+
+    result = run_rollouts(
+        ScriptedGeneration(tokenizer),
+        batch,
+        tokenizer,
+        template,
+        {"calc": calculator_env},
+        max_seq_len=1024,
+        max_turns=4,
+        loop=AgentLoopConfig(env_steps=env_steps),
+    )
+
+    log = result.message_logs[0]
+    assert [m["role"] for m in log] == ["user", "assistant", "tool", "assistant"]
+    assert log[2]["content"] == "56088"  # the calculator's answer, from its worker process
+    assert result.rewards.tolist() == [1.0] and result.end_reasons == ["terminated"]
+    assert int(result.tool_calls[0]) == 1
+    # Token for token what the template renders for this conversation with its tools.
+    conversation = [{"role": m["role"], "content": m["content"]} for m in log]
+    conversation[2]["tool_call_id"] = log[2]["tool_call_id"]
+    rendered = template.render(conversation, tools=tools)
+    ids = torch.cat([m["token_ids"] for m in log]).tolist()
+    assert ids == encode_texts(tokenizer, [rendered])[0]
+    # In the loss: the two sampled turns (with their EOS), nothing of the prompt or the tool.
+    trained = [
+        tokenizer.decode(m["token_ids"][m["token_loss_mask"].bool()].tolist())
+        for m in log
+        if "token_loss_mask" in m and m["token_loss_mask"].any()
+    ]
+    assert trained == [CALL + "<|im_end|>", "56088<|im_end|>"]
