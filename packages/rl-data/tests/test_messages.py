@@ -131,6 +131,10 @@ def test_bad_tool_calls_and_replies_say_what_is_wrong():
     )
     fails(_calling({"type": "code", "function": fn}), r"tool_calls\[0\] must be")
     fails(
+        _calling({"type": "function", "function": {**fn, "arguments": "[" * 5000 + "]" * 5000}}),
+        r"tool_calls\[0\] arguments are nested too deeply",
+    )
+    fails(
         [{"role": "user", "content": "x", "tool_calls": [{"function": fn}]}],
         r"messages\[0\] \(user\) has tool_calls; only assistants",
     )
@@ -165,6 +169,8 @@ def test_check_tools_names_the_bad_tool():
         check_tools({"name": "add"})
     with pytest.raises(ValueError, match="tools is a string but not JSON"):
         check_tools("[{")
+    with pytest.raises(ValueError, match="tools is nested too deeply"):
+        check_tools("[" * 5000 + "]" * 5000)
     with pytest.raises(ValueError, match=r'tools\[1\] must be \{"type": "function"'):
         check_tools([ADD, {"name": "sub"}])
     with pytest.raises(ValueError, match=r"tools\[0\] function has no 'name'"):

@@ -112,6 +112,29 @@ def tools_file(tmp_path):
     return path
 
 
+@pytest.mark.parametrize(
+    ("fmt", "wrap"),
+    [
+        ("hermes", lambda call: f"<tool_call>{call}</tool_call>"),
+        ("llama3_json", lambda call: call),
+        ("mistral", lambda call: f"[TOOL_CALLS][{call}]"),
+    ],
+)
+def test_degenerate_calls_become_errors_never_a_crash(fmt, wrap):
+    """What a collapsing policy writes: JSON nested past Python's recursion limit (in the call
+    and in arguments given as a string), and a call of megabytes."""
+    deep = '{"name": "calculator", "arguments": {"expression": ' + "[" * 5000 + "]" * 5000 + "}}"
+    deep_string = json.dumps({"name": "calculator", "arguments": "[" * 5000 + "]" * 5000})
+    huge = json.dumps({"name": "calculator", "arguments": {"expression": "1+" * 200_000 + "1"}})
+    for call, error in (
+        (deep, "nested too deeply"),
+        (deep_string, "nested too deeply"),
+        (huge, "over the limit"),
+    ):
+        calls = parse_tool_calls(wrap(call), fmt).calls
+        assert len(calls) == 1 and error in calls[0].error, (call[:40], calls)
+
+
 def test_a_tools_schema_comes_from_its_signature_without_the_configs_arguments(tools_file):
     spec = ToolSpec(function=f"{tools_file}:lookup", name="find", kwargs={"store": "db"})
     schema = Tool(spec).schema["function"]

@@ -115,6 +115,8 @@ def check_tool_calls(calls: Any, what: str) -> list[dict[str, Any]]:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where} arguments are not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{where} arguments are nested too deeply") from None
         if not isinstance(arguments, Mapping):
             raise ValueError(f"{where} arguments must be a JSON object, got {_show(arguments)}")
         if "id" in call and not isinstance(call["id"], str):
@@ -137,6 +139,8 @@ def check_tools(tools: Any, what: str = "tools") -> list[dict[str, Any]]:
             tools = json.loads(tools)
         except json.JSONDecodeError as e:
             raise ValueError(f"{what} is a string but not JSON ({e.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{what} is nested too deeply") from None
     if not isinstance(tools, list):
         raise ValueError(f"{what} must be a list of function schemas, got {_show(tools)}")
     out = []

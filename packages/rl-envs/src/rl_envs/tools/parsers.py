@@ -86,12 +86,27 @@ def _template(calls_open: dict[str, str], calls_close: dict[str, str]) -> dict[s
     }
 
 
+# Longer call regions are refused unread: a model's output is untrusted, and a call this long
+# is degenerate output, not a call worth parsing.
+MAX_CALL_CHARS = 100_000
+
+
 def _read_one_value(region: str) -> tuple[list[Any], str]:
     """The region is one JSON value (a call, or a list of calls)."""
+    if len(region) > MAX_CALL_CHARS:
+        return [ValueError(f"{len(region)} characters, over the limit of {MAX_CALL_CHARS}")], ""
     try:
         return [json.loads(region)], ""
-    except json.JSONDecodeError as e:
-        return [e], ""
+    except (json.JSONDecodeError, RecursionError) as e:
+        return [_unreadable(e)], ""
+
+
+def _unreadable(error: Exception) -> ValueError:
+    """Why a JSON value could not be read, said plainly (a value nested thousands deep makes
+    Python's decoder recurse out of its stack: a generated call must never crash the run)."""
+    if isinstance(error, RecursionError):
+        return ValueError("nested too deeply")
+    return ValueError(str(error))
 
 
 def _read_leading_values(region: str) -> tuple[list[Any], str]:
@@ -100,6 +115,8 @@ def _read_leading_values(region: str) -> tuple[list[Any], str]:
     decoder = json.JSONDecoder()
     values: list[Any] = []
     pos = 0
+    if len(region) > MAX_CALL_CHARS:
+        return [ValueError(f"{len(region)} characters, over the limit of {MAX_CALL_CHARS}")], ""
     while True:
         while pos < len(region) and (region[pos].isspace() or region[pos] == ";"):
             pos += 1
@@ -107,8 +124,8 @@ def _read_leading_values(region: str) -> tuple[list[Any], str]:
             return values, region[pos:]
         try:
             value, pos = decoder.raw_decode(region, pos)
-        except json.JSONDecodeError as e:
-            return [*values, e], ""
+        except (json.JSONDecodeError, RecursionError) as e:
+            return [*values, _unreadable(e)], ""
         values.append(value)
 
 
@@ -137,7 +154,7 @@ FORMATS: dict[str, ToolCallFormat] = {
 
 def _as_call(value: Any, call_id: str, fmt: ToolCallFormat) -> ToolCall:
     """One JSON value as a call, or a call with the ``error`` that it is not one."""
-    if isinstance(value, json.JSONDecodeError):
+    if isinstance(value, ValueError):  # what _unreadable says of a region
         return ToolCall(call_id, "", error=f"not valid JSON: {value}")
     if isinstance(value, dict) and isinstance(value.get("function"), dict):
         value = value["function"]  # {"type": "function", "function": {...}}
@@ -153,8 +170,10 @@ def _as_call(value: Any, call_id: str, fmt: ToolCallFormat) -> ToolCall:
     if isinstance(arguments, str):  # OpenAI's wire form: the object as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            return ToolCall(call_id, name, error=f"its arguments are not valid JSON: {e}")
+        except (json.JSONDecodeError, RecursionError) as e:
+            return ToolCall(
+                call_id, name, error=f"its arguments are not valid JSON: {_unreadable(e)}"
+            )
     if not isinstance(arguments, dict):
         return ToolCall(
             call_id,
