@@ -360,3 +360,40 @@ def test_take_environment_counts_hands_out_and_resets_what_each_environment_coun
     assert counts["env/puzzle/samples"] == 3.0
     assert "env/puzzle/reward_mean" not in counts  # no samples given: no reward metrics
     assert take_environment_counts({"puzzle": env})["env/puzzle/samples"] == 0.0
+
+
+THINK_STRIPPING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{{ m.content.split('</think>')[-1] }}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_turn_the_template_renders_otherwise_is_counted_and_warned_of(tokenizer, caplog):
+    """A template that drops a think block cannot close the sampled turn as it renders it: the
+    turn keeps its sampled tokens alone (no template tail), and the rollout says so."""
+    from rl_algorithms import episodes
+    from rl_data.templates import ChatTemplate, ChatTemplateConfig
+
+    template = ChatTemplate.from_config(
+        ChatTemplateConfig(kind="jinja", template=THINK_STRIPPING, cache_frames=False), tokenizer
+    )
+    batch = puzzle_batch(tokenizer, template, samples=(0, 1))
+    script = {0: ["<think>up?</think><action>right</action>"], 1: ["<action>right</action>"]}
+    env = SlidingPuzzleEnvironment(SlidingPuzzleConfig(max_turns=8))
+    episodes._warned_of_template_mismatch = False
+    with caplog.at_level("WARNING", logger=episodes.__name__):
+        result = run_rollouts(
+            ScriptedGeneration(tokenizer, script),
+            batch,
+            tokenizer,
+            template,
+            {"puzzle": env},
+            max_seq_len=512,
+        )
+    assert result.metrics["template_mismatched_turns"] == 1.0
+    assert "renders a generated turn otherwise than it was sampled" in caplog.text
+    thinking, plain = (log[-1] for log in result.message_logs)
+    assert thinking["token_loss_mask"].all()  # only what was sampled: no closing text
+    assert not plain["token_loss_mask"].all()  # the template's "\n" after <|im_end|>

@@ -19,6 +19,7 @@ whole batch, the agent loop (``agent_loop.run_agent_loop``) as each episode's ow
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,8 @@ from rl_envs.interfaces import EnvironmentStep, RewardComponents
 
 # How an episode ends: its environment ended it, or it reached a limit (turns, its tokens:
 # ``max_seq_len``, tool calls, wall time), or its environment did not answer a step in time.
+logger = logging.getLogger(__name__)
+
 TERMINATED = "terminated"
 TURN_LIMIT = "turn_limit"
 TOKEN_LIMIT = "token_limit"
@@ -68,7 +71,12 @@ def _assistant_message(
     }
     generated = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
     full = template.message_texts([*log, message], start=len(log), tools=tools)[0]
-    if full.startswith(generated) and len(full) > len(generated):
+    if not full.startswith(generated):
+        # The template renders this turn otherwise than it was sampled (it strips a think
+        # block, say): later turns see the sampled text, not the template's. Counted.
+        message["template_mismatch"] = True
+        return message
+    if len(full) > len(generated):
         tail = torch.tensor(encode_texts(tokenizer, [full[len(generated) :]])[0], dtype=torch.long)
         if len(ids) + len(tail) > room:
             return message
@@ -86,6 +94,21 @@ def _observation_messages(step: EnvironmentStep) -> list[dict[str, Any]]:
     """The messages an environment step appends: their text fields only (token ids are made
     by tokenising them in the conversation)."""
     return [{k: m[k] for k in _OBSERVATION_KEYS if k in m} for m in step.messages]  # type: ignore[literal-required]
+
+
+_warned_of_template_mismatch = False
+
+
+def _warn_of_template_mismatch(content: str) -> None:
+    """Once per process: the metric ``template_mismatched_turns`` counts them all."""
+    global _warned_of_template_mismatch
+    _warned_of_template_mismatch = True
+    logger.warning(
+        "the chat template renders a generated turn otherwise than it was sampled (e.g. it "
+        "drops a think block), so later turns continue from the sampled text, not the "
+        "template's; counted in template_mismatched_turns. Turn: %.200r",
+        content,
+    )
 
 
 def _length(log: MessageLog) -> int:
@@ -157,6 +180,8 @@ class Episodes:
         self.turn_rewards: dict[int, list[float]] = defaultdict(list)
         self.metrics: dict[str, float] = {}
         self.timings: dict[str, float] = {}
+        # Turns whose text the chat template renders otherwise than it was sampled.
+        self.template_mismatches = 0
         # When the rollout started and when each episode ended (its wall time).
         self.started_at = time.monotonic()
         self.finished_at: list[float | None] = [None] * n
@@ -189,6 +214,10 @@ class Episodes:
         message = _assistant_message(
             ids, lps, self.tokenizer, self.template, log, room, self.tools[i]
         )
+        if message.pop("template_mismatch", False):
+            self.template_mismatches += 1
+            if not _warned_of_template_mismatch:
+                _warn_of_template_mismatch(message["content"])
         log.append(message)  # type: ignore[arg-type]
         self.turn_lengths[int(self.turns[i])].append(length)
         self.turns[i] += 1
@@ -304,6 +333,7 @@ class Episodes:
             **self.metrics,
             **self._turn_metrics(),
             "mean_turns": float(self.turns.double().mean()),
+            "template_mismatched_turns": float(self.template_mismatches),
             "mean_tool_calls": float(self.tool_calls.double().mean()),
             **{
                 f"end_reason/{reason}": sum(r == reason for r in self.end_reasons) / n

@@ -402,10 +402,11 @@ def _model_dirs(checkpoint: Path, name: str, saved: bool = False) -> tuple[str, 
     """Where model ``name`` of a checkpoint keeps its weights and its optimiser state. A
     checkpoint ``saved`` before the optimiser state moved out of the model folder has no
     ``optimizer_state/<name>``: None then, which reads it from the model folder."""
-    state = checkpoint / OPTIMIZER_STATE_DIR / name
+    state, model = checkpoint / OPTIMIZER_STATE_DIR / name, checkpoint / name
     if saved and not state.is_dir():
-        return str((checkpoint / name).resolve()), None
-    return str((checkpoint / name).resolve()), str(state.resolve())
+        log.info("%s: the optimiser state is read from the model folder (older layout)", model)
+        return str(model.resolve()), None
+    return str(model.resolve()), str(state.resolve())
 
 
 def run_identity(
