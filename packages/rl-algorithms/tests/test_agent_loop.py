@@ -189,6 +189,8 @@ def test_a_hanging_tool_is_cut_at_its_timeout(tokenizer, template):
     assert result.turns.tolist() == [1, 2]
     assert result.rewards.tolist() == [0.0, 1.0]
     assert result.metrics["end_reason/env_timeout"] == 0.5
+    # Its reward of 0 says nothing of the policy: the episode stays out of the loss.
+    assert result.sample_mask().tolist() == [0.0, 1.0]
     # The cut episode ends with its unscored turn: no reply was appended.
     assert result.message_logs[0][-1]["role"] == "assistant"
 

@@ -51,6 +51,14 @@ class RolloutResult:
         if self.filler is None:
             self.filler = torch.zeros(len(self.message_logs), dtype=torch.bool)
 
+    def sample_mask(self) -> torch.Tensor:
+        """float32 ``[N]``: 1 for the rows a loss may train on. Out of it: fillers, and
+        episodes whose environment did not answer in time (``env_timeout``), whose reward
+        says nothing of what the policy did."""
+        timed_out = torch.tensor([r == "env_timeout" for r in self.end_reasons], dtype=torch.bool)
+        out = self.filler | timed_out if self.end_reasons else self.filler
+        return (~out).to(torch.float32)
+
     def environment_metrics(self, envs: Mapping[str, Any]) -> dict[str, float]:
         """The environments' metrics of these samples (``env/<task>/<name>``); a call to each
         environment, which also hands out (and resets) the counts it kept since its last."""

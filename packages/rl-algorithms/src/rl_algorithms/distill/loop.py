@@ -117,7 +117,7 @@ def reward_fields(
         "reward_std": float(result.rewards.std()) if len(rewards) > 1 else 0.0,
     }
     d = run.config.distillation
-    sample_mask = torch.ones(len(rewards))
+    sample_mask = result.sample_mask()
     if d.overlong_filtering:
         sample_mask = sample_mask * (~result.truncated).to(sample_mask.dtype)
     fields: dict[str, torch.Tensor] = {"sample_mask": sample_mask}

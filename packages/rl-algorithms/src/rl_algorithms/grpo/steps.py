@@ -270,10 +270,9 @@ def compute_advantages(
     """
     g = run.config.grpo
     rewards = shaped_rewards(run, result)
-    sample_mask = torch.ones(len(rewards))
+    sample_mask = result.sample_mask()
     if g.overlong_filtering:
         sample_mask = overlong_filter(result.truncated, sample_mask)
-    sample_mask = sample_mask * (~result.filler).to(sample_mask.dtype)
     kl = None
     estimator_metrics: dict[str, float] = {}
     if g.advantage_estimator == "reinforce_plus_plus":

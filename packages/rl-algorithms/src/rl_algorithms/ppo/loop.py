@@ -98,7 +98,7 @@ def compute_advantages(
     config: MasterConfig = run.config
     p, loss = config.ppo, builtin_loss(config)
     scores = shaped_rewards(run, result)
-    sample_mask = torch.ones(len(scores))
+    sample_mask = result.sample_mask()
     if p.overlong_filtering:
         sample_mask = sample_mask * (~result.truncated).to(sample_mask.dtype)
     mask = batch.replace(sample_mask=sample_mask).loss_token_mask()
