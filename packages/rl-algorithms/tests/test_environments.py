@@ -1,19 +1,24 @@
 """Starting a run's environments: their verifier pools sized to the CPUs Ray has free, and one
 that cannot be placed refused at once, naming its config key."""
 
+import json
 import time
 
 import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from rl_algorithms.checks import check_rows_for_envs
 from rl_algorithms.environments import (
     EnvSpec,
     environment_class,
     fit_worker_pool,
+    offered_tools,
     required_metadata,
     start_environments,
 )
+from rl_data.datasets import load_dataset
+from rl_data.errors import DataError
 from rl_envs.math_env import MathEnvConfig
 
 
@@ -62,6 +67,19 @@ def test_a_recipe_names_the_tool_environment_by_its_kind(tmp_path):
     # Its tool pool is sized like any verifier pool.
     fitted, left = fit_worker_pool("calc", cfg, free_cpus=3.0)
     assert (fitted.num_workers, left) == (2, 1.0)
+    # A row without a tools column is offered the configured ones (its prompt shows them);
+    # a row whose column offers a tool the environment does not have is refused at setup.
+    offered = offered_tools({"calc": spec, "math": EnvSpec(kind="math")})
+    assert list(offered) == ["calc"]
+    assert [t["function"]["name"] for t in offered["calc"]] == ["calculator"]
+    data = tmp_path / "rows.jsonl"
+    weather = {**offered["calc"][0], "function": {**offered["calc"][0]["function"]}}
+    weather["function"]["name"] = "weather"
+    row = {"prompt": "6 * 7?", "answer": "42"}
+    data.write_text(json.dumps(row) + "\n" + json.dumps({**row, "tools": [weather]}) + "\n")
+    rows = load_dataset({"source": "chat_file", "path": str(data), "task_name": "calc"})
+    with pytest.raises(DataError, match=r"row 2: .*offers \['weather'\], which env.calc does not"):
+        check_rows_for_envs(rows, {"calc": spec})
 
 
 @pytest.mark.ray

@@ -271,6 +271,30 @@ def test_a_prompt_is_rendered_with_its_rows_tools(tmp_path):
     assert ids == list(_expected("qwen2.5", [SYSTEM, QUESTION], True, tokenize=True))
 
 
+def test_a_row_without_tools_is_offered_its_tasks_tools(tmp_path):
+    """``default_tools``: what the task's environment offers a row without a ``tools`` column
+    (a tool environment's configured tools); a row's own column wins."""
+    tokenizer, template = _setup("qwen2.5")
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"prompt": [SYSTEM, QUESTION], "answer": "5"},
+        {"prompt": [SYSTEM, QUESTION], "answer": "5", "tools": TOOLS[:1]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def samples(task):
+        rows = load_dataset(ChatFileConfig(path=str(path), task_name=task))
+        return ProcessedDataset(rows, tokenizer, template, "prompt", default_tools={"calc": TOOLS})
+
+    calc, math = samples("calc"), samples("math")
+    offered = [d["extra_env_info"].get(TOOLS_KEY) for d in (calc[0], calc[1], math[0], math[1])]
+    assert offered == [TOOLS, TOOLS[:1], None, TOOLS[:1]]
+    for datum, tools in zip((calc[0], calc[1]), (TOOLS, TOOLS[:1]), strict=True):
+        ids = torch.cat([m["token_ids"] for m in datum["message_log"]]).tolist()
+        expected = template.render([SYSTEM, QUESTION], add_generation_prompt=True, tools=tools)
+        assert tokenizer.decode(ids) == expected
+
+
 def test_turns_appended_to_a_tokenised_log_keep_earlier_ids():
     # A rollout: the prompt, then the assistant's calls, then both tool replies at once.
     tokenizer, template = _setup("qwen2.5")

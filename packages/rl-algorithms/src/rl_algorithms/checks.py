@@ -122,6 +122,34 @@ def check_rows_for_envs(rows: Any, envs: Mapping[str, Any]) -> None:
                 n,
             )
     require_env_info(rows, {task: required_metadata(task, spec) for task, spec in envs.items()})
+    check_offered_tools(rows, envs)
+
+
+def check_offered_tools(rows: Any, envs: Mapping[str, Any]) -> None:
+    """A row's ``tools`` column offers only tools its environment has (the model would call
+    a tool that nobody runs). Raises a ``DataError`` naming the file, row and tool."""
+    from rl_algorithms.environments import offered_tools
+    from rl_data.errors import DataError
+    from rl_data.types import TOOLS_KEY
+
+    has = {
+        task: {t["function"]["name"] for t in tools} for task, tools in offered_tools(envs).items()
+    }
+    for i in range(len(rows)):
+        row = rows[i]
+        names = has.get(row.get("task_name"))
+        offered = (row.get("extra_env_info") or {}).get(TOOLS_KEY)
+        if names is None or offered is None:
+            continue
+        unknown = sorted({t["function"]["name"] for t in offered} - names)
+        if unknown:
+            source, n = rows.origin(i)
+            raise DataError(
+                f"its tools column offers {unknown}, which env.{row['task_name']} does not "
+                f"have (its tools: {sorted(names)})",
+                source,
+                n,
+            )
 
 
 class NothingToDo(Exception):

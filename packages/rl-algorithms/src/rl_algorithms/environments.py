@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Annotated, Any
 
@@ -90,6 +91,18 @@ def required_metadata(task: str, spec: EnvSpec) -> tuple[str, ...]:
     if hasattr(cls, "required_metadata_for"):
         return tuple(cls.required_metadata_for(cfg))
     return tuple(getattr(cls, "required_metadata", ()))
+
+
+def offered_tools(env: Mapping[str, EnvSpec]) -> dict[str, list[dict[str, Any]]]:
+    """Per task, the tools its environment offers a row without a ``tools`` column (see
+    ``EnvironmentInterface.offered_tools_for``); tasks without tools are left out."""
+    out = {}
+    for task, spec in env.items():
+        cls, cfg = environment_class(task, spec)
+        tools = cls.offered_tools_for(cfg) if hasattr(cls, "offered_tools_for") else None
+        if tools is not None:
+            out[task] = tools
+    return out
 
 
 def check_environments(env: dict[str, EnvSpec]) -> dict[str, EnvSpec]:

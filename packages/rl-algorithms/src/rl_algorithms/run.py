@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from rl_algorithms import actors
 from rl_algorithms.checks import check_inputs, check_rows_for_envs, refuse_finished_run
 from rl_algorithms.config import RunConfig, set_seed
-from rl_algorithms.environments import stop_environments
+from rl_algorithms.environments import offered_tools, stop_environments
 from rl_algorithms.utils.checkpoint import CheckpointManager, read_info
 from rl_algorithms.utils.logger import Logger
 from rl_data.batch import TrainBatch
@@ -203,6 +203,7 @@ def setup_run(
     tokenizer = load_tokenizer(config.tokenizer)
     template = ChatTemplate.from_config(config.tokenizer.chat_template, tokenizer)
     splits = load_splits(config.data) if splits is None else splits
+    default_tools = offered_tools(envs) if envs else {}
     if envs:
         for rows in splits.values():
             check_rows_for_envs(rows, envs)
@@ -215,6 +216,7 @@ def setup_run(
             template,
             data.processor,
             max_seq_length=config.data.max_seq_length,
+            default_tools=default_tools,
         )
 
     train_loader = StatefulDataLoader(

@@ -14,13 +14,13 @@ Processors are found by registered name (``sft``, ``prompt``, ``preference``) or
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rl_data.datasets.base import Row, RowDataset
 from rl_data.errors import DataError, TemplateError
 from rl_data.messages import message_log_length, tokenize_message_logs, truncate_message_log
-from rl_data.templates import RAW_TEXT_TEMPLATE, ChatTemplate
+from rl_data.templates import RAW_TEXT_TEMPLATE, ChatTemplate, Tools
 from rl_data.types import (
     TENSOR_KEYS,
     TOOLS_KEY,
@@ -141,7 +141,8 @@ class ProcessedDataset(Sequence[Any]):
     ``task_spec`` defaults to the rows' own (``RowDataset.task_spec``: the data config's system
     prompt and prompt template). A conversation is rendered with the tools its draft's
     ``extra_env_info`` holds under :data:`~rl_data.types.TOOLS_KEY` (a row's ``tools``
-    column). Plain-text rows (a ``text`` column, ``raw_text`` drafts) are
+    column; else ``default_tools[task_name]``, the tools its task's environment offers, which
+    are then put there for the environment too). Plain-text rows (a ``text`` column, ``raw_text`` drafts) are
     tokenised as their text followed by the EOS token, with no chat template.
     """
 
@@ -153,8 +154,10 @@ class ProcessedDataset(Sequence[Any]):
         processor: str | Processor = "sft",
         task_spec: TaskDataSpec | None = None,
         max_seq_length: int | None = None,
+        default_tools: Mapping[str, Tools] | None = None,
     ) -> None:
         self.rows = rows
+        self.default_tools = dict(default_tools or {})
         self.tokenizer = tokenizer
         self.template = template
         self.processor = get_processor(processor)
@@ -194,6 +197,10 @@ class ProcessedDataset(Sequence[Any]):
             raise DataError(f"processor failed: {reason}", source, row) from None
         if "message_log" in draft:
             draft["message_log"] = _fresh_log(draft["message_log"])
+            info = draft.get("extra_env_info") or {}
+            tools = self.default_tools.get(draft.get("task_name"))  # type: ignore[arg-type]
+            if tools is not None and TOOLS_KEY not in info:
+                draft["extra_env_info"] = {**info, TOOLS_KEY: tools}
         elif "chosen" in draft and "rejected" in draft:
             draft["chosen"], draft["rejected"] = (
                 _fresh_log(draft["chosen"]),

@@ -134,6 +134,13 @@ class EnvironmentInterface(ABC):
         against it); environments whose columns depend on their config override this."""
         return cls.required_metadata
 
+    @classmethod
+    def offered_tools_for(cls, cfg: Any) -> list[dict[str, Any]] | None:
+        """The tools (OpenAI function schemas) a prompt of this environment is offered when its
+        row has no ``tools`` column: the prompt is rendered with them, so that the model knows
+        what it may call. None: an environment without tools."""
+        return None
+
     @abstractmethod
     def step(
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]

@@ -59,7 +59,7 @@ from rl_envs.interfaces import (
 from rl_envs.pool import Outcome, WorkerPool
 from rl_envs.reward_function_env import RewardFunctionsEnvConfig, RewardFunctionsEnvironment
 from rl_envs.tools.parsers import FORMATS, ToolCall, malformed_message, parse_tool_calls
-from rl_envs.tools.registry import Tool, ToolSpec, builtin_for
+from rl_envs.tools.registry import Tool, ToolSpec, builtin_for, tool_schema
 
 STATE_KEY = "tool_episode"
 # What the reward functions get from the environment besides the row's columns.
@@ -213,6 +213,11 @@ class ToolEnvironment(EnvironmentInterface):
         """The reward functions' columns, less those the environment gives them itself."""
         columns = RewardFunctionsEnvironment.required_metadata_for(cfg)
         return tuple(c for c in columns if c not in PROVIDED_COLUMNS)
+
+    @classmethod
+    def offered_tools_for(cls, cfg: ToolEnvConfig) -> list[dict[str, Any]]:
+        """Every configured tool's schema: what a row without a ``tools`` column is offered."""
+        return [tool_schema(spec) for spec in cfg.tools]
 
     def _offered(self, meta: Mapping[str, Any] | None, i: int) -> dict[str, Tool]:
         """The tools sample ``i`` offers: its ``tools`` column, else every configured tool."""
