@@ -1,5 +1,6 @@
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -129,3 +130,57 @@ def test_a_pool_of_no_given_size_fits_what_ray_has_free(ray_session):
     finally:
         if held is not None:
             remove_placement_group(held)
+
+
+# For the concurrency test: ``hold`` says it started, then returns only once ``release`` has run
+# (or gives up); each returns the pid of the worker actor whose verifier process ran it.
+HANDSHAKE = """
+import os
+import time
+from pathlib import Path
+
+
+def hold(started: str, released: str) -> str:
+    Path(started).touch()
+    deadline = time.monotonic() + 20
+    while not Path(released).exists():
+        if time.monotonic() > deadline:
+            return "gave up"
+        time.sleep(0.01)
+    return str(os.getppid())
+
+
+def release(released: str) -> str:
+    Path(released).touch()
+    return str(os.getppid())
+"""
+
+
+def test_concurrent_maps_spread_over_the_workers(ray_session, tmp_path):
+    # One map holds a worker until a second map, started while the first is in flight, has
+    # run: queued behind it on the same worker, the second would never run and the first
+    # would give up.
+    tools = tmp_path / "handshake.py"
+    tools.write_text(HANDSHAKE)
+    started, released = tmp_path / "started", tmp_path / "released"
+    pool = WorkerPool(
+        "rl_envs.tools.execute:run_tool", num_workers=2, timeout_s=60, num_cpus_per_worker=0
+    )
+
+    def run(function, **arguments):
+        (outcome,) = pool.map([(f"{tools}:{function}", arguments, {}, 100)])
+        assert outcome.status == "ok", outcome
+        return outcome.value["output"]
+
+    try:
+        with ThreadPoolExecutor(1) as thread:
+            held = thread.submit(run, "hold", started=str(started), released=str(released))
+            deadline = time.monotonic() + 60
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            releaser = run("release", released=str(released))
+            holder = held.result()
+    finally:
+        pool.shutdown()
+    assert holder != "gave up"
+    assert holder != releaser  # two workers, each its own actor process
