@@ -45,6 +45,20 @@ def test_a_killed_worker_actor_costs_its_chunk_and_is_replaced(sqrt_pool):
     assert [o.value for o in sqrt_pool.map([(1.0,), (4.0,), (9.0,)])] == [1.0, 2.0, 3.0]
 
 
+def test_a_dead_worker_that_two_maps_see_die_is_replaced_once(sqrt_pool):
+    # Two maps in different threads, each with a chunk on the dead worker: the second to
+    # replace it must keep the first's replacement, or two workers would share its reservation
+    # (the second never placed) and the first's would be left running.
+    dead = sqrt_pool._workers[0]
+    ray.kill(dead)
+    sqrt_pool._replace(0, dead)
+    replacement = sqrt_pool._workers[0]
+    assert replacement is not dead
+    sqrt_pool._replace(0, dead)
+    assert sqrt_pool._workers[0] is replacement
+    assert [o.value for o in sqrt_pool.map([(1.0,), (4.0,), (9.0,), (16.0,)])] == [1, 2, 3, 4]
+
+
 def test_a_hanging_sample_times_out_and_the_rest_still_count(ray_session):
     pool = WorkerPool("time:sleep", num_workers=1, timeout_s=1.0)
     try:
