@@ -81,7 +81,8 @@ class ToolEnv(EnvironmentInterface):
     """Answers each turn with a ``role: tool`` reply after the sample's ``delays[turn]``
     seconds (``"hang"``: until ``release`` is set; ``"last"``: until every other episode has
     had its final reply); ends an episode with reward 1 after its ``turns`` turns. Records the
-    ``(id, turn)`` of every reply in the order given. Safe to call from several threads."""
+    ``(id, turn)`` of every reply in the order given, and the size of each call. Safe to call
+    from several threads (though it does not say so: ``ConcurrentToolEnv`` does)."""
 
     def __init__(self, episodes: int = 0):
         self.lock = threading.Lock()
@@ -90,8 +91,11 @@ class ToolEnv(EnvironmentInterface):
         self.others_done = threading.Event()
         self.episodes, self.finished = episodes, 0
         self.waited_for_others: bool | None = None
+        self.call_sizes: list[int] = []
 
     def step(self, message_log_batch, metadata):
+        with self.lock:
+            self.call_sizes.append(len(metadata))
         out = []
         for meta in metadata:
             turn, delay = meta["turn"], meta["delays"][min(meta["turn"], len(meta["delays"]) - 1)]
@@ -121,6 +125,10 @@ class ToolEnv(EnvironmentInterface):
 
     def global_post_process_and_metrics(self, batch):
         return batch, {}
+
+
+class ConcurrentToolEnv(ToolEnv):
+    concurrent_steps = True
 
 
 def tool_batch(tokenizer, template, episodes: list[dict]) -> BatchedDataDict:
@@ -167,6 +175,25 @@ def test_a_slow_tool_does_not_hold_back_the_other_episodes(tokenizer, template):
     assert result.turns.tolist() == [2, 3, 3]
     assert result.tool_calls.tolist() == [2, 3, 3]
     assert result.rewards.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("env_class", "call_sizes"), [(ToolEnv, [3, 3]), (ConcurrentToolEnv, [1] * 6)]
+)
+def test_by_default_only_an_environment_of_concurrent_steps_is_stepped_per_episode(
+    tokenizer, template, env_class, call_sizes
+):
+    env = env_class()
+    result = roll(
+        RandomTokenGeneration(tokenizer),
+        tool_batch(tokenizer, template, [{"turns": 2, "delays": [0]}] * 3),
+        tokenizer,
+        template,
+        env,
+        loop=AgentLoopConfig(),
+    )
+    assert env.call_sizes == call_sizes
+    assert result.end_reasons == ["terminated"] * 3
 
 
 def test_a_hanging_tool_is_cut_at_its_timeout(tokenizer, template):

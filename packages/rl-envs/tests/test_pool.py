@@ -1,5 +1,6 @@
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -42,6 +43,20 @@ def test_a_killed_worker_actor_costs_its_chunk_and_is_replaced(sqrt_pool):
     statuses = [o.status for o in sqrt_pool.map([(1.0,), (4.0,), (9.0,), (16.0,)])]
     assert statuses[:2] == ["error", "error"] and statuses[2:] == ["ok", "ok"]
     assert [o.value for o in sqrt_pool.map([(1.0,), (4.0,), (9.0,)])] == [1.0, 2.0, 3.0]
+
+
+def test_a_dead_worker_that_two_maps_see_die_is_replaced_once(sqrt_pool):
+    # Two maps in different threads, each with a chunk on the dead worker: the second to
+    # replace it must keep the first's replacement, or two workers would share its reservation
+    # (the second never placed) and the first's would be left running.
+    dead = sqrt_pool._workers[0]
+    ray.kill(dead)
+    sqrt_pool._replace(0, dead)
+    replacement = sqrt_pool._workers[0]
+    assert replacement is not dead
+    sqrt_pool._replace(0, dead)
+    assert sqrt_pool._workers[0] is replacement
+    assert [o.value for o in sqrt_pool.map([(1.0,), (4.0,), (9.0,), (16.0,)])] == [1, 2, 3, 4]
 
 
 def test_a_hanging_sample_times_out_and_the_rest_still_count(ray_session):
@@ -129,3 +144,57 @@ def test_a_pool_of_no_given_size_fits_what_ray_has_free(ray_session):
     finally:
         if held is not None:
             remove_placement_group(held)
+
+
+# For the concurrency test: ``hold`` says it started, then returns only once ``release`` has run
+# (or gives up); each returns the pid of the worker actor whose verifier process ran it.
+HANDSHAKE = """
+import os
+import time
+from pathlib import Path
+
+
+def hold(started: str, released: str) -> str:
+    Path(started).touch()
+    deadline = time.monotonic() + 20
+    while not Path(released).exists():
+        if time.monotonic() > deadline:
+            return "gave up"
+        time.sleep(0.01)
+    return str(os.getppid())
+
+
+def release(released: str) -> str:
+    Path(released).touch()
+    return str(os.getppid())
+"""
+
+
+def test_concurrent_maps_spread_over_the_workers(ray_session, tmp_path):
+    # One map holds a worker until a second map, started while the first is in flight, has
+    # run: queued behind it on the same worker, the second would never run and the first
+    # would give up.
+    tools = tmp_path / "handshake.py"
+    tools.write_text(HANDSHAKE)
+    started, released = tmp_path / "started", tmp_path / "released"
+    pool = WorkerPool(
+        "rl_envs.tools.execute:run_tool", num_workers=2, timeout_s=60, num_cpus_per_worker=0
+    )
+
+    def run(function, **arguments):
+        (outcome,) = pool.map([(f"{tools}:{function}", arguments, {}, 100)])
+        assert outcome.status == "ok", outcome
+        return outcome.value["output"]
+
+    try:
+        with ThreadPoolExecutor(1) as thread:
+            held = thread.submit(run, "hold", started=str(started), released=str(released))
+            deadline = time.monotonic() + 60
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            releaser = run("release", released=str(released))
+            holder = held.result()
+    finally:
+        pool.shutdown()
+    assert holder != "gave up"
+    assert holder != releaser  # two workers, each its own actor process

@@ -259,6 +259,18 @@ def test_a_function_raising_on_every_sample_is_an_error_not_a_zero_reward(env):
 
 
 @pytest.mark.ray
+def test_one_sample_raising_alone_in_its_batch_stops_the_run_only_after_a_few_in_a_row(env):
+    # A tool environment scores each episode as it ends, alone: one completion a function
+    # raises on costs that sample, as long as it is not every batch's in a row.
+    out = step(env, ["boom"])
+    assert out.answers == ["correct=0 picky=None"]
+    step(env, ["boom"])
+    with pytest.raises(ray.exceptions.RayTaskError, match="3 batches in a row") as stopped:
+        step(env, ["boom"])
+    assert "picky cannot score boom" in str(stopped.value)
+
+
+@pytest.mark.ray
 def test_a_batch_whose_calls_all_time_out_stops_only_after_a_few_in_a_row(env):
     step(env, ["fine"])
     step(env, ["hang"])

@@ -8,7 +8,10 @@ test, which runs the environment as a Ray actor.
 """
 
 import json
+import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -80,14 +83,16 @@ TIMEOUT_S = 1.5
 
 class ProcessPool:
     """The worker pool's contract (``map`` of argument tuples to outcomes, each under the
-    timeout) with one real verifier process and no Ray."""
+    timeout; callable from several threads) with one real verifier process and no Ray."""
 
     def __init__(self, function, timeout_s, preload=(), **_):
         self.function, self.timeout_s = function, timeout_s
         self.process = VerifierProcess((function.partition(":")[0], *preload))
+        self.lock = threading.Lock()  # one process, one pipe: one call at a time
 
     def map(self, items):
-        return [self.process.call(self.function, args, self.timeout_s) for args in items]
+        with self.lock:
+            return [self.process.call(self.function, args, self.timeout_s) for args in items]
 
     def shutdown(self):
         self.process.close()
@@ -322,6 +327,56 @@ def test_the_columns_it_gives_reward_functions_are_not_required_of_the_data(file
             env.step([[*PROMPT, said("42")]], [{}])
     finally:
         env.shutdown()
+
+
+def test_its_counts_add_up_under_concurrent_steps(env):
+    # Eight threads play episodes while a ninth takes the metrics again and again (as async
+    # GRPO takes an environment's counts while its steps go on), threads switching as often as
+    # they can: a count made between a take's read and its reset would be lost without the lock.
+    threads, episodes = 8, 10
+    keys = ("tools/calls", "tool/calculator/calls", "tools/errors/unknown_tool")
+    keys += ("tools/episodes", "correct/samples")
+    taken = dict.fromkeys(keys, 0.0)
+    playing = threading.Event()
+
+    def take():
+        metrics = env.global_post_process_and_metrics({"rewards": []})[1]
+        for key in keys:
+            taken[key] += metrics.get(key, 0.0)
+
+    def play(_):
+        for _ in range(episodes):
+            turn = call("calculator", expression="6*7") + call("weather", city="Paris")
+            log = [*PROMPT, said(turn)]
+            first = env.step([log], [{"answer": "42"}])
+            log += [*first.observations[0], said("42")]
+            final = env.step([log], first.metadata)
+            assert final.terminateds.tolist() == [True]
+
+    def keep_taking():
+        while playing.is_set():
+            take()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with ThreadPoolExecutor(threads + 1) as pool:
+            playing.set()
+            taker = pool.submit(keep_taking)
+            list(pool.map(play, range(threads)))
+            playing.clear()
+            taker.result()
+    finally:
+        sys.setswitchinterval(interval)
+    take()
+    n = threads * episodes
+    assert taken == {
+        "tools/calls": 2 * n,  # a calculator call and a call of a tool that is not there
+        "tool/calculator/calls": n,
+        "tools/errors/unknown_tool": n,
+        "tools/episodes": n,
+        "correct/samples": n,  # the reward function's own counts (a second pool and lock)
+    }
 
 
 @pytest.mark.ray

@@ -11,13 +11,17 @@ the driver runs one event loop over futures instead:
   the workers);
 - when a call returns, each of its episodes takes its response (token in, token out:
   ``Episodes.add_response``) and its environment step is issued at once: the episodes of one
-  environment together (``env_steps: batched``) or each on its own call (``per_episode``);
+  environment together (``env_steps: batched``) or each on its own call (``per_episode``).
+  By default (``auto``) an environment that serves concurrent steps (its class's
+  ``concurrent_steps``, as the tool environment's does) gets a call per episode, and any
+  other environment one call per generate call's episodes;
 - when a step returns, its episodes are scored and either end or get the environment's reply
   and go back into the queue, without waiting for any other episode.
 
 Environments that are Ray actors are called with ``step.remote``; in-process ones (tests,
-benchmarks) in threads: one per environment in ``batched`` mode (calls to it run one at a time,
-as on an actor with the default ``max_concurrency``), several in ``per_episode`` mode.
+benchmarks) in threads: one per environment stepped in batches (calls to it run one at a time,
+as on an actor with the default ``max_concurrency``), several per environment stepped per
+episode.
 
 Limits per episode: ``max_turns``, ``max_seq_len`` (its total tokens), ``max_tool_calls``,
 ``max_episode_seconds`` (checked between turns: an episode past it starts no new turn) and
@@ -43,7 +47,12 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from rl_algorithms.environment_calls import resolve_env_call, rows_by_task, split_steps
+from rl_algorithms.environment_calls import (
+    resolve_env_call,
+    rows_by_task,
+    serves_concurrent_steps,
+    split_steps,
+)
 from rl_algorithms.episodes import (
     ENV_TIMEOUT,
     TIME_LIMIT,
@@ -58,7 +67,7 @@ from rl_distributed.config import ConfigModel
 from rl_models.generation.interfaces import GenerationInterface
 from rl_models.generation.seeds import SEEDS_KEY, SamplingSeeds, row_seed
 
-# Threads for an in-process environment's concurrent calls in ``per_episode`` mode.
+# Threads for the concurrent calls of an in-process environment stepped per episode.
 MAX_ENV_THREADS = 64
 
 
@@ -73,9 +82,10 @@ class AgentLoopConfig(ConfigModel):
     # generate call are stepped together, one call per environment (a verifier pool fans them
     # out over its workers). per_episode: each episode on its own call, so it goes on as soon
     # as its own tool returns (tools whose calls take different times); the environment must
-    # then serve several calls at once (an actor started with max_concurrency > 1: its
-    # class's ``as_actor`` says so).
-    env_steps: Literal["batched", "per_episode"] = "batched"
+    # then serve several calls at once, or the calls queue. auto: per_episode for the
+    # environments that serve concurrent steps (their class's ``concurrent_steps``: the tool
+    # environment), batched for the others.
+    env_steps: Literal["auto", "batched", "per_episode"] = "auto"
     # Most tool calls (``role: tool`` replies) an episode makes; it ends after the step that
     # reaches it. null: no limit.
     max_tool_calls: int | None = Field(None, ge=1)
@@ -118,10 +128,16 @@ class _AgentLoop:
         self.generation_rows: list[int] = []
         self.env_seconds: list[float] = []
         self.generators = ThreadPoolExecutor(config.max_concurrent_generations, "agent-gen")
+        # Which environments step each episode on its own call.
+        if config.env_steps == "auto":
+            self.per_episode = serves_concurrent_steps(episodes.envs)
+        else:
+            self.per_episode = dict.fromkeys(episodes.envs, config.env_steps == "per_episode")
         # In-process environments' threads, one pool per environment (Ray actors need none).
-        threads = 1 if config.env_steps == "batched" else MAX_ENV_THREADS
         self.env_threads = {
-            task: ThreadPoolExecutor(threads, f"agent-env-{task}")
+            task: ThreadPoolExecutor(
+                MAX_ENV_THREADS if self.per_episode[task] else 1, f"agent-env-{task}"
+            )
             for task, env in episodes.envs.items()
             if not hasattr(env.step, "remote")
         }
@@ -190,11 +206,11 @@ class _AgentLoop:
         for j, i in enumerate(rows):
             self.episodes.add_response(i, out, j)
         for task, task_rows in rows_by_task(self.episodes.envs, self.episodes.tasks, rows).items():
-            if self.config.env_steps == "batched":
-                self._step(task, task_rows)
-            else:
+            if self.per_episode[task]:
                 for i in task_rows:
                     self._step(task, [i])
+            else:
+                self._step(task, task_rows)
 
     def _step(self, task: str, rows: list[int]) -> None:
         ep = self.episodes

@@ -4,6 +4,7 @@ benchmarks, an in-process object with the same methods."""
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +20,33 @@ def call_env(env: Any, logs: list[MessageLog], metadata: list[Any]) -> Any:
     """A Ray actor's ``step.remote`` future, or an in-process environment's result."""
     step = env.step
     return step.remote(logs, metadata) if hasattr(step, "remote") else step(logs, metadata)
+
+
+# What each environment actor said of its ``concurrent_steps``: fixed by its class, so asked once
+# per actor (an actor that serves one call at a time would answer only after its queued steps).
+_SERVES_CONCURRENT_STEPS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def serves_concurrent_steps(envs: Mapping[str, Any]) -> dict[str, bool]:
+    """Whether each environment's ``step`` may be called several times at once (its class's
+    ``EnvironmentInterface.concurrent_steps``): read off an in-process environment, asked of an
+    actor (all at once, then remembered). An environment that does not say is taken to serve
+    one call at a time."""
+    asked: dict[str, Any] = {}
+    out: dict[str, bool] = {}
+    for task, env in envs.items():
+        if not hasattr(env.step, "remote"):
+            out[task] = bool(getattr(env, "concurrent_steps", False))
+        elif env in _SERVES_CONCURRENT_STEPS:
+            out[task] = _SERVES_CONCURRENT_STEPS[env]
+        elif hasattr(env, "serves_concurrent_steps"):  # an actor of an EnvironmentInterface
+            asked[task] = env.serves_concurrent_steps.remote()
+        else:
+            out[task] = False
+    if asked:  # (ray.get starts Ray, even for nothing)
+        for task, answer in zip(asked, ray.get(list(asked.values())), strict=True):
+            out[task] = _SERVES_CONCURRENT_STEPS[envs[task]] = bool(answer)
+    return {task: out[task] for task in envs}
 
 
 def resolve_env_call(result: Any) -> EnvironmentReturn:

@@ -2,6 +2,12 @@
 
 Environments are plain classes so that they can be tested in-process; in a run each one is a
 Ray actor (:meth:`EnvironmentInterface.as_actor`) beside the policy and generation actors.
+
+An actor serves one call at a time, unless its class declares ``concurrent_steps``: then its
+``step`` is safe to call from several threads at once (shared state under a lock, the slow work
+outside it), its actor serves up to ``MAX_CONCURRENT_STEPS`` calls at once, and the agent loop
+steps each of its episodes on a call of its own (``env_steps: auto``), so that an episode goes
+on as soon as its own step returns.
 """
 
 from __future__ import annotations
@@ -15,6 +21,11 @@ import ray
 import torch
 
 from rl_data.types import Message, MessageLog
+
+#: The step calls an environment actor of ``concurrent_steps`` serves at once (Ray's
+#: ``max_concurrency``: a thread each). A step mostly waits on its worker pools, so threads are
+#: cheap; calls beyond them wait in the actor's queue.
+MAX_CONCURRENT_STEPS = 128
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,11 @@ class EnvironmentInterface(ABC):
     # Whether ``step`` returns ``EnvironmentReturn.reward_components`` (the separate rewards
     # its reward sums): GDPO (grpo.advantage_estimator: gdpo) refuses environments without.
     returns_reward_components: ClassVar[bool] = False
+    # Whether ``step`` may run in several threads at once: its shared state (counters, metrics)
+    # under a lock, its slow work (tool calls, verifiers) outside it. Its actor then serves
+    # ``MAX_CONCURRENT_STEPS`` calls at once, and the agent loop steps each episode on its own
+    # call by default (``env_steps: auto``). False: one call at a time, episodes batched.
+    concurrent_steps: ClassVar[bool] = False
 
     @classmethod
     def required_metadata_for(cls, cfg: Any) -> tuple[str, ...]:
@@ -157,11 +173,20 @@ class EnvironmentInterface(ABC):
     def shutdown(self) -> None:  # noqa: B027 - optional: only pooled environments own resources
         """Release workers and processes; the environment is unusable afterwards."""
 
+    def serves_concurrent_steps(self) -> bool:
+        """``concurrent_steps``, for a caller that holds this environment's Ray actor (which
+        answers method calls only)."""
+        return type(self).concurrent_steps
+
     @classmethod
     def as_actor(cls, cfg: Any, **actor_options: Any) -> ray.actor.ActorHandle:
         """Start this environment as a Ray actor. It mostly waits on its workers, so by default
-        it reserves no CPU of its own (``num_cpus=0``)."""
-        return ray.remote(cls).options(**{"num_cpus": 0, **actor_options}).remote(cfg)
+        it reserves no CPU of its own (``num_cpus=0``); one of ``concurrent_steps`` serves
+        ``MAX_CONCURRENT_STEPS`` calls at once (a threaded actor)."""
+        options: dict[str, Any] = {"num_cpus": 0}
+        if cls.concurrent_steps:
+            options["max_concurrency"] = MAX_CONCURRENT_STEPS
+        return ray.remote(cls).options(**{**options, **actor_options}).remote(cfg)
 
 
 def check_required_metadata(

@@ -9,6 +9,9 @@ on: an environment must never be the reason a run stops.
 
 Work goes to the actors in chunks, one RPC per chunk, so Ray's per-call cost (~1 ms) is paid
 once per chunk rather than once per sample; an actor that finishes early gets the next chunk.
+Several threads may map at once (an environment that serves concurrent steps): each chunk goes
+to the actor with the fewest samples in flight, so that concurrent small maps run side by side
+rather than queue on one actor.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -171,6 +175,17 @@ class VerifierProcess:
             self._proc = None
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """A chunk in flight: the worker it went to (its index and handle, which a replacement
+    changes) and when it counts as stuck."""
+
+    index: int
+    worker: ray.actor.ActorHandle
+    chunk: range
+    deadline: float
+
+
 class VerifierWorker:
     """A Ray actor (see :class:`WorkerPool`) running ``function`` over chunks of samples."""
 
@@ -202,6 +217,8 @@ class WorkerPool:
     The workers' CPUs are reserved first, as one placement group: a pool the cluster has no
     room for fails within seconds, naming what it asked and what is free, rather than waiting
     forever for actors Ray cannot place. A worker that dies is replaced in its own reservation.
+
+    :meth:`map` may be called from several threads at once.
     """
 
     def __init__(
@@ -228,7 +245,10 @@ class WorkerPool:
             self._reservation = reserve_bundles(
                 [{"CPU": num_cpus_per_worker}] * num_workers, f"verifier pool of {function!r}"
             )
+        # Guards the workers' list (a dead one's replacement) and their samples in flight.
+        self._lock = threading.Lock()
         self._workers = [self._new_worker(i) for i in range(num_workers)]
+        self._in_flight = [0] * num_workers
         try:
             # Placed, so only the verifier processes' imports remain: bounded by their timeout.
             ready = ray.get(
@@ -259,43 +279,68 @@ class WorkerPool:
         size = self.chunk_size or max(1, math.ceil(n / (4 * len(self._workers))))
         return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
-    def map(self, items: list[tuple]) -> list[Outcome]:
-        """Run the verifier on every item (a tuple of arguments); outcomes in item order."""
-        outcomes: list[Outcome | None] = [None] * len(items)
-        chunks = self._chunks(len(items))
-        pending = list(reversed(chunks))
-        in_flight: dict[ray.ObjectRef, tuple[int, range]] = {}
-
-        def submit(worker_idx: int) -> None:
-            if pending:
-                chunk = pending.pop()
-                ref = self._workers[worker_idx].run.remote([items[i] for i in chunk])
-                in_flight[ref] = (worker_idx, chunk)
-
-        for w in range(len(self._workers)):
-            submit(w)
+    def _submit(self, items: list[tuple], chunk: range) -> tuple[ray.ObjectRef, _Sent]:
+        """Send ``chunk`` of ``items`` to the least-loaded worker (the one with the fewest
+        samples in flight, of every caller's maps)."""
+        with self._lock:
+            index = min(range(len(self._workers)), key=self._in_flight.__getitem__)
+            worker, ahead = self._workers[index], self._in_flight[index]
+            self._in_flight[index] += len(chunk)
+        ref = worker.run.remote([items[i] for i in chunk])
         # Each sample has its own timeout inside the worker; this only catches a worker stuck
-        # beyond all of them (its verifier process cannot even be restarted, say).
-        longest = max((len(c) for c in chunks), default=0)
-        stuck_after_s = STARTUP_TIMEOUT_S * 2 + self.timeout_s * longest
+        # beyond all of them (its verifier process cannot even be restarted, say), counting
+        # the samples queued on it before this chunk.
+        stuck_after_s = STARTUP_TIMEOUT_S * 2 + self.timeout_s * (ahead + len(chunk))
+        return ref, _Sent(index, worker, chunk, time.monotonic() + stuck_after_s)
+
+    def _replace(self, index: int, dead: ray.actor.ActorHandle) -> None:
+        """A new worker in place of ``dead``, unless another caller's map replaced it already
+        (two maps that both had chunks on it see it die): one worker per reservation."""
+        with self._lock:
+            if self._workers[index] is dead:
+                self._workers[index] = self._new_worker(index)
+
+    def map(self, items: list[tuple]) -> list[Outcome]:
+        """Run the verifier on every item (a tuple of arguments); outcomes in item order.
+
+        Safe to call from several threads at once: each chunk goes to the worker with the
+        fewest samples in flight at that moment, so concurrent small maps spread over the
+        workers, and a single big map keeps every worker busy (at most one chunk of it on each
+        worker at a time, the next chunk to whichever finishes first)."""
+        outcomes: list[Outcome | None] = [None] * len(items)
+        pending = list(reversed(self._chunks(len(items))))
+        in_flight: dict[ray.ObjectRef, _Sent] = {}
+        for _ in range(len(self._workers)):
+            if pending:
+                ref, sent = self._submit(items, pending.pop())
+                in_flight[ref] = sent
         while in_flight:
-            done, _ = ray.wait(list(in_flight), num_returns=1, timeout=stuck_after_s)
+            first = min(in_flight, key=lambda r: in_flight[r].deadline)
+            timeout = max(0.0, in_flight[first].deadline - time.monotonic())
+            done, _ = ray.wait(list(in_flight), num_returns=1, timeout=timeout)
             if not done:
-                done = [next(iter(in_flight))]
-                logger.error("a verifier worker is stuck for %.0f s: restarting it", stuck_after_s)
-                ray.kill(self._workers[in_flight[done[0]][0]])
+                logger.error("a verifier worker is stuck past its samples' timeouts: restarting it")
+                ray.kill(in_flight[first].worker)
+                done = [first]
             ref = done[0]
-            worker_idx, chunk = in_flight.pop(ref)
+            sent = in_flight.pop(ref)
             try:
                 results = ray.get(ref)
             except RayActorError as e:
-                results = [Outcome("error", error=f"verifier worker died: {e}")] * len(chunk)
-                self._workers[worker_idx] = self._new_worker(worker_idx)
+                results = [Outcome("error", error=f"verifier worker died: {e}")] * len(sent.chunk)
+                self._replace(sent.index, sent.worker)
             except Exception as e:  # e.g. an argument that cannot be pickled
-                results = [Outcome("error", error=f"verifier worker failed: {e!r}")] * len(chunk)
-            for i, outcome in zip(chunk, results, strict=True):
+                results = [Outcome("error", error=f"verifier worker failed: {e!r}")] * len(
+                    sent.chunk
+                )
+            finally:
+                with self._lock:
+                    self._in_flight[sent.index] -= len(sent.chunk)
+            for i, outcome in zip(sent.chunk, results, strict=True):
                 outcomes[i] = outcome
-            submit(worker_idx)
+            if pending:
+                ref, sent = self._submit(items, pending.pop())
+                in_flight[ref] = sent
         return outcomes  # type: ignore[return-value]
 
     def shutdown(self) -> None:

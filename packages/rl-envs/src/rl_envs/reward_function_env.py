@@ -16,9 +16,9 @@ built-in environments (a function that hangs costs that sample's value, never th
 that is ``None`` (or a timeout, or an exception) is left out of the weighted sum. What a
 function returns is checked: anything but one number or ``None`` per completion stops the run,
 naming the function and the sample, since such a function would otherwise train on garbage. So
-does a function that raises on every sample of a batch (a wrong signature, a missing column),
-at once, before anything trains on it; one whose every call times out stops after a few batches
-in a row. A function that gives every sample of a step the same value, or no value at all, is
+does a function that raises on every sample of a batch of two or more (a wrong signature, a
+missing column), at once, before anything trains on it; one that gives no value for any sample
+(it raised or timed out) stops after a few batches in a row. A function that gives every sample of a step the same value, or no value at all, is
 warned about once it has done so for ``warn_constant_steps`` steps in a row: its reward
 teaches nothing.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,7 +51,7 @@ from rl_envs.interfaces import (
     check_required_metadata,
 )
 from rl_envs.metrics import OutcomeCounts, reward_metrics
-from rl_envs.pool import WorkerPool
+from rl_envs.pool import Outcome, WorkerPool
 from rl_envs.reward_functions import (
     BUILTIN_PRELOAD,
     ValueStats,
@@ -68,6 +69,10 @@ logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 FAILED_BATCHES_TO_STOP = 3
+# A batch this large whose every sample raised stops the run at once. One sample that raised
+# is no proof of a broken function (a tool environment's steps score one episode each): it
+# counts towards FAILED_BATCHES_TO_STOP instead.
+MIN_SAMPLES_TO_STOP_AT_ONCE = 2
 
 
 class RewardFunctionSpec(ConfigModel):
@@ -155,7 +160,11 @@ def _columns(meta: Mapping[str, Any] | None) -> dict[str, Any]:
 
 class RewardFunctionsEnvironment(EnvironmentInterface):
     """Single-turn: one weighted reward per completion. Metadata per sample: the row's columns,
-    passed to every function as keyword arguments."""
+    passed to every function as keyword arguments.
+
+    ``step`` is safe to call from several threads (a tool environment scores each episode as it
+    ends), but the class does not declare ``concurrent_steps``: single-turn episodes end at
+    their step, so one call per episode would only cost more calls than one per batch."""
 
     returns_reward_components = True
 
@@ -176,6 +185,9 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
         # that was warned about).
         self.constant_steps = {f.name: 0 for f in cfg.functions}
         self.warned_constant: set[str] = set()
+        # Guards everything above that steps and metrics calls update: ``step`` may run in
+        # several threads at once (a tool environment scores its episodes as each ends).
+        self._lock = threading.Lock()
         preload = [m for f in cfg.functions for m in BUILTIN_PRELOAD.get(f.function, ())]
         # Each function is imported when its verifier process starts, under the start-up
         # timeout: a file whose top-level code is slow must not time out every sample instead.
@@ -222,12 +234,50 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
             for (prompt, completion, ids), meta in zip(samples, metadata, strict=True)
         ]
         outcomes = self._pool.map(jobs)
+        # The functions' counts and streaks are shared by concurrent steps (a tool environment
+        # scores each episode as it ends): kept under the lock, the scoring itself outside it.
+        with self._lock:
+            values = self._account(outcomes, samples, metadata)
+        rewards = combine(values, self.weights)
+        # Each function's value on its own, in the order of ``functions`` (a None as 0, as it
+        # counts in the sum), for estimators that normalise each reward apart (GDPO).
+        components = RewardComponents(
+            names=tuple(str(f.name) for f in self.functions),
+            weights=tuple(self.weights),
+            values=torch.tensor(
+                [[0.0 if v[i] is None else v[i] for v in values] for i in range(n)],
+                dtype=torch.float32,
+            ).reshape(n, len(self.functions)),
+        )
+        answers = [
+            " ".join(f"{s.name}={_show(v[i])}" for s, v in zip(self.functions, values, strict=True))
+            for i in range(n)
+        ]
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": f"reward {r:g}"} for r in rewards],
+            metadata=list(metadata),
+            next_stop_strings=[None] * n,
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            terminateds=torch.ones(n, dtype=torch.bool),
+            answers=answers,
+            reward_components=components,
+        )
+
+    def _account(
+        self,
+        outcomes: list[Outcome],
+        samples: list[tuple[Any, str, list[int] | None]],
+        metadata: list[dict[str, Any]],
+    ) -> list[list[float | None]]:
+        """Each function's checked values (one per sample) from the pool's outcomes, counted
+        into its metrics and streaks; the errors that stop the run raised here."""
+        n = len(samples)
         values: list[list[float | None]] = []
         for f, spec in enumerate(self.functions):
             mine = outcomes[f * n : (f + 1) * n]
             errors = [(i, o.error) for i, o in enumerate(mine) if o.status == "error"]
             failed = sum(o.status != "ok" for o in mine)
-            if n and len(errors) == n:
+            if n >= MIN_SAMPLES_TO_STOP_AT_ONCE and len(errors) == n:
                 # It raised on every sample: a mistake in the function (a wrong signature, a
                 # misspelt column), never a reward of 0 to train on. Stop before any training.
                 raise RuntimeError(
@@ -263,34 +313,15 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
                 column.append(value)
             values.append(column)
             self.values[spec.name].add(column)
-        rewards = combine(values, self.weights)
-        # Each function's value on its own, in the order of ``functions`` (a None as 0, as it
-        # counts in the sum), for estimators that normalise each reward apart (GDPO).
-        components = RewardComponents(
-            names=tuple(str(f.name) for f in self.functions),
-            weights=tuple(self.weights),
-            values=torch.tensor(
-                [[0.0 if v[i] is None else v[i] for v in values] for i in range(n)],
-                dtype=torch.float32,
-            ).reshape(n, len(self.functions)),
-        )
-        answers = [
-            " ".join(f"{s.name}={_show(v[i])}" for s, v in zip(self.functions, values, strict=True))
-            for i in range(n)
-        ]
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": f"reward {r:g}"} for r in rewards],
-            metadata=list(metadata),
-            next_stop_strings=[None] * n,
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(n, dtype=torch.bool),
-            answers=answers,
-            reward_components=components,
-        )
+        return values
 
     def global_post_process_and_metrics(
         self, batch: Mapping[str, Any]
     ) -> tuple[Mapping[str, Any], dict[str, float]]:
+        with self._lock:
+            return self._metrics(batch)
+
+    def _metrics(self, batch: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, float]]:
         metrics = reward_metrics(
             batch["rewards"],
             batch.get("group_ids"),

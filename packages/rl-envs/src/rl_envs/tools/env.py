@@ -35,14 +35,22 @@ answer is never scored here (its reward stays 0).
 The tools on offer are a sample's ``tools`` column (OpenAI schemas, as the chat template
 renders them; a JSON string of them is read too) when it has one, else all configured tools.
 Per-episode state (turns, calls, errors) travels in the sample's metadata under ``tool_episode``.
+
+The environment serves concurrent steps (``concurrent_steps``): its actor runs up to
+``rl_envs.interfaces.MAX_CONCURRENT_STEPS`` calls at once, each in a thread of its own, and
+the agent loop steps each episode on its own call, so an episode goes on as soon as its own
+tools return. Tool calls and scoring run unlocked (the worker pools spread concurrent calls
+over their workers); only the counters behind the metrics are shared: each step counts into
+its own, added to the environment's under a lock.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -138,7 +146,8 @@ class _PerTool:
 
 
 class ToolStats:
-    """What the tool calls did since the metrics were last taken."""
+    """What the tool calls did since the metrics were last taken; or in one step, then added
+    to the environment's (:meth:`add`) under its lock."""
 
     def __init__(self) -> None:
         self.reset()
@@ -148,6 +157,29 @@ class ToolStats:
         self.errors: Counter[str] = Counter()
         self.calls = 0  # every call written, readable or not
         self.episodes = self.episode_turns = self.episode_calls = 0
+
+    def count(self, call: ToolCall, offered: Mapping[str, Tool], kind: str | None) -> None:
+        """One call, and its error kind (None: it worked)."""
+        self.calls += 1
+        if call.name in offered:
+            per_tool = self.per_tool[call.name]
+            per_tool.calls += 1
+            per_tool.errors += kind is not None
+            per_tool.timeouts += kind == "timeout"
+        if kind is not None:
+            self.errors[kind] += 1
+
+    def add(self, other: ToolStats) -> None:
+        """Count ``other``'s calls and episodes in too."""
+        for name, theirs in other.per_tool.items():
+            mine = self.per_tool[name]
+            for f in fields(_PerTool):
+                setattr(mine, f.name, getattr(mine, f.name) + getattr(theirs, f.name))
+        self.errors.update(other.errors)
+        self.calls += other.calls
+        self.episodes += other.episodes
+        self.episode_turns += other.episode_turns
+        self.episode_calls += other.episode_calls
 
     def take(self) -> dict[str, float]:
         out: dict[str, float] = {"tools/calls": float(self.calls)}
@@ -171,12 +203,14 @@ class ToolEnvironment(EnvironmentInterface):
     """Multi-turn tool calling; see the module's docstring."""
 
     returns_reward_components = True
+    concurrent_steps = True
 
     def __init__(self, cfg: ToolEnvConfig) -> None:
         self.cfg = cfg
         self.tools = {spec.name: Tool(spec) for spec in cfg.tools}
         self.required_metadata = self.required_metadata_for(cfg)  # type: ignore[misc]
         self.stats = ToolStats()
+        self._stats_lock = threading.Lock()  # steps run in several threads at once
         preload: list[str] = []
         for spec in cfg.tools:
             builtin = builtin_for(spec.function)
@@ -261,9 +295,9 @@ class ToolEnvironment(EnvironmentInterface):
             )
         return None
 
-    def _answer(self, call: ToolCall, outcome: Outcome) -> tuple[str | None, str]:
+    def _answer(self, call: ToolCall, outcome: Outcome, stats: ToolStats) -> tuple[str | None, str]:
         """What a call that ran came to: its error kind (None when it worked) and the text the
-        model is told."""
+        model is told; its run time counted in ``stats``."""
         name, cap = call.name, self.cfg.max_output_chars
         if outcome.status == "timeout":
             return "timeout", (
@@ -273,7 +307,7 @@ class ToolEnvironment(EnvironmentInterface):
         if outcome.status != "ok":
             return "crashed", f"Error: {name!r} crashed: {(outcome.error or '')[:cap]}"
         result = outcome.value
-        per_tool = self.stats.per_tool[name]
+        per_tool = stats.per_tool[name]
         per_tool.ran += 1
         per_tool.seconds += result["seconds"]
         if result["status"] == "raised":
@@ -289,16 +323,6 @@ class ToolEnvironment(EnvironmentInterface):
                 f"limit of {cap}; its first {cap} characters:\n{result['output']}"
             )
         return None, result["output"]
-
-    def _count(self, call: ToolCall, offered: Mapping[str, Tool], kind: str | None) -> None:
-        self.stats.calls += 1
-        if call.name in offered:
-            per_tool = self.stats.per_tool[call.name]
-            per_tool.calls += 1
-            per_tool.errors += kind is not None
-            per_tool.timeouts += kind == "timeout"
-        if kind is not None:
-            self.stats.errors[kind] += 1
 
     def _trajectory(self, log: MessageLog) -> list[dict[str, Any]]:
         """The conversation as reward functions get it: text fields only, each assistant turn
@@ -324,6 +348,7 @@ class ToolEnvironment(EnvironmentInterface):
     ) -> EnvironmentReturn:
         check_required_metadata(self, metadata)  # a missing column is no 0 reward
         n = len(message_log_batch)
+        stats = ToolStats()  # this step's; added to the environment's once counted
         states = [
             {"turns": 0, "calls": 0, "errors": 0, **((m or {}).get(STATE_KEY) or {})}
             for m in metadata
@@ -357,17 +382,24 @@ class ToolEnvironment(EnvironmentInterface):
                 replies[i].append(message)
                 if refusal is not None:
                     kind, message["content"] = refusal
-                    self._count(call, offered, kind)
+                    stats.count(call, offered, kind)
                     state["errors"] += 1
                     continue
                 tool = offered[call.name]
                 jobs.append((tool.function, call.arguments, tool.kwargs, self.cfg.max_output_chars))
                 ran.append((i, len(replies[i]) - 1, call, offered))
         for (i, k, call, offered), outcome in zip(ran, self._pool.map(jobs), strict=True):
-            kind, text = self._answer(call, outcome)
+            kind, text = self._answer(call, outcome, stats)
             replies[i][k]["content"] = text  # type: ignore[index]
-            self._count(call, offered, kind)
+            stats.count(call, offered, kind)
             states[i]["errors"] += kind is not None
+        for i in range(n):
+            if replies[i] is None:  # the episode ends now
+                stats.episodes += 1
+                stats.episode_turns += states[i]["turns"]
+                stats.episode_calls += states[i]["calls"]
+        with self._stats_lock:  # before scoring, which may stop the run
+            self.stats.add(stats)
         return self._finish(message_log_batch, metadata, states, replies)
 
     def _finish(
@@ -380,10 +412,6 @@ class ToolEnvironment(EnvironmentInterface):
         """Score the episodes that end now; the others go on with their tool messages."""
         n = len(logs)
         ending = [i for i in range(n) if replies[i] is None]
-        for i in ending:
-            self.stats.episodes += 1
-            self.stats.episode_turns += states[i]["turns"]
-            self.stats.episode_calls += states[i]["calls"]
         scored = None
         if ending:
             columns = [
@@ -426,7 +454,9 @@ class ToolEnvironment(EnvironmentInterface):
         self, batch: Mapping[str, Any]
     ) -> tuple[Mapping[str, Any], dict[str, float]]:
         batch, metrics = self._rewards.global_post_process_and_metrics(batch)
-        return batch, {**metrics, **self.stats.take()}
+        with self._stats_lock:
+            tool_metrics = self.stats.take()
+        return batch, {**metrics, **tool_metrics}
 
     def shutdown(self) -> None:
         self._pool.shutdown()
