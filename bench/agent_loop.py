@@ -180,6 +180,8 @@ def main() -> None:
         f"{latency['per-sample']:.3f} s each on average"
     )
     print(f"same tokens rolled out by both loops: {same}")
+    if not same:  # then the two did not do the same work, and their ratio means nothing
+        raise SystemExit("the two loops rolled out different tokens: no ratio")
     print(f"per-sample / lockstep: {best['lockstep'] / best['per-sample']:.2f}x")
 
 

@@ -31,9 +31,11 @@ episode ended is in ``RolloutResult.end_reasons``.
 Sampling seeds: a generator that seeds its rows (``rl_models.generation.seeds``) numbers them
 by their place in a call, and which episodes share a call depends on timing here. So the loop
 takes one call's seeds for the rollout (episode ``i``'s base seed) and gives each turn its own
-seed from the episode and turn alone; a resumed run samples the same episodes again whatever
-the timing. Turn 0 uses the base seed itself: a single-turn rollout samples what the lockstep
-loop samples.
+seed from the episode and turn alone: whatever the timing, a turn is sampled with the same
+seed in a resumed run. (Its tokens are the same too where the engine's numerics do not depend
+on what else is in the batch, as on CPU; time limits depend on timing whatever the seeds.)
+Turn 0 uses the base seed itself: a single-turn rollout samples what the lockstep loop
+samples.
 """
 
 from __future__ import annotations
@@ -87,12 +89,16 @@ class AgentLoopConfig(ConfigModel):
     # environment), batched for the others.
     env_steps: Literal["auto", "batched", "per_episode"] = "auto"
     # Most tool calls (``role: tool`` replies) an episode makes; it ends after the step that
-    # reaches it. null: no limit.
+    # reaches it, unscored (reward 0, end reason tool_call_limit). A tool environment's own
+    # max_tool_calls instead lets the model give its final answer once the budget is spent:
+    # set that one, and this one (if at all) above it. null: no limit.
     max_tool_calls: int | None = Field(None, ge=1)
     # Most seconds an episode runs; checked between turns. null: no limit.
     max_episode_seconds: float | None = Field(None, gt=0)
-    # Most seconds an environment step may take; its episodes end then (``env_timeout``), the
-    # late answer is dropped. null: wait as long as it takes.
+    # Most seconds an environment step may take, counted from when it is sent (time queued
+    # behind other steps of an environment that serves one call at a time included); its
+    # episodes end then (``env_timeout``, left out of the loss) and the late answer is
+    # dropped. Set it above the tools' own timeouts. null: wait as long as it takes.
     env_step_timeout_s: float | None = Field(None, gt=0)
 
 
@@ -198,7 +204,11 @@ class _AgentLoop:
 
     def _generated(self, future: Future) -> None:
         rows, started = self.generating.pop(future)
-        out: BatchedDataDict = future.result()
+        try:
+            out: BatchedDataDict = future.result()
+        except Exception as e:  # its type stays (a caller may handle stale weights)
+            e.add_note(f"(while generating the turns of episodes {rows} of the rollout)")
+            raise
         self.generation_seconds.append(time.monotonic() - started)
         self.generation_rows.append(len(rows))
         if out.size != len(rows):
@@ -229,7 +239,12 @@ class _AgentLoop:
     def _stepped(self, future: Future) -> None:
         call = self.stepping.pop(future)
         self.env_seconds.append(time.monotonic() - call.started)
-        steps = split_steps(call.task, resolve_env_call(future.result()), len(call.rows))
+        try:
+            returned = resolve_env_call(future.result())
+        except Exception as e:  # an actor's death names it and its cause; its type stays
+            e.add_note(f"(in env.{call.task}'s step of episodes {call.rows} of the rollout)")
+            raise
+        steps = split_steps(call.task, returned, len(call.rows))
         ep, going, going_steps = self.episodes, [], []
         for i, step in zip(call.rows, steps, strict=True):
             ep.apply_step(i, step)
