@@ -25,6 +25,25 @@ from .conftest import TINY_LLAMA
 PER_EPISODE = AgentLoopConfig(env_steps="per_episode")
 
 
+def generated_output(data, prompts, samples, pad_id) -> BatchedDataDict:
+    """What a generator returns for ``data``: each prompt followed by its sample's ids, with
+    the sample's log-probs, as ``generate``'s output keys (``samples``: ``(ids, logprobs)``)."""
+    width = max(len(p) + len(s) for p, (s, _) in zip(prompts, samples, strict=True))
+    out = torch.full((data.size, width), pad_id)
+    logprobs = torch.zeros(data.size, width)
+    for b, (prompt, (ids, lps)) in enumerate(zip(prompts, samples, strict=True)):
+        out[b, : len(prompt) + len(ids)] = torch.cat([prompt, ids])
+        logprobs[b, len(prompt) : len(prompt) + len(ids)] = lps
+    lengths = torch.tensor([len(s) for s, _ in samples])
+    return BatchedDataDict(
+        output_ids=out,
+        generation_lengths=lengths,
+        unpadded_sequence_lengths=data["input_lengths"] + lengths,
+        logprobs=logprobs,
+        truncated=torch.zeros(data.size, dtype=torch.bool),
+    )
+
+
 class RandomTokenGeneration(GenerationInterface):
     """Samples 3-6 random non-special token ids and EOS per row, drawn from the row's prompt
     (so a row samples the same whatever batch it is in); records each row's prompt, sampled
@@ -49,23 +68,10 @@ class RandomTokenGeneration(GenerationInterface):
             ids = vocab[torch.randint(len(vocab), (n,), generator=rng)]
             ids = torch.cat([ids, torch.tensor([self.tokenizer.eos_token_id])])
             samples.append((ids, -torch.rand(len(ids), generator=rng)))
-        width = max(len(p) + len(s) for p, (s, _) in zip(prompts, samples, strict=True))
-        out = torch.full((data.size, width), self.tokenizer.pad_token_id)
-        logprobs = torch.zeros(data.size, width)
-        for b, (prompt, (ids, lps)) in enumerate(zip(prompts, samples, strict=True)):
-            out[b, : len(prompt) + len(ids)] = torch.cat([prompt, ids])
-            logprobs[b, len(prompt) : len(prompt) + len(ids)] = lps
         with self.lock:
             self.rows += [(p, s, lp) for p, (s, lp) in zip(prompts, samples, strict=True)]
             self.call_seeds.append(data.get(SEEDS_KEY))
-        lengths = torch.tensor([len(s) for s, _ in samples])
-        return BatchedDataDict(
-            output_ids=out,
-            generation_lengths=lengths,
-            unpadded_sequence_lengths=data["input_lengths"] + lengths,
-            logprobs=logprobs,
-            truncated=torch.zeros(data.size, dtype=torch.bool),
-        )
+        return generated_output(data, prompts, samples, self.tokenizer.pad_token_id)
 
     def prepare_for_generation(self):
         pass

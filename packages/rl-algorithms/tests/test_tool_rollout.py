@@ -21,7 +21,7 @@ from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_envs.tools.env import ToolEnvConfig, ToolEnvironment
 from rl_envs.tools.registry import ToolSpec, tool_schema
 
-from .test_agent_loop import RandomTokenGeneration
+from .test_agent_loop import RandomTokenGeneration, generated_output
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -82,28 +82,16 @@ class ScriptedGeneration(RandomTokenGeneration):
 
     def generate(self, data, greedy=False, *, expected_weight_version=None):
         header = encode_texts(self.tokenizer, ["<|im_start|>assistant\n"])[0]
-        rows = []
+        prompts, samples = [], []
         for b in range(data.size):
             prompt = data["input_ids"][b, : data["input_lengths"][b]].tolist()
             turn = sum(prompt[i : i + len(header)] == header for i in range(len(prompt))) - 1
             text = self.tokenizer.decode(prompt)
             turns = next(t for key, t in self.scripts.items() if key in text)
             said = encode_texts(self.tokenizer, [turns[turn]])[0] + [self.tokenizer.eos_token_id]
-            rows.append((prompt, said))
-        width = max(len(p) + len(s) for p, s in rows)
-        out = torch.full((data.size, width), self.tokenizer.pad_token_id)
-        logprobs = torch.zeros(data.size, width)
-        for b, (prompt, said) in enumerate(rows):
-            out[b, : len(prompt) + len(said)] = torch.tensor(prompt + said)
-            logprobs[b, len(prompt) : len(prompt) + len(said)] = -0.5
-        lengths = torch.tensor([len(s) for _, s in rows])
-        return BatchedDataDict(
-            output_ids=out,
-            generation_lengths=lengths,
-            unpadded_sequence_lengths=data["input_lengths"] + lengths,
-            logprobs=logprobs,
-            truncated=torch.zeros(data.size, dtype=torch.bool),
-        )
+            prompts.append(torch.tensor(prompt))
+            samples.append((torch.tensor(said), torch.full((len(said),), -0.5)))
+        return generated_output(data, prompts, samples, self.tokenizer.pad_token_id)
 
 
 @pytest.fixture(scope="module")
