@@ -18,8 +18,9 @@ YAML files beside this one):
    the same questions, reward and GRPO budget, answering directly.
 
 Then it prints validation accuracy at each stage and the wall time of each phase. A run's
-results go to results/agents/seed_<seed>/; running the command again resumes (a finished
-phase is not run again).
+results go to results/agents/seed_<seed>/; running the command again evaluates the model as
+shipped again and resumes the training phases from their checkpoints (a finished one only
+reports).
 """
 
 from __future__ import annotations

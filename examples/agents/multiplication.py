@@ -29,7 +29,7 @@ PROMPT = "What is {a} * {b}? Answer with just the number."
 # The schema the tool environment derives from the built-in calculator's signature and
 # docstring: what the model is shown is what the environment checks its calls against.
 CALCULATOR = tool_schema(ToolSpec(function="calculator"))
-SIZES = {"sft": 512, "train": 1024, "validation": 64}
+SIZES = {"sft": 512, "train": 1024, "validation": 32}
 DATA_SEED = 0  # the questions stay the same whatever the training seed, so runs compare
 
 
