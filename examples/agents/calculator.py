@@ -98,10 +98,14 @@ def main(argv: list[str] | None = None) -> None:
 
     before = accuracies(out / "before" / "logs", "eval/sample_accuracy")[-1][1]
     grpo_val = accuracies(out / "grpo" / "logs")
+    rows = [
+        ("before training", before, "rl eval", seconds["before"]),
+        ("after the SFT warm-up", grpo_val[0][1], "rl sft", seconds["sft"]),
+        ("after GRPO", grpo_val[-1][1], "rl grpo", seconds["grpo"]),
+    ]
     print(f"\nvalidation accuracy with the calculator (seed {args.seed}, greedy):")
-    print(f"  before training      {before:.3f}   rl eval  {seconds['before']:5.0f} s")
-    print(f"  after the SFT warm-up {grpo_val[0][1]:.3f}   rl sft   {seconds['sft']:5.0f} s")
-    print(f"  after GRPO           {grpo_val[-1][1]:.3f}   rl grpo  {seconds['grpo']:5.0f} s")
+    for label, accuracy, command, took in rows:
+        print(f"  {label:<22} {accuracy:.3f}   {command:<8} {took:5.0f} s")
     print(f"  the whole demo: {demo_seconds:.0f} s")
     if args.baseline:
         base = accuracies(out / "no_tools" / "logs")
