@@ -6,7 +6,9 @@ from pathlib import Path
 
 import openai.resources.chat.completions as chat
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent_programs" / "calculator_agent.py"
+EXAMPLE = (
+    Path(__file__).resolve().parents[1] / "examples" / "agent_programs" / "calculator_agent.py"
+)
 spec = importlib.util.spec_from_file_location("calculator_agent", EXAMPLE)
 calculator_agent = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(calculator_agent)
