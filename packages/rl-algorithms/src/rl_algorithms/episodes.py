@@ -49,7 +49,7 @@ ENV_TIMEOUT = "env_timeout"
 END_REASONS = (TERMINATED, TURN_LIMIT, TOKEN_LIMIT, TOOL_CALL_LIMIT, TIME_LIMIT, ENV_TIMEOUT)
 
 
-def _assistant_message(
+def assistant_message(
     ids: torch.Tensor,
     logprobs: torch.Tensor,
     tokenizer: Any,
@@ -60,7 +60,10 @@ def _assistant_message(
 ) -> dict[str, Any]:
     """The generated turn as a message: the sampled ids as they are, plus the template's
     closing text (if any, and if it fits in ``room`` tokens) as tokens out of the loss.
-    ``tools``: those the conversation is offered (its prompt was rendered with them)."""
+    ``tools``: those the conversation is offered (its prompt was rendered with them). Its
+    ``template_mismatch`` is set when the template renders the turn otherwise than sampled.
+    (The rollouts' episodes and the agent-program endpoint's trajectories both make theirs
+    here.)"""
     content = tokenizer.decode(ids.tolist(), skip_special_tokens=True)
     message: dict[str, Any] = {
         "role": "assistant",
@@ -211,7 +214,7 @@ class Episodes:
         length = min(length, room)
         ids = out["output_ids"][row, start : start + length].to(torch.long)
         lps = out["logprobs"][row, start : start + length].to(torch.float32)
-        message = _assistant_message(
+        message = assistant_message(
             ids, lps, self.tokenizer, self.template, log, room, self.tools[i]
         )
         if message.pop("template_mismatch", False):

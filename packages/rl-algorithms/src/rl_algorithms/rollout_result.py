@@ -14,6 +14,12 @@ from rl_data.collate import flatten_message_logs
 from rl_data.types import MessageLog
 from rl_envs.interfaces import RewardComponents
 
+# The end reasons of an agent program's failed episodes start with this
+# (``agent_programs.trajectories``: it raised, hung past its deadline, never called the
+# endpoint, ...): what they hold says nothing of what the policy would do, so they stay out of
+# the loss, as an environment's timeout does.
+AGENT_FAILED_PREFIX = "agent_failed/"
+
 
 @dataclass
 class RolloutResult:
@@ -53,9 +59,13 @@ class RolloutResult:
 
     def sample_mask(self) -> torch.Tensor:
         """float32 ``[N]``: 1 for the rows a loss may train on. Out of it: fillers, and
-        episodes whose environment did not answer in time (``env_timeout``), whose reward
-        says nothing of what the policy did."""
-        timed_out = torch.tensor([r == "env_timeout" for r in self.end_reasons], dtype=torch.bool)
+        episodes whose environment did not answer in time (``env_timeout``) or whose agent
+        program failed (``agent_failed/...``), whose reward says nothing of what the policy
+        did."""
+        timed_out = torch.tensor(
+            [r == "env_timeout" or r.startswith(AGENT_FAILED_PREFIX) for r in self.end_reasons],
+            dtype=torch.bool,
+        )
         out = self.filler | timed_out if self.end_reasons else self.filler
         return (~out).to(torch.float32)
 

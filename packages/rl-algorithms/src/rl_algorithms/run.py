@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the run's actors and tokenizer: heavy imports, for annotati
     from ray.actor import ActorHandle
     from transformers import PreTrainedTokenizerBase
 
+    from rl_algorithms.agent_programs.server import EndpointServer
     from rl_data.templates import ChatTemplate
     from rl_distributed.virtual_cluster import RayVirtualCluster
     from rl_models.generation.interfaces import GenerationInterface
@@ -104,6 +105,9 @@ class Run(Generic[ConfigT]):
     critic: Policy | None = None  # a value model (PPO), trained beside the policy
     teacher: Policy | None = None  # a frozen model (distillation)
     loss_fn: LossFunction | None = None
+    # The OpenAI-compatible endpoint agent programs play through (``agent_programs.server``),
+    # started by the first rollout that uses one.
+    agent_endpoint: EndpointServer | None = None
     # The models beside the policy that leave the device between their turns (see take_turns).
     offloaded_when_idle: list[Policy] = field(default_factory=list)
     step: int = 0
@@ -141,6 +145,8 @@ class Run(Generic[ConfigT]):
     def shutdown(self) -> None:
         if self.logger is not None:
             self.logger.close()
+        if self.agent_endpoint is not None:
+            self.agent_endpoint.close()
         stop_environments(self.envs)
         for actor in (self.generation, self.teacher, self.critic, self.policy):
             if actor is not None:

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from rl_algorithms.agent_loop import AgentLoopConfig
+from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.config import (
     POLICY_STEP_METRICS,
     CustomLossConfig,
@@ -118,6 +119,9 @@ class RolloutLoopConfig(ConfigModel):
     max_rollout_turns: int = Field(1, ge=1)
     # How episodes run: each at its own pace, its concurrency and per-episode limits.
     agent_loop: AgentLoopConfig = Field(default_factory=AgentLoopConfig)
+    # Episodes played by an agent program of your own through an OpenAI-compatible endpoint
+    # (rl_algorithms/agent_programs) instead of the agent loop; null: the agent loop.
+    agent_program: AgentProgramConfig | None = None
     # DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts.
     use_dynamic_sampling: bool = False
     # Most generation rounds a step may take to fill its batch with dynamic sampling.
@@ -356,6 +360,11 @@ def check_async_config(config: Any) -> None:
     a: AsyncGRPOConfig = config.grpo.async_grpo
     if not a.enabled:
         return
+    if config.grpo.agent_program is not None:
+        raise ValueError(
+            "grpo.agent_program rolls out through synchronous GRPO only: unset it or set "
+            "grpo.async_grpo.enabled: false"
+        )
     if a.max_wait_seconds <= a.max_group_seconds:
         raise ValueError(
             f"grpo.async_grpo.max_wait_seconds ({a.max_wait_seconds}) must exceed "

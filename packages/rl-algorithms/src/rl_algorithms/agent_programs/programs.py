@@ -1,0 +1,283 @@
+"""Rollouts played by agent programs the library did not write (``run_program_rollouts``).
+
+A program is a Python function ``module:function(base_url: str, row: dict) -> result`` (a
+``def`` or an ``async def``; ``path/to/file.py:function`` works too), or a command that gets
+``OPENAI_BASE_URL`` (and ``OPENAI_API_KEY``) in its environment and the row as JSON on stdin,
+its stdout being its result. Each sample of the batch is one episode: the program is started
+with the episode's own base URL (``server.EndpointServer``) and the sample's row (its prompt
+messages as ``messages``, the dataset's columns beside them), and talks to the policy through
+the endpoint, which records every request into the episode's ``Trajectory``.
+
+An episode ends when its program returns, raises, or reaches ``max_episode_seconds`` (a
+command is killed then; a Python function cannot be, so its thread is left behind and any
+request it still makes is refused). Then the episode's final conversation, the trajectory's
+message log, is scored by the environment of the row's task, as any rollout's last turn is
+(``result_column``: the program's return value goes to the reward functions as that column).
+Failed episodes are counted by reason (``agent_program/failed/<reason>``), scored 0 and kept
+out of the loss (``RolloutResult.sample_mask``); what a program printed on the way is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import json
+import logging
+import os
+import shlex
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+from rl_algorithms.agent_programs.config import AgentProgramConfig
+from rl_algorithms.agent_programs.server import EndpointServer, Episode, GenerationBatcher
+from rl_algorithms.agent_programs.trajectories import (
+    FAILED_ERROR,
+    FAILED_TIMEOUT,
+    FAILURES,
+    Trajectory,
+)
+from rl_algorithms.environment_calls import rows_by_task, step_environments
+from rl_algorithms.episodes import Episodes
+from rl_algorithms.rollout_result import RolloutResult
+from rl_data.templates import ChatTemplate
+from rl_data.types import STRING_PROMPT_KEY, TOOLS_KEY
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_envs.reward_functions import load_reward_function
+from rl_models.generation.interfaces import GenerationInterface
+
+logger = logging.getLogger(__name__)
+
+
+def program_row(message_log: list[dict[str, Any]], env_info: Mapping[str, Any] | None) -> dict:
+    """What a program gets of a sample: the dataset's columns, its prompt as ``messages``
+    (roles and text) and, if the dataset's prompt was a string, that as ``prompt``."""
+    info = dict(env_info or {})
+    row = {k: v for k, v in info.items() if k != STRING_PROMPT_KEY}
+    row["messages"] = [{"role": m["role"], "content": m["content"]} for m in message_log]
+    if isinstance(info.get(STRING_PROMPT_KEY), str):
+        row["prompt"] = info[STRING_PROMPT_KEY]
+    if isinstance(row.get(TOOLS_KEY), str):
+        row[TOOLS_KEY] = json.loads(row[TOOLS_KEY])
+    return row
+
+
+def _run_function(function: Any, base_url: str, row: dict, seconds: float) -> Any:
+    if inspect.iscoroutinefunction(function):
+        return asyncio.run(asyncio.wait_for(function(base_url, row), seconds))
+    return function(base_url, row)
+
+
+def _run_command(command: str, base_url: str, row: dict, seconds: float) -> Any:
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "rl-agent-endpoint"}
+    try:
+        done = subprocess.run(
+            shlex.split(command),
+            input=json.dumps(row),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=seconds,  # killed then
+        )
+    except subprocess.TimeoutExpired as e:
+        raise TimeoutError(f"agent_program.command ran past {seconds:g} s") from e
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"agent_program.command exited with {done.returncode}: {done.stderr[-2000:]}"
+        )
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return done.stdout
+
+
+def _start(target: Any, *args: Any) -> Future:
+    """``target(*args)`` on a daemon thread of its own: one that never returns is left
+    behind, never waited for."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(target(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="agent-program", daemon=True).start()
+    return future
+
+
+def run_program_rollouts(
+    server: EndpointServer,
+    config: AgentProgramConfig,
+    generation: GenerationInterface,
+    batch: BatchedDataDict,
+    tokenizer: Any,
+    template: ChatTemplate,
+    envs: Mapping[str, Any],
+    *,
+    max_seq_len: int,
+    temperature: float,
+    top_p: float,
+    greedy: bool = False,
+    expected_weight_version: int | None = None,
+    with_env_metrics: bool = True,
+) -> RolloutResult:
+    """One episode per row of ``batch`` (``message_log``, ``extra_env_info``, ``task_name``),
+    each played by the program through ``server``; the rollout's result, as ``run_rollouts``
+    gives it (see the module docstring)."""
+    n = batch.size
+    tasks = list(batch["task_name"])
+    rows_by_task(envs, tasks)  # an unknown task fails before any program starts
+    function = None if config.function is None else load_reward_function(config.function)
+    batcher = GenerationBatcher(generation, tokenizer.pad_token_id, greedy, expected_weight_version)
+    trajectories = [
+        Trajectory(
+            server.new_episode_id(),
+            tokenizer,
+            template,
+            max_seq_len,
+            config.max_requests_per_episode,
+        )
+        for _ in range(n)
+    ]
+    for t in trajectories:
+        server.register(Episode(t, batcher, temperature, top_p, config.tool_call_parser))
+    late_before = server.late_requests
+    started = time.monotonic()
+    results: list[Any] = [None] * n
+    try:
+        waiting = list(range(n))
+        running: dict[Future, tuple[int, float]] = {}
+        while waiting or running:
+            while waiting and len(running) < config.max_concurrent_episodes:
+                i = waiting.pop(0)
+                url = server.base_url(trajectories[i].episode_id)
+                row = program_row(batch["message_log"][i], batch["extra_env_info"][i])
+                seconds = config.max_episode_seconds
+                future = (
+                    _start(_run_function, function, url, row, seconds)
+                    if function is not None
+                    else _start(_run_command, config.command, url, row, seconds)
+                )
+                running[future] = (i, time.monotonic() + seconds)
+            soonest = min(deadline for _, deadline in running.values())
+            done, _ = wait(
+                running, timeout=max(0.0, soonest - time.monotonic()), return_when=FIRST_COMPLETED
+            )
+            now = time.monotonic()
+            for future in [*done, *(f for f, (_, d) in running.items() if d <= now)]:
+                if future not in running:
+                    continue
+                i, _ = running.pop(future)
+                results[i] = _outcome(future, trajectories[i], config)
+                trajectories[i].end()
+    finally:
+        for t in trajectories:
+            t.end()
+        batcher.close()
+        server.unregister([t.episode_id for t in trajectories])
+    if batcher.error is not None:  # the generator's failure is the run's, not the agents'
+        raise batcher.error
+    return _scored(
+        trajectories,
+        results,
+        batch,
+        tokenizer,
+        template,
+        envs,
+        config,
+        max_seq_len,
+        with_env_metrics,
+        {
+            "agent_program/late_requests": float(
+                sum(t.late_requests for t in trajectories) + server.late_requests - late_before
+            ),
+            "agent_program/generation_calls": float(len(batcher.call_sizes)),
+            "agent_program/generation_batch_mean": (
+                sum(batcher.call_sizes) / len(batcher.call_sizes) if batcher.call_sizes else 0.0
+            ),
+        },
+        {
+            "agent_program/seconds": time.monotonic() - started,
+            "agent_program/generation_seconds": batcher.seconds,
+        },
+    )
+
+
+def _outcome(future: Future, trajectory: Trajectory, config: AgentProgramConfig) -> Any:
+    """The program's return value; a failure (raised, or still running at its deadline)
+    marks the episode."""
+    if not future.done():
+        trajectory.fail(FAILED_TIMEOUT)
+        logger.warning(
+            "agent program of episode %s cut at agent_program.max_episode_seconds (%g s)",
+            trajectory.episode_id,
+            config.max_episode_seconds,
+        )
+        return None
+    error = future.exception()
+    if error is None:
+        return future.result()
+    trajectory.fail(FAILED_TIMEOUT if isinstance(error, TimeoutError) else FAILED_ERROR)
+    logger.warning("agent program of episode %s failed: %r", trajectory.episode_id, error)
+    return None
+
+
+def _scored(
+    trajectories: list[Trajectory],
+    results: list[Any],
+    batch: BatchedDataDict,
+    tokenizer: Any,
+    template: ChatTemplate,
+    envs: Mapping[str, Any],
+    config: AgentProgramConfig,
+    max_seq_len: int,
+    with_env_metrics: bool,
+    metrics: dict[str, float],
+    timings: dict[str, float],
+) -> RolloutResult:
+    """The episodes' final conversations scored by their tasks' environments, as one
+    ``RolloutResult`` (a failed episode keeps what it recorded, or its prompt if nothing)."""
+    n = len(trajectories)
+    logs = [t.log if t.requests else batch["message_log"][i] for i, t in enumerate(trajectories)]
+    metadata = [copy.deepcopy(m) for m in batch["extra_env_info"]]
+    if config.result_column is not None:
+        for meta, result in zip(metadata, results, strict=True):
+            meta[config.result_column] = result
+    final = BatchedDataDict(
+        message_log=logs, extra_env_info=metadata, task_name=list(batch["task_name"])
+    )
+    if "idx" in batch:
+        final["idx"] = batch["idx"]
+    episodes = Episodes(final, tokenizer, template, envs, max_seq_len)
+    reasons = [t.end_reason for t in trajectories]
+    scored = [i for i in range(n) if reasons[i] not in FAILURES]
+    steps = step_environments(
+        envs,
+        [episodes.logs[i] for i in scored],
+        [episodes.metadata[i] for i in scored],
+        [episodes.tasks[i] for i in scored],
+    )
+    for i, step in zip(scored, steps, strict=True):
+        episodes.turns[i] = len(trajectories[i].requests)  # the turn this step scores
+        episodes.apply_step(i, step)
+    for i, t in enumerate(trajectories):
+        episodes.turns[i] = len(t.requests)
+        episodes.truncated[i] = t.truncated
+        episodes.end_reasons[i] = reasons[i]
+    episodes.template_mismatches = sum(t.template_mismatches for t in trajectories)
+    episodes.timings.update(timings)
+    result = episodes.result(with_env_metrics)
+    failed = [r for r in reasons if r in FAILURES]
+    result.metrics.update(metrics)
+    result.metrics["agent_program/failed_episodes"] = float(len(failed))
+    for reason in FAILURES:
+        result.metrics[f"agent_program/failed/{reason.rsplit('/', 1)[1]}"] = float(
+            failed.count(reason)
+        )
+    result.metrics["agent_program/requests_mean"] = sum(len(t.requests) for t in trajectories) / n
+    return result

@@ -1,0 +1,343 @@
+"""One episode of an agent program, recorded request by request into one trainable
+trajectory (``Trajectory``).
+
+An agent program talks to the endpoint as to any OpenAI-style server: each request sends the
+whole conversation so far. The trajectory keeps that conversation twice: as the agent sees it
+(``conversation``: OpenAI messages, normalised, the assistant turns exactly as they were
+returned) and as token ids (``log``: a message log as the rollouts keep theirs). A request
+must *extend* the previous one: the previous request's messages, then the assistant message
+returned for it, then new messages (tool results, a user turn). Only those new messages are
+tokenised (by the chat template, with loss mask 0, as ``Episodes.continue_with`` tokenises an
+environment's reply); the assistant turns stay exactly the sampled ids, with their log-probs
+(``episodes.assistant_message``: token in, token out). A request that does not extend the
+previous one is refused and the episode fails: a trajectory is never patched together from
+conversations that disagree.
+
+How an episode ends: its program returns (``RETURNED``) or fails (``FAILED_*``: those samples
+stay out of the loss, see ``RolloutResult.sample_mask``); a limit it reached on the way
+(``REQUEST_LIMIT``, ``TOKEN_LIMIT``) refuses its further requests but keeps the episode
+trainable if the program still returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_algorithms.episodes import TOKEN_LIMIT, assistant_message
+from rl_algorithms.rollout_result import AGENT_FAILED_PREFIX
+from rl_data.messages import tokenize_message_logs
+from rl_data.templates import ChatTemplate, Tools
+from rl_data.tokenizers import encode_texts
+from rl_data.types import MessageLog
+
+RETURNED = "agent_returned"
+REQUEST_LIMIT = "agent_request_limit"
+FAILED_NO_REQUESTS = AGENT_FAILED_PREFIX + "no_requests"
+FAILED_TIMEOUT = AGENT_FAILED_PREFIX + "timeout"
+FAILED_ERROR = AGENT_FAILED_PREFIX + "error"
+FAILED_DIVERGED = AGENT_FAILED_PREFIX + "diverged"
+FAILED_LATE_REQUEST = AGENT_FAILED_PREFIX + "late_request"
+FAILURES = (
+    FAILED_NO_REQUESTS,
+    FAILED_TIMEOUT,
+    FAILED_ERROR,
+    FAILED_DIVERGED,
+    FAILED_LATE_REQUEST,
+)
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class Refused(Exception):
+    """A request the endpoint answers with HTTP ``status`` and ``message`` (OpenAI's error
+    body), not a generation."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one request sampled: from which tokens, which tokens, with which log-probs, under
+    which weights."""
+
+    prompt_ids: torch.Tensor
+    sampled_ids: torch.Tensor
+    logprobs: torch.Tensor
+    weight_version: int
+    truncated: bool
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, nothing, or OpenAI's list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise Refused(f"{where}: content must be a string or a list of text parts, got {content!r}")
+
+
+def _call(call: Any, where: str) -> dict[str, Any]:
+    """A tool call as the chat templates read it: arguments as an object (OpenAI sends them
+    as a JSON string)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise Refused(f"{where}: a tool call needs function.name, got {call!r}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # else kept, and compared, as sent
+            arguments = json.loads(arguments) if arguments.strip() else {}
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
+
+
+def normalized_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages as plain messages (role, text content, and ``tool_calls``,
+    ``tool_call_id``, ``name`` where given), in the form the chat templates render and
+    conversations are compared in; a ``Refused`` naming the message that is not one."""
+    if not isinstance(messages, list) or not messages:
+        raise Refused("messages must be a non-empty list of chat messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else message
+            raise Refused(f"{where}: role must be one of {list(ROLES)}, got {role!r}")
+        plain: dict[str, Any] = {
+            "role": message["role"],
+            "content": _text(message.get("content"), where),
+        }
+        if message.get("tool_calls"):
+            plain["tool_calls"] = [_call(c, f"{where}.tool_calls") for c in message["tool_calls"]]
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                plain[key] = str(message[key])
+        out.append(plain)
+    return out
+
+
+def _difference(sent: list[dict[str, Any]], expected: list[dict[str, Any]]) -> str:
+    """Where a request's conversation parts from the one the episode holds, said plainly."""
+    if len(sent) <= len(expected):
+        return (
+            f"it has {len(sent)} messages, the episode's conversation so far has "
+            f"{len(expected)} (the previous request's and the reply to it), each to be sent "
+            "again, then new ones"
+        )
+    i = next(i for i, (a, b) in enumerate(zip(sent, expected, strict=False)) if a != b)
+    return f"messages[{i}] is {sent[i]!r}, but the episode's conversation has {expected[i]!r}"
+
+
+class Trajectory:
+    """One episode's requests joined into one conversation of token ids (see the module
+    docstring). Its methods are called from the endpoint's threads: every change holds
+    ``lock``."""
+
+    def __init__(
+        self,
+        episode_id: str,
+        tokenizer: Any,
+        template: ChatTemplate,
+        max_seq_len: int,
+        max_requests: int,
+    ) -> None:
+        self.episode_id = episode_id
+        self.tokenizer, self.template = tokenizer, template
+        self.max_seq_len, self.max_requests = max_seq_len, max_requests
+        self.lock = threading.Lock()
+        self.conversation: list[dict[str, Any]] = []  # as the agent sees it
+        self.completion_text: str | None = None  # /v1/completions: the prompt and replies
+        self.log: MessageLog = []  # as token ids
+        self.tools: Tools | None = None
+        self.requests: list[RequestRecord] = []
+        self.in_flight = False
+        self.limit: str | None = None  # a limit reached: later requests are refused
+        self.failure: str | None = None
+        self.ended = False
+        self.late_requests = 0
+        self.template_mismatches = 0
+
+    @property
+    def end_reason(self) -> str:
+        return self.failure or self.limit or RETURNED
+
+    def fail(self, reason: str) -> None:
+        """The episode failed (the first failure is kept): out of the loss."""
+        with self.lock:
+            self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+
+    def end(self) -> None:
+        """The program is done (returned, raised, or cut at its deadline): later requests are
+        late."""
+        with self.lock:
+            self.ended = True
+            if not self.requests:
+                self._fail(FAILED_NO_REQUESTS)
+
+    def _admit(self) -> None:
+        """Refuse a request the episode cannot take now (called under ``lock``)."""
+        if self.ended:
+            self.late_requests += 1
+            self._fail(FAILED_LATE_REQUEST)
+            raise Refused(
+                f"episode {self.episode_id} has ended ({self.end_reason}): its program must "
+                "not call the endpoint once it has returned or passed its deadline"
+            )
+        if self.failure is not None:
+            raise Refused(f"episode {self.episode_id} has failed ({self.failure})")
+        if self.in_flight:
+            self._fail(FAILED_DIVERGED)
+            raise Refused(
+                f"episode {self.episode_id} already has a request in flight: an episode is one "
+                "conversation, its requests one after the other"
+            )
+        if self.limit is not None:
+            raise Refused(f"episode {self.episode_id} reached a limit ({self.limit})")
+        if len(self.requests) >= self.max_requests:
+            self.limit = REQUEST_LIMIT
+            raise Refused(
+                f"episode {self.episode_id} made its {self.max_requests} requests "
+                "(agent_program.max_requests_per_episode)"
+            )
+
+    def open_chat(self, messages: Any, tools: Tools | None) -> torch.Tensor:
+        """A chat request's prompt as token ids (the conversation so far, extended by the
+        request's new messages and the assistant header); refused when it does not extend it."""
+        with self.lock:
+            self._admit()
+            sent = normalized_messages(messages)
+            if self.completion_text is not None:
+                self._diverged("it is a chat request in an episode of /v1/completions requests")
+            if not self.requests:
+                self.tools = tools or None
+                self.log = [{k: v for k, v in m.items()} for m in sent]  # type: ignore[misc]
+            else:
+                if (tools or None) != self.tools:
+                    self._diverged("it offers other tools than the episode's first request")
+                known = self.conversation
+                if sent[: len(known)] != known or len(sent) == len(known):
+                    self._diverged(_difference(sent, known))
+                self.log.extend(sent[len(known) :])  # type: ignore[arg-type]
+            tokenize_message_logs(
+                [self.log],
+                self.tokenizer,
+                self.template,
+                add_generation_prompt=True,
+                tools=[self.tools],
+            )
+            self.conversation = sent
+            return self._prompt()
+
+    def open_completion(self, prompt: Any) -> torch.Tensor:
+        """A completion request's prompt as token ids: the episode's text so far (sampled ids
+        as they are) and the new text after it, tokenised with loss mask 0."""
+        with self.lock:
+            self._admit()
+            if not isinstance(prompt, str) or not prompt:
+                raise Refused("prompt must be a non-empty string (one prompt per request)")
+            if self.conversation:
+                self._diverged("it is a completion request in an episode of chat requests")
+            known = self.completion_text or ""
+            if not prompt.startswith(known) or (self.requests and prompt == known):
+                self._diverged(
+                    "its prompt does not start with the previous prompt followed by the text "
+                    "returned for it, then new text"
+                )
+            ids = encode_texts(self.tokenizer, [prompt[len(known) :]])[0]
+            self.log.append(
+                {"role": "user", "content": prompt[len(known) :], "token_ids": torch.tensor(ids)}
+            )
+            self.completion_text = prompt
+            return self._prompt()
+
+    def _diverged(self, why: str) -> None:
+        self._fail(FAILED_DIVERGED)
+        raise Refused(
+            f"episode {self.episode_id}: the request does not extend the episode's conversation "
+            f"so far: {why}. An episode is one conversation, each request the previous one's "
+            "messages, the reply to it, then new messages; start a new episode for another"
+        )
+
+    def _prompt(self) -> torch.Tensor:
+        prompt = torch.cat([m["token_ids"] for m in self.log])
+        if len(prompt) >= self.max_seq_len:
+            self.limit = TOKEN_LIMIT
+            raise Refused(
+                f"episode {self.episode_id}: the conversation is {len(prompt)} tokens, no room "
+                f"left to generate within max_total_sequence_length ({self.max_seq_len})"
+            )
+        self.in_flight = True
+        return prompt
+
+    def close_request(
+        self,
+        prompt: torch.Tensor,
+        ids: torch.Tensor,
+        logprobs: torch.Tensor,
+        truncated: bool,
+        weight_version: int,
+    ) -> dict[str, Any]:
+        """Record what was sampled for the open request and append it to the log as an
+        assistant turn (cut to the room left in ``max_total_sequence_length``); the turn's
+        message as it is logged (``content``: the sampled ids' text)."""
+        with self.lock:
+            self.in_flight = False
+            if self.ended:  # cut at its deadline while it was generated
+                self.late_requests += 1
+                raise Refused(f"episode {self.episode_id} ended while its request was generated")
+            room = self.max_seq_len - len(prompt)
+            if len(ids) > room:
+                ids, logprobs, truncated = ids[:room], logprobs[:room], True
+                self.limit = TOKEN_LIMIT
+            if self.completion_text is None:
+                message = assistant_message(
+                    ids, logprobs, self.tokenizer, self.template, self.log, room, self.tools
+                )
+            else:  # raw text, no chat template: the sampled ids alone
+                content = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+                message = {
+                    "role": "assistant",
+                    "content": content,
+                    "token_ids": ids,
+                    "token_loss_mask": torch.ones_like(ids),
+                    "generation_logprobs": logprobs,
+                }
+                self.completion_text += content
+            self.template_mismatches += bool(message.pop("template_mismatch", False))
+            self.log.append(message)  # type: ignore[arg-type]
+            self.requests.append(RequestRecord(prompt, ids, logprobs, weight_version, truncated))
+            return message
+
+    def add_reply(self, reply: dict[str, Any]) -> None:
+        """The assistant message returned to the agent (OpenAI's form): what its next request
+        must repeat."""
+        with self.lock:
+            self.conversation = [*self.conversation, *normalized_messages([reply])]
+
+    def cancel_request(self) -> None:
+        """The open request got no generation (the generator failed)."""
+        with self.lock:
+            self.in_flight = False
+
+    @property
+    def truncated(self) -> bool:
+        return any(r.truncated for r in self.requests) or self.limit == TOKEN_LIMIT

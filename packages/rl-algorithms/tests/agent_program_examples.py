@@ -1,0 +1,120 @@
+"""Agent programs for test_agent_programs.py, loaded as agent_program.function (by path): a
+good one, a tool user, and each way a program can go wrong, chosen by the row's ``behaviour``."""
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+
+def client(base_url):
+    return openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+
+
+def talk(base_url, row):
+    """Two turns; returns what it saw (the replies and their token ids) and its base URL."""
+    api = client(base_url)
+    messages = list(row["messages"])
+    seen = []
+    for again in ("Once more.", None):
+        reply = api.chat.completions.create(model="policy", messages=messages)
+        choice = reply.choices[0]
+        seen.append({"content": choice.message.content, "token_ids": choice.token_ids})
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if again:
+            messages.append({"role": "user", "content": again})
+    return {"seen": seen, "base_url": base_url}
+
+
+async def talk_async(base_url, row):
+    api = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+    reply = await api.chat.completions.create(model="policy", messages=row["messages"])
+    return reply.choices[0].token_ids
+
+
+def refused(call):
+    try:
+        call()
+    except openai.BadRequestError as e:
+        return e.message
+    raise AssertionError("the endpoint did not refuse")
+
+
+def misbehave(base_url, row):
+    behaviour = row["behaviour"]
+    api = client(base_url)
+    if behaviour == "good":
+        return talk(base_url, row)
+    if behaviour == "never_calls":
+        return "done without the model"
+    if behaviour == "raises":
+        api.chat.completions.create(model="policy", messages=row["messages"])
+        raise RuntimeError("the agent broke")
+    if behaviour == "hangs":  # past its deadline, then calls: refused
+        api.chat.completions.create(model="policy", messages=row["messages"])
+        time.sleep(4)
+        Path(row["report"]).write_text(
+            refused(lambda: api.chat.completions.create(model="policy", messages=row["messages"]))
+        )
+        return None
+    if behaviour == "diverges":
+        first = api.chat.completions.create(model="policy", messages=row["messages"])
+        rewritten = [{"role": "user", "content": "something else entirely"}]
+        rewritten.append(first.choices[0].message.model_dump(exclude_none=True))
+        rewritten.append({"role": "user", "content": "go on"})
+        message = refused(lambda: api.chat.completions.create(model="policy", messages=rewritten))
+        return {"refusal": message}
+    raise ValueError(behaviour)
+
+
+def asks_for_what_the_run_does_not_do(base_url, row):
+    """Each refused request, then a good one: the episode still counts."""
+    api, messages = client(base_url), row["messages"]
+    refusals = {
+        "stream": refused(
+            lambda: api.chat.completions.create(model="p", messages=messages, stream=True)
+        ),
+        "temperature": refused(
+            lambda: api.chat.completions.create(model="p", messages=messages, temperature=0.3)
+        ),
+        "n": refused(lambda: api.chat.completions.create(model="p", messages=messages, n=2)),
+    }
+    reply = api.chat.completions.create(model="p", messages=messages, max_tokens=2)
+    choice = reply.choices[0]
+    return {"refusals": refusals, "finish": choice.finish_reason, "ids": choice.token_ids}
+
+
+def uses_a_tool(base_url, row):
+    """Calls the tool the model asks for, as an OpenAI agent does, then takes its answer."""
+    api, messages = client(base_url), list(row["messages"])
+    first = api.chat.completions.create(model="p", messages=messages, tools=row["tools"])
+    call = first.choices[0].message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append(
+        {"role": "tool", "tool_call_id": call.id, "content": str(eval(arguments["expression"]))}
+    )
+    final = api.chat.completions.create(model="p", messages=messages, tools=row["tools"])
+    return {
+        "call": [call.function.name, arguments, first.choices[0].finish_reason],
+        "answer": final.choices[0].message.content,
+    }
+
+
+def completes_text(base_url, row):
+    """Two /v1/completions requests, the second extending the first with the reply."""
+    api = client(base_url)
+    prompt = row["messages"][0]["content"]
+    first = api.completions.create(model="p", prompt=prompt)
+    second = api.completions.create(model="p", prompt=prompt + first.choices[0].text + " more")
+    return [first.choices[0].token_ids, second.choices[0].token_ids]
+
+
+def over_http(base_url, row):
+    """Plain httpx, as a program without the openai package would."""
+    response = httpx.post(
+        f"{base_url}/chat/completions", json={"model": "p", "messages": row["messages"]}
+    )
+    return response.json()["choices"][0]["token_ids"]
