@@ -28,8 +28,8 @@ def test_cispo_translates_with_its_clip_range():
 
 def test_the_entropy_bonus_key_is_taken_as_ours():
     # NeMo RL has no entropy bonus: a recipe that adds ours gets it, not a refusal.
-    assert refused("+loss_fn.entropy_coef=0.01") == {}
-    assert validated(NEMO_GRPO, "+loss_fn.entropy_coef=0.01")["loss_fn"]["entropy_coef"] == 0.01
+    assert refused("++loss_fn.entropy_coef=0.01") == {}
+    assert validated(NEMO_GRPO, "++loss_fn.entropy_coef=0.01")["loss_fn"]["entropy_coef"] == 0.01
 
 
 @pytest.mark.parametrize(
