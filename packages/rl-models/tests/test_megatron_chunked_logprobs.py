@@ -64,7 +64,7 @@ def reference_step(
         loss = loss - ENTROPY_WEIGHT * (ent * mask).sum() / mask.sum()
     loss.backward()
     after = {k: (p - p.grad).detach() for k, p in model.named_parameters()}
-    return lp.detach(), float(loss), after
+    return lp.detach(), float(loss.detach()), after
 
 
 @pytest.mark.timeout(900)
