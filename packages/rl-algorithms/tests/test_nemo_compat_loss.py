@@ -26,6 +26,12 @@ def test_cispo_translates_with_its_clip_range():
     assert loss["token_level_loss"] is True
 
 
+def test_the_entropy_bonus_key_is_taken_as_ours():
+    # NeMo RL has no entropy bonus: a recipe that adds ours gets it, not a refusal.
+    assert refused("++loss_fn.entropy_coef=0.01") == {}
+    assert validated(NEMO_GRPO, "++loss_fn.entropy_coef=0.01")["loss_fn"]["entropy_coef"] == 0.01
+
+
 @pytest.mark.parametrize(
     ("kind", "low", "high"),
     [("tis", None, 2.0), ("icepop", 0.5, 5.0), ("seq-mask-tis", 0.999, 1.002)],

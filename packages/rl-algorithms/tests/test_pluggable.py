@@ -204,6 +204,15 @@ def test_top_k_distillation_needs_backends_that_give_what_it_reads(
         assert "loss_fn.estimator: sampled_token" in err
 
 
+def test_an_entropy_bonus_needs_a_backend_that_gives_the_entropy(plugged_policy, capsys):
+    argv = [*GRPO, "--print-config", "loss_fn.entropy_coef=0.01"]
+    assert cli.main(argv) == 0, capsys.readouterr().err  # dtensor gives it
+    capsys.readouterr()
+    assert cli.main([*argv, "policy.backend=plugged"]) == cli.CONFIG_ERROR_EXIT
+    err = capsys.readouterr().err
+    assert "loss_fn.entropy_coef > 0" in err and "policy.backend: plugged does not give" in err
+
+
 def test_a_kind_on_the_command_line_keeps_the_files_kwargs(tmp_path, losses):
     from omegaconf import OmegaConf
 

@@ -38,6 +38,14 @@ class LossTokenLogprobs(LossInput):
     gives every log-prob, so such a loss must multiply what it reads by the mask."""
 
 
+class LossTokenLogprobsAndEntropy(LossInput):
+    """``[B, S, 2]`` at the loss tokens (0 elsewhere, as ``LossTokenLogprobs``): ``[..., 0]``
+    the log-probs, ``[..., 1]`` the entropy ``-sum_v p_v log p_v`` of the whole next-token
+    distribution that predicts each token (under the same temperature), differentiable, with
+    no ``[tokens, vocab]`` tensor made when the output layer is chunked. For an entropy bonus.
+    A backend may give every position's, so a loss multiplies what it reads by the mask."""
+
+
 class GatheredLogprobs(LossInput):
     """``[B, S, 1 + k]`` at the loss tokens (0 elsewhere), each a log-softmax over the whole
     vocabulary: ``[..., 0]`` the input token's, ``[..., 1:]`` those of the batch's
@@ -129,6 +137,7 @@ class LossFunction(Protocol):
 LOSS_INPUTS: tuple[type[LossInput], ...] = (
     Logprobs,
     LossTokenLogprobs,
+    LossTokenLogprobsAndEntropy,
     GatheredLogprobs,
     Logits,
     Values,

@@ -91,6 +91,12 @@ class MasterConfig(RLMasterConfig):
                 f"one optimiser step per batch, policy.train_global_batch_size = "
                 f"distillation.num_prompts_per_step * num_generations_per_prompt ({rows})"
             )
+        if self.grpo_loss_fn.entropy_coef > 0:
+            # The distillation loss hands its policy-gradient part log-probs only.
+            raise ValueError(
+                "grpo_loss_fn.entropy_coef must be 0 in distillation: the entropy bonus is "
+                "GRPO's loss_fn.entropy_coef, not available beside a distillation loss"
+            )
         if d.grpo_reward and self.policy.train_global_batch_size != rows:
             raise ValueError(
                 "distillation.grpo_reward: true trains on-policy, one optimiser step per batch: "

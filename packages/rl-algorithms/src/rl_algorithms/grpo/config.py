@@ -249,6 +249,12 @@ class RLMasterConfig(RunConfig):
                     f"loss_fn.kind {loss.kind!r} reads reference_logprobs (its batch_fields()): "
                     "set policy.reference_policy.enabled: true"
                 )
+        if getattr(loss, "entropy_coef", 0) > 0 and not self.policy.supports_token_entropy:
+            raise ValueError(
+                f"loss_fn.entropy_coef > 0 reads the policy's token entropy, which "
+                f"policy.backend: {self.policy.backend} does not give (dtensor and megatron "
+                "do); set loss_fn.entropy_coef: 0 or change the backend"
+            )
         if self.generation.loads_model_from_disk and self.policy.model.path is None:
             raise ValueError(
                 f"generation.backend: {self.generation.backend} loads the model from disk: set "

@@ -41,6 +41,14 @@ The generator's weight ``w`` may instead be truncated or masked
 sequences dropped (``off_policy_sequence_mask_delta``): see ``mismatch.py``, which also computes the k1 / k3
 generator-trainer KL diagnostics reported whenever the batch has the generator's log-probs.
 
+Entropy bonus (``entropy_coef`` > 0): ``loss -= entropy_coef * H``, ``H_t = -sum_v pi(v) log
+pi(v)`` the entropy of the policy's whole next-token distribution at each loss token, reduced
+like the rest of the loss (the token, sample or constant normalisation below) and not weighted
+by the importance weights or masks of the corrections: it rewards spreading the distribution
+wherever the loss trains. The loss then asks the policy for ``LossTokenLogprobsAndEntropy``
+(the entropy and its gradient come from the same chunks of logits as the log-probs); at 0
+(the default) it asks for log-probs only, and nothing more is computed.
+
 ``kl`` is the k1, k2 or k3 estimator of KL(pi || pi_ref) per token from ``d = log pi_ref - log
 pi`` (clamped to ``±kl_input_clamp_value``): k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1, each
 then clamped to ``±kl_output_clamp_value``. ``use_on_policy_kl_approximation`` weights it by
@@ -75,7 +83,8 @@ the gate's gradient scale ``4 p (1 - p)`` (1 on-policy).
 only its sampled tokens' log-probs here, not its whole distribution, so this is the Monte-Carlo
 estimate of its mean per-token entropy, unbiased when the tokens were sampled from pi itself
 (on-policy, at the temperature the trainer scores at); for tokens from a lagging generator it
-estimates the cross-entropy of the generator's distribution under pi instead.
+estimates the cross-entropy of the generator's distribution under pi instead. With the entropy
+bonus on, ``token_entropy`` is the exact mean of ``H_t`` over the loss tokens.
 """
 
 from __future__ import annotations
@@ -95,7 +104,7 @@ from rl_algorithms.losses.mismatch import (
 )
 from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
-from rl_models.interfaces import LossTokenLogprobs, Max, Min
+from rl_models.interfaces import LossTokenLogprobs, LossTokenLogprobsAndEntropy, Max, Min
 
 
 class ClippedPGLossConfig(ConfigModel):
@@ -141,6 +150,9 @@ class ClippedPGLossConfig(ConfigModel):
     # Dr. GRPO: the loss is its token sum over (global samples * this constant), e.g. the
     # maximum response length (None, off; then token_level_loss decides).
     constant_length_normalizer: float | None = Field(None, gt=0)
+    # Weight of the entropy bonus: loss -= entropy_coef * the policy's full-vocabulary token
+    # entropy over the loss tokens (0: off, and not computed).
+    entropy_coef: float = Field(0.0, ge=0)
 
     @property
     def token_level(self) -> bool:
@@ -278,6 +290,9 @@ class ClippedPGLossFn:
         self, config: ClippedPGLossConfig | dict | None = None, *, pi_old_is_current: bool = False
     ) -> None:
         self.config = ClippedPGLossConfig.model_validate(config or {})
+        if self.config.entropy_coef > 0:
+            # [B, S, 2]: the log-probs and the whole distribution's entropy at each token.
+            self.input_type = LossTokenLogprobsAndEntropy
         # A batch trained with a single optimiser step is scored by pi_old itself: without
         # ``prev_logprobs`` in the batch, the current log-probs (detached) stand in for them,
         # which saves the trainer a whole forward pass per step. Off, a missing key is an error.
@@ -315,6 +330,7 @@ class ClippedPGLossFn:
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
+        logprobs, entropy = self._split(logprobs)
         width = logprobs.shape[1]
         mask = batch.loss_token_mask().to(logprobs)
         advantages = self._need(batch, "advantages", width, logprobs)
@@ -370,6 +386,9 @@ class ClippedPGLossFn:
                 assert gen is not None
                 kl = kl * torch.exp(masked(logprobs - gen, mask) * mask).detach()
             per_token = per_token + cfg.reference_policy_kl_penalty * kl
+        if entropy is not None:
+            # masked: a backend may give every position's entropy; only loss tokens count.
+            per_token = per_token - cfg.entropy_coef * masked(entropy, mask)
 
         toks = global_count(global_valid_toks, logprobs)
         seqs = global_count(global_valid_seqs, logprobs)
@@ -393,6 +412,8 @@ class ClippedPGLossFn:
         metrics = self._metrics(
             loss, logprobs, ratio, clipped, advantages, kl, prev, gen, mask, toks, reduce
         )
+        if entropy is not None:
+            extra["token_entropy"] = masked(entropy, mask).detach()
         if extra:
             metrics.update({k: float((v * mask).sum() / toks) for k, v in extra.items()})
         samples = batch.sample_valid_mask().to(logprobs)
@@ -408,6 +429,19 @@ class ClippedPGLossFn:
                 (dropped.to(samples) * samples).sum() / seqs
             )
         return loss, metrics
+
+    def _split(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ``[B, S]`` log-probs, and with the entropy bonus on the ``[B, S]`` entropies,
+        of what the policy gave (``input_type``)."""
+        if self.config.entropy_coef == 0:
+            return values, None
+        if values.dim() != 3 or values.shape[-1] != 2:
+            raise ValueError(
+                f"loss_fn.entropy_coef={self.config.entropy_coef} needs [B, S, 2] log-probs and "
+                "token entropies (input_type LossTokenLogprobsAndEntropy) from the policy, got "
+                f"shape {tuple(values.shape)}"
+            )
+        return values[..., 0], values[..., 1]
 
     def _sapo(
         self, ratio: torch.Tensor, advantages: torch.Tensor

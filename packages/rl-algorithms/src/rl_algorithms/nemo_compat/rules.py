@@ -205,6 +205,11 @@ RULES: list[tuple[str, Any]] = [
         "loss_fn.use_importance_sampling_correction",
         To("loss_fn.use_importance_sampling_correction", _importance_weight),
     ),
+    # NeMo RL's ClippedPGLossFn has no entropy bonus; the key is ours, taken as it is written.
+    (
+        "loss_fn.entropy_coef",
+        To("loss_fn.entropy_coef", note="not a NeMo RL key: this library's entropy bonus"),
+    ),
     ("loss_fn.force_on_policy_ratio", Unless((False,), "force the probability ratio to 1")),
     ("loss_fn.use_kl_in_reward", To("loss_fn.use_kl_in_reward", _kl_in_reward)),
     ("loss_fn.disable_ppo_ratio", Unless((False,), "drop the PPO ratio (REINFORCE loss)")),

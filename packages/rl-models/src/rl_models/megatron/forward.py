@@ -42,10 +42,15 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    entropy: bool = False,
 ) -> torch.Tensor:
     """``log p(targets)`` under ``softmax(logits / temperature)`` from this rank's slice
-    ``[..., V/tp]`` of the logits.
+    ``[..., V/tp]`` of the logits; with ``entropy`` ``[..., 2]``, the log-probs and the
+    entropy of each position's whole distribution.
 
     A log-softmax over the whole (unpadded) vocabulary: the max and the sum of exponentials
     are all-reduced over the tensor-parallel group, and the target's logit comes from the rank
@@ -53,6 +58,10 @@ def vocab_parallel_logprobs(
     float32, which float64 runs (exact comparisons) cannot have. The all-reduce of the sums is
     Megatron's ``reduce_from_tensor_model_parallel_region``, whose backward passes gradients
     through unchanged: every tensor rank computes the same loss from the reduced values.
+
+    The entropy is ``log S - sum_v e^(s_v) s_v / S`` with ``s = z - max z`` and ``S = sum_v
+    e^(s_v)``: each rank sums ``e^s s`` over its slice and the sums are all-reduced like ``S``.
+    Its gradient is autograd's through those sums (the chunked path recomputes each chunk).
     """
     if logits.dtype in HALF:
         logits = logits.float()
@@ -74,7 +83,13 @@ def vocab_parallel_logprobs(
     here = (local >= 0) & (local < part)
     picked = shifted.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
     picked = reduce_from_tensor_model_parallel_region(picked * here)
-    return picked - sum_exp.log()
+    logprobs = picked - sum_exp.log()
+    if not entropy:
+        return logprobs
+    # The vocabulary's padding columns (s = -inf, e^s = 0) add 0, not 0 * -inf = NaN.
+    finite = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
+    weighted = reduce_from_tensor_model_parallel_region((shifted.exp() * finite).sum(dim=-1))
+    return torch.stack([logprobs, sum_exp.log() - weighted / sum_exp], dim=-1)
 
 
 @dataclass
@@ -124,9 +139,11 @@ def _hidden_chunk_logprobs(
     weight: torch.Tensor,
     vocab_size: int,
     temperature: float,
+    entropy: bool,
 ) -> torch.Tensor:
     """One chunk: this rank's vocab slice of the logits, then the distributed log-softmax."""
-    return vocab_parallel_logprobs(F.linear(hidden, weight), targets, vocab_size, temperature)
+    logits = F.linear(hidden, weight)
+    return vocab_parallel_logprobs(logits, targets, vocab_size, temperature, entropy)
 
 
 def chunked_vocab_parallel_logprobs(
@@ -136,13 +153,22 @@ def chunked_vocab_parallel_logprobs(
     vocab_size: int,
     chunk_size: int | None,
     temperature: float = 1.0,
+    entropy: bool = False,
 ) -> torch.Tensor:
     """``log p(targets)`` from the output layer's input ``hidden [..., H]`` (the whole
     sequence, as every tensor-parallel rank has it) and this rank's vocab slice ``weight
     [V/tp, H]``, ``chunk_size`` tokens at a time: at most ``[chunk_size, V/tp]`` logits exist
-    at once (recomputed in backward), never ``[tokens, V]``."""
+    at once (recomputed in backward), never ``[tokens, V]``. With ``entropy``, ``[..., 2]``
+    (``vocab_parallel_logprobs``)."""
     return over_token_chunks(
-        _hidden_chunk_logprobs, hidden, targets, chunk_size, weight, vocab_size, temperature
+        _hidden_chunk_logprobs,
+        hidden,
+        targets,
+        chunk_size,
+        weight,
+        vocab_size,
+        temperature,
+        entropy,
     )
 
 
@@ -152,27 +178,40 @@ LogprobsOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def _next_token_logprobs(values: torch.Tensor, inp: Inputs, logprobs_of: LogprobsOf):
     """``[B, S]`` next-token log-probs (0 at position 0 and on padding); ``values`` are the
     model's per-position outputs (logits or hidden states) and ``logprobs_of(values, targets)``
-    turns those of the positions before each target into its log-prob."""
+    turns those of the positions before each target into its log-prob (or ``[..., 2]``, the
+    log-prob and the entropy: the result is then ``[B, S, 2]``, aligned alike)."""
     ids, lengths = inp.data["input_ids"], inp.data["input_lengths"]
     width = ids.shape[1]
+
+    def shifted(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # One position to the right (0 in front), zero where ``mask`` is False.
+        trailing = lp.dim() - mask.dim()
+        lp = F.pad(lp, (*(0, 0) * trailing, 1, 0))
+        return lp * mask.view(*mask.shape, *[1] * trailing)
+
     if inp.packed is None:
         lp = logprobs_of(values[:, : width - 1], ids[:, 1:])
         real = torch.arange(width, device=ids.device)[None, :] < lengths[:, None].to(ids.device)
-        return F.pad(lp, (1, 0)) * real
+        return shifted(lp, real)
     p = inp.packed
     row = p.input_ids[0].to(values.device)
-    lp = F.pad(logprobs_of(values[0, :-1], row[1:]), (1, 0))
-    lp = lp * (p.position_ids[0].to(lp.device) > 0)  # a sequence's first token has none
+    first = p.position_ids[0].to(values.device) > 0  # a sequence's first token has none
+    lp = shifted(logprobs_of(values[0, :-1], row[1:]), first)
     return unpack_sequences(lp[None], p.cu_seqlens, lengths, width)
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, inp: Inputs, vocab_size: int, temperature: float = 1.0
+    logits: torch.Tensor,
+    inp: Inputs,
+    vocab_size: int,
+    temperature: float = 1.0,
+    entropy: bool = False,
 ) -> torch.Tensor:
     """``[B, S]`` next-token log-probs of the micro-batch (0 at position 0 and on padding),
-    under ``softmax(logits / temperature)``, from the whole (vocab-parallel) logits."""
+    under ``softmax(logits / temperature)``, from the whole (vocab-parallel) logits; with
+    ``entropy`` ``[B, S, 2]``, each position's entropy beside its log-prob."""
     return _next_token_logprobs(
-        logits, inp, lambda v, t: vocab_parallel_logprobs(v, t, vocab_size, temperature)
+        logits, inp, lambda v, t: vocab_parallel_logprobs(v, t, vocab_size, temperature, entropy)
     )
 
 
@@ -183,13 +222,14 @@ def logprobs_from_hidden(
     vocab_size: int,
     chunk_size: int | None,
     temperature: float = 1.0,
+    entropy: bool = False,
 ) -> torch.Tensor:
     """As ``logprobs_from_logits``, from the output layer's input and weight, in chunks."""
     return _next_token_logprobs(
         hidden,
         inp,
         lambda h, t: chunked_vocab_parallel_logprobs(
-            h, weight, t, vocab_size, chunk_size, temperature
+            h, weight, t, vocab_size, chunk_size, temperature, entropy
         ),
     )
 
@@ -279,11 +319,13 @@ def run_pipeline(
     logits: bool = False,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    entropy: bool = False,
 ) -> None:
     """Forward (and unless ``forward_only``, backward) every micro-batch through the stages.
 
-    ``on_output`` runs on the last pipeline stage only and gets every position's log-probs, or
-    with ``logits`` the aligned logits (``aligned_logits``). Log-probs with a ``chunk_size``
+    ``on_output`` runs on the last pipeline stage only and gets every position's log-probs
+    (with ``entropy`` ``[B, S, 2]``: and each position's entropy), or with ``logits`` the
+    aligned logits (``aligned_logits``). Log-probs with a ``chunk_size``
     are computed from the output layer's input, ``chunk_size`` tokens at a time
     (``logprobs_from_hidden``); whole logits are only made for ``logits`` or
     ``chunk_size=None``.
@@ -306,9 +348,11 @@ def run_pipeline(
             if logits:
                 values = aligned_logits(out, inp, vocab_size)
             elif chunked:  # ``out`` holds the output layer's input here
-                values = logprobs_from_hidden(out, weight, inp, vocab_size, chunk_size, temperature)
+                values = logprobs_from_hidden(
+                    out, weight, inp, vocab_size, chunk_size, temperature, entropy
+                )
             else:
-                values = logprobs_from_logits(out, inp, vocab_size, temperature)
+                values = logprobs_from_logits(out, inp, vocab_size, temperature, entropy)
             loss = on_output(values, inp)
             if loss is None:  # inference: the schedule only needs a number
                 loss = values.new_zeros(())

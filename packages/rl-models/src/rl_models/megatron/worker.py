@@ -26,7 +26,7 @@ flow through the pipeline.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from rl_models.interfaces import (
     LossFunction,
     LossInput,
     LossTokenLogprobs,
+    LossTokenLogprobsAndEntropy,
     loss_input_type,
 )
 from rl_models.megatron import cpu_shim
@@ -75,12 +76,14 @@ from rl_models.policy.checkpoint import OPTIMIZER_FILE, SCHEDULER_FILE
 from rl_models.policy.config import PolicyConfig, worker_config
 from rl_models.policy.weight_export import WeightExportMethods
 
-#: The inputs a loss may declare here, and whether each is the whole logits (``run_pipeline``'s
-#: ``logits``; else every position's log-probs, which a ``LossTokenLogprobs`` loss accepts).
-LOSS_INPUT_IS_LOGITS: dict[type[LossInput], bool] = {
-    Logprobs: False,
-    LossTokenLogprobs: False,
-    Logits: True,
+#: The inputs a loss may declare here, and what ``run_pipeline`` gives for each: every
+#: position's log-probs (which a ``LossTokenLogprobs`` loss accepts), with the entropy beside
+#: them, or the whole logits.
+LOSS_INPUT_OUTPUT: dict[type[LossInput], Literal["logprobs", "entropy", "logits"]] = {
+    Logprobs: "logprobs",
+    LossTokenLogprobs: "logprobs",
+    LossTokenLogprobsAndEntropy: "entropy",
+    Logits: "logits",
 }
 
 
@@ -226,8 +229,8 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
 
     # -- training ------------------------------------------------------------------------------
 
-    def _loss_output(self, loss_fn: LossFunction) -> bool:
-        """Whether ``loss_fn`` takes whole logits (else log-probs), by its ``input_type``."""
+    def _loss_output(self, loss_fn: LossFunction) -> str:
+        """What ``loss_fn`` takes (``LOSS_INPUT_OUTPUT``), by its ``input_type``."""
         declared = loss_input_type(loss_fn)
         if declared is GatheredLogprobs:
             # The vocab-parallel output layer gathers one token per position only.
@@ -236,25 +239,25 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
                 "'teacher_topk_ids'), which backend 'megatron' does not provide; train it with "
                 "policy.backend: dtensor"
             )
-        if declared not in LOSS_INPUT_IS_LOGITS:
+        if declared not in LOSS_INPUT_OUTPUT:
             raise ValueError(
                 f"{type(loss_fn).__name__} has input_type {declared.__name__}, which backend "
                 "'megatron' (causal LMs only) does not provide"
             )
-        return LOSS_INPUT_IS_LOGITS[declared]
+        return LOSS_INPUT_OUTPUT[declared]
 
     def _run_step(
         self,
         step: list[BatchedDataDict],
         loss_fn: LossFunction,
-        output: bool,
+        output: str,
         global_seqs: torch.Tensor,
         global_toks: torch.Tensor,
         eval_mode: bool,
     ) -> torch.Tensor:
-        """Forward/backward of one step's micro-batches (``output``: whole logits for the loss,
-        else log-probs); their summed loss, on every rank of the replica (the last stage
-        computes it)."""
+        """Forward/backward of one step's micro-batches (``output``: what the loss is given,
+        ``LOSS_INPUT_OUTPUT``); their summed loss, on every rank of the replica (the last
+        stage computes it)."""
         losses: list[torch.Tensor] = []
 
         def loss_of(values: torch.Tensor, inp: Inputs) -> torch.Tensor:
@@ -269,9 +272,10 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             loss_of,
             self.hf_config.vocab_size,
             forward_only=eval_mode,
-            logits=output,
+            logits=output == "logits",
             temperature=self.config.logprob_temperature,
             chunk_size=self.config.logprob_chunk_size,
+            entropy=output == "entropy",
         )
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
         return broadcast_from_last_stage(loss_sum.to(self.device))

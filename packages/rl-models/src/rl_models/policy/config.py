@@ -420,6 +420,13 @@ class PolicyConfig(BackendConfig):
         return False
 
     @property
+    def supports_token_entropy(self) -> bool:
+        """Whether the workers can train a loss that reads each token's whole-vocabulary
+        entropy beside its log-prob (``input_type = LossTokenLogprobsAndEntropy``: an entropy
+        bonus)."""
+        return False
+
+    @property
     def supports_mixed_precision(self) -> bool:
         """Whether the workers can compute in bfloat16 over weights of ``model.dtype``."""
         return False
@@ -455,6 +462,10 @@ class DTensorPolicyConfig(PolicyConfig):
         return True
 
     @property
+    def supports_token_entropy(self) -> bool:
+        return True
+
+    @property
     def supports_mixed_precision(self) -> bool:
         return True
 
@@ -464,6 +475,10 @@ class MegatronPolicyConfig(PolicyConfig):
 
     backend: Literal["megatron"] = "megatron"
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+
+    @property
+    def supports_token_entropy(self) -> bool:
+        return True  # vocab-parallel (rl_models.megatron.forward.vocab_parallel_logprobs)
 
     @model_validator(mode="after")
     def _megatron_supports_it(self) -> MegatronPolicyConfig:

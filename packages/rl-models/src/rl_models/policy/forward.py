@@ -4,7 +4,8 @@ Five outputs, all in the row order and right padding of the micro-batch:
 
 - ``forward_logprobs``: ``[B, S]`` next-token log-probs, 0 at position 0 and on padding (with
   ``gather_ids`` ``[B, S, k]``: ``[B, S, 1 + k]``, the input token's and those k tokens'
-  log-probs, for distillation over a teacher's top-k);
+  log-probs, for distillation over a teacher's top-k; with ``entropy``: ``[B, S, 2]``, the
+  log-probs and each distribution's entropy, for an entropy bonus);
 - ``forward_topk_logprobs``: ``[B, S, k]`` top-k log-probs and their token ids, aligned the
   same way (a distillation teacher's report);
 - ``forward_logits``: ``[B, S, V]`` next-token logits aligned the same way (``[:, t]`` is the
@@ -46,6 +47,7 @@ from rl_models.interfaces import (
     Logprobs,
     LossInput,
     LossTokenLogprobs,
+    LossTokenLogprobsAndEntropy,
     Scores,
     Values,
 )
@@ -94,6 +96,17 @@ def token_logprobs(
     if targets.dim() == logits.dim():
         return logp.gather(-1, targets)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``[..., 2]``: ``token_logprobs`` of one target per position, then the entropy ``-sum_v
+    p_v log p_v`` of the position's whole distribution (what ``chunked_logprobs`` gives with
+    ``entropy``, for output layers it cannot replace; autograd's gradients)."""
+    logp = _log_softmax(logits, temperature)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.stack([logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy], -1)
 
 
 def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -150,9 +163,14 @@ def forward_logprobs(
     options: ForwardOptions,
     wanted: torch.Tensor | None = None,
     gather_ids: torch.Tensor | None = None,
+    entropy: bool = False,
 ) -> torch.Tensor:
     """``[B, S]`` next-token log-probs of one micro-batch (0 at position 0 and on padding),
     under the temperature-scaled distribution (``options.temperature``).
+
+    ``entropy``: the result is ``[B, S, 2]``, ``[..., 0]`` the log-probs, ``[..., 1]`` the
+    entropy of the whole distribution that predicts each token (aligned and zeroed alike),
+    from the same chunks of logits; not with ``gather_ids``.
 
     ``gather_ids``: ``[B, S, k]`` token ids aligned like the output (``[:, t]`` are tokens the
     distribution predicting token ``t`` is asked about, e.g. a teacher's top-k there); the
@@ -170,12 +188,17 @@ def forward_logprobs(
     """
     ids, lengths = mb["input_ids"], mb["input_lengths"]
     chunk_size, temperature = options.chunk_size, options.temperature
+    if entropy and gather_ids is not None:
+        raise ValueError("forward_logprobs gives the entropy with one token per position only")
     # The output layer computes log-probs itself only where its output is the plain logits.
-    in_head = supports_chunked_logprobs(model) and (chunk_size is not None or wanted is not None)
+    in_head = supports_chunked_logprobs(model) and (
+        chunk_size is not None or wanted is not None or entropy
+    )
     wanted = wanted if in_head else None
     # Per position, the tokens whose log-probs are wanted: the input token, then gather_ids.
     tokens = ids if gather_ids is None else torch.cat([ids[..., None], gather_ids.to(ids)], -1)
-    sharing = options.share_prefix and not options.packed and gather_ids is None
+    # The shared-prefix pass gives log-probs only.
+    sharing = options.share_prefix and not options.packed and gather_ids is None and not entropy
     if sharing and wanted is not None:
         wanted = wanted & _padding_mask(mb)
         if supports_shared_prefix(model, options.attn_implementation) and sharing_pays(
@@ -195,11 +218,14 @@ def forward_logprobs(
         # (not called on hidden states taken out of it): FSDP2's and peft's hooks then see one
         # ordinary call, and the output layer's sharded weight is gathered as usual.
         targets = F.pad(row_tokens[:, 1:], (*trailing, 0, 1))
-        with output_layer_computes_logprobs(model, targets, chunk_size, temperature, keep):
+        with output_layer_computes_logprobs(model, targets, chunk_size, temperature, keep, entropy):
             lp = model(**inputs).logits[:, :-1]
+    elif entropy:
+        logits = model(**inputs).logits[:, :-1]
+        lp = token_logprobs_and_entropy(logits, row_tokens[:, 1:], temperature)
     else:
         lp = token_logprobs(model(**inputs).logits[:, :-1], row_tokens[:, 1:], temperature)
-    return _aligned(F.pad(lp, (*trailing, 1, 0)), mb, p)
+    return _aligned(F.pad(lp, (*(0, 0) * (lp.dim() - 2), 1, 0)), mb, p)
 
 
 def _aligned(
@@ -345,17 +371,18 @@ class Output(abc.ABC):
 class TokenLogprobs(Output):
     """Next-token log-probs (``forward_logprobs``): of every position, or ``at_loss_tokens``
     only (``loss_token_mask``; 0 elsewhere), and with ``teacher_topk`` also those of the
-    batch's ``teacher_topk_ids``."""
+    batch's ``teacher_topk_ids``, or with ``entropy`` each position's entropy."""
 
     at_loss_tokens: bool = False
     teacher_topk: bool = False
+    entropy: bool = False
     what: ClassVar[str] = "logprobs"
 
     def __call__(self, model, mb, options):
         batch = TrainBatch.from_transport(mb) if self.at_loss_tokens or self.teacher_topk else None
         wanted = batch.loss_token_mask() > 0 if self.at_loss_tokens else None
         gather_ids = teacher_topk_ids(batch) if self.teacher_topk else None
-        return forward_logprobs(model, mb, options, wanted, gather_ids)
+        return forward_logprobs(model, mb, options, wanted, gather_ids, self.entropy)
 
 
 @dataclass(frozen=True)
@@ -413,6 +440,7 @@ LOSS_OUTPUTS: dict[type[LossInput], Output] = {
     Logprobs: TokenLogprobs(),
     LossTokenLogprobs: TokenLogprobs(at_loss_tokens=True),
     GatheredLogprobs: TokenLogprobs(at_loss_tokens=True, teacher_topk=True),
+    LossTokenLogprobsAndEntropy: TokenLogprobs(at_loss_tokens=True, entropy=True),
     Logits: NextTokenLogits(),
     Values: StateValues(aligned=True),
     Scores: SequenceScores(),

@@ -11,6 +11,8 @@ rounded per chunk.
 Targets may carry a trailing dimension (``[..., k]``: the log-probs of k given tokens per
 position, a distillation student's at its teacher's top-k ids), and ``chunked_topk_logprobs``
 gives a position's k most likely tokens and their log-probs (a distillation teacher's side).
+With ``entropy`` each position also gets the entropy of its whole distribution, ``H = -sum_v
+p_v log p_v``, from the same chunk of logits (an entropy bonus in a policy-gradient loss).
 
 ``output_layer_computes_logprobs`` makes a Hugging Face model do this inside its own forward:
 its output layer's forward is swapped for the chunked log-prob computation while the model
@@ -49,12 +51,14 @@ def _chunk_logprobs(
     cast: torch.Tensor,
     bias: torch.Tensor | None,
     temperature: float,
+    entropy: bool = False,
 ) -> torch.Tensor:
-    """``hidden [n, H]``, ``targets [n]`` or ``[n, k]`` -> log-probs of ``targets``' shape;
-    ``cast`` is ``weight`` in the matmuls' dtype (``_matmul_dtype``), without gradient."""
+    """``hidden [n, H]``, ``targets [n]`` or ``[n, k]`` -> log-probs of ``targets``' shape
+    (with ``entropy``: ``[n, 2]`` or ``[n, k + 1]``, the entropy last); ``cast`` is
+    ``weight`` in the matmuls' dtype (``_matmul_dtype``), without gradient."""
     index = targets.unsqueeze(-1) if targets.dim() == 1 else targets  # [n, 1] or [n, k]
-    picked = _TargetLogProbs.apply(hidden, weight, cast, bias, index, temperature)
-    return picked.view(targets.shape)
+    picked = _TargetLogProbs.apply(hidden, weight, cast, bias, index, temperature, entropy)
+    return picked if entropy else picked.view(targets.shape)
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -75,10 +79,15 @@ class _TargetLogProbs(torch.autograd.Function):
     dtype autocast would give them (the inputs' otherwise); the log-softmax in at least
     float32. Saved for backward: the logits in their compute dtype (not a float32 copy).
     ``weight`` is the parameter (its gradient is returned in its dtype); ``cast`` the same
-    values in the matmuls' dtype, made once for all chunks by ``chunked_logprobs``."""
+    values in the matmuls' dtype, made once for all chunks by ``chunked_logprobs``.
+
+    With ``entropy`` a last column holds ``H = lse - sum_v p_v z_v``, the entropy of the whole
+    distribution (``z`` the scaled logits), and the backward adds its gradient ``dH / dz_v =
+    -p_v (log p_v + H)``: written out for the same reason, and since H's autograd graph would
+    keep a float32 ``[n, V]`` softmax alive per chunk where this keeps only ``H [n, 1]``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, cast, bias, index, temperature):
+    def forward(ctx, hidden, weight, cast, bias, index, temperature, entropy=False):
         device, dtype = hidden.device.type, cast.dtype
         with torch.autocast(device, enabled=False):
             h, w = hidden.to(dtype), cast
@@ -88,7 +97,13 @@ class _TargetLogProbs(torch.autograd.Function):
                 z = z / temperature
             lse = torch.logsumexp(z, dim=-1, keepdim=True)
             picked = z.gather(-1, index) - lse
-        ctx.save_for_backward(h, w, logits, index, lse)
+            ent = None
+            if entropy:
+                # sum_v p_v z_v; with it H = lse - E_p[z] (zero-probability entries add 0).
+                expected = torch.softmax(z, dim=-1).mul_(z).sum(-1, keepdim=True)
+                ent = lse - expected
+                picked = torch.cat([picked, ent], dim=-1)
+        ctx.save_for_backward(h, w, logits, index, lse, ent)
         ctx.temperature = temperature
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return picked
@@ -96,14 +111,23 @@ class _TargetLogProbs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        h, w, logits, index, lse = ctx.saved_tensors
+        h, w, logits, index, lse, ent = ctx.saved_tensors
         temperature = ctx.temperature
         with torch.autocast(h.device.type, enabled=False):
-            # d picked[j] / d z = onehot(index[j]) - softmax(z); summed over the k columns.
             g = logits.to(lse.dtype, copy=True)
             if temperature != 1.0:
                 g.div_(temperature)
-            g.sub_(lse).exp_().mul_(-grad.sum(-1, keepdim=True))
+            g.sub_(lse)  # log p
+            if ent is None:
+                # d picked[j] / d z = onehot(index[j]) - softmax(z); summed over the k columns.
+                g.exp_().mul_(-grad.sum(-1, keepdim=True))
+            else:
+                # The entropy column adds g_H * dH/dz = -p (g_H (log p + H)), the log-prob
+                # columns -p sum_j g_j: together -p * (g_H (log p + H) + sum_j g_j).
+                grad, grad_ent = grad[:, :-1], grad[:, -1:].to(g.dtype)
+                scale = (g + ent).mul_(grad_ent).add_(grad.sum(-1, keepdim=True).to(g.dtype))
+                g.exp_().mul_(scale).neg_()
+                del scale
             g.scatter_add_(-1, index, grad.to(g.dtype))
             if temperature != 1.0:
                 g.div_(temperature)
@@ -113,7 +137,7 @@ class _TargetLogProbs(torch.autograd.Function):
             d_hidden = (g @ w).to(hidden_dtype) if need[0] else None
             d_weight = (g.T @ h).to(weight_dtype) if need[1] else None
             d_bias = g.sum(0).to(bias_dtype) if need[3] else None
-        return d_hidden, d_weight, None, d_bias, None, None
+        return d_hidden, d_weight, None, d_bias, None, None, None
 
 
 def over_token_chunks(
@@ -123,19 +147,21 @@ def over_token_chunks(
     chunk_size: int | None,
     *args: Any,
 ) -> torch.Tensor:
-    """``fn(hidden [n, H], targets [n, *rest], *args) -> [n, *rest]`` over ``hidden [..., H]``,
+    """``fn(hidden [n, H], targets [n, *rest], *args) -> [n, *out]`` over ``hidden [..., H]``,
     ``targets [..., *rest]`` (the same leading dimensions as ``hidden``), ``chunk_size`` tokens
-    at a time (``None``: all at once); the result has ``targets``' shape. With gradients each chunk is recomputed in backward (checkpointed), so
+    at a time (``None``: all at once); the result is ``[..., *out]`` (``hidden``'s leading
+    dimensions). With gradients each chunk is recomputed in backward (checkpointed), so
     whatever ``fn`` makes (the chunk's logits) lives only while that chunk is computed.
     ``fn`` may run collectives (the Megatron worker's vocab-parallel log-softmax): every rank
     of the group must then use the same chunks, which it does when their token counts agree.
     """
-    shape = targets.shape
+    lead = hidden.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     tokens = flat_hidden.shape[0]
-    flat_targets = targets.reshape(tokens, *shape[hidden.dim() - 1 :])
+    flat_targets = targets.reshape(tokens, *targets.shape[hidden.dim() - 1 :])
     if chunk_size is None or chunk_size >= tokens:
-        return fn(flat_hidden, flat_targets, *args).view(shape)
+        out = fn(flat_hidden, flat_targets, *args)
+        return out.view(*lead, *out.shape[1:])
     # Checkpointing only pays when backward will run; without grad the chunks already free
     # their logits as they go.
     grad = torch.is_grad_enabled() and any(
@@ -149,7 +175,7 @@ def over_token_chunks(
             out.append(checkpoint(fn, h, t, *args, use_reentrant=False))
         else:
             out.append(fn(h, t, *args))
-    return torch.cat(out).view(shape)
+    return torch.cat(out).view(*lead, *out[0].shape[1:])
 
 
 def chunked_logprobs(
@@ -159,17 +185,22 @@ def chunked_logprobs(
     chunk_size: int | None,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    entropy: bool = False,
 ) -> torch.Tensor:
     """``log softmax((hidden @ weight.T + bias) / temperature)[targets]`` for ``hidden
     [..., H]``, ``targets [...]`` (one token per position) or ``[..., k]`` (k tokens per
-    position), computed ``chunk_size`` tokens at a time (``None``: all at once)."""
+    position), computed ``chunk_size`` tokens at a time (``None``: all at once).
+
+    With ``entropy`` the result has one more column, ``[..., 2]`` (``[..., k + 1]``): the
+    log-prob(s), then the entropy ``-sum_v p_v log p_v`` of that position's whole
+    distribution, differentiable like the log-probs."""
     # The weight in the matmuls' dtype once for all chunks (under autocast a [V, H] copy,
     # held until backward, as autocast's own cache would hold it), outside autograd: each
     # chunk's weight gradient still comes back in the weight's own dtype, so the chunks'
     # gradients add up in that dtype (float32 master weights: float32, not bf16).
     cast = weight.detach().to(_matmul_dtype(hidden, weight))
     return over_token_chunks(
-        _chunk_logprobs, hidden, targets, chunk_size, weight, cast, bias, temperature
+        _chunk_logprobs, hidden, targets, chunk_size, weight, cast, bias, temperature, entropy
     )
 
 
@@ -214,24 +245,27 @@ def output_layer_computes_logprobs(
     chunk_size: int | None,
     temperature: float = 1.0,
     keep: torch.Tensor | None = None,
+    entropy: bool = False,
 ) -> Iterator[None]:
     """While inside, ``model``'s output layer returns log-probs of ``targets`` (``[B, S]``, or
     ``[B, S, k]`` for k tokens per position) instead of logits: ``model(...).logits`` is then
     ``log p(targets)`` at every position, or, given a ``[B, S]`` bool ``keep``, at the kept
     positions only (0 elsewhere): the output layer then never sees the other positions' hidden
-    states."""
+    states. With ``entropy`` each position's entropy follows as one more column
+    (``chunked_logprobs``)."""
     head = _linear_head(model)
 
     def logprobs_forward(hidden: torch.Tensor) -> torch.Tensor:
         if keep is None:
             return chunked_logprobs(
-                hidden, head.weight, targets, chunk_size, head.bias, temperature
+                hidden, head.weight, targets, chunk_size, head.bias, temperature, entropy
             )
         kept = chunked_logprobs(
-            hidden[keep], head.weight, targets[keep], chunk_size, head.bias, temperature
+            hidden[keep], head.weight, targets[keep], chunk_size, head.bias, temperature, entropy
         )
-        mask = keep.view(*keep.shape, *[1] * (targets.dim() - keep.dim())).expand(targets.shape)
-        return kept.new_zeros(targets.shape).masked_scatter(mask, kept)
+        shape = (*keep.shape, *kept.shape[1:])
+        mask = keep.view(*keep.shape, *[1] * (len(shape) - keep.dim())).expand(shape)
+        return kept.new_zeros(shape).masked_scatter(mask, kept)
 
     head.forward = logprobs_forward
     try:
