@@ -399,7 +399,6 @@ def test_a_turn_the_template_renders_otherwise_is_counted_and_warned_of(tokenize
     assert not plain["token_loss_mask"].all()  # the template's "\n" after <|im_end|>
 
 
-
 MISTRAL_CALL = '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "12*34"}}]'
 
 
