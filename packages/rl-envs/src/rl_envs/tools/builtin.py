@@ -115,6 +115,16 @@ def _index(corpus: str, modified: float) -> tuple[Any, list[dict[str, Any]]]:
     return retriever, docs
 
 
+def _corpus_index(corpus: str) -> tuple[Any, list[dict[str, Any]]]:
+    return _index(corpus, Path(corpus).stat().st_mtime)
+
+
+def prepare_search(corpus: str, top_k: int = 3) -> None:
+    """Build the corpus's index in this process before any call (see ``BuiltinTool.prepare``):
+    a call's timeout is sized for a query, not for indexing a corpus."""
+    _corpus_index(corpus)
+
+
 def search(query: str, corpus: str, top_k: int = 3) -> str:
     """Search the document collection and return the best matching documents.
 
@@ -125,7 +135,7 @@ def search(query: str, corpus: str, top_k: int = 3) -> str:
     """
     import bm25s
 
-    retriever, docs = _index(corpus, Path(corpus).stat().st_mtime)
+    retriever, docs = _corpus_index(corpus)
     tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
     k = max(1, min(top_k, len(docs)))
     found, scores = retriever.retrieve(tokens, k=k, show_progress=False)

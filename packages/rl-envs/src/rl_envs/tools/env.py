@@ -212,9 +212,14 @@ class ToolEnvironment(EnvironmentInterface):
         self.stats = ToolStats()
         self._stats_lock = threading.Lock()  # steps run in several threads at once
         preload: list[str] = []
+        warmups: list[tuple[str, tuple]] = []
         for spec in cfg.tools:
             builtin = builtin_for(spec.function)
             preload += builtin[1].preload if builtin else [spec.function]
+            if builtin and builtin[1].prepare:
+                warmups.append(
+                    ("rl_envs.tools.execute:prepare_tool", (builtin[1].prepare, spec.kwargs))
+                )
             if builtin and builtin[0] == "python":
                 from rl_envs.code.sandbox import require_isolation
 
@@ -227,6 +232,7 @@ class ToolEnvironment(EnvironmentInterface):
             chunk_size=cfg.chunk_size,
             num_cpus_per_worker=cfg.num_cpus_per_worker,
             preload=tuple(dict.fromkeys(preload)),
+            warmups=tuple(warmups),
         )
         # The reward functions get a pool of their own that reserves no CPU: within a step the
         # tools run first and the scoring after, so the CPUs reserved for the tools are free.
