@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from rl_envs import reward_function_env
 from rl_envs.pool import VerifierProcess
@@ -298,20 +299,28 @@ def test_a_sample_offers_only_its_own_tools(env):
 def test_the_tool_call_budget_ends_the_episode(files, monkeypatch):
     env = make_env(files, monkeypatch, max_tool_calls=2)
     try:
-        three = call("echo", text="a") + call("echo", text="b") + call("echo", text="c")
-        log = [*PROMPT, said(three)]
+        four = "".join(call("echo", text=t) for t in "abcd")
+        log = [*PROMPT, said(four)]
         first = env.step([log], [{"answer": "42"}])
-        replies = [m["content"] for m in first.observations[0]]
-        assert replies[:2] == ["a", "b"] and not first.terminateds[0]
+        replies = first.observations[0]
+        assert [m["content"] for m in replies[:2]] == ["a", "b"] and not first.terminateds[0]
+        # The two calls over the budget: one message (answering the first of them), not two.
+        assert len(replies) == 3 and replies[2]["tool_call_id"] == "call_2"
+        assert replies[2]["content"] == (
+            "Error: the episode's 2 tool calls are spent, so this call and the 1 after it were "
+            "not run; answer without calling tools."
+        )
         assert (
-            replies[2]
-            == "Error: the episode's 2 tool calls are spent; answer without calling tools."
+            env.global_post_process_and_metrics({"rewards": torch.zeros(0)})[1][
+                "tools/errors/over_budget"
+            ]
+            == 2.0
         )
         # Calling again with the budget spent: that turn is the final answer, and is scored.
         log += [*first.observations[0], said(call("calculator", expression="6*7"))]
         second = env.step([log], first.metadata)
         assert second.terminateds.tolist() == [True]
-        assert second.rewards.tolist() == [-0.25]  # wrong answer, one failed call
+        assert second.rewards.tolist() == [-0.5]  # wrong answer, two calls over the budget
     finally:
         env.shutdown()
 

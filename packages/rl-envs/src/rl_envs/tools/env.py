@@ -23,8 +23,9 @@ hangs, raises, returns no ``str``, floods output) is told to the model in its to
 counted; never a crash.
 
 A turn without a call is the final answer; so is a turn with calls once the episode has made
-``max_tool_calls`` of them (calls of a turn beyond the budget are answered with an error, and
-the model gets one more turn). The answer is scored by the reward functions, called as in
+``max_tool_calls`` of them. The calls of a turn beyond the budget are not run: one tool message
+(answering the first of them) says so, however many there are, and the model gets one more
+turn to answer. The answer is scored by the reward functions, called as in
 ``kind: reward_functions`` (the answer is the completion), with three more keyword arguments:
 ``trajectory`` (the whole conversation: role, content, and ``tool_calls`` parsed from each
 assistant turn, ``tool_call_id``/``name`` on tool messages), ``tool_calls`` (calls made in the
@@ -143,6 +144,14 @@ class _PerTool:
     timeouts: int = 0
     ran: int = 0  # calls whose function ran (and took ``seconds``)
     seconds: float = 0.0
+
+
+def _tool_message(call: ToolCall) -> Message:
+    """The ``role: tool`` message answering ``call`` (its content still to be written)."""
+    message: Message = {"role": "tool", "tool_call_id": call.id, "content": ""}
+    if call.name:
+        message["name"] = call.name
+    return message
 
 
 class ToolStats:
@@ -301,6 +310,32 @@ class ToolEnvironment(EnvironmentInterface):
             )
         return None
 
+    def _over_budget(
+        self,
+        calls: list[ToolCall],
+        offered: Mapping[str, Tool],
+        stats: ToolStats,
+        state: dict[str, int],
+    ) -> Message:
+        """The one message answering the calls of a turn made once the episode's budget is
+        spent (each counted as an ``over_budget`` error): a message per call would only repeat
+        itself, and what the model can act on is that it must answer now."""
+        for call in calls:
+            stats.count(call, offered, "over_budget")
+        state["calls"] += len(calls)
+        state["errors"] += len(calls)
+        message = _tool_message(calls[0])
+        not_run = (
+            "this call was"
+            if len(calls) == 1
+            else f"this call and the {len(calls) - 1} after it were"
+        )
+        message["content"] = (
+            f"Error: the episode's {self.cfg.max_tool_calls} tool calls are spent, so {not_run} "
+            "not run; answer without calling tools."
+        )
+        return message
+
     def _answer(self, call: ToolCall, outcome: Outcome, stats: ToolStats) -> tuple[str | None, str]:
         """What a call that ran came to: its error kind (None when it worked) and the text the
         model is told; its run time counted in ``stats``."""
@@ -371,20 +406,13 @@ class ToolEnvironment(EnvironmentInterface):
                 continue  # the final answer
             offered = self._offered(meta, i)
             replies[i] = []
-            for call in turn.calls:
+            for j, call in enumerate(turn.calls):
+                if state["calls"] >= self.cfg.max_tool_calls:
+                    replies[i].append(self._over_budget(turn.calls[j:], offered, stats, state))
+                    break
                 refusal = self._refusal(call, offered)
-                if refusal is None and state["calls"] >= self.cfg.max_tool_calls:
-                    refusal = (
-                        "over_budget",
-                        (
-                            f"Error: the episode's {self.cfg.max_tool_calls} tool calls are spent; "
-                            "answer without calling tools."
-                        ),
-                    )
                 state["calls"] += 1
-                message: Message = {"role": "tool", "tool_call_id": call.id, "content": ""}
-                if call.name:
-                    message["name"] = call.name
+                message = _tool_message(call)
                 replies[i].append(message)
                 if refusal is not None:
                     kind, message["content"] = refusal
