@@ -67,6 +67,7 @@ from rl_envs.interfaces import (
 )
 from rl_envs.pool import Outcome, WorkerPool
 from rl_envs.reward_function_env import RewardFunctionsEnvConfig, RewardFunctionsEnvironment
+from rl_envs.tools.builtin import python_tool_limits
 from rl_envs.tools.parsers import FORMATS, ToolCall, malformed_message, parse_tool_calls
 from rl_envs.tools.registry import Tool, ToolSpec, builtin_for, tool_schema
 
@@ -119,7 +120,7 @@ class ToolEnvConfig(RewardFunctionsEnvConfig):
         for tool in self.tools:
             builtin = builtin_for(tool.function)
             if builtin is not None and builtin[0] == "python":
-                limits = python_limits(tool)
+                limits = python_tool_limits(tool.kwargs.get("limits"))
                 # The call's timeout is the backstop for the sandbox's own wall-time limit.
                 if limits.wall_time_s >= self.tool_timeout_s:
                     raise ValueError(
@@ -127,14 +128,6 @@ class ToolEnvConfig(RewardFunctionsEnvConfig):
                         f"sandbox wall_time_s ({limits.wall_time_s:g}), which bounds each program"
                     )
         return self
-
-
-def python_limits(spec: ToolSpec) -> Any:
-    """The sandbox limits of a ``python`` tool."""
-    from rl_envs.code.sandbox import SandboxLimits
-    from rl_envs.tools.builtin import PYTHON_TOOL_LIMITS
-
-    return SandboxLimits.model_validate({**PYTHON_TOOL_LIMITS, **spec.kwargs.get("limits", {})})
 
 
 @dataclass
@@ -233,7 +226,7 @@ class ToolEnvironment(EnvironmentInterface):
                 from rl_envs.code.sandbox import require_isolation
 
                 # Refused at setup, not per call, when model code could not be isolated here.
-                require_isolation(python_limits(spec))
+                require_isolation(python_tool_limits(spec.kwargs.get("limits")))
         self._pool = WorkerPool(
             "rl_envs.tools.execute:run_tool",
             num_workers=cfg.num_workers,
