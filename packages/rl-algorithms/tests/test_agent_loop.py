@@ -228,6 +228,68 @@ def test_a_hanging_tool_is_cut_at_its_timeout(tokenizer, template):
     assert result.message_logs[0][-1]["role"] == "assistant"
 
 
+class CancellableSleeper:
+    """A Ray actor (serving one call at a time) whose step sleeps ``seconds`` in short slices,
+    stopping early once Ray marks the call cancelled, as a long step can; it records each
+    step it starts and whether it stopped early."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.started, self.stopped_early = seconds, 0, 0
+
+    def step(self, message_log_batch, metadata):
+        import ray
+
+        self.started += 1
+        deadline = time.monotonic() + self.seconds
+        while time.monotonic() < deadline:
+            if ray.get_runtime_context().is_canceled():
+                self.stopped_early += 1
+                break
+            time.sleep(0.01)
+        n = len(metadata)
+        return EnvironmentReturn(
+            observations=[[{"role": "tool", "content": "slept"}]] * n,
+            metadata=list(metadata),
+            next_stop_strings=[None] * n,
+            rewards=torch.zeros(n),
+            terminateds=torch.ones(n, dtype=torch.bool),
+            answers=[None] * n,
+        )
+
+    def record(self) -> tuple[int, int]:
+        return self.started, self.stopped_early
+
+    def global_post_process_and_metrics(self, batch):
+        return batch, {}
+
+
+@pytest.mark.ray
+def test_a_step_cut_at_its_timeout_is_cancelled_on_the_actor(ray_session, tokenizer, template):
+    """Two episodes, each stepped on its own call of an actor that serves one call at a time:
+    the first step sleeps, the second waits behind it, both are cut at the timeout. Cancelled,
+    each stops as soon as it sees so (or never runs), so the actor is free for its next call
+    (``record``, answered only once it is) long before the steps' sleep would end."""
+    import ray
+
+    actor = ray.remote(CancellableSleeper).options(num_cpus=0).remote(seconds=5.0)
+    loop = AgentLoopConfig(env_steps="per_episode", env_step_timeout_s=0.5)
+    try:
+        assert ray.get(actor.record.remote()) == (0, 0)  # started, before its first step
+        result = roll(
+            RandomTokenGeneration(tokenizer),
+            tool_batch(tokenizer, template, [{"turns": 1, "delays": [0]}] * 2),
+            tokenizer,
+            template,
+            actor,
+            loop=loop,
+        )
+        assert result.end_reasons == ["env_timeout", "env_timeout"]
+        started, stopped_early = ray.get(actor.record.remote(), timeout=30)
+    finally:
+        ray.kill(actor)
+    assert started >= 1 and stopped_early == started
+
+
 @pytest.mark.parametrize(
     ("loop", "max_turns", "reason", "turns"),
     [

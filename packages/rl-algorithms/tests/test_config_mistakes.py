@@ -129,3 +129,39 @@ def test_an_environments_config_mistake_is_one_line_naming_its_own_key(override,
     problems = str(raised.value).splitlines()[1:]
     assert len(problems) == 1 and problems[0].strip().startswith(line), problems
     assert [issue.key for issue in raised.value.errors] == [line.split(":")[0]]
+
+
+def test_eval_takes_the_main_recipes_generation_section(tmp_path):
+    """`rl eval` on the main recipe's model with the main recipe's generation section, every
+    key of it (``dtype`` included); the generator holds the model in that dtype, as GRPO's
+    validation does."""
+    from omegaconf import OmegaConf
+
+    from rl_algorithms import eval as rl_eval
+    from rl_algorithms.config import recipe_path
+    from rl_distributed.config import load_config
+    from rl_models.modeling.precision import generator_dtype
+
+    main = load_config(recipe_path("grpo_main"))
+    assert "dtype" in main.generation  # what eval used to refuse
+    recipe = OmegaConf.create(
+        {
+            "model": main.policy.model,
+            "tokenizer": main.tokenizer,
+            "generation": main.generation,
+            "env": main.env,
+            "data": {"dataset": {**main.data.train, "size": 8}},
+        }
+    )
+    path = tmp_path / "eval.yaml"
+    OmegaConf.save(recipe, path)
+    for dtype, held_in in [("auto", None), ("bfloat16", "bfloat16")]:
+        config = cli.build_config(
+            cli.load_algorithm("eval"), ["--config", str(path), f"generation.dtype={dtype}"]
+        )
+        assert set(main.generation) <= set(config.generation.model_fields_set)
+        plan = rl_eval.generator_plan(config)
+        if held_in is None:  # bfloat16 where this machine computes it natively
+            held_in = generator_dtype("auto", use_gpus=False) or "float32"
+        assert plan.model.dtype == held_in
+        assert "dtype" not in plan.config.model_dump()  # the engine's config has no such key

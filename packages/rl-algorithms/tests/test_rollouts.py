@@ -397,3 +397,43 @@ def test_a_turn_the_template_renders_otherwise_is_counted_and_warned_of(tokenize
     thinking, plain = (log[-1] for log in result.message_logs)
     assert thinking["token_loss_mask"].all()  # only what was sampled: no closing text
     assert not plain["token_loss_mask"].all()  # the template's "\n" after <|im_end|>
+
+
+MISTRAL_CALL = '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "12*34"}}]'
+
+
+def test_a_tool_call_marker_that_is_a_special_token_stays_in_the_turns_text():
+    """Mistral's ``[TOOL_CALLS]`` is a special token of its tokenizer (here a tiny tokenizer
+    given it as one): the turn's text must keep it, or the mistral parser finds no call. The
+    stop token, which the chat template writes itself, stays out of the text, and the turn is
+    rendered as it was sampled."""
+    from rl_data.templates import ChatTemplate, ChatTemplateConfig
+    from rl_data.tokenizers import build_tokenizer, encode_texts
+    from rl_envs.tools.parsers import ToolCall, parse_tool_calls
+
+    from .conftest import CORPUS
+
+    tokenizer = build_tokenizer([*CORPUS, MISTRAL_CALL * 20], vocab_size=400)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert encode_texts(tokenizer, [MISTRAL_CALL])[0][0] == marker  # one special token
+    template = ChatTemplate.from_config(ChatTemplateConfig(), tokenizer)
+    batch = puzzle_batch(tokenizer, template, samples=(0,))
+    env = SlidingPuzzleEnvironment(SlidingPuzzleConfig(max_turns=8))
+    result = run_rollouts(
+        ScriptedGeneration(tokenizer, {0: [MISTRAL_CALL]}),
+        batch,
+        tokenizer,
+        template,
+        {"puzzle": env},
+        max_seq_len=512,
+    )
+
+    turn = result.message_logs[0][-1]
+    assert turn["content"] == MISTRAL_CALL
+    calls = parse_tool_calls(turn["content"], "mistral").calls
+    assert calls == [ToolCall("call_0", "calculator", {"expression": "12*34"})]
+    assert result.metrics["template_mismatched_turns"] == 0.0
+    # The sampled ids (the marker first, EOS last) in the loss, the template's tail after them.
+    sampled = turn["token_ids"][turn["token_loss_mask"].bool()].tolist()
+    assert sampled == [*encode_texts(tokenizer, [MISTRAL_CALL])[0], tokenizer.eos_token_id]

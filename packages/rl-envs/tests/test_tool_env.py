@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from rl_envs import reward_function_env
 from rl_envs.pool import VerifierProcess
@@ -85,9 +86,9 @@ class ProcessPool:
     """The worker pool's contract (``map`` of argument tuples to outcomes, each under the
     timeout; callable from several threads) with one real verifier process and no Ray."""
 
-    def __init__(self, function, timeout_s, preload=(), **_):
+    def __init__(self, function, timeout_s, preload=(), warmups=(), **_):
         self.function, self.timeout_s = function, timeout_s
-        self.process = VerifierProcess((function.partition(":")[0], *preload))
+        self.process = VerifierProcess((function.partition(":")[0], *preload), warmups)
         self.lock = threading.Lock()  # one process, one pipe: one call at a time
 
     def map(self, items):
@@ -298,20 +299,28 @@ def test_a_sample_offers_only_its_own_tools(env):
 def test_the_tool_call_budget_ends_the_episode(files, monkeypatch):
     env = make_env(files, monkeypatch, max_tool_calls=2)
     try:
-        three = call("echo", text="a") + call("echo", text="b") + call("echo", text="c")
-        log = [*PROMPT, said(three)]
+        four = "".join(call("echo", text=t) for t in "abcd")
+        log = [*PROMPT, said(four)]
         first = env.step([log], [{"answer": "42"}])
-        replies = [m["content"] for m in first.observations[0]]
-        assert replies[:2] == ["a", "b"] and not first.terminateds[0]
+        replies = first.observations[0]
+        assert [m["content"] for m in replies[:2]] == ["a", "b"] and not first.terminateds[0]
+        # The two calls over the budget: one message (answering the first of them), not two.
+        assert len(replies) == 3 and replies[2]["tool_call_id"] == "call_2"
+        assert replies[2]["content"] == (
+            "Error: the episode's 2 tool calls are spent, so this call and the 1 after it were "
+            "not run; answer without calling tools."
+        )
         assert (
-            replies[2]
-            == "Error: the episode's 2 tool calls are spent; answer without calling tools."
+            env.global_post_process_and_metrics({"rewards": torch.zeros(0)})[1][
+                "tools/errors/over_budget"
+            ]
+            == 2.0
         )
         # Calling again with the budget spent: that turn is the final answer, and is scored.
         log += [*first.observations[0], said(call("calculator", expression="6*7"))]
         second = env.step([log], first.metadata)
         assert second.terminateds.tolist() == [True]
-        assert second.rewards.tolist() == [-0.25]  # wrong answer, one failed call
+        assert second.rewards.tolist() == [-0.5]  # wrong answer, two calls over the budget
     finally:
         env.shutdown()
 
@@ -399,3 +408,38 @@ def test_it_runs_as_a_ray_actor(ray_session, files):
     finally:
         ray.get(actor.shutdown.remote())
         ray.kill(actor)
+
+
+def test_a_search_call_never_waits_for_the_corpus_to_be_indexed(files, tmp_path, monkeypatch):
+    """Indexing this corpus takes over a second, several times a call's timeout: the tool's
+    process indexes it as it starts, so calls answer in time: the first one, and the first
+    after a call that hung had the process killed (its fresh process indexes it again)."""
+    words = [f"word{i}" for i in range(3000)]
+    docs = [
+        {"title": f"doc {i}", "text": " ".join(words[(i * 7 + k * 13) % 3000] for k in range(30))}
+        for i in range(16000)
+    ]
+    docs[123]["text"] += " zebra"
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    monkeypatch.setattr(tool_env, "WorkerPool", ProcessPool)
+    monkeypatch.setattr(reward_function_env, "WorkerPool", ProcessPool)
+    cfg = ToolEnvConfig(
+        tools=[
+            {"function": "search", "kwargs": {"corpus": str(corpus), "top_k": 1}},
+            {"function": f"{files}/my_tools.py:hang"},
+        ],
+        functions=[{"function": f"{files}/my_rewards.py:correct"}],
+        tool_timeout_s=0.5,
+    )
+    env = ToolEnvironment(cfg)
+    try:
+        for turn in (
+            call("search", query="zebra"),
+            call("hang", seconds=5) + call("search", query="zebra"),
+        ):
+            ret = env.step([[*PROMPT, said(turn)]], [{"answer": "42"}])
+            found = ret.observations[0][-1]["content"]
+            assert found.startswith("[1] doc 123\n"), found
+    finally:
+        env.shutdown()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rl_envs.tools.builtin import calculator, python, search
+from rl_envs.tools.builtin import calculator, python, python_tool_limits, search
 from rl_envs.tools.env import ToolEnvConfig
 from rl_envs.tools.parsers import parse_tool_calls
 from rl_envs.tools.registry import Tool, ToolSpec
@@ -181,6 +181,22 @@ def test_bad_tool_configs_are_refused_naming_what_is_wrong(tools_file, tmp_path)
         ToolEnvConfig(tools=["calculator"], parser="gemma", functions=functions)
     with pytest.raises(ValueError, match="must exceed the python tool's sandbox wall_time_s"):
         ToolEnvConfig(tools=["python"], tool_timeout_s=5, functions=functions)
+
+
+def test_the_python_tools_limits_are_its_defaults_overridden_by_the_config():
+    """The limits the environment checks at setup are those each call runs with
+    (``python_tool_limits``): the tool's own defaults (not the code environment's), what
+    ``kwargs.limits`` sets instead, and nothing when it is left empty (YAML's ``limits:``)."""
+    functions = [{"function": "math"}]
+    assert python_tool_limits(None) == python_tool_limits({})
+    assert python_tool_limits(None).wall_time_s == 8.0  # the sandbox's own default is 20 s
+    limits = python_tool_limits({"memory_mb": 256})
+    assert (limits.memory_mb, limits.wall_time_s) == (256, 8.0)
+    empty = {"function": "python", "kwargs": {"limits": None}}
+    ToolEnvConfig(tools=[empty], tool_timeout_s=9, functions=functions)
+    longer = {"function": "python", "kwargs": {"limits": {"wall_time_s": 12}}}
+    with pytest.raises(ValueError, match=r"tool_timeout_s \(10\) must exceed .* \(12\)"):
+        ToolEnvConfig(tools=[longer], tool_timeout_s=10, functions=functions)
 
 
 def test_the_calculator_evaluates_arithmetic_and_nothing_else():

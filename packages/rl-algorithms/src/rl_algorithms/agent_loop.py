@@ -25,8 +25,9 @@ episode.
 
 Limits per episode: ``max_turns``, ``max_seq_len`` (its total tokens), ``max_tool_calls``,
 ``max_episode_seconds`` (checked between turns: an episode past it starts no new turn) and
-``env_step_timeout_s`` (a step that takes longer ends its episodes, ``env_timeout``). How each
-episode ended is in ``RolloutResult.end_reasons``.
+``env_step_timeout_s`` (a step that takes longer ends its episodes, ``env_timeout``; an
+actor's step is cancelled then, see ``_cut_late_steps``). How each episode ended is in
+``RolloutResult.end_reasons``.
 
 Sampling seeds: a generator that seeds its rows (``rl_models.generation.seeds``) numbers them
 by their place in a call, and which episodes share a call depends on timing here. So the loop
@@ -46,6 +47,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import ray
 import torch
 from pydantic import Field
 
@@ -110,6 +112,7 @@ class _EnvCall:
     rows: list[int]
     started: float
     deadline: float | None
+    ref: ray.ObjectRef | None = None  # an actor's step: cancelled when cut at its deadline
 
 
 class _AgentLoop:
@@ -226,14 +229,16 @@ class _AgentLoop:
         ep = self.episodes
         env = ep.envs[task]
         logs, metadata = [ep.logs[i] for i in rows], [ep.metadata[i] for i in rows]
+        ref = None
         if hasattr(env.step, "remote"):
-            future = env.step.remote(logs, metadata).future()
+            ref = env.step.remote(logs, metadata)
+            future = ref.future()
         else:
             future = self.env_threads[task].submit(env.step, logs, metadata)
         now = time.monotonic()
         timeout = self.config.env_step_timeout_s
         self.stepping[future] = _EnvCall(
-            task, rows, now, None if timeout is None else now + timeout
+            task, rows, now, None if timeout is None else now + timeout, ref
         )
 
     def _stepped(self, future: Future) -> None:
@@ -282,6 +287,11 @@ class _AgentLoop:
             for i in call.rows:
                 self.episodes.finish(i, ENV_TIMEOUT)
             future.cancel()  # an in-process call not started yet never starts
+            if call.ref is not None:
+                # Not forced (that would kill the actor): Ray drops a step not yet started and
+                # marks a running one, which can stop early (``ray.get_runtime_context()
+                # .is_canceled()``), so the actor is free for the next steps sooner.
+                ray.cancel(call.ref)
 
     def timings(self) -> dict[str, float]:
         gen, env, rows = self.generation_seconds, self.env_seconds, self.generation_rows

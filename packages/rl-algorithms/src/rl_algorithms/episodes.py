@@ -49,6 +49,32 @@ ENV_TIMEOUT = "env_timeout"
 END_REASONS = (TERMINATED, TURN_LIMIT, TOKEN_LIMIT, TOOL_CALL_LIMIT, TIME_LIMIT, ENV_TIMEOUT)
 
 
+def _is_special(tokenizer: Any, token_id: int) -> bool:
+    """Whether the tokenizer counts ``token_id`` as a special token: decoding drops it when
+    told to skip special tokens and writes it otherwise (a token that decodes to nothing
+    either way, as a sentencepiece word boundary may, is text)."""
+    return (
+        tokenizer.decode([token_id], skip_special_tokens=True) == ""
+        and tokenizer.decode([token_id], skip_special_tokens=False) != ""
+    )
+
+
+def turn_text(tokenizer: Any, ids: Sequence[int]) -> str:
+    """A generated turn's text (an assistant message's ``content``): every token as the model
+    wrote it, special ones included, less the special tokens it ended with (its stop token,
+    which the chat template writes itself after the content).
+
+    Not ``skip_special_tokens``: the markers of some tool-call formats are special tokens
+    (Mistral's ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``), and the tool parser reads the
+    content; a turn's text without them holds no calls. Keeping them also keeps the content
+    what was sampled, so the chat template renders the turn as it was generated.
+    """
+    end = len(ids)
+    while end and _is_special(tokenizer, ids[end - 1]):
+        end -= 1
+    return tokenizer.decode(list(ids[:end]), skip_special_tokens=False)
+
+
 def assistant_message(
     ids: torch.Tensor,
     logprobs: torch.Tensor,
@@ -64,7 +90,7 @@ def assistant_message(
     ``template_mismatch`` is set when the template renders the turn otherwise than sampled.
     (The rollouts' episodes and the agent-program endpoint's trajectories both make theirs
     here.)"""
-    content = tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+    content = turn_text(tokenizer, ids.tolist())
     message: dict[str, Any] = {
         "role": "assistant",
         "content": content,

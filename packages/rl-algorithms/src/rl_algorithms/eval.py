@@ -26,11 +26,11 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rl_algorithms.config import ClusterConfig, TokenizerConfig, recipe_path
 from rl_algorithms.environments import EnvSection
+from rl_algorithms.grpo.config import GRPOGenerationConfig
 from rl_algorithms.run import DataPlan, GeneratorPlan, Run, setup_run
 from rl_algorithms.utils.logger import LoggerConfig
 from rl_data.datasets import DatasetConfig
 from rl_distributed.config import ConfigModel
-from rl_models.generation.config import GenerationConfig
 from rl_models.modeling.config import ModelConfig
 
 DEFAULT_RECIPE = recipe_path("eval")
@@ -78,7 +78,9 @@ class MasterConfig(ConfigModel):
     model: ModelConfig | None = None
     checkpoint: str | None = None  # a step_<n> directory or a checkpoint directory (latest)
     tokenizer: TokenizerConfig
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    # The generation section of the training recipes (``dtype``, ``num_workers`` included):
+    # a recipe's section evaluates its model as its validation samples from it.
+    generation: GRPOGenerationConfig = Field(default_factory=GRPOGenerationConfig)
     # One environment per task name: env.<task>.kind (a built-in kind, default the task name, or
     # module:Class) and env.<task>.config.
     env: EnvSection
@@ -117,6 +119,12 @@ def model_to_evaluate(config: MasterConfig) -> ModelConfig:
             raise FileNotFoundError(f"checkpoint {path}: no complete checkpoint found there")
         path = latest
     return ModelConfig(path=str((path / POLICY_DIR).resolve()))
+
+
+def generator_plan(config: MasterConfig) -> GeneratorPlan:
+    """The generator sampling from the model evaluated, seeded by ``eval.seed``."""
+    generation = config.generation.model_copy(update={"seed": config.eval.seed})
+    return generation.plan(model_to_evaluate(config), config.cluster.use_gpus)
 
 
 # -- the metrics ---------------------------------------------------------------------------------
@@ -182,13 +190,12 @@ def setup(config: MasterConfig) -> Run:
         shuffle=False,
         drop_last=False,
     )
-    generation = config.generation.model_copy(update={"seed": cfg.seed})
     return setup_run(
         config,
         name="eval",
         seed=cfg.seed,
         data=data,
-        generator=GeneratorPlan(generation, model_to_evaluate(config)),
+        generator=generator_plan(config),
         envs=config.env,
         splits={"train": rows},
     )

@@ -89,11 +89,22 @@ class Outcome:
     error: str | None = None
 
 
-class VerifierProcess:
-    """One long-lived verifier process; :meth:`call` runs one function call in it."""
+# A call a verifier process makes as it starts, before any sample: a function path and its
+# arguments (e.g. building a search index that every call then uses).
+Warmup = tuple[str, tuple]
 
-    def __init__(self, preload: tuple[str, ...] = ()) -> None:
+
+class VerifierProcess:
+    """One long-lived verifier process; :meth:`call` runs one function call in it.
+
+    Each time a process starts (the first call, and the call after one that killed it) it
+    imports ``preload`` and runs the ``warmups`` calls, under the start-up timeout rather than
+    a sample's: what they prepare is never paid for by a call, whose timeout may be shorter.
+    """
+
+    def __init__(self, preload: tuple[str, ...] = (), warmups: tuple[Warmup, ...] = ()) -> None:
         self._preload = preload
+        self._warmups = warmups
         self._proc: subprocess.Popen[bytes] | None = None
 
     def _start(self) -> subprocess.Popen[bytes]:
@@ -104,11 +115,25 @@ class VerifierProcess:
             # Its own process group, so that a timeout kills whatever the verifier started too.
             start_new_session=True,
         )
+        ready = False
         with contextlib.suppress(Exception):
-            if self._receive(proc, STARTUP_TIMEOUT_S)[0] == "ready":
-                return proc
-        self._kill(proc)
-        raise RuntimeError(f"the verifier process did not start (preloading {self._preload})")
+            ready = self._receive(proc, STARTUP_TIMEOUT_S)[0] == "ready"
+        if not ready:
+            self._kill(proc)
+            raise RuntimeError(f"the verifier process did not start (preloading {self._preload})")
+        self._warm_up(proc)
+        return proc
+
+    def _warm_up(self, proc: subprocess.Popen[bytes]) -> None:
+        for function, args in self._warmups:
+            try:
+                write_frame(proc.stdin, (function, args))
+                status, value = self._receive(proc, STARTUP_TIMEOUT_S)
+            except Exception as e:
+                status, value = "error", repr(e)
+            if status != "ok":
+                self._kill(proc)
+                raise RuntimeError(f"the verifier process's warm-up {function} failed: {value}")
 
     @staticmethod
     def _receive(proc: subprocess.Popen[bytes], timeout_s: float) -> Any:
@@ -189,10 +214,16 @@ class _Sent:
 class VerifierWorker:
     """A Ray actor (see :class:`WorkerPool`) running ``function`` over chunks of samples."""
 
-    def __init__(self, function: str, timeout_s: float, preload: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        function: str,
+        timeout_s: float,
+        preload: tuple[str, ...] = (),
+        warmups: tuple[Warmup, ...] = (),
+    ) -> None:
         self._function = function
         self._timeout_s = timeout_s
-        self._process = VerifierProcess(preload)
+        self._process = VerifierProcess(preload, warmups)
 
     def ready(self) -> Outcome:
         # Start the verifier process now, so that its imports are not paid by the first step
@@ -212,7 +243,8 @@ class WorkerPool:
 
     ``function`` is an importable ``"module:function"`` path: the verifier processes import it
     themselves, so nothing unpicklable needs to cross a process boundary. ``preload`` names
-    modules they import before the first sample (so that it does not pay for them).
+    modules they import before the first sample (so that it does not pay for them), and
+    ``warmups`` calls they make then (see :class:`VerifierProcess`).
 
     The workers' CPUs are reserved first, as one placement group: a pool the cluster has no
     room for fails within seconds, naming what it asked and what is free, rather than waiting
@@ -229,6 +261,7 @@ class WorkerPool:
         chunk_size: int | None = None,
         num_cpus_per_worker: float = 1.0,
         preload: tuple[str, ...] = (),
+        warmups: tuple[Warmup, ...] = (),
     ) -> None:
         if num_workers is None:  # as many as the CPUs Ray has free now hold, at most two
             free = ray.available_resources().get("CPU", 0.0)
@@ -239,6 +272,7 @@ class WorkerPool:
         self.timeout_s = timeout_s
         self.chunk_size = chunk_size
         self.preload = (function.partition(":")[0], *preload)
+        self.warmups = warmups
         self._num_cpus_per_worker = num_cpus_per_worker
         self._reservation = None
         if num_cpus_per_worker > 0:
@@ -272,7 +306,7 @@ class WorkerPool:
                 self._reservation, placement_group_bundle_index=index
             )
         actor_cls = ray.remote(VerifierWorker).options(**options)
-        return actor_cls.remote(self.function, self.timeout_s, self.preload)
+        return actor_cls.remote(self.function, self.timeout_s, self.preload, self.warmups)
 
     def _chunks(self, n: int) -> list[range]:
         # By default four chunks per worker: few RPCs, yet a slow chunk delays little.

@@ -25,10 +25,11 @@ from rl_algorithms.config import (
 )
 from rl_algorithms.environments import EnvSection, environment_class
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
+from rl_algorithms.run import GeneratorPlan
 from rl_distributed.config import ConfigModel
 from rl_models.generation.config import GenerationConfig
 from rl_models.modeling.precision import generator_dtype
-from rl_models.policy.config import DType, PolicyConfig
+from rl_models.policy.config import DType, ModelConfig, PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("grpo")
 # `rl grpo` with no --config: SmolLM2-135M-Instruct learns two-digit addition on a CPU.
@@ -202,8 +203,22 @@ class GRPOGenerationConfig(GenerationConfig):
         """The dtype the generator holds the policy in (None: the policy's own)."""
         return generator_dtype(self.dtype, use_gpus)
 
+    @model_validator(mode="after")
+    def _one_model_setting(self) -> GRPOGenerationConfig:
+        if self.model is not None and self.dtype is not None:
+            raise ValueError("give generation.dtype or generation.model, not both")
+        return self
+
     def engine_config(self) -> GenerationConfig:
         return GenerationConfig.model_validate(self.model_dump(exclude={"num_workers", "dtype"}))
+
+    def plan(self, model: ModelConfig, use_gpus: bool) -> GeneratorPlan:
+        """The generator sampling from ``model`` (the policy's, or the model evaluated), held
+        in ``dtype``, on ``num_workers`` workers of its own unless colocated."""
+        dtype = self.copy_dtype(use_gpus)
+        if dtype is not None:
+            model = model.model_copy(update={"dtype": dtype})
+        return GeneratorPlan(self.engine_config(), model, self.colocated, self.num_workers)
 
 
 class RLMasterConfig(RunConfig):
@@ -272,8 +287,6 @@ class RLMasterConfig(RunConfig):
                 f"generation.sampling.temperature ({temperature}) (or be left out)"
             )
         self.policy.logprob_temperature = temperature
-        if self.generation.model is not None and self.generation.dtype is not None:
-            raise ValueError("give generation.dtype or generation.model, not both")
         if self.generation.tokenizer is None and self.tokenizer.gguf_file is None:
             # Stop tokens and padding. A GGUF tokenizer is read from the model's converted
             # directory instead (rl_models.model_files), which holds its files.

@@ -28,7 +28,6 @@ from rl_algorithms.grpo.steps import (
 )
 from rl_algorithms.run import (
     DataPlan,
-    GeneratorPlan,
     ModelPlan,
     Run,
     end_step,
@@ -57,11 +56,7 @@ def setup_rollout_run(config: RLMasterConfig, name: str, loss_fn: Any, **models:
     ``teacher=``)."""
     from rl_data.collate import rl_collate
 
-    loop, gen = config.rollout, config.generation
-    model = config.policy.model
-    dtype = gen.copy_dtype(config.cluster.use_gpus)
-    if dtype is not None:
-        model = model.model_copy(update={"dtype": dtype})
+    loop = config.rollout
     data = DataPlan(
         "prompt",
         rl_collate,
@@ -76,7 +71,7 @@ def setup_rollout_run(config: RLMasterConfig, name: str, loss_fn: Any, **models:
         seed=loop.seed,
         data=data,
         policy=config.policy.worker_config(),
-        generator=GeneratorPlan(gen.engine_config(), model, gen.colocated, gen.num_workers),
+        generator=config.generation.plan(config.policy.model, config.cluster.use_gpus),
         envs=config.env,
         loss_fn=loss_fn,
         max_steps=loop.max_num_steps,

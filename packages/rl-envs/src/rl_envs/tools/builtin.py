@@ -11,8 +11,12 @@ import ast
 import functools
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rl_envs.code.sandbox import SandboxLimits
 
 # The python tool's sandbox limits unless its ``kwargs.limits`` says otherwise: a tool call is
 # a short computation inside a conversation, not a test suite.
@@ -64,6 +68,15 @@ def calculator(expression: str) -> str:
     return str(value)
 
 
+def python_tool_limits(limits: Mapping[str, Any] | None = None) -> SandboxLimits:
+    """The sandbox limits the python tool runs under: :data:`PYTHON_TOOL_LIMITS`, with what its
+    config's ``kwargs.limits`` sets instead (None or left out: nothing). The one place they are
+    merged: the environment checks at setup the very limits each call runs with."""
+    from rl_envs.code.sandbox import SandboxLimits
+
+    return SandboxLimits.model_validate({**PYTHON_TOOL_LIMITS, **(limits or {})})
+
+
 def python(code: str, limits: dict[str, Any] | None = None) -> str:
     """Run a Python program and return what it printed (and its error, if it failed).
 
@@ -75,9 +88,9 @@ def python(code: str, limits: dict[str, Any] | None = None) -> str:
         limits: Set by the environment's config, not by the model.
     """
     from rl_envs.code.cases import StdioCase
-    from rl_envs.code.sandbox import SandboxLimits, run_code
+    from rl_envs.code.sandbox import run_code
 
-    sandbox = SandboxLimits.model_validate({**PYTHON_TOOL_LIMITS, **(limits or {})})
+    sandbox = python_tool_limits(limits)
     result = run_code(code, [StdioCase(stdin="", stdout="")], sandbox)
     report = result.outputs[0]
     if result.timed_out or report is None:
@@ -115,6 +128,16 @@ def _index(corpus: str, modified: float) -> tuple[Any, list[dict[str, Any]]]:
     return retriever, docs
 
 
+def _corpus_index(corpus: str) -> tuple[Any, list[dict[str, Any]]]:
+    return _index(corpus, Path(corpus).stat().st_mtime)
+
+
+def prepare_search(corpus: str, top_k: int = 3) -> None:
+    """Build the corpus's index in this process before any call (see ``BuiltinTool.prepare``):
+    a call's timeout is sized for a query, not for indexing a corpus."""
+    _corpus_index(corpus)
+
+
 def search(query: str, corpus: str, top_k: int = 3) -> str:
     """Search the document collection and return the best matching documents.
 
@@ -125,7 +148,7 @@ def search(query: str, corpus: str, top_k: int = 3) -> str:
     """
     import bm25s
 
-    retriever, docs = _index(corpus, Path(corpus).stat().st_mtime)
+    retriever, docs = _corpus_index(corpus)
     tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)
     k = max(1, min(top_k, len(docs)))
     found, scores = retriever.retrieve(tokens, k=k, show_progress=False)

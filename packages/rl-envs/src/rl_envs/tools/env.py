@@ -23,8 +23,9 @@ hangs, raises, returns no ``str``, floods output) is told to the model in its to
 counted; never a crash.
 
 A turn without a call is the final answer; so is a turn with calls once the episode has made
-``max_tool_calls`` of them (calls of a turn beyond the budget are answered with an error, and
-the model gets one more turn). The answer is scored by the reward functions, called as in
+``max_tool_calls`` of them. The calls of a turn beyond the budget are not run: one tool message
+(answering the first of them) says so, however many there are, and the model gets one more
+turn to answer. The answer is scored by the reward functions, called as in
 ``kind: reward_functions`` (the answer is the completion), with three more keyword arguments:
 ``trajectory`` (the whole conversation: role, content, and ``tool_calls`` parsed from each
 assistant turn, ``tool_call_id``/``name`` on tool messages), ``tool_calls`` (calls made in the
@@ -66,6 +67,7 @@ from rl_envs.interfaces import (
 )
 from rl_envs.pool import Outcome, WorkerPool
 from rl_envs.reward_function_env import RewardFunctionsEnvConfig, RewardFunctionsEnvironment
+from rl_envs.tools.builtin import python_tool_limits
 from rl_envs.tools.parsers import FORMATS, ToolCall, malformed_message, parse_tool_calls
 from rl_envs.tools.registry import Tool, ToolSpec, builtin_for, tool_schema
 
@@ -118,7 +120,7 @@ class ToolEnvConfig(RewardFunctionsEnvConfig):
         for tool in self.tools:
             builtin = builtin_for(tool.function)
             if builtin is not None and builtin[0] == "python":
-                limits = python_limits(tool)
+                limits = python_tool_limits(tool.kwargs.get("limits"))
                 # The call's timeout is the backstop for the sandbox's own wall-time limit.
                 if limits.wall_time_s >= self.tool_timeout_s:
                     raise ValueError(
@@ -128,14 +130,6 @@ class ToolEnvConfig(RewardFunctionsEnvConfig):
         return self
 
 
-def python_limits(spec: ToolSpec) -> Any:
-    """The sandbox limits of a ``python`` tool."""
-    from rl_envs.code.sandbox import SandboxLimits
-    from rl_envs.tools.builtin import PYTHON_TOOL_LIMITS
-
-    return SandboxLimits.model_validate({**PYTHON_TOOL_LIMITS, **spec.kwargs.get("limits", {})})
-
-
 @dataclass
 class _PerTool:
     calls: int = 0
@@ -143,6 +137,14 @@ class _PerTool:
     timeouts: int = 0
     ran: int = 0  # calls whose function ran (and took ``seconds``)
     seconds: float = 0.0
+
+
+def _tool_message(call: ToolCall) -> Message:
+    """The ``role: tool`` message answering ``call`` (its content still to be written)."""
+    message: Message = {"role": "tool", "tool_call_id": call.id, "content": ""}
+    if call.name:
+        message["name"] = call.name
+    return message
 
 
 class ToolStats:
@@ -212,14 +214,19 @@ class ToolEnvironment(EnvironmentInterface):
         self.stats = ToolStats()
         self._stats_lock = threading.Lock()  # steps run in several threads at once
         preload: list[str] = []
+        warmups: list[tuple[str, tuple]] = []
         for spec in cfg.tools:
             builtin = builtin_for(spec.function)
             preload += builtin[1].preload if builtin else [spec.function]
+            if builtin and builtin[1].prepare:
+                warmups.append(
+                    ("rl_envs.tools.execute:prepare_tool", (builtin[1].prepare, spec.kwargs))
+                )
             if builtin and builtin[0] == "python":
                 from rl_envs.code.sandbox import require_isolation
 
                 # Refused at setup, not per call, when model code could not be isolated here.
-                require_isolation(python_limits(spec))
+                require_isolation(python_tool_limits(spec.kwargs.get("limits")))
         self._pool = WorkerPool(
             "rl_envs.tools.execute:run_tool",
             num_workers=cfg.num_workers,
@@ -227,6 +234,7 @@ class ToolEnvironment(EnvironmentInterface):
             chunk_size=cfg.chunk_size,
             num_cpus_per_worker=cfg.num_cpus_per_worker,
             preload=tuple(dict.fromkeys(preload)),
+            warmups=tuple(warmups),
         )
         # The reward functions get a pool of their own that reserves no CPU: within a step the
         # tools run first and the scoring after, so the CPUs reserved for the tools are free.
@@ -294,6 +302,32 @@ class ToolEnvironment(EnvironmentInterface):
                 f"parameters: {tool.describe_parameters()}"
             )
         return None
+
+    def _over_budget(
+        self,
+        calls: list[ToolCall],
+        offered: Mapping[str, Tool],
+        stats: ToolStats,
+        state: dict[str, int],
+    ) -> Message:
+        """The one message answering the calls of a turn made once the episode's budget is
+        spent (each counted as an ``over_budget`` error): a message per call would only repeat
+        itself, and what the model can act on is that it must answer now."""
+        for call in calls:
+            stats.count(call, offered, "over_budget")
+        state["calls"] += len(calls)
+        state["errors"] += len(calls)
+        message = _tool_message(calls[0])
+        not_run = (
+            "this call was"
+            if len(calls) == 1
+            else f"this call and the {len(calls) - 1} after it were"
+        )
+        message["content"] = (
+            f"Error: the episode's {self.cfg.max_tool_calls} tool calls are spent, so {not_run} "
+            "not run; answer without calling tools."
+        )
+        return message
 
     def _answer(self, call: ToolCall, outcome: Outcome, stats: ToolStats) -> tuple[str | None, str]:
         """What a call that ran came to: its error kind (None when it worked) and the text the
@@ -365,20 +399,13 @@ class ToolEnvironment(EnvironmentInterface):
                 continue  # the final answer
             offered = self._offered(meta, i)
             replies[i] = []
-            for call in turn.calls:
+            for j, call in enumerate(turn.calls):
+                if state["calls"] >= self.cfg.max_tool_calls:
+                    replies[i].append(self._over_budget(turn.calls[j:], offered, stats, state))
+                    break
                 refusal = self._refusal(call, offered)
-                if refusal is None and state["calls"] >= self.cfg.max_tool_calls:
-                    refusal = (
-                        "over_budget",
-                        (
-                            f"Error: the episode's {self.cfg.max_tool_calls} tool calls are spent; "
-                            "answer without calling tools."
-                        ),
-                    )
                 state["calls"] += 1
-                message: Message = {"role": "tool", "tool_call_id": call.id, "content": ""}
-                if call.name:
-                    message["name"] = call.name
+                message = _tool_message(call)
                 replies[i].append(message)
                 if refusal is not None:
                     kind, message["content"] = refusal

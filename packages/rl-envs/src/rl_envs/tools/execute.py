@@ -24,6 +24,12 @@ class ToolResult(TypedDict):
     length: int  # the length of the text it returned (before the cap)
 
 
+def prepare_tool(function: str, kwargs: dict[str, Any]) -> None:
+    """Call ``function(**kwargs)`` (a built-in tool's ``prepare`` with its config's kwargs) as a
+    tool process starts."""
+    load_reward_function(function)(**kwargs)
+
+
 def run_tool(
     function: str, arguments: dict[str, Any], kwargs: dict[str, Any], max_output_chars: int
 ) -> ToolResult:

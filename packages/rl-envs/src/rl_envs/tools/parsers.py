@@ -17,7 +17,7 @@ Formats (``parser`` in the tool environment's config):
   ``<|python_tag|>``. A final answer that starts with ``{`` reads as a call in this format.
 - ``mistral``: Mistral v3 (Mistral 7B v0.3, Nemo, Small): ``[TOOL_CALLS]`` then a JSON list of
   ``{"name": ..., "arguments": {...}}``. ``[TOOL_CALLS]`` is a special token of Mistral's
-  tokenizers: it must survive decoding (not ``skip_special_tokens``) to be seen here.
+  tokenizers: a rollout keeps it in the turn's text (``rl_algorithms.episodes.turn_text``).
 
 Arguments may also come as a JSON string holding the object (OpenAI's wire form), and a call
 may be wrapped as ``{"type": "function", "function": {...}}``.

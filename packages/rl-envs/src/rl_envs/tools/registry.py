@@ -40,6 +40,9 @@ class BuiltinTool:
     paths: tuple[str, ...] = ()  # options that are file paths (made absolute)
     # Modules its worker processes import at start, not under the first call's timeout.
     preload: tuple[str, ...] = ()
+    # A function its worker processes call with its kwargs as each starts, not under a call's
+    # timeout: what every call needs and takes long to make (the search tool's index).
+    prepare: str | None = None
 
 
 BUILTIN_TOOLS = {
@@ -53,6 +56,7 @@ BUILTIN_TOOLS = {
         required=("corpus",),
         paths=("corpus",),
         preload=("bm25s",),
+        prepare="rl_envs.tools.builtin:prepare_search",
     ),
 }
 
