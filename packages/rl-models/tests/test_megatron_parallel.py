@@ -4,6 +4,12 @@ Two CPU workers (gloo) hold one model replica between them: two tensor-parallel 
 pipeline stages. Their log-probs must match plain HF float64, and one SGD step must move the
 weights as the single-process DTensor worker does on the same data; tolerance and its reasons
 as in ``test_megatron_worker.py``.
+
+The unpacked cases also check, on the same workers (a Megatron policy start costs a minute
+here), what a refit and the start-up rely on: each rank read only its slice of the safetensors
+files, and the weight export hands out the HF state dict bit for bit without any rank holding
+more than one decoder layer of full tensors (``test_megatron_sharded_build.py`` covers a fresh
+initialisation).
 """
 
 import pytest
@@ -16,6 +22,7 @@ from rl_distributed import RayVirtualCluster
 from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lm_policy import Policy
+from rl_models.weight_transfer.buckets import unpack_bucket
 
 from .conftest import skewed_batch, tiny_config
 from .test_megatron_worker import ATOL, hf_logprobs
@@ -37,6 +44,55 @@ CASES = {
 }
 
 
+# The cases whose workers also check loading and export (see the module docstring).
+CHECKS_LOAD_AND_EXPORT = ("tp2", "pp2")
+
+
+def check_each_rank_read_only_its_slice(policy: Policy, expected: dict[str, torch.Tensor]) -> None:
+    full_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    for rank_stats in policy.worker_group.call_all("weight_load_stats"):
+        assert rank_stats["model_piece_numel"] * 8 < 0.8 * full_bytes
+        assert rank_stats["bytes_emitted"] == rank_stats["model_piece_numel"] * 8
+        assert 0 < rank_stats["bytes_read"] < 0.8 * full_bytes
+        assert rank_stats["bytes_initialised"] == 0
+
+
+def check_export_without_a_full_gather(
+    policy: Policy, expected: dict[str, torch.Tensor], tp: int
+) -> None:
+    """The refit's export in buckets of a tenth of the model: the HF state dict exactly."""
+    model_bytes = sum(t.numel() * 8 for t in expected.values())
+    bucket_bytes = model_bytes // 10
+    group = policy.worker_group
+    plans = group.call_all("weight_export_plan", bucket_bytes=bucket_bytes)
+    got: dict[int, dict[str, torch.Tensor]] = {0: {}, 1: {}}
+    for step in range(max(p.steps for p in plans)):
+        for rank, bucket in enumerate(group.call_all("export_weight_bucket", step=step)):
+            if bucket is None:
+                continue
+            assert bucket.nbytes <= bucket_bytes or len(bucket.slots) == 1
+            got[rank].update((n, t.clone()) for n, t in unpack_bucket(bucket))
+    stats = group.call_all("finish_weight_export")
+    if tp == 2:  # tensor-parallel rank 0 produces everything, rank 1 only sends its shards
+        assert [p.producer for p in plans] == [True, False] and not got[1]
+    else:  # each pipeline stage exports its own layers
+        assert all(p.producer for p in plans)
+        assert all(".layers.0." in n or "embed" in n for n in got[0])
+        assert all(
+            ".layers.1." in n or n in ("model.norm.weight", "lm_head.weight") for n in got[1]
+        )
+    merged = {**got[0], **got[1]}
+    assert set(merged) == set(expected)
+    for name, t in expected.items():
+        assert torch.equal(merged[name], t), name
+    # No rank ever held more than one unit (here: one decoder layer) of full tensors.
+    layer_bytes = sum(t.numel() * 8 for n, t in expected.items() if ".layers.0." in n)
+    assert layer_bytes < model_bytes / 2
+    for rank_stats in stats:
+        assert rank_stats["peak_held_bytes"] <= layer_bytes
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(CASES))
 def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(case, tiny_llama, tmp_path):
     megatron, extra = CASES[case]
@@ -52,6 +108,11 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(case, tiny_llam
     policy = Policy(cluster, config)
     try:
         assert policy.dp_size == 1  # both workers hold one replica between them
+        if case in CHECKS_LOAD_AND_EXPORT:
+            hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64)
+            check_each_rank_read_only_its_slice(policy, hf.state_dict())
+            tp = megatron.get("tensor_parallel_size", 1)
+            check_export_without_a_full_gather(policy, hf.state_dict(), tp)
         expected = hf_logprobs(tiny_llama, data)
         got = policy.get_logprobs(data)["logprobs"]
         assert got.shape == data["input_ids"].shape and got.dtype == torch.float64
