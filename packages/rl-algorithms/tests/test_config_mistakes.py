@@ -11,6 +11,8 @@ from rl_distributed.config import ConfigError
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "sft_cpu.yaml"
 GRPO_RECIPE = RECIPE.parent / "grpo_math_cpu.yaml"
+PPO_RECIPE = RECIPE.parent / "ppo_math_cpu.yaml"
+DISTILL_RECIPE = RECIPE.parent / "distill_math_cpu.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +96,38 @@ def test_a_checkpoint_metric_grpo_logs_is_accepted():
         cli.load_algorithm("grpo"), [*base, "checkpointing.metric_name=val/accuracy"]
     )
     assert config.checkpointing.metric_name == "val/accuracy"
+
+
+@pytest.mark.parametrize(("algorithm", "recipe"), [("grpo", GRPO_RECIPE), ("ppo", PPO_RECIPE)])
+def test_token_entropy_ranks_checkpoints_only_where_the_entropy_bonus_logs_it(algorithm, recipe):
+    loop = cli.load_algorithm(algorithm)
+    base = ["--config", str(recipe), "tokenizer.path=/tokenizer"]
+    ranked = "checkpointing.metric_name=train/token_entropy"
+    with pytest.raises(ConfigError, match="metric_name 'train/token_entropy' is not a metric"):
+        cli.build_config(loop, [*base, ranked])
+    config = cli.build_config(loop, [*base, "loss_fn.entropy_coef=0.01", ranked])
+    assert config.checkpointing.metric_name == "train/token_entropy"
+
+
+def test_ppo_takes_the_entropy_bonus_into_its_policy_loss():
+    from rl_algorithms.ppo.loop import make_loss
+    from rl_models.interfaces import LossTokenLogprobsAndEntropy, loss_input_type
+
+    argv = ["--config", str(PPO_RECIPE), "tokenizer.path=/tokenizer", "loss_fn.entropy_coef=0.02"]
+    config = cli.build_config(cli.load_algorithm("ppo"), argv)
+    loss_fn = make_loss(config)
+    assert loss_fn.config.entropy_coef == 0.02
+    # The policy is asked for every token's entropy beside its log-probs.
+    assert loss_input_type(loss_fn) is LossTokenLogprobsAndEntropy
+    assert "token_entropy" in loss_fn.METRICS
+
+
+def test_distillation_refuses_an_entropy_bonus_in_its_policy_gradient_part():
+    algorithm = cli.load_algorithm("distill")
+    base = ["--config", str(DISTILL_RECIPE), "tokenizer.path=/tokenizer"]
+    assert cli.build_config(algorithm, base).grpo_loss_fn.entropy_coef == 0
+    with pytest.raises(ConfigError, match=r"grpo_loss_fn\.entropy_coef must be 0 in distillation"):
+        cli.build_config(algorithm, [*base, "grpo_loss_fn.entropy_coef=0.01"])
 
 
 def test_supervised_checkpoint_metrics_are_the_losss_own():

@@ -2,9 +2,9 @@
 the calls a step makes on every model, in order, and that offloading changes no number.
 
 The models are tiny Llamas in real policy workers, run in this process: the controller-side
-``Policy`` drives each through ``InProcessGroup``, a worker group of one in-process worker (the
-Ray group's call-all and sharded-call helpers, without Ray), which logs every worker method it
-runs. The offload target is a dedicated copy in host memory, as in rl-models' test_offload.py.
+``Policy`` drives each through ``in_process.InProcessGroup``, a worker group of one in-process
+worker, which logs every worker method it runs. The offload target is a dedicated copy in
+host memory, as in rl-models' test_offload.py.
 """
 
 from __future__ import annotations
@@ -21,52 +21,16 @@ from rl_algorithms.utils.logger import Logger, LoggerConfig
 from rl_data.collate import rl_collate
 from rl_data.loader import StatefulDataLoader
 from rl_envs.sliding_puzzle import SlidingPuzzleEnvironment
-from rl_models.policy.base_worker import batching_kind
-from rl_models.policy.config import PolicyConfig
-from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lm_policy import Policy
 
 from .conftest import TINY_LLAMA
+from .in_process import in_process_policy
 from .test_grpo_steps import SCRIPT, CyclingGeneration
 from .test_rollouts import puzzle_datums
 
 TINY = {**TINY_LLAMA, "vocab_size": 512}  # the test tokenizer has 400 tokens
 STEPS = 2
 OFFLOAD_CALLS = ["offload_weights", "offload_optimizer_state"]
-
-
-class InProcessGroup:
-    """One policy worker in this process behind the worker-group calls ``Policy`` makes;
-    appends ``(name, method)`` to ``log`` for every worker method it runs."""
-
-    def __init__(self, name: str, worker: DTensorPolicyWorker, log: list) -> None:
-        self.name, self.worker, self.log = name, worker, log
-
-    def call_all(self, method: str, **kwargs):
-        self.log.append((self.name, method))
-        return [getattr(self.worker, method)(**kwargs)]
-
-    def run_all_workers_sharded_data(self, method: str, *, common_kwargs=None, data, **_):
-        (shard,) = data
-        self.log.append((self.name, method))
-        return [getattr(self.worker, method)(data=shard, **(common_kwargs or {}))]
-
-    def get_all_worker_results(self, futures):
-        return futures
-
-    def shutdown(self, **_):
-        pass
-
-
-def in_process_policy(config: PolicyConfig, name: str, log: list) -> Policy:
-    """``Policy`` as ``actors.make_policy`` makes it, its one worker in this process."""
-    policy = Policy.__new__(Policy)
-    policy.config = config
-    policy.worker_group = InProcessGroup(name, DTensorPolicyWorker(config), log)
-    policy.dp_size, policy.on_gpu = 1, False
-    policy.batching = batching_kind(config, on_gpu=False)
-    policy.weight_version = 0
-    return policy
 
 
 class LoggedGeneration(CyclingGeneration):

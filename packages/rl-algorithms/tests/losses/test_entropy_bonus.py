@@ -1,11 +1,13 @@
 """The entropy bonus of ``ClippedPGLossFn`` (``entropy_coef``): values and gradients with
 respect to the logits against a float64 reference written from the definition, under each
-normalisation, with padding and masks, split into micro-batches."""
+normalisation, with padding and masks, split into micro-batches; and the metrics a loss
+declares (``token_entropy`` among them when the bonus is on)."""
 
 import pytest
 import torch
 
 from rl_algorithms.losses import ClippedPGLossFn
+from rl_algorithms.losses.clipped_pg import GENERATOR_METRICS
 from rl_data.batch import TrainBatch
 from rl_models.interfaces import LossTokenLogprobs, LossTokenLogprobsAndEntropy, loss_input_type
 
@@ -112,3 +114,23 @@ def test_off_it_asks_for_log_probs_only_and_computes_nothing_more():
         on(values[..., 0].detach(), TrainBatch.from_transport(data), *counts(data))
     with pytest.raises(ValueError, match="entropy_coef"):
         ClippedPGLossFn({"entropy_coef": -0.1})
+
+
+@pytest.mark.parametrize("coef", [0.0, COEF])
+@pytest.mark.parametrize("name", ["grpo", *CONFIGS])
+def test_an_instances_metrics_are_the_keys_every_call_returns(name, coef):
+    """``METRICS`` of a loss (what checkpoints may be ranked by): what a call returns under
+    its config; a batch that carries the generator's log-probs adds the mismatch metrics where
+    the config does not already require them."""
+    loss_fn = ClippedPGLossFn({**CONFIGS.get(name, {}), "entropy_coef": coef})
+    _, values, data = logits_batch(0)
+    values = values.detach() if coef > 0 else values[..., 0].detach()
+    _, metrics = loss_fn(values, TrainBatch.from_transport(data), *counts(data))
+    assert set(metrics) == loss_fn.METRICS | GENERATOR_METRICS
+    assert ("token_entropy" in loss_fn.METRICS) == (coef > 0)
+    if "generation_logprobs" in loss_fn.batch_fields():
+        assert GENERATOR_METRICS <= loss_fn.METRICS
+        return
+    del data["generation_logprobs"]
+    _, metrics = loss_fn(values, TrainBatch.from_transport(data), *counts(data))
+    assert set(metrics) == loss_fn.METRICS

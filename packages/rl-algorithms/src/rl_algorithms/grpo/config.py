@@ -316,7 +316,11 @@ class MasterConfig(RLMasterConfig):
 
     def logged_metrics(self) -> frozenset[str]:
         loss = builtin_loss(self)
-        loss_metrics = ClippedPGLossFn.METRICS if loss is not None else self.loss_fn.metrics()
+        loss_metrics = (
+            ClippedPGLossFn(loss.policy_loss()).METRICS
+            if loss is not None
+            else self.loss_fn.metrics()
+        )
         train = POLICY_STEP_METRICS | {"grad_norm"} | loss_metrics | STEP_METRICS
         return prefixed("train", train) | prefixed("val", VALIDATION_METRICS)
 

@@ -96,6 +96,7 @@ from pydantic import Field, model_validator
 
 from rl_algorithms.losses.common import global_count, masked_extreme
 from rl_algorithms.losses.mismatch import (
+    MISMATCH_METRICS,
     importance_weights,
     masked,
     mismatch_diagnostics,
@@ -105,6 +106,9 @@ from rl_algorithms.losses.mismatch import (
 from rl_data.batch import TrainBatch
 from rl_distributed.config import ConfigModel
 from rl_models.interfaces import LossTokenLogprobs, LossTokenLogprobsAndEntropy, Max, Min
+
+# What a batch with the generator's log-probs adds to the metrics.
+GENERATOR_METRICS = MISMATCH_METRICS | {"token_mult_prob_error"}
 
 
 class ClippedPGLossConfig(ConfigModel):
@@ -271,7 +275,8 @@ class ClippedPGLossFn:
     # may skip the output layer on prompt tokens.
     input_type = LossTokenLogprobs
     # The metrics _metrics returns under every config (``token_mult_prob_error`` needs the
-    # generator's log-probs in the batch, so it is not among them).
+    # generator's log-probs in the batch, so it is not among them). An instance's ``METRICS``
+    # adds those its config guarantees (``config_metrics``).
     METRICS = frozenset(
         {
             "loss",
@@ -297,6 +302,31 @@ class ClippedPGLossFn:
         # ``prev_logprobs`` in the batch, the current log-probs (detached) stand in for them,
         # which saves the trainer a whole forward pass per step. Off, a missing key is an error.
         self.pi_old_is_current = pi_old_is_current
+        # What a run logs under this config (what checkpointing.metric_name may rank by).
+        self.METRICS = ClippedPGLossFn.METRICS | self.config_metrics()
+
+    def config_metrics(self) -> frozenset[str]:
+        """The metrics every call returns under this config besides the class's ``METRICS``:
+        the entropy bonus's ``token_entropy``, SAPO's gate, the corrections' masked fractions,
+        and the generator/trainer mismatch when the config makes the generator's log-probs
+        required (a batch that merely carries them adds those metrics too)."""
+        cfg = self.config
+        names: set[str] = set()
+        if cfg.entropy_coef > 0:
+            names.add("token_entropy")
+        if cfg.use_sapo:
+            names.add("sapo_gate_weight")
+        if (
+            cfg.use_importance_sampling_correction
+            and cfg.truncated_importance_sampling_ratio is not None
+            and cfg.truncated_importance_sampling_type is not None
+        ):
+            names.add("is_oob_ratio")
+        if cfg.off_policy_sequence_mask_delta is not None:
+            names |= {"off_policy_masked_token_fraction", "off_policy_masked_seq_fraction"}
+        if self._needs_gen():
+            names |= GENERATOR_METRICS
+        return frozenset(names)
 
     def batch_fields(self) -> frozenset[str]:
         """The ``TrainBatch`` fields this loss reads under its config besides the ids and masks,

@@ -84,6 +84,12 @@ def off_policy_sequence_keep(
     return (~drop).to(logprobs), drop.any(dim=1)
 
 
+# The keys ``mismatch_diagnostics`` returns.
+MISMATCH_METRICS = frozenset(
+    {"gen_train_kl_k1", "gen_train_kl_k1_max", "gen_train_kl_k3", "gen_train_kl_k3_max"}
+)
+
+
 def mismatch_diagnostics(
     prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, toks: torch.Tensor
 ) -> dict[str, float]:

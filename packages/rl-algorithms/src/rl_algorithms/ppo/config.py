@@ -116,8 +116,12 @@ class MasterConfig(RLMasterConfig):
     LOOP_SECTION: ClassVar[str] = "ppo"
 
     def logged_metrics(self) -> frozenset[str]:
-        own = builtin_loss(self) is None
-        loss = self.loss_fn.metrics() if own else ClippedPGLossFn.METRICS
+        builtin = builtin_loss(self)
+        loss = (
+            self.loss_fn.metrics()
+            if builtin is None
+            else ClippedPGLossFn(builtin.policy_loss()).METRICS
+        )
         policy = POLICY_STEP_METRICS | {"grad_norm"} | loss | STEP_METRICS
         critic = prefixed(
             "critic", POLICY_STEP_METRICS | {"grad_norm"} | ClippedValueLossFn.METRICS
