@@ -29,14 +29,18 @@ from rl_algorithms.nemo_compat.handlers import (
     _model_name,
     _packing_algorithm,
     _precision,
+    _reward_model_cfg,
     _reward_weights_neutral,
-    _same_as,
     _scheduler,
+    _skip_reference,
     _stop_strings,
     _torch_optimizer,
     _tp_is_one,
     _val_sampling,
 )
+
+# The NeMo loop sections that roll out (ours have the same names).
+ROLLOUT_LOOPS = ("grpo", "ppo", "distillation")
 
 # -- the table -----------------------------------------------------------------------------------
 
@@ -55,6 +59,9 @@ OFF_SECTIONS: list[tuple[str, str]] = [
     ("policy.sequence_packing", "policy.sequence_packing.enabled"),
     ("grpo.reward_shaping", "grpo.reward_shaping.enabled"),
     ("grpo.reward_scaling", "grpo.reward_scaling.enabled"),
+    ("ppo.reward_shaping", "ppo.reward_shaping.enabled"),
+    ("ppo.reward_scaling", "ppo.reward_scaling.enabled"),
+    ("ppo.async_ppo", "ppo.async_ppo.enabled"),
     ("data_plane", "data_plane.enabled"),
     ("logger.wandb", "logger.wandb_enabled"),
     ("logger.swanlab", "logger.swanlab_enabled"),
@@ -77,6 +84,8 @@ UNUSED_SECTIONS = [
 # Sections for features we lack: off, they are ignored; on, each of their keys is refused.
 UNSUPPORTED_SECTIONS = [
     ("grpo.reward_scaling", "rescale rewards linearly"),
+    ("ppo.reward_scaling", "rescale rewards linearly"),
+    ("ppo.async_ppo", "run PPO asynchronously (generation ahead of training)"),
     ("policy.draft", "train a speculative-decoding draft model"),
     ("policy.megatron_cfg.peft", "train LoRA adapters on the Megatron backend"),
     ("policy.megatron_cfg.fp8_cfg", "train in FP8"),
@@ -100,8 +109,8 @@ RULES: list[tuple[str, Any]] = [
     ],
     # -- the loop sections: same names ---------------------------------------------------------
     *[
-        (f"{algo}.{k}", To(f"{algo}.{k}"))
-        for algo in ("grpo", "sft", "dpo")
+        (f"{loop}.{k}", To(f"{loop}.{k}"))
+        for loop in ("grpo", "ppo", "distillation", "sft", "dpo")
         for k in (
             "max_num_epochs",
             "max_num_steps",
@@ -127,29 +136,72 @@ RULES: list[tuple[str, Any]] = [
     ],
     ("*.val_at_end", Unless((False,), "validate once more after the last step")),
     ("sft.only_unmask_final", Unless((False,), "train only on the final assistant turn")),
+    # GRPO, PPO and distillation share the rollout loop (RolloutLoopConfig) and its keys.
     *[
-        (f"grpo.{k}", To(f"grpo.{k}"))
-        for k in (
-            "num_prompts_per_step",
-            "num_generations_per_prompt",
-            "max_rollout_turns",
-            "overlong_filtering",
-            "max_val_samples",
-            "val_batch_size",
-            "use_dynamic_sampling",
-            "dynamic_sampling_max_gen_batches",
+        rule
+        for loop in ROLLOUT_LOOPS
+        for rule in (
+            *[
+                (f"{loop}.{k}", To(f"{loop}.{k}"))
+                for k in (
+                    "num_prompts_per_step",
+                    "num_generations_per_prompt",
+                    "max_rollout_turns",
+                    "overlong_filtering",
+                    "max_val_samples",
+                    "val_batch_size",
+                    "use_dynamic_sampling",
+                    "dynamic_sampling_max_gen_batches",
+                )
+            ],
+            (
+                f"{loop}.reward_shaping.stop_properly_penalty_coef",
+                Unless((None,), "penalise responses that do not stop properly"),
+            ),
+            (f"{loop}.reward_shaping.**", To(f"{loop}.reward_shaping.{{0}}")),
+            (
+                f"{loop}.val_start_at",
+                Unless((-1, 0, None), "delay periodic validation to a later step"),
+            ),
+            (
+                f"{loop}.val_num_generations_per_prompt",
+                Unless((1,), "sample several validation answers"),
+            ),
+            (f"{loop}.stop_at_validation_*", Unless((None,), "stop early at a validation metric")),
+            (f"{loop}.batch_multiplier", Unless((1,), "generate several batches per step")),
+            (
+                f"{loop}.seq_logprob_error_threshold",
+                Unless((None,), "drop sequences by logprob error"),
+            ),
         )
     ],
-    (
-        "grpo.reward_shaping.stop_properly_penalty_coef",
-        Unless((None,), "penalise responses that do not stop properly"),
-    ),
-    ("grpo.reward_shaping.**", To("grpo.reward_shaping.{0}")),
-    ("grpo.val_start_at", Unless((-1, 0, None), "delay periodic validation to a later step")),
     ("grpo.advantage_clip_*", Unless((None,), "clip advantages to a range")),
-    ("grpo.val_num_generations_per_prompt", Unless((1,), "sample several validation answers")),
-    ("grpo.stop_at_validation_*", Unless((None,), "stop early at a validation metric")),
-    ("grpo.batch_multiplier", Unless((1,), "generate several batches per step")),
+    # -- PPO (its value model, NeMo's value:, is our critic: see translate.MODEL_SECTIONS) ------
+    *[
+        (f"ppo.{k}", To(f"ppo.{k}"))
+        for k in ("ppo_epochs", "critic_ppo_epochs", "policy_training_start_step")
+    ],
+    *[
+        (f"ppo.adv_estimator.{k}", To(f"ppo.adv_estimator.{k}"))
+        for k in ("name", "gae_gamma", "gae_lambda", "normalize_advantages")
+    ],
+    (
+        "ppo.adv_estimator.gae_lambda_*",
+        Unless((None,), "decouple GAE's lambda for the critic and the policy (VAPO)"),
+    ),
+    (
+        "ppo.adv_estimator.length_adaptive_alpha",
+        Unless((0, 0.0), "adapt the policy's GAE lambda to the response length (VAPO)"),
+    ),
+    ("ppo.skip_reference_policy_logprobs_calculation", Call(_skip_reference)),
+    ("value_loss_fn.cliprange", To("value_loss_fn.cliprange")),
+    ("value_loss_fn.scale", To("value_loss_fn.scale")),
+    # -- distillation --------------------------------------------------------------------------
+    ("distillation.topk_logits_k", To("distillation.topk_logits_k")),
+    *[
+        (f"loss_fn.{k}", To(f"loss_fn.{k}"))
+        for k in ("kl_type", "mixed_kl_weight", "zero_outside_topk")
+    ],
     ("grpo.adv_estimator.name", To("grpo.advantage_estimator")),
     *[
         (f"grpo.{k}", Call(_estimator_setting(k)))
@@ -166,7 +218,6 @@ RULES: list[tuple[str, Any]] = [
         ),
     ),
     ("grpo.adv_estimator.minus_baseline", Unless((True,), "skip Reinforce++'s baseline")),
-    ("grpo.seq_logprob_error_threshold", Unless((None,), "drop sequences by logprob error")),
     ("grpo.invalid_tool_call_advantage", Unless((None,), "penalise invalid tool calls")),
     ("grpo.malformed_thinking_advantage", Unless((None,), "penalise malformed <think> tags")),
     ("grpo.async_grpo.enabled", To("grpo.async_grpo.enabled")),
@@ -236,6 +287,7 @@ RULES: list[tuple[str, Any]] = [
     ("policy.tokenizer.chat_template", Call(_chat_template)),
     ("policy.tokenizer.chat_template_kwargs", Unless((None,), "pass kwargs to the template")),
     ("policy.tokenizer.use_fastokens", Ignore("a faster tokenizer build; same tokens")),
+    ("policy.reward_model_cfg.*", Call(_reward_model_cfg)),
     ("policy.hf_config_overrides", Unless(_empty, "override the pretrained model's config")),
     ("policy.precision", Call(_precision)),
     ("policy.train_global_batch_size", To("policy.train_global_batch_size")),
@@ -269,10 +321,7 @@ RULES: list[tuple[str, Any]] = [
     ),
     (
         "policy.sequence_packing.logprob_mb_tokens",
-        Unless(
-            _same_as("policy.sequence_packing.train_mb_tokens"),
-            "use another token budget for log-prob micro-batches than for training",
-        ),
+        To("policy.sequence_packing.logprob_max_tokens_per_microbatch"),
     ),
     (
         "policy.sequence_packing.algorithm",
