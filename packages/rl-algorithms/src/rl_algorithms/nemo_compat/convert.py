@@ -17,9 +17,7 @@ import yaml
 
 from rl_algorithms.nemo_compat.translate import Translation, translate_file
 
-USAGE = (
-    "usage: rl convert-config NEMO.yaml [-o OURS.yaml] [--algorithm grpo|ppo|distill|sft|dpo]"
-)
+USAGE = "usage: rl convert-config NEMO.yaml [-o OURS.yaml] [--algorithm grpo|ppo|distill|sft|dpo]"
 # NeMo's loop section -> our algorithm (``rl <name>``).
 ALGORITHM_SECTIONS = {
     "grpo": "grpo",

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from rl_algorithms.nemo_compat.core import Call, Context, Ignore, To, Unless
-from rl_algorithms.nemo_compat.datasets import data_group, env_group
+from rl_algorithms.nemo_compat.datasets import data_group
+from rl_algorithms.nemo_compat.envs import env_group
 from rl_algorithms.nemo_compat.handlers import (
     _add_special_token,
     _chat_template,
@@ -97,6 +98,13 @@ GROUPS = [
     ("env", env_group),
     ("policy.megatron_cfg.optimizer", _megatron_optimizer),
 ]
+
+XTOKEN = "use NeMo's cross-tokenizer off-policy distillation loss"
+
+
+def _other_backend(backend: str) -> Any:
+    return lambda value, ctx: ctx.get("policy.generation.backend") != backend
+
 
 RULES: list[tuple[str, Any]] = [
     *[
@@ -228,6 +236,29 @@ RULES: list[tuple[str, Any]] = [
         "grpo.async_grpo.recompute_kv_cache_after_weight_updates",
         Unless((False,), "recompute the KV cache after a refit"),
     ),
+    ("grpo.async_grpo", Unless((None,), "run GRPO asynchronously")),
+    ("async_rl.**", Unless(lambda v, c: False, "run NeMo's single-controller asynchronous loop")),
+    ("teachers", Unless((None,), "distil off-policy from several teachers (cross-tokenizer)")),
+    ("teacher", Unless((None,), "distil from a teacher given in teachers: instead")),
+    *[
+        (f"loss_fn.{k}", Unless(lambda v, c: False, XTOKEN))
+        for k in (
+            "gold_loss",
+            "xtoken_loss",
+            "temperature",
+            "vocab_topk",
+            "uncommon_topk",
+            "reverse_kl",
+            "exact_token_match_only",
+            "kl_loss_weight",
+            "ce_loss_scale",
+            "dynamic_loss_scaling",
+            "kd_loss_mode",
+            "sum_weights_metric",
+            "alpha",
+            "normalize_teacher_by_vocab",
+        )
+    ],
     ("reward_penalties.**", Unless((False, None), "apply NeMo-Gym reward penalties")),
     ("on_policy_distillation", Unless((None,), "distil from teacher models")),
     # -- loss ------------------------------------------------------------------------------------
@@ -397,6 +428,10 @@ RULES: list[tuple[str, Any]] = [
         "policy.megatron_cfg.num_layers_in_*_pipeline_stage",
         Unless((None,), "size the first/last pipeline stage"),
     ),
+    (
+        "policy.megatron_cfg.converter_type",
+        Ignore("NeMo's HF->Megatron converter; the model's own architecture decides here"),
+    ),
     ("policy.megatron_cfg.pipeline_dtype", Ignore("follows the model's dtype here")),
     ("policy.megatron_cfg.moe_*", Ignore(MOE)),
     ("policy.megatron_cfg.freeze_moe_router", Ignore(MOE)),
@@ -445,6 +480,26 @@ RULES: list[tuple[str, Any]] = [
     ("policy.generation.val_top_p", Call(_val_sampling("policy.generation.top_p"))),
     ("policy.generation.val_top_k", Call(_val_sampling("policy.generation.top_k"))),
     ("policy.generation.port_range_*", Ignore(PORTS)),
+    *[
+        (
+            f"policy.generation.{section}.**",
+            Unless(_other_backend(backend), f"configure NeMo's {name} generation backend"),
+        )
+        for section, backend, name in (
+            ("sglang_cfg", "sglang", "SGLang"),
+            ("trtllm_cfg", "trtllm", "TensorRT-LLM"),
+            ("trtllm_kwargs", "trtllm", "TensorRT-LLM"),
+            ("dynamo_cfg", "dynamo", "Dynamo"),
+        )
+    ],
+    (
+        "policy.generation.use_async_rollouts",
+        Unless((False,), "stream rollouts from an asynchronous engine"),
+    ),
+    (
+        "policy.generation.vllm_cfg.distributed_executor_backend",
+        Ignore("how vLLM starts its own workers"),
+    ),
     ("policy.generation.refit_transport", Unless((None,), "pick NeMo's weight-refit transport")),
     ("policy.generation.refit_cfg.**", Ignore("NeMo's NIXL refit transport settings")),
     ("policy.generation.real_quant_export_cpu_offload", Ignore("quantised refit export")),
@@ -482,11 +537,19 @@ RULES: list[tuple[str, Any]] = [
         Ignore("multimodal encoder cache"),
     ),
     ("policy.generation.vllm_kwargs", Unless(_empty, "pass extra arguments to vLLM")),
+    ("policy.generation.vllm_kwargs.*", Unless((None,), "pass this argument to vLLM")),
+    ("policy.router_replay.enabled", Unless((False,), "replay MoE routing in training")),
+    ("policy.router_replay.**", Ignore(MOE)),
     # -- data, logger, cluster (data.train/validation/default: the data group) -------------------
     ("data.max_input_seq_length", To("data.max_seq_length")),
     ("data.shuffle", To("data.shuffle")),
     ("data.num_workers", Ignore("DataLoader worker processes")),
     ("data.use_multiple_dataloader", Unless((False,), "draw from several dataloaders")),
+    (
+        "data.num_prompts_per_dataloader",
+        Unless((None,), "draw from several dataloaders"),
+    ),
+    ("data.custom_dataloader", Unless((None,), "draw from several dataloaders")),
     ("data.add_bos", Call(_add_special_token)),
     ("data.add_eos", Call(_add_special_token)),
     ("data.add_generation_prompt", Unless((False,), "add the generation prompt to SFT rows")),
