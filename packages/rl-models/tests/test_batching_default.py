@@ -64,9 +64,9 @@ def test_packed_log_prob_micro_batches_may_have_a_budget_of_their_own():
         assert args["sequence_packing_args"]["max_tokens_per_microbatch"] == 64
     config = tiny_config(sequence_packing={**packed, "logprob_max_tokens_per_microbatch": 128})
     budget = {
-        training: microbatch_args(config, training, on_gpu=True, width=50)[
-            "sequence_packing_args"
-        ]["max_tokens_per_microbatch"]
+        training: microbatch_args(config, training, on_gpu=True, width=50)["sequence_packing_args"][
+            "max_tokens_per_microbatch"
+        ]
         for training in (True, False)
     }
     assert budget == {True: 64, False: 128}

@@ -407,3 +407,9 @@ def _reward_model_cfg(ctx: Context, key: str, value: Any) -> None:
         ctx.ignore(key, value, "off")
     else:
         raise Refuse("would train the policy as a reward model: that is `rl rm` here")
+
+
+def _vllm_dtype(value: Any, ctx: Context) -> Any:
+    if value in ("fp8", "float8", "e4m3"):
+        raise Refuse("would generate with FP8 weights in vLLM")
+    return value

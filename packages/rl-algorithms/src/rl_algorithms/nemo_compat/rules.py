@@ -38,6 +38,7 @@ from rl_algorithms.nemo_compat.handlers import (
     _torch_optimizer,
     _tp_is_one,
     _val_sampling,
+    _vllm_dtype,
 )
 
 # The NeMo loop sections that roll out (ours have the same names).
@@ -122,10 +123,14 @@ RULES: list[tuple[str, Any]] = [
         for k in (
             "max_num_epochs",
             "max_num_steps",
-            "val_period",
             "val_at_start",
             "seed",
         )
+    ],
+    # NeMo: a period <= 0 never validates during training, which is our 0.
+    *[
+        (f"{loop}.val_period", To(f"{loop}.val_period", lambda v, c: max(int(v), 0)))
+        for loop in ("grpo", "ppo", "distillation", "sft", "dpo")
     ],
     *[
         (f"{algo}.{k}", To(f"{algo}.{k}"))
@@ -517,7 +522,7 @@ RULES: list[tuple[str, Any]] = [
     ("policy.generation.vllm_cfg.max_model_len", To("generation.vllm.max_model_len")),
     ("policy.generation.vllm_cfg.enforce_eager", To("generation.vllm.enforce_eager")),
     ("policy.generation.vllm_cfg.async_engine", To("generation.vllm.async_engine")),
-    ("policy.generation.vllm_cfg.precision", To("generation.vllm.dtype")),
+    ("policy.generation.vllm_cfg.precision", To("generation.vllm.dtype", _vllm_dtype)),
     ("policy.generation.vllm_cfg.pipeline_parallel_size", Unless((1,), "pipeline vLLM")),
     ("policy.generation.vllm_cfg.expert_parallel_size", Unless((1,), "shard MoE experts")),
     ("policy.generation.vllm_cfg.kv_cache_dtype", Unless(("auto",), "quantise the KV cache")),

@@ -117,7 +117,13 @@ def _model_section(ctx: Context, nemo: str, ours: str) -> None:
 
     for entry in sub.result.translated:
         key, target = theirs(entry.key), entry.target or ""
-        if target.startswith("policy."):
+        if target == "policy.max_total_sequence_length":
+            # The model scores the policy's sequences, which are cut at the policy's length.
+            if entry.value == ctx.get("policy.max_total_sequence_length"):
+                ctx.ignore(key, entry.value, f"the {ours} scores the policy's sequences")
+            else:
+                ctx.refuse(key, entry.value, f"would cut the {ours}'s sequences elsewhere")
+        elif target.startswith("policy."):
             ctx.record(key, entry.value, ours + target.removeprefix("policy"), entry.reason)
         elif target.startswith("tokenizer.") and ours == "critic":
             policy_value = ctx.get("policy" + entry.key.removeprefix("policy"))
@@ -138,6 +144,7 @@ def _model_section(ctx: Context, nemo: str, ours: str) -> None:
         ctx.refuse(theirs(entry.key), entry.value, entry.reason)
     translated = sub.result.config
     moved = dict(translated.get("policy", {}))
+    moved.pop("max_total_sequence_length", None)
     if ours == "critic" and "model" in moved:
         moved["model"] = {**moved["model"], "kind": "value"}  # a value head on that model
     if ours == "teacher" and "tokenizer" in translated:
