@@ -73,16 +73,18 @@ def counts(data):
     ).loss_token_mask().sum()
 
 
-@pytest.mark.parametrize("clip", [CLIP, None])
-def test_value_loss_and_gradient_match_the_reference(clip):
+@pytest.mark.parametrize("clip,scale", [(CLIP, 1.0), (None, 1.0), (CLIP, 0.4)])
+def test_value_loss_and_gradient_match_the_reference(clip, scale):
     values, data = value_batch()
-    loss, metrics = ClippedValueLossFn({"value_clip": clip})(
+    # scale (NeMo RL's value_loss_fn.scale) multiplies the loss and so the gradient.
+    loss, metrics = ClippedValueLossFn({"value_clip": clip, "scale": scale})(
         values, TrainBatch.from_transport(data), *counts(data)
     )
     (grad,) = torch.autograd.grad(loss, values)
 
     ref_values = values.detach().clone().requires_grad_(True)
     want, clip_fraction, n = reference_loss(ref_values, data, clip)
+    want = scale * want
     (want_grad,) = torch.autograd.grad(want, ref_values)
 
     assert torch.isfinite(loss) and torch.isfinite(grad).all()

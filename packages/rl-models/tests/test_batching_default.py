@@ -56,6 +56,22 @@ def test_token_budget_comes_from_the_micro_batch_size_unless_configured():
     assert microbatch_args(config, True, on_gpu=True, width=50) == {}
 
 
+def test_packed_log_prob_micro_batches_may_have_a_budget_of_their_own():
+    packed = {"enabled": True, "max_tokens_per_microbatch": 64}
+    config = tiny_config(sequence_packing=packed)
+    for training in (True, False):
+        args = microbatch_args(config, training, on_gpu=True, width=50)
+        assert args["sequence_packing_args"]["max_tokens_per_microbatch"] == 64
+    config = tiny_config(sequence_packing={**packed, "logprob_max_tokens_per_microbatch": 128})
+    budget = {
+        training: microbatch_args(config, training, on_gpu=True, width=50)["sequence_packing_args"][
+            "max_tokens_per_microbatch"
+        ]
+        for training in (True, False)
+    }
+    assert budget == {True: 64, False: 128}
+
+
 def test_a_cpu_worker_uses_dynamic_micro_batches_by_default():
     data = skewed_batch()  # widths 2..61: fixed micro-batches of 2 rows waste most tokens
     seen: list[tuple[int, int]] = []

@@ -13,7 +13,7 @@ The first argument is the critic's current prediction ``V`` ``[B, S]``, aligned 
 
     loss = 0.5 * max((V - R)^2, (V_old + clamp(V - V_old, -c, c) - R)^2)
 
-and ``0.5 * (V - R)^2`` with ``value_clip: null``. Like the policy's ratio clip it keeps one
+and ``0.5 * (V - R)^2`` with ``value_clip: null``, times ``scale`` (default 1). Like the policy's ratio clip it keeps one
 batch from moving the critic far from where it stood; once ``V`` has moved more than ``c`` from
 ``V_old`` in the direction that lowers the error, the clipped term is the larger one and the
 token gives no gradient. The per-token losses are summed over the loss tokens and divided by
@@ -44,6 +44,8 @@ class ValueLossConfig(ConfigModel):
     # How far (in value units) one batch may move the critic's prediction from V_old before
     # the clipped term takes over; None: no clipping, the plain squared error.
     value_clip: float | None = Field(0.2, gt=0)
+    # A factor on the loss (and so on the critic's gradient; NeMo RL's value_loss_fn.scale).
+    scale: float = Field(1.0, gt=0)
 
 
 class ClippedValueLossFn:
@@ -102,7 +104,7 @@ class ClippedValueLossFn:
             clip_active = torch.zeros_like(values)
 
         toks = global_count(global_valid_toks, values)
-        loss = (per_token * mask).sum() / toks
+        loss = self.config.scale * (per_token * mask).sum() / toks
 
         def token_mean(x: torch.Tensor) -> float:
             return float((x.detach() * mask).sum() / toks)

@@ -17,12 +17,19 @@ import yaml
 
 from rl_algorithms.nemo_compat.translate import Translation, translate_file
 
-USAGE = "usage: rl convert-config NEMO.yaml [-o OURS.yaml] [--algorithm grpo|sft|dpo]"
-ALGORITHM_SECTIONS = ("grpo", "sft", "dpo")
+USAGE = "usage: rl convert-config NEMO.yaml [-o OURS.yaml] [--algorithm grpo|ppo|distill|sft|dpo]"
+# NeMo's loop section -> our algorithm (``rl <name>``).
+ALGORITHM_SECTIONS = {
+    "grpo": "grpo",
+    "ppo": "ppo",
+    "distillation": "distill",
+    "sft": "sft",
+    "dpo": "dpo",
+}
 
 
 def guess_algorithm(tree: dict[str, Any]) -> str:
-    found = [a for a in ALGORITHM_SECTIONS if a in tree]
+    found = [a for s, a in ALGORITHM_SECTIONS.items() if s in tree]
     if len(found) != 1:
         raise ValueError(
             f"cannot tell the algorithm from the recipe (sections found: {found or 'none'}); "

@@ -106,8 +106,12 @@ class Translation:
 class Context:
     """What rules see: the whole (resolved) NeMo recipe, and where results go."""
 
-    def __init__(self, tree: dict[str, Any], algorithm: str, source: str | None = None) -> None:
+    def __init__(
+        self, tree: dict[str, Any], algorithm: str, source: str | None = None, section: str = ""
+    ) -> None:
         self.tree = tree
+        # The NeMo section walked as ``policy`` (``value``, ``teacher``); "" for the recipe.
+        self.section = section
         self.result = Translation(algorithm)
         self.done: set[str] = set()
         self.source = source  # the recipe file (relative prompt files are found from it)

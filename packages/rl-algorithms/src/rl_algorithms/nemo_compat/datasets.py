@@ -26,17 +26,46 @@ if TYPE_CHECKING:
     from rl_algorithms.nemo_compat.core import Context
 
 # Bump when the way rows are converted changes: files converted before are then written again.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 DATASETS_DIR_ENV = "RL_DATASETS_DIR"
 CACHE_ENV = "RL_DATA_CACHE"
 
-# NeMo name -> (hub id, row shape). Shapes: "math" (a problem and its answer), "squad" (context,
-# question, first answer), "helpsteer3" (two responses and a preference score).
-KNOWN_DATASETS: dict[str, tuple[str, str]] = {
-    "OpenMathInstruct-2": ("nvidia/OpenMathInstruct-2", "math"),
-    "squad": ("rajpurkar/squad", "squad"),
-    "HelpSteer3": ("nvidia/HelpSteer3", "helpsteer3"),
-    "ResponseDataset": ("", "response"),
+# NeMo name -> (hub id, row shape, the split NeMo's loader reads; None: the entry's own,
+# train or validation). A shape is the published column layout (COLUMNS) and how NeMo's
+# loader turns a row into a problem and its answer, or into a preference pair.
+KNOWN_DATASETS: dict[str, tuple[str, str, str | None]] = {
+    "OpenMathInstruct-2": ("nvidia/OpenMathInstruct-2", "math", "train_1M"),
+    "DeepScaler": ("agentica-org/DeepScaleR-Preview-Dataset", "problem_answer", "train"),
+    "DAPOMath17K": ("BytedTsinghua-SIA/DAPO-Math-17k", "dapo", "train"),
+    "DAPOMathAIME2024": ("BytedTsinghua-SIA/AIME-2024", "dapo", "train"),
+    "AIME2024": ("HuggingFaceH4/aime_2024", "problem_answer", "train"),
+    # NeMo concatenates the AIME2025-I and AIME2025-II configs' test splits: one file here.
+    "AIME2025": ("opencompass/AIME2025", "question_answer", "test"),
+    "MATH-500": ("HuggingFaceH4/MATH-500", "problem_answer", "test"),
+    "gsm8k": ("openai/gsm8k", "gsm8k", "train"),
+    "GSM8K": ("openai/gsm8k", "gsm8k", "train"),
+    "squad": ("rajpurkar/squad", "squad", None),
+    "HelpSteer3": ("nvidia/HelpSteer3", "helpsteer3", None),
+    "tulu3": ("allenai/llama-3.1-tulu-3-8b-preference-mixture", "tulu3", "train"),
+    "Tulu3Preference": ("allenai/llama-3.1-tulu-3-8b-preference-mixture", "tulu3", "train"),
+    "ResponseDataset": ("", "response", None),
+}
+# The columns each shape reads (a row without one fails, naming the file and these).
+COLUMNS = {
+    "math": ("problem", "expected_answer"),
+    "response": ("input", "output"),
+    "problem_answer": ("problem", "answer"),
+    "question_answer": ("question", "answer"),
+    "gsm8k": ("question", "answer"),  # the answer after its "####"
+    "dapo": ("prompt", "reward_model"),  # prompt[0].content, reward_model.ground_truth
+    "squad": ("context", "question", "answers"),
+    "helpsteer3": ("context", "response1", "response2", "overall_preference"),
+    "tulu3": ("chosen", "rejected"),  # two conversations differing in the last turn
+}
+PREFERENCE_SHAPES = ("helpsteer3", "tulu3")
+# NeMo datasets of features we lack, and what reading them would have done.
+UNSUPPORTED_DATASETS = {
+    "arrow_text": "would distil off-policy on raw pretraining text (NeMo's arrow_text)",
 }
 # Keys of a NeMo dataset entry (data.train, data.validation, data.default) and what uses them.
 ENTRY_KEYS = {
@@ -51,6 +80,7 @@ ENTRY_KEYS = {
     "env_name",
     "split_validation_size",
     "seed",
+    "repeat",
 }
 PROCESSORS = {
     "math_hf_data_processor": "prompt",
@@ -86,6 +116,7 @@ class DatasetJob:
     prompt_file: str | None = None
     system_prompt_file: str | None = None
     recipe_dir: str | None = None
+    repeat: int = 1  # NeMo's data.<split>.repeat: every row this many times (AIME's pass@k)
     out: str = ""
 
     def candidates(self) -> list[tuple[Path, str | None]]:
@@ -94,7 +125,7 @@ class DatasetJob:
         give train and validation the same rows."""
         if self.data_path:
             return [(Path(self.data_path).expanduser(), self.split)]
-        hub = KNOWN_DATASETS.get(self.name, ("", ""))[0]
+        hub = KNOWN_DATASETS.get(self.name, ("", "", None))[0]
         stems = [s for s in dict.fromkeys([self.name, hub, hub.rpartition("/")[2]]) if s]
         out: list[tuple[Path, str | None]] = []
         for d in dataset_dirs():
@@ -147,15 +178,22 @@ class DatasetJob:
         if out.is_file() and done.is_file() and done.read_text() == stamp:
             return
         rows = []
+        columns = list(self.columns())
         for n, record in read_records(source, "auto", split):
             if isinstance(record, Exception):  # a line that is not JSON
                 raise ValueError(f"{self.where}: {source} row {n}: {record}")
+            missing = [c for c in columns if c not in record]
+            if missing:
+                raise ValueError(
+                    f"{self.where}: {source} row {n} lacks column(s) {missing}: NeMo's "
+                    f"{self.name!r} rows have the columns {columns} (the row has {sorted(record)})"
+                )
             try:
-                rows.append(self._row(record, template, system))
-            except (KeyError, IndexError, TypeError) as e:
+                rows += [self._row(record, template, system)] * self.repeat
+            except (KeyError, IndexError, TypeError, AttributeError) as e:
                 raise ValueError(
                     f"{self.where}: {source} row {n} does not have the shape of NeMo's "
-                    f"{self.name!r} rows ({type(e).__name__}: {e})"
+                    f"{self.name!r} rows, columns {columns} ({type(e).__name__}: {e})"
                 ) from None
         _write_jsonl(out, (r for r in rows if r is not None))
         done.write_text(stamp)
@@ -173,6 +211,12 @@ class DatasetJob:
         looked = ", ".join(str(p) for p in tries)
         raise FileNotFoundError(f"{self.where}: prompt file {name!r} not found (looked: {looked})")
 
+    def columns(self) -> tuple[str, ...]:
+        if self.shape in ("math", "response"):
+            defaults = COLUMNS[self.shape]
+            return (self.input_key or defaults[0], self.output_key or defaults[1])
+        return COLUMNS[self.shape]
+
     def _row(self, record: dict[str, Any], template: str | None, system: str | None) -> Any:
         if self.shape == "helpsteer3":
             score = record["overall_preference"]
@@ -181,18 +225,30 @@ class DatasetJob:
             better, worse = ("response1", "response2") if score < 0 else ("response2", "response1")
             context = record["context"]
             return {"prompt": context, "chosen": record[better], "rejected": record[worse]}
+        if self.shape == "tulu3":
+            chosen, rejected = record["chosen"], record["rejected"]
+            if chosen[:-1] != rejected[:-1] or chosen[-1]["role"] != "assistant":
+                raise TypeError("chosen and rejected must share all turns but the last")
+            return {
+                "prompt": chosen[:-1],
+                "chosen": chosen[-1]["content"],
+                "rejected": rejected[-1]["content"],
+            }
         if self.shape == "squad":
             system, question, answer = (
                 record["context"],
                 record["question"],
                 record["answers"]["text"][0],
             )
+        elif self.shape == "dapo":
+            question = record["prompt"][0]["content"]
+            answer = record["reward_model"]["ground_truth"]
         else:
-            default_in, default_out = (
-                ("problem", "expected_answer") if self.shape == "math" else ("input", "output")
-            )
-            question = record[self.input_key or default_in]
-            answer = record[self.output_key or default_out]
+            question_column, answer_column = self.columns()
+            question, answer = record[question_column], record[answer_column]
+            if self.shape == "gsm8k":
+                answer = answer.split("####")[1].strip()
+        answer = str(answer)  # AIME's answers are integers in some releases
         user = template.format(question) if template else question
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": user})
@@ -313,10 +369,11 @@ def data_group(ctx: Context, prefix: str) -> None:
             continue
         spec = {**default, **entry}
         unknown = [k for k in entry if k not in ENTRY_KEYS]
+        lacking = UNSUPPORTED_DATASETS.get(spec.get("dataset_name") or "")
         for key, value in ctx.leaves(f"data.{split}"):
             field_name = key.rsplit(".", 1)[1]
             if field_name in unknown:
-                ctx.refuse(key, value, "a dataset option with no counterpart here")
+                ctx.refuse(key, value, lacking or "a dataset option with no counterpart here")
             elif field_name == "split_validation_size" and split == "train":
                 ctx.put(key, value, "data.validation_fraction")
             elif field_name == "seed" and split == "train":
@@ -329,6 +386,9 @@ def data_group(ctx: Context, prefix: str) -> None:
 def _dataset_entry(ctx: Context, split: str, spec: dict[str, Any]) -> None:
     where = f"data.{split}"
     name = spec.get("dataset_name") or ("ResponseDataset" if spec.get("data_path") else None)
+    if name in UNSUPPORTED_DATASETS:
+        ctx.refuse(where, name, UNSUPPORTED_DATASETS[name])
+        return
     if name not in KNOWN_DATASETS:
         known = ", ".join(k for k in KNOWN_DATASETS if k != "ResponseDataset")
         ctx.refuse(
@@ -338,8 +398,8 @@ def _dataset_entry(ctx: Context, split: str, spec: dict[str, Any]) -> None:
             "or data_path to a local file); write it as our chat JSONL instead",
         )
         return
-    shape = KNOWN_DATASETS[name][1]
-    if shape == "helpsteer3":
+    _, shape, default_split = KNOWN_DATASETS[name]
+    if shape in PREFERENCE_SHAPES:
         kind = "preference"
     else:
         default_processor = "sft_processor" if ctx.algorithm == "sft" else "math_hf_data_processor"
@@ -356,7 +416,7 @@ def _dataset_entry(ctx: Context, split: str, spec: dict[str, Any]) -> None:
     job = DatasetJob(
         where=where,
         name=name,
-        split=spec.get("split") or ("train_1M" if shape == "math" else split),  # NeMo's defaults
+        split=spec.get("split") or default_split or split,  # NeMo's loaders' defaults
         shape=shape,
         kind=kind,
         data_path=spec.get("data_path"),
@@ -365,6 +425,7 @@ def _dataset_entry(ctx: Context, split: str, spec: dict[str, Any]) -> None:
         prompt_file=spec.get("prompt_file"),
         system_prompt_file=spec.get("system_prompt_file"),
         recipe_dir=str(Path(source).resolve().parent) if source else None,
+        repeat=int(spec.get("repeat") or 1),
     )
     job.out = _cache_file(
         name,
@@ -377,6 +438,7 @@ def _dataset_entry(ctx: Context, split: str, spec: dict[str, Any]) -> None:
         job.output_key,
         job.prompt_file,
         job.system_prompt_file,
+        job.repeat,
     )
     ours: dict[str, Any]
     if kind == "preference":
@@ -387,39 +449,6 @@ def _dataset_entry(ctx: Context, split: str, spec: dict[str, Any]) -> None:
             ours |= {"env_info_keys": ["ground_truth"], "task_name": spec.get("env_name", "math")}
     ctx.set_ours(where, ours)
     ctx.result.data_jobs.append(job)
-
-
-def env_group(ctx: Context, prefix: str) -> None:
-    """NeMo's ``env.<task>`` -> our ``env.<task>: {kind, config}``."""
-    puzzle = _puzzle_task(ctx) if ctx.algorithm == "grpo" else None
-    for task, spec in (ctx.get("env") or {}).items():
-        base = f"env.{task}"
-        leaves = list(ctx.leaves(base))
-        if puzzle is not None and task != puzzle:
-            for key, value in leaves:
-                ctx.ignore(key, value, f"NeMo's sliding-puzzle script starts env.{puzzle} only")
-        elif isinstance(spec, dict) and "game_config" in (spec.get("cfg") or {}):
-            _puzzle_env(ctx, task, spec["cfg"], leaves)
-        elif task == "math" and isinstance(spec, dict):
-            config = {}
-            for key, value in leaves:
-                field_name = key.rsplit(".", 1)[1]
-                if field_name == "num_workers":
-                    config["num_workers"] = value
-                    ctx.record(key, value, f"{base}.config.num_workers")
-                elif field_name == "math_verify_impl" and value == "hf_math_verify":
-                    ctx.ignore(key, value, "our math environment uses HF's Math-Verify too")
-                else:
-                    ctx.refuse(key, value, "a math-environment option with no counterpart here")
-            ctx.set_ours(base, {"kind": "math", "config": config})
-        else:
-            for key, value in leaves:
-                ctx.refuse(
-                    key,
-                    value,
-                    f"environment {task!r} has no counterpart here (known: "
-                    "math, and the sliding puzzle of grpo_sliding_puzzle.yaml)",
-                )
 
 
 def _puzzle_env(ctx: Context, task: str, cfg: dict[str, Any], leaves: list) -> None:
@@ -468,15 +497,26 @@ def _puzzle_env(ctx: Context, task: str, cfg: dict[str, Any], leaves: list) -> N
 
 
 def resolve_hub_paths(config: Any) -> None:
-    """``policy.model.path``, ``tokenizer.path`` (and ``generation.model.path``): a hub id
-    becomes its local snapshot directory, before any worker starts."""
+    """Every model a translated recipe names by hub id (``policy.model``, ``tokenizer``,
+    ``generation.model``, the critic's and teacher's models, a reward-model environment's
+    ``model_path``) becomes its local snapshot directory, before any worker starts."""
     from rl_models.model_files import resolve_model_path
 
-    models = [getattr(config.policy, "model", None), getattr(config, "tokenizer", None)]
     generation = getattr(config, "generation", None)
-    models.append(getattr(generation, "model", None))
+    teacher = getattr(config, "teacher", None)
+    models = [
+        getattr(config.policy, "model", None),
+        getattr(config, "tokenizer", None),
+        getattr(generation, "model", None),
+        getattr(getattr(config, "critic", None), "model", None),
+        getattr(teacher, "model", None),
+        getattr(teacher, "tokenizer", None),
+    ]
     for holder in models:
         if holder is not None and holder.path and getattr(holder, "gguf_file", None) is None:
             holder.path = resolve_model_path(holder.path)
     if isinstance(getattr(generation, "tokenizer", None), str):  # GRPO's copy of tokenizer.path
         generation.tokenizer = resolve_model_path(generation.tokenizer)
+    for spec in (getattr(config, "env", None) or {}).values():
+        if getattr(spec, "kind", None) == "reward_model" and "model_path" in spec.config:
+            spec.config["model_path"] = resolve_model_path(spec.config["model_path"])

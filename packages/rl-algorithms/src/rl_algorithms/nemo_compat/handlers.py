@@ -6,6 +6,9 @@ from typing import Any
 
 from rl_algorithms.nemo_compat.core import Context, Refuse
 
+# Our algorithms (``rl <name>``) whose policy rolls out: its sequences are prompt + response.
+ROLLOUT_ALGORITHMS = ("grpo", "ppo", "distill")
+
 # -- conversions ---------------------------------------------------------------------------------
 
 
@@ -318,17 +321,13 @@ def _colocated_resources(ctx: Context, key: str, value: Any) -> None:
 
 
 def _max_length(ctx: Context, key: str, value: Any) -> None:
-    if ctx.algorithm == "grpo":
+    if ctx.algorithm in ROLLOUT_ALGORITHMS:
         ctx.put(key, value, "policy.max_total_sequence_length")
     elif ctx.get("data.max_input_seq_length", value) == value:
         # SFT/DPO: the length samples are cut to, which data.max_seq_length is here.
         ctx.put(key, value, "data.max_seq_length")
     else:
         ctx.ignore(key, value, "data.max_input_seq_length (translated) cuts the samples here")
-
-
-def _same_as(other: str) -> Any:
-    return lambda value, ctx: value == ctx.get(other)
 
 
 def _estimator_setting(name: str) -> Any:
@@ -382,3 +381,35 @@ def _empty(value: Any, ctx: Context) -> bool:
 def _stop_strings(value: Any, ctx: Context) -> list[str]:
     # null: none, unless the sliding-puzzle games (translated first) stop at their action tag.
     return list(value or ctx.ours("generation.sampling.stop_strings") or [])
+
+
+def _skip_reference(ctx: Context, key: str, value: Any) -> None:
+    """PPO's ``skip_reference_policy_logprobs_calculation``: no reference model at all, which
+    is right only while nothing reads its log-probs (no KL penalty)."""
+    penalty = ctx.get("loss_fn.reference_policy_kl_penalty", 0) or 0
+    if value is True and penalty > 0:
+        raise Refuse(
+            "would skip the reference policy's log-probs, which the KL penalty "
+            f"(loss_fn.reference_policy_kl_penalty: {penalty}) reads"
+        )
+    note = "no reference model: nothing reads its log-probs" if value else ""
+    ctx.put(key, value, "policy.reference_policy.enabled", note, ours=not value)
+
+
+def _reward_model_cfg(ctx: Context, key: str, value: Any) -> None:
+    """NeMo builds its PPO value model as a one-output regression reward model; our critic is
+    a value head on the model (``critic.model.kind: value``), the same thing."""
+    if ctx.section == "value":
+        if key.endswith(".reward_model_type") and value != "regression":
+            raise Refuse(f"would build the value model as a {value!r} reward model")
+        ctx.ignore(key, value, "the critic is a value head on its model (critic.model.kind)")
+    elif key.endswith(".enabled") and value is False:
+        ctx.ignore(key, value, "off")
+    else:
+        raise Refuse("would train the policy as a reward model: that is `rl rm` here")
+
+
+def _vllm_dtype(value: Any, ctx: Context) -> Any:
+    if value in ("fp8", "float8", "e4m3"):
+        raise Refuse("would generate with FP8 weights in vLLM")
+    return value

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from rl_algorithms.nemo_compat.core import Call, Context, Ignore, To, Unless
-from rl_algorithms.nemo_compat.datasets import data_group, env_group
+from rl_algorithms.nemo_compat.datasets import data_group
+from rl_algorithms.nemo_compat.envs import env_group
 from rl_algorithms.nemo_compat.handlers import (
     _add_special_token,
     _chat_template,
@@ -29,14 +30,19 @@ from rl_algorithms.nemo_compat.handlers import (
     _model_name,
     _packing_algorithm,
     _precision,
+    _reward_model_cfg,
     _reward_weights_neutral,
-    _same_as,
     _scheduler,
+    _skip_reference,
     _stop_strings,
     _torch_optimizer,
     _tp_is_one,
     _val_sampling,
+    _vllm_dtype,
 )
+
+# The NeMo loop sections that roll out (ours have the same names).
+ROLLOUT_LOOPS = ("grpo", "ppo", "distillation")
 
 # -- the table -----------------------------------------------------------------------------------
 
@@ -55,6 +61,9 @@ OFF_SECTIONS: list[tuple[str, str]] = [
     ("policy.sequence_packing", "policy.sequence_packing.enabled"),
     ("grpo.reward_shaping", "grpo.reward_shaping.enabled"),
     ("grpo.reward_scaling", "grpo.reward_scaling.enabled"),
+    ("ppo.reward_shaping", "ppo.reward_shaping.enabled"),
+    ("ppo.reward_scaling", "ppo.reward_scaling.enabled"),
+    ("ppo.async_ppo", "ppo.async_ppo.enabled"),
     ("data_plane", "data_plane.enabled"),
     ("logger.wandb", "logger.wandb_enabled"),
     ("logger.swanlab", "logger.swanlab_enabled"),
@@ -77,6 +86,8 @@ UNUSED_SECTIONS = [
 # Sections for features we lack: off, they are ignored; on, each of their keys is refused.
 UNSUPPORTED_SECTIONS = [
     ("grpo.reward_scaling", "rescale rewards linearly"),
+    ("ppo.reward_scaling", "rescale rewards linearly"),
+    ("ppo.async_ppo", "run PPO asynchronously (generation ahead of training)"),
     ("policy.draft", "train a speculative-decoding draft model"),
     ("policy.megatron_cfg.peft", "train LoRA adapters on the Megatron backend"),
     ("policy.megatron_cfg.fp8_cfg", "train in FP8"),
@@ -89,6 +100,13 @@ GROUPS = [
     ("policy.megatron_cfg.optimizer", _megatron_optimizer),
 ]
 
+XTOKEN = "use NeMo's cross-tokenizer off-policy distillation loss"
+
+
+def _other_backend(backend: str) -> Any:
+    return lambda value, ctx: ctx.get("policy.generation.backend") != backend
+
+
 RULES: list[tuple[str, Any]] = [
     *[
         rule
@@ -100,15 +118,19 @@ RULES: list[tuple[str, Any]] = [
     ],
     # -- the loop sections: same names ---------------------------------------------------------
     *[
-        (f"{algo}.{k}", To(f"{algo}.{k}"))
-        for algo in ("grpo", "sft", "dpo")
+        (f"{loop}.{k}", To(f"{loop}.{k}"))
+        for loop in ("grpo", "ppo", "distillation", "sft", "dpo")
         for k in (
             "max_num_epochs",
             "max_num_steps",
-            "val_period",
             "val_at_start",
             "seed",
         )
+    ],
+    # NeMo: a period <= 0 never validates during training, which is our 0.
+    *[
+        (f"{loop}.val_period", To(f"{loop}.val_period", lambda v, c: max(int(v), 0)))
+        for loop in ("grpo", "ppo", "distillation", "sft", "dpo")
     ],
     *[
         (f"{algo}.{k}", To(f"{algo}.{k}"))
@@ -127,29 +149,72 @@ RULES: list[tuple[str, Any]] = [
     ],
     ("*.val_at_end", Unless((False,), "validate once more after the last step")),
     ("sft.only_unmask_final", Unless((False,), "train only on the final assistant turn")),
+    # GRPO, PPO and distillation share the rollout loop (RolloutLoopConfig) and its keys.
     *[
-        (f"grpo.{k}", To(f"grpo.{k}"))
-        for k in (
-            "num_prompts_per_step",
-            "num_generations_per_prompt",
-            "max_rollout_turns",
-            "overlong_filtering",
-            "max_val_samples",
-            "val_batch_size",
-            "use_dynamic_sampling",
-            "dynamic_sampling_max_gen_batches",
+        rule
+        for loop in ROLLOUT_LOOPS
+        for rule in (
+            *[
+                (f"{loop}.{k}", To(f"{loop}.{k}"))
+                for k in (
+                    "num_prompts_per_step",
+                    "num_generations_per_prompt",
+                    "max_rollout_turns",
+                    "overlong_filtering",
+                    "max_val_samples",
+                    "val_batch_size",
+                    "use_dynamic_sampling",
+                    "dynamic_sampling_max_gen_batches",
+                )
+            ],
+            (
+                f"{loop}.reward_shaping.stop_properly_penalty_coef",
+                Unless((None,), "penalise responses that do not stop properly"),
+            ),
+            (f"{loop}.reward_shaping.**", To(f"{loop}.reward_shaping.{{0}}")),
+            (
+                f"{loop}.val_start_at",
+                Unless((-1, 0, None), "delay periodic validation to a later step"),
+            ),
+            (
+                f"{loop}.val_num_generations_per_prompt",
+                Unless((1,), "sample several validation answers"),
+            ),
+            (f"{loop}.stop_at_validation_*", Unless((None,), "stop early at a validation metric")),
+            (f"{loop}.batch_multiplier", Unless((1,), "generate several batches per step")),
+            (
+                f"{loop}.seq_logprob_error_threshold",
+                Unless((None,), "drop sequences by logprob error"),
+            ),
         )
     ],
-    (
-        "grpo.reward_shaping.stop_properly_penalty_coef",
-        Unless((None,), "penalise responses that do not stop properly"),
-    ),
-    ("grpo.reward_shaping.**", To("grpo.reward_shaping.{0}")),
-    ("grpo.val_start_at", Unless((-1, 0, None), "delay periodic validation to a later step")),
     ("grpo.advantage_clip_*", Unless((None,), "clip advantages to a range")),
-    ("grpo.val_num_generations_per_prompt", Unless((1,), "sample several validation answers")),
-    ("grpo.stop_at_validation_*", Unless((None,), "stop early at a validation metric")),
-    ("grpo.batch_multiplier", Unless((1,), "generate several batches per step")),
+    # -- PPO (its value model, NeMo's value:, is our critic: see translate.MODEL_SECTIONS) ------
+    *[
+        (f"ppo.{k}", To(f"ppo.{k}"))
+        for k in ("ppo_epochs", "critic_ppo_epochs", "policy_training_start_step")
+    ],
+    *[
+        (f"ppo.adv_estimator.{k}", To(f"ppo.adv_estimator.{k}"))
+        for k in ("name", "gae_gamma", "gae_lambda", "normalize_advantages")
+    ],
+    (
+        "ppo.adv_estimator.gae_lambda_*",
+        Unless((None,), "decouple GAE's lambda for the critic and the policy (VAPO)"),
+    ),
+    (
+        "ppo.adv_estimator.length_adaptive_alpha",
+        Unless((0, 0.0), "adapt the policy's GAE lambda to the response length (VAPO)"),
+    ),
+    ("ppo.skip_reference_policy_logprobs_calculation", Call(_skip_reference)),
+    ("value_loss_fn.cliprange", To("value_loss_fn.cliprange")),
+    ("value_loss_fn.scale", To("value_loss_fn.scale")),
+    # -- distillation --------------------------------------------------------------------------
+    ("distillation.topk_logits_k", To("distillation.topk_logits_k")),
+    *[
+        (f"loss_fn.{k}", To(f"loss_fn.{k}"))
+        for k in ("kl_type", "mixed_kl_weight", "zero_outside_topk")
+    ],
     ("grpo.adv_estimator.name", To("grpo.advantage_estimator")),
     *[
         (f"grpo.{k}", Call(_estimator_setting(k)))
@@ -166,7 +231,6 @@ RULES: list[tuple[str, Any]] = [
         ),
     ),
     ("grpo.adv_estimator.minus_baseline", Unless((True,), "skip Reinforce++'s baseline")),
-    ("grpo.seq_logprob_error_threshold", Unless((None,), "drop sequences by logprob error")),
     ("grpo.invalid_tool_call_advantage", Unless((None,), "penalise invalid tool calls")),
     ("grpo.malformed_thinking_advantage", Unless((None,), "penalise malformed <think> tags")),
     ("grpo.async_grpo.enabled", To("grpo.async_grpo.enabled")),
@@ -177,6 +241,29 @@ RULES: list[tuple[str, Any]] = [
         "grpo.async_grpo.recompute_kv_cache_after_weight_updates",
         Unless((False,), "recompute the KV cache after a refit"),
     ),
+    ("grpo.async_grpo", Unless((None,), "run GRPO asynchronously")),
+    ("async_rl.**", Unless(lambda v, c: False, "run NeMo's single-controller asynchronous loop")),
+    ("teachers", Unless((None,), "distil off-policy from several teachers (cross-tokenizer)")),
+    ("teacher", Unless((None,), "distil from a teacher given in teachers: instead")),
+    *[
+        (f"loss_fn.{k}", Unless(lambda v, c: False, XTOKEN))
+        for k in (
+            "gold_loss",
+            "xtoken_loss",
+            "temperature",
+            "vocab_topk",
+            "uncommon_topk",
+            "reverse_kl",
+            "exact_token_match_only",
+            "kl_loss_weight",
+            "ce_loss_scale",
+            "dynamic_loss_scaling",
+            "kd_loss_mode",
+            "sum_weights_metric",
+            "alpha",
+            "normalize_teacher_by_vocab",
+        )
+    ],
     ("reward_penalties.**", Unless((False, None), "apply NeMo-Gym reward penalties")),
     ("on_policy_distillation", Unless((None,), "distil from teacher models")),
     # -- loss ------------------------------------------------------------------------------------
@@ -236,6 +323,7 @@ RULES: list[tuple[str, Any]] = [
     ("policy.tokenizer.chat_template", Call(_chat_template)),
     ("policy.tokenizer.chat_template_kwargs", Unless((None,), "pass kwargs to the template")),
     ("policy.tokenizer.use_fastokens", Ignore("a faster tokenizer build; same tokens")),
+    ("policy.reward_model_cfg.*", Call(_reward_model_cfg)),
     ("policy.hf_config_overrides", Unless(_empty, "override the pretrained model's config")),
     ("policy.precision", Call(_precision)),
     ("policy.train_global_batch_size", To("policy.train_global_batch_size")),
@@ -269,10 +357,7 @@ RULES: list[tuple[str, Any]] = [
     ),
     (
         "policy.sequence_packing.logprob_mb_tokens",
-        Unless(
-            _same_as("policy.sequence_packing.train_mb_tokens"),
-            "use another token budget for log-prob micro-batches than for training",
-        ),
+        To("policy.sequence_packing.logprob_max_tokens_per_microbatch"),
     ),
     (
         "policy.sequence_packing.algorithm",
@@ -348,6 +433,10 @@ RULES: list[tuple[str, Any]] = [
         "policy.megatron_cfg.num_layers_in_*_pipeline_stage",
         Unless((None,), "size the first/last pipeline stage"),
     ),
+    (
+        "policy.megatron_cfg.converter_type",
+        Ignore("NeMo's HF->Megatron converter; the model's own architecture decides here"),
+    ),
     ("policy.megatron_cfg.pipeline_dtype", Ignore("follows the model's dtype here")),
     ("policy.megatron_cfg.moe_*", Ignore(MOE)),
     ("policy.megatron_cfg.freeze_moe_router", Ignore(MOE)),
@@ -396,6 +485,26 @@ RULES: list[tuple[str, Any]] = [
     ("policy.generation.val_top_p", Call(_val_sampling("policy.generation.top_p"))),
     ("policy.generation.val_top_k", Call(_val_sampling("policy.generation.top_k"))),
     ("policy.generation.port_range_*", Ignore(PORTS)),
+    *[
+        (
+            f"policy.generation.{section}.**",
+            Unless(_other_backend(backend), f"configure NeMo's {name} generation backend"),
+        )
+        for section, backend, name in (
+            ("sglang_cfg", "sglang", "SGLang"),
+            ("trtllm_cfg", "trtllm", "TensorRT-LLM"),
+            ("trtllm_kwargs", "trtllm", "TensorRT-LLM"),
+            ("dynamo_cfg", "dynamo", "Dynamo"),
+        )
+    ],
+    (
+        "policy.generation.use_async_rollouts",
+        Unless((False,), "stream rollouts from an asynchronous engine"),
+    ),
+    (
+        "policy.generation.vllm_cfg.distributed_executor_backend",
+        Ignore("how vLLM starts its own workers"),
+    ),
     ("policy.generation.refit_transport", Unless((None,), "pick NeMo's weight-refit transport")),
     ("policy.generation.refit_cfg.**", Ignore("NeMo's NIXL refit transport settings")),
     ("policy.generation.real_quant_export_cpu_offload", Ignore("quantised refit export")),
@@ -413,7 +522,7 @@ RULES: list[tuple[str, Any]] = [
     ("policy.generation.vllm_cfg.max_model_len", To("generation.vllm.max_model_len")),
     ("policy.generation.vllm_cfg.enforce_eager", To("generation.vllm.enforce_eager")),
     ("policy.generation.vllm_cfg.async_engine", To("generation.vllm.async_engine")),
-    ("policy.generation.vllm_cfg.precision", To("generation.vllm.dtype")),
+    ("policy.generation.vllm_cfg.precision", To("generation.vllm.dtype", _vllm_dtype)),
     ("policy.generation.vllm_cfg.pipeline_parallel_size", Unless((1,), "pipeline vLLM")),
     ("policy.generation.vllm_cfg.expert_parallel_size", Unless((1,), "shard MoE experts")),
     ("policy.generation.vllm_cfg.kv_cache_dtype", Unless(("auto",), "quantise the KV cache")),
@@ -433,11 +542,19 @@ RULES: list[tuple[str, Any]] = [
         Ignore("multimodal encoder cache"),
     ),
     ("policy.generation.vllm_kwargs", Unless(_empty, "pass extra arguments to vLLM")),
+    ("policy.generation.vllm_kwargs.*", Unless((None,), "pass this argument to vLLM")),
+    ("policy.router_replay.enabled", Unless((False,), "replay MoE routing in training")),
+    ("policy.router_replay.**", Ignore(MOE)),
     # -- data, logger, cluster (data.train/validation/default: the data group) -------------------
     ("data.max_input_seq_length", To("data.max_seq_length")),
     ("data.shuffle", To("data.shuffle")),
     ("data.num_workers", Ignore("DataLoader worker processes")),
     ("data.use_multiple_dataloader", Unless((False,), "draw from several dataloaders")),
+    (
+        "data.num_prompts_per_dataloader",
+        Unless((None,), "draw from several dataloaders"),
+    ),
+    ("data.custom_dataloader", Unless((None,), "draw from several dataloaders")),
     ("data.add_bos", Call(_add_special_token)),
     ("data.add_eos", Call(_add_special_token)),
     ("data.add_generation_prompt", Unless((False,), "add the generation prompt to SFT rows")),

@@ -40,12 +40,37 @@ def pattern_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(r"\.".join(parts) + r"\Z")
 
 
+# NeMo sections configuring another model as its ``policy:`` section configures the policy:
+# PPO's value model (``value:``, our ``critic:``) and distillation's ``teacher:``. Each is walked
+# by the policy's own rules, re-rooted, so the two translations cannot drift apart.
+MODEL_SECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "ppo": (("value", "critic"),),
+    "distill": (("teacher", "teacher"),),
+}
+
+
 def translate(tree: dict[str, Any], algorithm: str, source: str | None = None) -> Translation:
     """Translate a resolved NeMo RL recipe (plain data) for ``rl <algorithm>``; ``source`` is
     the recipe's file, where relative prompt files are looked for."""
     ctx = Context(tree, algorithm, source)
-    compiled = [(pattern_regex(p), rule) for p, rule in RULES]
+    for nemo, ours in MODEL_SECTIONS.get(algorithm, ()):
+        if isinstance(tree.get(nemo), dict):
+            _model_section(ctx, nemo, ours)
+    _walk(ctx)
+    return ctx.result
+
+
+def _walk(ctx: Context, policy_only: bool = False) -> None:
+    """Every leaf of ``ctx.tree`` not yet done, through the table; ``policy_only``: the rules
+    of the ``policy`` section alone (a model section re-rooted, see :func:`_model_section`)."""
+
+    def wanted(prefix: str) -> bool:
+        return not policy_only or prefix.startswith("policy.")
+
+    compiled = [(pattern_regex(p), rule) for p, rule in RULES if wanted(p)]
     for prefix, flag in OFF_SECTIONS:
+        if not wanted(prefix):
+            continue
         if prefix in ctx.done or ctx.get(prefix) is None or ctx.get(flag, True) is not False:
             continue
         for key, value in ctx.leaves(prefix):
@@ -58,9 +83,9 @@ def translate(tree: dict[str, Any], algorithm: str, source: str | None = None) -
                 if key not in ctx.done:
                     ctx.ignore(key, value, reason)
     for prefix, group in GROUPS:
-        if ctx.get(prefix) is not None:
+        if wanted(prefix) and ctx.get(prefix) is not None:
             group(ctx, prefix)
-    for key, value in flatten(tree):
+    for key, value in flatten(ctx.tree):
         if key in ctx.done:
             continue
         for regex, rule in compiled:
@@ -70,7 +95,61 @@ def translate(tree: dict[str, Any], algorithm: str, source: str | None = None) -
                 break
         else:
             ctx.refuse(key, value, "not a NeMo RL key this translation knows; nothing here uses it")
-    return ctx.result
+
+
+def _model_section(ctx: Context, nemo: str, ours: str) -> None:
+    """NeMo's ``<nemo>:`` section (a policy section of another model) -> our ``<ours>:``.
+
+    The section is translated as if it were ``policy:`` and the results moved: ``policy.X``
+    targets become ``<ours>.X``. The model never generates, so its ``generation`` keys (the
+    teacher inherits the student's through a YAML anchor) are ignored. The critic reads the
+    policy's tokens: its tokenizer keys are ignored when they equal the policy's, refused
+    otherwise; the teacher's become ``teacher.tokenizer``."""
+    section = dict(ctx.tree[nemo])
+    for key, value in ctx.leaves(f"{nemo}.generation"):
+        ctx.ignore(key, value, f"the {ours} never generates; the policy's generation does")
+    section.pop("generation", None)
+    sub = Context({"policy": section}, ctx.algorithm, ctx.source, section=nemo)
+    _walk(sub, policy_only=True)
+
+    def theirs(key: str) -> str:
+        return nemo + key.removeprefix("policy")
+
+    for entry in sub.result.translated:
+        key, target = theirs(entry.key), entry.target or ""
+        if target == "policy.max_total_sequence_length":
+            # The model scores the policy's sequences, which are cut at the policy's length.
+            if entry.value == ctx.get("policy.max_total_sequence_length"):
+                ctx.ignore(key, entry.value, f"the {ours} scores the policy's sequences")
+            else:
+                ctx.refuse(key, entry.value, f"would cut the {ours}'s sequences elsewhere")
+        elif target.startswith("policy."):
+            ctx.record(key, entry.value, ours + target.removeprefix("policy"), entry.reason)
+        elif target.startswith("tokenizer.") and ours == "critic":
+            policy_value = ctx.get("policy" + entry.key.removeprefix("policy"))
+            if policy_value == entry.value:
+                ctx.ignore(key, entry.value, "the critic reads the policy's tokens (same value)")
+            else:
+                ctx.refuse(
+                    key,
+                    entry.value,
+                    "would give the critic a tokenizer of its own; here it reads the policy's "
+                    f"tokens (policy's value: {policy_value!r})",
+                )
+        else:
+            ctx.record(key, entry.value, f"{ours}.{target}", entry.reason)
+    for entry in sub.result.ignored:
+        ctx.ignore(theirs(entry.key), entry.value, entry.reason)
+    for entry in sub.result.refused:
+        ctx.refuse(theirs(entry.key), entry.value, entry.reason)
+    translated = sub.result.config
+    moved = dict(translated.get("policy", {}))
+    moved.pop("max_total_sequence_length", None)
+    if ours == "critic" and "model" in moved:
+        moved["model"] = {**moved["model"], "kind": "value"}  # a value head on that model
+    if ours == "teacher" and "tokenizer" in translated:
+        moved["tokenizer"] = translated["tokenizer"]
+    ctx.set_ours(ours, moved)
 
 
 def _apply(ctx: Context, rule: Rule, key: str, value: Any, groups: Sequence[str]) -> None:

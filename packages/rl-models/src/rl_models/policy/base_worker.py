@@ -127,11 +127,14 @@ def microbatch_args(
     kind = batching_kind(config, on_gpu)
     if kind == "packed":
         packing = config.sequence_packing
+        budget = packing.max_tokens_per_microbatch
+        if not training:
+            budget = packing.logprob_max_tokens_per_microbatch or budget
         return {
             "sequence_packing_args": {
                 "input_key": "input_ids",
                 "input_lengths_key": "input_lengths",
-                "max_tokens_per_microbatch": packing.max_tokens_per_microbatch,
+                "max_tokens_per_microbatch": budget,
                 "algorithm": packing.algorithm,
             }
         }

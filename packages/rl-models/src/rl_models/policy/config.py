@@ -191,6 +191,9 @@ class SequencePackingConfig(ConfigModel):
     enabled: bool = False
     # Token budget of one packed row.
     max_tokens_per_microbatch: int = Field(4096, ge=1)
+    # Token budget of one packed row for log-prob (and value) inference, which keeps no
+    # activations for a backward pass and so may pack more; None: max_tokens_per_microbatch.
+    logprob_max_tokens_per_microbatch: int | None = Field(None, ge=1)
     algorithm: str = "first_fit_decreasing"  # a name in rl_distributed.packing's PACKING_ALGORITHMS
 
     @field_validator("algorithm")

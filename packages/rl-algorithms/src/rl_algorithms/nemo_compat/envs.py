@@ -1,0 +1,118 @@
+"""NeMo RL's ``env.<task>`` sections, as our ``env.<task>: {kind, config}`` entries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_algorithms.nemo_compat.core import Context
+from rl_algorithms.nemo_compat.datasets import _puzzle_env, _puzzle_task
+
+# NeMo environments we have no counterpart of, and what each would have done.
+UNKNOWN_ENVIRONMENTS = {
+    "math_multi_reward": (
+        "would score with NeMo's GDPO math environment (a correctness and a format reward); "
+        "here give GDPO's rewards as env.<task>.kind: reward_functions"
+    ),
+}
+
+# NeMo's reward-model environment keys -> RewardModelEnvConfig's (rl_envs.reward_model_env).
+REWARD_MODEL_KEYS = {
+    "model_name": "model_path",
+    "batch_size": "batch_size",
+    "max_model_len": "max_length",
+}
+REWARD_MODEL_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32"}
+REWARD_MODEL_DTYPES |= {"fp32": "float32", "float16": "float16", "fp16": "float16"}
+
+
+def env_group(ctx: Context, prefix: str) -> None:
+    """NeMo's ``env.<task>`` -> our ``env.<task>: {kind, config}``."""
+    puzzle = _puzzle_task(ctx) if ctx.algorithm == "grpo" else None
+    for task, spec in (ctx.get("env") or {}).items():
+        base = f"env.{task}"
+        leaves = list(ctx.leaves(base))
+        if puzzle is not None and task != puzzle:
+            for key, value in leaves:
+                ctx.ignore(key, value, f"NeMo's sliding-puzzle script starts env.{puzzle} only")
+        elif isinstance(spec, dict) and "game_config" in (spec.get("cfg") or {}):
+            _puzzle_env(ctx, task, spec["cfg"], leaves)
+        elif isinstance(spec, dict) and "reward_model_cfg" in spec:
+            _reward_model_env(ctx, task, leaves)
+        elif task == "math" and isinstance(spec, dict):
+            config = {}
+            for key, value in leaves:
+                field_name = key.rsplit(".", 1)[1]
+                if field_name == "num_workers":
+                    config["num_workers"] = value
+                    ctx.record(key, value, f"{base}.config.num_workers")
+                elif field_name == "math_verify_impl" and value == "hf_math_verify":
+                    ctx.ignore(key, value, "our math environment uses HF's Math-Verify too")
+                elif field_name == "math_verify_impl":
+                    ctx.refuse(
+                        key,
+                        value,
+                        f"would verify answers with NeMo's {value!r}; our math environment "
+                        "uses HF's Math-Verify (hf_math_verify)",
+                    )
+                else:
+                    ctx.refuse(key, value, "a math-environment option with no counterpart here")
+            ctx.set_ours(base, {"kind": "math", "config": config})
+        else:
+            for key, value in leaves:
+                ctx.refuse(
+                    key,
+                    value,
+                    UNKNOWN_ENVIRONMENTS.get(
+                        task,
+                        f"environment {task!r} has no counterpart here (known: math, "
+                        "reward_model, and the sliding puzzle of grpo_sliding_puzzle.yaml)",
+                    ),
+                )
+
+
+def _reward_model_env(ctx: Context, task: str, leaves: list[tuple[str, Any]]) -> None:
+    """NeMo's reward-model environment (a Bradley-Terry sequence classifier scoring each
+    conversation) -> ours, ``kind: reward_model``. NeMo runs it as a policy-like worker group
+    (its dtensor_cfg, batching, resources); here it is one model in the environment's process,
+    so those keys only place or shard it."""
+    base = f"env.{task}"
+    config: dict[str, Any] = {}
+    model = ctx.get(f"{base}.model_name")
+    for key, value in leaves:
+        field = key.removeprefix(f"{base}.")
+        if field in REWARD_MODEL_KEYS:
+            config[REWARD_MODEL_KEYS[field]] = value
+            ctx.record(key, value, f"{base}.config.{REWARD_MODEL_KEYS[field]}")
+        elif field == "precision":
+            if value not in REWARD_MODEL_DTYPES:
+                ctx.refuse(key, value, "would run the reward model in an unknown precision")
+                continue
+            config["dtype"] = REWARD_MODEL_DTYPES[value]
+            ctx.record(key, value, f"{base}.config.dtype")
+        elif field == "tokenizer.name":
+            if value == model:
+                ctx.ignore(key, value, "the reward model's own tokenizer, read from its files")
+            else:
+                ctx.refuse(key, value, "would score with another tokenizer than the model's")
+        elif field == "reward_model_cfg.reward_model_type":
+            if value == "bradley_terry":
+                ctx.ignore(key, value, "ours is a one-logit (Bradley-Terry) classifier too")
+            else:
+                ctx.refuse(key, value, f"would score with a {value!r} reward model")
+        elif field == "checkpoint_path" and value is not None:
+            ctx.refuse(key, value, "would load the reward model's weights from a checkpoint")
+        elif field in ("dtensor_cfg.tensor_parallel_size", "dtensor_cfg.context_parallel_size"):
+            if value == 1:
+                ctx.ignore(key, value, "no sharding")
+            else:
+                ctx.refuse(key, value, "would shard the reward model across GPUs")
+        elif field == "processor":
+            ctx.ignore(key, value, "the prompts' processor is data.*.processor here")
+        else:
+            ctx.ignore(
+                key,
+                value,
+                "how NeMo places, shards or trains its reward-model worker; ours scores in the "
+                "environment's process and never trains",
+            )
+    ctx.set_ours(base, {"kind": "reward_model", "config": config})
