@@ -20,7 +20,7 @@ import ray
 import torch
 
 from rl_algorithms.grpo.async_loop import Trajectories
-from rl_algorithms.grpo.collector import CollectorClient, CollectorError
+from rl_algorithms.grpo.collector_client import CollectorClient, CollectorError
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer
 from rl_data.loader import StatefulDataLoader
 from rl_data.messages import tokenize_message_logs

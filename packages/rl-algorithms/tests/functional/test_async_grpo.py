@@ -25,7 +25,7 @@ import torch
 
 from rl_algorithms import cli
 from rl_algorithms.grpo.async_loop import COLLECTOR_NAME
-from rl_algorithms.grpo.collector import CollectorError
+from rl_algorithms.grpo.collector_client import CollectorError
 from rl_algorithms.utils.checkpoint import STATE_FILE
 from rl_envs.math_env import MathEnvConfig, MathEnvironment
 
