@@ -127,6 +127,8 @@ class Trajectories:
         return cls(buffer, collector, a.max_wait_seconds)
 
     def pull(self, timeout: float) -> None:
+        """Hand the collector the stale groups' prompts and what was consumed; add what it
+        finished to the buffer."""
         stale = [(group.prompt, group.requeues) for group in self.buffer.pop_stale()]
         self.last_reply = self.collector.take(self.consumed, timeout, stale, self.lag)
         self.buffer.add(self.last_reply.groups)

@@ -102,7 +102,7 @@ class CollectorReply:
     doing: str  # what the loop is waiting on, for a stall report
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
     prompt: BatchedDataDict  # one row
     started: float
@@ -450,9 +450,7 @@ class TrajectoryCollector:
             tokens = int(out["generation_lengths"].sum())
             with self.cond:
                 self.generated_tokens += tokens
-                for group in self.groups:
-                    if request in group.requests:
-                        group.tokens += tokens
+                request.group.tokens += tokens
                 request.stream_id = None
                 self.turns.running.remove(request)
                 request.reply.set_result(out)

@@ -55,8 +55,8 @@ class CollectorClient:
         stale: list[tuple[BatchedDataDict, int]] | None = None,
         lag: int = 0,
     ) -> CollectorReply:
-        """``TrajectoryCollector.take``; its error, a stalled loop, or the end of its prompts
-        raise here."""
+        """``TrajectoryCollector.take``; its error, a stalled loop, or (while the trainer waits
+        for its step's groups: ``lag`` 0) the end of its prompts raise here."""
         reply: CollectorReply = self._wait(
             self.actor.take.remote(consumed, timeout, stale, lag), "take", timeout + 60
         )
@@ -67,7 +67,7 @@ class CollectorClient:
                 f"the {self.describe()} is stalled: its loop has not come round for "
                 f"{reply.heartbeat_age_seconds:.0f} s (waiting on {reply.doing})"
             )
-        if reply.exhausted:
+        if reply.exhausted and not lag:  # (with lag the trainer has this step's groups)
             raise CollectorError(
                 f"the {self.describe()} ran out of prompts (data.train, grpo.max_num_epochs) "
                 "before the trainer had enough groups for its next step"

@@ -34,7 +34,7 @@ class GroupCancelled(RuntimeError):
     turn will never be generated."""
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity: a request is found in lists)
 class TurnRequest:
     """One ``generate`` call of a group's agent loop: its rows, the engine that serves the
     group, and (once started) its stream; ``reply`` gets the assembled samples or an error."""
@@ -42,6 +42,7 @@ class TurnRequest:
     data: BatchedDataDict
     greedy: bool
     sampler: StreamingSampler
+    group: Any  # the collector's record of the group that asked
     reply: Future = field(default_factory=Future)
     stream_id: str | None = None
     samples: dict[int, BatchedDataDict] = field(default_factory=dict)
@@ -90,7 +91,7 @@ class StreamedGeneration:
     ) -> BatchedDataDict:
         if self.group.abandoned:
             raise GroupCancelled("the collector gave up on this group")
-        request = TurnRequest(data, greedy, self.sampler)
+        request = TurnRequest(data, greedy, self.sampler, self.group)
         self.group.requests.append(request)
         self.queue.file(request)
         return request.reply.result()
