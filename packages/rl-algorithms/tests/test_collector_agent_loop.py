@@ -203,9 +203,7 @@ def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: i
     return taken, buffer, last, most_out
 
 
-def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(
-    tokenizer, template
-):
+def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(tokenizer, template):
     # Every third prompt's episodes take 10 turns, the others' one.
     metas = [{"turns": 10 if i % 3 == 0 else 1, "constant": True} for i in range(24)]
     engine = InProcessEngine(tokenizer)

@@ -115,7 +115,9 @@ def token_versions(out: BatchedDataDict, row: int, start: int, length: int) -> t
 def version_span(log: MessageLog) -> tuple[int, int] | None:
     """The oldest and newest weight version of a conversation's sampled tokens (the newest as
     the generator reported it, which may lie inside a turn); None when none carries versions."""
-    oldest = [int(m["generation_versions"].min()) for m in log if len(m.get("generation_versions", ()))]
+    oldest = [
+        int(m["generation_versions"].min()) for m in log if len(m.get("generation_versions", ()))
+    ]
     newest = [int(m["generation_version_max"]) for m in log if "generation_version_max" in m]
     if not oldest:
         return None

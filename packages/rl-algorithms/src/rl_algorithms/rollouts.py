@@ -116,4 +116,3 @@ def run_lockstep_rollouts(
         )
         episodes.play_turn(out, last=turn + 1 == max_turns)
     return episodes.result(with_env_metrics)
-
