@@ -46,14 +46,14 @@ class InProcessEngine:
         self.tokenizer, self.seconds, self.hang = tokenizer, seconds, hang
         self.version = 0
         self.lock = threading.Lock()
-        self.streams: dict[str, tuple[BatchedDataDict, float, int, set[int]]] = {}
+        self.streams: dict[str, tuple[BatchedDataDict, float, int]] = {}
         self.ids = itertools.count()
         self.cancelled: list[str] = []
 
     def start(self, data, greedy=False):
         with self.lock:
             stream_id = f"s{next(self.ids)}"
-            self.streams[stream_id] = (data, time.monotonic(), self.version, set())
+            self.streams[stream_id] = (data, time.monotonic(), self.version)
             return stream_id
 
     def _sample(self, data, row, version_min):
@@ -77,7 +77,7 @@ class InProcessEngine:
         news = {}
         with self.lock:
             for stream_id in stream_ids:
-                data, began, version, handed = self.streams[stream_id]
+                data, began, version = self.streams[stream_id]
                 if self.hang or time.monotonic() - began < self.seconds:
                     continue
                 rows = {r: self._sample(data, r, version) for r in range(data.size)}
@@ -90,10 +90,15 @@ class InProcessEngine:
     def cancel(self, stream_id):
         with self.lock:
             self.cancelled.append(stream_id)
-            return self.streams.pop(stream_id, (BatchedDataDict(), 0, 0, set()))[0].size
+            stream = self.streams.pop(stream_id, None)
+            return 0 if stream is None else stream[0].size
 
     def weight_version(self):
         return self.version
+
+
+def test_the_in_process_engine_is_a_streaming_sampler(tokenizer):
+    assert isinstance(InProcessEngine(tokenizer), StreamingSampler)
 
 
 class TurnsEnv(EnvironmentInterface):

@@ -40,9 +40,8 @@ def turn(prompt, sampled, logprobs, **versions) -> BatchedDataDict:
 
 
 def sampled_tokens(tokenizer) -> list[int]:
-    return [*tokenizer.encode("<action>right</action>", add_special_tokens=False)] + [
-        tokenizer.eos_token_id
-    ]
+    reply = tokenizer.encode("<action>right</action>", add_special_tokens=False)
+    return [*reply, tokenizer.eos_token_id]
 
 
 def test_a_turn_across_two_refits_trains_each_token_against_its_own_log_prob(tokenizer, template):

@@ -4,8 +4,8 @@ double for the engine only; the real async engine runs in ``functional/test_asyn
 
 Shown: every prompt comes back as a scored group tagged with its weight versions; a group whose
 generation never finishes is cancelled on the engine and its prompt generated again; so is one
-vLLM aborted on its own, and one the trainer dropped as too stale (until a prompt has been
-queued again too often: an error naming it); a prompt too long to generate from carries the
+vLLM aborted on its own, and one the trainer dropped as too stale (as often as it takes: no
+requeue limit stops a run); a prompt too long to generate from carries the
 engine's weight version; running out of prompts, a killed collector and a wedged engine each
 raise in the trainer, naming the collector (and the engine), instead of leaving it waiting; a
 drain lets no generation start until the refit after it ends; a checkpoint holds every prompt
@@ -223,6 +223,8 @@ def start(tokenizer, template, n_prompts: int, hang_first: bool, name: str, **kw
         max_epochs=1,
         max_group_seconds=kwargs.pop("max_group_seconds", 60.0),
         max_groups_ahead=kwargs.pop("max_groups_ahead", 4),
+        prompts_per_step=kwargs.pop("prompts_per_step", 2),
+        max_age_steps=kwargs.pop("max_age_steps", 4),
         in_flight_weight_updates=True,
         **kwargs,
     )
@@ -316,8 +318,8 @@ def test_an_aborted_group_is_requeued_and_a_too_long_prompt_has_the_engines_vers
     assert long.version_min.tolist() == long.version_max.tolist() == [3] * G
 
 
-def test_stale_groups_are_generated_again_until_a_prompt_is_requeued_too_often(tokenizer, template):
-    client, _ = start(tokenizer, template, 4, hang_first=False, name="c-stale", max_requeues=2)
+def test_stale_groups_are_generated_again_and_no_requeue_limit_stops_the_run(tokenizer, template):
+    client, _ = start(tokenizer, template, 4, hang_first=False, name="c-stale")
     buffer = ReplayBuffer(max_age_steps=0)
     trajectories = Trajectories(buffer, client, max_wait=60)
     try:
@@ -325,15 +327,17 @@ def test_stale_groups_are_generated_again_until_a_prompt_is_requeued_too_often(t
         groups, _ = trajectories.take(2, step=0)
         assert [g.requeues for g in groups] == [0, 0]
         # The trainer moves on to version 4; the engine never changes: every group it makes
-        # from now on is a step old, dropped, and its prompt generated again, until one has
-        # been queued again twice. Without the re-queue it would run out of prompts instead.
+        # from now on is a step old, dropped, and its prompt generated again. The trainer
+        # waits for young groups (none come) until max_wait; the collector never gives up.
         buffer.record_step(1, 4)
-        with pytest.raises(CollectorError, match=r"prompt idx=\d+ .*queued again 2 times"):
+        trajectories.max_wait = 5
+        with pytest.raises(CollectorError, match=r"waited \d+ s .*max_wait_seconds"):
             trajectories.take(2, step=1)
     finally:
         client.stop()
     reply = trajectories.last_reply
-    assert reply.stale_requeued_groups >= 2 and buffer.dropped_groups >= 4
+    assert reply.stale_requeued_groups >= 3 and buffer.dropped_groups >= 3
+    assert buffer.dropped_tokens > 0  # their work is counted as discarded
 
 
 def test_a_wedged_engine_is_reported_by_name_within_seconds(tokenizer, template):

@@ -276,7 +276,7 @@ class TrajectoryCollector:
 
     def stop(self) -> None:
         with self.cond:
-            self.stopped = True
+            self.stopped = self.turns.closed = True
             self.gate.closed = False  # let a held environment step return
             self.cond.notify_all()
         self.thread.join(timeout=10)
@@ -497,7 +497,8 @@ class TrajectoryCollector:
                 continue
             if group.play is not None and group.play.done():
                 continue  # finished in time to be collected next round
-            group.abandoned = True
+            with self.cond:  # (``TurnQueue.file`` reads it under the lock)
+                group.abandoned = True
             for request in [r for r in group.requests if r.stream_id is not None]:
                 self._cancel_stream(request)
             why = f"it ran past max_group_seconds={self.max_group_seconds:.0f}"

@@ -56,9 +56,12 @@ class TurnQueue:
         self.cond = cond
         self.waiting: list[TurnRequest] = []  # filed, not started
         self.running: list[TurnRequest] = []  # their stream started, not yet done
+        self.closed = False  # the collector stopped: a request filed now would wait forever
 
     def file(self, request: TurnRequest) -> None:
         with self.cond:
+            if self.closed or request.group.abandoned:
+                raise GroupCancelled("the collector stopped or gave up on this group")
             self.waiting.append(request)
             self.cond.notify_all()
 
@@ -89,8 +92,6 @@ class StreamedGeneration:
         greedy: bool = False,
         expected_weight_version: int | None = None,
     ) -> BatchedDataDict:
-        if self.group.abandoned:
-            raise GroupCancelled("the collector gave up on this group")
         request = TurnRequest(data, greedy, self.sampler, self.group)
         self.group.requests.append(request)
         self.queue.file(request)
