@@ -447,8 +447,8 @@ def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_
 ):
     """What ``async_loop``'s docstring says a resume preserves, through the trainer's own
     ``Trajectories``: the saved buffer's groups come back with their step tags; the prompt
-    that was generating at the checkpoint (its stream hangs) is generated again, first, on the
-    resumed run's engine; and over both runs every prompt is trained on exactly once."""
+    that was generating at the checkpoint (its stream hangs) is generated again on the resumed
+    run's engine; and over both runs every prompt is trained on exactly once."""
     client, _ = start(tokenizer, template, 8, hang_first=True, name="c-before", max_groups_ahead=6)
     buffer = ReplayBuffer(max_age_steps=4)
     trajectories = Trajectories(buffer, client, max_wait=60)
@@ -487,10 +487,10 @@ def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_
         after, _ = take_all(client, consumed=len(resumed_buffer))
     finally:
         client.stop()
-    # The pending prompts are generated first, the hung one among them (this engine answers),
-    # in the order their groups finish.
-    assert sorted(g.prompt["idx"][0] for g in after[: len(pending)]) == sorted(pending)
-    assert 0 in [g.prompt["idx"][0] for g in after]
+    # The pending prompts are generated again, the hung one among them (this engine answers).
+    # (They are admitted first; each group's agent loop runs in its own thread, so the order
+    # in which groups finish is not the order they were admitted in.)
+    assert set(pending) <= {g.prompt["idx"][0] for g in after}
     used = [g.prompt["idx"][0] for g in trained] + [i for i, _ in saved]
     used += [g.prompt["idx"][0] for g in after]
     assert sorted(used) == list(range(8))  # none lost, none doubled

@@ -74,15 +74,6 @@ POLL_SLEEP_SECONDS = 0.02  # between two rounds of the loop when nothing is gene
 POLL_WAIT_SECONDS = 0.03
 
 
-def describe_prompt(prompt: BatchedDataDict) -> str:
-    """A prompt row as a person finds it again: its index (if the data has one) and text."""
-    idx = prompt["idx"][0] if "idx" in prompt else None
-    log = prompt["message_log"][0] if "message_log" in prompt else []
-    text = " ".join(str(m.get("content", "")) for m in log if m.get("role") == "user")
-    text = text if len(text) <= 80 else text[:77] + "..."
-    return f"prompt idx={idx} {text!r}" if idx is not None else f"prompt {text!r}"
-
-
 @dataclass(frozen=True)
 class CollectorReply:
     """What ``take`` answers: the groups finished since the last call, and the state."""
