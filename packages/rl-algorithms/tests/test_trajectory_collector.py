@@ -283,7 +283,7 @@ def test_checkpoint_state_holds_every_prompt_drawn_and_not_handed_over(tokenizer
     # Drawn from the loader so far = handed over + pending, with nothing lost or doubled.
     drawn = state["loader"]["position"] * 2
     assert sorted(handed + pending) == list(range(drawn))
-    assert 0 in pending  # the hung group's prompt goes to the checkpoint
+    assert pending  # the hung group's prompt (the first stream started) goes to the checkpoint
 
 
 def take_all(client, consumed: int = 0) -> tuple[list, dict]:
@@ -463,7 +463,8 @@ def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_
         client.stop()
     saved = [(g.prompt["idx"][0], g.step_min.tolist()) for g in state["buffer"]["groups"]]
     pending = [p["idx"][0] for p in state["collector"]["pending_prompts"]]
-    assert len(saved) >= 2 and 0 in pending  # prompt 0 was generating: its samples are lost
+    # The first stream started hangs: its prompt was generating, its samples are lost.
+    assert len(saved) >= 2 and len(pending) >= 1
 
     resumed_buffer = ReplayBuffer(max_age_steps=4)
     resumed_buffer.load_state_dict(state["buffer"])
