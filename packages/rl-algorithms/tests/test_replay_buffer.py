@@ -69,6 +69,22 @@ def test_take_gives_the_oldest_fresh_groups_and_drops_stale_ones():
     assert len(buffer) == 1
 
 
+def test_an_older_group_that_arrived_later_goes_first_and_dropped_tokens_are_counted():
+    # A long episode started at step 0 finishes after a short one started at step 1: it is
+    # trained on first (it is the one closest to the age cap).
+    buffer = ReplayBuffer(max_age_steps=2)
+    for step in range(2):
+        buffer.record_step(step, step)
+    buffer.add([group([1, 1], tag="short"), group([0, 1], [1, 1], tag="long")])
+    assert tags(buffer.take(1, step=1)) == ["long"]
+    late = group([0, 0], tag="late")
+    late.result.metrics["completion_tokens"] = 7.0
+    buffer.add([late])
+    buffer.record_step(3, 3)
+    assert tags(buffer.take(1, step=3)) == ["short"]  # "late" is 3 steps old: past the cap
+    assert buffer.dropped_tokens == 7
+
+
 def test_zero_age_bound_keeps_only_current_weights():
     buffer = ReplayBuffer(max_age_steps=0)
     buffer.record_step(0, 0)
@@ -151,3 +167,20 @@ def test_a_wait_limit_below_the_group_limit_is_a_config_error_naming_both_keys(c
     err = capsys.readouterr().err
     assert "grpo.async_grpo.max_wait_seconds (30.0) must exceed" in err
     assert "grpo.async_grpo.max_group_seconds (60.0)" in err
+
+
+def test_multi_turn_and_dynamic_sampling_are_allowed_and_a_span_below_the_age_is_an_error(capsys):
+    from rl_algorithms import cli
+
+    args = async_grpo_args(
+        "loss_fn.use_importance_sampling_correction=true",
+        "grpo.async_grpo.enabled=true",
+        "grpo.max_rollout_turns=4",
+        "grpo.use_dynamic_sampling=true",
+        "grpo.async_grpo.max_trajectory_age_steps=2",
+        "grpo.async_grpo.max_trajectory_span_steps=1",
+    )
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "grpo.async_grpo.max_trajectory_span_steps (1) must be >=" in err
+    assert "max_rollout_turns" not in err and "use_dynamic_sampling" not in err

@@ -4,8 +4,8 @@ double for the engine only; the real async engine runs in ``functional/test_asyn
 
 Shown: every prompt comes back as a scored group tagged with its weight versions; a group whose
 generation never finishes is cancelled on the engine and its prompt generated again; so is one
-vLLM aborted on its own, and one the trainer dropped as too stale (until a prompt has been
-queued again too often: an error naming it); a prompt too long to generate from carries the
+vLLM aborted on its own, and one the trainer dropped as too stale (as often as it takes: no
+requeue limit stops a run); a prompt too long to generate from carries the
 engine's weight version; running out of prompts, a killed collector and a wedged engine each
 raise in the trainer, naming the collector (and the engine), instead of leaving it waiting; a
 drain lets no generation start until the refit after it ends; a checkpoint holds every prompt
@@ -20,7 +20,7 @@ import ray
 import torch
 
 from rl_algorithms.grpo.async_loop import Trajectories
-from rl_algorithms.grpo.collector import CollectorClient, CollectorError
+from rl_algorithms.grpo.collector_client import CollectorClient, CollectorError
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer
 from rl_data.loader import StatefulDataLoader
 from rl_data.messages import tokenize_message_logs
@@ -223,6 +223,8 @@ def start(tokenizer, template, n_prompts: int, hang_first: bool, name: str, **kw
         max_epochs=1,
         max_group_seconds=kwargs.pop("max_group_seconds", 60.0),
         max_groups_ahead=kwargs.pop("max_groups_ahead", 4),
+        prompts_per_step=kwargs.pop("prompts_per_step", 2),
+        max_age_steps=kwargs.pop("max_age_steps", 4),
         in_flight_weight_updates=True,
         **kwargs,
     )
@@ -281,7 +283,7 @@ def test_checkpoint_state_holds_every_prompt_drawn_and_not_handed_over(tokenizer
     # Drawn from the loader so far = handed over + pending, with nothing lost or doubled.
     drawn = state["loader"]["position"] * 2
     assert sorted(handed + pending) == list(range(drawn))
-    assert 0 in pending  # the hung group's prompt goes to the checkpoint
+    assert pending  # the hung group's prompt (the first stream started) goes to the checkpoint
 
 
 def take_all(client, consumed: int = 0) -> tuple[list, dict]:
@@ -316,8 +318,8 @@ def test_an_aborted_group_is_requeued_and_a_too_long_prompt_has_the_engines_vers
     assert long.version_min.tolist() == long.version_max.tolist() == [3] * G
 
 
-def test_stale_groups_are_generated_again_until_a_prompt_is_requeued_too_often(tokenizer, template):
-    client, _ = start(tokenizer, template, 4, hang_first=False, name="c-stale", max_requeues=2)
+def test_stale_groups_are_generated_again_and_no_requeue_limit_stops_the_run(tokenizer, template):
+    client, _ = start(tokenizer, template, 4, hang_first=False, name="c-stale")
     buffer = ReplayBuffer(max_age_steps=0)
     trajectories = Trajectories(buffer, client, max_wait=60)
     try:
@@ -325,15 +327,17 @@ def test_stale_groups_are_generated_again_until_a_prompt_is_requeued_too_often(t
         groups, _ = trajectories.take(2, step=0)
         assert [g.requeues for g in groups] == [0, 0]
         # The trainer moves on to version 4; the engine never changes: every group it makes
-        # from now on is a step old, dropped, and its prompt generated again, until one has
-        # been queued again twice. Without the re-queue it would run out of prompts instead.
+        # from now on is a step old, dropped, and its prompt generated again. The trainer
+        # waits for young groups (none come) until max_wait; the collector never gives up.
         buffer.record_step(1, 4)
-        with pytest.raises(CollectorError, match=r"prompt idx=\d+ .*queued again 2 times"):
+        trajectories.max_wait = 5
+        with pytest.raises(CollectorError, match=r"waited \d+ s .*max_wait_seconds"):
             trajectories.take(2, step=1)
     finally:
         client.stop()
     reply = trajectories.last_reply
-    assert reply.stale_requeued_groups >= 2 and buffer.dropped_groups >= 4
+    assert reply.stale_requeued_groups >= 3 and buffer.dropped_groups >= 3
+    assert buffer.dropped_tokens > 0  # their work is counted as discarded
 
 
 def test_a_wedged_engine_is_reported_by_name_within_seconds(tokenizer, template):
@@ -443,8 +447,8 @@ def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_
 ):
     """What ``async_loop``'s docstring says a resume preserves, through the trainer's own
     ``Trajectories``: the saved buffer's groups come back with their step tags; the prompt
-    that was generating at the checkpoint (its stream hangs) is generated again, first, on the
-    resumed run's engine; and over both runs every prompt is trained on exactly once."""
+    that was generating at the checkpoint (its stream hangs) is generated again on the resumed
+    run's engine; and over both runs every prompt is trained on exactly once."""
     client, _ = start(tokenizer, template, 8, hang_first=True, name="c-before", max_groups_ahead=6)
     buffer = ReplayBuffer(max_age_steps=4)
     trajectories = Trajectories(buffer, client, max_wait=60)
@@ -459,7 +463,8 @@ def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_
         client.stop()
     saved = [(g.prompt["idx"][0], g.step_min.tolist()) for g in state["buffer"]["groups"]]
     pending = [p["idx"][0] for p in state["collector"]["pending_prompts"]]
-    assert len(saved) >= 2 and 0 in pending  # prompt 0 was generating: its samples are lost
+    # The first stream started hangs: its prompt was generating, its samples are lost.
+    assert len(saved) >= 2 and len(pending) >= 1
 
     resumed_buffer = ReplayBuffer(max_age_steps=4)
     resumed_buffer.load_state_dict(state["buffer"])
@@ -483,10 +488,10 @@ def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_
         after, _ = take_all(client, consumed=len(resumed_buffer))
     finally:
         client.stop()
-    # The pending prompts are generated first, the hung one among them (this engine answers),
-    # in the order their groups finish.
-    assert sorted(g.prompt["idx"][0] for g in after[: len(pending)]) == sorted(pending)
-    assert 0 in [g.prompt["idx"][0] for g in after]
+    # The pending prompts are generated again, the hung one among them (this engine answers).
+    # (They are admitted first; each group's agent loop runs in its own thread, so the order
+    # in which groups finish is not the order they were admitted in.)
+    assert set(pending) <= {g.prompt["idx"][0] for g in after}
     used = [g.prompt["idx"][0] for g in trained] + [i for i, _ in saved]
     used += [g.prompt["idx"][0] for g in after]
     assert sorted(used) == list(range(8))  # none lost, none doubled

@@ -11,6 +11,10 @@ writes ``<|im_end|>\\n``); that remainder is tokenised and appended to the assis
 ``token_loss_mask`` 0, so later turns see the conversation exactly as the template renders it
 while the loss and the importance ratios cover only sampled tokens.
 
+Every sampled token also carries the weight version it was sampled with
+(``generation_versions``, beside ``generation_logprobs``) when the generator reports versions
+(the streaming engines of async GRPO do, see ``token_versions``).
+
 Both rollout loops drive ``Episodes`` one episode at a time (``add_response``, ``apply_step``,
 ``continue_with``): the lockstep loop (``rollouts.run_lockstep_rollouts``) turn by turn for the
 whole batch, the agent loop (``agent_loop.run_agent_loop``) as each episode's own calls return.
@@ -83,13 +87,14 @@ def assistant_message(
     log: MessageLog,
     room: int,
     tools: Tools | None = None,
+    versions: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """The generated turn as a message: the sampled ids as they are, plus the template's
     closing text (if any, and if it fits in ``room`` tokens) as tokens out of the loss.
-    ``tools``: those the conversation is offered (its prompt was rendered with them). Its
-    ``template_mismatch`` is set when the template renders the turn otherwise than sampled.
-    (The rollouts' episodes and the agent-program endpoint's trajectories both make theirs
-    here.)"""
+    ``tools``: those the conversation is offered (its prompt was rendered with them);
+    ``versions``: each sampled token's weight version. Its ``template_mismatch`` is set when
+    the template renders the turn otherwise than sampled. (The rollouts' episodes and the
+    agent-program endpoint's trajectories both make theirs here.)"""
     content = turn_text(tokenizer, ids.tolist())
     message: dict[str, Any] = {
         "role": "assistant",
@@ -98,6 +103,8 @@ def assistant_message(
         "token_loss_mask": torch.ones_like(ids),
         "generation_logprobs": logprobs,
     }
+    if versions is not None:
+        message["generation_versions"] = versions
     generated = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
     full = template.message_texts([*log, message], start=len(log), tools=tools)[0]
     if not full.startswith(generated):
@@ -112,7 +119,37 @@ def assistant_message(
         message["token_ids"] = torch.cat([ids, tail])
         message["token_loss_mask"] = torch.cat([message["token_loss_mask"], torch.zeros_like(tail)])
         message["generation_logprobs"] = torch.cat([logprobs, torch.zeros(len(tail))])
+        if versions is not None:  # (out of the loss: tagged like the turn's last token)
+            last = versions[-1:] if len(versions) else torch.zeros(1, dtype=torch.long)
+            message["generation_versions"] = torch.cat([versions, last.expand(len(tail))])
     return message
+
+
+def token_versions(out: BatchedDataDict, row: int, start: int, length: int) -> torch.Tensor | None:
+    """The weight version of each of the ``length`` tokens row ``row`` of a generator's output
+    sampled from position ``start`` on; None when the generator reports no versions.
+
+    Exact where the generator reports them per token (``generation_versions``). Where it
+    reports only the oldest and newest version of the row (``weight_version_min`` / ``_max``:
+    a refit landed while it was sampled and the boundary is unknown), every token is tagged
+    with the oldest: an age computed from the tags is never too young."""
+    if "generation_versions" in out:
+        return out["generation_versions"][row, start : start + length].to(torch.long)
+    if "weight_version_min" in out:
+        return torch.full((length,), int(out["weight_version_min"][row]), dtype=torch.long)
+    return None
+
+
+def version_span(log: MessageLog) -> tuple[int, int] | None:
+    """The oldest and newest weight version of a conversation's sampled tokens (the newest as
+    the generator reported it, which may lie inside a turn); None when none carries versions."""
+    oldest = [
+        int(m["generation_versions"].min()) for m in log if len(m.get("generation_versions", ()))
+    ]
+    newest = [int(m["generation_version_max"]) for m in log if "generation_version_max" in m]
+    if not oldest:
+        return None
+    return min(oldest), max([*newest, *oldest])
 
 
 # What of an environment's reply message reaches the conversation (and the chat template).
@@ -240,9 +277,12 @@ class Episodes:
         length = min(length, room)
         ids = out["output_ids"][row, start : start + length].to(torch.long)
         lps = out["logprobs"][row, start : start + length].to(torch.float32)
+        versions = token_versions(out, row, start, length)
         message = assistant_message(
-            ids, lps, self.tokenizer, self.template, log, room, self.tools[i]
+            ids, lps, self.tokenizer, self.template, log, room, self.tools[i], versions
         )
+        if "weight_version_max" in out:
+            message["generation_version_max"] = int(out["weight_version_max"][row])
         if message.pop("template_mismatch", False):
             self.template_mismatches += 1
             if not _warned_of_template_mismatch:

@@ -156,13 +156,26 @@ class RolloutResult:
 
     def training_batch(self, pad_token_id: int) -> TrainBatch:
         """Right-padded ``input_ids`` with ``loss_mask`` on sampled tokens only and the
-        generator's ``generation_logprobs`` aligned to them (0 elsewhere)."""
+        generator's ``generation_logprobs`` aligned to them (0 elsewhere); where the turns
+        carry weight versions (async GRPO), ``extras["generation_versions"]``: each sampled
+        token's version, aligned the same way (-1 elsewhere)."""
         # Only tokens carrying a ``token_loss_mask`` (the sampled ones) are trained on: an
         # assistant turn that came with the prompt (few-shot) was never sampled.
         flat = flatten_message_logs(self.message_logs, pad_token_id, loss_roles=())
         width = flat["input_ids"].shape[1]
         gen_lp = torch.zeros(len(self.message_logs), width, dtype=torch.float32)
+        versions = torch.full((len(self.message_logs), width), -1, dtype=torch.long)
+        with_versions = False
         for b, log in enumerate(self.message_logs):
+            tags = [
+                m["generation_versions"]
+                if "generation_versions" in m
+                else torch.full((len(m["token_ids"]),), -1, dtype=torch.long)
+                for m in log
+            ]
+            with_versions |= any("generation_versions" in m for m in log)
+            tagged = torch.cat(tags)
+            versions[b, : len(tagged)] = tagged
             pieces = [
                 m["generation_logprobs"].float()
                 if "generation_logprobs" in m
@@ -176,4 +189,5 @@ class RolloutResult:
             input_lengths=flat["input_lengths"],
             loss_mask=flat["loss_mask"].to(torch.float32),
             generation_logprobs=gen_lp,
+            extras={"generation_versions": versions} if with_versions else {},
         )

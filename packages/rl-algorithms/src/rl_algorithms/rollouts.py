@@ -48,7 +48,6 @@ __all__ = [
     "generation_input",
     "run_lockstep_rollouts",
     "run_rollouts",
-    "score_generated",
     "step_environments",
     "take_environment_counts",
 ]
@@ -117,25 +116,3 @@ def run_lockstep_rollouts(
         )
         episodes.play_turn(out, last=turn + 1 == max_turns)
     return episodes.result(with_env_metrics)
-
-
-def score_generated(
-    batch: BatchedDataDict,
-    out: BatchedDataDict | None,
-    tokenizer: Any,
-    template: ChatTemplate,
-    envs: Mapping[str, Any],
-    *,
-    max_seq_len: int,
-) -> RolloutResult:
-    """A single-turn rollout whose responses were already sampled (``out``, one row per row of
-    ``batch``; ``None`` when every prompt is too long to generate from)."""
-    episodes = Episodes(batch, tokenizer, template, envs, max_seq_len)
-    if episodes.active:
-        if out is None or out.size != len(episodes.active):
-            got = "none" if out is None else out.size
-            raise ValueError(f"{len(episodes.active)} rows to score, {got} generated")
-        episodes.play_turn(out, last=True)
-    # No environment metrics per group: async GRPO scores its groups one by one and does not
-    # merge their metrics, so a call to every environment per group would be wasted work.
-    return episodes.result(with_env_metrics=False)

@@ -4,8 +4,10 @@ its own) and one trainer worker.
 - The run goes on through a hung rollout: the environment never answers the first group it is
   given (it waits until the end of time, not for a lucky while); the collector cancels that
   group at ``max_group_seconds`` and queues its prompt again.
-- With ``max_trajectory_age_steps: 1`` every sample trained on is at most one step old, and the
-  importance ratios and the generator/trainer mismatch stay in bounds. Each step takes two
+- With ``max_trajectory_age_steps: 1`` groups start only while they can be trained on within a
+  step; one that ran longer than the groups started after it may be older when trained, never
+  past ``max_trajectory_span_steps`` (4); the importance ratios and the generator/trainer
+  mismatch stay in bounds. Each step takes two
   optimiser steps, so the second one's ratios move and the bounds can fail.
 - Weight updates land in flight: some samples were generated partly by two weight versions
   (the engine decodes one sequence at a time, so a refit always finds work running).
@@ -25,7 +27,7 @@ import torch
 
 from rl_algorithms import cli
 from rl_algorithms.grpo.async_loop import COLLECTOR_NAME
-from rl_algorithms.grpo.collector import CollectorError
+from rl_algorithms.grpo.collector_client import CollectorError
 from rl_algorithms.utils.checkpoint import STATE_FILE
 from rl_envs.math_env import MathEnvConfig, MathEnvironment
 
@@ -37,6 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.m
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 STEPS = 4
+SPAN = 4  # grpo.async_grpo.max_trajectory_span_steps's default
 PROMPTS, GENERATIONS = 4, 4
 
 
@@ -131,9 +134,9 @@ def async_config(tmp_path, tiny_model: str, **async_grpo) -> dict:
 def check_steps(steps: list[dict]) -> None:
     """What every async step must show: ages within the bound, ratios and mismatch in bounds."""
     for r in steps:
-        assert r["train/trajectory_age/max"] <= 1, r
+        assert r["train/trajectory_age/max"] <= SPAN, r
         ages = {k: v for k, v in r.items() if k.startswith("train/trajectory_age/count_")}
-        assert set(ages) <= {"train/trajectory_age/count_0", "train/trajectory_age/count_1"}
+        assert set(ages) <= {f"train/trajectory_age/count_{a}" for a in range(SPAN + 1)}
         assert sum(ages.values()) == PROMPTS * GENERATIONS
         # The first update is on-policy for the trainer (ratio 1); the second sees the first
         # one's change, within the range clipping handles.
@@ -144,6 +147,7 @@ def check_steps(steps: list[dict]) -> None:
         assert 1.0 <= r["train/token_mult_prob_error"] < 1.5, r
         for key in ("buffer_size", "dropped_groups", "requeued_groups", "trainer_idle_seconds"):
             assert r[f"train/{key}"] >= 0, key
+        assert 0 <= r["train/discarded_token_fraction"] <= 1
         assert r["train/generator_idle_seconds"] >= 0
     # The ratios moved (the bounds above are not about numbers that are 1 by construction).
     assert max(r["train/probs_ratio_max"] - r["train/probs_ratio_min"] for r in steps) > 1e-3

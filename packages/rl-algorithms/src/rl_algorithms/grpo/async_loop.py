@@ -4,15 +4,20 @@
         generation.colocated=false generation.vllm.async_engine=true \\
         loss_fn.use_importance_sampling_correction=true
 
-A trajectory collector (``collector.py``, a Ray actor) streams prompt groups
-through the vLLM async engine on workers of its own and scores them; the trainer takes the
-oldest groups young enough to train on from a replay buffer (``replay_buffer.py``) and, after
-each step, refits the generator without waiting for it. One step, top to bottom
-(``async_grpo_train``)::
+A trajectory collector (``collector.py``, a Ray actor) runs each prompt group's episodes
+through the agent loop of sync GRPO (multi-turn, tools; ``grpo.max_rollout_turns``,
+``grpo.agent_loop``), their turns generated on the vLLM async engine on workers of its own; it
+starts a group only if the trainer can train on it within ``max_trajectory_age_steps`` steps
+(staleness by admission). The trainer takes the groups with the oldest tokens from a replay
+buffer (``replay_buffer.py``) and, after each step, refits the generator without waiting for
+it: running episodes go on under the new weights, each token tagged with the weight version
+that sampled it. One step, top to bottom (``async_grpo_train``)::
 
-    wait for num_prompts_per_step groups no older than max_trajectory_age_steps (older ones are
-    dropped, counted and their prompts generated again; a dead, failed, stalled or exhausted
-    collector, or a wait past max_wait_seconds, raises here, naming it and the cause)
+    wait for num_prompts_per_step groups (one older than max_trajectory_span_steps, which only
+    a group that ran far longer than the rest becomes, is dropped, counted with its tokens,
+    and its prompt generated again; with dynamic sampling the collector filters groups whose
+    rewards are all equal; a dead, failed, stalled or exhausted collector, or a wait past
+    max_wait_seconds, raises here, naming it and the cause)
     -> advantages -> log-probs under the current policy -> clipped policy-gradient step, whose
        importance weights (generator log-probs vs the trainer's) correct for the lag
     -> refit: in flight (the engine pauses between two decoding steps, running samples go on
@@ -35,11 +40,14 @@ uninterrupted run depends on timing -- which group finishes first, where a refit
   on before it, is a finished group in the saved buffer, or is *pending* (queued, being
   submitted, generating, or being scored) -- pending prompts are generated again, first, by
   the resumed collector, and the loader goes on after the last prompt drawn;
-- lost: generations in flight (their tokens so far; their prompts start again from scratch,
-  with the resumed weights), the collector's counters (``requeued_groups``, ``aborted_groups``,
-  ``stale_requeued_groups``, ``generator_idle_seconds``, which restart at 0), and the engines'
-  random state: streams carry no per-row seeds (``rl_models.generation.seeds``), so a prompt
-  generated again draws other samples than it would have.
+- lost: episodes in flight, whole -- the turns they had finished (tokens and environment
+  replies) and the turn being generated; their prompts start again from scratch, first, with
+  the resumed weights; the collector's counters (``requeued_groups``, ``aborted_groups``,
+  ``stale_requeued_groups``, ``filtered_groups``, generated and discarded tokens,
+  ``generator_idle_seconds``, which restart at 0), and the engines' random state: streams
+  carry no per-row seeds (``rl_models.generation.seeds``), so a prompt generated again draws
+  other samples than it would have. A group finished before the checkpoint is never lost: it
+  is in the saved buffer (``Trajectories.state_dict`` pulls every finished group first).
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ import time
 from typing import Any
 
 from rl_algorithms.diagnostics import warn_on_mismatch
-from rl_algorithms.grpo.collector import CollectorClient, CollectorError, CollectorReply
+from rl_algorithms.grpo.collector import CollectorReply
+from rl_algorithms.grpo.collector_client import CollectorClient, CollectorError
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer, TrajectoryGroup
 from rl_algorithms.grpo.steps import (
     refit_if_stale,
@@ -66,7 +75,7 @@ def start_collector(run: Run, buffer: ReplayBuffer, state: dict[str, Any]) -> Co
     """The collector on the generator's streaming engines, the environments and the prompt
     loader (at the checkpoint's position, with the prompts it had drawn queued first)."""
     g, a = run.config.grpo, run.config.grpo.async_grpo
-    ahead = a.max_groups_ahead or g.num_prompts_per_step * max(1, a.max_trajectory_age_steps)
+    ahead = a.max_groups_ahead or g.num_prompts_per_step * (a.max_trajectory_age_steps + 1)
     return CollectorClient(
         COLLECTOR_NAME,
         run.generation.streaming_samplers(call_timeout=a.engine_call_seconds),
@@ -80,9 +89,13 @@ def start_collector(run: Run, buffer: ReplayBuffer, state: dict[str, Any]) -> Co
         max_epochs=g.max_num_epochs,
         max_group_seconds=a.max_group_seconds,
         max_groups_ahead=max(ahead, g.num_prompts_per_step),
+        prompts_per_step=g.num_prompts_per_step,
+        max_age_steps=a.max_trajectory_age_steps,
         in_flight_weight_updates=a.in_flight_weight_updates,
+        max_turns=g.max_rollout_turns,
+        agent_loop=g.agent_loop,
+        dynamic_sampling=g.use_dynamic_sampling,
         engine_call_seconds=a.engine_call_seconds,
-        max_requeues=a.max_requeues_per_prompt,
         pending_prompts=state.get("pending_prompts"),
         groups_out=len(buffer),
     )
@@ -98,12 +111,15 @@ class Trajectories:
         self.max_wait = max_wait
         self.consumed = 0  # groups trained on or dropped, as the collector counts them
         self.last_reply: CollectorReply | None = None  # the collector's latest, see ``pull``
+        # 1 from taking a step's groups until the next ``take``: the generator's weights are
+        # then a step behind the groups still to come (the collector admits fewer).
+        self.lag = 0
 
     @classmethod
     def start(cls, run: Run) -> Trajectories:
         """The buffer (restored from a checkpoint, if any) and the collector of ``run``."""
         a = run.config.grpo.async_grpo
-        buffer = ReplayBuffer(a.max_trajectory_age_steps)
+        buffer = ReplayBuffer(a.max_trajectory_span_steps)
         state = run.extra.get("async_grpo", {})
         if "buffer" in state:
             buffer.load_state_dict(state["buffer"])
@@ -111,13 +127,16 @@ class Trajectories:
         return cls(buffer, collector, a.max_wait_seconds)
 
     def pull(self, timeout: float) -> None:
+        """Hand the collector the stale groups' prompts and what was consumed; add what it
+        finished to the buffer."""
         stale = [(group.prompt, group.requeues) for group in self.buffer.pop_stale()]
-        self.last_reply = self.collector.take(self.consumed, timeout, stale)
+        self.last_reply = self.collector.take(self.consumed, timeout, stale, self.lag)
         self.buffer.add(self.last_reply.groups)
 
     def take(self, n: int, step: int) -> tuple[list[TrajectoryGroup], float]:
         """``n`` groups young enough for ``step``, and the seconds spent waiting for them."""
         start = time.monotonic()
+        self.lag = 0
         while True:
             dropped = self.buffer.dropped_groups
             groups = self.buffer.take(n, step)
@@ -125,6 +144,7 @@ class Trajectories:
             if groups is not None:
                 self.consumed += n
                 waited = time.monotonic() - start
+                self.lag = 1
                 self.pull(timeout=0)  # tell the collector at once: it may start more groups
                 return groups, waited
             waited = time.monotonic() - start
@@ -242,6 +262,11 @@ def async_grpo_train(run: Run) -> dict[str, float]:
                 "buffer_size": float(len(buffer)),
                 "dropped_groups": float(buffer.dropped_groups),
                 "dropped_samples": float(buffer.dropped_samples),
+                "filtered_groups": float(reply.filtered_groups),
+                # Finished-but-discarded work: tokens of groups dropped as too old, cancelled
+                # or aborted, over every token generated for training (0 on a healthy run).
+                "discarded_token_fraction": (buffer.dropped_tokens + reply.discarded_tokens)
+                / max(reply.generated_tokens, 1),
                 "requeued_groups": float(reply.requeued_groups),
                 "aborted_groups": float(reply.aborted_groups),
                 "stale_requeued_groups": float(reply.stale_requeued_groups),

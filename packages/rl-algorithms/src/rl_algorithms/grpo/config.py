@@ -61,18 +61,21 @@ class AsyncGRPOConfig(ConfigModel):
     # Asynchronous GRPO, generation for later steps overlaps training (needs
     # generation.vllm.async_engine).
     enabled: bool = False
-    # A sample's age is the trainer's step minus the oldest weight version (in steps) that
-    # produced any of its tokens; older samples are dropped (and counted), never trained on.
+    # A sample's age is the trainer's step minus the step of the oldest weights that sampled
+    # any of its tokens. Bounded by admission: the collector starts a group only if, trained
+    # after the groups already out (oldest first), it is at most this many steps old; a
+    # running episode is never thrown away for its age (a refit in flight lets it go on).
     max_trajectory_age_steps: int = Field(1, ge=0)
+    # A finished group is trained on unless it is older than this many steps (its prompt is
+    # then generated again and its tokens counted as discarded): only a group that ran far
+    # longer than the rest gets there. Must be >= max_trajectory_age_steps.
+    max_trajectory_span_steps: int = Field(4, ge=0)
     # true: a refit pauses the engine between two decoding steps and the running generations
     # go on with the new weights; false: the collector lets them finish (drain) first.
     in_flight_weight_updates: bool = True
-    # A group (G samples of one prompt, generation and scoring) running longer than this is
-    # cancelled and its prompt queued again. Set it well above a normal group's time.
+    # A group (G episodes of one prompt: their turns and environment steps) running longer
+    # than this is cancelled and its prompt queued again. Set it well above a normal group's.
     max_group_seconds: float = Field(300.0, gt=0)
-    # A prompt queued again (its group hung, was aborted by vLLM, or was too stale to train
-    # on) more often than this stops the run with an error naming the prompt.
-    max_requeues_per_prompt: int = Field(3, ge=0)
     # The trainer raises instead of waiting longer than this for one step's groups; a dead,
     # stalled or exhausted collector is reported within seconds regardless.
     max_wait_seconds: float = Field(900.0, gt=0)
@@ -80,8 +83,8 @@ class AsyncGRPOConfig(ConfigModel):
     # takes longer is reported as wedged, naming its worker. A worker answers one call at a
     # time, so this must exceed the longest refit or validation generation it runs meanwhile.
     engine_call_seconds: float = Field(300.0, gt=0)
-    # Groups the collector may run ahead of the trainer (None: num_prompts_per_step times
-    # max(1, max_trajectory_age_steps), what the trainer can use before they grow too old).
+    # Most groups running or waiting in the buffer at once (None: what admission allows,
+    # num_prompts_per_step times (max_trajectory_age_steps + 1)).
     max_groups_ahead: int | None = Field(None, ge=1)
 
 
@@ -417,12 +420,9 @@ def check_async_config(config: Any) -> None:
             "grpo.async_grpo.enabled: true needs generation.backend: vllm with "
             "generation.vllm.async_engine: true (samples stream back as they finish)"
         )
-    if config.grpo.max_rollout_turns != 1:
+    if a.max_trajectory_span_steps < a.max_trajectory_age_steps:
         raise ValueError(
-            f"grpo.max_rollout_turns is {config.grpo.max_rollout_turns}; asynchronous GRPO "
-            "(grpo.async_grpo.enabled) supports single-turn rollouts only"
-        )
-    if config.grpo.use_dynamic_sampling:
-        raise ValueError(
-            "grpo.use_dynamic_sampling is not supported with grpo.async_grpo.enabled: true"
+            f"grpo.async_grpo.max_trajectory_span_steps ({a.max_trajectory_span_steps}) must be "
+            f">= grpo.async_grpo.max_trajectory_age_steps ({a.max_trajectory_age_steps}): groups "
+            "admitted in time would be dropped as too old"
         )

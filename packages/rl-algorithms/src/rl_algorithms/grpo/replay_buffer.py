@@ -8,6 +8,12 @@ A sample's age at step ``s`` is ``s`` minus the step of the *oldest* version tha
 of its tokens (with in-flight weight updates a sample's tokens may come from several). A
 group is tagged with that step when it enters the buffer, and keeps it through a checkpoint
 (the tags do not depend on how the resumed policy numbers its versions).
+
+Staleness is bounded where groups start (the collector admits a group only if it can be
+trained on in time), not here: the buffer hands out the groups whose oldest tokens are oldest
+first, and drops only a group older than ``max_age_steps`` (async GRPO's
+``max_trajectory_span_steps``: a group that ran far longer than the rest), counting its
+tokens as discarded work.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class ReplayBuffer:
         self.versions: list[int] = []  # the policy's weight version at each of them
         self.dropped_groups = 0
         self.dropped_samples = 0
+        self.dropped_tokens = 0  # generated tokens of the dropped groups
         self.stale: list[TrajectoryGroup] = []  # dropped, not yet handed back (pop_stale)
 
     def __len__(self) -> int:
@@ -101,6 +108,7 @@ class ReplayBuffer:
             if int(self.ages(group, step).max()) > self.max_age_steps:
                 self.dropped_groups += 1
                 self.dropped_samples += len(group.version_min)
+                self.dropped_tokens += int(group.result.metrics.get("completion_tokens", 0))
                 self.stale.append(group)
             else:
                 kept.append(group)
@@ -114,12 +122,15 @@ class ReplayBuffer:
         return stale
 
     def take(self, n: int, step: int) -> list[TrajectoryGroup] | None:
-        """The ``n`` oldest groups young enough for step ``step`` (stale ones are dropped
-        first), or None if there are fewer."""
+        """The ``n`` groups whose oldest tokens are oldest (in arrival order among equals), young
+        enough for step ``step`` (stale ones are dropped first), or None if there are fewer."""
         self.drop_stale(step)
         if len(self.groups) < n:
             return None
-        taken, self.groups = self.groups[:n], self.groups[n:]
+        order = sorted(range(len(self.groups)), key=lambda i: int(self.groups[i].step_min.min()))  # type: ignore[union-attr]
+        chosen = set(order[:n])
+        taken = [g for i, g in enumerate(self.groups) if i in chosen]
+        self.groups = [g for i, g in enumerate(self.groups) if i not in chosen]
         return taken
 
     def age_histogram(self, groups: list[TrajectoryGroup], step: int) -> dict[int, int]:
@@ -137,6 +148,7 @@ class ReplayBuffer:
             "groups": list(self.groups),
             "dropped_groups": self.dropped_groups,
             "dropped_samples": self.dropped_samples,
+            "dropped_tokens": self.dropped_tokens,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -144,3 +156,4 @@ class ReplayBuffer:
         self.steps, self.versions = [], []
         self.dropped_groups = int(state["dropped_groups"])
         self.dropped_samples = int(state["dropped_samples"])
+        self.dropped_tokens = int(state.get("dropped_tokens", 0))  # (older checkpoints)

@@ -1,0 +1,277 @@
+"""The trajectory collector with the agent loop, fast: the real collector (in process, no Ray
+actor), the real agent loop and ``Episodes``, a real tokenizer and chat template, and an
+in-process streaming engine standing in for vLLM (a test double for the engine only).
+
+Shown: multi-turn episodes of very different lengths (1 or 10 turns) run through the
+collector with refits between trainer steps, and every prompt started is trained on exactly
+once (no requeue, no discarded work: no bias toward short episodes), each token tagged with
+the weight version that sampled it; admission keeps generation within
+``max_trajectory_age_steps`` of the trainer; dynamic sampling filters a group whose rewards are
+all equal, counts it and does not generate its prompt again; a cancelled group leaves no
+stream running on the engine.
+"""
+
+import itertools
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from rl_algorithms.agent_loop import AgentLoopConfig
+from rl_algorithms.grpo.async_loop import Trajectories
+from rl_algorithms.grpo.collector import TrajectoryCollector
+from rl_algorithms.grpo.collector_client import CollectorError
+from rl_algorithms.grpo.replay_buffer import ReplayBuffer
+from rl_data.loader import StatefulDataLoader
+from rl_data.messages import tokenize_message_logs
+from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn
+from rl_models.generation.streaming import StreamingSampler, StreamNews
+
+G = 2
+REPLIES = ("<action>right</action>", "<action>left</action>")  # row 0's, row 1's
+
+
+class InProcessEngine:
+    """A ``StreamingSampler`` in this process: row ``r`` of a stream answers ``REPLIES[r % 2]``
+    and EOS ``seconds`` after its start (``hang``: never), tagged with the weight version at
+    its start and at its end (``version``, which the test bumps as a refit). Records every
+    stream started and cancelled."""
+
+    name = "in-process engine"
+
+    def __init__(self, tokenizer, seconds: float = 0.01, hang: bool = False) -> None:
+        self.tokenizer, self.seconds, self.hang = tokenizer, seconds, hang
+        self.version = 0
+        self.lock = threading.Lock()
+        self.streams: dict[str, tuple[BatchedDataDict, float, int]] = {}
+        self.ids = itertools.count()
+        self.cancelled: list[str] = []
+
+    def start(self, data, greedy=False):
+        with self.lock:
+            stream_id = f"s{next(self.ids)}"
+            self.streams[stream_id] = (data, time.monotonic(), self.version)
+            return stream_id
+
+    def _sample(self, data, row, version_min):
+        reply = self.tokenizer.encode(REPLIES[row % 2], add_special_tokens=False)
+        reply = torch.tensor([*reply, self.tokenizer.eos_token_id])
+        n = int(data["input_lengths"][row])
+        ids = torch.cat([data["input_ids"][row, :n], reply])[None]
+        logprobs = torch.zeros(ids.shape)
+        logprobs[0, n:] = -0.25
+        return BatchedDataDict(
+            output_ids=ids,
+            generation_lengths=torch.tensor([len(reply)]),
+            unpadded_sequence_lengths=torch.tensor([n + len(reply)]),
+            logprobs=logprobs,
+            truncated=torch.tensor([False]),
+            weight_version_min=torch.tensor([version_min]),
+            weight_version_max=torch.tensor([self.version]),
+        )
+
+    def poll(self, stream_ids, timeout=0.0):
+        news = {}
+        with self.lock:
+            for stream_id in stream_ids:
+                data, began, version = self.streams[stream_id]
+                if self.hang or time.monotonic() - began < self.seconds:
+                    continue
+                rows = {r: self._sample(data, r, version) for r in range(data.size)}
+                del self.streams[stream_id]
+                news[stream_id] = StreamNews(rows, done=True)
+        if not news:
+            time.sleep(min(timeout, 0.005))
+        return news
+
+    def cancel(self, stream_id):
+        with self.lock:
+            self.cancelled.append(stream_id)
+            stream = self.streams.pop(stream_id, None)
+            return 0 if stream is None else stream[0].size
+
+    def weight_version(self):
+        return self.version
+
+
+def test_the_in_process_engine_is_a_streaming_sampler(tokenizer):
+    assert isinstance(InProcessEngine(tokenizer), StreamingSampler)
+
+
+class TurnsEnv(EnvironmentInterface):
+    """Each episode plays ``turns`` turns (its prompt's metadata), a ``role: tool`` reply
+    after each but the last; it ends with reward 1 if its first turn said "right", or always
+    with ``constant``. Serves concurrent steps."""
+
+    concurrent_steps = True
+
+    def step(self, message_log_batch, metadata):
+        out = []
+        for log, meta in zip(message_log_batch, metadata, strict=True):
+            turn = meta["turn"] + 1
+            done = turn >= meta["turns"]
+            first = next(m for m in log if m["role"] == "assistant")  # (one stream: rows 0, 1)
+            right = "right" in str(first["content"])
+            reward = float(done and (meta.get("constant", False) or right))
+            reply = [{"role": "tool", "content": "turn", "tool_call_id": str(turn)}]
+            out.append((reply, {**meta, "turn": turn}, reward, done))
+        return EnvironmentReturn(
+            observations=[o[0] for o in out],
+            metadata=[o[1] for o in out],
+            next_stop_strings=[None] * len(out),
+            rewards=torch.tensor([o[2] for o in out]),
+            terminateds=torch.tensor([o[3] for o in out]),
+            answers=[None] * len(out),
+        )
+
+    def global_post_process_and_metrics(self, batch):
+        return batch, {}
+
+
+def collate(samples: list[dict]) -> BatchedDataDict:
+    return BatchedDataDict(**{k: [s[k] for s in samples] for k in samples[0]})
+
+
+def prompt_rows(tokenizer, template, metas: list[dict]) -> list[dict]:
+    logs = [[{"role": "user", "content": f"[sample {i}] Solve this"}] for i in range(len(metas))]
+    tokenize_message_logs(logs, tokenizer, template, add_generation_prompt=True)
+    return [
+        {"message_log": log, "extra_env_info": {"turn": 0, **m}, "task_name": "t", "idx": i}
+        for i, (log, m) in enumerate(zip(logs, metas, strict=True))
+    ]
+
+
+class LocalClient:
+    """The trainer's view of an in-process collector (what ``CollectorClient`` does over Ray:
+    an error or the end of the prompts raises)."""
+
+    def __init__(self, collector: TrajectoryCollector) -> None:
+        self.collector = collector
+
+    def take(self, consumed, timeout=1.0, stale=None, lag=0):
+        reply = self.collector.take(consumed, timeout, stale, lag)
+        if reply.error is not None:
+            raise CollectorError(reply.error)
+        if reply.exhausted and not lag:
+            raise CollectorError("the collector ran out of prompts")
+        return reply
+
+    def describe(self):
+        return "in-process collector"
+
+
+def collector(tokenizer, template, engine, metas, **kwargs) -> TrajectoryCollector:
+    loader = StatefulDataLoader(prompt_rows(tokenizer, template, metas), 4, collate, shuffle=False)
+    return TrajectoryCollector(
+        [engine],
+        tokenizer.pad_token_id,
+        tokenizer,
+        template,
+        {"t": TurnsEnv()},
+        loader,
+        group_size=G,
+        max_seq_len=1024,
+        max_epochs=1,
+        max_group_seconds=kwargs.pop("max_group_seconds", 60.0),
+        max_groups_ahead=kwargs.pop("max_groups_ahead", 100),
+        prompts_per_step=kwargs.pop("prompts_per_step", 2),
+        max_age_steps=kwargs.pop("max_age_steps", 1),
+        in_flight_weight_updates=True,
+        max_turns=10,
+        agent_loop=AgentLoopConfig(),
+        **kwargs,
+    )
+
+
+def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: int, span: int):
+    """Take ``n`` groups a step for ``steps`` steps, bumping the engine's weights after each
+    (an in-flight refit); the groups of each step, the buffer, the collector's last reply (it
+    must have run out of prompts, nothing left running) and the most groups out at once."""
+    buffer = ReplayBuffer(span)
+    trajectories = Trajectories(buffer, LocalClient(client), max_wait=60)
+    taken, most_out = [], 0
+    buffer.record_step(0, 0)
+    for step in range(steps):
+        groups, _ = trajectories.take(n, step)
+        taken.append(groups)
+        most_out = max(most_out, client.out + len(groups))
+        time.sleep(0.02)  # the train step
+        engine.version += 1
+        buffer.record_step(step + 1, engine.version)
+    trajectories.lag = 0  # waiting for the next step's groups, which never come
+    with pytest.raises(CollectorError, match="ran out of prompts"):
+        trajectories.pull(timeout=5.0)
+    last = client.take(trajectories.consumed, 0.0)  # its counters now
+    return taken, buffer, last, most_out
+
+
+def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(tokenizer, template):
+    # Every third prompt's episodes take 10 turns, the others' one.
+    metas = [{"turns": 10 if i % 3 == 0 else 1, "constant": True} for i in range(24)]
+    engine = InProcessEngine(tokenizer)
+    client = collector(tokenizer, template, engine, metas)
+    try:
+        steps, buffer, reply, most_out = train(client, engine, n=2, steps=12, span=4)
+    finally:
+        client.stop()
+    trained = Counter(int(g.prompt["idx"][0]) for groups in steps for g in groups)
+    assert trained == Counter(range(24))  # every prompt sampled is trained on, once
+    assert reply.requeued_groups == reply.aborted_groups == reply.stale_requeued_groups == 0
+    assert buffer.dropped_groups == 0 and reply.discarded_tokens == 0
+    assert reply.generated_tokens > 0
+    # Admission: never more groups out than two steps' worth (max age 1).
+    assert most_out <= 2 * 2
+    groups = [g for s in steps for g in s]
+    long = [g for g in groups if int(g.prompt["idx"][0]) % 3 == 0]
+    assert all(int(g.result.turns.min()) == 10 for g in long)
+    # A 10-turn episode saw refits: its turns carry several versions, token by token.
+    assert any(int((g.version_max - g.version_min).max()) > 0 for g in long)
+    for g in groups:
+        for log, vmin in zip(g.result.message_logs, g.version_min.tolist(), strict=True):
+            tags = [m["generation_versions"] for m in log if "generation_versions" in m]
+            flat = torch.cat(tags)
+            assert int(flat.min()) == vmin
+            assert bool((flat[1:] >= flat[:-1]).all())  # later turns, newer weights
+    batch = groups[0].result.training_batch(tokenizer.pad_token_id)
+    versions = batch.extras["generation_versions"]  # beside generation_logprobs
+    assert bool((versions[batch.loss_mask > 0] >= 0).all())  # every sampled token has one
+    assert bool((versions[:, 0] == -1).all())  # a prompt token has none
+
+
+def test_dynamic_sampling_filters_groups_without_signal_and_does_not_requeue_them(
+    tokenizer, template
+):
+    # Odd prompts always earn 1 (no signal); even ones 1 for row 0's "right", 0 for "left".
+    metas = [{"turns": 2, "constant": i % 2 == 1} for i in range(8)]
+    engine = InProcessEngine(tokenizer)
+    client = collector(tokenizer, template, engine, metas, dynamic_sampling=True)
+    try:
+        steps, _, reply, _ = train(client, engine, n=2, steps=2, span=4)
+    finally:
+        client.stop()
+    trained = sorted(int(g.prompt["idx"][0]) for s in steps for g in s)
+    assert trained == [0, 2, 4, 6]
+    assert reply.filtered_groups == 4  # counted, and run out of prompts: never requeued
+    for s in steps:
+        for g in s:
+            assert sorted(g.result.rewards.tolist()) == [0.0, 1.0]
+
+
+def test_a_group_past_its_deadline_is_cancelled_and_leaves_no_stream(tokenizer, template):
+    engine = InProcessEngine(tokenizer, hang=True)
+    client = collector(
+        tokenizer, template, engine, [{"turns": 3}] * 4, max_group_seconds=0.3, max_groups_ahead=1
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while client.requeued < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.requeued >= 2  # cancelled, its prompt queued again, cancelled again
+        assert len(engine.cancelled) >= 2
+    finally:
+        client.stop()
+    assert engine.streams == {}  # nothing left running on the engine
+    assert client.requests_in_flight() == {"waiting": 0, "running": 0}
