@@ -135,7 +135,7 @@ class RewardFunctionsEnvConfig(VerifierEnvConfig):
         return functions
 
 
-def _prompt_and_completion(
+def prompt_and_completion(
     log: MessageLog, meta: Mapping[str, Any] | None
 ) -> tuple[str | list[dict[str, str]], str, list[int] | None]:
     """The prompt as the reward functions get it (the dataset's string, if it was one, else the
@@ -153,7 +153,7 @@ def _prompt_and_completion(
     return prompt, log[last]["content"], (None if ids is None else [int(t) for t in ids.tolist()])
 
 
-def _columns(meta: Mapping[str, Any] | None) -> dict[str, Any]:
+def row_columns(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     """A row's columns as the functions get them (without the kept string prompt)."""
     return {k: v for k, v in (meta or {}).items() if k != STRING_PROMPT_KEY}
 
@@ -224,12 +224,12 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
         check_required_metadata(self, metadata)  # a missing column is no 0 reward
         n = len(message_log_batch)
         samples = [
-            _prompt_and_completion(log, meta)
+            prompt_and_completion(log, meta)
             for log, meta in zip(message_log_batch, metadata, strict=True)
         ]
         # One job per (function, completion): each under its own timeout, spread over the pool.
         jobs = [
-            (spec.function, prompt, completion, _columns(meta), ids)
+            (spec.function, prompt, completion, row_columns(meta), ids)
             for spec in self.functions
             for (prompt, completion, ids), meta in zip(samples, metadata, strict=True)
         ]
