@@ -6,14 +6,18 @@ misbehaviour gives the outcome the module docstring documents."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import socket
 import socketserver
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import uvicorn
+import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -246,3 +250,19 @@ def test_a_column_that_is_not_json_is_named():
 def test_the_url_must_be_http():
     with pytest.raises(ValueError, match="no http:// or https:// URL"):
         HttpRewardEnvConfig(url="reward-host:8000")
+
+
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guides" / "reward-servers.md"
+
+
+def test_the_guides_recipe_validates_and_its_request_is_what_is_sent(reward_server):
+    text = GUIDE.read_text()
+    (recipe,) = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    request, answer = (json.loads(b) for b in re.findall(r"```json\n(.*?)```", text, flags=re.S))
+    config = yaml.safe_load(recipe)["env"]["qa"]["config"]
+    assert HttpRewardEnvConfig(**config).on_failure == "fail"
+    (item,) = request["items"]
+    log = [*item["prompt"], {"role": "assistant", "content": item["completion"]}]
+    out = _env(f"{reward_server.url}/score").step([log], [item["columns"]])
+    assert reward_server.requests["score"] == [request]
+    assert out.rewards.tolist() == answer["scores"]
