@@ -44,6 +44,22 @@ def old_style(prompts, completions, **kwargs):
 
 def plain(prompts, completions):
     return [1.0 for _ in completions]
+
+import asyncio
+
+calls = []  # the batch sizes the functions below were called with
+
+def match_batch(prompts, completions, ground_truth):
+    calls.append(len(completions))
+    return [float(a == b) for a, b in zip(completions, ground_truth)]
+
+async def async_len(prompts, completions, **kwargs):
+    calls.append(len(completions))
+    lengths = [asyncio.sleep(0.01, result=float(len(c))) for c in completions]
+    return list(await asyncio.gather(*lengths))
+
+def one_for_all(prompts, completions, **kwargs):
+    return [1.0]
 """
 
 
@@ -79,7 +95,11 @@ def make_env(monkeypatch, trl_file):
 
     def make(*names, **config):
         functions = [
-            {"function": f"{trl_file}:{n}"} if isinstance(n, str) else {"function": n}
+            {"function": f"{trl_file}:{n}"}
+            if isinstance(n, str)
+            else n
+            if isinstance(n, dict)
+            else {"function": n}
             for n in names
         ]
         cfg = RewardFunctionsEnvConfig(functions=functions, config_key="env.qa.config", **config)
@@ -230,3 +250,36 @@ def test_one_varying_step_ends_the_constant_streak(tmp_path, make_env):
     assert metrics(env, out.rewards)["reward_len/constant_steps"] == 1
     out = step(env, [answered(row, "a"), answered(row, "ab")])
     assert metrics(env, out.rewards)["reward_len/constant_steps"] == 0
+
+
+# --- batched and async functions ----------------------------------------------------------------
+
+
+def test_a_batched_function_is_called_once_with_every_completion_in_order(tmp_path, make_env):
+    ref = f"{tmp_path / 'trl_rewards.py'}:match_batch"
+    calls = load_reward_function(ref).__globals__["calls"]
+    rows = rows_from_file(tmp_path, [{"prompt": "q", "ground_truth": g} for g in "abca"])
+    env = make_env({"function": ref, "batched": True, "name": "together"}, "match_batch")
+    out = step(env, [answered(row, t) for row, t in zip(rows, "abxa", strict=True)])
+    assert out.rewards.tolist() == [2.0, 2.0, 0.0, 2.0]  # the batched and the per-sample one
+    assert calls == [4, 1, 1, 1, 1]  # one call of 4, then one per completion
+
+
+def test_an_async_function_is_awaited_per_sample_or_batched(tmp_path, make_env):
+    (row,) = rows_from_file(tmp_path, [{"prompt": "Write."}])
+    ref = f"{tmp_path / 'trl_rewards.py'}:async_len"
+    calls = load_reward_function(ref).__globals__["calls"]
+    batched = make_env({"function": ref, "batched": True, "name": "together"})
+    apart = make_env({"function": ref})
+    texts = ["x" * 3, "x" * 7, ""]
+    for env, sizes in ((batched, [3]), (apart, [1, 1, 1])):
+        calls.clear()
+        assert step(env, [answered(row, t) for t in texts]).rewards.tolist() == [3.0, 7.0, 0.0]
+        assert calls == sizes
+
+
+def test_a_batched_function_returning_too_few_values_stops_naming_it(tmp_path, make_env):
+    (row,) = rows_from_file(tmp_path, [{"prompt": "q"}])
+    env = make_env({"function": f"{tmp_path / 'trl_rewards.py'}:one_for_all", "batched": True})
+    with pytest.raises(ValueError, match=r"functions\[0\] \(one_for_all.*returned 1 values for "):
+        step(env, [answered(row, t) for t in ("a", "b", "c")])

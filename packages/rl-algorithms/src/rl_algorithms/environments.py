@@ -12,6 +12,9 @@
       calc:                                              # multi-turn tool calling
         kind: tools
         config: {tools: [calculator], functions: [{function: my_rewards.py:correct}]}
+      judged:                                            # a reward server's scores
+        kind: http
+        config: {url: "http://reward-host:8000/score"}
 
 ``kind`` is a known environment name or an import path ``module:Class`` (a subclass of
 ``rl_envs.interfaces.EnvironmentInterface`` whose constructor takes its config). Samples are
@@ -52,6 +55,10 @@ KNOWN_ENVIRONMENTS = {
         "rl_envs.reward_function_env:RewardFunctionsEnvConfig",
     ),
     "tools": ("rl_envs.tools.env:ToolEnvironment", "rl_envs.tools.env:ToolEnvConfig"),
+    "http": (
+        "rl_envs.http_reward_env:HttpRewardEnvironment",
+        "rl_envs.http_reward_env:HttpRewardEnvConfig",
+    ),
 }
 
 

@@ -9,7 +9,8 @@ reward_functions``)::
             - {function: math, weight: 1.0}                        # the built-in math reward
             - {name: short, function: my_rewards.py:brevity, weight: 0.1}
 
-Each function is called once per completion, as TRL calls it (strings for a dataset whose
+Each function is called once per completion (or, with ``batched: true``, once per step with
+every completion; an ``async def`` one is awaited), as TRL calls it (strings for a dataset whose
 prompts are strings, message lists for conversations: see :mod:`rl_envs.reward_functions`), in
 the verifier pool's processes, under the per-sample ``timeout_s``: the isolation rules of the
 built-in environments (a function that hangs costs that sample's value, never the run). A value
@@ -36,7 +37,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +84,9 @@ class RewardFunctionSpec(ConfigModel):
     # Its weight in the sum of the functions' rewards.
     weight: float = Field(1.0, allow_inf_nan=False)
     name: str | None = None  # in the metrics' names; None: the built-in's or function's name
+    # One call for a step's whole batch (lists of every completion, as TRL calls it) instead
+    # of one call per completion; that call runs under timeout_s as a whole.
+    batched: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -135,7 +139,7 @@ class RewardFunctionsEnvConfig(VerifierEnvConfig):
         return functions
 
 
-def _prompt_and_completion(
+def prompt_and_completion(
     log: MessageLog, meta: Mapping[str, Any] | None
 ) -> tuple[str | list[dict[str, str]], str, list[int] | None]:
     """The prompt as the reward functions get it (the dataset's string, if it was one, else the
@@ -153,7 +157,7 @@ def _prompt_and_completion(
     return prompt, log[last]["content"], (None if ids is None else [int(t) for t in ids.tolist()])
 
 
-def _columns(meta: Mapping[str, Any] | None) -> dict[str, Any]:
+def row_columns(meta: Mapping[str, Any] | None) -> dict[str, Any]:
     """A row's columns as the functions get them (without the kept string prompt)."""
     return {k: v for k, v in (meta or {}).items() if k != STRING_PROMPT_KEY}
 
@@ -193,7 +197,7 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
         # timeout: a file whose top-level code is slow must not time out every sample instead.
         preload += [f.function for f in cfg.functions if f.function not in BUILTIN_PRELOAD]
         self._pool = WorkerPool(
-            "rl_envs.reward_functions:call_reward_function",
+            "rl_envs.reward_functions:call_reward_function_on_batch",
             num_workers=cfg.num_workers,
             timeout_s=cfg.timeout_s,
             chunk_size=cfg.chunk_size,
@@ -224,16 +228,23 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
         check_required_metadata(self, metadata)  # a missing column is no 0 reward
         n = len(message_log_batch)
         samples = [
-            _prompt_and_completion(log, meta)
+            prompt_and_completion(log, meta)
             for log, meta in zip(message_log_batch, metadata, strict=True)
         ]
-        # One job per (function, completion): each under its own timeout, spread over the pool.
-        jobs = [
-            (spec.function, prompt, completion, _columns(meta), ids)
-            for spec in self.functions
-            for (prompt, completion, ids), meta in zip(samples, metadata, strict=True)
-        ]
-        outcomes = self._pool.map(jobs)
+        # One job per (function, completion), each under its own timeout, spread over the
+        # pool; a batched function's one job holds every completion.
+        columns = [row_columns(meta) for meta in metadata]
+        jobs: list[tuple] = []
+        for spec in self.functions:
+            if spec.batched and n:
+                prompts, completions, ids = (list(x) for x in zip(*samples, strict=True))
+                jobs.append((spec.function, prompts, completions, columns, ids))
+            else:
+                jobs += [
+                    (spec.function, [prompt], [completion], [cols], [ids])
+                    for (prompt, completion, ids), cols in zip(samples, columns, strict=True)
+                ]
+        outcomes = self._per_sample(self._pool.map(jobs) if n else [], n)
         # The functions' counts and streaks are shared by concurrent steps (a tool environment
         # scores each episode as it ends): kept under the lock, the scoring itself outside it.
         with self._lock:
@@ -262,6 +273,34 @@ class RewardFunctionsEnvironment(EnvironmentInterface):
             answers=answers,
             reward_components=components,
         )
+
+    def _per_sample(self, outcomes: list[Outcome], n: int) -> list[Outcome]:
+        """The pool's outcomes as one per (function, sample), in the functions' order: a
+        batched function's one outcome split into its samples' (each value a list of one, as a
+        call per completion returns), its timeout or error given to each of them."""
+        out: list[Outcome] = []
+        if n == 0:
+            return out
+        queue = iter(outcomes)
+        for f, spec in enumerate(self.functions):
+            if not spec.batched:
+                out += [next(queue) for _ in range(n)]
+                continue
+            outcome = next(queue)
+            if outcome.status != "ok":
+                out += [outcome] * n
+                continue
+            value = outcome.value
+            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+                value = [value]  # check_value names what it is instead
+            if len(value) != n:
+                raise ValueError(
+                    f"{self._where(f)} returned {len(value)} values for a batch of {n} "
+                    f"completions ({value!r:.120}); a batched function returns one float or "
+                    "None per completion, in order"
+                )
+            out += [Outcome("ok", [v]) for v in value]
+        return out
 
     def _account(
         self,

@@ -26,6 +26,7 @@ so it stays free of torch and Ray.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import hashlib
@@ -212,19 +213,45 @@ def call_reward_function(
     completion_ids: list[int] | None = None,
 ) -> Any:
     """One completion's call (what a verifier process runs, under the per-sample timeout), as
-    TRL makes it: ``fn(prompts=[prompt], completions=[completion], **{column: [value]})``, with
-    the completion as a string when the prompt is one (TRL's standard format) and as
-    ``[{"role": "assistant", "content": completion}]`` when the prompt is a conversation.
-    ``completion_ids`` goes to a function that takes it. The result is returned as it is;
-    :func:`check_value` judges it."""
+    TRL makes it: ``fn(prompts=[prompt], completions=[completion], **{column: [value]})``. See
+    :func:`call_reward_function_on_batch`, which it is for a batch of one."""
+    ids = None if completion_ids is None else [completion_ids]
+    return call_reward_function_on_batch(ref, [prompt], [completion], [columns], ids)
+
+
+def call_reward_function_on_batch(
+    ref: str,
+    prompts: list[str | list[dict]],
+    completions: list[str],
+    columns: list[dict],
+    completion_ids: list[list[int] | None] | None = None,
+) -> Any:
+    """One call for a batch of completions, as TRL makes it: ``fn(prompts=[...],
+    completions=[...], **{column: [value per completion]})``, each completion a string when its
+    prompt is one (TRL's standard format) and ``[{"role": "assistant", "content": text}]`` when
+    its prompt is a conversation. A column some rows lack is ``None`` in theirs.
+    ``completion_ids`` goes to a function that takes it. An ``async def`` function is run to
+    its end here (in an event loop of its own), so that it may await many requests at once.
+    The result is returned as it is: :func:`check_value` judges each completion's value."""
     function = load_reward_function(ref)
-    answer: Any = completion
-    if not isinstance(prompt, str):
-        answer = [{"role": "assistant", "content": completion}]
-    kwargs = {key: [value] for key, value in columns.items()}
-    if completion_ids is not None and _takes(function, "completion_ids"):
-        kwargs["completion_ids"] = [completion_ids]
-    return function(prompts=[prompt], completions=[answer], **kwargs)
+    answers: list[Any] = [
+        c if isinstance(p, str) else [{"role": "assistant", "content": c}]
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    names = dict.fromkeys(key for row in columns for key in row)
+    kwargs: dict[str, Any] = {key: [row.get(key) for row in columns] for key in names}
+    has_ids = completion_ids is not None and all(i is not None for i in completion_ids)
+    if has_ids and _takes(function, "completion_ids"):
+        kwargs["completion_ids"] = completion_ids
+    result = function(prompts=list(prompts), completions=answers, **kwargs)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_awaited(result))
+    return result
+
+
+async def _awaited(awaitable: Any) -> Any:
+    """``awaitable``'s result (``asyncio.run`` takes coroutines only, not any awaitable)."""
+    return await awaitable
 
 
 def check_value(result: Any) -> float | None:
