@@ -437,3 +437,28 @@ def test_a_tool_call_marker_that_is_a_special_token_stays_in_the_turns_text():
     # The sampled ids (the marker first, EOS last) in the loss, the template's tail after them.
     sampled = turn["token_ids"][turn["token_loss_mask"].bool()].tolist()
     assert sampled == [*encode_texts(tokenizer, [MISTRAL_CALL])[0], tokenizer.eos_token_id]
+
+
+def test_an_unscored_step_ends_its_episode_out_of_the_loss(tokenizer, template):
+    """An environment that answers without a score (a reward server that never replied) ends
+    that episode with ``unscored``, even mid-game; the loss leaves it out, the others stay in."""
+
+    class FirstUnscored(SlidingPuzzleEnvironment):
+        def step(self, logs, metadata):
+            out = super().step(logs, metadata)
+            unscored = torch.tensor(["[sample 0]" in log[0]["content"] for log in logs])
+            return out._replace(unscored=unscored)
+
+    env = FirstUnscored(SlidingPuzzleConfig(max_turns=8))
+    result = run_rollouts(
+        ScriptedGeneration(tokenizer, SCRIPT),
+        puzzle_batch(tokenizer, template),
+        tokenizer,
+        template,
+        {"puzzle": env},
+        max_seq_len=512,
+        max_turns=2,
+    )
+    assert result.end_reasons == ["unscored", "terminated", "turn_limit"]
+    assert result.sample_mask().tolist() == [0.0, 1.0, 1.0]
+    assert result.metrics["end_reason/unscored"] == pytest.approx(1 / 3)

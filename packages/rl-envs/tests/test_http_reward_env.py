@@ -167,10 +167,11 @@ def test_a_server_slower_than_the_timeout_fails_the_step_naming_url_and_timeout(
     assert len(reward_server.requests["slow"]) == 2
 
 
-def test_a_slow_server_under_on_failure_zero_gives_counted_zeros(reward_server):
-    env = _env(f"{reward_server.url}/slow", timeout_s=0.3, max_attempts=2, on_failure="zero")
+def test_a_slow_server_under_on_failure_drop_gives_counted_unscored_samples(reward_server):
+    env = _env(f"{reward_server.url}/slow", timeout_s=0.3, max_attempts=2, on_failure="drop")
     out = env.step(*_batch(3))
     assert out.rewards.tolist() == [0.0, 0.0, 0.0]
+    assert [step.unscored for step in out.steps()] == [True, True, True]
     assert [o["content"] for o in out.observations] == ["not scored: timeout"] * 3
     _, metrics = env.global_post_process_and_metrics({"rewards": out.rewards})
     assert (metrics["samples"], metrics["timeouts"], metrics["retries"]) == (3, 3, 1)
@@ -180,6 +181,7 @@ def test_one_slow_answer_is_retried_and_scored(reward_server):
     env = _env(f"{reward_server.url}/slow-once", timeout_s=0.5, max_attempts=2)
     out = env.step(*_batch(3))
     assert out.rewards.tolist() == [1.0, 0.0, 0.0]
+    assert out.unscored is not None and not out.unscored.any()
     _, metrics = env.global_post_process_and_metrics({"rewards": out.rewards})
     assert (metrics["timeouts"], metrics["retries"]) == (0, 1)
 
@@ -194,10 +196,11 @@ def test_500_is_retried_with_doubling_waits_then_names_url_and_status(reward_ser
     assert times[1] - times[0] >= 0.1 and times[2] - times[1] >= 0.2
 
 
-def test_500_under_on_failure_zero_counts_the_samples_as_errors(reward_server):
-    env = _env(f"{reward_server.url}/500", max_attempts=2, on_failure="zero", batch_size=2)
+def test_500_under_on_failure_drop_counts_the_samples_as_errors(reward_server):
+    env = _env(f"{reward_server.url}/500", max_attempts=2, on_failure="drop", batch_size=2)
     out = env.step(*_batch(3))
     assert out.rewards.tolist() == [0.0, 0.0, 0.0]
+    assert out.unscored is not None and out.unscored.tolist() == [True, True, True]
     _, metrics = env.global_post_process_and_metrics({"rewards": out.rewards})
     assert (metrics["samples"], metrics["verifier_errors"], metrics["timeouts"]) == (3, 3, 0)
 
@@ -208,7 +211,7 @@ def test_a_server_that_recovers_within_the_attempts_scores(reward_server):
     assert len(reward_server.requests["503-twice"]) == 3
 
 
-@pytest.mark.parametrize("on_failure", ["fail", "zero"])
+@pytest.mark.parametrize("on_failure", ["fail", "drop"])
 def test_a_wrong_number_of_scores_is_an_error_without_retry(reward_server, on_failure):
     url = f"{reward_server.url}/wrong-count"
     env = _env(url, on_failure=on_failure)
@@ -228,7 +231,7 @@ def test_a_wrong_number_of_scores_is_an_error_without_retry(reward_server, on_fa
 def test_answers_no_retry_mends_fail_naming_url_and_item(reward_server, route, message):
     url = f"{reward_server.url}/{route}"
     with pytest.raises(RewardServerError, match=rf"{url}.*{message}"):
-        _env(url, on_failure="zero").step(*_batch(3))
+        _env(url, on_failure="drop").step(*_batch(3))
     assert len(reward_server.requests[route]) == 1
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from rl_algorithms.environment_calls import environment_metrics, step_environments
-from rl_algorithms.rollout_result import RolloutResult
+from rl_algorithms.rollout_result import ENV_TIMEOUT, UNSCORED, RolloutResult
 from rl_data.messages import tokenize_message_logs, truncate_message_log
 from rl_data.templates import ChatTemplate, Tools
 from rl_data.tokenizers import encode_texts
@@ -40,17 +40,25 @@ from rl_data.types import TOOLS_KEY, MessageLog
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_envs.interfaces import EnvironmentStep, RewardComponents
 
-# How an episode ends: its environment ended it, or it reached a limit (turns, its tokens:
-# ``max_seq_len``, tool calls, wall time), or its environment did not answer a step in time.
 logger = logging.getLogger(__name__)
 
+# How an episode ends: its environment ended it, or it reached a limit (turns, its tokens:
+# ``max_seq_len``, tool calls, wall time), or its environment did not answer a step in time,
+# or answered without a score (those two stay out of the loss: ``RolloutResult.sample_mask``).
 TERMINATED = "terminated"
 TURN_LIMIT = "turn_limit"
 TOKEN_LIMIT = "token_limit"
 TOOL_CALL_LIMIT = "tool_call_limit"
 TIME_LIMIT = "time_limit"
-ENV_TIMEOUT = "env_timeout"
-END_REASONS = (TERMINATED, TURN_LIMIT, TOKEN_LIMIT, TOOL_CALL_LIMIT, TIME_LIMIT, ENV_TIMEOUT)
+END_REASONS = (
+    TERMINATED,
+    TURN_LIMIT,
+    TOKEN_LIMIT,
+    TOOL_CALL_LIMIT,
+    TIME_LIMIT,
+    ENV_TIMEOUT,
+    UNSCORED,
+)
 
 
 def _is_special(tokenizer: Any, token_id: int) -> bool:
@@ -302,7 +310,9 @@ class Episodes:
         self.answers[i] = step.answer
         self.terminated[i] = step.terminated
         self.tool_calls[i] += tool_calls_of(step)
-        if step.terminated:
+        if step.unscored:
+            self.finish(i, UNSCORED)
+        elif step.terminated:
             self.finish(i, TERMINATED)
         elif self.out_of_room[i]:
             self.finish(i, TOKEN_LIMIT)

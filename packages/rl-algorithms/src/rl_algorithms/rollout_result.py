@@ -19,6 +19,11 @@ from rl_envs.interfaces import RewardComponents
 # endpoint, ...): what they hold says nothing of what the policy would do, so they stay out of
 # the loss, as an environment's timeout does.
 AGENT_FAILED_PREFIX = "agent_failed/"
+# End reasons of episodes whose reward carries no signal (``episodes.END_REASONS``): the
+# environment did not answer in time, or answered without a score.
+ENV_TIMEOUT = "env_timeout"
+UNSCORED = "unscored"
+NO_SIGNAL = (ENV_TIMEOUT, UNSCORED)
 
 
 @dataclass
@@ -59,11 +64,11 @@ class RolloutResult:
 
     def sample_mask(self) -> torch.Tensor:
         """float32 ``[N]``: 1 for the rows a loss may train on. Out of it: fillers, and
-        episodes whose environment did not answer in time (``env_timeout``) or whose agent
-        program failed (``agent_failed/...``), whose reward says nothing of what the policy
-        did."""
+        episodes whose environment did not answer in time (``env_timeout``) or could not score
+        them (``unscored``), or whose agent program failed (``agent_failed/...``): their reward
+        says nothing of what the policy did."""
         timed_out = torch.tensor(
-            [r == "env_timeout" or r.startswith(AGENT_FAILED_PREFIX) for r in self.end_reasons],
+            [r in NO_SIGNAL or r.startswith(AGENT_FAILED_PREFIX) for r in self.end_reasons],
             dtype=torch.bool,
         )
         out = self.filler | timed_out if self.end_reasons else self.filler

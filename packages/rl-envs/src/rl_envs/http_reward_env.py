@@ -7,7 +7,7 @@
           url: http://reward-host:8000/score
           timeout_s: 30          # per request
           max_attempts: 4        # tries per request, waiting backoff_s, 2 * backoff_s, ... between
-          on_failure: fail       # or "zero": unscored samples get 0 and are counted
+          on_failure: fail       # or "drop": unscored samples are counted, not trained on
 
 Each ``step`` posts its samples (in requests of at most ``batch_size``) as JSON::
 
@@ -25,18 +25,18 @@ What can go wrong, and what happens then:
   ``max_attempts`` tries in all. When the last one fails too, the samples of that request have
   no score: with ``on_failure: fail`` (the default) the step raises a ``RewardServerError``
   naming the URL and the last failure (its HTTP status, or the timeout, or the broken
-  connection); with ``on_failure: zero`` they get reward 0, their observation says they were
+  connection); with ``on_failure: drop`` their step is marked ``unscored`` (reward 0, left
+  out of the loss by the rollout: end reason ``unscored``), their observation says they were
   not scored, and they are counted (``timeouts`` and ``verifier_errors`` among ``samples``).
 - Any other answer is the server (or this config) being wrong, which no retry mends, so the
   step raises whatever ``on_failure`` says, naming the URL and, where there is one, the item:
   another 4xx status (401, 404, 422...), a body that is not ``{"scores": [...]}``, a wrong
   number of scores, or a score that is not a finite number.
 
-The default is ``fail`` because nothing in an environment's step can take a sample out of the
-loss today (the rollout leaves out only the samples whose environment step itself timed out):
-a 0 given to unscored samples trains on them as if the policy had earned it, and in a GRPO
-group it moves every other sample's advantage too. Choose ``zero`` only for a server known to
-drop the odd request, and watch ``verifier_errors``.
+The default is ``fail``: a server that stops answering stops the run rather than quietly
+thinning its batches. With ``drop`` the run goes on without those samples; their 0 still sits
+in their GRPO group's mean (as a timed-out environment step's does), so watch
+``verifier_errors``.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class HttpRewardEnvConfig(ConfigModel):
     # Requests of one step in flight at once.
     max_concurrent_requests: int = Field(4, ge=1)
     # What a request whose every try failed costs: "fail" stops the step (and the run);
-    # "zero" gives its samples reward 0 and counts them (they are not left out of the loss).
-    on_failure: Literal["fail", "zero"] = "fail"
+    # "drop" marks its samples unscored: counted, and left out of the loss.
+    on_failure: Literal["fail", "drop"] = "fail"
     # The k of the pass@k metrics reported at validation.
     pass_at_k: list[int] = [1]
     success_threshold: float = 1.0  # reward at which a sample counts as correct
@@ -161,8 +161,8 @@ class HttpRewardEnvironment(EnvironmentInterface):
         if first is not None:
             unscored = sum(f is not None for f in failures)
             logger.warning(
-                "reward server %s gave no scores for %d of %d samples; they get reward 0 "
-                "(%s.on_failure: zero): %s",
+                "reward server %s gave no scores for %d of %d samples; they are left out of "
+                "the loss (%s.on_failure: drop): %s",
                 self.cfg.url,
                 unscored,
                 n,
@@ -183,6 +183,7 @@ class HttpRewardEnvironment(EnvironmentInterface):
             rewards=torch.tensor(rewards, dtype=torch.float32),
             terminateds=torch.ones(n, dtype=torch.bool),
             answers=[None] * n,
+            unscored=torch.tensor([f is not None for f in failures], dtype=torch.bool),
         )
 
     def _item(self, i: int, prompt: Any, completion: str, columns: dict[str, Any]) -> dict:
@@ -201,7 +202,7 @@ class HttpRewardEnvironment(EnvironmentInterface):
     def _scores(self, items: list[dict], start: int) -> list[float] | _Failure:
         """The server's scores for ``items`` (the batch's from ``start`` on), after as many
         tries as it takes and ``max_attempts`` allows; a ``_Failure`` when every try failed and
-        ``on_failure`` is ``zero``. Everything else that goes wrong raises."""
+        ``on_failure`` is ``drop``. Everything else that goes wrong raises."""
         where = f"items {start}..{start + len(items) - 1} of the batch"
         failure = _Failure("error", "never tried")
         for attempt in range(self.cfg.max_attempts):
@@ -226,11 +227,11 @@ class HttpRewardEnvironment(EnvironmentInterface):
                     f"a retry cannot mend: {_excerpt(response)}"
                 )
             return self._parse(response, start, len(items))
-        if self.cfg.on_failure == "zero":
+        if self.cfg.on_failure == "drop":
             return failure
         raise RewardServerError(
             f"{self._where()} failed {self.cfg.max_attempts} times for {where}; the last: "
-            f"{failure.reason} (on_failure: zero would give those samples reward 0 instead)"
+            f"{failure.reason} (on_failure: drop would leave those samples out instead)"
         )
 
     def _parse(self, response: httpx.Response, start: int, count: int) -> list[float]:

@@ -85,6 +85,9 @@ class EnvironmentStep:
     answer: str | None  # what was extracted from the response and scored, for logging
     # The reward's components ([K] values), when the environment keeps them apart.
     reward_components: RewardComponents | None = None
+    # The environment could not score this sample (a reward server that never answered): its
+    # reward says nothing of the response, so the episode ends and stays out of the loss.
+    unscored: bool = False
 
     @property
     def messages(self) -> list[Message]:
@@ -104,14 +107,20 @@ class EnvironmentReturn(NamedTuple):
     # The separate rewards ([B, K]) that ``rewards`` is the weighted sum of; None for an
     # environment with a single reward (or one that does not keep them apart).
     reward_components: RewardComponents | None = None
+    # bool [B]: the samples the environment could not score (see ``EnvironmentStep``); None:
+    # it scored every one.
+    unscored: torch.Tensor | None = None
 
     def steps(self) -> list[EnvironmentStep]:
         """Each sample's step, in the batch's order."""
         per_sample = self._asdict()
         components = per_sample.pop("reward_components")
+        unscored = per_sample.pop("unscored")
         lengths = {name: len(value) for name, value in per_sample.items()}
         if components is not None:
             lengths["reward_components"] = len(components.values)
+        if unscored is not None:
+            lengths["unscored"] = len(unscored)
         if len(set(lengths.values())) > 1:
             raise ValueError(f"an EnvironmentReturn's fields differ in length: {lengths}")
         return [
@@ -123,6 +132,7 @@ class EnvironmentReturn(NamedTuple):
                 bool(done),
                 answer,
                 None if components is None else components[i],
+                unscored is not None and bool(unscored[i]),
             )
             for i, (obs, meta, stops, reward, done, answer) in enumerate(
                 zip(*per_sample.values(), strict=True)
