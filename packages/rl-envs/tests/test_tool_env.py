@@ -304,12 +304,14 @@ def test_the_tool_call_budget_ends_the_episode(files, monkeypatch):
         first = env.step([log], [{"answer": "42"}])
         replies = first.observations[0]
         assert [m["content"] for m in replies[:2]] == ["a", "b"] and not first.terminateds[0]
-        # The two calls over the budget: one message (answering the first of them), not two.
-        assert len(replies) == 3 and replies[2]["tool_call_id"] == "call_2"
+        # The two calls over the budget: each answered (a call is paired with its reply), the
+        # first saying why, the second only that it was not run.
+        assert [m["tool_call_id"] for m in replies] == ["call_0", "call_1", "call_2", "call_3"]
         assert replies[2]["content"] == (
-            "Error: the episode's 2 tool calls are spent, so this call and the 1 after it were "
-            "not run; answer without calling tools."
+            "Error: the episode's 2 tool calls are spent, so this call was not run; answer "
+            "without calling tools."
         )
+        assert replies[3]["content"] == "Error: not run (the tool calls are spent)."
         assert (
             env.global_post_process_and_metrics({"rewards": torch.zeros(0)})[1][
                 "tools/errors/over_budget"

@@ -309,25 +309,23 @@ class ToolEnvironment(EnvironmentInterface):
         offered: Mapping[str, Tool],
         stats: ToolStats,
         state: dict[str, int],
-    ) -> Message:
-        """The one message answering the calls of a turn made once the episode's budget is
-        spent (each counted as an ``over_budget`` error): a message per call would only repeat
-        itself, and what the model can act on is that it must answer now."""
+    ) -> list[Message]:
+        """The messages answering the calls of a turn made once the episode's budget is spent
+        (each counted as an ``over_budget`` error): every call gets its reply, as chat templates
+        and APIs pair a call with its answer; the first says why and what to do (answer now),
+        the others only that they were not run."""
         for call in calls:
             stats.count(call, offered, "over_budget")
         state["calls"] += len(calls)
         state["errors"] += len(calls)
-        message = _tool_message(calls[0])
-        not_run = (
-            "this call was"
-            if len(calls) == 1
-            else f"this call and the {len(calls) - 1} after it were"
+        messages = [_tool_message(call) for call in calls]
+        messages[0]["content"] = (
+            f"Error: the episode's {self.cfg.max_tool_calls} tool calls are spent, so this call "
+            "was not run; answer without calling tools."
         )
-        message["content"] = (
-            f"Error: the episode's {self.cfg.max_tool_calls} tool calls are spent, so {not_run} "
-            "not run; answer without calling tools."
-        )
-        return message
+        for message in messages[1:]:
+            message["content"] = "Error: not run (the tool calls are spent)."
+        return messages
 
     def _answer(self, call: ToolCall, outcome: Outcome, stats: ToolStats) -> tuple[str | None, str]:
         """What a call that ran came to: its error kind (None when it worked) and the text the
@@ -401,7 +399,7 @@ class ToolEnvironment(EnvironmentInterface):
             replies[i] = []
             for j, call in enumerate(turn.calls):
                 if state["calls"] >= self.cfg.max_tool_calls:
-                    replies[i].append(self._over_budget(turn.calls[j:], offered, stats, state))
+                    replies[i].extend(self._over_budget(turn.calls[j:], offered, stats, state))
                     break
                 refusal = self._refusal(call, offered)
                 state["calls"] += 1
