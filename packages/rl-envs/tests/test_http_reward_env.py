@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 import yaml
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from rl_data.types import STRING_PROMPT_KEY
 from rl_envs.http_reward_env import HttpRewardEnvConfig, HttpRewardEnvironment, RewardServerError
@@ -41,6 +41,19 @@ class RewardServer:
                 for item in body["items"]
             ]
 
+        @app.post("/trickle")
+        async def trickle(request: Request) -> StreamingResponse:
+            """The answer a byte at a time, each well within a read timeout, 2 s in all."""
+            body = json.dumps({"scores": scores(await request.json())}).encode()
+            self.requests["trickle"].append({})
+
+            async def chunks():
+                for i in range(len(body)):
+                    await asyncio.sleep(2.0 / len(body))
+                    yield body[i : i + 1]
+
+            return StreamingResponse(chunks(), media_type="application/json")
+
         @app.post("/{route}")
         async def score(route: str, request: Request) -> JSONResponse:
             body = await request.json()
@@ -58,6 +71,8 @@ class RewardServer:
                 return JSONResponse({"scores": scores(body)[:-1]})
             if route == "non-number":
                 return JSONResponse({"scores": [*scores(body)[:-1], "high"]})
+            if route == "huge-int":
+                return JSONResponse({"scores": [*scores(body)[:-1], 10**400]})
             if route == "no-scores":
                 return JSONResponse({"rewards": scores(body)})
             return JSONResponse({"scores": scores(body)})
@@ -269,3 +284,19 @@ def test_the_guides_recipe_validates_and_its_request_is_what_is_sent(reward_serv
     out = _env(f"{reward_server.url}/score").step([log], [item["columns"]])
     assert reward_server.requests["score"] == [request]
     assert out.rewards.tolist() == answer["scores"]
+
+
+def test_an_answer_trickled_out_past_timeout_s_is_cut(reward_server):
+    """Each byte comes well within httpx's per-read timeout, the whole answer does not."""
+    url = f"{reward_server.url}/trickle"
+    env = _env(url, timeout_s=0.5, max_attempts=1)
+    started = time.monotonic()
+    with pytest.raises(RewardServerError, match=rf"{url} failed 1 times .*timed out after 0.5s"):
+        env.step(*_batch(2))
+    assert time.monotonic() - started < 1.5  # cut, not read to its 2 s end
+
+
+def test_a_score_too_large_for_a_float_names_its_item(reward_server):
+    url = f"{reward_server.url}/huge-int"
+    with pytest.raises(RewardServerError, match=r"item 2 of the batch; expected a finite number"):
+        _env(url).step(*_batch(3))

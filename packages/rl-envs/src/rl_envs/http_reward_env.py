@@ -211,7 +211,7 @@ class HttpRewardEnvironment(EnvironmentInterface):
                     self.retries += 1
                 time.sleep(min(self.cfg.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
             try:
-                response = self._client.post(self.cfg.url, json={"items": items})
+                response = self._post(items)
             except httpx.TimeoutException:
                 failure = _Failure("timeout", f"timed out after {self.cfg.timeout_s:g}s")
                 continue
@@ -234,6 +234,24 @@ class HttpRewardEnvironment(EnvironmentInterface):
             f"{failure.reason} (on_failure: drop would leave those samples out instead)"
         )
 
+    def _post(self, items: list[dict]) -> httpx.Response:
+        """One request, cut once it has taken ``timeout_s`` in all. (httpx's own timeout bounds
+        each phase on its own: the connect, each read; a server that trickles its answer out a
+        few bytes at a time would never be cut by it.)"""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        with self._client.stream("POST", self.cfg.url, json={"items": items}) as response:
+            body = bytearray()
+            for chunk in response.iter_bytes():
+                body += chunk
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the answer took longer than timeout_s in all")
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            content=bytes(body),
+            request=response.request,
+        )
+
     def _parse(self, response: httpx.Response, start: int, count: int) -> list[float]:
         """The ``count`` scores of a 200 answer, checked."""
         try:
@@ -252,11 +270,7 @@ class HttpRewardEnvironment(EnvironmentInterface):
             )
         out = []
         for i, score in enumerate(scores):
-            if (
-                isinstance(score, bool)
-                or not isinstance(score, numbers.Real)
-                or not math.isfinite(score)
-            ):
+            if isinstance(score, bool) or not isinstance(score, numbers.Real) or not _finite(score):
                 raise RewardServerError(
                     f"{self._where()} returned {score!r:.80} as the score of item {start + i} of "
                     "the batch; expected a finite number"
@@ -283,6 +297,15 @@ class HttpRewardEnvironment(EnvironmentInterface):
 
     def shutdown(self) -> None:
         self._client.close()
+
+
+def _finite(score: numbers.Real) -> bool:
+    """A finite float: JSON integers have no size limit, and one past a float's range is no
+    score either (``math.isfinite`` would raise ``OverflowError`` on it)."""
+    try:
+        return math.isfinite(float(score))
+    except OverflowError:
+        return False
 
 
 def _excerpt(response: httpx.Response) -> str:
