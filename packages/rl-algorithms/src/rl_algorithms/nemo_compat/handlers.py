@@ -6,8 +6,9 @@ from typing import Any
 
 from rl_algorithms.nemo_compat.core import Context, Refuse
 
-# Our algorithms (``rl <name>``) whose policy rolls out: its sequences are prompt + response.
-ROLLOUT_ALGORITHMS = ("grpo", "ppo", "distill")
+# Our algorithms (``rl <name>``) whose policy rolls out (its sequences are prompt + response),
+# each with its loop's config section (NeMo's has the same name).
+ROLLOUT_SECTIONS = {"grpo": "grpo", "ppo": "ppo", "distill": "distillation"}
 
 # -- conversions ---------------------------------------------------------------------------------
 
@@ -321,7 +322,7 @@ def _colocated_resources(ctx: Context, key: str, value: Any) -> None:
 
 
 def _max_length(ctx: Context, key: str, value: Any) -> None:
-    if ctx.algorithm in ROLLOUT_ALGORITHMS:
+    if ctx.algorithm in ROLLOUT_SECTIONS:
         ctx.put(key, value, "policy.max_total_sequence_length")
     elif ctx.get("data.max_input_seq_length", value) == value:
         # SFT/DPO: the length samples are cut to, which data.max_seq_length is here.

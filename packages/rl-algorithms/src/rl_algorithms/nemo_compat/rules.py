@@ -14,6 +14,7 @@ from rl_algorithms.nemo_compat.core import Call, Context, Ignore, To, Unless
 from rl_algorithms.nemo_compat.datasets import data_group
 from rl_algorithms.nemo_compat.envs import env_group
 from rl_algorithms.nemo_compat.handlers import (
+    ROLLOUT_SECTIONS,
     _add_special_token,
     _chat_template,
     _colocated_resources,
@@ -40,9 +41,6 @@ from rl_algorithms.nemo_compat.handlers import (
     _val_sampling,
     _vllm_dtype,
 )
-
-# The NeMo loop sections that roll out (ours have the same names).
-ROLLOUT_LOOPS = ("grpo", "ppo", "distillation")
 
 # -- the table -----------------------------------------------------------------------------------
 
@@ -152,7 +150,7 @@ RULES: list[tuple[str, Any]] = [
     # GRPO, PPO and distillation share the rollout loop (RolloutLoopConfig) and its keys.
     *[
         rule
-        for loop in ROLLOUT_LOOPS
+        for loop in ROLLOUT_SECTIONS.values()
         for rule in (
             *[
                 (f"{loop}.{k}", To(f"{loop}.{k}"))
