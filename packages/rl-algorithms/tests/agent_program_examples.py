@@ -80,6 +80,11 @@ def asks_for_what_the_run_does_not_do(base_url, row):
             lambda: api.chat.completions.create(model="p", messages=messages, temperature=0.3)
         ),
         "n": refused(lambda: api.chat.completions.create(model="p", messages=messages, n=2)),
+        "max_completion_tokens": refused(
+            lambda: api.chat.completions.create(
+                model="p", messages=messages, max_completion_tokens=0, max_tokens=5
+            )
+        ),
     }
     reply = api.chat.completions.create(model="p", messages=messages, max_tokens=2)
     choice = reply.choices[0]
@@ -118,3 +123,29 @@ def over_http(base_url, row):
         f"{base_url}/chat/completions", json={"model": "p", "messages": row["messages"]}
     )
     return response.json()["choices"][0]["token_ids"]
+
+
+def _answered(api, messages, then):
+    """One request, its reply added to ``messages``, then the message ``then``."""
+    reply = api.chat.completions.create(model="p", messages=messages)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), then]
+    return reply.choices[0].token_ids
+
+
+def retries_what_the_template_refuses(base_url, row):
+    """A system message late in the conversation (the template refuses it), then the same
+    turn as a user message: what the first try sent must leave no trace."""
+    api, messages = client(base_url), list(row["messages"])
+    first = _answered(api, messages, {"role": "system", "content": "Be brief."})
+    refusal = refused(lambda: api.chat.completions.create(model="p", messages=messages))
+    messages[-1] = {"role": "user", "content": "Be brief."}
+    second = api.chat.completions.create(model="p", messages=messages).choices[0].token_ids
+    return {"refusal": refusal, "seen": [first, second]}
+
+
+def outgrows_the_context(base_url, row):
+    """A second turn too long to leave room for an answer, then returns."""
+    api, messages = client(base_url), list(row["messages"])
+    first = _answered(api, messages, {"role": "user", "content": "Solve this " * 400})
+    refusal = refused(lambda: api.chat.completions.create(model="p", messages=messages))
+    return {"refusal": refusal, "seen": [first]}

@@ -6,6 +6,8 @@ of what was sampled would show. The programs are in agent_program_examples.py.""
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -14,7 +16,8 @@ import torch
 
 from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.agent_programs.programs import run_program_rollouts
-from rl_algorithms.agent_programs.server import EndpointServer
+from rl_algorithms.agent_programs.server import EndpointServer, Episode, GenerationBatcher
+from rl_algorithms.agent_programs.trajectories import Trajectory
 from rl_data.messages import tokenize_message_logs
 from rl_data.templates import ChatTemplate, ChatTemplateConfig
 from rl_data.tokenizers import build_tokenizer
@@ -253,6 +256,11 @@ def test_requests_for_sampling_the_run_does_not_do_are_refused_plainly(server, t
     assert "stream" in got["refusals"]["stream"]
     assert "temperature 0.3 differs from the run's (1.0" in got["refusals"]["temperature"]
     assert "n must be 1" in got["refusals"]["n"]
+    # An explicit 0 is refused, not read as "not given" (and max_tokens used instead).
+    assert (
+        "max_completion_tokens must be at least 1, got 0"
+        in (got["refusals"]["max_completion_tokens"])
+    )
     # max_tokens cuts the sample; what was cut off is not trained on.
     assert got["finish"] == "length" and len(got["ids"]) == 2
     assert sampled(result.message_logs[0]) == [got["ids"]]
@@ -306,3 +314,121 @@ def test_a_generator_failure_is_the_runs_not_the_agents(server, tokenizer, templ
     with pytest.raises(RuntimeError, match="the generator broke"):
         roll(server, Broken(tokenizer), batch, tokenizer, template, function=f"{PROGRAMS}:talk")
     assert threading.active_count() < 50
+
+
+def test_a_request_the_template_refuses_changes_nothing_and_can_be_retried(server, tokenizer):
+    # The test tokenizer's own template, with the check many real ones make (Gemma's, Llama 2's).
+    source = (
+        "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('a system message must come first') }}{% endif %}{% endfor %}"
+        + tokenizer.chat_template
+    )
+    template = ChatTemplate.from_config(
+        ChatTemplateConfig(kind="jinja", template=source), tokenizer
+    )
+    batch = prompts(tokenizer, template, [{}])
+    result = roll(
+        server,
+        RandomTokenGeneration(tokenizer),
+        batch,
+        tokenizer,
+        template,
+        function=f"{PROGRAMS}:retries_what_the_template_refuses",
+    )
+    got = result.env_metadata[0]["agent_result"]
+    assert "chat template cannot render" in got["refusal"]
+    assert "a system message must come first" in got["refusal"]
+    # The refused request left no trace: the trajectory is the retried conversation, whole.
+    assert result.end_reasons == ["agent_returned"] and result.sample_mask().tolist() == [1.0]
+    log = result.message_logs[0]
+    assert [m["role"] for m in log] == ["user", "assistant", "user", "assistant"]
+    assert sampled(log) == got["seen"]
+    text = tokenizer.decode(torch.cat([m["token_ids"] for m in log]).tolist())
+    assert text == template.render([{"role": m["role"], "content": m["content"]} for m in log])
+
+
+def test_no_room_left_refuses_the_request_and_keeps_the_last_answer_last(
+    server, tokenizer, template
+):
+    batch = prompts(tokenizer, template, [{}])
+    result = roll(
+        server,
+        RandomTokenGeneration(tokenizer),
+        batch,
+        tokenizer,
+        template,
+        function=f"{PROGRAMS}:outgrows_the_context",
+    )
+    got = result.env_metadata[0]["agent_result"]
+    assert "no room left to generate" in got["refusal"]
+    # Trained and scored on what the model answered, not on a question left unanswered.
+    assert result.end_reasons == ["token_limit"] and result.sample_mask().tolist() == [1.0]
+    assert bool(result.truncated[0]) and result.turns.tolist() == [1]
+    log = result.message_logs[0]
+    assert [m["role"] for m in log] == ["user", "assistant"]
+    assert sampled(log) == got["seen"]
+
+
+class HeldTemplate:
+    """A chat template that, for a conversation saying "hold", waits until ``release`` is set
+    (a template or tokenizer slow on a very long conversation)."""
+
+    def __init__(self, template):
+        self.template, self.holding, self.release = template, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.template, name)
+
+    def message_texts(self, log, *args, **kwargs):
+        if any(m.get("content") == "hold" for m in log):
+            self.holding.set()
+            self.release.wait(10)
+        return self.template.message_texts(log, *args, **kwargs)
+
+
+@contextmanager
+def episodes_of(server, tokenizer, templates, max_request_bytes=2**20):
+    """One registered episode per template, sharing one generator queue."""
+    batcher = GenerationBatcher(
+        RandomTokenGeneration(tokenizer), tokenizer.pad_token_id, False, None
+    )
+    trajectories = [Trajectory(server.new_episode_id(), tokenizer, t, 256, 4) for t in templates]
+    for t in trajectories:
+        server.register(Episode(t, batcher, 1.0, 1.0, "hermes", max_request_bytes))
+    try:
+        yield [f"{server.base_url(t.episode_id)}/chat/completions" for t in trajectories]
+    finally:
+        batcher.close()
+        server.unregister([t.episode_id for t in trajectories])
+
+
+def test_a_slow_template_holds_up_only_its_own_episode(server, tokenizer, template):
+    held = HeldTemplate(template)
+    with episodes_of(server, tokenizer, [held, template]) as (slow, quick):
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                hold = {"messages": [{"role": "user", "content": "hold"}]}
+                slow_reply = pool.submit(httpx.post, slow, json=hold, timeout=10)
+                assert held.holding.wait(5)
+                # Served while the other episode's template is still at work.
+                go = {"messages": [{"role": "user", "content": "go"}]}
+                assert httpx.post(quick, json=go, timeout=2).status_code == 200
+                held.release.set()
+                assert slow_reply.result().status_code == 200
+        finally:
+            held.release.set()
+
+
+def test_a_body_over_the_size_limit_is_refused_with_413(server, tokenizer, template):
+    # (a long field the endpoint does not read: the limit is on bytes, whatever they hold)
+    request = {"messages": [{"role": "user", "content": "Solve this"}], "user": "x" * 3000}
+    body = json.dumps(request).encode()
+    with episodes_of(server, tokenizer, [template], max_request_bytes=len(body) - 1) as [url]:
+        sized = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        # Sent in chunks without a Content-Length: cut as it arrives.
+        chunked = httpx.post(url, content=iter([body[:1000], body[1000:]]))
+        for response in (sized, chunked):
+            assert response.status_code == 413
+            assert "agent_program.max_request_bytes" in response.json()["error"]["message"]
+    with episodes_of(server, tokenizer, [template], max_request_bytes=len(body)) as [url]:
+        assert httpx.post(url, content=body).status_code == 200

@@ -25,6 +25,9 @@ class AgentProgramConfig(ConfigModel):
     # Requests after this many are refused (the episode still counts if its program returns).
     max_requests_per_episode: int = Field(32, ge=1)
     max_concurrent_episodes: int = Field(64, ge=1)  # programs running at once
+    # A request body larger than this is refused (HTTP 413) before it is parsed: every request
+    # sends the whole conversation, and 16 MiB holds one far longer than any context window.
+    max_request_bytes: int = Field(16 * 2**20, ge=1024)
     # How tool calls are read back out of generated text into OpenAI tool_calls.
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] = "hermes"
     # The column (reward-function keyword argument) the program's return value is passed in;

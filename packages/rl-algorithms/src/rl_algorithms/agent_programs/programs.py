@@ -145,7 +145,11 @@ def run_program_rollouts(
         for _ in range(n)
     ]
     for t in trajectories:
-        server.register(Episode(t, batcher, temperature, top_p, config.tool_call_parser))
+        server.register(
+            Episode(
+                t, batcher, temperature, top_p, config.tool_call_parser, config.max_request_bytes
+            )
+        )
     late_before = server.late_requests
     started = time.monotonic()
     results: list[Any] = [None] * n

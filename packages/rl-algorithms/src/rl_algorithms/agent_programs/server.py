@@ -13,6 +13,8 @@ is recorded into its episode's ``Trajectory``:
   1 only; ``stream`` refused;
 - ``POST .../completions``: one ``prompt`` string, the same options.
 
+A body larger than ``agent_program.max_request_bytes`` is refused with a 413.
+
 The response is OpenAI's, plus ``token_ids`` on each choice: the sampled ids, the very ids
 the trajectory trains on. Its text is the text of exactly those ids.
 
@@ -37,9 +39,9 @@ from typing import Any
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rl_algorithms.agent_programs.trajectories import Refused, Trajectory
 from rl_algorithms.episodes import generation_input
@@ -169,6 +171,7 @@ class Episode:
     temperature: float
     top_p: float
     tool_call_parser: str
+    max_request_bytes: int  # a larger body is refused with a 413
 
 
 def _sampling_problem(request: ChatRequest, episode: Episode) -> str | None:
@@ -189,10 +192,47 @@ def _sampling_problem(request: ChatRequest, episode: Episode) -> str | None:
                 "tokens are trained under the distribution they were sampled from; leave "
                 f"{name} out or send {run}"
             )
-    limit = request.max_completion_tokens or request.max_tokens
-    if limit is not None and limit < 1:
-        return f"max_tokens must be at least 1, got {limit}"
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = getattr(request, name)
+        if value is not None and value < 1:
+            return f"{name} must be at least 1, got {value}"
     return None
+
+
+def _completion_limit(request: ChatRequest) -> int | None:
+    """The most tokens the reply may have: ``max_completion_tokens`` (OpenAI's newer name)
+    where given, else ``max_tokens``."""
+    if request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    return request.max_tokens
+
+
+async def _body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, refused with a 413 once it is larger than ``max_bytes`` (read in
+    chunks: a body sent without a Content-Length is cut there too, not held whole)."""
+    too_large = Refused(
+        f"the request body is larger than {max_bytes} bytes "
+        "(agent_program.max_request_bytes): send a shorter conversation, or raise the limit",
+        status=413,
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parsed(body: bytes) -> ChatRequest:
+    try:
+        return ChatRequest.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_context=False, include_input=False)
+        raise Refused(f"invalid request: {errors}") from None
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -283,42 +323,56 @@ class EndpointServer:
         async def refused(_: Request, e: Refused) -> JSONResponse:
             return _error(str(e), e.status)
 
-        @app.exception_handler(RequestValidationError)
-        async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-            return _error(f"invalid request: {e.errors()}", 400)
-
         @app.post("/episodes/{episode_id}/v1/chat/completions")
-        async def chat(episode_id: str, request: ChatRequest) -> dict[str, Any]:
+        async def chat(episode_id: str, request: Request) -> dict[str, Any]:
             return await self._complete(episode_id, request, chat=True)
 
         @app.post("/episodes/{episode_id}/v1/completions")
-        async def completions(episode_id: str, request: ChatRequest) -> dict[str, Any]:
+        async def completions(episode_id: str, request: Request) -> dict[str, Any]:
             return await self._complete(episode_id, request, chat=False)
 
         return app
 
-    async def _complete(self, episode_id: str, request: ChatRequest, chat: bool) -> dict[str, Any]:
+    async def _complete(self, episode_id: str, http: Request, chat: bool) -> dict[str, Any]:
+        """One request, answered. The event loop serves every episode's requests, so what
+        takes time in proportion to a request (parsing its body, the chat template, the
+        tokenizer) runs on the threadpool; the loop only reads bodies, capped in size."""
         episode = self._episode(episode_id)
         trajectory = episode.trajectory
+        request = await run_in_threadpool(_parsed, await _body(http, episode.max_request_bytes))
         problem = _sampling_problem(request, episode)
         if problem is not None:
             raise Refused(problem)
         tools = request.tools if request.tool_choice != "none" else None
         if chat:
-            prompt = trajectory.open_chat(request.messages, request.tools)
+            prompt = await run_in_threadpool(trajectory.open_chat, request.messages, request.tools)
         else:
-            prompt = trajectory.open_completion(request.prompt)
+            prompt = await run_in_threadpool(trajectory.open_completion, request.prompt)
         stops = [request.stop] if isinstance(request.stop, str) else request.stop
         try:
             sample: Sample = await asyncio.wrap_future(episode.batcher.submit(prompt, stops))
         except BaseException:
             trajectory.cancel_request()
             raise
-        limit = request.max_completion_tokens or request.max_tokens
+        limit = _completion_limit(request)
         ids, logprobs, truncated = sample.ids, sample.logprobs, sample.truncated
         if limit is not None and len(ids) > limit:
             ids, logprobs, truncated = ids[:limit], logprobs[:limit], True
-        logged = trajectory.close_request(prompt, ids, logprobs, truncated, sample.weight_version)
+        replies: list[tuple[dict[str, Any], bool]] = []
+
+        def reply_of(text: str) -> dict[str, Any]:
+            replies.append(_assistant_reply(text, bool(tools), episode.tool_call_parser))
+            return replies[-1][0]
+
+        logged = await run_in_threadpool(
+            trajectory.close_request,
+            prompt,
+            ids,
+            logprobs,
+            truncated,
+            sample.weight_version,
+            reply_of if chat else None,
+        )
         sampled = logged["token_ids"][logged["token_loss_mask"].bool()]  # cut to the room left
         truncated = truncated or len(sampled) < len(ids)
         usage = {
@@ -336,8 +390,7 @@ class EndpointServer:
                 "choices": [{**choice, "finish_reason": reason, "token_ids": sampled.tolist()}],
                 "usage": usage,
             }
-        reply, calls = _assistant_reply(logged["content"], bool(tools), episode.tool_call_parser)
-        trajectory.add_reply(reply)
+        reply, calls = replies[-1]
         reason = "length" if truncated else "tool_calls" if calls else "stop"
         choice = {"index": 0, "message": reply, "finish_reason": reason, "logprobs": None}
         return {

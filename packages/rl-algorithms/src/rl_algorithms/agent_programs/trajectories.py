@@ -17,6 +17,12 @@ How an episode ends: its program returns (``RETURNED``) or fails (``FAILED_*``: 
 stay out of the loss, see ``RolloutResult.sample_mask``); a limit it reached on the way
 (``REQUEST_LIMIT``, ``TOKEN_LIMIT``) refuses its further requests but keeps the episode
 trainable if the program still returns.
+
+A request changes its episode all at once or not at all: its new messages join the log only
+with the answer sampled for them. A request refused or left unanswered (a template that
+cannot render it, no room left, a generator failure) leaves the episode as it was, its log
+ending in its last answer: a refusal that is the program's fault fails the episode
+(``FAILED_DIVERGED``), any other keeps it trainable on what it recorded.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +38,7 @@ import torch
 
 from rl_algorithms.episodes import TOKEN_LIMIT, assistant_message
 from rl_algorithms.rollout_result import AGENT_FAILED_PREFIX
+from rl_data.errors import TemplateError
 from rl_data.messages import tokenize_message_logs
 from rl_data.templates import ChatTemplate, Tools
 from rl_data.tokenizers import encode_texts
@@ -61,6 +69,18 @@ class Refused(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """An open request: the episode as it will be once its answer is recorded (the log with
+    its new messages tokenised, the conversation the agent sent, the tools, the completion
+    text); until then the episode keeps what it had."""
+
+    log: MessageLog
+    conversation: list[dict[str, Any]]
+    tools: Tools | None
+    completion_text: str | None
 
 
 @dataclass(frozen=True)
@@ -165,7 +185,7 @@ class Trajectory:
         self.log: MessageLog = []  # as token ids
         self.tools: Tools | None = None
         self.requests: list[RequestRecord] = []
-        self.in_flight = False
+        self.pending: _Pending | None = None  # the request in flight
         self.limit: str | None = None  # a limit reached: later requests are refused
         self.failure: str | None = None
         self.ended = False
@@ -204,7 +224,7 @@ class Trajectory:
             )
         if self.failure is not None:
             raise Refused(f"episode {self.episode_id} has failed ({self.failure})")
-        if self.in_flight:
+        if self.pending is not None:
             self._fail(FAILED_DIVERGED)
             raise Refused(
                 f"episode {self.episode_id} already has a request in flight: an episode is one "
@@ -221,31 +241,34 @@ class Trajectory:
 
     def open_chat(self, messages: Any, tools: Tools | None) -> torch.Tensor:
         """A chat request's prompt as token ids (the conversation so far, extended by the
-        request's new messages and the assistant header); refused when it does not extend it."""
+        request's new messages and the assistant header); refused when it does not extend it.
+        Nothing of the request is kept until ``close_request`` records its answer."""
         with self.lock:
             self._admit()
             sent = normalized_messages(messages)
             if self.completion_text is not None:
                 self._diverged("it is a chat request in an episode of /v1/completions requests")
             if not self.requests:
-                self.tools = tools or None
-                self.log = [{k: v for k, v in m.items()} for m in sent]  # type: ignore[misc]
+                tools = tools or None
+                log: MessageLog = [dict(m) for m in sent]  # type: ignore[misc]
             else:
                 if (tools or None) != self.tools:
                     self._diverged("it offers other tools than the episode's first request")
-                known = self.conversation
+                tools, known = self.tools, self.conversation
                 if sent[: len(known)] != known or len(sent) == len(known):
                     self._diverged(_difference(sent, known))
-                self.log.extend(sent[len(known) :])  # type: ignore[arg-type]
-            tokenize_message_logs(
-                [self.log],
-                self.tokenizer,
-                self.template,
-                add_generation_prompt=True,
-                tools=[self.tools],
-            )
-            self.conversation = sent
-            return self._prompt()
+                log = [*self.log, *(dict(m) for m in sent[len(known) :])]  # type: ignore[misc]
+            try:
+                tokenize_message_logs(
+                    [log], self.tokenizer, self.template, add_generation_prompt=True, tools=[tools]
+                )
+            except TemplateError as e:
+                # The episode is as it was: the program may send a request the template takes.
+                raise Refused(
+                    f"episode {self.episode_id}: the chat template cannot render the request's "
+                    f"messages: {e}"
+                ) from e
+            return self._open(_Pending(log, sent, tools, None))
 
     def open_completion(self, prompt: Any) -> torch.Tensor:
         """A completion request's prompt as token ids: the episode's text so far (sampled ids
@@ -263,11 +286,8 @@ class Trajectory:
                     "returned for it, then new text"
                 )
             ids = encode_texts(self.tokenizer, [prompt[len(known) :]])[0]
-            self.log.append(
-                {"role": "user", "content": prompt[len(known) :], "token_ids": torch.tensor(ids)}
-            )
-            self.completion_text = prompt
-            return self._prompt()
+            new = {"role": "user", "content": prompt[len(known) :], "token_ids": torch.tensor(ids)}
+            return self._open(_Pending([*self.log, new], [], None, prompt))  # type: ignore[list-item]
 
     def _diverged(self, why: str) -> None:
         self._fail(FAILED_DIVERGED)
@@ -277,15 +297,18 @@ class Trajectory:
             "messages, the reply to it, then new messages; start a new episode for another"
         )
 
-    def _prompt(self) -> torch.Tensor:
-        prompt = torch.cat([m["token_ids"] for m in self.log])
+    def _open(self, pending: _Pending) -> torch.Tensor:
+        """The request's prompt, held open until its answer; one with no room left to generate
+        is refused, and the episode keeps its log as it was: ending in its last answer (a
+        trajectory that ends in a question nobody answered would be scored for nothing)."""
+        prompt = torch.cat([m["token_ids"] for m in pending.log])
         if len(prompt) >= self.max_seq_len:
             self.limit = TOKEN_LIMIT
             raise Refused(
                 f"episode {self.episode_id}: the conversation is {len(prompt)} tokens, no room "
                 f"left to generate within max_total_sequence_length ({self.max_seq_len})"
             )
-        self.in_flight = True
+        self.pending = pending
         return prompt
 
     def close_request(
@@ -295,23 +318,35 @@ class Trajectory:
         logprobs: torch.Tensor,
         truncated: bool,
         weight_version: int,
+        reply: Callable[[str], dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """Record what was sampled for the open request and append it to the log as an
-        assistant turn (cut to the room left in ``max_total_sequence_length``); the turn's
-        message as it is logged (``content``: the sampled ids' text)."""
+        """Record what was sampled for the open request: its new messages and the sampled
+        assistant turn (cut to the room left in ``max_total_sequence_length``) join the log
+        together, or, if this raises, neither does. ``reply`` turns a chat turn's text into the
+        assistant message returned to the agent (OpenAI's form: what its next request must
+        repeat). The turn's message as it is logged (``content``: the sampled ids' text)."""
         with self.lock:
-            self.in_flight = False
+            pending, self.pending = self.pending, None
+            if pending is None:
+                raise RuntimeError(f"episode {self.episode_id} has no request open")
             if self.ended:  # cut at its deadline while it was generated
                 self.late_requests += 1
                 raise Refused(f"episode {self.episode_id} ended while its request was generated")
             room = self.max_seq_len - len(prompt)
+            limit = self.limit
             if len(ids) > room:
                 ids, logprobs, truncated = ids[:room], logprobs[:room], True
-                self.limit = TOKEN_LIMIT
-            if self.completion_text is None:
+                limit = TOKEN_LIMIT
+            completion_text, conversation = pending.completion_text, pending.conversation
+            if completion_text is None:
                 message = assistant_message(
-                    ids, logprobs, self.tokenizer, self.template, self.log, room, self.tools
+                    ids, logprobs, self.tokenizer, self.template, pending.log, room, pending.tools
                 )
+                if reply is not None:
+                    conversation = [
+                        *conversation,
+                        *normalized_messages([reply(message["content"])]),
+                    ]
             else:  # raw text, no chat template: the sampled ids alone
                 content = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
                 message = {
@@ -321,22 +356,21 @@ class Trajectory:
                     "token_loss_mask": torch.ones_like(ids),
                     "generation_logprobs": logprobs,
                 }
-                self.completion_text += content
-            self.template_mismatches += bool(message.pop("template_mismatch", False))
-            self.log.append(message)  # type: ignore[arg-type]
+                completion_text += content
+            mismatch = bool(message.pop("template_mismatch", False))
+            # Nothing above changed the episode; from here on nothing can fail.
+            self.log = [*pending.log, message]  # type: ignore[list-item]
+            self.conversation, self.completion_text = conversation, completion_text
+            self.tools, self.limit = pending.tools, limit
+            self.template_mismatches += mismatch
             self.requests.append(RequestRecord(prompt, ids, logprobs, weight_version, truncated))
             return message
 
-    def add_reply(self, reply: dict[str, Any]) -> None:
-        """The assistant message returned to the agent (OpenAI's form): what its next request
-        must repeat."""
-        with self.lock:
-            self.conversation = [*self.conversation, *normalized_messages([reply])]
-
     def cancel_request(self) -> None:
-        """The open request got no generation (the generator failed)."""
+        """The open request got no answer (the generator failed, or the endpoint could not
+        return it): the episode is as it was before it."""
         with self.lock:
-            self.in_flight = False
+            self.pending = None
 
     @property
     def truncated(self) -> bool:
