@@ -54,7 +54,12 @@ def misbehave(base_url, row):
         raise RuntimeError("the agent broke")
     if behaviour == "hangs":  # past its deadline, then calls: refused
         api.chat.completions.create(model="policy", messages=row["messages"])
-        time.sleep(4)
+        # Held until the test has its rollout back: a rollout that waited for this program
+        # would never return (so the test proves the cut without timing anything).
+        release = Path(row["report"]).with_suffix(".release")
+        deadline = time.monotonic() + 120
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         Path(row["report"]).write_text(
             refused(lambda: api.chat.completions.create(model="policy", messages=row["messages"]))
         )

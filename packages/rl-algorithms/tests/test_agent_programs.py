@@ -195,7 +195,6 @@ def test_bad_agents_are_cut_counted_and_kept_out_of_the_loss(server, tokenizer, 
     report = tmp_path / "late.txt"
     rows = [{"behaviour": b, "report": str(report)} for b in behaviours]
     batch = prompts(tokenizer, template, rows)
-    started = time.monotonic()
     result = roll(
         server,
         RandomTokenGeneration(tokenizer),
@@ -205,7 +204,8 @@ def test_bad_agents_are_cut_counted_and_kept_out_of_the_loss(server, tokenizer, 
         function=f"{PROGRAMS}:misbehave",
         max_episode_seconds=2.0,
     )
-    assert time.monotonic() - started < 3.5  # the hung program is not waited for
+    # The hung program was not waited for: it is held until now (see ``misbehave``).
+    report.with_suffix(".release").touch()
     assert result.end_reasons == [
         "agent_returned",
         "agent_failed/no_requests",
