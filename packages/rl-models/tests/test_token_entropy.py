@@ -119,17 +119,18 @@ def rounded_inputs(dtype: torch.dtype, tokens: int = 64, width: int = 32, vocab:
 FLOAT32_BUDGET = 2.0**-18
 """Relative roundoff of the float32 softmax/entropy arithmetic, in units of a row's logit
 scale: 64 float32 ulps, for exp/log and sums over ~1000 vocabulary entries (pairwise: ~10
-levels of rounding). Measured at 1/4 to 2/3 of it; a step done in half precision instead
-(u = 2^-8 or 2^-11) overshoots it ~1000-fold."""
+levels of rounding). The float32 cases use 1/5 to 1/3 of their bounds; the bfloat16 and
+float16 ones are dominated by their own unit roundoff, and a backward that computed log p in
+bfloat16 instead of float32 overshoots their bounds 4-5x."""
 
 
 def float32_roundoff(z: torch.Tensor, d_logits: torch.Tensor, up: torch.Tensor, temperature: float):
-    """From float64 logits ``z [n, V]`` (the rounded ones), float64's gradient of them and the
-    upstream gradients ``up [n, 2]`` (log-prob, entropy): what float32 may get wrong in the values ``[n, 1]`` and in
-    the gradient of the logits ``[n, V]``. log p = z/T - lse is off by a few ulps of the row's
-    scale ``m = max|z/T| + |lse| + H``, so a value by ``m * budget`` and the gradient
-    ``p (g_H (log p + H) + g_logp) / T`` (the target's entry adds ``-g_logp / T``) by ``p
-    (|g_H| m + |g_logp|) / T * budget`` plus ``budget`` of the entry itself."""
+    """What float32 may get wrong in the values ``[n, 1]`` and in the gradient of the logits
+    ``[n, V]``, from float64 logits ``z [n, V]`` (the rounded ones), float64's gradient of them
+    and the upstream gradients ``up [n, 2]`` (log-prob, entropy). log p = z/T - lse is off by
+    a few ulps of the row's scale ``m = max|z/T| + |lse| + H``, so a value by ``m * budget``
+    and the gradient ``p (g_H (log p + H) + g_logp) / T`` (the target's entry adds ``-g_logp /
+    T``) by ``p (|g_H| m + |g_logp|) / T * budget``, plus ``budget`` of the entry itself."""
     s = z / temperature
     lse = torch.logsumexp(s, -1, keepdim=True)
     logp = s - lse
