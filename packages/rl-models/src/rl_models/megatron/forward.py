@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel import (
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
-from rl_models.policy.logprobs import over_token_chunks
+from rl_models.policy.logprobs import over_token_chunks, scaled_logits, weighted_logit_sum
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -63,10 +63,7 @@ def vocab_parallel_logprobs(
     e^(s_v)``: each rank sums ``e^s s`` over its slice and the sums are all-reduced like ``S``.
     Its gradient is autograd's through those sums (the chunked path recomputes each chunk).
     """
-    if logits.dtype in HALF:
-        logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = scaled_logits(logits, temperature)
     part = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * part
     if start + part > vocab_size:  # the vocabulary's padding rows are not tokens
@@ -87,8 +84,8 @@ def vocab_parallel_logprobs(
     if not entropy:
         return logprobs
     # The vocabulary's padding columns (s = -inf, e^s = 0) add 0, not 0 * -inf = NaN.
-    finite = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
-    weighted = reduce_from_tensor_model_parallel_region((shifted.exp() * finite).sum(dim=-1))
+    weighted = weighted_logit_sum(shifted.exp(), shifted).squeeze(-1)
+    weighted = reduce_from_tensor_model_parallel_region(weighted)
     return torch.stack([logprobs, sum_exp.log() - weighted / sum_exp], dim=-1)
 
 

@@ -53,8 +53,10 @@ from rl_models.interfaces import (
 )
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.logprobs import (
+    logsumexp_and_entropy,
     output_layer_computes_logprobs,
     output_layer_computes_topk,
+    scaled_logits,
     supports_chunked_logprobs,
 )
 from rl_models.policy.shared_prefix import (
@@ -104,17 +106,13 @@ def token_logprobs_and_entropy(
     """``[..., 2]``: ``token_logprobs`` of one target per position, then the entropy ``-sum_v
     p_v log p_v`` of the position's whole distribution (what ``chunked_logprobs`` gives with
     ``entropy``, for output layers it cannot replace; autograd's gradients)."""
-    logp = _log_softmax(logits, temperature)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return torch.stack([logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy], -1)
+    z = scaled_logits(logits, temperature)
+    lse, entropy = logsumexp_and_entropy(z)
+    return torch.cat([z.gather(-1, targets.unsqueeze(-1)) - lse, entropy], -1)
 
 
 def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(scaled_logits(logits, temperature), dim=-1)
 
 
 def _padding_mask(mb: BatchedDataDict) -> torch.Tensor:

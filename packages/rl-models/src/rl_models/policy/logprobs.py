@@ -6,8 +6,9 @@ double it. Here the output layer is applied ``chunk_size`` tokens at a time: eac
 logits live only while that chunk's log-probs are computed, and backward recomputes them
 (activation checkpointing per chunk), so peak memory holds one chunk of logits, not all.
 The gradients are those of the unchunked computation (same operations, recomputed): exactly
-in float32 and float64; under bf16 the weight's gradient is a sum of per-chunk products,
-rounded per chunk.
+in float32 and float64; under bf16 the weight's and bias's gradients are sums of per-chunk
+products, each rounded to the parameter's dtype and added in it (bf16 parameters: one
+rounding per chunk more than unchunked; float32 master weights: none).
 Targets may carry a trailing dimension (``[..., k]``: the log-probs of k given tokens per
 position, a distillation student's at its teacher's top-k ids), and ``chunked_topk_logprobs``
 gives a position's k most likely tokens and their log-probs (a distillation teacher's side).
@@ -36,12 +37,42 @@ HALF = (torch.float16, torch.bfloat16)
 def _chunk_logits(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
 ) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias)
-    if logits.dtype in HALF:  # a stable log-softmax: half precisions are upcast
+    return scaled_logits(F.linear(hidden, weight, bias), temperature)
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in at least float32: half precisions are upcast for a stable
+    (log-)softmax."""
+    if logits.dtype in HALF:
         logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     return logits
+
+
+def weighted_logit_sum(weights: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``sum_v weights_v z_v`` over the last dimension (kept, size 1): the term of the entropy
+    ``H = logsumexp(z) - sum_v p_v z_v`` (``weights`` the probabilities, or a vocabulary shard's
+    unnormalised ``e^(z_v - max z)``).
+
+    A masked-out token (``z_v = -inf``, so its weight is ``e^-inf = 0``) adds 0, where the
+    plain product gives ``0 * -inf = NaN``; ``z`` is zeroed there before the product, not the
+    product after it, so autograd's gradients are finite too (the product's backward would
+    multiply by ``-inf`` again). Without a graph to keep (no gradient, or none wanted) the
+    products overwrite ``weights``, which every caller passes as a temporary: a chunk then
+    holds no third ``[n, V]`` float32 buffer beside its logits and softmax."""
+    masked = torch.isneginf(z)
+    if torch.is_grad_enabled() and (weights.requires_grad or z.requires_grad):
+        return (weights * z.masked_fill(masked, 0.0)).sum(-1, keepdim=True)
+    return weights.mul_(z).masked_fill_(masked, 0.0).sum(-1, keepdim=True)
+
+
+def logsumexp_and_entropy(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logsumexp(z)`` and the entropy ``H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v
+    z_v`` of ``p = softmax(z)`` over the last dimension (both kept, size 1), for logits ``z``
+    in the precision to compute in; a masked-out token (``z_v = -inf``) adds nothing."""
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    return lse, lse - weighted_logit_sum(torch.softmax(z, dim=-1), z)
 
 
 def _chunk_logprobs(
@@ -95,14 +126,13 @@ class _TargetLogProbs(torch.autograd.Function):
             z = logits.float() if dtype in HALF else logits
             if temperature != 1.0:
                 z = z / temperature
-            lse = torch.logsumexp(z, dim=-1, keepdim=True)
-            picked = z.gather(-1, index) - lse
             ent = None
             if entropy:
-                # sum_v p_v z_v; with it H = lse - E_p[z] (zero-probability entries add 0).
-                expected = torch.softmax(z, dim=-1).mul_(z).sum(-1, keepdim=True)
-                ent = lse - expected
-                picked = torch.cat([picked, ent], dim=-1)
+                lse, ent = logsumexp_and_entropy(z)
+                picked = torch.cat([z.gather(-1, index) - lse, ent], dim=-1)
+            else:
+                lse = torch.logsumexp(z, dim=-1, keepdim=True)
+                picked = z.gather(-1, index) - lse
         ctx.save_for_backward(h, w, logits, index, lse, ent)
         ctx.temperature = temperature
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -126,6 +156,8 @@ class _TargetLogProbs(torch.autograd.Function):
                 # columns -p sum_j g_j: together -p * (g_H (log p + H) + sum_j g_j).
                 grad, grad_ent = grad[:, :-1], grad[:, -1:].to(g.dtype)
                 scale = (g + ent).mul_(grad_ent).add_(grad.sum(-1, keepdim=True).to(g.dtype))
+                # A masked-out token (log p = -inf) has p = 0: its term is 0, not 0 * inf.
+                scale.masked_fill_(torch.isneginf(g), 0.0)
                 g.exp_().mul_(scale).neg_()
                 del scale
             g.scatter_add_(-1, index, grad.to(g.dtype))
