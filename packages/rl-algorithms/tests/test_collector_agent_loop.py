@@ -22,13 +22,19 @@ import torch
 from rl_algorithms.agent_loop import AgentLoopConfig
 from rl_algorithms.grpo.async_loop import Trajectories
 from rl_algorithms.grpo.collector import TrajectoryCollector
-from rl_algorithms.grpo.collector_client import CollectorError
+from rl_algorithms.grpo.collector_client import (
+    HEARTBEAT_GRACE_SECONDS,
+    CollectorError,
+    check_reply,
+)
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer
 from rl_data.loader import StatefulDataLoader
 from rl_data.messages import tokenize_message_logs
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn
 from rl_models.generation.streaming import StreamingSampler, StreamNews
+
+from .test_agent_loop import CancellableSleeper
 
 G = 2
 REPLIES = ("<action>right</action>", "<action>left</action>")  # row 0's, row 1's
@@ -145,32 +151,29 @@ def prompt_rows(tokenizer, template, metas: list[dict]) -> list[dict]:
 
 
 class LocalClient:
-    """The trainer's view of an in-process collector (what ``CollectorClient`` does over Ray:
-    an error or the end of the prompts raises)."""
+    """The trainer's view of an in-process collector: ``CollectorClient``'s checks of each
+    reply, without the Ray actor."""
 
     def __init__(self, collector: TrajectoryCollector) -> None:
         self.collector = collector
 
     def take(self, consumed, timeout=1.0, stale=None, lag=0):
         reply = self.collector.take(consumed, timeout, stale, lag)
-        if reply.error is not None:
-            raise CollectorError(reply.error)
-        if reply.exhausted and not lag:
-            raise CollectorError("the collector ran out of prompts")
-        return reply
+        return check_reply(reply, self.describe(), HEARTBEAT_GRACE_SECONDS, lag)
 
     def describe(self):
         return "in-process collector"
 
 
 def collector(tokenizer, template, engine, metas, **kwargs) -> TrajectoryCollector:
-    loader = StatefulDataLoader(prompt_rows(tokenizer, template, metas), 4, collate, shuffle=False)
+    rows = prompt_rows(tokenizer, template, metas)
+    loader = StatefulDataLoader(rows, min(4, len(rows)), collate, shuffle=False)
     return TrajectoryCollector(
         [engine],
         tokenizer.pad_token_id,
         tokenizer,
         template,
-        {"t": TurnsEnv()},
+        kwargs.pop("envs", {"t": TurnsEnv()}),
         loader,
         group_size=G,
         max_seq_len=1024,
@@ -181,7 +184,7 @@ def collector(tokenizer, template, engine, metas, **kwargs) -> TrajectoryCollect
         max_age_steps=kwargs.pop("max_age_steps", 1),
         in_flight_weight_updates=True,
         max_turns=10,
-        agent_loop=AgentLoopConfig(),
+        agent_loop=kwargs.pop("agent_loop", AgentLoopConfig()),
         **kwargs,
     )
 
@@ -189,23 +192,27 @@ def collector(tokenizer, template, engine, metas, **kwargs) -> TrajectoryCollect
 def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: int, span: int):
     """Take ``n`` groups a step for ``steps`` steps, bumping the engine's weights after each
     (an in-flight refit); the groups of each step, the buffer, the collector's last reply (it
-    must have run out of prompts, nothing left running) and the most groups out at once."""
+    must have run out of prompts, nothing left running), the most groups out at once and the
+    age of every sample trained on (its step minus that of the oldest weights it saw)."""
     buffer = ReplayBuffer(span)
     trajectories = Trajectories(buffer, LocalClient(client), max_wait=60)
-    taken, most_out = [], 0
+    taken, most_out, ages = [], 0, []
     buffer.record_step(0, 0)
     for step in range(steps):
         groups, _ = trajectories.take(n, step)
         taken.append(groups)
+        ages += [age for g in groups for age in buffer.ages(g, step).tolist()]
         most_out = max(most_out, client.out + len(groups))
         time.sleep(0.02)  # the train step
         engine.version += 1
         buffer.record_step(step + 1, engine.version)
     trajectories.lag = 0  # waiting for the next step's groups, which never come
-    with pytest.raises(CollectorError, match="ran out of prompts"):
-        trajectories.pull(timeout=5.0)
+    deadline = time.monotonic() + 10
+    with pytest.raises(CollectorError, match="ran out of prompts"):  # once its groups end
+        while time.monotonic() < deadline:
+            trajectories.pull(timeout=0.5)
     last = client.take(trajectories.consumed, 0.0)  # its counters now
-    return taken, buffer, last, most_out
+    return taken, buffer, last, most_out, ages
 
 
 def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(tokenizer, template):
@@ -214,7 +221,7 @@ def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(t
     engine = InProcessEngine(tokenizer)
     client = collector(tokenizer, template, engine, metas)
     try:
-        steps, buffer, reply, most_out = train(client, engine, n=2, steps=12, span=4)
+        steps, buffer, reply, most_out, ages = train(client, engine, n=2, steps=12, span=4)
     finally:
         client.stop()
     trained = Counter(int(g.prompt["idx"][0]) for groups in steps for g in groups)
@@ -224,6 +231,9 @@ def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(t
     assert reply.generated_tokens > 0
     # Admission: never more groups out than two steps' worth (max age 1).
     assert most_out <= 2 * 2
+    # A 10-turn group overtaken by one-turn groups is trained later, older than max age 1,
+    # but within the span (none was dropped).
+    assert max(ages) <= 4 and max(ages) > 1
     groups = [g for s in steps for g in s]
     long = [g for g in groups if int(g.prompt["idx"][0]) % 3 == 0]
     assert all(int(g.result.turns.min()) == 10 for g in long)
@@ -249,7 +259,7 @@ def test_dynamic_sampling_filters_groups_without_signal_and_does_not_requeue_the
     engine = InProcessEngine(tokenizer)
     client = collector(tokenizer, template, engine, metas, dynamic_sampling=True)
     try:
-        steps, _, reply, _ = train(client, engine, n=2, steps=2, span=4)
+        steps, _, reply, _, _ = train(client, engine, n=2, steps=2, span=4)
     finally:
         client.stop()
     trained = sorted(int(g.prompt["idx"][0]) for s in steps for g in s)
@@ -275,3 +285,132 @@ def test_a_group_past_its_deadline_is_cancelled_and_leaves_no_stream(tokenizer, 
         client.stop()
     assert engine.streams == {}  # nothing left running on the engine
     assert client.requests_in_flight() == {"waiting": 0, "running": 0}
+
+
+def test_admission_keeps_groups_that_finish_in_order_within_the_max_age(tokenizer, template):
+    # One-turn episodes of 0.1 s (far above the threads' jitter) finish in the order they
+    # started: none trained is older than max_age_steps (1), though the buffer would keep them
+    # up to a span of 4.
+    metas = [{"turns": 1, "constant": True} for _ in range(16)]
+    engine = InProcessEngine(tokenizer, seconds=0.1)
+    client = collector(tokenizer, template, engine, metas, max_age_steps=1)
+    try:
+        _, _, _, _, ages = train(client, engine, n=2, steps=8, span=4)
+    finally:
+        client.stop()
+    assert len(ages) == 16 * G
+    assert max(ages) == 1  # the bound is reached, never passed
+
+
+def test_time_held_at_the_gate_counts_against_no_deadline(tokenizer, template):
+    """Validation (a scoring drain) holds a group's environment step for longer than both
+    ``env_step_timeout_s`` and ``max_group_seconds``: after ``resume`` the step runs, the
+    episodes end as they should, and the group is neither cut nor cancelled."""
+    engine = InProcessEngine(tokenizer, seconds=0.05)
+    loop = AgentLoopConfig(env_step_timeout_s=0.5)
+    client = collector(
+        tokenizer, template, engine, [{"turns": 2}] * 2, max_group_seconds=0.8, agent_loop=loop
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not client.turns.running and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert client.drain(5.0, scoring=True)  # its first turn done, its step held
+        time.sleep(1.5)
+        client.resume()
+        groups, _, reply, _, _ = train(client, engine, n=1, steps=2, span=4)
+    finally:
+        client.stop()
+    assert reply.requeued_groups == 0
+    for [group] in groups:
+        assert group.result.end_reasons == ["terminated"] * G
+        assert group.seconds < 0.8  # its age leaves the drain out
+
+
+class HangingEnv(TurnsEnv):
+    """``TurnsEnv`` whose first ``hangs`` steps block (``hung`` set) until ``release`` is set."""
+
+    def __init__(self, hangs: int) -> None:
+        self.hangs, self.calls = hangs, itertools.count()
+        self.hung, self.release = threading.Event(), threading.Event()
+
+    def step(self, message_log_batch, metadata):
+        if next(self.calls) < self.hangs:
+            self.hung.set()
+            self.release.wait()
+        return super().step(message_log_batch, metadata)
+
+
+def test_a_step_that_hangs_past_its_deadline_does_not_stall_validation(tokenizer, template):
+    # An in-process step cannot be cancelled: it keeps its thread, but past its deadline it is
+    # no longer waited for by a scoring drain.
+    env = HangingEnv(hangs=1)
+    engine = InProcessEngine(tokenizer)
+    loop = AgentLoopConfig(env_step_timeout_s=0.3, env_steps="batched")
+    client = collector(
+        tokenizer,
+        template,
+        engine,
+        [{"turns": 2}],
+        envs={"t": env},
+        agent_loop=loop,
+    )
+    try:
+        assert env.hung.wait(10)
+        began = time.monotonic()
+        assert client.drain(5.0, scoring=True)
+        assert time.monotonic() - began < 2.0
+        client.resume()
+        [[group]], _, _, _, _ = train(client, engine, n=1, steps=1, span=4)
+        assert group.result.end_reasons == ["env_timeout"] * G
+    finally:
+        env.release.set()
+        client.stop()
+
+
+def test_groups_stuck_in_a_step_hold_no_thread_later_groups_need(tokenizer, template):
+    # No env_step_timeout_s: five groups in turn hang in their step until cancelled past
+    # max_group_seconds, each keeping its thread (more than a pool's worth); the prompt they
+    # retried still gets played, and the stuck ones are reported.
+    env = HangingEnv(hangs=5)
+    engine = InProcessEngine(tokenizer)
+    client = collector(
+        tokenizer,
+        template,
+        engine,
+        [{"turns": 1, "constant": True}],
+        envs={"t": env},
+        max_group_seconds=0.3,
+        max_groups_ahead=1,
+        agent_loop=AgentLoopConfig(env_steps="batched"),
+    )
+    try:
+        [[group]], _, reply, _, _ = train(client, engine, n=1, steps=1, span=4)
+        assert group.result.end_reasons == ["terminated"] * G
+        assert reply.requeued_groups == 5 and reply.stuck_groups == 5
+    finally:
+        env.release.set()
+        client.stop()
+
+
+@pytest.mark.ray
+def test_a_late_step_on_an_actor_is_cancelled_through_the_gate(ray_session, tokenizer, template):
+    # The collector passes every step through its gate; the agent loop still sends an actor's
+    # step itself, so the step cut at env_step_timeout_s is cancelled on the actor.
+    import ray
+
+    actor = ray.remote(CancellableSleeper).options(num_cpus=0).remote(seconds=5.0)
+    assert ray.get(actor.record.remote()) == (0, 0)  # started, before its first step
+    engine = InProcessEngine(tokenizer)
+    loop = AgentLoopConfig(env_step_timeout_s=0.5, env_steps="batched")
+    client = collector(
+        tokenizer, template, engine, [{"turns": 1}], envs={"t": actor}, agent_loop=loop
+    )
+    try:
+        [[group]], _, _, _, _ = train(client, engine, n=1, steps=1, span=4)
+        assert group.result.end_reasons == ["env_timeout"] * G
+        started, stopped_early = ray.get(actor.record.remote(), timeout=30)
+    finally:
+        client.stop()
+        ray.kill(actor)
+    assert (started, stopped_early) == (1, 1)

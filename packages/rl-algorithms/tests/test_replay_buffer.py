@@ -3,10 +3,12 @@ counted, oldest groups first, and a checkpoint round trip across a resumed polic
 weight-version numbering."""
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from rl_algorithms.grpo.async_loop import discarded_token_fraction
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer, TrajectoryGroup
 from rl_algorithms.rollouts import RolloutResult
 from rl_distributed.batched_data_dict import BatchedDataDict
@@ -83,6 +85,18 @@ def test_an_older_group_that_arrived_later_goes_first_and_dropped_tokens_are_cou
     buffer.record_step(3, 3)
     assert tags(buffer.take(1, step=3)) == ["short"]  # "late" is 3 steps old: past the cap
     assert buffer.dropped_tokens == 7
+
+
+def test_the_discarded_fraction_after_a_resume_counts_this_process_only():
+    # The resumed buffer carries 1000 dropped tokens from before; the new collector has
+    # generated 100 and discarded 10 since, and the buffer dropped 7 more: 17 / 100.
+    state = ReplayBuffer(max_age_steps=2).state_dict() | {"dropped_tokens": 1000}
+    buffer = ReplayBuffer(max_age_steps=2)
+    buffer.load_state_dict(state)
+    at_start = buffer.dropped_tokens
+    buffer.dropped_tokens += 7
+    reply = SimpleNamespace(generated_tokens=100, discarded_tokens=10)
+    assert discarded_token_fraction(buffer, at_start, reply) == pytest.approx(0.17)
 
 
 def test_zero_age_bound_keeps_only_current_weights():

@@ -126,3 +126,21 @@ def test_a_generator_without_versions_tags_nothing(tokenizer, template):
     assert version_span(episodes.logs[0]) is None
     batch = episodes.result(with_env_metrics=False).training_batch(tokenizer.pad_token_id)
     assert batch.extras == {}
+
+
+def test_an_empty_turn_with_a_template_tail_is_as_young_as_its_generator_says(tokenizer, template):
+    # Nothing sampled (length 0) but the template closes the turn with tokens out of the loss:
+    # those tokens are no sample, so they must not make the episode look version 0 (the
+    # oldest possible: such a group was dropped as stale and generated again, for ever).
+    episodes, prompt = one_episode(tokenizer, template)
+    episodes.add_response(0, turn(prompt, [], [], weight_version_min=V, weight_version_max=V), 0)
+    message = episodes.logs[0][-1]
+    assert int(message["token_loss_mask"].sum()) == 0 and len(message["token_ids"]) > 0
+    assert version_span(episodes.logs[0]) == (V, V)
+    # A later turn's sampled tokens set the oldest version, the tail's tags do not.
+    log = episodes.logs[0]
+    prompt = torch.cat([m["token_ids"] for m in log])
+    sampled = sampled_tokens(tokenizer)
+    out = turn(prompt, sampled, [-0.5] * len(sampled), weight_version_min=V + 1)
+    episodes.add_response(0, out, 0)
+    assert version_span(episodes.logs[0]) == (V + 1, V + 1)

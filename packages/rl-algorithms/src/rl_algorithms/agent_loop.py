@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import ray
 import torch
@@ -98,10 +98,21 @@ class AgentLoopConfig(ConfigModel):
     # Most seconds an episode runs; checked between turns. null: no limit.
     max_episode_seconds: float | None = Field(None, gt=0)
     # Most seconds an environment step may take, counted from when it is sent (time queued
-    # behind other steps of an environment that serves one call at a time included); its
+    # behind other steps of an environment that serves one call at a time included, time held
+    # at async GRPO's step gate during validation not); its
     # episodes end then (``env_timeout``, left out of the loss) and the late answer is
     # dropped. Set it above the tools' own timeouts. null: wait as long as it takes.
     env_step_timeout_s: float | None = Field(None, gt=0)
+
+
+class StepGate(Protocol):
+    """Holds environment steps back while it is closed (async GRPO's validation) and counts
+    those running. ``enter`` blocks while closed, then counts the step until ``leave`` or, with
+    ``timeout_s``, until its deadline: a hung step past it no longer holds anyone waiting."""
+
+    def enter(self, timeout_s: float | None) -> object: ...
+
+    def leave(self, token: object) -> None: ...
 
 
 @dataclass
@@ -113,6 +124,7 @@ class _EnvCall:
     started: float
     deadline: float | None
     ref: ray.ObjectRef | None = None  # an actor's step: cancelled when cut at its deadline
+    gate_token: object | None = None  # its place in the step gate, left when it ends
 
 
 class _AgentLoop:
@@ -125,8 +137,10 @@ class _AgentLoop:
         max_turns: int,
         greedy: bool,
         expected_weight_version: int | None,
+        step_gate: StepGate | None = None,
     ) -> None:
         self.episodes, self.generation, self.config = episodes, generation, config
+        self.step_gate = step_gate
         self.max_turns, self.greedy = max_turns, greedy
         self.expected_weight_version = expected_weight_version
         self.generating: dict[Future, tuple[list[int], float]] = {}
@@ -176,6 +190,8 @@ class _AgentLoop:
                         self._stepped(future)
                 self._cut_late_steps()
         finally:
+            for call in self.stepping.values():  # (the loop failed: nobody waits for these)
+                self._leave_gate(call)
             # A step that hangs keeps its thread; nobody waits for it.
             for pool in (self.generators, *self.env_threads.values()):
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -229,6 +245,9 @@ class _AgentLoop:
         ep = self.episodes
         env = ep.envs[task]
         logs, metadata = [ep.logs[i] for i in rows], [ep.metadata[i] for i in rows]
+        timeout = self.config.env_step_timeout_s
+        # Blocks while the gate is closed: the step's deadline starts once it is let through.
+        token = None if self.step_gate is None else self.step_gate.enter(timeout)
         ref = None
         if hasattr(env.step, "remote"):
             ref = env.step.remote(logs, metadata)
@@ -236,13 +255,18 @@ class _AgentLoop:
         else:
             future = self.env_threads[task].submit(env.step, logs, metadata)
         now = time.monotonic()
-        timeout = self.config.env_step_timeout_s
         self.stepping[future] = _EnvCall(
-            task, rows, now, None if timeout is None else now + timeout, ref
+            task, rows, now, None if timeout is None else now + timeout, ref, token
         )
+
+    def _leave_gate(self, call: _EnvCall) -> None:
+        if self.step_gate is not None and call.gate_token is not None:
+            self.step_gate.leave(call.gate_token)
+            call.gate_token = None
 
     def _stepped(self, future: Future) -> None:
         call = self.stepping.pop(future)
+        self._leave_gate(call)
         self.env_seconds.append(time.monotonic() - call.started)
         try:
             returned = resolve_env_call(future.result())
@@ -283,6 +307,7 @@ class _AgentLoop:
         late = [f for f, c in self.stepping.items() if c.deadline is not None and c.deadline <= now]
         for future in late:
             call = self.stepping.pop(future)
+            self._leave_gate(call)
             self.env_seconds.append(now - call.started)
             for i in call.rows:
                 self.episodes.finish(i, ENV_TIMEOUT)
@@ -320,9 +345,11 @@ def run_agent_loop(
     expected_weight_version: int | None = None,
     with_env_metrics: bool = True,
     config: AgentLoopConfig | None = None,
+    step_gate: StepGate | None = None,
 ) -> RolloutResult:
     """Roll ``batch`` out, each episode at its own pace (see the module docstring); what
-    ``rollouts.run_rollouts`` runs."""
+    ``rollouts.run_rollouts`` runs. ``step_gate``: every environment step passes it (the
+    trajectory collector's, which validation closes)."""
     episodes = Episodes(batch, tokenizer, template, envs, max_seq_len)
     rows_by_task(envs, episodes.tasks, episodes.active)  # an unknown task fails before sampling
     loop = _AgentLoop(
@@ -332,6 +359,7 @@ def run_agent_loop(
         max_turns=max_turns,
         greedy=greedy,
         expected_weight_version=expected_weight_version,
+        step_gate=step_gate,
     )
     loop.run()
     episodes.timings.update(loop.timings())

@@ -127,8 +127,9 @@ def assistant_message(
         message["token_ids"] = torch.cat([ids, tail])
         message["token_loss_mask"] = torch.cat([message["token_loss_mask"], torch.zeros_like(tail)])
         message["generation_logprobs"] = torch.cat([logprobs, torch.zeros(len(tail))])
-        if versions is not None:  # (out of the loss: tagged like the turn's last token)
-            last = versions[-1:] if len(versions) else torch.zeros(1, dtype=torch.long)
+        if versions is not None:  # (out of the loss: tagged like the turn's last token, or
+            # with no version, -1 as a prompt token, where nothing was sampled)
+            last = versions[-1:] if len(versions) else torch.full((1,), -1, dtype=torch.long)
             message["generation_versions"] = torch.cat([versions, last.expand(len(tail))])
     return message
 
@@ -150,14 +151,18 @@ def token_versions(out: BatchedDataDict, row: int, start: int, length: int) -> t
 
 def version_span(log: MessageLog) -> tuple[int, int] | None:
     """The oldest and newest weight version of a conversation's sampled tokens (the newest as
-    the generator reported it, which may lie inside a turn); None when none carries versions."""
+    the generator reported it, which may lie inside a turn); None when none carries versions.
+    Only tokens in the loss count (a template's closing tokens are not sampled); turns that
+    sampled nothing count with the newest version their generator reported."""
     oldest = [
-        int(m["generation_versions"].min()) for m in log if len(m.get("generation_versions", ()))
+        int(m["generation_versions"][m["token_loss_mask"] > 0].min())
+        for m in log
+        if "generation_versions" in m and bool((m["token_loss_mask"] > 0).any())
     ]
     newest = [int(m["generation_version_max"]) for m in log if "generation_version_max" in m]
-    if not oldest:
+    if not oldest and not newest:
         return None
-    return min(oldest), max([*newest, *oldest])
+    return min(oldest or newest), max([*newest, *oldest])
 
 
 # What of an environment's reply message reaches the conversation (and the chat template).

@@ -213,12 +213,24 @@ def trajectory_metrics(
     return metrics
 
 
+def discarded_token_fraction(
+    buffer: ReplayBuffer, dropped_at_start: int, reply: CollectorReply
+) -> float:
+    """Tokens of groups dropped as too old, cancelled or aborted over every token generated
+    for training, both since this process started: the collector's counts restart at 0 on a
+    resume, the buffer's (checkpointed) ``dropped_tokens`` does not, so its count at the start
+    (``dropped_at_start``) is left out."""
+    discarded = buffer.dropped_tokens - dropped_at_start + reply.discarded_tokens
+    return discarded / max(reply.generated_tokens, 1)
+
+
 def async_grpo_train(run: Run) -> dict[str, float]:
     """Train for ``grpo.max_num_steps`` steps on groups from the collector."""
     g, timer = run.config.grpo, run.logger.timer
     refit_if_stale(run)  # a resumed policy's weights onto the generator before it samples
     trajectories = Trajectories.start(run)
     buffer = trajectories.buffer
+    dropped_at_start = buffer.dropped_tokens  # (a resumed buffer's, see discarded_token_fraction)
     buffer.record_step(run.step, run.policy.weight_version)
     if len(buffer):
         run.logger.log_metrics({"restored_buffer_groups": float(len(buffer))}, run.step, "run")
@@ -263,12 +275,15 @@ def async_grpo_train(run: Run) -> dict[str, float]:
                 "dropped_groups": float(buffer.dropped_groups),
                 "dropped_samples": float(buffer.dropped_samples),
                 "filtered_groups": float(reply.filtered_groups),
-                # Finished-but-discarded work: tokens of groups dropped as too old, cancelled
-                # or aborted, over every token generated for training (0 on a healthy run).
-                "discarded_token_fraction": (buffer.dropped_tokens + reply.discarded_tokens)
-                / max(reply.generated_tokens, 1),
+                # Finished-but-discarded work (0 on a healthy run).
+                "discarded_token_fraction": discarded_token_fraction(
+                    buffer, dropped_at_start, reply
+                ),
                 "requeued_groups": float(reply.requeued_groups),
                 "aborted_groups": float(reply.aborted_groups),
+                # Cancelled groups whose agent loop is still blocked in an environment step
+                # (no env_step_timeout_s): each holds a thread.
+                "stuck_groups": float(reply.stuck_groups),
                 "stale_requeued_groups": float(reply.stale_requeued_groups),
                 "trainer_idle_seconds": trainer_idle,
                 "generator_idle_seconds": generator_idle - idle_before,

@@ -2,7 +2,7 @@
 
 Each prompt group (G episodes of one prompt) runs through the agent loop that sync GRPO uses
 (``agent_loop.run_agent_loop``: multi-turn, tools, every episode at its own pace), in a thread
-of the collector's pool; its turns are generated on the streaming engines
+of its own; its turns are generated on the streaming engines
 (``turn_streams.StreamedGeneration``) and it goes into ``finished`` when its G episodes end.
 One thread, the collector's loop, makes every engine call::
 
@@ -12,7 +12,8 @@ One thread, the collector's loop, makes every engine call::
        samples go back to the agent loop that waits for them
     -> a group whose agent loop ended is finished (or, with dynamic sampling and rewards all
        equal, filtered: counted, its prompt not generated again)
-    -> a group older than ``max_group_seconds`` (generation or a tool hung) is cancelled and its
+    -> a group older than ``max_group_seconds`` (generation or a tool hung; time drained for a
+       refit or validation left out) is cancelled and its
        prompt queued again (``requeued_groups``); so is one vLLM aborted on its own
        (``aborted_groups``), and one the trainer dropped as too old to train on
        (``stale_requeued_groups``: it spanned more than ``max_trajectory_span_steps``)
@@ -44,7 +45,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +61,6 @@ from rl_algorithms.grpo.turn_streams import (
     StreamedGeneration,
     TurnQueue,
     TurnRequest,
-    gated_environments,
 )
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.worker_types import WorkerGroupError
@@ -89,6 +89,7 @@ class CollectorReply:
     discarded_tokens: int  # of those, in groups cancelled or aborted (not trained on)
     generator_idle_seconds: float  # in all, with no turn generating
     groups_running: int  # admitted, not yet finished
+    stuck_groups: int  # cancelled, their agent loop's thread still blocked in an env step
     heartbeat_age_seconds: float  # since the loop last came round
     doing: str  # what the loop is waiting on, for a stall report
 
@@ -97,6 +98,7 @@ class CollectorReply:
 class _Group:
     prompt: BatchedDataDict  # one row
     started: float
+    drained_before: float  # the collector's drained seconds when it started (not its age)
     requeues: int = 0  # times this prompt was queued again before
     sampler: StreamingSampler | None = None  # every turn of the group on one engine
     version: int | None = None  # the engine's version, for a prompt too long to generate from
@@ -157,7 +159,7 @@ class TrajectoryCollector:
         self.cond = threading.Condition()
         self.turns = TurnQueue(self.cond)
         self.gate = EnvironmentGate(self.cond)
-        self.envs = gated_environments(envs, self.gate)
+        self.envs = envs
         # Groups admitted and not yet consumed by the trainer (a resumed trainer's buffer
         # holds ``groups_out`` already); ``lag``: 1 once the trainer took its step's groups.
         self.out = groups_out
@@ -171,6 +173,11 @@ class TrajectoryCollector:
         self.discarded_tokens = 0
         self.generator_idle_seconds = 0.0
         self.draining = False
+        # Seconds spent drained (generation held back) in all, and since when it is now: a
+        # group's age leaves them out, or validation would cancel every running group.
+        self.drained_seconds = 0.0
+        self.drained_since: float | None = None
+        self.stuck: list[_Group] = []  # cancelled, their agent loop still in an env step
         self.out_of_prompts = False
         self.error: str | None = None
         self.stopped = False
@@ -178,7 +185,6 @@ class TrajectoryCollector:
         self.starting: TurnRequest | None = None  # its stream being started (a drain waits)
         self.heartbeat = time.monotonic()  # the loop's last round
         self.doing = "starting"  # what the loop is waiting on, for a stall report
-        self.pool = ThreadPoolExecutor(max_workers=2 * max_groups_ahead + 2)
         self.thread = threading.Thread(target=self._run, name="trajectory-collector", daemon=True)
         self.thread.start()
 
@@ -219,6 +225,7 @@ class TrajectoryCollector:
                 discarded_tokens=self.discarded_tokens,
                 generator_idle_seconds=self.generator_idle_seconds,
                 groups_running=len(self.groups),
+                stuck_groups=self._stuck_groups(),
                 heartbeat_age_seconds=time.monotonic() - self.heartbeat,
                 doing=self.doing,
             )
@@ -230,6 +237,8 @@ class TrajectoryCollector:
         deadline = time.monotonic() + timeout
         with self.cond:
             self.draining = True  # the loop checks it under this lock before every start
+            if self.drained_since is None:
+                self.drained_since = time.monotonic()
             self.gate.closed = self.gate.closed or scoring
             while self._busy(scoring) and self.error is None:
                 left = deadline - time.monotonic()
@@ -240,11 +249,14 @@ class TrajectoryCollector:
 
     def _busy(self, scoring: bool) -> bool:
         generating = self.starting is not None or bool(self.turns.running)
-        return generating or (scoring and self.gate.running > 0)
+        return generating or (scoring and self.gate.running() > 0)
 
     def resume(self) -> None:
         with self.cond:
             self.draining = self.gate.closed = False
+            if self.drained_since is not None:
+                self.drained_seconds += time.monotonic() - self.drained_since
+                self.drained_since = None
             self.cond.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
@@ -277,7 +289,6 @@ class TrajectoryCollector:
         self.turns.fail(
             self.turns.waiting + self.turns.running, GroupCancelled("the collector stopped")
         )
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -346,7 +357,7 @@ class TrajectoryCollector:
                 drawn = self._next_prompt()
                 if drawn is None:
                     return
-                group = _Group(drawn[0], time.monotonic(), drawn[1])
+                group = _Group(drawn[0], time.monotonic(), self._drained(), drawn[1])
                 group.sampler = self.samplers[self.next_worker % len(self.samplers)]
                 self.next_worker += 1
                 self.groups.append(group)
@@ -355,7 +366,37 @@ class TrajectoryCollector:
             if prompt_tokens >= self.max_seq_len:  # nothing to generate: the engine's weights
                 sampler = group.sampler
                 group.version = self._engine_call(sampler, "weight_version", sampler.weight_version)
-            group.play = self.pool.submit(self._play, group)
+            group.play = self._start_play(group)
+
+    def _start_play(self, group: _Group) -> Future:
+        """The group's agent loop, on a thread of its own: one cancelled while stuck in an
+        environment step that never returns keeps its thread (counted in ``stuck_groups``),
+        and no later group waits for it, as it would for a bounded pool's thread."""
+        play: Future = Future()
+
+        def run() -> None:
+            try:
+                play.set_result(self._play(group))
+            except BaseException as err:
+                play.set_exception(err)
+
+        threading.Thread(target=run, name="trajectory-group", daemon=True).start()
+        return play
+
+    def _drained(self) -> float:
+        """Seconds spent drained so far (under ``cond``)."""
+        now = time.monotonic()
+        return self.drained_seconds + (
+            0.0 if self.drained_since is None else now - self.drained_since
+        )
+
+    def _age(self, group: _Group) -> float:
+        """Seconds the group has run, time drained left out (under ``cond``)."""
+        return time.monotonic() - group.started - (self._drained() - group.drained_before)
+
+    def _stuck_groups(self) -> int:
+        self.stuck = [g for g in self.stuck if g.play is not None and not g.play.done()]
+        return len(self.stuck)
 
     def _play(self, group: _Group) -> TrajectoryGroup:
         """A group's episodes through the agent loop (in a thread of the pool)."""
@@ -371,19 +412,43 @@ class TrajectoryCollector:
             # Environment metrics go to the trainer's own call for the groups it trains on.
             with_env_metrics=False,
             config=self.agent_loop,
+            step_gate=self.gate,
         )
-        spans = [version_span(log) for log in result.message_logs]
-        fallback = (group.version or 0, group.version or 0)  # nothing sampled
-        vmin = torch.tensor([(s or fallback)[0] for s in spans], dtype=torch.long)
-        vmax = torch.tensor([(s or fallback)[1] for s in spans], dtype=torch.long)
+        vmin, vmax = self._version_spans(group, result.message_logs)
+        with self.cond:
+            seconds = self._age(group)
         return TrajectoryGroup(
             group.prompt,
             result,
             vmin,
             vmax,
-            seconds=time.monotonic() - group.started,
+            seconds=seconds,
             requeues=group.requeues,
         )
+
+    def _version_spans(self, group: _Group, logs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each episode's oldest and newest weight version. An episode that sampled nothing
+        (its prompt too long, or ended before its first turn) takes the engine's version read
+        at admission, else the group's newest: never a made-up version 0, which would make a
+        fresh group look as old as the run and get it dropped as stale, again and again."""
+        spans = [version_span(log) for log in logs]
+        known = [s for s in spans if s is not None]
+        if group.version is not None:
+            fallback = (group.version, group.version)
+        elif known:
+            newest = max(s[1] for s in known)
+            fallback = (newest, newest)
+        elif spans:
+            raise RuntimeError(
+                f"the engine {group.sampler.name if group.sampler else '?'} reported no weight "
+                "version with its samples (weight_version_min/_max or generation_versions): "
+                "async GRPO needs them to bound the groups' age"
+            )
+        else:
+            fallback = (0, 0)  # (no episode: unused)
+        vmin = torch.tensor([(s or fallback)[0] for s in spans], dtype=torch.long)
+        vmax = torch.tensor([(s or fallback)[1] for s in spans], dtype=torch.long)
+        return vmin, vmax
 
     def _start_turns(self) -> None:
         while True:
@@ -482,9 +547,10 @@ class TrajectoryCollector:
         self.retry.append((group.prompt, group.requeues + 1))
 
     def _cancel_overdue(self) -> None:
-        now = time.monotonic()
         for group in list(self.groups):
-            if now - group.started <= self.max_group_seconds:
+            with self.cond:
+                age = self._age(group)
+            if age <= self.max_group_seconds:
                 continue
             if group.play is not None and group.play.done():
                 continue  # finished in time to be collected next round
@@ -497,6 +563,7 @@ class TrajectoryCollector:
             # An agent loop stuck in an environment step is abandoned: its result is never read.
             with self.cond:
                 self.groups.remove(group)
+                self.stuck.append(group)  # (until its agent loop ends)
                 self.requeued += 1
                 self._discard(group)
                 self.cond.notify_all()

@@ -20,6 +20,27 @@ class CollectorError(RuntimeError):
     """The trajectory collector died, stopped on an error, hung, or ran out of prompts."""
 
 
+def check_reply(
+    reply: CollectorReply, who: str, heartbeat_timeout: float, lag: int
+) -> CollectorReply:
+    """``reply`` if the collector (``who``, for the message) is well: its error, a loop that
+    has not come round for ``heartbeat_timeout`` s, or (while the trainer waits for its step's
+    groups: ``lag`` 0) the end of its prompts raise a ``CollectorError``."""
+    if reply.error is not None:
+        raise CollectorError(f"the {who} stopped: {reply.error}")
+    if reply.heartbeat_age_seconds > heartbeat_timeout:
+        raise CollectorError(
+            f"the {who} is stalled: its loop has not come round for "
+            f"{reply.heartbeat_age_seconds:.0f} s (waiting on {reply.doing})"
+        )
+    if reply.exhausted and not lag:  # (with lag the trainer has this step's groups)
+        raise CollectorError(
+            f"the {who} ran out of prompts (data.train, grpo.max_num_epochs) "
+            "before the trainer had enough groups for its next step"
+        )
+    return reply
+
+
 class CollectorClient:
     """The trainer's side: starts the collector as a named Ray actor (no CPU of its own: it
     waits on the engines and environments), with one method per remote call, and turns every
@@ -60,19 +81,7 @@ class CollectorClient:
         reply: CollectorReply = self._wait(
             self.actor.take.remote(consumed, timeout, stale, lag), "take", timeout + 60
         )
-        if reply.error is not None:
-            raise CollectorError(f"the {self.describe()} stopped: {reply.error}")
-        if reply.heartbeat_age_seconds > self.heartbeat_timeout:
-            raise CollectorError(
-                f"the {self.describe()} is stalled: its loop has not come round for "
-                f"{reply.heartbeat_age_seconds:.0f} s (waiting on {reply.doing})"
-            )
-        if reply.exhausted and not lag:  # (with lag the trainer has this step's groups)
-            raise CollectorError(
-                f"the {self.describe()} ran out of prompts (data.train, grpo.max_num_epochs) "
-                "before the trainer had enough groups for its next step"
-            )
-        return reply
+        return check_reply(reply, self.describe(), self.heartbeat_timeout, lag)
 
     def drain(self, timeout: float, scoring: bool = False) -> bool:
         """``TrajectoryCollector.drain`` (the call waits a minute longer than the drain)."""

@@ -10,21 +10,21 @@ each request its samples when the stream is done (or the error that ended it). S
 spans an in-flight refit goes on under the new weights, and every engine call keeps the
 collector's deadlines and stall reports.
 
-Environment steps go through ``GatedEnvironment``: validation closes the gate (no training
-episode is scored while it runs, so the environments' counts stay validation's own) and
-waits until no step is running.
+Environment steps pass an ``EnvironmentGate`` (the agent loop's ``step_gate``): validation
+closes it (no training episode is scored while it runs, so the environments' counts stay
+validation's own) and waits until no step is running. The agent loop sends each step itself
+once let through, so a step's deadline starts there and an actor's late step is cancelled.
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
 import threading
-from collections.abc import Iterator
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl_algorithms.environment_calls import resolve_env_call, serves_concurrent_steps
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.streaming import StreamingSampler
 
@@ -99,41 +99,29 @@ class StreamedGeneration:
 
 
 class EnvironmentGate:
-    """Counts the environment steps running; ``closed`` holds new ones back (validation)."""
+    """The agent loops' ``StepGate``: ``closed`` holds new environment steps back (validation);
+    ``running()`` counts the steps let through that have not ended nor passed their deadline
+    (the agent loop cuts those, and cancels an actor's; a hung one must not stall a drain)."""
 
     def __init__(self, cond: threading.Condition) -> None:
         self.cond = cond
         self.closed = False
-        self.running = 0
+        self.deadlines: dict[object, float] = {}  # step -> its deadline (inf: none)
 
-    @contextlib.contextmanager
-    def entered(self) -> Iterator[None]:
+    def enter(self, timeout_s: float | None) -> object:
         with self.cond:
             self.cond.wait_for(lambda: not self.closed)
-            self.running += 1
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.running -= 1
-                self.cond.notify_all()
+            token = object()
+            now = time.monotonic()
+            self.deadlines[token] = math.inf if timeout_s is None else now + timeout_s
+            return token
 
+    def leave(self, token: object) -> None:
+        with self.cond:
+            self.deadlines.pop(token, None)
+            self.cond.notify_all()
 
-class GatedEnvironment:
-    """An environment (an actor or in-process) whose steps pass ``gate``; it serves
-    concurrent steps as the environment does."""
-
-    def __init__(self, env: Any, gate: EnvironmentGate, concurrent_steps: bool) -> None:
-        self.env, self.gate, self.concurrent_steps = env, gate, concurrent_steps
-
-    def step(self, message_log_batch: Any, metadata: Any) -> Any:
-        with self.gate.entered():
-            env = self.env
-            if hasattr(env.step, "remote"):
-                return resolve_env_call(env.step.remote(message_log_batch, metadata))
-            return env.step(message_log_batch, metadata)
-
-
-def gated_environments(envs: dict[str, Any], gate: EnvironmentGate) -> dict[str, Any]:
-    concurrent = serves_concurrent_steps(envs)
-    return {task: GatedEnvironment(env, gate, concurrent[task]) for task, env in envs.items()}
+    def running(self) -> int:
+        now = time.monotonic()
+        with self.cond:
+            return sum(deadline > now for deadline in self.deadlines.values())
