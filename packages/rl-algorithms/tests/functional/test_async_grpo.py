@@ -4,8 +4,9 @@ its own) and one trainer worker.
 - The run goes on through a hung rollout: the environment never answers the first group it is
   given (it waits until the end of time, not for a lucky while); the collector cancels that
   group at ``max_group_seconds`` and queues its prompt again.
-- With ``max_trajectory_age_steps: 1`` groups start only while they can be trained on within a
-  step; one that ran longer than the groups started after it may be older when trained, never
+- With ``max_trajectory_age_steps`` (1; 2 in the hung-rollout run, so that refits land while
+  the engine still generates) groups start only while they can be trained on within that many
+  steps; one that ran longer than the groups started after it may be older when trained, never
   past ``max_trajectory_span_steps`` (4); the importance ratios and the generator/trainer
   mismatch stay in bounds. Each step takes two
   optimiser steps, so the second one's ratios move and the bounds can fail.
@@ -154,7 +155,9 @@ def check_steps(steps: list[dict]) -> None:
 
 
 def test_async_grpo_runs_through_a_hung_rollout_with_bounded_staleness(tmp_path, tiny_model):
-    config = async_config(tmp_path, tiny_model, max_group_seconds=30.0)
+    # Two steps of lag allowed: enough groups admitted that the engine is still generating
+    # when each refit lands (with one, it can finish every admitted group first).
+    config = async_config(tmp_path, tiny_model, max_group_seconds=8.0, max_trajectory_age_steps=2)
     config["env"] = {"arithmetic": {"kind": f"{__name__}:HangOnceEnvironment", "config": {}}}
     # One sequence at a time: generating a step's groups takes longer than training on the last
     # ones, so every refit lands while samples are being generated.
