@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "agent_programs" / "calculator_agent.py"
@@ -50,11 +51,16 @@ def test_grpo_trains_the_agent_on_the_tokens_the_endpoint_returned(tmp_path, mon
             "logger.tensorboard_enabled=false",
         ],
     )
+    ray_was_running = ray.is_initialized()
     run = setup(config)
     try:
         last = grpo_train(run)
     finally:
         run.shutdown()
+        # The run started Ray in this process, sized to this recipe: later tests of the same
+        # process (the slow tier runs every package's) must start their own.
+        if not ray_was_running:
+            ray.shutdown()
     assert run.step == 2 and math.isfinite(last["loss"])
     assert len(rollouts) == 4  # two training steps; validation: 8 prompts, 4 per batch
     replies = load_reward_function(f"{RECORDER}:agent").__globals__["replies"]
