@@ -162,10 +162,13 @@ def test_async_grpo_runs_through_a_hung_rollout_with_bounded_staleness(tmp_path,
     # One sequence at a time: generating a step's groups takes longer than training on the last
     # ones, so every refit lands while samples are being generated.
     config["generation"]["vllm"]["max_num_seqs"] = 1
+    # Long enough that the run outlasts the hung group's 8 s: the other groups do not wait
+    # for it, and a short run could end before it is cut.
+    config["grpo"]["max_num_steps"] = 3 * STEPS
     assert cli.main(["grpo", "--config", write_config(tmp_path, config)]) == 0
 
     steps = [r for r in read_metrics(tmp_path / "logs") if "train/loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in steps] == list(range(1, 3 * STEPS + 1))
     check_steps(steps)
     # The hung group was cancelled and its prompt generated again; nothing waited forever.
     assert steps[-1]["train/requeued_groups"] >= 1
