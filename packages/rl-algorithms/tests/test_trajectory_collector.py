@@ -12,6 +12,7 @@ drain lets no generation start until the refit after it ends; a checkpoint holds
 drawn but not yet handed over.
 """
 
+import re
 import sys
 import time
 
@@ -54,6 +55,7 @@ class ScriptedEngine:
         self.started = 0
         self.cancelled: list[str] = []
         self.starts: list[tuple[float, float]] = []  # (began, ended), time.time()
+        self.first_prompt = ""  # the text stream s0 was started with
 
     def get_weight_version(self):
         return 3
@@ -62,6 +64,9 @@ class ScriptedEngine:
         began = time.time()
         time.sleep(self.start_seconds)
         stream_id = f"s{self.started}"
+        if self.started == 0:
+            n = int(data["input_lengths"][0])
+            self.first_prompt = self.tokenizer.decode(data["input_ids"][0, :n])
         self.streams[stream_id] = (data, self.hang_first and self.started == 0)
         self.started += 1
         self.starts.append((began, time.time()))
@@ -69,6 +74,9 @@ class ScriptedEngine:
 
     def get_starts(self):
         return self.starts
+
+    def get_first_prompt(self):
+        return self.first_prompt
 
     def next_finished(self, stream_id, timeout=None):
         if self.wedged:
@@ -301,7 +309,7 @@ def take_all(client, consumed: int = 0) -> tuple[list, dict]:
 def test_an_aborted_group_is_requeued_and_a_too_long_prompt_has_the_engines_version(
     tokenizer, template
 ):
-    client, _ = start(
+    client, engine = start(
         tokenizer, template, 4, hang_first=False, abort_first=True, long_idx=3, name="c-abort"
     )
     try:
@@ -310,8 +318,14 @@ def test_an_aborted_group_is_requeued_and_a_too_long_prompt_has_the_engines_vers
         client.stop()
     assert reply.aborted_groups == 1 and reply.requeued_groups == 0
     assert sorted(g.prompt["idx"][0] for g in groups) == [0, 1, 2, 3]
-    (again,) = [g for g in groups if g.prompt["idx"][0] == 0]
+    # Each group's agent loop runs on a thread of its own, so which prompt the first stream
+    # (the aborted one) carried is a race: read it from the engine.
+    first = re.search(r"(\d+): Solve", ray.get(engine.get_first_prompt.remote()))
+    assert first is not None
+    aborted_idx = int(first.group(1))
+    (again,) = [g for g in groups if g.prompt["idx"][0] == aborted_idx]
     assert again.requeues == 1 and again.result.rewards.tolist() == [1.0] * G
+    assert sorted(g.requeues for g in groups) == [0, 0, 0, 1]
     (long,) = [g for g in groups if g.prompt["idx"][0] == 3]
     assert bool(long.result.truncated.all())  # scored without generating
     # Tagged with the weights the engine held, not version 0 (which would read as ancient).
