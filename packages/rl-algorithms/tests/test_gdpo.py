@@ -294,6 +294,21 @@ def test_reward_shapings_overlong_penalty_is_one_more_reward_to_normalise():
     assert "gdpo/overlong_penalty/advantage_std" in metrics
 
 
+def test_reward_scaling_maps_each_component_before_gdpo_normalises_it():
+    # GDPO's normalisation undoes a plain linear map; the clamp to the source range is what
+    # changes its advantages (the first reward's differences above 0.5 vanish).
+    scaling = {"enabled": True, "source_min": 0.0, "source_max": 0.5, "target_max": 2.0}
+    run = fake_run(gdpo_config(num_prompts_per_step=4, reward_scaling=scaling))
+    rows = [[0.9, 0.2], [0.6, 0.0], [1.0, 0.4], [0.2, 0.1]]
+    rows += [[0.7, 0.3], [0.3, 0.3], [0.8, 0.0], [0.1, 0.4]]
+    fields, _ = compute_advantages(run, rollout(rows), torch.ones(8, 3))
+    scaled = [[min(v, 0.5) * 4.0 for v in row] for row in rows]
+    expected, _ = reference_gdpo(scaled, WEIGHTS, 2, False, True, [1.0] * 8)
+    torch.testing.assert_close(fields["advantages"][:, 0].double(), expected, rtol=1e-6, atol=1e-6)
+    unscaled, _ = reference_gdpo(rows, WEIGHTS, 2, False, True, [1.0] * 8)
+    assert not torch.allclose(expected, unscaled, atol=1e-3)
+
+
 def test_a_batch_without_components_is_a_clear_error_naming_the_key():
     run = fake_run(gdpo_config(num_prompts_per_step=4))
     result = rollout(COMPONENTS)

@@ -149,6 +149,27 @@ def test_overlong_reward_shaping_penalises_long_responses(make_run):
     assert penalties == [-1.0, 0.0], (lengths, penalties)
 
 
+def test_reward_scaling_clamps_then_maps_before_shaping(make_run):
+    scaling = {"enabled": True, "source_min": 0.25, "source_max": 0.75}
+    scaling |= {"target_min": -1.0, "target_max": 3.0}
+    shaping = {"enabled": True, "max_response_length": 5, "overlong_buffer_length": 2}
+    run = make_run((0, 1), reward_scaling=scaling, reward_shaping=shaping)
+    result, _ = grpo.generate_rollouts(run)
+    result.rewards = torch.tensor([0.0, 0.5, 1.0, 0.6])  # below, inside, above the source range
+    lengths = [grpo.response_length(log) for log in result.message_logs]
+    penalty = [max(-1.0, min(0.0, (3 - n) / 2)) for n in lengths]
+    # 0 clamps to 0.25 -> -1; 0.5 is the middle -> 1; 1 clamps to 0.75 -> 3; 0.6 -> 1.8
+    expected = [m + p for m, p in zip([-1.0, 1.0, 3.0, 1.8], penalty, strict=True)]
+    assert grpo.shaped_rewards(run, result).tolist() == pytest.approx(expected)
+
+
+def test_reward_scaling_needs_a_source_interval():
+    with pytest.raises(ValueError, match=r"source_max \(0.0\) must be greater"):
+        grpo.MasterConfig.model_validate(
+            minimal_config(grpo={"reward_scaling": {"enabled": True, "source_max": 0.0}})
+        )
+
+
 def minimal_config(**sections) -> dict:
     config = {
         "policy": {

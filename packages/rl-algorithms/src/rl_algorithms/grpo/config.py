@@ -109,6 +109,27 @@ class RewardShapingConfig(ConfigModel):
         return self
 
 
+class RewardScalingConfig(ConfigModel):
+    """A linear map of the environments' rewards before anything else reads them: each reward
+    is clamped to [source_min, source_max], then mapped onto [target_min, target_max] (NeMo
+    RL's ``reward_scaling``). Reward components (GDPO) are mapped the same way, each alone."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _source_is_an_interval(self) -> RewardScalingConfig:
+        if not self.source_max > self.source_min:
+            raise ValueError(
+                f"reward_scaling.source_max ({self.source_max}) must be greater than "
+                f"reward_scaling.source_min ({self.source_min})"
+            )
+        return self
+
+
 class RolloutLoopConfig(ConfigModel):
     """What every loop that samples from the policy and scores the samples shares (GRPO, PPO,
     distillation): the batch of prompts, the rollouts, the length of the run, validation."""
@@ -131,6 +152,8 @@ class RolloutLoopConfig(ConfigModel):
     # Most generation rounds a step may take to fill its batch with dynamic sampling.
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     overlong_filtering: bool = False  # truncated responses out of the loss
+    # Rewards mapped linearly (clamped to a source range) before shaping and advantages.
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     val_period: int = Field(0, ge=0)  # 0: no validation during training
     val_at_start: bool = False  # validate once before the first step

@@ -20,7 +20,12 @@ from rl_algorithms.advantages import (
     overlong_penalty,
     reinforce_plus_plus_advantages,
 )
-from rl_algorithms.grpo.config import MasterConfig, RLMasterConfig, builtin_loss
+from rl_algorithms.grpo.config import (
+    MasterConfig,
+    RewardScalingConfig,
+    RLMasterConfig,
+    builtin_loss,
+)
 from rl_algorithms.losses import ClippedPGLossFn
 from rl_algorithms.losses.clipped_pg import masked_kl_estimate
 from rl_algorithms.rollouts import RolloutResult, run_rollouts
@@ -210,10 +215,22 @@ def generate_rollouts(run: Run) -> tuple[RolloutResult, dict[str, float]]:
     }
 
 
+def scaled(scaling: RewardScalingConfig, rewards: torch.Tensor) -> torch.Tensor:
+    """``rewards`` clamped to the source range and mapped linearly onto the target range
+    (unchanged when reward scaling is off)."""
+    if not scaling.enabled:
+        return rewards
+    unit = (rewards.clamp(scaling.source_min, scaling.source_max) - scaling.source_min) / (
+        scaling.source_max - scaling.source_min
+    )
+    return scaling.target_min + unit * (scaling.target_max - scaling.target_min)
+
+
 def shaped_rewards(run: Run, result: RolloutResult) -> torch.Tensor:
-    """The environments' rewards plus the overlong penalty when reward shaping is on."""
+    """The environments' rewards, scaled when reward scaling is on, plus the overlong penalty
+    when reward shaping is on."""
     shaping = run.config.rollout.reward_shaping
-    rewards = result.rewards.clone()
+    rewards = scaled(run.config.rollout.reward_scaling, result.rewards.clone())
     penalty = unweighted_overlong_penalty(run, result)
     if penalty is not None:
         rewards += (penalty * shaping.overlong_buffer_penalty).to(rewards.dtype)
@@ -237,7 +254,9 @@ OVERLONG_PENALTY_COMPONENT = "overlong_penalty"
 def reward_components(run: Run, result: RolloutResult) -> RewardComponents:
     """The rewards GDPO normalises apart: the environments' components, and reward shaping's
     overlong penalty as one more (weighted by ``overlong_buffer_penalty``), so that their
-    weighted sum is ``shaped_rewards``."""
+    weighted sum is ``shaped_rewards``. With reward scaling on, each component is mapped on
+    its own (as NeMo RL does): GDPO normalises each apart, so only the clamp changes its
+    advantages, and the weighted sum then differs from ``shaped_rewards`` by the map's offset."""
     components = result.reward_components
     if components is None:
         raise ValueError(
@@ -247,6 +266,11 @@ def reward_components(run: Run, result: RolloutResult) -> RewardComponents:
             "rewards differ (names or weights). Use env kind reward_functions with the same "
             "functions for every task, or grpo.advantage_estimator: grpo"
         )
+    components = RewardComponents(
+        components.names,
+        components.weights,
+        scaled(run.config.rollout.reward_scaling, components.values.float()),
+    )
     penalty = unweighted_overlong_penalty(run, result)
     if penalty is None:
         return components

@@ -83,8 +83,6 @@ UNUSED_SECTIONS = [
 
 # Sections for features we lack: off, they are ignored; on, each of their keys is refused.
 UNSUPPORTED_SECTIONS = [
-    ("grpo.reward_scaling", "rescale rewards linearly"),
-    ("ppo.reward_scaling", "rescale rewards linearly"),
     ("ppo.async_ppo", "run PPO asynchronously (generation ahead of training)"),
     ("policy.draft", "train a speculative-decoding draft model"),
     ("policy.megatron_cfg.peft", "train LoRA adapters on the Megatron backend"),
@@ -170,6 +168,7 @@ RULES: list[tuple[str, Any]] = [
                 Unless((None,), "penalise responses that do not stop properly"),
             ),
             (f"{loop}.reward_shaping.**", To(f"{loop}.reward_shaping.{{0}}")),
+            (f"{loop}.reward_scaling.**", To(f"{loop}.reward_scaling.{{0}}")),
             (
                 f"{loop}.val_start_at",
                 Unless((-1, 0, None), "delay periodic validation to a later step"),
