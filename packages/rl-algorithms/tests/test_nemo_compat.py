@@ -277,6 +277,25 @@ def test_keys_nobody_knows_and_schedulers_torch_lacks_are_refused():
     assert "only torch.optim.lr_scheduler classes" in refused["policy.scheduler"]
 
 
+def test_a_reward_model_recipe_trains_a_bradley_terry_classifier_and_only_in_rl_rm():
+    tree = sft_tree()
+    tree["rm"] = tree.pop("sft") | {"max_num_steps": -1, "val_batches": -1}
+    del tree["rm"]["only_unmask_final"]  # (an SFT key)
+    tree["policy"]["reward_model_cfg"] = {"enabled": True, "reward_model_type": "bradley_terry"}
+    result = translate(tree, "rm")
+    assert not result.refused
+    model = result.config["policy"]["model"]
+    assert (model["kind"], model["num_labels"]) == ("sequence_classification", 1)
+    assert result.config["rm"]["max_num_steps"] is None  # NeMo's -1: the epochs decide
+    assert result.config["rm"]["val_batches"] == 0  # NeMo's -1: every batch
+    tree["policy"]["reward_model_cfg"]["reward_model_type"] = "regression"
+    refused = {e.key: e.reason for e in translate(tree, "rm").refused}
+    assert "'regression' reward model" in refused["policy.reward_model_cfg.reward_model_type"]
+    tree["sft"] = tree.pop("rm")  # the same policy section in an SFT recipe
+    refused = {e.key: e.reason for e in translate(tree, "sft").refused}
+    assert "that is `rl rm` here" in refused["policy.reward_model_cfg.enabled"]
+
+
 def test_scheduler_chains_are_collapsed_only_when_the_warm_up_ends_at_the_full_rate(tmp_path):
     def translated(end_factor: float | None, then: str = "ConstantLR") -> object:
         tree = sft_tree()

@@ -20,8 +20,8 @@ from rl_distributed.config import load_config
 
 RECIPES = Path(__file__).parent / "nemo_recipes"
 DOC = Path(__file__).parents[3] / "docs" / "nemo-rl.md"
-# NeMo's reward-model training recipe: `rl rm` does not read NeMo recipes yet.
-NOT_TRANSLATED = {"rm": "reward-model training: `rl rm` does not read NeMo RL recipes yet"}
+# Recipes not translated, with why (none today: reward-model training reads them too).
+NOT_TRANSLATED: dict[str, str] = {}
 NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem not in NOT_TRANSLATED)
 # What a refusal says when the translation does not know what to do: never acceptable.
 NO_COUNTERPART = re.compile(r"no counterpart|not a NeMo RL key|no known row format")
@@ -68,7 +68,7 @@ def test_no_refusal_is_a_no_counterpart_for_a_feature_we_have(name):
 
 def test_the_recipes_we_have_every_feature_of_translate_with_nothing_refused():
     clean = {n for n in NAMES if not translated(n).refused}
-    assert {"grpo_math_1B", "grpo_math_8B", "grpo_rm_1B", "grpo_smoke", "dpo", "sft"} <= clean
+    assert {"grpo_math_1B", "grpo_math_8B", "grpo_rm_1B", "grpo_smoke", "dpo", "sft", "rm"} <= clean
     assert {"ppo_math_1B", "distillation_math"} - clean == {"ppo_math_1B", "distillation_math"}
 
 

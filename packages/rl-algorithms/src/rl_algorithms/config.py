@@ -210,7 +210,8 @@ class LoopConfig(ConfigModel):
     # Passes over the training data; the run stops at max_num_epochs or max_num_steps, whichever
     # comes first.
     max_num_epochs: int = Field(1, ge=1)
-    max_num_steps: int = Field(100, ge=1)  # the run stops at whichever limit comes first
+    # The run stops at whichever limit comes first; null: the epochs alone decide.
+    max_num_steps: int | None = Field(100, ge=1)
     val_period: int = Field(0, ge=0)  # validate every N steps (0: never during training)
     val_batches: int = Field(0, ge=0)  # 0: the whole validation set
     # Samples per validation batch.

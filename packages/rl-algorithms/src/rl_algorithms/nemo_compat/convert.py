@@ -1,4 +1,4 @@
-"""``rl convert-config NEMO.yaml [-o OURS.yaml] [--algorithm grpo|sft|dpo]``.
+"""``rl convert-config NEMO.yaml [-o OURS.yaml] [--algorithm grpo|ppo|distill|sft|dpo|rm]``.
 
 Writes the translated recipe as a native one: each translated key with a comment naming the
 NeMo key(s) it came from, then every ignored or refused NeMo key, commented out with its value
@@ -17,7 +17,9 @@ import yaml
 
 from rl_algorithms.nemo_compat.translate import Translation, translate_file
 
-USAGE = "usage: rl convert-config NEMO.yaml [-o OURS.yaml] [--algorithm grpo|ppo|distill|sft|dpo]"
+USAGE = (
+    "usage: rl convert-config NEMO.yaml [-o OURS.yaml] [--algorithm grpo|ppo|distill|sft|dpo|rm]"
+)
 # NeMo's loop section -> our algorithm (``rl <name>``).
 ALGORITHM_SECTIONS = {
     "grpo": "grpo",
@@ -25,6 +27,7 @@ ALGORITHM_SECTIONS = {
     "distillation": "distill",
     "sft": "sft",
     "dpo": "dpo",
+    "rm": "rm",
 }
 
 

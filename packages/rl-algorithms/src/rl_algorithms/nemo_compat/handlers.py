@@ -397,17 +397,37 @@ def _skip_reference(ctx: Context, key: str, value: Any) -> None:
     ctx.put(key, value, "policy.reference_policy.enabled", note, ours=not value)
 
 
+def _step_limit(ctx: Context, key: str, value: Any) -> None:
+    """A supervised loop's ``max_num_steps``: NeMo's -1 (no step limit, the epochs decide) is
+    our null."""
+    target = key  # (``sft.``, ``dpo.`` and ``rm.`` keep NeMo's names)
+    if value is not None and value < 0:
+        ctx.record(key, value, target, "no step limit: the epochs decide")
+        ctx.set_ours(target, None)
+    else:
+        ctx.put(key, value, target)
+
+
 def _reward_model_cfg(ctx: Context, key: str, value: Any) -> None:
     """NeMo builds its PPO value model as a one-output regression reward model; our critic is
-    a value head on the model (``critic.model.kind: value``), the same thing."""
+    a value head on the model (``critic.model.kind: value``), the same thing. In a reward-model
+    recipe the policy is the Bradley-Terry reward model ``rl rm`` trains."""
     if ctx.section == "value":
         if key.endswith(".reward_model_type") and value != "regression":
             raise Refuse(f"would build the value model as a {value!r} reward model")
         ctx.ignore(key, value, "the critic is a value head on its model (critic.model.kind)")
     elif key.endswith(".enabled") and value is False:
         ctx.ignore(key, value, "off")
-    else:
+    elif ctx.algorithm != "rm":
         raise Refuse("would train the policy as a reward model: that is `rl rm` here")
+    elif key.endswith(".enabled"):
+        # A score head on the last real token, one score: what `rl rm` trains.
+        ctx.put(key, value, "policy.model.kind", ours="sequence_classification")
+        ctx.set_ours("policy.model.num_labels", 1)
+    elif key.endswith(".reward_model_type") and value == "bradley_terry":
+        ctx.ignore(key, value, "`rl rm` trains with the Bradley-Terry loss")
+    else:
+        raise Refuse(f"would train a {value!r} reward model; `rl rm` trains Bradley-Terry ones")
 
 
 def _vllm_dtype(value: Any, ctx: Context) -> Any:

@@ -35,6 +35,7 @@ from rl_algorithms.nemo_compat.handlers import (
     _reward_weights_neutral,
     _scheduler,
     _skip_reference,
+    _step_limit,
     _stop_strings,
     _torch_optimizer,
     _tp_is_one,
@@ -47,6 +48,9 @@ from rl_algorithms.nemo_compat.handlers import (
 KERNEL = "a kernel/performance choice; the result is the same"
 PORTS = "a network port range of NeMo's Ray launcher; ports are chosen for you here"
 MOE = "a mixture-of-experts setting; it does nothing for a dense model"
+
+# NeMo's supervised loops (our SFT, DPO and reward-model loops share their keys).
+SUPERVISED_LOOPS = ("sft", "dpo", "rm")
 
 OFF_SECTIONS: list[tuple[str, str]] = [
     ("policy.dtensor_cfg", "policy.dtensor_cfg.enabled"),
@@ -115,23 +119,29 @@ RULES: list[tuple[str, Any]] = [
     # -- the loop sections: same names ---------------------------------------------------------
     *[
         (f"{loop}.{k}", To(f"{loop}.{k}"))
-        for loop in ("grpo", "ppo", "distillation", "sft", "dpo")
-        for k in (
-            "max_num_epochs",
-            "max_num_steps",
-            "val_at_start",
-            "seed",
-        )
+        for loop in ("grpo", "ppo", "distillation")
+        for k in ("max_num_epochs", "max_num_steps", "val_at_start", "seed")
     ],
+    *[
+        (f"{loop}.{k}", To(f"{loop}.{k}"))
+        for loop in SUPERVISED_LOOPS
+        for k in ("max_num_epochs", "val_at_start", "seed")
+    ],
+    *[(f"{loop}.max_num_steps", Call(_step_limit)) for loop in SUPERVISED_LOOPS],
     # NeMo: a period <= 0 never validates during training, which is our 0.
     *[
         (f"{loop}.val_period", To(f"{loop}.val_period", lambda v, c: max(int(v), 0)))
-        for loop in ("grpo", "ppo", "distillation", "sft", "dpo")
+        for loop in ("grpo", "ppo", "distillation", *SUPERVISED_LOOPS)
     ],
     *[
         (f"{algo}.{k}", To(f"{algo}.{k}"))
-        for algo in ("sft", "dpo")
-        for k in ("val_batches", "val_global_batch_size", "val_micro_batch_size")
+        for algo in SUPERVISED_LOOPS
+        for k in ("val_global_batch_size", "val_micro_batch_size")
+    ],
+    # NeMo: -1 validates on every batch, which is our 0.
+    *[
+        (f"{algo}.val_batches", To(f"{algo}.val_batches", lambda v, c: max(int(v), 0)))
+        for algo in SUPERVISED_LOOPS
     ],
     *[
         (f"dpo.{k}", To(f"dpo.{k}"))
@@ -144,6 +154,10 @@ RULES: list[tuple[str, Any]] = [
         )
     ],
     ("*.val_at_end", Unless((False,), "validate once more after the last step")),
+    (
+        "policy.activation_checkpointing_enabled",
+        Ignore("NeMo RL does not read it (dtensor_cfg.activation_checkpointing is its key)"),
+    ),
     ("sft.only_unmask_final", Unless((False,), "train only on the final assistant turn")),
     # GRPO, PPO and distillation share the rollout loop (RolloutLoopConfig) and its keys.
     *[
