@@ -296,6 +296,23 @@ def test_a_reward_model_recipe_trains_a_bradley_terry_classifier_and_only_in_rl_
     assert "that is `rl rm` here" in refused["policy.reward_model_cfg.enabled"]
 
 
+def test_gdpos_math_environment_becomes_its_three_reward_functions():
+    tree = {"env": {"math_multi_reward": {"num_workers": 2, "math_verify_impl": "hf_math_verify"}}}
+    result = translate(tree, "grpo")
+    assert not result.refused
+    env = result.config["env"]["math_multi_reward"]
+    assert env["kind"] == "reward_functions" and env["config"]["num_workers"] == 2
+    functions = [(f["function"], f["name"]) for f in env["config"]["functions"]]
+    assert functions == [
+        ("answer_exact", "correctness"),
+        ("think_answer_format", "format"),
+        ("answer_is_integer", "integer"),
+    ]
+    tree["env"]["math_multi_reward"]["math_verify_impl"] = "dapo_math_verify"
+    refused = {e.key for e in translate(tree, "grpo").refused}
+    assert refused == {"env.math_multi_reward.math_verify_impl"}
+
+
 def test_scheduler_chains_are_collapsed_only_when_the_warm_up_ends_at_the_full_rate(tmp_path):
     def translated(end_factor: float | None, then: str = "ConstantLR") -> object:
         tree = sft_tree()

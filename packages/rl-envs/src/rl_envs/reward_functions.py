@@ -43,7 +43,12 @@ from pathlib import Path
 from typing import Any
 
 #: Built-in reward functions, by the name a config may use instead of an import path.
-BUILTIN_REWARD_FUNCTIONS = {"math": "rl_envs.reward_functions:math_reward"}
+BUILTIN_REWARD_FUNCTIONS = {
+    "math": "rl_envs.reward_functions:math_reward",
+    "answer_exact": "rl_envs.tag_rewards:answer_exact",
+    "answer_is_integer": "rl_envs.tag_rewards:answer_is_integer",
+    "think_answer_format": "rl_envs.tag_rewards:think_answer_format",
+}
 
 #: Heavy modules a built-in function imports (by its import path), preloaded by the verifier
 #: processes so that the first sample does not pay for them under its timeout.

@@ -7,13 +7,13 @@ from typing import Any
 from rl_algorithms.nemo_compat.core import Context
 from rl_algorithms.nemo_compat.datasets import _puzzle_env, _puzzle_task
 
-# NeMo environments we have no counterpart of, and what each would have done.
-UNKNOWN_ENVIRONMENTS = {
-    "math_multi_reward": (
-        "would score with NeMo's GDPO math environment (a correctness and a format reward); "
-        "here give GDPO's rewards as env.<task>.kind: reward_functions"
-    ),
-}
+# NeMo's GDPO math environment's rewards (in NeMo's order of names, which its
+# ``reward_weights`` follow) as our built-in reward functions (rl_envs.tag_rewards).
+MULTI_REWARD_FUNCTIONS = [
+    {"function": "answer_exact", "name": "correctness"},
+    {"function": "think_answer_format", "name": "format"},
+    {"function": "answer_is_integer", "name": "integer"},
+]
 
 # NeMo's reward-model environment keys -> RewardModelEnvConfig's (rl_envs.reward_model_env).
 REWARD_MODEL_KEYS = {
@@ -28,16 +28,23 @@ REWARD_MODEL_DTYPES |= {"fp32": "float32", "float16": "float16", "fp16": "float1
 def env_group(ctx: Context, prefix: str) -> None:
     """NeMo's ``env.<task>`` -> our ``env.<task>: {kind, config}``."""
     puzzle = _puzzle_task(ctx) if ctx.algorithm == "grpo" else None
+    named = _named_by_data(ctx)
     for task, spec in (ctx.get("env") or {}).items():
         base = f"env.{task}"
         leaves = list(ctx.leaves(base))
         if puzzle is not None and task != puzzle:
             for key, value in leaves:
                 ctx.ignore(key, value, f"NeMo's sliding-puzzle script starts env.{puzzle} only")
+        elif puzzle is None and named and task not in named:
+            # (e.g. env.math inherited from a parent recipe whose data now names another)
+            for key, value in leaves:
+                ctx.ignore(key, value, "no dataset names it (data.*.env_name): NeMo starts none")
         elif isinstance(spec, dict) and "game_config" in (spec.get("cfg") or {}):
             _puzzle_env(ctx, task, spec["cfg"], leaves)
         elif isinstance(spec, dict) and "reward_model_cfg" in spec:
             _reward_model_env(ctx, task, leaves)
+        elif task == "math_multi_reward" and isinstance(spec, dict):
+            _multi_reward_env(ctx, task, leaves)
         elif task == "math" and isinstance(spec, dict):
             config = {}
             for key, value in leaves:
@@ -62,12 +69,38 @@ def env_group(ctx: Context, prefix: str) -> None:
                 ctx.refuse(
                     key,
                     value,
-                    UNKNOWN_ENVIRONMENTS.get(
-                        task,
-                        f"environment {task!r} has no counterpart here (known: math, "
-                        "reward_model, and the sliding puzzle of grpo_sliding_puzzle.yaml)",
-                    ),
+                    f"environment {task!r} has no counterpart here (known: math, "
+                    "math_multi_reward, reward_model, and the sliding puzzle of "
+                    "grpo_sliding_puzzle.yaml)",
                 )
+
+
+def _named_by_data(ctx: Context) -> set[str]:
+    """The environments the recipe's datasets name (``env_name`` of data.train / validation,
+    or data.default's); empty when none names one."""
+    default = ctx.get("data.default") or {}
+    entries = [ctx.get(f"data.{split}") for split in ("train", "validation")]
+    specs = [{**default, **entry} for entry in entries if isinstance(entry, dict)]
+    return {spec["env_name"] for spec in specs if spec.get("env_name")}
+
+
+def _multi_reward_env(ctx: Context, task: str, leaves: list[tuple[str, Any]]) -> None:
+    """NeMo's GDPO math environment: three rewards on the text in ``<answer>`` tags (equal to
+    the ground truth as text, an integer, the think-then-answer layout) -> ``kind:
+    reward_functions`` with the same three as built-ins, weight 1 each (GDPO's
+    ``reward_weights`` weigh their advantages)."""
+    base = f"env.{task}"
+    config: dict[str, Any] = {"functions": [dict(f) for f in MULTI_REWARD_FUNCTIONS]}
+    for key, value in leaves:
+        field_name = key.rsplit(".", 1)[1]
+        if field_name == "num_workers":
+            config["num_workers"] = value
+            ctx.record(key, value, f"{base}.config.num_workers")
+        elif field_name == "math_verify_impl" and value == "hf_math_verify":
+            ctx.ignore(key, value, "its rewards compare the tagged answer as text")
+        else:
+            ctx.refuse(key, value, "an option of NeMo's GDPO math environment with no counterpart")
+    ctx.set_ours(base, {"kind": "reward_functions", "config": config})
 
 
 def _reward_model_env(ctx: Context, task: str, leaves: list[tuple[str, Any]]) -> None:
