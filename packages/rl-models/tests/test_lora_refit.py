@@ -1,12 +1,15 @@
 """Adapter refit: a LoRA policy sends an HF generator its adapters alone, and the generator then
 computes what the merged model computes (float64, against a merge done here by hand)."""
 
+import logging
+
 import pytest
 import torch
 from torch.func import functional_call
 
 from rl_models.generation.config import GenerationConfig, lora_refit
 from rl_models.generation.hf_worker import HfGenerationWorker
+from rl_models.generation.refit import WeightSync
 from rl_models.losses import NLLLoss
 from rl_models.policy.config import LoraConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -127,3 +130,24 @@ def test_a_policy_without_lora_refuses_an_adapter_export():
     policy = DTensorPolicyWorker(tiny_config())
     with pytest.raises(ValueError, match=r"needs a policy with lora\.enabled"):
         policy.weight_export_plan(bucket_bytes=1 << 16, lora_export="adapters")
+
+
+class Controller:
+    """A policy or generation controller as ``WeightSync`` reads them when it is made (the
+    configs; no workers are called)."""
+
+    def __init__(self, **attributes) -> None:
+        self.__dict__.update(attributes)
+
+
+def test_an_auto_refit_into_a_generator_without_adapters_says_it_sends_merged_weights(caplog):
+    policy = Controller(config=tiny_config(lora=LORA), worker_group=Controller())
+    vllm = Controller(config=GenerationConfig.model_validate({"backend": "vllm"}))
+    with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
+        assert WeightSync(policy, vllm).lora == "merged"
+    assert "merged weights to generation.backend: vllm, which does not take" in caplog.text
+    caplog.clear()
+    hf = Controller(config=GenerationConfig.model_validate({"backend": "hf"}))
+    with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
+        assert WeightSync(policy, hf).lora == "adapters"
+    assert not caplog.text

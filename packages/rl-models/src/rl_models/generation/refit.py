@@ -42,6 +42,7 @@ parameters cannot be views of a region.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -141,14 +142,21 @@ class WeightSync:
         self._policy_group: weakref.ref[RayWorkerGroup] = weakref.ref(policy.worker_group)
         self.generation = generation
         self.region: SharedWeightRegion | None = None
-        self.lora = lora_refit(policy.config.lora, generation.config)
-        if self.lora == "merged" and policy.config.lora.refit == "auto":
+        self.adapters_added = False  # the generator has LoRA layers and its base weights
+
+    @functools.cached_property
+    def lora(self) -> Literal["adapters", "merged"] | None:
+        """What a refit sends from a LoRA policy (``config.lora_refit``), decided at the first
+        refit and logged when ``auto`` has to fall back to merged weights."""
+        lora, config = self.policy.config.lora, self.generation.config
+        mode = lora_refit(lora, config)
+        if mode == "merged" and lora.refit == "auto":
             logger.warning(
                 "policy.lora.refit: auto sends the merged weights to generation.backend: %s, "
                 "which does not take LoRA adapters: every refit moves the whole model",
-                generation.config.backend,
+                config.backend,
             )
-        self.adapters_added = False  # the generator has LoRA layers and its base weights
+        return mode
 
     def serves(self, policy: Any) -> bool:
         return self._policy() is policy
