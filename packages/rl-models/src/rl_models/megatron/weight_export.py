@@ -112,7 +112,11 @@ class MegatronWeightExporter:
 
         return megatron_layer_to_hf(take, unit.layer, self.layout)
 
-    def plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan:
+    def plan(
+        self, bucket_bytes: int, dtype: str | None = None, lora_export: str = "merged"
+    ) -> ExportPlan:
+        if lora_export != "merged":
+            raise ValueError(f"the Megatron backend has no LoRA to export ({lora_export!r})")
         if not self.active:
             self._plan = []
             return ExportPlan(steps=0, producer=False)

@@ -297,6 +297,14 @@ class LoraConfig(ConfigModel):
         ]
     )
 
+    # What a refit sends the generator: "adapters" (only the lora_A/lora_B tensors, bytes
+    # proportional to the rank; the generator applies them with its base weights, which it gets
+    # once), "merged" (W + scaling * B @ A of every adapted layer, the whole model each time,
+    # for generators that cannot load adapters), or "auto": adapters where the generator can
+    # load them (HF), else merged. An explicit "adapters" with a generator that cannot load
+    # them is refused when the run's config is read.
+    refit: Literal["auto", "adapters", "merged"] = "auto"
+
     @field_validator("target_modules", mode="before")
     @classmethod
     def _all_linear_alone(cls, names: Any) -> Any:

@@ -12,11 +12,16 @@ Checkpoint layout with LoRA (``save_lora_checkpoint``)::
 Merging works on the gathered full state dict (``base_layer.weight`` + ``lora_A``/``lora_B``), so
 it is the same with and without FSDP and never touches the training model's weights (peft's
 ``merge_adapter``/``unmerge_adapter`` would round the frozen base weights).
+
+A refit (``generation/refit.py``) sends a generator either that merged model or, where the
+generator can apply adapters (``inject_adapters``), the adapters alone: what a
+``weight_export`` exporter selects is a ``LoraExport``.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -27,12 +32,22 @@ ADAPTER_DIR = "adapter"
 ADAPTER_NAME = "default"  # peft's name for the one adapter
 _PEFT_PREFIX = "base_model.model."
 
+#: What a LoRA policy exports to a generator: ``merged`` (``W + scaling * B @ A`` under the plain
+#: HF names), ``adapters`` (the ``lora_A``/``lora_B`` tensors only) or ``with_base`` (every
+#: tensor unmerged: the frozen base layers and the adapters, as ``inject_adapters`` names them).
+#: Adapter names are the peft model's keys without its ``base_model.model.`` prefix.
+LoraExport = Literal["merged", "adapters", "with_base"]
 
-def wrap_with_lora(model: PreTrainedModel, config: LoraConfig) -> torch.nn.Module:
-    """``model`` as a ``peft`` model whose only trainable parameters are the adapters."""
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a (peft) state-dict key is an adapter tensor (``lora_A``/``lora_B``)."""
+    return ".lora_" in key
+
+
+def _peft_config(config: LoraConfig):
     import peft
 
-    lora = peft.LoraConfig(
+    return peft.LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
@@ -42,7 +57,30 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig) -> torch.nn.Modul
         ),
         task_type="CAUSAL_LM",
     )
-    return peft.get_peft_model(model, lora)
+
+
+def wrap_with_lora(model: PreTrainedModel, config: LoraConfig) -> torch.nn.Module:
+    """``model`` as a ``peft`` model whose only trainable parameters are the adapters."""
+    import peft
+
+    return peft.get_peft_model(model, _peft_config(config))
+
+
+def inject_adapters(model: torch.nn.Module, config: LoraConfig) -> None:
+    """Add ``config``'s adapters to ``model`` in place (a generator that receives adapters).
+
+    The model stays a plain ``transformers`` model: each target linear becomes a peft LoRA layer
+    whose ``base_layer`` holds the weight, so its keys are the training peft model's without
+    the ``base_model.model.`` prefix. The adapters start as peft starts them (B = 0: the model's
+    outputs are unchanged) and take the base weight's dtype; a refit then overwrites them.
+    """
+    import peft
+
+    peft.inject_adapter_in_model(_peft_config(config), model, adapter_name=ADAPTER_NAME)
+    base = next(p for n, p in model.named_parameters() if not is_adapter_key(n))
+    for name, param in model.named_parameters():
+        if is_adapter_key(name):
+            param.data = param.data.to(base.dtype)
 
 
 def lora_scalings(model: torch.nn.Module) -> dict[str, float]:
@@ -66,7 +104,7 @@ def merged_state_dict(
     """
     out: dict[str, torch.Tensor] = {}
     for key, value in full.items():
-        if ".lora_" in key:
+        if is_adapter_key(key):
             continue
         name = key.removeprefix(_PEFT_PREFIX)
         module, _, leaf = key.rpartition(".")

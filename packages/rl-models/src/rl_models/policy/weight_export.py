@@ -6,9 +6,11 @@ time (``DTensor.full_tensor()``, an all-gather every rank takes part in), and ra
 each into the bucket's buffer before the next is gathered: a rank never holds more than one
 bucket plus one full parameter, whatever the model's size.
 
-LoRA (peft) models export the merged weights ``W + scaling * B @ A`` under the plain HF names
-(``lora.merged_state_dict`` applied to one adapted layer at a time), so the generator needs no
-adapter support. Tied weights (embedding and LM head) are one parameter and are exported once,
+LoRA (peft) models export, by the plan's ``lora_export`` (``lora.LoraExport``): the merged
+weights ``W + scaling * B @ A`` under the plain HF names (``lora.merged_state_dict`` applied to
+one adapted layer at a time), for a generator with no adapter support; or the adapters alone
+(bytes proportional to the rank), or once, for a generator that just added adapters, the
+unmerged base layers with them. Tied weights (embedding and LM head) are one parameter and are exported once,
 under the first name (``model.embed_tokens.weight``).
 """
 
@@ -95,16 +97,20 @@ class DTensorWeightExporter:
         """The live state-dict entries and the LoRA scalings (none without LoRA)."""
         return self._live(), lora.lora_scalings(self.model) if self.lora_enabled else {}
 
-    def _units(self, dtype: torch.dtype | None) -> list[_Unit]:
+    def _units(self, dtype: torch.dtype | None, lora_export: lora.LoraExport) -> list[_Unit]:
+        if lora_export != "merged" and not self.lora_enabled:
+            raise ValueError(f"lora_export={lora_export!r} needs a policy with lora.enabled")
+        merge = self.lora_enabled and lora_export == "merged"
         live = self._live()
         units = []
         for key, value in live.items():
-            if ".lora_" in key:
-                continue  # merged into its base layer's unit
+            adapter = lora.is_adapter_key(key)
+            if (merge and adapter) or (lora_export == "adapters" and not adapter):
+                continue  # merged into its base layer's unit, or not sent at all
             name = key.removeprefix(_PEFT_PREFIX) if self.lora_enabled else key
             out_dtype = str(dtype or value.dtype).removeprefix("torch.")
             module, _, leaf = key.rpartition(".")
-            if self.lora_enabled and module.endswith(".base_layer") and leaf == "weight":
+            if merge and module.endswith(".base_layer") and leaf == "weight":
                 adapted = module.removesuffix(".base_layer")
                 a = f"{adapted}.lora_A.{lora.ADAPTER_NAME}.weight"
                 b = f"{adapted}.lora_B.{lora.ADAPTER_NAME}.weight"
@@ -114,9 +120,11 @@ class DTensorWeightExporter:
                 units.append(_Unit(TensorSpec(name, out_dtype, tuple(value.shape)), (key,)))
         return units
 
-    def plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan:
+    def plan(
+        self, bucket_bytes: int, dtype: str | None = None, lora_export: lora.LoraExport = "merged"
+    ) -> ExportPlan:
         self._dtype = getattr(torch, dtype) if dtype else None
-        units = self._units(self._dtype)
+        units = self._units(self._dtype, lora_export)
         by_name = {u.spec.name: u for u in units}
         specs = plan_buckets([u.spec for u in units], bucket_bytes)
         self._plan = [[by_name[s.name] for s in bucket] for bucket in specs]
@@ -167,7 +175,7 @@ class DTensorWeightExporter:
         """
         self._dtype = getattr(torch, dtype) if dtype else None
         self.peak_held_bytes = 0
-        units = self._units(self._dtype)
+        units = self._units(self._dtype, "merged")
         for unit in units:
             view = views.get(unit.spec.name)
             if view is None or tuple(view.shape) != unit.spec.shape:
@@ -231,10 +239,13 @@ class WeightExportMethods:
     def _weight_exporter(self) -> Any:
         raise NotImplementedError
 
-    def weight_export_plan(self, bucket_bytes: int, dtype: str | None = None) -> ExportPlan:
-        """Start an export of the weights in buckets (``generation.interfaces``)."""
+    def weight_export_plan(
+        self, bucket_bytes: int, dtype: str | None = None, lora_export: lora.LoraExport = "merged"
+    ) -> ExportPlan:
+        """Start an export of the weights in buckets (``generation.interfaces``); a LoRA
+        policy exports what ``lora_export`` selects (``lora.LoraExport``)."""
         self._exporter = self._weight_exporter()
-        return self._exporter.plan(bucket_bytes, dtype)
+        return self._exporter.plan(bucket_bytes, dtype, lora_export)
 
     def export_weight_bucket(self, step: int) -> Any:
         """Object-store channel: a ``PackedBucket`` (numpy) on producers, None elsewhere."""

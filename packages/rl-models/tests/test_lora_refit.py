@@ -1,0 +1,153 @@
+"""Adapter refit: a LoRA policy sends an HF generator its adapters alone, and the generator then
+computes what the merged model computes (float64, against a merge done here by hand)."""
+
+import logging
+
+import pytest
+import torch
+from torch.func import functional_call
+
+from rl_models.generation.config import GenerationConfig, lora_refit
+from rl_models.generation.hf_worker import HfGenerationWorker
+from rl_models.generation.refit import WeightSync
+from rl_models.losses import NLLLoss
+from rl_models.policy.config import LoraConfig
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+
+from .conftest import initial_model, skewed_batch, tiny_config
+
+LORA = {"enabled": True, "rank": 4, "alpha": 8.0}
+ADAM = {"name": "AdamW", "kwargs": {"lr": 1e-2}}
+PEFT_PREFIX = "base_model.model."
+
+
+def send(policy: DTensorPolicyWorker, generator: HfGenerationWorker, lora_export: str) -> int:
+    """One refit through object-store buckets, in process (``WeightSync.refit``'s calls, one
+    rank each side); returns the bytes sent."""
+    plan = policy.weight_export_plan(bucket_bytes=1 << 16, lora_export=lora_export)
+    generator.prepare_for_weight_update()
+    for step in range(plan.steps):
+        generator.load_weight_bucket(policy.export_weight_bucket(step))
+    policy.finish_weight_export()
+    generator.set_weight_version(generator.get_weight_version() + 1)
+    return plan.nbytes
+
+
+def merged_by_hand(policy: DTensorPolicyWorker) -> dict[str, torch.Tensor]:
+    """The plain HF state dict ``W + (alpha / rank) * B @ A``, computed here from the policy's
+    peft state dict (not with ``lora.merged_state_dict``)."""
+    state = {k.removeprefix(PEFT_PREFIX): v.detach() for k, v in policy.model.state_dict().items()}
+    scale = LORA["alpha"] / LORA["rank"]
+    out = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        if ".base_layer." in key:
+            module = key.removesuffix(".base_layer.weight")
+            a, b = (
+                state[f"{module}.lora_A.default.weight"],
+                state[f"{module}.lora_B.default.weight"],
+            )
+            value = value + b @ a * scale
+        out[key.replace(".base_layer.", ".")] = value
+    return out
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor, weights=None) -> torch.Tensor:
+    with torch.no_grad():
+        if weights is None:
+            return model(input_ids=ids).logits
+        return functional_call(model, weights, (ids,)).logits
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A float64 LoRA policy with random B (so the adapters do something) and an HF generator
+    built from the same model config."""
+    config = tiny_config(lora=LORA, optimizer=ADAM)
+    policy = DTensorPolicyWorker(config)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    generator = HfGenerationWorker(
+        {"backend": "hf", "sampling": {"max_new_tokens": 4}}, config.model.model_dump()
+    )
+    return policy, generator
+
+
+def test_adapter_refits_give_the_merged_models_logits_and_send_only_the_adapters(pair):
+    policy, generator = pair
+    ids = skewed_batch()["input_ids"][:, :20]
+    plain = initial_model()
+    adapters = {k: v for k, v in policy.model.state_dict().items() if ".lora_" in k}
+    adapter_bytes = sum(v.numel() * v.element_size() for v in adapters.values())
+    merged_plan = policy.weight_export_plan(bucket_bytes=1 << 16)  # what "merged" would send
+    policy.finish_weight_export()
+
+    # First refit: the generator adds LoRA layers and gets the base layers with the adapters.
+    generator.enable_lora_adapters(LoraConfig.model_validate(LORA).model_dump())
+    assert send(policy, generator, "with_base") > merged_plan.nbytes
+    want = logits(plain, ids, merged_by_hand(policy))
+    torch.testing.assert_close(logits(generator.model, ids), want, rtol=0, atol=1e-10)
+
+    # A training step, then an adapter-only refit: the bytes are the adapters', far below the
+    # merged model's, and the generator follows the new weights.
+    policy.train(skewed_batch(), NLLLoss())
+    sent = send(policy, generator, "adapters")
+    assert sent == adapter_bytes and sent < merged_plan.nbytes / 10
+    new = logits(plain, ids, merged_by_hand(policy))
+    assert float((new - want).abs().max()) > 1e-4  # the step changed the model
+    torch.testing.assert_close(logits(generator.model, ids), new, rtol=0, atol=1e-10)
+    # Its base weights are those the policy holds frozen: the adapters did all of the change.
+    base = {k.removeprefix(PEFT_PREFIX): v for k, v in policy.model.state_dict().items()}
+    for name, param in generator.model.named_parameters():
+        assert torch.equal(param, base[name]), name
+
+
+def test_the_generator_refuses_adapters_of_another_lora_config(pair):
+    _, generator = pair
+    generator.enable_lora_adapters(LoraConfig.model_validate(LORA).model_dump())  # the same: ok
+    with pytest.raises(ValueError, match="already has adapters"):
+        generator.enable_lora_adapters({**LORA, "rank": 8})
+
+
+def test_lora_refit_sends_adapters_where_the_generator_loads_them():
+    hf = GenerationConfig.model_validate({"backend": "hf"})
+    vllm = GenerationConfig.model_validate({"backend": "vllm"})
+    lora = LoraConfig.model_validate(LORA)
+    assert lora_refit(LoraConfig(), hf) is None  # no LoRA
+    assert lora_refit(lora, hf) == "adapters" and lora_refit(lora, vllm) == "merged"
+    merged = lora.model_copy(update={"refit": "merged"})
+    assert lora_refit(merged, hf) == "merged"
+    explicit = lora.model_copy(update={"refit": "adapters"})
+    with pytest.raises(ValueError, match=r"generation\.backend: vllm does not"):
+        lora_refit(explicit, vllm)
+
+
+def test_a_policy_without_lora_refuses_an_adapter_export():
+    policy = DTensorPolicyWorker(tiny_config())
+    with pytest.raises(ValueError, match=r"needs a policy with lora\.enabled"):
+        policy.weight_export_plan(bucket_bytes=1 << 16, lora_export="adapters")
+
+
+class Controller:
+    """A policy or generation controller as ``WeightSync`` reads them when it is made (the
+    configs; no workers are called)."""
+
+    def __init__(self, **attributes) -> None:
+        self.__dict__.update(attributes)
+
+
+def test_an_auto_refit_into_a_generator_without_adapters_says_it_sends_merged_weights(caplog):
+    policy = Controller(config=tiny_config(lora=LORA), worker_group=Controller())
+    vllm = Controller(config=GenerationConfig.model_validate({"backend": "vllm"}))
+    with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
+        assert WeightSync(policy, vllm).lora == "merged"
+    assert "merged weights to generation.backend: vllm, which does not take" in caplog.text
+    caplog.clear()
+    hf = Controller(config=GenerationConfig.model_validate({"backend": "hf"}))
+    with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
+        assert WeightSync(policy, hf).lora == "adapters"
+    assert not caplog.text
