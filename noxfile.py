@@ -64,7 +64,8 @@ for _package in PACKAGES:
     @nox.session(name=_package, python=PYTHON)
     def package_session(session: nox.Session, package: str = _package) -> None:
         sync(session, "--package", package, "--group", "test")
-        pytest(session, f"packages/{package}/tests")
+        # The slowest tests' times are printed, as the slow tier's: where CI's time goes.
+        pytest(session, f"packages/{package}/tests", options=("--durations=10",))
         if package == "rl-envs":
             sandbox_tests_unprivileged(session)
 
@@ -124,7 +125,7 @@ def integration(session: nox.Session) -> None:
     """Cross-package tests (tests/, the docs' code blocks among them) in the full workspace
     environment, then the docs site, built as the `docs` session builds it."""
     sync(session)
-    pytest(session, "tests")
+    pytest(session, "tests", options=("--durations=10",))
     build_docs(session)
 
 
