@@ -109,6 +109,24 @@ class GenerationConfig(BackendConfig):
     # HF backend: seeds every sampled row (``generation.seeds``) and, for a model built from
     # hf_config, its initial weights (as the policy's `seed` does, so both start equal).
     seed: int = 0
+    # A mixture-of-experts model: return ``routed_experts`` (the experts each token was routed
+    # to) with every sample, for the policy's router replay (policy.router_replay sets it).
+    record_routed_experts: bool = False
+
+    @model_validator(mode="after")
+    def _records_routes_if_it_can(self) -> GenerationConfig:
+        reason = self.routed_experts_unsupported
+        if self.record_routed_experts and reason is not None:
+            raise ValueError(
+                f"generation.record_routed_experts (policy.router_replay) does not work with "
+                f"generation.backend: {self.backend}: {reason}; use generation.backend: hf"
+            )
+        return self
+
+    @property
+    def routed_experts_unsupported(self) -> str | None:
+        """Why this backend cannot return the experts each token was routed to (None: it can)."""
+        return "the backend does not record routed experts"
 
     @property
     def loads_model_from_disk(self) -> bool:
@@ -132,12 +150,27 @@ class HfGenerationConfig(GenerationConfig):
     # float rounding). False, or another architecture: the model's own forward every step.
     static_kv_decode: bool = True
 
+    @property
+    def routed_experts_unsupported(self) -> str | None:
+        return None
+
 
 class VllmGenerationConfig(GenerationConfig):
     """``backend: vllm``: vLLM engines in the ``vllm`` worker environment."""
 
     backend: Literal["vllm"] = "vllm"
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @property
+    def routed_experts_unsupported(self) -> str | None:
+        # vLLM 0.32 can capture routes (engine argument enable_return_routed_experts, returned
+        # as CompletionOutput.routed_experts) but the vLLM worker here does not ask for them
+        # or carry them through its batch and streaming outputs yet, and vLLM is not installed
+        # where this project's tests run, so nothing would check it.
+        return (
+            "the vLLM worker does not pass vLLM's routed experts (enable_return_routed_experts) "
+            "through to its outputs yet"
+        )
 
     @property
     def loads_model_from_disk(self) -> bool:

@@ -117,14 +117,18 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
             generator=self.generator,
             row_seeds=seeds_of(data),
             static_kv=self.config.static_kv_decode,
+            record_routes=self.config.record_routed_experts,
         )
-        return BatchedDataDict(
+        result = BatchedDataDict(
             output_ids=out.output_ids,
             logprobs=out.logprobs,
             generation_lengths=out.generation_lengths,
             unpadded_sequence_lengths=data["input_lengths"].cpu().long() + out.generation_lengths,
             truncated=out.truncated,
         )
+        if out.routed_experts is not None:
+            result["routed_experts"] = out.routed_experts
+        return result
 
     def get_pad_token_id(self) -> int:
         """What right-pads ``output_ids``: the tokenizer's pad id, else 0."""
