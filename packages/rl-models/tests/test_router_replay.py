@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import SamplingConfig
 from rl_models.generation.sampling import sample
+from rl_models.losses import NLLLoss
 from rl_models.modeling.build import build_model
 from rl_models.modeling.moe_routes import NO_ROUTE, RouteReplay, moe_routers
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
@@ -208,7 +210,8 @@ def test_replay_routes_the_trainer_through_the_generators_experts(generated, pac
             known = recorded[:, :, layer] >= 0
             assert torch.equal(used[known], recorded[:, :, layer][known].long())
 
-    expected = hand_logprobs(replaying.model, batch)
+    with torch.no_grad():
+        expected = hand_logprobs(replaying.model, batch)
     torch.testing.assert_close(lp, expected, rtol=0, atol=1e-10)
     # Without replay the same perturbed weights give other log-probs.
     assert float((own.get_logprobs(batch)["logprobs"] - expected).abs().max()) > 1e-6
@@ -233,6 +236,30 @@ def test_gradients_reach_the_router_through_the_replayed_weights(generated):
         torch.testing.assert_close(got.weight.grad, want.weight.grad, rtol=0, atol=1e-10)
     # Outside the block the model routes by itself again (the hooks are gone).
     assert all(not r._forward_hooks for r in moe_routers(replayed))
+
+
+def test_a_train_step_with_recomputed_activations_replays_in_backward_too(generated):
+    """One SGD step (lr 1) of the NLL with activation checkpointing: the recomputation in
+    backward must route as the forward did, so the router weights after the step are those
+    of the hand-written MoE over the recorded experts."""
+    batch = replay_batch(generated)
+    config = moe_config(
+        router_replay=True, activation_checkpointing=True, dynamic_batching={"enabled": False}
+    )
+    worker = DTensorPolicyWorker(config)
+    perturb_routers(worker.model)
+    reference = copy.deepcopy(worker.model).train()
+    # hand_logprobs swaps the MoE forwards only while it runs: no recomputation after it.
+    reference.gradient_checkpointing_disable()
+    worker.train(batch, NLLLoss())
+
+    lp = hand_logprobs(reference, batch)
+    mask = TrainBatch.from_transport(batch).loss_token_mask()
+    (-(lp * mask).sum() / mask.sum()).backward()
+    for got, want in zip(moe_routers(worker.model), moe_routers(reference), strict=True):
+        step = want.weight.detach() - want.weight.grad
+        assert float(want.weight.grad.abs().max()) > 0
+        torch.testing.assert_close(got.weight.detach(), step, rtol=0, atol=1e-10)
 
 
 def test_router_replay_on_a_dense_model_is_refused_by_name():

@@ -360,10 +360,8 @@ def _sample(
     if recorder is not None:  # the prefill's routes, [prompts, width, layers, k] left-padded
         routes = recorder.take()
         prompt_routes = routes.view(len(firsts), width, *routes.shape[1:]).cpu()
-        # Per row, the routes of each response token, from the step that fed it.
-        gen_routes = torch.full(
-            (batch, sampling.max_new_tokens, *routes.shape[1:]), NO_ROUTE, dtype=routes.dtype
-        )
+    # Per decoding step, the rows it fed and their routes (kept on the device until the end).
+    fed: list[tuple[torch.Tensor, torch.Tensor]] = []
     if len(firsts) < batch:  # one copy of its prompt's cache per row
         expand = torch.tensor(row_of, device=device)
         decoder.select_rows(expand)
@@ -416,7 +414,7 @@ def _sample(
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=device)], dim=1)
         logits = decoder(tokens, mask, next_position)
         if recorder is not None:  # rows that stopped before this step fed filler: not kept
-            gen_routes[rows.cpu(), step] = recorder.take().cpu()
+            fed.append((rows, recorder.take()))
         next_position = next_position + 1
 
     generated = generated[:, :steps].cpu()
@@ -432,9 +430,11 @@ def _sample(
         logprobs[i, n : n + g] = gen_logprobs[i, :g]
     routed = None
     if recorder is not None:
-        routed = torch.full(
-            (batch, out_width, *gen_routes.shape[2:]), NO_ROUTE, dtype=gen_routes.dtype
-        )
+        per_token = prompt_routes.shape[2:]
+        gen_routes = torch.full((batch, steps, *per_token), NO_ROUTE, dtype=ROUTE_DTYPE)
+        for step, (fed_rows, step_routes) in enumerate(fed):
+            gen_routes[fed_rows.cpu(), step] = step_routes.cpu()
+        routed = torch.full((batch, out_width, *per_token), NO_ROUTE, dtype=ROUTE_DTYPE)
         for i, (n, g) in enumerate(zip(lengths.tolist(), gen_lengths.tolist(), strict=True)):
             routed[i, :n] = prompt_routes[row_of[i], width - n :]
             # The last response token was never fed (see ``sample``).
