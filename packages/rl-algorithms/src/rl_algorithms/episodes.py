@@ -149,6 +149,21 @@ def token_versions(out: BatchedDataDict, row: int, start: int, length: int) -> t
     return None
 
 
+def record_routes(log: MessageLog, routes: torch.Tensor) -> None:
+    """Give the messages of ``log`` the routes a generator's output row recorded for them
+    (``routes`` ``[positions, layers, k]``, covering at least the log's tokens): a message
+    without routes gets its slice; one with routes keeps them (the experts its tokens had
+    when they were sampled) and takes only those it lacked (``-1``: the tokens of a turn's
+    closing text, or its last token, which the generator first ran in this prefill)."""
+    start = 0
+    for message in log:
+        n = len(message["token_ids"])
+        got = routes[start : start + n]
+        old = message.get("routed_experts")
+        message["routed_experts"] = got.clone() if old is None else torch.where(old < 0, got, old)
+        start += n
+
+
 def version_span(log: MessageLog) -> tuple[int, int] | None:
     """The oldest and newest weight version of a conversation's sampled tokens (the newest as
     the generator reported it, which may lie inside a turn); None when none carries versions.
@@ -294,6 +309,13 @@ class Episodes:
         message = assistant_message(
             ids, lps, self.tokenizer, self.template, log, room, self.tools[i], versions
         )
+        if "routed_experts" in out:  # a mixture-of-experts generator's routes (router replay)
+            routes = out["routed_experts"][row]
+            record_routes(log, routes)
+            tail = len(message["token_ids"]) - length  # the template's closing text: not run
+            message["routed_experts"] = torch.cat(
+                [routes[start : start + length], routes.new_full((tail, *routes.shape[1:]), -1)]
+            )
         if "weight_version_max" in out:
             message["generation_version_max"] = int(out["weight_version_max"][row])
         if message.pop("template_mismatch", False):

@@ -163,7 +163,9 @@ class RolloutResult:
         """Right-padded ``input_ids`` with ``loss_mask`` on sampled tokens only and the
         generator's ``generation_logprobs`` aligned to them (0 elsewhere); where the turns
         carry weight versions (async GRPO), ``extras["generation_versions"]``: each sampled
-        token's version, aligned the same way (-1 elsewhere)."""
+        token's version, aligned the same way (-1 elsewhere); where the generator recorded
+        routes (a mixture-of-experts model, ``routed_experts``), those of every token (-1
+        where none was recorded, and on padding)."""
         # Only tokens carrying a ``token_loss_mask`` (the sampled ones) are trained on: an
         # assistant turn that came with the prompt (few-shot) was never sampled.
         flat = flatten_message_logs(self.message_logs, pad_token_id, loss_roles=())
@@ -194,5 +196,25 @@ class RolloutResult:
             input_lengths=flat["input_lengths"],
             loss_mask=flat["loss_mask"].to(torch.float32),
             generation_logprobs=gen_lp,
+            routed_experts=self._routed_experts(width),
             extras={"generation_versions": versions} if with_versions else {},
         )
+
+    def _routed_experts(self, width: int) -> torch.Tensor | None:
+        """``[N, width, layers, k]``: the messages' ``routed_experts`` end to end, -1 where a
+        message has none and on padding; None when no message has routes."""
+        known = [
+            m["routed_experts"] for log in self.message_logs for m in log if "routed_experts" in m
+        ]
+        if not known:
+            return None
+        per_token = known[0].shape[1:]
+        out = torch.full((len(self.message_logs), width, *per_token), -1, dtype=known[0].dtype)
+        for b, log in enumerate(self.message_logs):
+            start = 0
+            for m in log:
+                n = len(m["token_ids"])
+                if "routed_experts" in m:
+                    out[b, start : start + n] = m["routed_experts"]
+                start += n
+        return out

@@ -53,6 +53,10 @@ class TrainBatch:
     """``[B, S]`` per-token advantages (policy gradient)."""
     generation_logprobs: torch.Tensor | None = None
     """``[B, S]`` the generator's log-probs of the sampled tokens (0 elsewhere)."""
+    routed_experts: torch.Tensor | None = None
+    """``[B, S, layers, k]`` int16: per token and MoE layer, the experts the generator's router
+    chose (-1 where it recorded none: a response's last token, padding); what the policy's
+    ``router_replay`` routes by."""
     prev_logprobs: torch.Tensor | None = None
     """``[B, S]`` log-probs of the policy the batch is trained from (pi_old)."""
     reference_logprobs: torch.Tensor | None = None

@@ -21,6 +21,9 @@ class Message(TypedDict):
     # Which of this message's tokens the loss is computed on (1) or not (0); same length.
     token_loss_mask: NotRequired[torch.Tensor]
     generation_logprobs: NotRequired[torch.Tensor]  # from the generator, for off-policy fixes
+    # [tokens, layers, k] int16: the experts a mixture-of-experts generator routed each token
+    # to (-1: none recorded), for the policy's router replay.
+    routed_experts: NotRequired[torch.Tensor]
     # What chat templates read besides role and content (kept from the data, never dropped).
     tool_calls: NotRequired[list[dict[str, Any]]]
     tool_call_id: NotRequired[str]
@@ -40,7 +43,7 @@ STRING_PROMPT_KEY = "_string_prompt"
 # ``tools`` column, as TRL gives it.
 TOOLS_KEY = "tools"
 # A message's per-token tensors: what is recomputed, cut or left out of what a template sees.
-TENSOR_KEYS = frozenset({"token_ids", "token_loss_mask", "generation_logprobs"})
+TENSOR_KEYS = frozenset({"token_ids", "token_loss_mask", "generation_logprobs", "routed_experts"})
 
 
 class DatumSpec(TypedDict):

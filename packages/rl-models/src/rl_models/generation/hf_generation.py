@@ -23,6 +23,7 @@ from rl_models.generation.interfaces import GenerationInterface, StaleWeightsErr
 from rl_models.generation.seeds import SamplingSeeds
 from rl_models.model_files import materialize
 from rl_models.modeling.config import ModelConfig
+from rl_models.modeling.moe_routes import NO_ROUTE
 
 WORKER = "rl_models.generation.hf_worker.HfGenerationWorker"
 
@@ -81,7 +82,8 @@ class HfGeneration(GenerationInterface):
             expected_weight_version=[expected_weight_version] * len(shards),
         )
         return BatchedDataDict.from_batches(
-            group.get_all_worker_results(futures), pad_value_dict={"output_ids": self.pad_token_id}
+            group.get_all_worker_results(futures),
+            pad_value_dict={"output_ids": self.pad_token_id, "routed_experts": NO_ROUTE},
         )
 
     def prepare_for_generation(self) -> None:

@@ -29,6 +29,7 @@ from rl_models.generation.sampling import StopStrings, sample
 from rl_models.generation.seeds import seeds_of
 from rl_models.modeling.build import build_model
 from rl_models.modeling.config import ModelConfig
+from rl_models.modeling.moe_routes import require_routers
 from rl_models.weight_transfer.channels import ChannelReceiver
 from rl_models.weight_transfer.shared_memory import (
     MappedRegion,
@@ -62,6 +63,8 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         model = build_model(model_config, self.config.seed)
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        if self.config.record_routed_experts:  # refused now rather than at the first generate
+            require_routers(self.model, "generation.record_routed_experts")
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_config.path)
         self.stop_token_ids = self._stop_token_ids()
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -120,14 +123,18 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
             generator=self.generator,
             row_seeds=seeds_of(data),
             static_kv=self.config.static_kv_decode,
+            record_routes=self.config.record_routed_experts,
         )
-        return BatchedDataDict(
+        result = BatchedDataDict(
             output_ids=out.output_ids,
             logprobs=out.logprobs,
             generation_lengths=out.generation_lengths,
             unpadded_sequence_lengths=data["input_lengths"].cpu().long() + out.generation_lengths,
             truncated=out.truncated,
         )
+        if out.routed_experts is not None:
+            result["routed_experts"] = out.routed_experts
+        return result
 
     def get_pad_token_id(self) -> int:
         """What right-pads ``output_ids``: the tokenizer's pad id, else 0."""

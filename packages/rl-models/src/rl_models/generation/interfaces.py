@@ -14,7 +14,13 @@ and returns a ``BatchedDataDict`` with
   was sampled from (temperature applied, then top-k / top-p truncation and renormalisation);
   greedy rows report the model's own log-prob (temperature 1, untruncated); 0 on prompt tokens
   and padding. Both backends follow this convention;
-- ``truncated`` ``[B]`` bool: the response hit ``max_new_tokens`` without stopping.
+- ``truncated`` ``[B]`` bool: the response hit ``max_new_tokens`` without stopping;
+- ``routed_experts`` ``[B, S + T, layers, k]`` int16, only with
+  ``generation.record_routed_experts`` (a mixture-of-experts model, for the policy's router
+  replay): per position of ``output_ids`` and per MoE layer (in module order), the ``k``
+  experts the router chose when that token went through the model (prompt tokens in the
+  prefill); ``-1`` (``moe_routes.NO_ROUTE``) where no token went through: each response's last
+  token, never fed back, and padding. The HF backend gives it; see ``GenerationConfig``.
 
 Weights carry a version: the policy counts its optimiser steps, a refit stamps the version it
 copied onto the generator, and ``generate(..., expected_weight_version=v)`` refuses to sample

@@ -24,6 +24,7 @@ forward over a Hugging Face KV cache (``ForwardDecoder``). Both compute the same
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from transformers import DynamicCache
 
 from rl_models.generation.config import SamplingConfig
 from rl_models.generation.static_decode import StaticKVDecoder, unsupported_reason
+from rl_models.modeling.moe_routes import NO_ROUTE, ROUTE_DTYPE, RouteRecorder
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
@@ -159,6 +161,8 @@ class Samples:
     logprobs: torch.Tensor  # [B, S + T]
     generation_lengths: torch.Tensor  # [B]
     truncated: torch.Tensor  # [B] bool
+    # [B, S + T, layers, k] (``record_routes``): the experts each token was routed to.
+    routed_experts: torch.Tensor | None = None
 
 
 class Decoder(Protocol):
@@ -273,6 +277,7 @@ def sample(
     generator: torch.Generator | None = None,
     row_seeds: Sequence[int] | None = None,
     static_kv: bool = True,
+    record_routes: bool = False,
 ) -> Samples:
     """One response per row of right-padded ``input_ids`` (see the module docstring).
 
@@ -287,13 +292,57 @@ def sample(
     prefill, its KV cache copied to each; and once a quarter of the rows still decoding have
     stopped, they leave the batch (and the cache), so a few long answers do not keep every
     finished row computing.
+
+    ``record_routes`` (a mixture-of-experts model): ``routed_experts`` holds, per position of
+    ``output_ids``, the experts each MoE layer's router chose when that token went through the
+    model: a prompt token in the prefill, a response token in the decoding step that fed it.
+    A response's last token is never fed (nothing is sampled after it), so it has ``NO_ROUTE``,
+    as padding does; the trainer's router chooses there, which changes no log-prob a loss uses.
     """
+    recorder = RouteRecorder(model) if record_routes else None
+    with recorder or contextlib.nullcontext():
+        return _sample(
+            model,
+            input_ids,
+            input_lengths,
+            sampling,
+            greedy,
+            stop_token_ids,
+            stop_strings,
+            pad_token_id,
+            generator,
+            row_seeds,
+            static_kv,
+            recorder,
+        )
+
+
+def _sample(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    sampling: SamplingConfig,
+    greedy: bool,
+    stop_token_ids: Sequence[int],
+    stop_strings: StopStrings | None,
+    pad_token_id: int,
+    generator: torch.Generator | None,
+    row_seeds: Sequence[int] | None,
+    static_kv: bool,
+    recorder: RouteRecorder | None,
+) -> Samples:
     device = next(model.parameters()).device
     batch, width = input_ids.shape
     lengths = input_lengths.to(torch.long).cpu()
     if batch == 0:
         empty = torch.zeros(0, width, dtype=input_ids.dtype)
-        return Samples(empty, empty.float(), lengths.clone(), torch.zeros(0, dtype=torch.bool))
+        routed = None
+        if recorder is not None:  # as many layers and experts as a full batch's
+            shape = (0, width, len(recorder.routers), int(recorder.routers[0].top_k))
+            routed = torch.zeros(shape, dtype=ROUTE_DTYPE)
+        return Samples(
+            empty, empty.float(), lengths.clone(), torch.zeros(0, dtype=torch.bool), routed
+        )
     if int(lengths.min()) < 1:
         raise ValueError("every prompt needs at least one token (input_lengths >= 1)")
     firsts, row_of = _distinct_prompts(input_ids, lengths)
@@ -308,6 +357,11 @@ def sample(
     logits, decoder = start_decoding(
         model, left, mask, positions, sampling.max_new_tokens, static_kv
     )
+    if recorder is not None:  # the prefill's routes, [prompts, width, layers, k] left-padded
+        routes = recorder.take()
+        prompt_routes = routes.view(len(firsts), width, *routes.shape[1:]).cpu()
+    # Per decoding step, the rows it fed and their routes (kept on the device until the end).
+    fed: list[tuple[torch.Tensor, torch.Tensor]] = []
     if len(firsts) < batch:  # one copy of its prompt's cache per row
         expand = torch.tensor(row_of, device=device)
         decoder.select_rows(expand)
@@ -359,6 +413,8 @@ def sample(
             )
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=device)], dim=1)
         logits = decoder(tokens, mask, next_position)
+        if recorder is not None:  # rows that stopped before this step fed filler: not kept
+            fed.append((rows, recorder.take()))
         next_position = next_position + 1
 
     generated = generated[:, :steps].cpu()
@@ -372,4 +428,15 @@ def sample(
         output_ids[i, :n] = input_ids[i, :n]
         output_ids[i, n : n + g] = generated[i, :g]
         logprobs[i, n : n + g] = gen_logprobs[i, :g]
-    return Samples(output_ids, logprobs, gen_lengths, ~done.cpu())
+    routed = None
+    if recorder is not None:
+        per_token = prompt_routes.shape[2:]
+        gen_routes = torch.full((batch, steps, *per_token), NO_ROUTE, dtype=ROUTE_DTYPE)
+        for step, (fed_rows, step_routes) in enumerate(fed):
+            gen_routes[fed_rows.cpu(), step] = step_routes.cpu()
+        routed = torch.full((batch, out_width, *per_token), NO_ROUTE, dtype=ROUTE_DTYPE)
+        for i, (n, g) in enumerate(zip(lengths.tolist(), gen_lengths.tolist(), strict=True)):
+            routed[i, :n] = prompt_routes[row_of[i], width - n :]
+            # The last response token was never fed (see ``sample``).
+            routed[i, n : n + g - 1] = gen_routes[i, : max(g - 1, 0)]
+    return Samples(output_ids, logprobs, gen_lengths, ~done.cpu(), routed)

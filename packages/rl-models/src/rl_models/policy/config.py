@@ -384,6 +384,13 @@ class PolicyConfig(BackendConfig):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    # A mixture-of-experts model: every forward over a batch that carries the generator's
+    # ``routed_experts`` routes each token to the experts the generator chose for it, weighted
+    # by this router's probabilities (rl_models.modeling.moe_routes), so the loss's log-probs
+    # come from the experts that sampled the tokens. Turns share_prompt_prefix off (its split
+    # forward would need the routes split alike). DTensor backend; the generator must record
+    # routes (GRPO's config sets generation.record_routed_experts).
+    router_replay: bool = False
     # Seeds the policy workers (and a model built from hf_config's initial weights).
     seed: int = 0
 
@@ -503,6 +510,7 @@ class MegatronPolicyConfig(PolicyConfig):
             # "auto" asks for bfloat16 only where it is native: here it is simply never.
             "mixed_precision": self.mixed_precision == "bfloat16",
             "checkpoint.sharded": self.checkpoint.sharded,
+            "router_replay": self.router_replay,
         }
         named = [k for k, on in unsupported.items() if on]
         if named:

@@ -29,6 +29,7 @@ from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.interfaces import Logprobs, LossFunction, Scores, loss_input_type
 from rl_models.modeling.build import build_model
+from rl_models.modeling.moe_routes import require_routers
 from rl_models.modeling.precision import compute_dtype
 from rl_models.policy import checkpoint, lora, offload
 from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-export)
@@ -48,6 +49,7 @@ from rl_models.policy.forward import (
     TokenLogprobs,
     TopkLogprobs,
     align_values,
+    routes_replayed,
 )
 from rl_models.policy.weight_export import DTensorWeightExporter, WeightExportMethods
 
@@ -67,6 +69,8 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         self.compute_dtype = compute_dtype(self.config.mixed_precision, self.device.type)
 
         self.model = self._build_policy()
+        if self.config.router_replay:
+            require_routers(self.model, "policy.router_replay")
         self.reference: torch.nn.Module | None = None
         if self.config.reference_policy.enabled and not self.lora:
             self.reference = self._build_reference()
@@ -174,10 +178,18 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
 
     # -- inference ---------------------------------------------------------------------------
 
+    def _replaying(self, model: torch.nn.Module, mb: BatchedDataDict) -> Any:
+        """Where ``router_replay`` is on, the block in which ``model`` replays ``mb``'s routes."""
+        return routes_replayed(model, mb, self.forward_options)
+
     @torch.no_grad()
-    def _per_row(self, model: torch.nn.Module, data: BatchedDataDict, output: Output) -> Any:
+    def _per_row(
+        self, model: torch.nn.Module, data: BatchedDataDict, output: Output, replay: bool = True
+    ) -> Any:
         """Per-row ``output`` of ``data``, in its row order, padded back to its width (a
-        tensor, or for ``TopkLogprobs`` a (values, ids) pair of tensors)."""
+        tensor, or for ``TopkLogprobs`` a (values, ids) pair of tensors). ``replay``: with
+        ``router_replay``, the generator's routes are replayed (not for the reference, whose
+        own routing the KL penalty compares against)."""
         output = self._checked(output)
         model.eval()
         width = data["input_ids"].shape[1]
@@ -187,7 +199,9 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             if mb is None or mb.size == 0:
                 self._dummy_logits(model)  # keep FSDP's all-gathers in step with the peers
                 continue
-            values = self._forward(model, mb.to(self.device), output)
+            mb = mb.to(self.device)
+            with self._replaying(model, mb) if replay else contextlib.nullcontext():
+                values = self._forward(model, mb, output)
             pair = isinstance(values, tuple)
             parts = values if pair else (values,)
             if output.per_token:  # [B, S, ...]: pad to the batch's width
@@ -233,13 +247,13 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         if self.lora and self.config.reference_policy.enabled:
             # The frozen base weights are the initial policy: switch the adapters off.
             with self.model.disable_adapter():
-                lp = self._per_row(self.model, data, TokenLogprobs())
+                lp = self._per_row(self.model, data, TokenLogprobs(), replay=False)
             return BatchedDataDict({"reference_logprobs": lp})
         if self.reference is None:
             raise RuntimeError("this policy has no reference model (reference_policy.enabled)")
         offload.move_module(self.reference, self.device, copy=False)
         try:
-            lp = self._per_row(self.reference, data, TokenLogprobs())
+            lp = self._per_row(self.reference, data, TokenLogprobs(), replay=False)
             return BatchedDataDict({"reference_logprobs": lp})
         finally:
             if self.config.reference_policy.offload_to_cpu:
@@ -266,19 +280,22 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                 # after the step's last micro-batch: one collective per step rather than per
                 # micro-batch, at the price of unsharded gradients held until then.
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-            if mb is None:
-                loss = self._dummy_logits(self.model).sum() * 0.0
-            else:
-                mb = mb.to(self.device)
-                out = self._forward(self.model, mb, output)
-                loss, metrics = loss_fn(
-                    out, TrainBatch.from_transport(mb), global_seqs, global_toks
-                )
-                self._loss_metrics.append(metrics)
-            if not eval_mode:
-                # FSDP averages gradients over ranks; the losses are already global means, so
-                # the sum over ranks is wanted: undo the average.
-                (loss * self.dp_size).backward()
+            with contextlib.ExitStack() as replaying:
+                if mb is None:
+                    loss = self._dummy_logits(self.model).sum() * 0.0
+                else:
+                    mb = mb.to(self.device)
+                    # Spans the backward too: recomputed activations replay the same routes.
+                    replaying.enter_context(self._replaying(self.model, mb))
+                    out = self._forward(self.model, mb, output)
+                    loss, metrics = loss_fn(
+                        out, TrainBatch.from_transport(mb), global_seqs, global_toks
+                    )
+                    self._loss_metrics.append(metrics)
+                if not eval_mode:
+                    # FSDP averages gradients over ranks; the losses are already global means,
+                    # so the sum over ranks is wanted: undo the average.
+                    (loss * self.dp_size).backward()
             loss_sum += loss.detach().double().cpu()
         return loss_sum
 

@@ -51,6 +51,7 @@ from rl_models.interfaces import (
     Scores,
     Values,
 )
+from rl_models.modeling.moe_routes import NO_ROUTE, RouteReplay
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.logprobs import (
     logsumexp_and_entropy,
@@ -76,7 +77,8 @@ class ForwardOptions:
     attn_implementation: str = "sdpa"  # model.attn_implementation
     chunk_size: int | None = None  # logprob_chunk_size: tokens per output-layer chunk
     temperature: float = 1.0  # logprob_temperature
-    share_prefix: bool = False  # share_prompt_prefix (shared_prefix.py)
+    share_prefix: bool = False  # share_prompt_prefix (shared_prefix.py), off with router_replay
+    router_replay: bool = False  # router_replay: MoE routers replay the batch's routed_experts
 
     @classmethod
     def of(cls, config: PolicyConfig) -> ForwardOptions:
@@ -85,7 +87,10 @@ class ForwardOptions:
             attn_implementation=config.model.attn_implementation,
             chunk_size=config.logprob_chunk_size,
             temperature=config.logprob_temperature,
-            share_prefix=config.share_prompt_prefix,
+            # The shared-prefix forward runs a group's prompt once and its rows' tails apart:
+            # the routes of a replayed batch would have to be cut the same way.
+            share_prefix=config.share_prompt_prefix and not config.router_replay,
+            router_replay=config.router_replay,
         )
 
 
@@ -153,6 +158,25 @@ def _model_inputs(
         return _packed_inputs(mb, options.attn_implementation)
     real = _padding_mask(mb).long()
     return None, {"input_ids": mb["input_ids"], "attention_mask": real, "use_cache": False}
+
+
+def routes_replayed(
+    model: torch.nn.Module, mb: BatchedDataDict, options: ForwardOptions
+) -> contextlib.AbstractContextManager:
+    """Where ``options.router_replay``: the block inside which the model's MoE routers replay
+    the micro-batch's ``routed_experts`` (packed like its tokens when the forward packs them);
+    else nothing. The block should span the backward too when activations are recomputed."""
+    if not options.router_replay:
+        return contextlib.nullcontext()
+    if "routed_experts" not in mb:
+        raise KeyError(
+            "policy.router_replay is on but the batch has no 'routed_experts' (the generator "
+            "records them with generation.record_routed_experts: true)"
+        )
+    routes = mb["routed_experts"]
+    if options.packed:
+        routes = pack_sequences(routes, mb["input_lengths"], pad_value=NO_ROUTE).input_ids
+    return RouteReplay(model, routes)
 
 
 def forward_logprobs(
