@@ -118,13 +118,17 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
             row_seeds=seeds_of(data),
             static_kv=self.config.static_kv_decode,
         )
-        return BatchedDataDict(
+        result = BatchedDataDict(
             output_ids=out.output_ids,
             logprobs=out.logprobs,
             generation_lengths=out.generation_lengths,
             unpadded_sequence_lengths=data["input_lengths"].cpu().long() + out.generation_lengths,
             truncated=out.truncated,
         )
+        if out.first_top_ids is not None:  # sampling.first_token_logprobs asked for them
+            result["first_token_top_ids"] = out.first_top_ids
+            result["first_token_top_logprobs"] = out.first_top_logprobs
+        return result
 
     def get_pad_token_id(self) -> int:
         """What right-pads ``output_ids``: the tokenizer's pad id, else 0."""

@@ -14,7 +14,10 @@ and returns a ``BatchedDataDict`` with
   was sampled from (temperature applied, then top-k / top-p truncation and renormalisation);
   greedy rows report the model's own log-prob (temperature 1, untruncated); 0 on prompt tokens
   and padding. Both backends follow this convention;
-- ``truncated`` ``[B]`` bool: the response hit ``max_new_tokens`` without stopping.
+- ``truncated`` ``[B]`` bool: the response hit ``max_new_tokens`` without stopping;
+- with ``sampling.first_token_logprobs`` k > 0, ``first_token_top_ids`` ``[B, k]`` (long) and
+  ``first_token_top_logprobs`` ``[B, k]`` (float32): the k most likely first response tokens,
+  most likely first, and their log-probs under the distribution that token was drawn from.
 
 Weights carry a version: the policy counts its optimiser steps, a refit stamps the version it
 copied onto the generator, and ``generate(..., expected_weight_version=v)`` refuses to sample
