@@ -8,15 +8,19 @@ score in range, a score out of range, or no score at all, each checked against t
 """
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import ray
 import torch
+import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from rl_algorithms.environments import EnvSpec, environment_class, stop_environments
-from rl_algorithms.judge import JudgeEnvironment
+from rl_algorithms.judge import JudgeEnvironment, Judgement
+from rl_algorithms.rollout_result import RolloutResult
 from rl_distributed.config import ConfigError
 
 from .conftest import TINY_LLAMA
@@ -158,3 +162,36 @@ def test_the_judge_config_is_checked_with_the_recipe_naming_its_keys(judge_dir):
     spec.config["rubric"] = "{prompt} {response:>9}"
     with pytest.raises(ConfigError, match=r"env\.qa\.config\.rubric.*\{response:>9\}"):
         environment_class("qa", spec)
+
+
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guides" / "llm-judges.md"
+
+
+def test_the_guides_recipe_is_a_valid_judge():
+    (recipe,) = re.findall(r"```yaml\n(.*?)```", GUIDE.read_text(), flags=re.S)
+    cls, cfg = environment_class("qa", EnvSpec(**yaml.safe_load(recipe)["env"]["qa"]))
+    assert cls is JudgeEnvironment and cls.required_metadata_for(cfg) == ("ground_truth",)
+    assert cfg.generator_config().sampling.max_new_tokens == 256
+    assert cfg.generator_config().backend == "vllm" and not cfg.generator_config().colocated
+
+
+def test_the_judges_verdict_is_logged_with_the_sample():
+    verdicts = [Judgement("Fine. <score>8</score>", 0.8), Judgement("Hm.", None, "no <score>")]
+    user = {"role": "user", "content": "q"}
+    result = RolloutResult(
+        message_logs=[
+            [user, {"role": "assistant", "content": a, "token_loss_mask": 1}] for a in "ab"
+        ]
+        + [[user]],
+        rewards=torch.tensor([0.8, 0.0, 0.0]),
+        truncated=torch.zeros(3, dtype=torch.bool),
+        terminated=torch.ones(3, dtype=torch.bool),
+        turns=torch.ones(3, dtype=torch.long),
+        env_metadata=[None] * 3,
+        answers=[v.summary() for v in verdicts] + [None],
+    )
+    logged = result.samples(3)
+    assert logged[0]["answer"] == "score 0.8 | judge: Fine. <score>8</score>"
+    assert logged[1]["answer"] == "no score: no <score> | judge: Hm."
+    assert "answer" not in logged[2]  # an environment that extracted nothing adds no column
+    assert [s["completion"] for s in logged[:2]] == ["a", "b"]

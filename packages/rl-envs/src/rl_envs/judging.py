@@ -96,10 +96,14 @@ class ScoreInTag(ConfigModel):
     """The score is the number inside the judge's last ``<tag>...</tag>``; with ``min`` and
     ``max`` it must lie between them and is mapped linearly onto [0, 1]."""
 
+    # The rule: a number in a tag of the judge's answer.
     rule: Literal["score_in_tag"] = "score_in_tag"
+    # The tag's name: the score is read from <tag>...</tag>.
     tag: str = Field("score", pattern=r"^[A-Za-z_][\w.-]*$")
-    # The rubric's scale (both or neither): a score outside it is no score.
+    # The lowest score of the rubric's scale (give both min and max, or neither): a score
+    # outside the scale is no score, one inside is mapped linearly onto [0, 1].
     min: float | None = Field(None, allow_inf_nan=False)
+    # The highest score of the rubric's scale.
     max: float | None = Field(None, allow_inf_nan=False)
 
     @model_validator(mode="after")
@@ -138,8 +142,11 @@ class YesProbability(ConfigModel):
     tokens. A token outside those counts as probability 0 (it is less likely than each of
     them); when neither side is among them the sample has no score."""
 
+    # The rule: the probability of a yes token against a no token, first generated position.
     rule: Literal["yes_probability"] = "yes_probability"
+    # Tokens that say yes (each one token of the judge's tokenizer), their probabilities summed.
     yes_tokens: list[str] = Field(default_factory=lambda: ["yes", "Yes"], min_length=1)
+    # Tokens that say no, likewise.
     no_tokens: list[str] = Field(default_factory=lambda: ["no", "No"], min_length=1)
     # Most likely first tokens the generator reports (vLLM reports at most 20).
     top_k: int = Field(20, ge=1, le=20)
