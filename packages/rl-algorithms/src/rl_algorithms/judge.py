@@ -31,7 +31,7 @@ loss and counted (``unparsable``, ``timeouts``), never read as 0.
 
 Each sample's ``answer`` (logged with the rollout's samples: ``val/samples``, ``train/samples``)
 is the judge's verdict: its text and the score read from it. The first ``log_judgements`` of
-every step also go to this actor's log.
+every step also go to this actor's log (at INFO level).
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ logger = logging.getLogger(__name__)
 class JudgeResources(ConfigModel):
     """Where the judge's generation workers run: a virtual cluster of their own."""
 
-    num_workers: int = Field(1, ge=1)  # data-parallel generation workers (one bundle each)
-    # 1: each worker has a GPU of its own (a vLLM worker's tensor-parallel group takes more);
-    # 0: CPU workers.
+    # Generation workers, one bundle each; they split a batch (vLLM: each engine takes
+    # generation.vllm.tensor_parallel_size of them).
+    num_workers: int = Field(1, ge=1)
+    # 1: each worker has a GPU of its own, none of the policy's; 0: CPU workers.
     gpus_per_worker: int = Field(0, ge=0, le=1)
 
 
