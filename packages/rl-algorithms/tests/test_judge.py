@@ -113,6 +113,13 @@ def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscore
         )
         yes_no = in_process.step(logs, metadata)
         _, yn_metrics = in_process.global_post_process_and_metrics({"rewards": yes_no.rewards})
+        # A judge call past timeout_s: every sample unscored and counted as a timeout; the
+        # next call (waiting for the workers to finish that one) judges as before.
+        in_process.cfg.timeout_s = 1e-4
+        late = in_process.step(logs[:3], metadata[:3])
+        _, late_metrics = in_process.global_post_process_and_metrics({"rewards": late.rewards})
+        in_process.cfg.timeout_s = 120
+        again = in_process.step(logs, metadata)
     finally:
         stop_environments({"tagged": actor})
         in_process.shutdown()
@@ -150,6 +157,10 @@ def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscore
     assert 0 < scored < len(logs), scored  # both outcomes were exercised
     assert yn_metrics["unparsable"] == len(logs) - scored
     assert math.isclose(yn_metrics["reward_mean"], float(yes_no.rewards.double().mean()))
+    assert late.unscored.all() and "over timeout_s=0.0001" in late.answers[0]
+    assert (late_metrics["timeouts"], late_metrics["unparsable"]) == (3, 0)
+    assert torch.equal(again.rewards, yes_no.rewards)
+    assert torch.equal(again.unscored, yes_no.unscored)
 
 
 def test_the_judge_config_is_checked_with_the_recipe_naming_its_keys(judge_dir):
