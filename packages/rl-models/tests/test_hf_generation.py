@@ -179,6 +179,36 @@ def test_greedy_generation_matches_an_uncached_float64_decode(tmp_path, temperat
     torch.testing.assert_close(out["unpadded_sequence_lengths"], data["input_lengths"] + 6)
 
 
+def test_first_token_top_logprobs_are_the_float64_distribution_it_was_drawn_from(tmp_path):
+    """``first_token_logprobs: k`` returns the k most likely first tokens and their log-probs:
+    the model's own distribution for greedy rows, temperature and top-k applied otherwise (the
+    distribution the token was drawn from); without it the keys are absent."""
+    path = peaky_model_dir(tmp_path, scale=3.0)
+    data = prompts()
+    sampling = {"max_new_tokens": 2, "temperature": 0.7, "top_k": 50}
+    gen = worker(path, first_token_logprobs=5, **sampling)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    for greedy in (True, False):
+        out = gen.generate(data, greedy=greedy)
+        for row, n in enumerate(data["input_lengths"].tolist()):
+            logits = model(data["input_ids"][None, row, :n]).logits[0, -1].detach()
+            if not greedy:  # temperature, then the top-50 truncation renormalises the rest
+                logits = logits / 0.7
+                logits = logits.masked_fill(logits < logits.topk(50).values[-1], float("-inf"))
+            logprobs = torch.log_softmax(logits, -1)
+            expected = logprobs.topk(5)
+            assert out["first_token_top_ids"][row].tolist() == expected.indices.tolist()
+            torch.testing.assert_close(
+                out["first_token_top_logprobs"][row].double(), expected.values, rtol=0, atol=1e-6
+            )
+            # The same distribution as the first token's own log-prob.
+            first = out["output_ids"][row, n]
+            torch.testing.assert_close(
+                out["logprobs"][row, n].double(), logprobs[first], rtol=0, atol=1e-6
+            )
+    assert "first_token_top_ids" not in worker(path, **sampling).generate(data, greedy=True)
+
+
 def test_stop_token_ids_end_a_row_and_keep_the_stop_token(tmp_path):
     path = peaky_model_dir(tmp_path, scale=3.0)
     data = prompts()

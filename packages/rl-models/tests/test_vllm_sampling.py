@@ -12,7 +12,13 @@ from rl_models.generation.interfaces import IncompleteRefitError, RequestAborted
 from rl_models.generation.vllm import VllmGeneration
 from rl_models.generation.vllm.extension import bucket_from_wire, bucket_to_wire
 from rl_models.generation.vllm.generation import _tensor_parallel_groups
-from rl_models.generation.vllm.sampling import Response, assemble, prompts_of, sampling_kwargs
+from rl_models.generation.vllm.sampling import (
+    Response,
+    assemble,
+    most_likely,
+    prompts_of,
+    sampling_kwargs,
+)
 from rl_models.generation.vllm.worker import VllmGenerationWorker, _Stream
 from rl_models.weight_transfer.buckets import pack_bucket, unpack_bucket
 
@@ -50,6 +56,27 @@ def test_results_are_laid_out_prompt_then_response_right_padded():
     assert out["unpadded_sequence_lengths"].tolist() == [5, 2]
     assert out["logprobs"].tolist() == [[0, 0, 0, -0.5, -0.25], [0, -1.0, 0, 0, 0]]
     assert out["truncated"].tolist() == [True, False]
+
+
+def test_the_first_tokens_top_logprobs_are_asked_for_ranked_and_laid_out():
+    assert sampling_kwargs(SamplingConfig(first_token_logprobs=3), False, [2])["logprobs"] == 3
+
+    class Logprob:  # vLLM's per-token entry, as much of it as most_likely reads
+        def __init__(self, logprob):
+            self.logprob = logprob
+
+    # vLLM's top 2 and the sampled token (7), which is not among them.
+    step = {7: Logprob(-3.0), 4: Logprob(-0.5), 9: Logprob(-1.0)}
+    assert most_likely(step, 2) == ((4, -0.5), (9, -1.0))
+    responses = [
+        Response([4], [-0.5], False, ((4, -0.5), (9, -1.0))),
+        Response([5], [-2.0], False, ((5, -2.0),)),
+    ]
+    ids = torch.tensor([[11, 12], [13, 0]])
+    out = assemble(ids, torch.tensor([2, 1]), responses, 0, first_token_logprobs=2)
+    assert out["first_token_top_ids"].tolist() == [[4, 9], [5, -1]]
+    assert out["first_token_top_logprobs"].tolist() == [[-0.5, -1.0], [-2.0, float("-inf")]]
+    assert "first_token_top_ids" not in assemble(ids, torch.tensor([2, 1]), responses, 0)
 
 
 def test_bad_prompts_are_named():

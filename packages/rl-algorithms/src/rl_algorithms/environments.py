@@ -12,9 +12,12 @@
       calc:                                              # multi-turn tool calling
         kind: tools
         config: {tools: [calculator], functions: [{function: my_rewards.py:correct}]}
-      judged:                                            # a reward server's scores
+      served:                                            # a reward server's scores
         kind: http
         config: {url: "http://reward-host:8000/score"}
+      judged:                                            # an LLM judge (rl_algorithms.judge)
+        kind: judge
+        config: {model: {path: /models/judge}, rubric: "...{prompt}...{response}..."}
 
 ``kind`` is a known environment name or an import path ``module:Class`` (a subclass of
 ``rl_envs.interfaces.EnvironmentInterface`` whose constructor takes its config). Samples are
@@ -59,6 +62,8 @@ KNOWN_ENVIRONMENTS = {
         "rl_envs.http_reward_env:HttpRewardEnvironment",
         "rl_envs.http_reward_env:HttpRewardEnvConfig",
     ),
+    # In rl-algorithms, not rl-envs: its judge samples on a generation backend (rl-models).
+    "judge": ("rl_algorithms.judge:JudgeEnvironment", "rl_algorithms.judge:JudgeEnvConfig"),
 }
 
 

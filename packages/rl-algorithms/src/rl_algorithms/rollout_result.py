@@ -82,9 +82,13 @@ class RolloutResult:
     def samples(self, n: int) -> list[dict[str, Any]]:
         """The first ``n`` samples as text, to look at: ``prompt`` (the messages before the
         first generated turn), ``completion`` (the rest: one turn, or a whole multi-turn
-        exchange with each message's role) and ``reward``."""
+        exchange with each message's role), ``reward`` and, where the environment gave one,
+        ``answer`` (what it extracted and scored; an LLM judge's verdict)."""
         out = []
-        for log, reward in zip(self.message_logs[:n], self.rewards[:n].tolist(), strict=True):
+        answers = self.answers or [None] * len(self.message_logs)
+        for log, reward, answer in zip(
+            self.message_logs[:n], self.rewards[:n].tolist(), answers[:n], strict=True
+        ):
             first = next((i for i, m in enumerate(log) if "token_loss_mask" in m), len(log))
             rest = log[first:]
             if len(rest) == 1:
@@ -92,7 +96,10 @@ class RolloutResult:
             else:
                 completion = "\n".join(f"[{m['role']}] {m['content']}" for m in rest)
             prompt = "\n".join(f"[{m['role']}] {m['content']}" for m in log[:first])
-            out.append({"prompt": prompt, "completion": completion, "reward": reward})
+            sample = {"prompt": prompt, "completion": completion, "reward": reward}
+            if answer is not None:
+                sample["answer"] = answer
+            out.append(sample)
         return out
 
     def select(self, rows: Iterable[int]) -> RolloutResult:

@@ -32,6 +32,11 @@ class SamplingConfig(ConfigModel):
     stop_token_ids: list[int] | None = None  # None: the tokenizer's EOS token(s)
     # Generation stops after any of these strings.
     stop_strings: list[str] = Field(default_factory=list)
+    # k > 0: generate also returns the k most likely first response tokens of each row and
+    # their log-probs (``first_token_top_ids`` / ``first_token_top_logprobs`` [B, k]), under the
+    # distribution that token was drawn from (what an LLM judge reads a yes/no probability
+    # from). At most 20: what a vLLM engine reports by default (its max_logprobs).
+    first_token_logprobs: int = Field(0, ge=0, le=20)
 
 
 class VllmConfig(ConfigModel):

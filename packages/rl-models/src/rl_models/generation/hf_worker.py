@@ -134,6 +134,9 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         )
         if out.routed_experts is not None:
             result["routed_experts"] = out.routed_experts
+        if out.first_top_ids is not None:  # sampling.first_token_logprobs asked for them
+            result["first_token_top_ids"] = out.first_top_ids
+            result["first_token_top_logprobs"] = out.first_top_logprobs
         return result
 
     def get_pad_token_id(self) -> int:

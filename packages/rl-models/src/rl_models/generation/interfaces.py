@@ -21,6 +21,9 @@ and returns a ``BatchedDataDict`` with
   experts the router chose when that token went through the model (prompt tokens in the
   prefill); ``-1`` (``moe_routes.NO_ROUTE``) where no token went through: each response's last
   token, never fed back, and padding. The HF backend gives it; see ``GenerationConfig``.
+- with ``sampling.first_token_logprobs`` k > 0, ``first_token_top_ids`` ``[B, k]`` (long) and
+  ``first_token_top_logprobs`` ``[B, k]`` (float32): the k most likely first response tokens,
+  most likely first, and their log-probs under the distribution that token was drawn from.
 
 Weights carry a version: the policy counts its optimiser steps, a refit stamps the version it
 copied onto the generator, and ``generate(..., expected_weight_version=v)`` refuses to sample

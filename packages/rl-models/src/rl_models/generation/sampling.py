@@ -93,6 +93,18 @@ def draw(
     return tokens
 
 
+def next_token_logprobs(
+    logits: torch.Tensor, sampling: SamplingConfig, greedy: bool
+) -> torch.Tensor:
+    """Log-probs ``[B, V]`` of the distribution the next token is drawn from (see the module
+    docstring): the model's own for greedy rows, else after temperature and truncation."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if greedy:
+        return torch.log_softmax(logits, dim=-1)
+    kept = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+    return torch.log_softmax(kept, dim=-1)
+
+
 def choose_tokens(
     logits: torch.Tensor,
     sampling: SamplingConfig,
@@ -102,14 +114,9 @@ def choose_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens ``[B]`` and their log-probs ``[B]`` (see the module docstring); ``uniforms``
     as in ``draw``."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if greedy:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
-    else:
-        kept = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-        logprobs = torch.log_softmax(kept, dim=-1)
-        tokens = draw(logprobs.exp(), generator, uniforms)
+    logprobs = next_token_logprobs(logits, sampling, greedy)
+    # Greedy: the arg-max of the logits themselves (log_softmax could round two apart into a tie).
+    tokens = logits.argmax(dim=-1) if greedy else draw(logprobs.exp(), generator, uniforms)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -163,6 +170,10 @@ class Samples:
     truncated: torch.Tensor  # [B] bool
     # [B, S + T, layers, k] (``record_routes``): the experts each token was routed to.
     routed_experts: torch.Tensor | None = None
+    # With ``sampling.first_token_logprobs`` k > 0: the k most likely first response tokens of
+    # each row ([B, k], most likely first) and their log-probs, as ``next_token_logprobs``.
+    first_top_ids: torch.Tensor | None = None
+    first_top_logprobs: torch.Tensor | None = None
 
 
 class Decoder(Protocol):
@@ -334,14 +345,16 @@ def _sample(
     device = next(model.parameters()).device
     batch, width = input_ids.shape
     lengths = input_lengths.to(torch.long).cpu()
+    top_k = sampling.first_token_logprobs
     if batch == 0:
         empty = torch.zeros(0, width, dtype=input_ids.dtype)
         routed = None
         if recorder is not None:  # as many layers and experts as a full batch's
             shape = (0, width, len(recorder.routers), int(recorder.routers[0].top_k))
             routed = torch.zeros(shape, dtype=ROUTE_DTYPE)
+        top = (torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k)) if top_k else ()
         return Samples(
-            empty, empty.float(), lengths.clone(), torch.zeros(0, dtype=torch.bool), routed
+            empty, empty.float(), lengths.clone(), torch.zeros(0, dtype=torch.bool), routed, *top
         )
     if int(lengths.min()) < 1:
         raise ValueError("every prompt needs at least one token (input_lengths >= 1)")
@@ -381,6 +394,10 @@ def _sample(
     if row_seeds is not None and len(row_seeds) != batch:
         raise ValueError(f"{len(row_seeds)} row seeds for a batch of {batch} rows")
     streams = RowStreams(row_seeds) if row_seeds is not None and not greedy else None
+    first_top = None
+    if top_k:  # every row is still in the batch, in order, at the first step
+        values, ids = next_token_logprobs(logits, sampling, greedy).topk(top_k, dim=-1)
+        first_top = (ids.cpu(), values.float().cpu())
     steps = 0
     for step in range(sampling.max_new_tokens):
         steps = step + 1
@@ -439,4 +456,4 @@ def _sample(
             routed[i, :n] = prompt_routes[row_of[i], width - n :]
             # The last response token was never fed (see ``sample``).
             routed[i, n : n + g - 1] = gen_routes[i, : max(g - 1, 0)]
-    return Samples(output_ids, logprobs, gen_lengths, ~done.cpu(), routed)
+    return Samples(output_ids, logprobs, gen_lengths, ~done.cpu(), routed, *(first_top or ()))

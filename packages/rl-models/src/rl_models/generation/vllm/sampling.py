@@ -10,7 +10,7 @@ vLLM otherwise also stops on the EOS ids listed in ``generation_config.json``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,8 @@ def sampling_kwargs(
         "stop_token_ids": list(stop_ids),
         "ignore_eos": True,  # stop only on our stop_token_ids (not generation_config's EOS)
         "include_stop_str_in_output": True,
-        "logprobs": 0,  # the sampled token's log-prob only
+        # The sampled token's log-prob, and the k most likely tokens' where they are asked for.
+        "logprobs": config.first_token_logprobs,
         "detokenize": bool(stop),  # text is needed only to find stop strings
         "skip_special_tokens": False,
         "seed": seed,
@@ -73,6 +74,16 @@ class Response:
     token_ids: list[int]
     logprobs: list[float]
     truncated: bool  # finish_reason == "length"
+    # The most likely first tokens and their log-probs, most likely first (first_token_logprobs).
+    first_top: tuple[tuple[int, float], ...] = ()
+
+
+def most_likely(step: Mapping[int, Any], k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` most likely ``(token, log-prob)`` of one position's vLLM log-probs (a dict of
+    token id to ``Logprob``: the top ones asked for, and the sampled token even when it is not
+    among them)."""
+    ranked = sorted(step.items(), key=lambda item: item[1].logprob, reverse=True)
+    return tuple((int(token), float(lp.logprob)) for token, lp in ranked[:k])
 
 
 def prompts_of(data: BatchedDataDict) -> list[list[int]]:
@@ -87,8 +98,11 @@ def assemble(
     input_lengths: torch.Tensor,
     responses: Sequence[Response],
     pad_token_id: int,
+    first_token_logprobs: int = 0,
 ) -> BatchedDataDict:
-    """The generate() result (see ``rl_models.generation.interfaces``) of one batch."""
+    """The generate() result (see ``rl_models.generation.interfaces``) of one batch; with
+    ``first_token_logprobs`` k > 0, each response's ``first_top`` as ``first_token_top_ids`` /
+    ``first_token_top_logprobs`` (a row with fewer than k: id -1, log-prob -inf after them)."""
     batch, width = input_ids.shape
     gen_lengths = torch.tensor([len(r.token_ids) for r in responses], dtype=torch.long)
     total = width + int(gen_lengths.max()) if len(responses) else width
@@ -99,10 +113,19 @@ def assemble(
         end = n + len(response.token_ids)
         output_ids[row, n:end] = torch.tensor(response.token_ids, dtype=input_ids.dtype)
         logprobs[row, n:end] = torch.tensor(response.logprobs, dtype=torch.float32)
-    return BatchedDataDict(
+    out = BatchedDataDict(
         output_ids=output_ids,
         generation_lengths=gen_lengths,
         unpadded_sequence_lengths=input_lengths.to(torch.long) + gen_lengths,
         logprobs=logprobs,
         truncated=torch.tensor([r.truncated for r in responses], dtype=torch.bool),
     )
+    if first_token_logprobs:
+        k = first_token_logprobs
+        top_ids = torch.full((batch, k), -1, dtype=torch.long)
+        top_logprobs = torch.full((batch, k), float("-inf"), dtype=torch.float32)
+        for row, response in enumerate(responses):
+            for j, (token, logprob) in enumerate(response.first_top[:k]):
+                top_ids[row, j], top_logprobs[row, j] = token, logprob
+        out["first_token_top_ids"], out["first_token_top_logprobs"] = top_ids, top_logprobs
+    return out

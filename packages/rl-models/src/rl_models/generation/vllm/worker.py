@@ -50,6 +50,7 @@ from rl_models.generation.vllm.extension import bucket_to_wire
 from rl_models.generation.vllm.sampling import (
     Response,
     assemble,
+    most_likely,
     prompts_of,
     request_kwargs,
 )
@@ -214,13 +215,23 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
                 return int(pad)
         return 0
 
-    @staticmethod
-    def _response(completion: Any) -> Response:
+    def _response(self, completion: Any) -> Response:
         ids = list(completion.token_ids)
         logprobs = [
             step[token].logprob for step, token in zip(completion.logprobs, ids, strict=True)
         ]
-        return Response(ids, logprobs, completion.finish_reason == "length")
+        k = self.sampling.first_token_logprobs
+        first_top = most_likely(completion.logprobs[0], k) if k and ids else ()
+        return Response(ids, logprobs, completion.finish_reason == "length", first_top)
+
+    def _assemble(self, data: BatchedDataDict, responses: list) -> BatchedDataDict:
+        return assemble(
+            data["input_ids"],
+            data["input_lengths"],
+            responses,
+            self.pad_token_id(),
+            self.sampling.first_token_logprobs,
+        )
 
     def generate(
         self,
@@ -233,11 +244,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         self._check_version(expected_weight_version)
         self._check_awake()
         if data.size == 0:
-            return assemble(data["input_ids"], data["input_lengths"], [], self.pad_token_id())
+            return self._assemble(data, [])
         responses: list[Response | None] = [None] * data.size
         for row, response in self._stream(data, greedy):
             responses[row] = response
-        return assemble(data["input_ids"], data["input_lengths"], responses, self.pad_token_id())
+        return self._assemble(data, responses)
 
     # -- streams (``streaming.VllmStreamingSampler``) ----------------------------------------
     # (The worker host calls methods synchronously and cannot be a Ray streaming generator, so
@@ -317,10 +328,10 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
                 if isinstance(result, RequestAbortedError):
                     raise result
                 raise RuntimeError(f"vLLM failed on row {row} of the batch") from result
-        pad, samples = self.pad_token_id(), {}
+        samples = {}
         for row, result, version, cached in items:
             one = stream.data.select_indices([row])
-            sample = assemble(one["input_ids"], one["input_lengths"], [result], pad)
+            sample = self._assemble(one, [result])
             sample["weight_version_min"] = torch.tensor([stream.version])
             sample["weight_version_max"] = torch.tensor([version])
             sample["prefix_cached_tokens"] = torch.tensor([cached])

@@ -1,0 +1,208 @@
+"""An LLM judge as an RL actor (``env.<task>.kind: judge``): a tiny float64 Llama judges on the
+HF generator, in its own worker group, behind a real Ray environment actor.
+
+The judge's answers are known in advance from an independent float64 forward pass of the same
+model over the rubric as the test writes it out (``str.format``, the tokenizer): its vocabulary
+is half ``<score>i</score>`` words and half plain words, so its greedy one-token answer is a
+score in range, a score out of range, or no score at all, each checked against that reference.
+"""
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from rl_algorithms.environments import EnvSpec, environment_class, stop_environments
+from rl_algorithms.judge import JudgeEnvironment, Judgement
+from rl_algorithms.rollout_result import RolloutResult
+from rl_distributed.config import ConfigError
+
+from .conftest import TINY_LLAMA
+
+SCORES = 64  # ids 0..63 are "<score>i</score>", 64..127 the words "w0".."w63"
+WORDS = [f"<score>{i}</score>" for i in range(SCORES)] + [f"w{i}" for i in range(SCORES)]
+RUBRIC = "w10 {prompt} w11 {response} w12 {ground_truth} w13"
+SCALE_MAX = 20  # scores 21..63 are out of the rubric's range
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("judge")
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="w0", pad_token="w0", eos_token="w63"
+    )
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(3)
+    hf = {**TINY_LLAMA, "vocab_size": len(WORDS)}
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(hf.pop("model_type"), **hf), dtype=torch.float64
+    )
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # far from uniform: no near-ties for the argmax
+    model.save_pretrained(path)
+    return path, tokenizer, model
+
+
+def samples(n: int) -> tuple[list, list]:
+    logs, metadata = [], []
+    for i in range(n):
+        prompt = f"w{20 + i % 7} w{30 + i % 5}"
+        response = f"w{40 + i} w{50 + (3 * i) % 13}"
+        logs.append(
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        )
+        metadata.append({"ground_truth": f"w{i % 3 + 1}"})
+    return logs, metadata
+
+
+def reference_logprobs(judge_dir, logs, metadata) -> torch.Tensor:
+    """log P(first answer token) per sample, [B, V], from one uncached float64 forward each."""
+    _, tokenizer, model = judge_dir
+    rows = []
+    for log, meta in zip(logs, metadata, strict=True):
+        text = RUBRIC.format(prompt=log[0]["content"], response=log[1]["content"], **meta)
+        ids = torch.tensor(tokenizer(text)["input_ids"])
+        with torch.no_grad():
+            rows.append(torch.log_softmax(model(ids[None]).logits[0, -1], -1))
+    return torch.stack(rows)
+
+
+def judge_spec(path, parse) -> EnvSpec:
+    config = {
+        "model": {"path": str(path), "dtype": "float64"},
+        "rubric": RUBRIC,
+        "parse": parse,
+        "generation": {"backend": "hf"},
+        "max_new_tokens": 1,
+    }
+    return EnvSpec(kind="judge", config=config)
+
+
+def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscored(
+    ray_session, judge_dir
+):
+    """score_in_tag behind a Ray environment actor; yes_probability on a judge built in this
+    process (the same class: one actor's start-up less for the 2-core CI machine), both on
+    generation workers of their own."""
+    path = judge_dir[0]
+    yes, no = ["w61", "w9"], ["w46"]
+    cls, tag_config = environment_class(
+        "tagged", judge_spec(path, {"rule": "score_in_tag", "min": 0, "max": SCALE_MAX})
+    )
+    _, yn_config = environment_class(
+        "yes_no",
+        judge_spec(
+            path, {"rule": "yes_probability", "yes_tokens": yes, "no_tokens": no, "top_k": 8}
+        ),
+    )
+    actor = cls.as_actor(tag_config)  # starts while the in-process judge starts
+    in_process = JudgeEnvironment(yn_config)
+    logs, metadata = samples(12)
+    try:
+        tagged = ray.get(actor.step.remote(logs, metadata), timeout=120)
+        _, tag_metrics = ray.get(
+            actor.global_post_process_and_metrics.remote({"rewards": tagged.rewards})
+        )
+        yes_no = in_process.step(logs, metadata)
+        _, yn_metrics = in_process.global_post_process_and_metrics({"rewards": yes_no.rewards})
+        # A judge call past timeout_s: every sample unscored and counted as a timeout; the
+        # next call (waiting for the workers to finish that one) judges as before.
+        in_process.cfg.timeout_s = 1e-4
+        late = in_process.step(logs[:3], metadata[:3])
+        _, late_metrics = in_process.global_post_process_and_metrics({"rewards": late.rewards})
+        in_process.cfg.timeout_s = 120
+        again = in_process.step(logs, metadata)
+    finally:
+        stop_environments({"tagged": actor})
+        in_process.shutdown()
+
+    reference = reference_logprobs(judge_dir, logs, metadata)
+    # score_in_tag: the greedy token is the answer; its word says what the score is.
+    kinds = set()
+    for i, token in enumerate(reference.argmax(-1).tolist()):
+        in_range = token < SCORES and token <= SCALE_MAX
+        kinds.add("scored" if in_range else "out of range" if token < SCORES else "no tag")
+        assert bool(tagged.unscored[i]) == (not in_range), (i, WORDS[token])
+        assert float(tagged.rewards[i]) == pytest.approx(
+            token / SCALE_MAX if in_range else 0.0, abs=1e-7
+        )
+        assert WORDS[token] in tagged.answers[i]  # the judge's text goes to the sample's log
+    assert kinds == {"scored", "out of range", "no tag"}, kinds  # each outcome was exercised
+    unscored = int(tagged.unscored.sum())
+    assert tag_metrics["unparsable"] == unscored and tag_metrics["samples"] == 12
+    assert tag_metrics["timeouts"] == 0
+
+    # yes_probability: P(yes) / (P(yes) + P(no)) over the 8 most likely first tokens.
+    yes_ids, no_ids = ([WORDS.index(w) for w in side] for side in (yes, no))
+    top = reference.topk(8, dim=-1)
+    scored = 0
+    for i in range(len(logs)):
+        kept = dict(zip(top.indices[i].tolist(), top.values[i].exp().tolist(), strict=True))
+        p_yes = sum(kept.get(t, 0.0) for t in yes_ids)
+        p_no = sum(kept.get(t, 0.0) for t in no_ids)
+        if p_yes + p_no == 0:
+            assert yes_no.unscored[i], i
+            continue
+        scored += 1
+        assert not yes_no.unscored[i]
+        assert float(yes_no.rewards[i]) == pytest.approx(p_yes / (p_yes + p_no), abs=1e-6)
+    assert 0 < scored < len(logs), scored  # both outcomes were exercised
+    assert yn_metrics["unparsable"] == len(logs) - scored
+    assert math.isclose(yn_metrics["reward_mean"], float(yes_no.rewards.double().mean()))
+    assert late.unscored.all() and "over timeout_s=0.0001" in late.answers[0]
+    assert (late_metrics["timeouts"], late_metrics["unparsable"]) == (3, 0)
+    assert torch.equal(again.rewards, yes_no.rewards)
+    assert torch.equal(again.unscored, yes_no.unscored)
+
+
+def test_the_judge_config_is_checked_with_the_recipe_naming_its_keys(judge_dir):
+    path = judge_dir[0]
+    cls, cfg = environment_class("qa", judge_spec(path, {"rule": "score_in_tag"}))
+    assert cls.required_metadata_for(cfg) == ("ground_truth",)
+    with pytest.raises(ConfigError, match=r"env\.qa\.config\.parse.*yes_or_no"):
+        environment_class("qa", judge_spec(path, {"rule": "yes_or_no"}))
+    spec = judge_spec(path, {"rule": "score_in_tag"})
+    spec.config["rubric"] = "{prompt} {response:>9}"
+    with pytest.raises(ConfigError, match=r"env\.qa\.config\.rubric.*\{response:>9\}"):
+        environment_class("qa", spec)
+
+
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guides" / "llm-judges.md"
+
+
+def test_the_guides_recipe_is_a_valid_judge():
+    (recipe,) = re.findall(r"```yaml\n(.*?)```", GUIDE.read_text(), flags=re.S)
+    cls, cfg = environment_class("qa", EnvSpec(**yaml.safe_load(recipe)["env"]["qa"]))
+    assert cls is JudgeEnvironment and cls.required_metadata_for(cfg) == ("ground_truth",)
+    assert cfg.generator_config().sampling.max_new_tokens == 256
+    assert cfg.generator_config().backend == "vllm" and not cfg.generator_config().colocated
+
+
+def test_the_judges_verdict_is_logged_with_the_sample():
+    verdicts = [Judgement("Fine. <score>8</score>", 0.8), Judgement("Hm.", None, "no <score>")]
+    user = {"role": "user", "content": "q"}
+    result = RolloutResult(
+        message_logs=[
+            [user, {"role": "assistant", "content": a, "token_loss_mask": 1}] for a in "ab"
+        ]
+        + [[user]],
+        rewards=torch.tensor([0.8, 0.0, 0.0]),
+        truncated=torch.zeros(3, dtype=torch.bool),
+        terminated=torch.ones(3, dtype=torch.bool),
+        turns=torch.ones(3, dtype=torch.long),
+        env_metadata=[None] * 3,
+        answers=[v.summary() for v in verdicts] + [None],
+    )
+    logged = result.samples(3)
+    assert logged[0]["answer"] == "score 0.8 | judge: Fine. <score>8</score>"
+    assert logged[1]["answer"] == "no score: no <score> | judge: Hm."
+    assert "answer" not in logged[2]  # an environment that extracted nothing adds no column
+    assert [s["completion"] for s in logged[:2]] == ["a", "b"]
