@@ -432,3 +432,57 @@ def test_a_body_over_the_size_limit_is_refused_with_413(server, tokenizer, templ
             assert "agent_program.max_request_bytes" in response.json()["error"]["message"]
     with episodes_of(server, tokenizer, [template], max_request_bytes=len(body)) as [url]:
         assert httpx.post(url, content=body).status_code == 200
+
+
+class EveryAnswerRight(FinalAnswerEnv):
+    """Scores every final conversation 1 (a failed episode is scored 0 before it gets here)."""
+
+    def step(self, message_log_batch, metadata):
+        returned = super().step(message_log_batch, metadata)
+        return returned._replace(rewards=torch.ones(len(message_log_batch)))
+
+
+def test_rl_eval_plays_its_samples_through_the_agent_program(server, tokenizer, template, tmp_path):
+    from rl_algorithms.eval import MasterConfig, evaluate
+    from rl_algorithms.run import Run
+    from rl_algorithms.utils.logger import Logger, LoggerConfig
+
+    samples = tmp_path / "samples.jsonl"
+    config = MasterConfig.model_validate(
+        {
+            "model": {"path": "unused: the generator is a test double"},
+            "tokenizer": {"path": "unused"},
+            "env": {"task": {"kind": "math"}},
+            "data": {"dataset": {"source": "arithmetic"}},
+            "eval": {
+                "num_tests_per_prompt": 2,
+                "output_file": str(samples),
+                "agent_program": {"function": f"{PROGRAMS}:misbehave"},
+            },
+        }
+    )
+    rows = [{"behaviour": "good"}, {"behaviour": "never_calls"}]
+    run = Run(
+        name="eval",
+        config=config,
+        tokenizer=tokenizer,
+        template=template,
+        train_loader=[prompts(tokenizer, template, rows)],  # type: ignore[arg-type]
+        val_loader=None,
+        logger=Logger(LoggerConfig(log_dir=str(tmp_path / "logs"), progress_bar=False)),
+        checkpointer=None,
+        clusters=[],
+        total_steps=0,
+        generation=RandomTokenGeneration(tokenizer),
+        envs={"task": EveryAnswerRight()},
+        agent_endpoint=server,
+    )
+    metrics = evaluate(run)
+    # The good program's two samples are right; the one that never calls the model fails.
+    assert metrics["pass@1"] == 0.5 and metrics["num_samples"] == 4
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    good = [r for r in records if r["prompt_idx"] == 0]
+    assert [r["correct"] for r in good] == [True, True]
+    # Its response is the program's conversation: its second request's own user turn in it.
+    assert all("Once more." in r["response"] for r in good)
+    assert [r["correct"] for r in records if r["prompt_idx"] == 1] == [False, False]
