@@ -486,3 +486,49 @@ def test_rl_eval_plays_its_samples_through_the_agent_program(server, tokenizer, 
     # Its response is the program's conversation: its second request's own user turn in it.
     assert all("Once more." in r["response"] for r in good)
     assert [r["correct"] for r in records if r["prompt_idx"] == 1] == [False, False]
+
+
+def test_a_stopped_rollout_kills_its_commands_at_once(server, tokenizer, template, tmp_path):
+    # Async GRPO's collector stops a cancelled group's rollout this way (``stop``).
+    import os
+    import sys
+    from concurrent.futures import Future
+
+    pid_file, script = tmp_path / "pid", tmp_path / "hangs.py"
+    script.write_text(
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n"
+    )
+    stop: Future = Future()
+
+    def stop_once_started():
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stop.set_exception(RuntimeError("the group was cancelled"))
+
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="the group was cancelled"):
+        run_program_rollouts(
+            server,
+            AgentProgramConfig(command=f"{sys.executable} {script}"),  # cut at 300 s
+            RandomTokenGeneration(tokenizer),
+            prompts(tokenizer, template, [{}]),
+            tokenizer,
+            template,
+            {"task": FinalAnswerEnv()},
+            max_seq_len=256,
+            temperature=1.0,
+            top_p=1.0,
+            stop=stop,
+        )
+    assert time.monotonic() - began < 60  # not its 300 s deadline
+    pid, deadline = int(pid_file.read_text()), time.monotonic() + 10
+    while time.monotonic() < deadline:  # killed (and reaped) at once
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the command (pid {pid}) is still running")
