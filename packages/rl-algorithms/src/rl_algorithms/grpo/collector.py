@@ -1,10 +1,9 @@
 """The trajectory collector of asynchronous GRPO: a Ray actor that keeps the generator busy.
 
-Each prompt group (G episodes of one prompt) runs in a thread of its own through the agent
-loop that sync GRPO uses (``agent_loop.run_agent_loop``: multi-turn, tools, every episode at its
-own pace) or, with ``agent_program``, through programs calling the collector's OpenAI-compatible
-endpoint (``agent_programs``); its turns (the endpoint's requests) are generated on the streaming
-engines (``turn_streams.StreamedGeneration``); it is ``finished`` when its G episodes end.
+Each prompt group (G episodes of one prompt) runs in a thread of its own, through sync GRPO's
+agent loop (``agent_loop.run_agent_loop``: multi-turn, tools, each episode at its own pace) or
+programs calling the collector's OpenAI-compatible endpoint (``agent_program``); its turns (or
+requests) are generated on the streaming engines (``turn_streams.StreamedGeneration``).
 One thread, the collector's loop, makes every engine call::
 
     admit groups while the trainer can still train on them in time (below)
