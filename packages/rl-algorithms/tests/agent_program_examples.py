@@ -1,8 +1,11 @@
-"""Agent programs for test_agent_programs.py, loaded as agent_program.function (by path): a
-good one, a tool user, and each way a program can go wrong, chosen by the row's ``behaviour``."""
+"""Agent programs for test_agent_programs.py and the collector's tests, loaded as
+agent_program.function (by path): a good one, a tool user, and each way a program can go wrong,
+chosen by the row's ``behaviour``."""
 
 import json
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -154,3 +157,35 @@ def outgrows_the_context(base_url, row):
     first = _answered(api, messages, {"role": "user", "content": "Solve this " * 400})
     refusal = refused(lambda: api.chat.completions.create(model="p", messages=messages))
     return {"refusal": refusal, "seen": [first]}
+
+
+def talks_and_reports_errors(base_url, row):
+    """``talk``; an error the endpoint answers instead is appended to ``row["report"]`` (one
+    JSON line: status and message), then raised."""
+    try:
+        return talk(base_url, row)
+    except openai.APIStatusError as e:
+        with open(row["report"], "a") as f:
+            f.write(json.dumps({"status": e.status_code, "message": e.message}) + "\n")
+        raise
+
+
+_episodes_started = Counter()  # per report file: episodes of the row started in this process
+_counting = threading.Lock()
+
+
+def hangs_the_first_time(base_url, row):
+    """The first ``row["hangs"]`` episodes of the row ask once, then hang in their own code
+    until the file ``<report>.release`` exists, then ask again (``talks_and_reports_errors``);
+    later episodes talk."""
+    with _counting:
+        _episodes_started[row["report"]] += 1
+        hangs = _episodes_started[row["report"]] <= row["hangs"]
+    if not hangs:
+        return talk(base_url, row)
+    client(base_url).chat.completions.create(model="policy", messages=row["messages"])
+    release = Path(row["report"] + ".release")
+    deadline = time.monotonic() + 60
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return talks_and_reports_errors(base_url, row)

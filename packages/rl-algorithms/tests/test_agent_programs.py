@@ -432,3 +432,103 @@ def test_a_body_over_the_size_limit_is_refused_with_413(server, tokenizer, templ
             assert "agent_program.max_request_bytes" in response.json()["error"]["message"]
     with episodes_of(server, tokenizer, [template], max_request_bytes=len(body)) as [url]:
         assert httpx.post(url, content=body).status_code == 200
+
+
+class EveryAnswerRight(FinalAnswerEnv):
+    """Scores every final conversation 1 (a failed episode is scored 0 before it gets here)."""
+
+    def step(self, message_log_batch, metadata):
+        returned = super().step(message_log_batch, metadata)
+        return returned._replace(rewards=torch.ones(len(message_log_batch)))
+
+
+def test_rl_eval_plays_its_samples_through_the_agent_program(server, tokenizer, template, tmp_path):
+    from rl_algorithms.eval import MasterConfig, evaluate
+    from rl_algorithms.run import Run
+    from rl_algorithms.utils.logger import Logger, LoggerConfig
+
+    samples = tmp_path / "samples.jsonl"
+    config = MasterConfig.model_validate(
+        {
+            "model": {"path": "unused: the generator is a test double"},
+            "tokenizer": {"path": "unused"},
+            "env": {"task": {"kind": "math"}},
+            "data": {"dataset": {"source": "arithmetic"}},
+            "eval": {
+                "num_tests_per_prompt": 2,
+                "output_file": str(samples),
+                "agent_program": {"function": f"{PROGRAMS}:misbehave"},
+            },
+        }
+    )
+    rows = [{"behaviour": "good"}, {"behaviour": "never_calls"}]
+    run = Run(
+        name="eval",
+        config=config,
+        tokenizer=tokenizer,
+        template=template,
+        train_loader=[prompts(tokenizer, template, rows)],  # type: ignore[arg-type]
+        val_loader=None,
+        logger=Logger(LoggerConfig(log_dir=str(tmp_path / "logs"), progress_bar=False)),
+        checkpointer=None,
+        clusters=[],
+        total_steps=0,
+        generation=RandomTokenGeneration(tokenizer),
+        envs={"task": EveryAnswerRight()},
+        agent_endpoint=server,
+    )
+    metrics = evaluate(run)
+    # The good program's two samples are right; the one that never calls the model fails.
+    assert metrics["pass@1"] == 0.5 and metrics["num_samples"] == 4
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    good = [r for r in records if r["prompt_idx"] == 0]
+    assert [r["correct"] for r in good] == [True, True]
+    # Its response is the program's conversation: its second request's own user turn in it.
+    assert all("Once more." in r["response"] for r in good)
+    assert [r["correct"] for r in records if r["prompt_idx"] == 1] == [False, False]
+
+
+def test_a_stopped_rollout_kills_its_commands_at_once(server, tokenizer, template, tmp_path):
+    # Async GRPO's collector stops a cancelled group's rollout this way (``stop``).
+    import os
+    import sys
+    from concurrent.futures import Future
+
+    pid_file, script = tmp_path / "pid", tmp_path / "hangs.py"
+    script.write_text(
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n"
+    )
+    stop: Future = Future()
+
+    def stop_once_started():
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stop.set_exception(RuntimeError("the group was cancelled"))
+
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="the group was cancelled"):
+        run_program_rollouts(
+            server,
+            AgentProgramConfig(command=f"{sys.executable} {script}"),  # cut at 300 s
+            RandomTokenGeneration(tokenizer),
+            prompts(tokenizer, template, [{}]),
+            tokenizer,
+            template,
+            {"task": FinalAnswerEnv()},
+            max_seq_len=256,
+            temperature=1.0,
+            top_p=1.0,
+            stop=stop,
+        )
+    assert time.monotonic() - began < 60  # not its 300 s deadline
+    pid, deadline = int(pid_file.read_text()), time.monotonic() + 10
+    while time.monotonic() < deadline:  # killed (and reaped) at once
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the command (pid {pid}) is still running")

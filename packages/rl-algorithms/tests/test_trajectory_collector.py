@@ -9,17 +9,20 @@ requeue limit stops a run); a prompt too long to generate from carries the
 engine's weight version; running out of prompts, a killed collector and a wedged engine each
 raise in the trainer, naming the collector (and the engine), instead of leaving it waiting; a
 drain lets no generation start until the refit after it ends; a checkpoint holds every prompt
-drawn but not yet handed over.
+drawn but not yet handed over; agent programs play their groups through the endpoint the
+collector actor serves, and a hung one's group is cut and generated again.
 """
 
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
+from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.grpo.async_loop import Trajectories
 from rl_algorithms.grpo.collector_client import CollectorClient, CollectorError
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer
@@ -509,3 +512,39 @@ def test_a_resume_keeps_the_buffer_and_every_prompt_and_regenerates_what_was_in_
     used = [g.prompt["idx"][0] for g in trained] + [i for i, _ in saved]
     used += [g.prompt["idx"][0] for g in after]
     assert sorted(used) == list(range(8))  # none lost, none doubled
+
+
+def test_agent_programs_play_in_the_collector_actor_and_a_hung_group_is_requeued(
+    tokenizer, template
+):
+    # The program's first request goes into the first stream, which hangs. (A good group takes
+    # a second or two; 30 s leaves room for a machine under load.)
+    talk = f"{Path(__file__).with_name('agent_program_examples.py')}:talk"
+    program = AgentProgramConfig(function=talk)
+    client, engine = start(
+        tokenizer,
+        template,
+        4,
+        hang_first=True,
+        name="c-programs",
+        max_group_seconds=30.0,
+        agent_program=program,
+        sampling=(1.0, 1.0),
+    )
+    try:
+        groups, reply = take_all(client)
+    finally:
+        client.stop()
+    assert ray.get(engine.get_cancelled.remote()) == ["s0"] and reply.requeued_groups == 1
+    assert sorted(g.prompt["idx"][0] for g in groups) == [0, 1, 2, 3]
+    assert sorted(g.requeues for g in groups) == [0, 0, 0, 1]
+    reply_ids = [*tokenizer.encode("<action>right</action>", add_special_tokens=False)]
+    reply_ids.append(tokenizer.eos_token_id)
+    for g in groups:
+        assert g.result.end_reasons == ["agent_returned"] * G
+        assert g.version_min.tolist() == g.version_max.tolist() == [3] * G
+        for log in g.result.message_logs:  # the program's two turns, as the engine sampled them
+            turns = [m for m in log if "token_loss_mask" in m]
+            trained = [m["token_ids"][m["token_loss_mask"].bool()].tolist() for m in turns]
+            assert trained == [reply_ids, reply_ids]
+            assert all(bool(m["generation_versions"].eq(3).all()) for m in turns)

@@ -3,8 +3,9 @@
     rl eval --config examples/configs/eval_cpu.yaml checkpoint=results/sft/checkpoints
 
 Each prompt is answered ``eval.num_tests_per_prompt`` (n) times by the generator; the
-environment of its task scores every answer (rollouts as in GRPO, possibly multi-turn). A
-sample is correct when its reward reaches ``eval.success_threshold``. Per prompt with c correct
+environment of its task scores every answer (rollouts as in GRPO, possibly multi-turn, or
+played by an agent program of your own, ``eval.agent_program``, as ``grpo.agent_program`` plays
+GRPO's). A sample is correct when its reward reaches ``eval.success_threshold``. Per prompt with c correct
 of n, pass@k is the unbiased estimate ``1 - C(n-c, k) / C(n, k)`` (``rl_envs.metrics``), averaged
 over prompts. Majority vote takes, per prompt, the answer the environment extracted most often
 (ties: the one seen first) and counts the prompt correct when that answer was scored correct.
@@ -24,6 +25,7 @@ from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.config import ClusterConfig, TokenizerConfig, recipe_path
 from rl_algorithms.environments import EnvSection
 from rl_algorithms.grpo.config import GRPOGenerationConfig
@@ -45,6 +47,9 @@ class EvalConfig(ConfigModel):
     prompts_per_batch: int = Field(8, ge=1)  # prompts per generate call (x n rows)
     # Turns per rollout (more for multi-turn environments).
     max_rollout_turns: int = Field(1, ge=1)
+    # Each sample played by an agent program of your own through an OpenAI-compatible
+    # endpoint (the keys of grpo.agent_program); null: the agent loop.
+    agent_program: AgentProgramConfig | None = None
     max_total_sequence_length: int = Field(2048, ge=2)  # prompt + all turns
     success_threshold: float = 1.0  # reward >= this: correct
     # Greedy decoding instead of sampling.
@@ -203,6 +208,7 @@ def setup(config: MasterConfig) -> Run:
 
 def evaluate(run: Run) -> dict[str, float]:
     """Sample, score and summarise every prompt; logs ``eval/*`` at step 0."""
+    from rl_algorithms.agent_programs.programs import rollout_through_programs
     from rl_algorithms.rollouts import run_rollouts
 
     cfg = run.config.eval
@@ -214,16 +220,25 @@ def evaluate(run: Run) -> dict[str, float]:
         with run.logger.timer("generation"):
             run.generation.prepare_for_generation()
             try:
-                result = run_rollouts(
-                    run.generation,
-                    prompts.repeat_interleave(n),
-                    run.tokenizer,
-                    run.template,
-                    run.envs,
-                    max_seq_len=cfg.max_total_sequence_length,
-                    max_turns=cfg.max_rollout_turns,
-                    greedy=cfg.greedy,
-                )
+                if cfg.agent_program is not None:
+                    result = rollout_through_programs(
+                        run,
+                        cfg.agent_program,
+                        prompts.repeat_interleave(n),
+                        max_seq_len=cfg.max_total_sequence_length,
+                        greedy=cfg.greedy,
+                    )
+                else:
+                    result = run_rollouts(
+                        run.generation,
+                        prompts.repeat_interleave(n),
+                        run.tokenizer,
+                        run.template,
+                        run.envs,
+                        max_seq_len=cfg.max_total_sequence_length,
+                        max_turns=cfg.max_rollout_turns,
+                        greedy=cfg.greedy,
+                    )
             finally:
                 run.generation.finish_generation()
         correct = (result.rewards >= cfg.success_threshold).tolist()

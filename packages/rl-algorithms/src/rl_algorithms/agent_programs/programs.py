@@ -27,12 +27,12 @@ import logging
 import os
 import shlex
 import subprocess
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
+from rl_algorithms.agent_loop import StepGate
 from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.agent_programs.server import EndpointServer, Episode, GenerationBatcher
 from rl_algorithms.agent_programs.trajectories import (
@@ -44,6 +44,7 @@ from rl_algorithms.agent_programs.trajectories import (
 from rl_algorithms.environment_calls import rows_by_task, step_environments
 from rl_algorithms.episodes import Episodes
 from rl_algorithms.rollout_result import RolloutResult
+from rl_algorithms.utils.threads import start_thread
 from rl_data.templates import ChatTemplate
 from rl_data.types import STRING_PROMPT_KEY, TOOLS_KEY
 from rl_distributed.batched_data_dict import BatchedDataDict
@@ -72,42 +73,35 @@ def _run_function(function: Any, base_url: str, row: dict, seconds: float) -> An
     return function(base_url, row)
 
 
-def _run_command(command: str, base_url: str, row: dict, seconds: float) -> Any:
+def _run_command(
+    command: str, base_url: str, row: dict, seconds: float, started: list[subprocess.Popen]
+) -> Any:
+    """The command's result; its process is added to ``started`` (the rollout kills it if it
+    stops early)."""
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "rl-agent-endpoint"}
+    process = subprocess.Popen(
+        shlex.split(command),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    started.append(process)
     try:
-        done = subprocess.run(
-            shlex.split(command),
-            input=json.dumps(row),
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=seconds,  # killed then
-        )
+        stdout, stderr = process.communicate(json.dumps(row), timeout=seconds)
     except subprocess.TimeoutExpired as e:
+        process.kill()  # killed then
+        process.communicate()
         raise TimeoutError(f"agent_program.command ran past {seconds:g} s") from e
-    if done.returncode != 0:
+    if process.returncode != 0:
         raise RuntimeError(
-            f"agent_program.command exited with {done.returncode}: {done.stderr[-2000:]}"
+            f"agent_program.command exited with {process.returncode}: {stderr[-2000:]}"
         )
     try:
-        return json.loads(done.stdout)
+        return json.loads(stdout)
     except json.JSONDecodeError:
-        return done.stdout
-
-
-def _start(target: Any, *args: Any) -> Future:
-    """``target(*args)`` on a daemon thread of its own: one that never returns is left
-    behind, never waited for."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(target(*args))
-        except BaseException as e:
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="agent-program", daemon=True).start()
-    return future
+        return stdout
 
 
 def run_program_rollouts(
@@ -125,10 +119,18 @@ def run_program_rollouts(
     greedy: bool = False,
     expected_weight_version: int | None = None,
     with_env_metrics: bool = True,
+    stop: Future | None = None,
+    step_gate: StepGate | None = None,
 ) -> RolloutResult:
     """One episode per row of ``batch`` (``message_log``, ``extra_env_info``, ``task_name``),
     each played by the program through ``server``; the rollout's result, as ``run_rollouts``
-    gives it (see the module docstring)."""
+    gives it (see the module docstring).
+
+    The rollout stops at once when the generator fails or ``stop`` (async GRPO's collector
+    giving up on the group) completes: every episode ends (a request waiting for its reply, and
+    any later one, is refused, so the program sees an error), a command is killed, and the
+    generator's failure, or ``stop``'s exception, is raised. ``step_gate``: the scoring step
+    passes it (the collector's, which validation closes)."""
     n = batch.size
     tasks = list(batch["task_name"])
     rows_by_task(envs, tasks)  # an unknown task fails before any program starts
@@ -153,24 +155,30 @@ def run_program_rollouts(
     late_before = server.late_requests
     started = time.monotonic()
     results: list[Any] = [None] * n
+    processes: list[subprocess.Popen] = []  # the commands started
+    halts = [batcher.failed] if stop is None else [batcher.failed, stop]
     try:
         waiting = list(range(n))
         running: dict[Future, tuple[int, float]] = {}
-        while waiting or running:
+        while (waiting or running) and not any(h.done() for h in halts):
             while waiting and len(running) < config.max_concurrent_episodes:
                 i = waiting.pop(0)
                 url = server.base_url(trajectories[i].episode_id)
                 row = program_row(batch["message_log"][i], batch["extra_env_info"][i])
                 seconds = config.max_episode_seconds
                 future = (
-                    _start(_run_function, function, url, row, seconds)
+                    start_thread("agent-program", _run_function, function, url, row, seconds)
                     if function is not None
-                    else _start(_run_command, config.command, url, row, seconds)
+                    else start_thread(
+                        "agent-program", _run_command, config.command, url, row, seconds, processes
+                    )
                 )
                 running[future] = (i, time.monotonic() + seconds)
             soonest = min(deadline for _, deadline in running.values())
             done, _ = wait(
-                running, timeout=max(0.0, soonest - time.monotonic()), return_when=FIRST_COMPLETED
+                [*running, *halts],
+                timeout=max(0.0, soonest - time.monotonic()),
+                return_when=FIRST_COMPLETED,
             )
             now = time.monotonic()
             for future in [*done, *(f for f, (_, d) in running.items() if d <= now)]:
@@ -182,10 +190,14 @@ def run_program_rollouts(
     finally:
         for t in trajectories:
             t.end()
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
         batcher.close()
         server.unregister([t.episode_id for t in trajectories])
-    if batcher.error is not None:  # the generator's failure is the run's, not the agents'
-        raise batcher.error
+    for halt in halts:  # the generator's failure is the run's, not the agents'
+        if halt.done():
+            raise halt.exception() or RuntimeError("the agent-program rollout was stopped")
     return _scored(
         trajectories,
         results,
@@ -196,6 +208,7 @@ def run_program_rollouts(
         config,
         max_seq_len,
         with_env_metrics,
+        step_gate,
         {
             "agent_program/late_requests": float(
                 sum(t.late_requests for t in trajectories) + server.late_requests - late_before
@@ -209,6 +222,39 @@ def run_program_rollouts(
             "agent_program/seconds": time.monotonic() - started,
             "agent_program/generation_seconds": batcher.seconds,
         },
+    )
+
+
+def rollout_through_programs(
+    run: Any,
+    config: AgentProgramConfig,
+    prompts: BatchedDataDict,
+    *,
+    max_seq_len: int,
+    greedy: bool = False,
+    expected_weight_version: int | None = None,
+    with_env_metrics: bool = True,
+) -> RolloutResult:
+    """``run_program_rollouts`` on a ``Run``'s generator, tokenizer, template, environments
+    and sampling settings, through its endpoint (``run.agent_endpoint``, started on the first
+    call): sync GRPO's rollouts and ``rl eval`` play agent programs here."""
+    if run.agent_endpoint is None:
+        run.agent_endpoint = EndpointServer()
+    sampling = run.config.generation.sampling
+    return run_program_rollouts(
+        run.agent_endpoint,
+        config,
+        run.generation,
+        prompts,
+        run.tokenizer,
+        run.template,
+        run.envs,
+        max_seq_len=max_seq_len,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        greedy=greedy,
+        expected_weight_version=expected_weight_version,
+        with_env_metrics=with_env_metrics,
     )
 
 
@@ -241,6 +287,7 @@ def _scored(
     config: AgentProgramConfig,
     max_seq_len: int,
     with_env_metrics: bool,
+    step_gate: StepGate | None,
     metrics: dict[str, float],
     timings: dict[str, float],
 ) -> RolloutResult:
@@ -260,12 +307,19 @@ def _scored(
     episodes = Episodes(final, tokenizer, template, envs, max_seq_len)
     reasons = [t.end_reason for t in trajectories]
     scored = [i for i in range(n) if reasons[i] not in FAILURES]
-    steps = step_environments(
-        envs,
-        [episodes.logs[i] for i in scored],
-        [episodes.metadata[i] for i in scored],
-        [episodes.tasks[i] for i in scored],
-    )
+    # Held while the gate is closed (validation in async GRPO): the environments' counts
+    # are then validation's alone.
+    token = None if step_gate is None else step_gate.enter(None)
+    try:
+        steps = step_environments(
+            envs,
+            [episodes.logs[i] for i in scored],
+            [episodes.metadata[i] for i in scored],
+            [episodes.tasks[i] for i in scored],
+        )
+    finally:
+        if step_gate is not None:
+            step_gate.leave(token)
     for i, step in zip(scored, steps, strict=True):
         episodes.turns[i] = len(trajectories[i].requests)  # the turn this step scores
         episodes.apply_step(i, step)

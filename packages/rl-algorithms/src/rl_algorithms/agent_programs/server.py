@@ -43,20 +43,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rl_algorithms.agent_programs.trajectories import Refused, Trajectory
-from rl_algorithms.episodes import generation_input
+from rl_algorithms.agent_programs.trajectories import Refused, Sample, Trajectory
+from rl_algorithms.episodes import generation_input, token_versions
 from rl_envs.tools.parsers import parse_tool_calls
 from rl_models.generation.interfaces import GenerationInterface
-
-
-@dataclass
-class Sample:
-    """What the generator sampled for one request."""
-
-    ids: torch.Tensor
-    logprobs: torch.Tensor
-    truncated: bool
-    weight_version: int
 
 
 @dataclass
@@ -68,7 +58,9 @@ class _Waiting:
 
 class GenerationBatcher:
     """Requests wait here; a thread of its own hands every waiting one to the generator in one
-    ``generate`` call whenever the previous call has returned."""
+    ``generate`` call whenever the previous call has returned. The generator's first failure
+    fails every request of its call and every later one, and completes ``failed`` (the
+    rollout stops on it: see ``programs.run_program_rollouts``)."""
 
     def __init__(
         self,
@@ -82,25 +74,33 @@ class GenerationBatcher:
         self.condition = threading.Condition()
         self.waiting: list[_Waiting] = []
         self.closed = False
-        self.error: BaseException | None = None  # the generator's failure: the run's, raised
+        self.failed: Future = Future()  # gets the generator's failure: the run's, raised
         self.call_sizes: list[int] = []
         self.seconds = 0.0
         self.thread = threading.Thread(target=self._serve, name="agent-endpoint-gen", daemon=True)
         self.thread.start()
 
+    @property
+    def error(self) -> BaseException | None:
+        return self.failed.exception() if self.failed.done() else None
+
     def submit(self, prompt: torch.Tensor, stops: list[str] | None) -> Future:
         waiting = _Waiting(prompt, stops)
         with self.condition:
-            if self.closed:
+            if self.closed or self.failed.done():
                 raise Refused("the rollout this episode belongs to is over", status=400)
             self.waiting.append(waiting)
             self.condition.notify()
         return waiting.future
 
     def close(self) -> None:
+        """No more requests; those still waiting are refused (their episodes are over)."""
         with self.condition:
             self.closed = True
+            left, self.waiting = self.waiting, []
             self.condition.notify()
+        for w in left:
+            w.future.set_exception(Refused("the rollout this episode belongs to is over"))
         self.thread.join(timeout=60)
 
     def _serve(self) -> None:
@@ -116,17 +116,22 @@ class GenerationBatcher:
     def _generate(self, batch: list[_Waiting]) -> None:
         started = time.monotonic()
         try:
+            if self.failed.done():
+                raise self.failed.exception()  # type: ignore[misc]
             data = generation_input(
                 [[{"token_ids": w.prompt}] for w in batch],  # type: ignore[misc]
                 [w.stops for w in batch],
                 self.pad_id,
             )
-            version = int(self.generation.weight_version)
             out = self.generation.generate(
                 data, greedy=self.greedy, expected_weight_version=self.expected_weight_version
             )
+            # The weights that sampled each row, as the streaming engines report them; a
+            # generator that reports none was not refitted during its (synchronous) call.
+            version = None if "weight_version_min" in out else int(self.generation.weight_version)
         except BaseException as e:  # every request of the call fails with it; the run raises it
-            self.error = self.error or e
+            if not self.failed.done():
+                self.failed.set_exception(e)
             for w in batch:
                 w.future.set_exception(e)
             return
@@ -134,13 +139,17 @@ class GenerationBatcher:
         self.call_sizes.append(len(batch))
         for row, w in enumerate(batch):
             start, n = len(w.prompt), int(out["generation_lengths"][row])
-            sample = Sample(
-                out["output_ids"][row, start : start + n].to(torch.long),
-                out["logprobs"][row, start : start + n].to(torch.float32),
-                bool(out["truncated"][row]),
-                version,
+            versions = token_versions(out, row, start, n)
+            w.future.set_result(
+                Sample(
+                    out["output_ids"][row, start : start + n].to(torch.long),
+                    out["logprobs"][row, start : start + n].to(torch.float32),
+                    bool(out["truncated"][row]),
+                    int(out["weight_version_min"][row]) if version is None else version,
+                    versions,
+                    int(out["weight_version_max"][row]) if "weight_version_max" in out else None,
+                )
             )
-            w.future.set_result(sample)
 
 
 class ChatRequest(BaseModel):
@@ -351,13 +360,20 @@ class EndpointServer:
         stops = [request.stop] if isinstance(request.stop, str) else request.stop
         try:
             sample: Sample = await asyncio.wrap_future(episode.batcher.submit(prompt, stops))
-        except BaseException:
+        except BaseException as e:
             trajectory.cancel_request()
+            if isinstance(e, Exception) and not isinstance(e, Refused):
+                # The generator failed, or the group this episode belongs to was cancelled
+                # (async GRPO): the program is told, in OpenAI's error form, and its episode
+                # is stopped.
+                raise Refused(
+                    f"episode {episode_id}: no reply was generated, the episode is stopped "
+                    f"({type(e).__name__}: {e})"
+                ) from e
             raise
         limit = _completion_limit(request)
-        ids, logprobs, truncated = sample.ids, sample.logprobs, sample.truncated
-        if limit is not None and len(ids) > limit:
-            ids, logprobs, truncated = ids[:limit], logprobs[:limit], True
+        if limit is not None:
+            sample = sample.cut(limit)
         replies: list[tuple[dict[str, Any], bool]] = []
 
         def reply_of(text: str) -> dict[str, Any]:
@@ -365,16 +381,10 @@ class EndpointServer:
             return replies[-1][0]
 
         logged = await run_in_threadpool(
-            trajectory.close_request,
-            prompt,
-            ids,
-            logprobs,
-            truncated,
-            sample.weight_version,
-            reply_of if chat else None,
+            trajectory.close_request, prompt, sample, reply_of if chat else None
         )
         sampled = logged["token_ids"][logged["token_loss_mask"].bool()]  # cut to the room left
-        truncated = truncated or len(sampled) < len(ids)
+        truncated = sample.truncated or len(sampled) < len(sample.ids)
         usage = {
             "prompt_tokens": len(prompt),
             "completion_tokens": len(sampled),

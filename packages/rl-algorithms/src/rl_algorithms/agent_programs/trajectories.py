@@ -31,7 +31,7 @@ import contextlib
 import json
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -81,6 +81,29 @@ class _Pending:
     conversation: list[dict[str, Any]]
     tools: Tools | None
     completion_text: str | None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What the generator sampled for one request: the ids, their log-probs and, where the
+    generator reports them (async GRPO's streaming engines), each token's weight version and
+    the newest version that took part (a refit may land inside a turn)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    truncated: bool
+    weight_version: int  # the oldest weights that sampled any of its tokens
+    versions: torch.Tensor | None = None  # per token
+    version_max: int | None = None
+
+    def cut(self, n: int) -> Sample:
+        """Its first ``n`` tokens (a reply cut at a limit is truncated)."""
+        if len(self.ids) <= n:
+            return self
+        versions = None if self.versions is None else self.versions[:n]
+        return replace(
+            self, ids=self.ids[:n], logprobs=self.logprobs[:n], truncated=True, versions=versions
+        )
 
 
 @dataclass(frozen=True)
@@ -314,17 +337,15 @@ class Trajectory:
     def close_request(
         self,
         prompt: torch.Tensor,
-        ids: torch.Tensor,
-        logprobs: torch.Tensor,
-        truncated: bool,
-        weight_version: int,
+        sample: Sample,
         reply: Callable[[str], dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Record what was sampled for the open request: its new messages and the sampled
         assistant turn (cut to the room left in ``max_total_sequence_length``) join the log
         together, or, if this raises, neither does. ``reply`` turns a chat turn's text into the
         assistant message returned to the agent (OpenAI's form: what its next request must
-        repeat). The turn's message as it is logged (``content``: the sampled ids' text)."""
+        repeat). The turn's message as it is logged (``content``: the sampled ids' text;
+        ``generation_versions`` where the generator reported them)."""
         with self.lock:
             pending, self.pending = self.pending, None
             if pending is None:
@@ -334,13 +355,20 @@ class Trajectory:
                 raise Refused(f"episode {self.episode_id} ended while its request was generated")
             room = self.max_seq_len - len(prompt)
             limit = self.limit
-            if len(ids) > room:
-                ids, logprobs, truncated = ids[:room], logprobs[:room], True
-                limit = TOKEN_LIMIT
+            if len(sample.ids) > room:
+                sample, limit = sample.cut(room), TOKEN_LIMIT
+            ids, logprobs = sample.ids, sample.logprobs
             completion_text, conversation = pending.completion_text, pending.conversation
             if completion_text is None:
                 message = assistant_message(
-                    ids, logprobs, self.tokenizer, self.template, pending.log, room, pending.tools
+                    ids,
+                    logprobs,
+                    self.tokenizer,
+                    self.template,
+                    pending.log,
+                    room,
+                    pending.tools,
+                    sample.versions,
                 )
                 if reply is not None:
                     conversation = [
@@ -356,14 +384,20 @@ class Trajectory:
                     "token_loss_mask": torch.ones_like(ids),
                     "generation_logprobs": logprobs,
                 }
+                if sample.versions is not None:
+                    message["generation_versions"] = sample.versions
                 completion_text += content
+            if sample.version_max is not None:
+                message["generation_version_max"] = sample.version_max
             mismatch = bool(message.pop("template_mismatch", False))
             # Nothing above changed the episode; from here on nothing can fail.
             self.log = [*pending.log, message]  # type: ignore[list-item]
             self.conversation, self.completion_text = conversation, completion_text
             self.tools, self.limit = pending.tools, limit
             self.template_mismatches += mismatch
-            self.requests.append(RequestRecord(prompt, ids, logprobs, weight_version, truncated))
+            self.requests.append(
+                RequestRecord(prompt, ids, logprobs, sample.weight_version, sample.truncated)
+            )
             return message
 
     def cancel_request(self) -> None:

@@ -6,7 +6,9 @@
 
 A trajectory collector (``collector.py``, a Ray actor) runs each prompt group's episodes
 through the agent loop of sync GRPO (multi-turn, tools; ``grpo.max_rollout_turns``,
-``grpo.agent_loop``), their turns generated on the vLLM async engine on workers of its own; it
+``grpo.agent_loop``) or through ``grpo.agent_program`` (programs of your own, talking to an
+OpenAI-compatible endpoint the collector serves), their turns generated on the vLLM async
+engine on workers of its own; it
 starts a group only if the trainer can train on it within ``max_trajectory_age_steps`` steps
 (staleness by admission). The trainer takes the groups with the oldest tokens from a replay
 buffer (``replay_buffer.py``) and, after each step, refits the generator without waiting for
@@ -67,6 +69,7 @@ from rl_algorithms.grpo.steps import (
 )
 from rl_algorithms.rollouts import RolloutResult, take_environment_counts
 from rl_algorithms.run import Run, end_step, start_loop
+from rl_envs.reward_functions import resolve_reference
 
 COLLECTOR_NAME = "grpo-trajectory-collector"
 
@@ -75,6 +78,10 @@ def start_collector(run: Run, buffer: ReplayBuffer, state: dict[str, Any]) -> Co
     """The collector on the generator's streaming engines, the environments and the prompt
     loader (at the checkpoint's position, with the prompts it had drawn queued first)."""
     g, a = run.config.grpo, run.config.grpo.async_grpo
+    program, sampling = g.agent_program, run.config.generation.sampling
+    if program is not None and program.function is not None:  # (loaded in the collector's
+        # process, which need not share this one's working directory)
+        program = program.model_copy(update={"function": resolve_reference(program.function)})
     ahead = a.max_groups_ahead or g.num_prompts_per_step * (a.max_trajectory_age_steps + 1)
     return CollectorClient(
         COLLECTOR_NAME,
@@ -95,6 +102,8 @@ def start_collector(run: Run, buffer: ReplayBuffer, state: dict[str, Any]) -> Co
         max_turns=g.max_rollout_turns,
         agent_loop=g.agent_loop,
         dynamic_sampling=g.use_dynamic_sampling,
+        agent_program=program,
+        sampling=(sampling.temperature, sampling.top_p),
         engine_call_seconds=a.engine_call_seconds,
         pending_prompts=state.get("pending_prompts"),
         groups_out=len(buffer),

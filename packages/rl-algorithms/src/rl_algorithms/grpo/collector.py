@@ -1,9 +1,9 @@
 """The trajectory collector of asynchronous GRPO: a Ray actor that keeps the generator busy.
 
-Each prompt group (G episodes of one prompt) runs through the agent loop that sync GRPO uses
-(``agent_loop.run_agent_loop``: multi-turn, tools, every episode at its own pace), in a thread
-of its own; its turns are generated on the streaming engines
-(``turn_streams.StreamedGeneration``) and it goes into ``finished`` when its G episodes end.
+Each prompt group (G episodes of one prompt) runs in a thread of its own, through sync GRPO's
+agent loop (``agent_loop.run_agent_loop``: multi-turn, tools, each episode at its own pace) or
+programs calling the collector's OpenAI-compatible endpoint (``agent_program``); its turns (or
+requests) are generated on the streaming engines (``turn_streams.StreamedGeneration``).
 One thread, the collector's loop, makes every engine call::
 
     admit groups while the trainer can still train on them in time (below)
@@ -12,10 +12,10 @@ One thread, the collector's loop, makes every engine call::
        samples go back to the agent loop that waits for them
     -> a group whose agent loop ended is finished (or, with dynamic sampling and rewards all
        equal, filtered: counted, its prompt not generated again)
-    -> a group older than ``max_group_seconds`` (generation or a tool hung; time drained for a
-       refit or validation left out) is cancelled and its
-       prompt queued again (``requeued_groups``); so is one vLLM aborted on its own
-       (``aborted_groups``), and one the trainer dropped as too old to train on
+    -> a group older than ``max_group_seconds`` (generation, a tool or a program hung; time
+       drained for a refit or validation left out) is cancelled, its programs' requests
+       refused, and its prompt queued again (``requeued_groups``); so is one vLLM aborted on
+       its own (``aborted_groups``), and one the trainer dropped as too old to train on
        (``stale_requeued_groups``: it spanned more than ``max_trajectory_span_steps``)
 
 Staleness by admission: a group is started only when, trained after the groups already out
@@ -53,6 +53,7 @@ import torch
 
 from rl_algorithms.advantages import groups_with_signal
 from rl_algorithms.agent_loop import AgentLoopConfig, run_agent_loop
+from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.episodes import version_span
 from rl_algorithms.grpo.replay_buffer import TrajectoryGroup
 from rl_algorithms.grpo.turn_streams import (
@@ -62,6 +63,7 @@ from rl_algorithms.grpo.turn_streams import (
     TurnQueue,
     TurnRequest,
 )
+from rl_algorithms.utils.threads import start_thread
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.worker_types import WorkerGroupError
 from rl_models.generation.interfaces import IncompleteRefitError, RequestAbortedError
@@ -105,6 +107,7 @@ class _Group:
     play: Future | None = None  # its agent loop
     requests: list[TurnRequest] = field(default_factory=list)
     abandoned: bool = False  # cancelled: its agent loop's next turn raises
+    halt: Future = field(default_factory=Future)  # gets why, when cancelled: programs stop
     tokens: int = 0  # sampled for it so far
 
 
@@ -131,6 +134,8 @@ class TrajectoryCollector:
         max_turns: int = 1,
         agent_loop: AgentLoopConfig | None = None,
         dynamic_sampling: bool = False,
+        agent_program: AgentProgramConfig | None = None,
+        sampling: tuple[float, float] = (1.0, 1.0),  # temperature, top_p (the endpoint's)
         engine_call_seconds: float = 300.0,
         pending_prompts: list[BatchedDataDict] | None = None,
         groups_out: int = 0,
@@ -149,6 +154,12 @@ class TrajectoryCollector:
         self.in_flight_weight_updates = in_flight_weight_updates
         self.max_turns, self.agent_loop = max_turns, agent_loop or AgentLoopConfig()
         self.dynamic_sampling = dynamic_sampling
+        self.agent_program, self.sampling = agent_program, sampling
+        self.endpoint = None  # the agent programs' (served in this process, on 127.0.0.1)
+        if agent_program is not None:
+            from rl_algorithms.agent_programs.server import EndpointServer
+
+            self.endpoint = EndpointServer()
         # Prompts to generate again, before new ones: (prompt, times queued again so far).
         self.retry: deque[tuple[BatchedDataDict, int]] = deque(
             (p, 0) for p in pending_prompts or []
@@ -289,6 +300,10 @@ class TrajectoryCollector:
         self.turns.fail(
             self.turns.waiting + self.turns.running, GroupCancelled("the collector stopped")
         )
+        for group in self.groups:
+            self._halt(group, "the collector stopped")
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -366,22 +381,9 @@ class TrajectoryCollector:
             if prompt_tokens >= self.max_seq_len:  # nothing to generate: the engine's weights
                 sampler = group.sampler
                 group.version = self._engine_call(sampler, "weight_version", sampler.weight_version)
-            group.play = self._start_play(group)
-
-    def _start_play(self, group: _Group) -> Future:
-        """The group's agent loop, on a thread of its own: one cancelled while stuck in an
-        environment step that never returns keeps its thread (counted in ``stuck_groups``),
-        and no later group waits for it, as it would for a bounded pool's thread."""
-        play: Future = Future()
-
-        def run() -> None:
-            try:
-                play.set_result(self._play(group))
-            except BaseException as err:
-                play.set_exception(err)
-
-        threading.Thread(target=run, name="trajectory-group", daemon=True).start()
-        return play
+            # A group cancelled while stuck in an environment step (or its agent programs)
+            # keeps its thread, counted in ``stuck_groups``; no later group waits for it.
+            group.play = start_thread("trajectory-group", self._play, group)
 
     def _drained(self) -> float:
         """Seconds spent drained so far (under ``cond``)."""
@@ -399,21 +401,35 @@ class TrajectoryCollector:
         return len(self.stuck)
 
     def _play(self, group: _Group) -> TrajectoryGroup:
-        """A group's episodes through the agent loop (in a thread of the pool)."""
+        """A group's episodes through the agent loop or the agent programs (in its thread)."""
         assert group.sampler is not None
-        result = run_agent_loop(
-            StreamedGeneration(self.turns, group.sampler, group),
-            group.prompt.repeat_interleave(self.group_size),
-            self.tokenizer,
-            self.template,
-            self.envs,
-            max_seq_len=self.max_seq_len,
-            max_turns=self.max_turns,
-            # Environment metrics go to the trainer's own call for the groups it trains on.
-            with_env_metrics=False,
-            config=self.agent_loop,
-            step_gate=self.gate,
-        )
+        generation = StreamedGeneration(self.turns, group.sampler, group)
+        prompts = group.prompt.repeat_interleave(self.group_size)
+        played = (generation, prompts, self.tokenizer, self.template, self.envs)
+        # Environment metrics go to the trainer's own call for the groups it trains on.
+        common = {"max_seq_len": self.max_seq_len, "with_env_metrics": False}
+        if self.agent_program is None:
+            result = run_agent_loop(
+                *played,
+                max_turns=self.max_turns,
+                config=self.agent_loop,
+                step_gate=self.gate,
+                **common,
+            )
+        else:
+            from rl_algorithms.agent_programs.programs import run_program_rollouts
+
+            temperature, top_p = self.sampling
+            result = run_program_rollouts(
+                self.endpoint,  # type: ignore[arg-type]
+                self.agent_program,
+                *played,  # type: ignore[arg-type]
+                temperature=temperature,
+                top_p=top_p,
+                stop=group.halt,
+                step_gate=self.gate,
+                **common,
+            )
         vmin, vmax = self._version_spans(group, result.message_logs)
         with self.cond:
             seconds = self._age(group)
@@ -558,8 +574,9 @@ class TrajectoryCollector:
                 group.abandoned = True
             for request in [r for r in group.requests if r.stream_id is not None]:
                 self._cancel_stream(request)
-            why = f"it ran past max_group_seconds={self.max_group_seconds:.0f}"
+            why = f"it ran past max_group_seconds={self.max_group_seconds:g}"
             self.turns.fail(group.requests, GroupCancelled(why))
+            self._halt(group, why)
             # An agent loop stuck in an environment step is abandoned: its result is never read.
             with self.cond:
                 self.groups.remove(group)
@@ -567,6 +584,12 @@ class TrajectoryCollector:
                 self.requeued += 1
                 self._discard(group)
                 self.cond.notify_all()
+
+    def _halt(self, group: _Group, why: str) -> None:
+        """Stop the group's agent programs, if any: their rollout raises ``GroupCancelled``."""
+        with self.cond:
+            if not group.halt.done():
+                group.halt.set_exception(GroupCancelled(why))
 
     def _cancel_stream(self, request: TurnRequest) -> None:
         sampler, stream = request.sampler, request.stream_id

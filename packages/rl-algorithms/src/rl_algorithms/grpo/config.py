@@ -428,11 +428,6 @@ def check_async_config(config: Any) -> None:
     a: AsyncGRPOConfig = config.grpo.async_grpo
     if not a.enabled:
         return
-    if config.grpo.agent_program is not None:
-        raise ValueError(
-            "grpo.agent_program rolls out through synchronous GRPO only: unset it or set "
-            "grpo.async_grpo.enabled: false"
-        )
     if a.max_wait_seconds <= a.max_group_seconds:
         raise ValueError(
             f"grpo.async_grpo.max_wait_seconds ({a.max_wait_seconds}) must exceed "

@@ -129,7 +129,18 @@ def rollout_prompts(
     run.generation.prepare_for_generation()
     try:
         if run.config.rollout.agent_program is not None:
-            result = rollout_agent_programs(run, prompts, greedy, with_env_metrics)
+            # (imported here: the endpoint's web server only where programs are played)
+            from rl_algorithms.agent_programs.programs import rollout_through_programs
+
+            result = rollout_through_programs(
+                run,
+                run.config.rollout.agent_program,
+                prompts,
+                max_seq_len=run.config.policy.max_total_sequence_length,
+                greedy=greedy,
+                expected_weight_version=run.policy.weight_version,
+                with_env_metrics=with_env_metrics,
+            )
         else:
             result = run_rollouts(
                 run.generation,
@@ -150,34 +161,6 @@ def rollout_prompts(
         for name in ("agent_loop/generation_seconds", "agent_loop/env_step_seconds"):
             run.logger.timer.add(name, result.timings.get(name, 0.0))
     return result
-
-
-def rollout_agent_programs(
-    run: Run, prompts: BatchedDataDict, greedy: bool, with_env_metrics: bool
-) -> RolloutResult:
-    """The episodes of ``prompts`` played by ``<loop>.agent_program`` through the run's
-    OpenAI-compatible endpoint, started on the first call (``rl_algorithms.agent_programs``)."""
-    from rl_algorithms.agent_programs.programs import run_program_rollouts
-    from rl_algorithms.agent_programs.server import EndpointServer
-
-    if run.agent_endpoint is None:
-        run.agent_endpoint = EndpointServer()
-    sampling = run.config.generation.sampling
-    return run_program_rollouts(
-        run.agent_endpoint,
-        run.config.rollout.agent_program,  # type: ignore[arg-type]
-        run.generation,
-        prompts,
-        run.tokenizer,
-        run.template,
-        run.envs,
-        max_seq_len=run.config.policy.max_total_sequence_length,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        greedy=greedy,
-        expected_weight_version=run.policy.weight_version,
-        with_env_metrics=with_env_metrics,
-    )
 
 
 def generate_rollouts(run: Run) -> tuple[RolloutResult, dict[str, float]]:
