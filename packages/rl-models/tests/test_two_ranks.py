@@ -210,17 +210,18 @@ def test_tensor_parallel_logprobs_and_entropies_equal_float64(ranks, case):
 
 @pytest.mark.parametrize("case", TENSOR_PARALLEL_CASES)
 def test_a_tensor_parallel_step_exports_and_saves_the_one_process_weights(ranks, case):
-    """One SGD step at tp=2 gives one process's weights: exported in buckets (full tensors
-    under their Hugging Face names, a tied output layer once) and saved as a checkpoint that
-    ``from_pretrained`` reads."""
+    """One SGD step at tp=2 gives one process's gradient norm and weights (clipped in one
+    case): exported in buckets (full tensors under their Hugging Face names, a tied output
+    layer once) and saved as a checkpoint that ``from_pretrained`` reads."""
     from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
     worker = DTensorPolicyWorker(tensor_parallel_config(case, tp=False))
     initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
-    worker.train(skewed_batch(), tensor_parallel_loss(case))
+    grad_norm = worker.train(skewed_batch(), tensor_parallel_loss(case)).metrics["grad_norm"]
     expected = worker.model.state_dict()
     assert max(float((expected[k] - initial[k]).abs().max()) for k in expected) > 1e-2
     result = scenario(ranks, f"tensor_parallel/{case}")[0]  # rank 0: the producer
+    assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-12)
     tied = worker.config.model.hf_config.get("tie_word_embeddings", False)
     assert set(result["exported"]) == set(expected) - ({"lm_head.weight"} if tied else set())
     assert set(result["checkpoint"]) == set(expected)

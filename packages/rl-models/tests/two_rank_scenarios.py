@@ -227,7 +227,9 @@ def region_write(half, out: str) -> dict:
 #: Tensor-parallel cases (``dtensor`` section, loss, other config), on both ranks' whole batch.
 TINY_QWEN2 = {**TINY_LLAMA, "model_type": "qwen2", "tie_word_embeddings": True}
 TENSOR_PARALLEL_CASES = {
-    "llama-tp2": ({"tensor_parallel_size": 2}, "nll", {}),
+    # Norms' weights on the dp mesh only, the rest on (dp, tp): the gradient norm spans both
+    # (clipped: the norm is ~1.8).
+    "llama-tp2-clipped": ({"tensor_parallel_size": 2}, "nll", {"max_grad_norm": 0.5}),
     # Sequence parallel, trained with an entropy bonus (log-probs at the loss tokens only).
     "llama-tp2-sp-entropy": ({"tensor_parallel_size": 2, "sequence_parallel": True}, "entropy", {}),
     # Qwen2: tied output layer, q/k/v biases; packed rows through the sequence-split blocks.
@@ -287,7 +289,7 @@ def tensor_parallel(case: str, out: str) -> dict:
         logprobs_entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))
         asked = BatchedDataDict({**data, "teacher_topk_ids": asked_token_ids(data)})
         gathered = worker._per_row(worker.model, asked, TokenLogprobs(teacher_topk=True))
-    worker.train(data, tensor_parallel_loss(case))
+    grad_norm = worker.train(data, tensor_parallel_loss(case)).metrics["grad_norm"]
     weights, _ = exported([worker._weight_exporter()], bucket_bytes=1 << 14)
     path = os.path.join(out, f"checkpoint-{case}")
     worker.save_checkpoint(path)
@@ -300,6 +302,7 @@ def tensor_parallel(case: str, out: str) -> dict:
     return {
         "logprobs_entropy": logprobs_entropy,
         "gathered": gathered,
+        "grad_norm": grad_norm,
         "exported": weights,
         "checkpoint": saved,
     }
