@@ -9,7 +9,11 @@ from transformers import AutoConfig
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lm_policy import worker_sharding
-from rl_models.policy.logprobs import chunked_vocab_parallel_logprobs, vocab_parallel_logprobs
+from rl_models.policy.logprobs import (
+    chunked_vocab_parallel_logprobs,
+    vocab_parallel_logprobs,
+    vocab_parallel_topk,
+)
 from rl_models.policy.tensor_parallel import check_plannable
 
 from .conftest import TINY_LLAMA, tiny_config
@@ -40,11 +44,6 @@ def test_combinations_tensor_parallelism_cannot_run_are_refused(overrides, named
     config = {**overrides, "dtensor": {**tp, **overrides.get("dtensor", {})}}
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         tiny_config(**config)
-
-
-def test_no_top_k_logprobs_under_tensor_parallelism():
-    assert tiny_config().supports_topk_logprobs
-    assert not tiny_config(dtensor={"tensor_parallel_size": 2}).supports_topk_logprobs
 
 
 def test_a_megatron_config_has_no_dtensor_section():
@@ -116,3 +115,14 @@ def test_vocab_parallel_logprobs_of_k_tokens_per_position():
     got = vocab_parallel_logprobs(logits, targets, 0, 11, None)
     want = torch.log_softmax(logits[:, :11], -1).gather(-1, targets)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_one_rank_vocab_parallel_top_k_drops_padding_columns():
+    hidden, weight, _ = vocab_inputs(seed=3)
+    with torch.no_grad():
+        weight[11:] += 100.0  # padding rows that would win every top-k were they tokens
+        logits = hidden @ weight.T
+    values, ids = vocab_parallel_topk(logits, 4, 0, 11, None, temperature=0.7)
+    want_values, want_ids = torch.log_softmax(logits[:, :11] / 0.7, -1).topk(4)
+    torch.testing.assert_close(values, want_values, rtol=0, atol=1e-12)
+    assert torch.equal(ids, want_ids)

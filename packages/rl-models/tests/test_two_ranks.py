@@ -187,8 +187,8 @@ def test_both_ranks_write_their_own_rows_into_the_shared_weight_region(ranks):
 def test_tensor_parallel_logprobs_and_entropies_equal_float64(ranks, case):
     """tp=2 (sequence parallel, packed in some cases): each rank's vocabulary half of the
     output layer, the log-softmax all-reduced; equal to the plain float64 model run on each
-    sequence alone, on both ranks: log-probs and entropies, and log-probs at asked token ids
-    (a distillation student's at its teacher's top-k)."""
+    sequence alone, on both ranks: log-probs and entropies, log-probs at asked token ids (a
+    distillation student's at its teacher's top-k) and the top-k (a teacher's)."""
     from rl_models.modeling.build import build_model
 
     config = tensor_parallel_config(case, tp=False)
@@ -197,15 +197,20 @@ def test_tensor_parallel_logprobs_and_entropies_equal_float64(ranks, case):
     asked = asked_token_ids(data)
     expected = torch.zeros(*data["input_ids"].shape, 2, dtype=torch.float64)
     expected_gathered = torch.zeros(*asked.shape[:2], 1 + asked.shape[2], dtype=torch.float64)
+    expected_top = torch.zeros(*asked.shape[:2], 5, dtype=torch.float64)
+    expected_ids = torch.zeros(*asked.shape[:2], 5, dtype=torch.long)
     with torch.no_grad():
         for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
             logits = hf(ids[None, :n]).logits[0, :-1]
             expected[row, 1:n] = float64_logprobs_and_entropy(logits, ids[1:n])
             tokens = torch.cat([ids[1:n, None], asked[row, 1:n]], -1)
             expected_gathered[row, 1:n] = torch.log_softmax(logits, -1).gather(-1, tokens)
+            expected_top[row, 1:n], expected_ids[row, 1:n] = logits.log_softmax(-1).topk(5)
     for r in scenario(ranks, f"tensor_parallel/{case}"):
         torch.testing.assert_close(r["logprobs_entropy"], expected, rtol=0, atol=1e-10)
         torch.testing.assert_close(r["gathered"], expected_gathered, rtol=0, atol=1e-10)
+        torch.testing.assert_close(r["topk"]["topk_logprobs"], expected_top, rtol=0, atol=1e-10)
+        assert torch.equal(r["topk"]["topk_ids"], expected_ids)
 
 
 @pytest.mark.parametrize("case", TENSOR_PARALLEL_CASES)

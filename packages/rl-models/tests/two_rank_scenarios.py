@@ -276,8 +276,8 @@ def asked_token_ids(data, k: int = 3) -> torch.Tensor:
 
 
 def tensor_parallel(case: str, out: str) -> dict:
-    """tp=2 over both ranks (dp=1), each given the whole batch: log-probs with entropies, and
-    at given token ids; one SGD step, the weights exported in buckets and a checkpoint written
+    """tp=2 over both ranks (dp=1), each given the whole batch: log-probs with entropies, at
+    given token ids, and the top-k; one SGD step, the weights exported in buckets and a checkpoint written
     (rank 0 reads it)."""
     exported = test_module("test_weight_export").exported
     from rl_distributed.batched_data_dict import BatchedDataDict
@@ -289,6 +289,7 @@ def tensor_parallel(case: str, out: str) -> dict:
         logprobs_entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))
         asked = BatchedDataDict({**data, "teacher_topk_ids": asked_token_ids(data)})
         gathered = worker._per_row(worker.model, asked, TokenLogprobs(teacher_topk=True))
+    topk = dict(worker.get_topk_logprobs(data, k=5))
     grad_norm = worker.train(data, tensor_parallel_loss(case)).metrics["grad_norm"]
     weights, _ = exported([worker._weight_exporter()], bucket_bytes=1 << 14)
     path = os.path.join(out, f"checkpoint-{case}")
@@ -302,6 +303,7 @@ def tensor_parallel(case: str, out: str) -> dict:
     return {
         "logprobs_entropy": logprobs_entropy,
         "gathered": gathered,
+        "topk": topk,
         "grad_norm": grad_norm,
         "exported": weights,
         "checkpoint": saved,

@@ -128,8 +128,7 @@ class MasterConfig(RLMasterConfig):
         if self.loss_fn.estimator == "topk" and not self.teacher.supports_topk_logprobs:
             raise ValueError(
                 f"loss_fn.estimator: topk reads the teacher's top-k log-probs, which "
-                f"teacher.backend: {self.teacher.backend} does not give (dtensor does, with "
-                "dtensor.tensor_parallel_size 1); use "
+                f"teacher.backend: {self.teacher.backend} does not give (dtensor does); use "
                 "loss_fn.estimator: sampled_token (the sampled tokens' log-probs)"
             )
         return self

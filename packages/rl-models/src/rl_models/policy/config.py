@@ -502,7 +502,7 @@ class DTensorPolicyConfig(PolicyConfig):
 
     @property
     def supports_topk_logprobs(self) -> bool:
-        return self.dtensor.tensor_parallel_size == 1
+        return True
 
     @property
     def supports_gathered_logprobs(self) -> bool:

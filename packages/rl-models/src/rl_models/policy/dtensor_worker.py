@@ -239,12 +239,6 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         ``k`` most likely tokens of the distribution that predicts token ``t`` (descending,
         log-softmax over the whole vocabulary at ``logprob_temperature``) and their ids; 0 at
         position 0 and on padding. What a distillation teacher reports (``teacher_topk_*``)."""
-        if self.tp_size > 1:
-            raise ValueError(
-                "top-k log-probs are not built for dtensor.tensor_parallel_size > 1 (they would "
-                "need a top-k across the vocabulary slices); use tensor_parallel_size 1 for a "
-                "distillation teacher"
-            )
         values, ids = self._per_row(self.model, data, TopkLogprobs(k))
         return BatchedDataDict({"topk_logprobs": values, "topk_ids": ids})
 

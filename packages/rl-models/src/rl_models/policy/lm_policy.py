@@ -150,8 +150,8 @@ class Policy(PolicyInterface):
         if not self.config.supports_topk_logprobs:
             raise ValueError(
                 f"top-k log-probs: the {self.config.backend} backend cannot give them (dtensor "
-                "can, with dtensor.tensor_parallel_size 1); such a teacher gives the sampled "
-                "tokens' log-probs only (distillation loss_fn.estimator: sampled_token)"
+                "can); such a teacher gives the sampled tokens' log-probs only (distillation "
+                "loss_fn.estimator: sampled_token)"
             )
         return self._per_row("get_topk_logprobs", data, k=k)
 

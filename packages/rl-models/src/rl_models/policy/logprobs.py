@@ -189,7 +189,7 @@ class _SumOverGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        t = t.clone()
+        t = t.clone(memory_format=torch.contiguous_format)  # all_reduce needs a dense tensor
         dist.all_reduce(t, group=group)
         return t
 
@@ -228,16 +228,8 @@ def vocab_parallel_logprobs(
     The entropy is ``log S - sum_v e^(s_v) s_v / S`` with ``s = z - max z`` and ``S = sum_v
     e^(s_v)``: each rank sums ``e^s s`` over its columns and the sums are all-reduced like ``S``.
     """
-    logits = scaled_logits(logits, temperature)
-    part = logits.shape[-1]
-    if vocab_start + part > vocab_size:  # the vocabulary's padding columns are not tokens
-        column = torch.arange(vocab_start, vocab_start + part, device=logits.device)
-        logits = logits.masked_fill(column >= vocab_size, float("-inf"))
-    peak = logits.detach().amax(dim=-1, keepdim=True)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - peak
-    sum_exp = _sum_over(shifted.exp().sum(dim=-1, keepdim=True), group)
+    shifted, sum_exp = _shifted_logits(logits, vocab_start, vocab_size, group, temperature)
+    part = shifted.shape[-1]
     one = targets.dim() < logits.dim()
     local = (targets.unsqueeze(-1) if one else targets) - vocab_start
     here = (local >= 0) & (local < part)
@@ -251,6 +243,59 @@ def vocab_parallel_logprobs(
     # Padding columns (s = -inf, e^s = 0) add 0, not 0 * -inf = NaN.
     weighted = _sum_over(weighted_logit_sum(shifted.exp(), shifted), group)
     return torch.cat([logprobs, sum_exp.log() - weighted / sum_exp], dim=-1)
+
+
+def _shifted_logits(
+    logits: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, S)``: this rank's columns of the scaled logits less the whole vocabulary's max,
+    ``s = z - max z`` (padding columns ``-inf``), and ``S = sum_v e^(s_v)`` over the whole
+    vocabulary (``[..., 1]``); ``log S`` is the log-softmax's normaliser of ``s``."""
+    logits = scaled_logits(logits, temperature)
+    part = logits.shape[-1]
+    if vocab_start + part > vocab_size:  # the vocabulary's padding columns are not tokens
+        column = torch.arange(vocab_start, vocab_start + part, device=logits.device)
+        logits = logits.masked_fill(column >= vocab_size, float("-inf"))
+    peak = logits.detach().amax(dim=-1, keepdim=True).contiguous()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - peak
+    return shifted, _sum_over(shifted.exp().sum(dim=-1, keepdim=True), group)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(
+    logits: torch.Tensor,
+    k: int,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest log-probs of each position (descending) and their token ids, from
+    this rank's columns of the logits (see ``vocab_parallel_logprobs``): each rank's own
+    top-k, all-gathered over ``group`` (``k * tp`` candidates a position), then the top-k of
+    those."""
+    shifted, sum_exp = _shifted_logits(logits, vocab_start, vocab_size, group, temperature)
+    own = min(k, shifted.shape[-1])
+    top, ids = shifted.topk(own, dim=-1)
+    if own < k:  # a rank with fewer columns than k: pad with candidates that never win
+        top = F.pad(top, (0, k - own), value=float("-inf"))
+        ids = F.pad(ids, (0, k - own))
+    ids = ids + vocab_start
+    if group is not None and dist.get_world_size(group) > 1:
+        size = dist.get_world_size(group)
+        tops = [torch.empty_like(top) for _ in range(size)]
+        all_ids = [torch.empty_like(ids) for _ in range(size)]
+        dist.all_gather(tops, top.contiguous(), group=group)
+        dist.all_gather(all_ids, ids.contiguous(), group=group)
+        top, pick = torch.cat(tops, -1).topk(k, dim=-1)
+        ids = torch.cat(all_ids, -1).gather(-1, pick)
+    return top - sum_exp.log(), ids
 
 
 def _vocab_parallel_chunk(
@@ -374,12 +419,16 @@ def chunked_topk_logprobs(
     chunk_size: int | None,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    vocab_parallel: tuple[int, int, dist.ProcessGroup] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest entries of ``log softmax((hidden @ weight.T + bias) / temperature)``
     per position of ``hidden [..., H]``: values ``[..., k]`` (descending) and their token ids
     ``[..., k]`` (int64), ``chunk_size`` tokens at a time. No gradient: this is what a frozen
-    teacher reports, and ``[chunk_size, V]`` logits are the most that exist at once."""
-    vocab = weight.shape[0]
+    teacher reports, and ``[chunk_size, V]`` logits are the most that exist at once.
+
+    ``vocab_parallel``: ``(first row, vocabulary size, group)`` when ``weight`` and ``bias``
+    are this rank's rows of an output layer split over ``group`` (``vocab_parallel_topk``)."""
+    vocab = weight.shape[0] if vocab_parallel is None else vocab_parallel[1]
     if not 0 < k <= vocab:
         raise ValueError(f"top-k needs 0 < k <= vocabulary size {vocab}, got k={k}")
     lead = hidden.shape[:-1]
@@ -387,6 +436,12 @@ def chunked_topk_logprobs(
     step = flat.shape[0] if chunk_size is None else chunk_size
     values, ids = [], []
     for start in range(0, flat.shape[0], max(step, 1)):
+        if vocab_parallel is not None:
+            logits = F.linear(flat[start : start + step], weight, bias)
+            top, top_ids = vocab_parallel_topk(logits, k, *vocab_parallel, temperature)
+            values.append(top)
+            ids.append(top_ids)
+            continue
         logits = _chunk_logits(flat[start : start + step], weight, bias, temperature)
         # log-softmax is the logits minus one number per row: same order, so top-k the logits.
         top, top_ids = logits.topk(k, dim=-1)
@@ -457,6 +512,12 @@ def output_layer_computes_topk(
     found: dict[str, torch.Tensor] = {}
 
     def topk_forward(hidden: torch.Tensor) -> torch.Tensor:
+        if _is_vocab_parallel(head):
+            hidden, weight, bias, first, vocab, group = _vocab_parallel_pieces(head, hidden)
+            values, found["ids"] = chunked_topk_logprobs(
+                hidden, weight, k, chunk_size, bias, temperature, (first, vocab, group)
+            )
+            return values
         values, found["ids"] = chunked_topk_logprobs(
             hidden, head.weight, k, chunk_size, head.bias, temperature
         )
