@@ -230,8 +230,13 @@ TENSOR_PARALLEL_CASES = {
     # Norms' weights on the dp mesh only, the rest on (dp, tp): the gradient norm spans both
     # (clipped: the norm is ~1.8).
     "llama-tp2-clipped": ({"tensor_parallel_size": 2}, "nll", {"max_grad_norm": 0.5}),
-    # Sequence parallel, trained with an entropy bonus (log-probs at the loss tokens only).
-    "llama-tp2-sp-entropy": ({"tensor_parallel_size": 2, "sequence_parallel": True}, "entropy", {}),
+    # Sequence parallel, trained with an entropy bonus (log-probs at the loss tokens only);
+    # each rank writes its own shards of the checkpoint.
+    "llama-tp2-sp-entropy": (
+        {"tensor_parallel_size": 2, "sequence_parallel": True},
+        "entropy",
+        {"checkpoint": {"sharded": True}},
+    ),
     # Qwen2: tied output layer, q/k/v biases; packed rows through the sequence-split blocks.
     "qwen2-tp2-sp-packed": (
         {"tensor_parallel_size": 2, "sequence_parallel": True},
