@@ -91,6 +91,8 @@ EXPECTED = {
         "policy.backend": "dtensor",
         "policy.model.dtype": "float32",
         "policy.mixed_precision": "bfloat16",
+        "policy.dtensor.tensor_parallel_size": 1,
+        "policy.dtensor.sequence_parallel": False,
         "policy.train_global_batch_size": 512,
         "policy.max_total_sequence_length": 512,
         "policy.sequence_packing.max_tokens_per_microbatch": 2048,
@@ -247,6 +249,18 @@ def test_every_key_of_a_recipe_is_translated_ignored_or_refused_once(name):
     assert len(translation.translated) > 50 and len(translation.ignored) > 100
     refused = {e.key for e in translation.refused}
     assert refused == ({"policy.dtensor_cfg.cpu_offload"} if "sliding" in name else set())
+
+
+def test_dtensor_tensor_and_sequence_parallel_sizes_carry_over():
+    config = validated(
+        "grpo_math_1B",
+        "policy.dtensor_cfg.tensor_parallel_size=2",
+        "policy.dtensor_cfg.sequence_parallel=true",
+    )
+    assert select(config, "policy.dtensor") == {
+        "tensor_parallel_size": 2,
+        "sequence_parallel": True,
+    }
 
 
 def test_a_refused_key_stops_the_run_with_what_it_would_have_done(capsys):

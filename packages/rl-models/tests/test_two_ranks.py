@@ -15,8 +15,15 @@ import torch
 from .conftest import TINY_LLAMA, grouped_batch, initial_model, skewed_batch
 from .test_normalisation import weights_after_one_step
 from .test_reward_model import reference_scores
+from .test_token_entropy import float64_logprobs_and_entropy
+from .two_rank_scenarios import (
+    TENSOR_PARALLEL_CASES,
+    asked_token_ids,
+    tensor_parallel_config,
+    tensor_parallel_loss,
+)
 
-pytestmark = pytest.mark.slow  # one launch of two processes: ~90 s on 2 cores
+pytestmark = pytest.mark.slow  # one launch of two processes: ~2 min on 2 cores
 SCRIPT = os.path.join(os.path.dirname(__file__), "two_rank_scenarios.py")
 
 
@@ -174,3 +181,55 @@ def test_both_ranks_write_their_own_rows_into_the_shared_weight_region(ranks):
         assert set(r["region"]) == set(full)
         for name, tensor in full.items():
             assert torch.equal(r["region"][name], tensor), name
+
+
+@pytest.mark.parametrize("case", TENSOR_PARALLEL_CASES)
+def test_tensor_parallel_logprobs_and_entropies_equal_float64(ranks, case):
+    """tp=2 (sequence parallel, packed in some cases): each rank's vocabulary half of the
+    output layer, the log-softmax all-reduced; equal to the plain float64 model run on each
+    sequence alone, on both ranks: log-probs and entropies, log-probs at asked token ids (a
+    distillation student's at its teacher's top-k) and the top-k (a teacher's)."""
+    from rl_models.modeling.build import build_model
+
+    config = tensor_parallel_config(case, tp=False)
+    hf = build_model(config.model, config.seed).eval()
+    data = skewed_batch()
+    asked = asked_token_ids(data)
+    expected = torch.zeros(*data["input_ids"].shape, 2, dtype=torch.float64)
+    expected_gathered = torch.zeros(*asked.shape[:2], 1 + asked.shape[2], dtype=torch.float64)
+    expected_top = torch.zeros(*asked.shape[:2], 5, dtype=torch.float64)
+    expected_ids = torch.zeros(*asked.shape[:2], 5, dtype=torch.long)
+    with torch.no_grad():
+        for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
+            logits = hf(ids[None, :n]).logits[0, :-1]
+            expected[row, 1:n] = float64_logprobs_and_entropy(logits, ids[1:n])
+            tokens = torch.cat([ids[1:n, None], asked[row, 1:n]], -1)
+            expected_gathered[row, 1:n] = torch.log_softmax(logits, -1).gather(-1, tokens)
+            expected_top[row, 1:n], expected_ids[row, 1:n] = logits.log_softmax(-1).topk(5)
+    for r in scenario(ranks, f"tensor_parallel/{case}"):
+        torch.testing.assert_close(r["logprobs_entropy"], expected, rtol=0, atol=1e-10)
+        torch.testing.assert_close(r["gathered"], expected_gathered, rtol=0, atol=1e-10)
+        torch.testing.assert_close(r["topk"]["topk_logprobs"], expected_top, rtol=0, atol=1e-10)
+        assert torch.equal(r["topk"]["topk_ids"], expected_ids)
+
+
+@pytest.mark.parametrize("case", TENSOR_PARALLEL_CASES)
+def test_a_tensor_parallel_step_exports_and_saves_the_one_process_weights(ranks, case):
+    """One SGD step at tp=2 gives one process's gradient norm and weights (clipped in one
+    case): exported in buckets (full tensors under their Hugging Face names, a tied output
+    layer once) and saved as a checkpoint that ``from_pretrained`` reads."""
+    from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+
+    worker = DTensorPolicyWorker(tensor_parallel_config(case, tp=False))
+    initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    grad_norm = worker.train(skewed_batch(), tensor_parallel_loss(case)).metrics["grad_norm"]
+    expected = worker.model.state_dict()
+    assert max(float((expected[k] - initial[k]).abs().max()) for k in expected) > 1e-2
+    result = scenario(ranks, f"tensor_parallel/{case}")[0]  # rank 0: the producer
+    assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-12)
+    tied = worker.config.model.hf_config.get("tie_word_embeddings", False)
+    assert set(result["exported"]) == set(expected) - ({"lm_head.weight"} if tied else set())
+    assert set(result["checkpoint"]) == set(expected)
+    for weights in (result["exported"], result["checkpoint"]):
+        for name, tensor in weights.items():
+            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-10, msg=name)

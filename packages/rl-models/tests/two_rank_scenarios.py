@@ -224,6 +224,97 @@ def region_write(half, out: str) -> dict:
     return {"bytes_written": stats["bytes_written"], "region": region, "full": full}
 
 
+#: Tensor-parallel cases (``dtensor`` section, loss, other config), on both ranks' whole batch.
+TINY_QWEN2 = {**TINY_LLAMA, "model_type": "qwen2", "tie_word_embeddings": True}
+TENSOR_PARALLEL_CASES = {
+    # Norms' weights on the dp mesh only, the rest on (dp, tp): the gradient norm spans both
+    # (clipped: the norm is ~1.8).
+    "llama-tp2-clipped": ({"tensor_parallel_size": 2}, "nll", {"max_grad_norm": 0.5}),
+    # Sequence parallel, trained with an entropy bonus (log-probs at the loss tokens only);
+    # each rank writes its own shards of the checkpoint.
+    "llama-tp2-sp-entropy": (
+        {"tensor_parallel_size": 2, "sequence_parallel": True},
+        "entropy",
+        {"checkpoint": {"sharded": True}},
+    ),
+    # Qwen2: tied output layer, q/k/v biases; packed rows through the sequence-split blocks.
+    "qwen2-tp2-sp-packed": (
+        {"tensor_parallel_size": 2, "sequence_parallel": True},
+        "nll",
+        {
+            "model": {"hf_config": TINY_QWEN2, "dtype": "float64"},
+            "sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 64},
+        },
+    ),
+}
+
+
+def tensor_parallel_config(case: str, tp: bool = True):
+    """The config of a tensor-parallel case (``tp=False``: the same without tp)."""
+    dtensor, _, extra = TENSOR_PARALLEL_CASES[case]
+    config = {"logprob_chunk_size": 7, "dynamic_batching": {"enabled": False}, **extra}
+    return tiny_config(**config, **({"dtensor": dtensor} if tp else {}))
+
+
+def test_module(name: str):
+    """A test module of this directory, imported as part of a package so that its relative
+    imports (``from .conftest import ...``) resolve as they do under pytest."""
+    import importlib
+    import types
+
+    if "rl_models_tests" not in sys.modules:
+        package = types.ModuleType("rl_models_tests")
+        package.__path__ = [os.path.dirname(__file__)]
+        sys.modules["rl_models_tests"] = package
+    return importlib.import_module(f"rl_models_tests.{name}")
+
+
+def tensor_parallel_loss(case: str):
+    EntropyBonusLoss = test_module("test_token_entropy").EntropyBonusLoss
+    return EntropyBonusLoss() if TENSOR_PARALLEL_CASES[case][1] == "entropy" else NLLLoss()
+
+
+def asked_token_ids(data, k: int = 3) -> torch.Tensor:
+    """``[B, S, k]`` token ids to ask each position's distribution about (a teacher's top-k)."""
+    gen = torch.Generator().manual_seed(5)
+    return torch.randint(0, TINY_LLAMA["vocab_size"], (*data["input_ids"].shape, k), generator=gen)
+
+
+def tensor_parallel(case: str, out: str) -> dict:
+    """tp=2 over both ranks (dp=1), each given the whole batch: log-probs with entropies, at
+    given token ids, and the top-k; one SGD step, the weights exported in buckets and a checkpoint written
+    (rank 0 reads it)."""
+    exported = test_module("test_weight_export").exported
+    from rl_distributed.batched_data_dict import BatchedDataDict
+    from rl_models.policy.forward import TokenLogprobs
+
+    data = skewed_batch()
+    worker = DTensorPolicyWorker(tensor_parallel_config(case))
+    with torch.no_grad():
+        logprobs_entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))
+        asked = BatchedDataDict({**data, "teacher_topk_ids": asked_token_ids(data)})
+        gathered = worker._per_row(worker.model, asked, TokenLogprobs(teacher_topk=True))
+    topk = dict(worker.get_topk_logprobs(data, k=5))
+    grad_norm = worker.train(data, tensor_parallel_loss(case)).metrics["grad_norm"]
+    weights, _ = exported([worker._weight_exporter()], bucket_bytes=1 << 14)
+    path = os.path.join(out, f"checkpoint-{case}")
+    worker.save_checkpoint(path)
+    saved = {}
+    if int(os.environ["RANK"]) == 0:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+    return {
+        "logprobs_entropy": logprobs_entropy,
+        "gathered": gathered,
+        "topk": topk,
+        "grad_norm": grad_norm,
+        "exported": weights,
+        "checkpoint": saved,
+    }
+
+
 def main(out: str) -> None:
     """Every scenario runs even if another fails; a failure is saved as its message."""
     rank = int(os.environ["RANK"])
@@ -239,6 +330,10 @@ def main(out: str) -> None:
         "critic_step": lambda: critic_step(half, out),
         "teacher_topk": lambda: teacher_topk(half),
         "region_write": lambda: region_write(half, out),
+        **{
+            f"tensor_parallel/{case}": lambda case=case: tensor_parallel(case, out)
+            for case in TENSOR_PARALLEL_CASES
+        },
     }
     for name, scenario in scenarios.items():
         try:

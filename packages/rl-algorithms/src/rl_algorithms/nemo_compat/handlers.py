@@ -371,8 +371,13 @@ def _packing_algorithm(value: Any, ctx: Context) -> str:
     return value
 
 
-def _tp_is_one(value: Any, ctx: Context) -> bool:
-    return not value or ctx.get("policy.dtensor_cfg.tensor_parallel_size", 1) == 1
+def _dtensor_sequence_parallel(ctx: Context, key: str, value: Any) -> None:
+    """NeMo runs ``sequence_parallel: true`` without tensor parallelism as if it were off;
+    here the config refuses that combination, so it is only carried over with tp > 1."""
+    if value and ctx.get("policy.dtensor_cfg.tensor_parallel_size", 1) == 1:
+        ctx.ignore(key, value, "no effect without tensor parallelism (tensor_parallel_size 1)")
+    else:
+        ctx.put(key, value, "policy.dtensor.sequence_parallel")
 
 
 def _empty(value: Any, ctx: Context) -> bool:

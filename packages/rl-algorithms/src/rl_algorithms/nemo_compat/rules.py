@@ -18,6 +18,7 @@ from rl_algorithms.nemo_compat.handlers import (
     _add_special_token,
     _chat_template,
     _colocated_resources,
+    _dtensor_sequence_parallel,
     _empty,
     _enabled_backend,
     _estimator_setting,
@@ -38,7 +39,6 @@ from rl_algorithms.nemo_compat.handlers import (
     _step_limit,
     _stop_strings,
     _torch_optimizer,
-    _tp_is_one,
     _val_sampling,
     _vllm_dtype,
 )
@@ -389,14 +389,8 @@ RULES: list[tuple[str, Any]] = [
             (False,), "keep parameters, gradients and optimizer state in CPU memory (FSDP2 offload)"
         ),
     ),
-    (
-        "policy.dtensor_cfg.sequence_parallel",
-        Unless(_tp_is_one, "split activations along the sequence across tensor-parallel ranks"),
-    ),
-    (
-        "policy.dtensor_cfg.tensor_parallel_size",
-        Unless((1,), "shard layers across GPUs (tensor parallelism) in DTensor"),
-    ),
+    ("policy.dtensor_cfg.sequence_parallel", Call(_dtensor_sequence_parallel)),
+    ("policy.dtensor_cfg.tensor_parallel_size", To("policy.dtensor.tensor_parallel_size")),
     ("policy.dtensor_cfg.context_parallel_size", Unless((1,), "split sequences across GPUs")),
     ("policy.dtensor_cfg.dp_replicate_size", Unless((1,), "replicate (HSDP) across groups")),
     ("policy.dtensor_cfg.custom_parallel_plan", Unless((None,), "use a custom TP plan")),

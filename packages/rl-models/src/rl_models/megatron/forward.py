@@ -31,12 +31,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
 )
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.packing import PackedSequences, pack_sequences, unpack_sequences
-from rl_models.policy.logprobs import over_token_chunks, scaled_logits, weighted_logit_sum
+from rl_models.policy.logprobs import (
+    chunked_vocab_parallel_logprobs as shared_chunked_vocab_parallel_logprobs,
+)
+from rl_models.policy.logprobs import vocab_parallel_logprobs as shared_vocab_parallel_logprobs
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -52,41 +54,16 @@ def vocab_parallel_logprobs(
     ``[..., V/tp]`` of the logits; with ``entropy`` ``[..., 2]``, the log-probs and the
     entropy of each position's whole distribution.
 
-    A log-softmax over the whole (unpadded) vocabulary: the max and the sum of exponentials
-    are all-reduced over the tensor-parallel group, and the target's logit comes from the rank
-    holding it. Megatron's ``vocab_parallel_cross_entropy`` would do the same but computes in
-    float32, which float64 runs (exact comparisons) cannot have. The all-reduce of the sums is
-    Megatron's ``reduce_from_tensor_model_parallel_region``, whose backward passes gradients
-    through unchanged: every tensor rank computes the same loss from the reduced values.
-
-    The entropy is ``log S - sum_v e^(s_v) s_v / S`` with ``s = z - max z`` and ``S = sum_v
-    e^(s_v)``: each rank sums ``e^s s`` over its slice and the sums are all-reduced like ``S``.
-    Its gradient is autograd's through those sums (the chunked path recomputes each chunk).
+    The shared vocab-parallel log-softmax (``rl_models.policy.logprobs``) over Megatron's
+    tensor-parallel group, whose ranks hold equal slices of the padded vocabulary. Megatron's
+    ``vocab_parallel_cross_entropy`` would do the same but computes in float32, which float64
+    runs (exact comparisons) cannot have.
     """
-    logits = scaled_logits(logits, temperature)
-    part = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * part
-    if start + part > vocab_size:  # the vocabulary's padding rows are not tokens
-        column = torch.arange(start, start + part, device=logits.device)
-        logits = logits.masked_fill(column >= vocab_size, float("-inf"))
-    peak = logits.detach().amax(dim=-1)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(
-            peak, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
-        )
-    shifted = logits - peak.unsqueeze(-1)
-    sum_exp = reduce_from_tensor_model_parallel_region(shifted.exp().sum(dim=-1))
-    local = targets - start
-    here = (local >= 0) & (local < part)
-    picked = shifted.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
-    picked = reduce_from_tensor_model_parallel_region(picked * here)
-    logprobs = picked - sum_exp.log()
-    if not entropy:
-        return logprobs
-    # The vocabulary's padding columns (s = -inf, e^s = 0) add 0, not 0 * -inf = NaN.
-    weighted = weighted_logit_sum(shifted.exp(), shifted).squeeze(-1)
-    weighted = reduce_from_tensor_model_parallel_region(weighted)
-    return torch.stack([logprobs, sum_exp.log() - weighted / sum_exp], dim=-1)
+    start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    group = parallel_state.get_tensor_model_parallel_group()
+    return shared_vocab_parallel_logprobs(
+        logits, targets, start, vocab_size, group, temperature, entropy
+    )
 
 
 @dataclass
@@ -130,19 +107,6 @@ def make_inputs(mb: BatchedDataDict, packed: bool, multiple: int = 1) -> Inputs:
     return Inputs(mb, p.input_ids.to(dev), ~allowed, p)
 
 
-def _hidden_chunk_logprobs(
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    weight: torch.Tensor,
-    vocab_size: int,
-    temperature: float,
-    entropy: bool,
-) -> torch.Tensor:
-    """One chunk: this rank's vocab slice of the logits, then the distributed log-softmax."""
-    logits = F.linear(hidden, weight)
-    return vocab_parallel_logprobs(logits, targets, vocab_size, temperature, entropy)
-
-
 def chunked_vocab_parallel_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -157,15 +121,10 @@ def chunked_vocab_parallel_logprobs(
     [V/tp, H]``, ``chunk_size`` tokens at a time: at most ``[chunk_size, V/tp]`` logits exist
     at once (recomputed in backward), never ``[tokens, V]``. With ``entropy``, ``[..., 2]``
     (``vocab_parallel_logprobs``)."""
-    return over_token_chunks(
-        _hidden_chunk_logprobs,
-        hidden,
-        targets,
-        chunk_size,
-        weight,
-        vocab_size,
-        temperature,
-        entropy,
+    start = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
+    group = parallel_state.get_tensor_model_parallel_group()
+    return shared_chunked_vocab_parallel_logprobs(
+        hidden, weight, targets, chunk_size, start, vocab_size, group, None, temperature, entropy
     )
 
 

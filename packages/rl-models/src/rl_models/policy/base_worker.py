@@ -184,6 +184,8 @@ class PolicyWorker(abc.ABC):
     config: PolicyConfig
     device: torch.device
     dp_size: int
+    #: The data-parallel ranks' group (None: all ranks, when each holds a whole model copy).
+    dp_group: dist.ProcessGroup | None = None
     _loss_metrics: list[dict[str, float]] | None = None
     rank: int
     model: torch.nn.Module
@@ -230,10 +232,10 @@ class PolicyWorker(abc.ABC):
     # -- collectives -------------------------------------------------------------------------
 
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """Reduce over the data-parallel ranks (here: all ranks); the result on the CPU."""
+        """Reduce over the data-parallel ranks (``dp_group``); the result on the CPU."""
         if self.dp_size > 1:
             t = t.to(self.device)
-            dist.all_reduce(t, op=op)
+            dist.all_reduce(t, op=op, group=self.dp_group)
         return t.cpu()
 
     def _same_count(self, items: list[Any]) -> list[Any]:
@@ -345,7 +347,7 @@ class PolicyWorker(abc.ABC):
         per_rank = [self._loss_metrics]
         if self.dp_size > 1:
             per_rank = [None] * self.dp_size
-            dist.all_gather_object(per_rank, self._loss_metrics)
+            dist.all_gather_object(per_rank, self._loss_metrics, group=self.dp_group)
         gathered: dict[str, list[float]] = {}
         for metrics in (m for rank in per_rank for m in rank):
             for key, value in metrics.items():

@@ -259,6 +259,21 @@ class MegatronConfig(ConfigModel):
     sequence_parallel: bool = False
 
 
+class DTensorConfig(ConfigModel):
+    """Model parallelism of the DTensor backend (NeMo RL's ``dtensor_cfg`` names): the workers
+    form a ``(data parallel, tensor parallel)`` mesh; FSDP2 shards over the first dimension.
+
+    Tensor parallelism needs a model family with a plan (Llama, Qwen2) whose attention heads
+    (and key/value heads) divide by ``tensor_parallel_size``; ``policy/tensor_parallel.py``."""
+
+    # Ranks each decoder layer's matrices (and the vocabulary) are split over; the workers'
+    # count must be a multiple of it (the rest is data parallel).
+    tensor_parallel_size: int = Field(1, ge=1)
+    # Split the activations between blocks (norms, residual stream) along the sequence across
+    # the tensor-parallel ranks (needs tensor_parallel_size > 1).
+    sequence_parallel: bool = False
+
+
 class ReferencePolicyConfig(ConfigModel):
     """A frozen copy of the initial weights, for KL penalties."""
 
@@ -467,9 +482,38 @@ def worker_config(backend: str, config: PolicyConfig | dict[str, Any]) -> Policy
 
 
 class DTensorPolicyConfig(PolicyConfig):
-    """``backend: dtensor``: the Hugging Face model, sharded with FSDP2 over the workers."""
+    """``backend: dtensor``: the Hugging Face model, sharded with FSDP2 over the workers, and
+    with ``dtensor.tensor_parallel_size`` > 1 split by tensor parallelism too."""
 
     backend: Literal["dtensor"] = "dtensor"
+    dtensor: DTensorConfig = Field(default_factory=DTensorConfig)
+
+    @model_validator(mode="after")
+    def _tensor_parallel_supports_it(self) -> DTensorPolicyConfig:
+        tp = self.dtensor.tensor_parallel_size
+        if self.dtensor.sequence_parallel and tp == 1:
+            raise ValueError("dtensor.sequence_parallel needs dtensor.tensor_parallel_size > 1")
+        if tp == 1:
+            return self
+        # Why each is refused: peft wraps the very linear layers the plan splits (its
+        # adapters would need plans of their own); a value or classifier head is a plain
+        # layer the plan leaves whole, fed split activations; the shared-prompt pass builds
+        # its own attention over the model's pieces, outside the plan's hooks.
+        unsupported = {
+            "lora.enabled": self.lora.enabled,
+            f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
+        }
+        named = [k for k, on in unsupported.items() if on]
+        if named:
+            raise ValueError(
+                f"dtensor.tensor_parallel_size={tp} does not work with {', '.join(named)}; "
+                "use tensor_parallel_size 1 (FSDP2 alone) for these"
+            )
+        return self
+
+    @property
+    def model_parallel_layout(self) -> tuple[int, int]:
+        return 1, self.dtensor.tensor_parallel_size
 
     @property
     def supports_topk_logprobs(self) -> bool:

@@ -1,9 +1,15 @@
 """A policy worker for Hugging Face causal LMs, sharded with FSDP2 (DTensor) across its ranks.
 
-One process per data-parallel rank; ranks meet through ``torch.distributed`` (gloo on CPU,
-NCCL on GPU) from the ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables the worker group sets.
-Without ``WORLD_SIZE`` (or with 1) the worker runs alone, unsharded, in the calling process.
-The training loop and micro-batching are ``PolicyWorker``'s (``base_worker.py``).
+One process per rank; ranks meet through ``torch.distributed`` (gloo on CPU, NCCL on GPU)
+from the ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables the worker group sets. Without
+``WORLD_SIZE`` (or with 1) the worker runs alone, unsharded, in the calling process. The
+training loop and micro-batching are ``PolicyWorker``'s (``base_worker.py``).
+
+The ranks form a ``("dp", "tp")`` mesh, ``dtensor.tensor_parallel_size`` ranks along ``tp``
+(consecutive ranks, as the driver's layout numbers them): with more than one, the model is
+first split by tensor (and sequence) parallelism (``tensor_parallel.py``), then FSDP2 shards
+it over ``dp``. The ``tp`` ranks of one ``dp`` rank get the same micro-batches and compute the
+same losses; counts and metrics are reduced over ``dp`` only (``dp_group``).
 
 Sharded, the model is built on the meta device and each rank materialises and loads only its
 own shards (``build.py``). The reference policy, when enabled, is built the same way and runs
@@ -31,7 +37,7 @@ from rl_models.interfaces import Logprobs, LossFunction, Scores, loss_input_type
 from rl_models.modeling.build import build_model
 from rl_models.modeling.moe_routes import require_routers
 from rl_models.modeling.precision import compute_dtype
-from rl_models.policy import checkpoint, lora, offload
+from rl_models.policy import checkpoint, lora, offload, tensor_parallel
 from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-export)
     PolicyWorker,
     init_distributed,
@@ -61,10 +67,29 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         self.config = worker_config("dtensor", config)
         self.device = local_device()
         init_distributed(self.device)
-        self.dp_size = dist.get_world_size() if dist.is_initialized() else 1
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.tp_size = self.config.dtensor.tensor_parallel_size
+        if world % self.tp_size:
+            raise ValueError(
+                f"{world} policy workers cannot be split into groups of "
+                f"dtensor.tensor_parallel_size={self.tp_size}: make the worker count a "
+                "multiple of it"
+            )
+        self.dp_size = world // self.tp_size
+        #: Whether the model is distributed at all (FSDP2, and tensor parallel with tp > 1).
+        self.sharded = world > 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.lora = self.config.lora.enabled
         self.forward_options = ForwardOptions.of(self.config)
+        if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # One mesh for the policy and its reference; one-dimensional without tp.
+            dims = tensor_parallel.MESH_DIMS if self.tp_size > 1 else ("dp",)
+            shape = (self.dp_size, self.tp_size)[: len(dims)]
+            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=dims)
+            if self.tp_size > 1:
+                self.dp_group = self._mesh["dp"].get_group()
         # None: compute in the weights' dtype ("auto" on a device without native bfloat16).
         self.compute_dtype = compute_dtype(self.config.mixed_precision, self.device.type)
 
@@ -91,13 +116,13 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             model = build_model(self.config.model, self.config.seed)
             model = lora.wrap_with_lora(self._prepare(model), self.config.lora)
             return self._shard(model.to(self.device))
-        shard = self._shard if self.dp_size > 1 else None
+        shard = self._shard if self.sharded else None
         model, seed = self.config.model, self.config.seed
         return build_model(model, seed, self.device, shard=shard, prepare=self._prepare)
 
     def _build_reference(self) -> torch.nn.Module:
         """The initial policy again, sharded and cast like the policy (same numerics)."""
-        shard = self._shard if self.dp_size > 1 else None
+        shard = self._shard if self.sharded else None
         ref = build_model(self.config.model, self.config.seed, self.device, shard=shard)
         ref = ref.eval().requires_grad_(False)
         if self.config.reference_policy.offload_to_cpu:
@@ -105,19 +130,20 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         return ref
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        """FSDP2: each decoder layer, then the rest, sharded over all ranks (works on gloo).
+        """Tensor parallel over ``tp`` (when > 1), then FSDP2: each decoder layer, then the
+        rest, sharded over ``dp`` (works on gloo).
 
         A peft model is sharded the same way (its decoder layers are those of the base model);
         FSDP2 takes the mix of frozen base and trainable adapter parameters in one group.
         """
-        if self.dp_size == 1:
+        if not self.sharded:
             return model
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if not hasattr(self, "_mesh"):  # one mesh for the policy and its reference
-            self._mesh = init_device_mesh(self.device.type, (self.dp_size,), mesh_dim_names=("dp",))
-        mesh = self._mesh
+        if self.tp_size > 1:
+            sequence_parallel = self.config.dtensor.sequence_parallel
+            tensor_parallel.parallelize(model, self._mesh["tp"], sequence_parallel)
+        mesh = self._mesh["dp"]
         precision = MixedPrecisionPolicy()
         if self.compute_dtype is not None:
             # Parameters are all-gathered in the compute dtype (half the traffic); gradients
@@ -132,12 +158,17 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """bfloat16 compute for an unsharded model (FSDP2 casts sharded ones itself)."""
-        if self.compute_dtype is None or self.dp_size > 1:
+        if self.compute_dtype is None or self.sharded:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _dummy_logits(self, model: torch.nn.Module) -> torch.Tensor:
-        return model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
+        """A forward pass over nothing of use, which takes part in the collectives; its
+        logits (this rank's vocabulary slice under tensor parallelism). One token per tp
+        rank, so that sequence parallelism leaves none of them without one."""
+        ids = torch.zeros(1, self.tp_size, dtype=torch.long, device=self.device)
+        logits = model(input_ids=ids).logits
+        return logits.to_local() if hasattr(logits, "to_local") else logits
 
     def _checked(self, output: Output) -> Output:
         """``output``, once it is checked to be one this worker's model has."""
@@ -275,7 +306,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         self._loss_metrics = []
         mbs = self._same_count(step)
         for i, mb in enumerate(mbs):
-            if self.dp_size > 1 and not eval_mode:
+            if self.sharded and not eval_mode:
                 # Gradients accumulate unsharded on each rank and are reduce-scattered once,
                 # after the step's last micro-batch: one collective per step rather than per
                 # micro-batch, at the price of unsharded gradients held until then.
@@ -293,14 +324,20 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                     )
                     self._loss_metrics.append(metrics)
                 if not eval_mode:
-                    # FSDP averages gradients over ranks; the losses are already global means,
-                    # so the sum over ranks is wanted: undo the average.
+                    # FSDP averages gradients over the dp ranks; the losses are already global
+                    # means, so the sum over ranks is wanted: undo the average. (The tp ranks of
+                    # a dp rank compute the same loss; tensor parallelism adds nothing up twice.)
                     (loss * self.dp_size).backward()
             loss_sum += loss.detach().double().cpu()
         return loss_sum
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.tp_size > 1:  # parameters on two meshes: see tensor_parallel.grad_norm
+            norm = tensor_parallel.clip_grads(params, self.config.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            return norm
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
@@ -334,7 +371,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                 self.model.save_pretrained(path, state_dict=weights)
         if self.rank == 0:
             checkpoint.save_scheduler(self.scheduler, state_dir)
-        if self.dp_size > 1:
+        if self.sharded:
             dist.barrier()
 
     def load_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:

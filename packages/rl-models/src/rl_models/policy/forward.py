@@ -77,20 +77,27 @@ class ForwardOptions:
     attn_implementation: str = "sdpa"  # model.attn_implementation
     chunk_size: int | None = None  # logprob_chunk_size: tokens per output-layer chunk
     temperature: float = 1.0  # logprob_temperature
-    share_prefix: bool = False  # share_prompt_prefix (shared_prefix.py), off with router_replay
+    # share_prompt_prefix (shared_prefix.py), off with router_replay or tensor parallelism
+    share_prefix: bool = False
     router_replay: bool = False  # router_replay: MoE routers replay the batch's routed_experts
+    # The output layer is split over the vocabulary (tensor parallel): log-probs always come
+    # from its slices (logprobs.vocab_parallel_logprobs), never from whole logits.
+    vocab_parallel: bool = False
 
     @classmethod
     def of(cls, config: PolicyConfig) -> ForwardOptions:
+        _, tp = config.model_parallel_layout
         return cls(
             packed=config.sequence_packing.enabled,
             attn_implementation=config.model.attn_implementation,
             chunk_size=config.logprob_chunk_size,
             temperature=config.logprob_temperature,
             # The shared-prefix forward runs a group's prompt once and its rows' tails apart:
-            # the routes of a replayed batch would have to be cut the same way.
-            share_prefix=config.share_prompt_prefix and not config.router_replay,
+            # the routes of a replayed batch would have to be cut the same way. It also runs
+            # the model's pieces itself, outside the tensor-parallel plan's hooks.
+            share_prefix=config.share_prompt_prefix and not config.router_replay and tp == 1,
             router_replay=config.router_replay,
+            vocab_parallel=tp > 1,
         )
 
 
@@ -214,7 +221,7 @@ def forward_logprobs(
         raise ValueError("forward_logprobs gives the entropy with one token per position only")
     # The output layer computes log-probs itself only where its output is the plain logits.
     in_head = supports_chunked_logprobs(model) and (
-        chunk_size is not None or wanted is not None or entropy
+        chunk_size is not None or wanted is not None or entropy or options.vocab_parallel
     )
     wanted = wanted if in_head else None
     # Per position, the tokens whose log-probs are wanted: the input token, then gather_ids.
@@ -288,9 +295,15 @@ def forward_topk_logprobs(
 def forward_logits(
     model: torch.nn.Module, mb: BatchedDataDict, options: ForwardOptions
 ) -> torch.Tensor:
-    """``[B, S, V]`` next-token logits; ``[:, t]`` predicts token ``t`` (0 at t=0 and padding)."""
+    """``[B, S, V]`` next-token logits; ``[:, t]`` predicts token ``t`` (0 at t=0 and padding).
+
+    Under tensor parallelism the vocabulary slices are gathered: a loss over whole logits
+    gets them whole on every rank (its backward hands each rank its own slice's gradient)."""
     p, inputs = _model_inputs(mb, options)
-    return _aligned(F.pad(model(**inputs).logits[:, :-1], (0, 0, 1, 0)), mb, p)
+    logits = model(**inputs).logits
+    if options.vocab_parallel:
+        logits = logits.full_tensor()
+    return _aligned(F.pad(logits[:, :-1], (0, 0, 1, 0)), mb, p)
 
 
 def forward_state_values(

@@ -19,6 +19,12 @@ p_v log p_v``, from the same chunk of logits (an entropy bonus in a policy-gradi
 its output layer's forward is swapped for the chunked log-prob computation while the model
 runs, so whatever wraps the model (FSDP2's hooks, peft) sees an ordinary call and an ordinary
 output (``logits`` then holds the ``[B, S]`` log-probs of ``targets``).
+
+Under tensor parallelism each rank holds a slice of the vocabulary (the output layer's rows):
+``vocab_parallel_logprobs`` computes the log-softmax over the whole vocabulary from the
+slices, all-reducing one max, one sum and the target logit per position over the group, so no
+rank ever holds a position's whole row of logits. The Megatron worker and the DTensor
+worker's tensor-parallel output layer (``policy/tensor_parallel.py``) both use it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -172,6 +179,174 @@ class _TargetLogProbs(torch.autograd.Function):
         return d_hidden, d_weight, None, d_bias, None, None, None
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over ``group`` forward; the gradient passes through unchanged.
+
+    Every rank of the group computes the same loss from the summed value, so the gradient of
+    the loss by its own addend is the gradient by the sum, as it is (summing it again over
+    the ranks would count it once per rank). Megatron's ``reduce_from_tensor_model_parallel
+    _region`` is the same operation, bound to Megatron's group."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        t = t.clone(memory_format=torch.contiguous_format)  # all_reduce needs a dense tensor
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _sum_over(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    return _SumOverGroup.apply(t, group)
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> torch.Tensor:
+    """``log p(targets)`` under ``softmax(logits / temperature)``, from this rank's columns
+    ``[vocab_start, vocab_start + logits.shape[-1])`` of the logits; the other columns are on
+    the other ranks of ``group``. ``targets`` is ``logits``' shape without its last dimension
+    (one token per position) or with k in its place; with ``entropy`` (one token only) the
+    result is ``[..., 2]``, the log-probs and the entropy of each position's distribution.
+
+    A log-softmax over the whole vocabulary: the max and the sum of exponentials are
+    all-reduced over ``group``, and each target's logit comes from the rank holding it.
+    Columns at or past ``vocab_size`` (a vocabulary padded to a multiple of the group size)
+    are not tokens and count as ``-inf``. The computation is in at least float32 and in
+    float64 for float64 logits (exact comparisons); its gradient is autograd's.
+
+    The entropy is ``log S - sum_v e^(s_v) s_v / S`` with ``s = z - max z`` and ``S = sum_v
+    e^(s_v)``: each rank sums ``e^s s`` over its columns and the sums are all-reduced like ``S``.
+    """
+    shifted, sum_exp = _shifted_logits(logits, vocab_start, vocab_size, group, temperature)
+    part = shifted.shape[-1]
+    one = targets.dim() < logits.dim()
+    local = (targets.unsqueeze(-1) if one else targets) - vocab_start
+    here = (local >= 0) & (local < part)
+    picked = shifted.gather(-1, local.clamp(0, part - 1))
+    picked = _sum_over(torch.where(here, picked, 0.0), group)
+    logprobs = picked - sum_exp.log()
+    if not entropy:
+        return logprobs.squeeze(-1) if one else logprobs
+    if not one:
+        raise ValueError("vocab_parallel_logprobs gives the entropy with one token per position")
+    # Padding columns (s = -inf, e^s = 0) add 0, not 0 * -inf = NaN.
+    weighted = _sum_over(weighted_logit_sum(shifted.exp(), shifted), group)
+    return torch.cat([logprobs, sum_exp.log() - weighted / sum_exp], dim=-1)
+
+
+def _shifted_logits(
+    logits: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, S)``: this rank's columns of the scaled logits less the whole vocabulary's max,
+    ``s = z - max z`` (padding columns ``-inf``), and ``S = sum_v e^(s_v)`` over the whole
+    vocabulary (``[..., 1]``); ``log S`` is the log-softmax's normaliser of ``s``."""
+    logits = scaled_logits(logits, temperature)
+    part = logits.shape[-1]
+    if vocab_start + part > vocab_size:  # the vocabulary's padding columns are not tokens
+        column = torch.arange(vocab_start, vocab_start + part, device=logits.device)
+        logits = logits.masked_fill(column >= vocab_size, float("-inf"))
+    peak = logits.detach().amax(dim=-1, keepdim=True).contiguous()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - peak
+    return shifted, _sum_over(shifted.exp().sum(dim=-1, keepdim=True), group)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(
+    logits: torch.Tensor,
+    k: int,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest log-probs of each position (descending) and their token ids, from
+    this rank's columns of the logits (see ``vocab_parallel_logprobs``): each rank's own
+    top-k, all-gathered over ``group`` (``k * tp`` candidates a position), then the top-k of
+    those."""
+    shifted, sum_exp = _shifted_logits(logits, vocab_start, vocab_size, group, temperature)
+    own = min(k, shifted.shape[-1])
+    top, ids = shifted.topk(own, dim=-1)
+    if own < k:  # a rank with fewer columns than k: pad with candidates that never win
+        top = F.pad(top, (0, k - own), value=float("-inf"))
+        ids = F.pad(ids, (0, k - own))
+    ids = ids + vocab_start
+    if group is not None and dist.get_world_size(group) > 1:
+        size = dist.get_world_size(group)
+        tops = [torch.empty_like(top) for _ in range(size)]
+        all_ids = [torch.empty_like(ids) for _ in range(size)]
+        dist.all_gather(tops, top.contiguous(), group=group)
+        dist.all_gather(all_ids, ids.contiguous(), group=group)
+        top, pick = torch.cat(tops, -1).topk(k, dim=-1)
+        ids = torch.cat(all_ids, -1).gather(-1, pick)
+    return top - sum_exp.log(), ids
+
+
+def _vocab_parallel_chunk(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    temperature: float,
+    entropy: bool,
+) -> torch.Tensor:
+    """One chunk: this rank's columns of the logits, then the distributed log-softmax."""
+    logits = F.linear(hidden, weight, bias)
+    return vocab_parallel_logprobs(
+        logits, targets, vocab_start, vocab_size, group, temperature, entropy
+    )
+
+
+def chunked_vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int | None,
+    vocab_start: int,
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> torch.Tensor:
+    """``chunked_logprobs`` for an output layer split by rows over ``group``: ``weight
+    [V/tp, H]`` (and ``bias``) are this rank's rows, from ``vocab_start``; ``hidden [..., H]``
+    is the whole input, as every rank of the group has it. At most ``[chunk_size, V/tp]``
+    logits exist at once (recomputed in backward); see ``vocab_parallel_logprobs``."""
+    return over_token_chunks(
+        _vocab_parallel_chunk,
+        hidden,
+        targets,
+        chunk_size,
+        weight,
+        bias,
+        vocab_start,
+        vocab_size,
+        group,
+        temperature,
+        entropy,
+    )
+
+
 def over_token_chunks(
     fn: Callable[..., torch.Tensor],
     hidden: torch.Tensor,
@@ -244,12 +419,16 @@ def chunked_topk_logprobs(
     chunk_size: int | None,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    vocab_parallel: tuple[int, int, dist.ProcessGroup] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest entries of ``log softmax((hidden @ weight.T + bias) / temperature)``
     per position of ``hidden [..., H]``: values ``[..., k]`` (descending) and their token ids
     ``[..., k]`` (int64), ``chunk_size`` tokens at a time. No gradient: this is what a frozen
-    teacher reports, and ``[chunk_size, V]`` logits are the most that exist at once."""
-    vocab = weight.shape[0]
+    teacher reports, and ``[chunk_size, V]`` logits are the most that exist at once.
+
+    ``vocab_parallel``: ``(first row, vocabulary size, group)`` when ``weight`` and ``bias``
+    are this rank's rows of an output layer split over ``group`` (``vocab_parallel_topk``)."""
+    vocab = weight.shape[0] if vocab_parallel is None else vocab_parallel[1]
     if not 0 < k <= vocab:
         raise ValueError(f"top-k needs 0 < k <= vocabulary size {vocab}, got k={k}")
     lead = hidden.shape[:-1]
@@ -257,6 +436,12 @@ def chunked_topk_logprobs(
     step = flat.shape[0] if chunk_size is None else chunk_size
     values, ids = [], []
     for start in range(0, flat.shape[0], max(step, 1)):
+        if vocab_parallel is not None:
+            logits = F.linear(flat[start : start + step], weight, bias)
+            top, top_ids = vocab_parallel_topk(logits, k, *vocab_parallel, temperature)
+            values.append(top)
+            ids.append(top_ids)
+            continue
         logits = _chunk_logits(flat[start : start + step], weight, bias, temperature)
         # log-softmax is the logits minus one number per row: same order, so top-k the logits.
         top, top_ids = logits.topk(k, dim=-1)
@@ -288,13 +473,23 @@ def output_layer_computes_logprobs(
     head = _linear_head(model)
 
     def logprobs_forward(hidden: torch.Tensor) -> torch.Tensor:
+        if _is_vocab_parallel(head):
+            hidden, weight, bias, start, vocab, group = _vocab_parallel_pieces(head, hidden)
+
+            def logprobs_of(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                return chunked_vocab_parallel_logprobs(
+                    h, weight, t, chunk_size, start, vocab, group, bias, temperature, entropy
+                )
+        else:
+
+            def logprobs_of(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                return chunked_logprobs(
+                    h, head.weight, t, chunk_size, head.bias, temperature, entropy
+                )
+
         if keep is None:
-            return chunked_logprobs(
-                hidden, head.weight, targets, chunk_size, head.bias, temperature, entropy
-            )
-        kept = chunked_logprobs(
-            hidden[keep], head.weight, targets[keep], chunk_size, head.bias, temperature, entropy
-        )
+            return logprobs_of(hidden, targets)
+        kept = logprobs_of(hidden[keep], targets[keep])
         shape = (*keep.shape, *kept.shape[1:])
         mask = keep.view(*keep.shape, *[1] * (len(shape) - keep.dim())).expand(shape)
         return kept.new_zeros(shape).masked_scatter(mask, kept)
@@ -317,6 +512,12 @@ def output_layer_computes_topk(
     found: dict[str, torch.Tensor] = {}
 
     def topk_forward(hidden: torch.Tensor) -> torch.Tensor:
+        if _is_vocab_parallel(head):
+            hidden, weight, bias, first, vocab, group = _vocab_parallel_pieces(head, hidden)
+            values, found["ids"] = chunked_topk_logprobs(
+                hidden, weight, k, chunk_size, bias, temperature, (first, vocab, group)
+            )
+            return values
         values, found["ids"] = chunked_topk_logprobs(
             hidden, head.weight, k, chunk_size, head.bias, temperature
         )
@@ -327,6 +528,39 @@ def output_layer_computes_topk(
         yield found
     finally:
         del head.forward
+
+
+def _is_vocab_parallel(head: torch.nn.Linear) -> bool:
+    """Whether ``head``'s rows (the vocabulary) are split over a tensor-parallel mesh: then,
+    inside the model's forward, its weight is a DTensor (FSDP2 alone leaves a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(head.weight, DTensor)
+
+
+def _vocab_parallel_pieces(head: torch.nn.Linear, hidden: torch.Tensor) -> tuple[Any, ...]:
+    """``(hidden, weight rows, bias rows, first row, vocabulary size, group)`` of an output
+    layer split by rows (``Shard(0)``, ``torch.chunk``'s split) over a one-dimensional
+    tensor-parallel mesh, as local tensors.
+
+    The layer's input hook has made ``hidden`` whole on every rank (``Replicate``); each
+    rank's gradient of it covers its own rows of the vocabulary only, so it is a partial sum,
+    which the hook's backward adds up over the ranks."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    weight = head.weight
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(
+            f"vocab-parallel log-probs need the output layer's rows split over one mesh "
+            f"dimension (Shard(0)); it has {tuple(weight.placements)} over {mesh}"
+        )
+    if isinstance(hidden, DTensor):
+        hidden = hidden.to_local(grad_placements=(Partial(),))
+    vocab = weight.shape[0]
+    start = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
+    bias = None if head.bias is None else head.bias.to_local()
+    return hidden, weight.to_local(), bias, start, vocab, mesh.get_group()
 
 
 def _linear_head(model: torch.nn.Module) -> torch.nn.Linear:
