@@ -114,11 +114,11 @@ class RewardScalingConfig(ConfigModel):
     is clamped to [source_min, source_max], then mapped onto [target_min, target_max] (NeMo
     RL's ``reward_scaling``). Reward components (GDPO) are mapped the same way, each alone."""
 
-    enabled: bool = False
-    source_min: float = 0.0
-    source_max: float = 1.0
-    target_min: float = 0.0
-    target_max: float = 1.0
+    enabled: bool = False  # map the rewards (off: they are used as the environments give them)
+    source_min: float = 0.0  # rewards below are clamped up to it, then mapped to target_min
+    source_max: float = 1.0  # rewards above are clamped down to it, then mapped to target_max
+    target_min: float = 0.0  # what source_min becomes
+    target_max: float = 1.0  # what source_max becomes
 
     @model_validator(mode="after")
     def _source_is_an_interval(self) -> RewardScalingConfig:
