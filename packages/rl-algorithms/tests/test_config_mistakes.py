@@ -109,17 +109,27 @@ def test_token_entropy_ranks_checkpoints_only_where_the_entropy_bonus_logs_it(al
     assert config.checkpointing.metric_name == "train/token_entropy"
 
 
-def test_lora_adapter_refit_is_refused_for_a_generator_that_cannot_load_adapters():
+def test_a_vllm_generator_is_planned_for_lora_adapters_at_the_policys_rank():
     base = ["--config", str(GRPO_RECIPE), "tokenizer.path=/tokenizer", "policy.lora.enabled=true"]
-    vllm = [*base, "generation={backend: vllm, sampling: {max_new_tokens: 16}}"]
+    vllm = [
+        *base,
+        "policy.model.hf_config=null",  # vLLM reads the model from disk
+        "policy.model.path=/model",
+        "generation={backend: vllm, sampling: {max_new_tokens: 16}}",
+    ]
+    lora = ["policy.lora.rank=16", "policy.lora.alpha=32"]
+    config = cli.build_config(cli.load_algorithm("grpo"), [*vllm, *lora])
+    plan = config.generation.plan(config.policy.model, False, config.policy.lora)
+    assert plan.config.vllm.max_lora_rank == 16  # the engine starts able to load them
+    merged = cli.build_config(cli.load_algorithm("grpo"), [*vllm, "policy.lora.refit=merged"])
+    plan = merged.generation.plan(merged.policy.model, False, merged.policy.lora)
+    assert plan.config.vllm.max_lora_rank is None
     with pytest.raises(
-        ConfigError,
-        match=r"policy\.lora\.refit: adapters needs a generator that "
-        r"loads LoRA adapters; generation\.backend: vllm does not",
+        ConfigError, match=r"generation\.vllm\.max_lora_rank: 8 is below policy\.lora\.rank: 16"
     ):
-        cli.build_config(cli.load_algorithm("grpo"), [*vllm, "policy.lora.refit=adapters"])
-    config = cli.build_config(cli.load_algorithm("grpo"), [*base, "policy.lora.refit=adapters"])
-    assert config.policy.lora.refit == "adapters"
+        cli.build_config(
+            cli.load_algorithm("grpo"), [*vllm, *lora, "generation.vllm.max_lora_rank=8"]
+        )
 
 
 def test_ppo_takes_the_entropy_bonus_into_its_policy_loss():

@@ -2,6 +2,8 @@
 computes what the merged model computes (float64, against a merge done here by hand)."""
 
 import logging
+import os
+import types
 
 import pytest
 import torch
@@ -10,9 +12,12 @@ from torch.func import functional_call
 from rl_models.generation.config import GenerationConfig, lora_refit
 from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.generation.refit import WeightSync
+from rl_models.generation.vllm.adapters import RefitAdapters
 from rl_models.losses import NLLLoss
 from rl_models.policy.config import LoraConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.policy.lora import write_adapter_dir
+from rl_models.weight_transfer.buckets import unpack_bucket
 
 from .conftest import initial_model, skewed_batch, tiny_config
 
@@ -113,17 +118,71 @@ def test_the_generator_refuses_adapters_of_another_lora_config(pair):
         generator.enable_lora_adapters({**LORA, "rank": 8})
 
 
+def test_refit_adapters_kept_by_a_vllm_worker_load_in_peft_as_the_merged_model(pair, tmp_path):
+    """What a vLLM worker does with a first adapter refit (``vllm.adapters.RefitAdapters``, no
+    vLLM needed): the base layers come back under the plain HF names vLLM loads, and the
+    adapters, written to a peft directory, load in peft as the merged model (float64)."""
+    policy, _ = pair
+    adapters = RefitAdapters(LoraConfig.model_validate(LORA))
+    plan = policy.weight_export_plan(bucket_bytes=1 << 16, lora_export="with_base")
+    base = {}
+    for step in range(plan.steps):
+        bucket = adapters.keep_bucket(policy.export_weight_bucket(step))
+        base.update({name: tensor.clone() for name, tensor in unpack_bucket(bucket)})
+    policy.finish_weight_export()
+    plain = initial_model()
+    assert base.keys() == plain.state_dict().keys()
+    for name, tensor in plain.state_dict().items():  # the frozen base: the initial weights
+        assert torch.equal(base[name], tensor), name
+
+    directory = adapters.write()
+    assert adapters.write() is None  # nothing kept since
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(initial_model(), directory).eval()
+    assert sorted(loaded.peft_config["default"].target_modules) == sorted(
+        LoraConfig().target_modules
+    )
+    ids = skewed_batch()["input_ids"][:, :20]
+    want = logits(plain, ids, merged_by_hand(policy))
+    assert float((want - logits(plain, ids)).abs().max()) > 1e-3  # the adapters matter
+    torch.testing.assert_close(logits(loaded, ids), want, rtol=0, atol=1e-10)
+    adapters.close()
+    assert not os.path.exists(directory)
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' is not an adapter tensor"):
+        write_adapter_dir(str(tmp_path), {"model.norm.weight": torch.ones(2)}, LoraConfig())
+
+
+#: A generation backend that cannot load adapters (no built-in one is such).
+NO_ADAPTERS = types.SimpleNamespace(backend="plain", loads_lora_adapters=False)
+
+
 def test_lora_refit_sends_adapters_where_the_generator_loads_them():
     hf = GenerationConfig.model_validate({"backend": "hf"})
     vllm = GenerationConfig.model_validate({"backend": "vllm"})
     lora = LoraConfig.model_validate(LORA)
     assert lora_refit(LoraConfig(), hf) is None  # no LoRA
-    assert lora_refit(lora, hf) == "adapters" and lora_refit(lora, vllm) == "merged"
+    assert lora_refit(lora, hf) == "adapters" and lora_refit(lora, vllm) == "adapters"
+    assert lora_refit(lora, NO_ADAPTERS) == "merged"
     merged = lora.model_copy(update={"refit": "merged"})
-    assert lora_refit(merged, hf) == "merged"
+    assert lora_refit(merged, hf) == "merged" and lora_refit(merged, vllm) == "merged"
     explicit = lora.model_copy(update={"refit": "adapters"})
-    with pytest.raises(ValueError, match=r"generation\.backend: vllm does not"):
-        lora_refit(explicit, vllm)
+    with pytest.raises(ValueError, match=r"generation\.backend: plain does not"):
+        lora_refit(explicit, NO_ADAPTERS)
+
+
+def test_a_vllm_generator_is_planned_to_serve_the_policys_adapters():
+    vllm = GenerationConfig.model_validate({"backend": "vllm"})
+    lora = LoraConfig.model_validate(LORA)
+    assert vllm.serving_lora(lora).vllm.max_lora_rank == LORA["rank"]
+    assert vllm.vllm.max_lora_rank is None  # a copy: the config itself is unchanged
+    merged = lora.model_copy(update={"refit": "merged"})
+    assert vllm.serving_lora(merged) is vllm and vllm.serving_lora(LoraConfig()) is vllm
+    hf = GenerationConfig.model_validate({"backend": "hf"})
+    assert hf.serving_lora(lora) is hf  # the HF generator adds its LoRA layers at the refit
+    low = GenerationConfig.model_validate({"backend": "vllm", "vllm": {"max_lora_rank": 2}})
+    with pytest.raises(ValueError, match=r"generation\.vllm\.max_lora_rank: 2 is below policy"):
+        low.serving_lora(lora)
 
 
 def test_a_policy_without_lora_refuses_an_adapter_export():
@@ -142,12 +201,12 @@ class Controller:
 
 def test_an_auto_refit_into_a_generator_without_adapters_says_it_sends_merged_weights(caplog):
     policy = Controller(config=tiny_config(lora=LORA), worker_group=Controller())
-    vllm = Controller(config=GenerationConfig.model_validate({"backend": "vllm"}))
     with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
-        assert WeightSync(policy, vllm).lora == "merged"
-    assert "merged weights to generation.backend: vllm, which does not take" in caplog.text
+        assert WeightSync(policy, Controller(config=NO_ADAPTERS)).lora == "merged"
+    assert "merged weights to generation.backend: plain, which does not take" in caplog.text
     caplog.clear()
-    hf = Controller(config=GenerationConfig.model_validate({"backend": "hf"}))
-    with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
-        assert WeightSync(policy, hf).lora == "adapters"
+    for backend in ("hf", "vllm"):
+        generator = Controller(config=GenerationConfig.model_validate({"backend": backend}))
+        with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
+            assert WeightSync(policy, generator).lora == "adapters"
     assert not caplog.text

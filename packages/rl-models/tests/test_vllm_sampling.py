@@ -1,5 +1,6 @@
 """The parts of the vLLM backend that run without vLLM: request settings and result layout."""
 
+import os
 import queue
 
 import pytest
@@ -168,3 +169,26 @@ def test_a_stream_vllm_aborted_is_news_and_a_failed_or_unknown_one_raises():
     assert isinstance(failed.value.__cause__, ValueError) and "broken" not in worker.streams
     with pytest.raises(KeyError, match="no stream 'gone' here"):
         worker.poll_streams(["quiet", "gone"])
+
+
+def test_a_vllm_worker_serves_adapters_only_from_an_engine_started_for_them():
+    """``enable_lora_adapters`` checks the engine's LoRA set-up (``vllm.max_lora_rank``, which
+    a run sets from ``policy.lora``) before any refit; the adapters' directory goes at
+    shutdown. (No engine here: the checks read the worker's config.)"""
+    lora = {"enabled": True, "rank": 4, "alpha": 8.0}
+    worker = VllmGenerationWorker("unused", "float32", {}, {})
+    with pytest.raises(ValueError, match=r"started without LoRA.*max_lora_rank >= 4"):
+        worker.enable_lora_adapters(lora)
+    low = VllmGenerationWorker("unused", "float32", {}, {"max_lora_rank": 2})
+    with pytest.raises(ValueError, match=r"started with max_lora_rank 2"):
+        low.enable_lora_adapters(lora)
+
+    worker = VllmGenerationWorker("unused", "float32", {}, {"max_lora_rank": 4})
+    worker.enable_lora_adapters(lora)
+    worker.enable_lora_adapters(lora)  # the same policy again: nothing to do
+    with pytest.raises(ValueError, match="already serves adapters"):
+        worker.enable_lora_adapters({**lora, "rank": 2})
+    directory = worker.adapters.directory
+    assert os.path.isdir(directory)
+    worker.shutdown()
+    assert not os.path.exists(directory)

@@ -27,9 +27,9 @@ from rl_algorithms.environments import EnvSection, environment_class
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_algorithms.run import GeneratorPlan
 from rl_distributed.config import ConfigModel
-from rl_models.generation.config import GenerationConfig, lora_refit
+from rl_models.generation.config import GenerationConfig
 from rl_models.modeling.precision import generator_dtype
-from rl_models.policy.config import DType, ModelConfig, PolicyConfig
+from rl_models.policy.config import DType, LoraConfig, ModelConfig, PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("grpo")
 # `rl grpo` with no --config: SmolLM2-135M-Instruct learns two-digit addition on a CPU.
@@ -238,13 +238,17 @@ class GRPOGenerationConfig(GenerationConfig):
     def engine_config(self) -> GenerationConfig:
         return GenerationConfig.model_validate(self.model_dump(exclude={"num_workers", "dtype"}))
 
-    def plan(self, model: ModelConfig, use_gpus: bool) -> GeneratorPlan:
+    def plan(
+        self, model: ModelConfig, use_gpus: bool, lora: LoraConfig | None = None
+    ) -> GeneratorPlan:
         """The generator sampling from ``model`` (the policy's, or the model evaluated), held
-        in ``dtype``, on ``num_workers`` workers of its own unless colocated."""
+        in ``dtype``, on ``num_workers`` workers of its own unless colocated; set up to serve
+        the adapters of a policy whose ``policy.lora`` is ``lora``, where refits send them."""
         dtype = self.copy_dtype(use_gpus)
         if dtype is not None:
             model = model.model_copy(update={"dtype": dtype})
-        return GeneratorPlan(self.engine_config(), model, self.colocated, self.num_workers)
+        engine = self.engine_config().serving_lora(lora)
+        return GeneratorPlan(engine, model, self.colocated, self.num_workers)
 
 
 class RLMasterConfig(RunConfig):
@@ -296,7 +300,7 @@ class RLMasterConfig(RunConfig):
                 f"policy.backend: {self.policy.backend} does not give (dtensor and megatron "
                 "do); set loss_fn.entropy_coef: 0 or change the backend"
             )
-        lora_refit(self.policy.lora, self.generation)  # refit: adapters the generator can load
+        self.generation.serving_lora(self.policy.lora)  # refit: adapters the generator can load
         if self.generation.loads_model_from_disk and self.policy.model.path is None:
             raise ValueError(
                 f"generation.backend: {self.generation.backend} loads the model from disk: set "

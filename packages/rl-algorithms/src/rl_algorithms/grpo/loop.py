@@ -71,7 +71,9 @@ def setup_rollout_run(config: RLMasterConfig, name: str, loss_fn: Any, **models:
         seed=loop.seed,
         data=data,
         policy=config.policy.worker_config(),
-        generator=config.generation.plan(config.policy.model, config.cluster.use_gpus),
+        generator=config.generation.plan(
+            config.policy.model, config.cluster.use_gpus, config.policy.lora
+        ),
         envs=config.env,
         loss_fn=loss_fn,
         max_steps=loop.max_num_steps,

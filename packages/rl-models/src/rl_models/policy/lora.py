@@ -44,6 +44,12 @@ def is_adapter_key(key: str) -> bool:
     return ".lora_" in key
 
 
+def base_layer_to_plain(key: str) -> str:
+    """An adapted layer's weight under the plain HF name (``...q_proj.base_layer.weight`` ->
+    ``...q_proj.weight``); other keys unchanged."""
+    return key.replace(".base_layer.", ".")
+
+
 def _peft_config(config: LoraConfig):
     import peft
 
@@ -115,7 +121,7 @@ def merged_state_dict(
             dtype = torch.promote_types(value.dtype, torch.float32)
             delta = (b.to(dtype) @ a.to(dtype)) * scalings[lora_module]
             value = (value.to(dtype) + delta).to(value.dtype)
-        out[name.replace(".base_layer.", ".")] = value
+        out[base_layer_to_plain(name)] = value
     return out
 
 
@@ -128,6 +134,40 @@ def save_lora_checkpoint(model: torch.nn.Module, full: dict[str, torch.Tensor], 
     model.save_pretrained(os.path.join(path, ADAPTER_DIR), state_dict=full)
     base = model.get_base_model()
     base.save_pretrained(path, state_dict=merged_state_dict(full, lora_scalings(model)))
+
+
+def write_adapter_dir(
+    directory: str, adapters: dict[str, torch.Tensor], config: LoraConfig
+) -> None:
+    """Write ``adapters`` to ``directory`` in peft's layout (``adapter_config.json``,
+    ``adapter_model.safetensors``): what ``peft.PeftModel.from_pretrained`` and vLLM's
+    ``LoRARequest`` read. Files already there are replaced.
+
+    ``adapters`` are keyed as a refit exports them (``LoraExport``: the peft model's keys
+    without its ``base_model.model.`` prefix, adapter name included); the file has peft's saved
+    names (prefix, no adapter name). ``target_modules`` lists the adapted modules' names, so
+    ``all-linear`` is written as the layers it covered.
+    """
+    from safetensors.torch import save_file
+
+    tensors, targets = {}, set()
+    for key, value in adapters.items():
+        module, _, leaf = key.rpartition(".")  # "<layer>.lora_A.default", "weight"
+        if not is_adapter_key(key) or not module.endswith(f".{ADAPTER_NAME}"):
+            raise ValueError(
+                f"{key!r} is not an adapter tensor named <layer>.lora_A|lora_B.{ADAPTER_NAME}"
+                ".weight (policy.lora.LoraExport names)"
+            )
+        layer = key.split(".lora_")[0]
+        targets.add(layer.rpartition(".")[2])
+        # (a copy: safetensors refuses tensors that share memory, as views of one bucket do)
+        saved = f"{_PEFT_PREFIX}{module.removesuffix(f'.{ADAPTER_NAME}')}.{leaf}"
+        tensors[saved] = value.detach().to("cpu").contiguous().clone()
+    peft_config = _peft_config(config)
+    peft_config.target_modules = sorted(targets)
+    os.makedirs(directory, exist_ok=True)
+    peft_config.save_pretrained(directory)
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
 
 
 def load_adapter_state_dict(path: str) -> dict[str, torch.Tensor]:

@@ -19,6 +19,11 @@ kind it holds:
   this worker's GPU), or a worker not started yet or shut down. The calls every worker of a
   group gets (weight updates, sleep, wake) do nothing; sampling is an error saying why.
 
+With LoRA (``load_lora``) an engine serves one adapter, a peft directory, and every request
+submitted after it was loaded carries it: no sample comes from the base model alone. A refit
+reloads it in place under the same id, so requests in flight go on with the new adapter, as
+they do with new base weights.
+
 A streaming engine keeps decoding while requests come and go: the worker adds requests to it,
 aborts them, pauses it (keeping their KV cache) for an in-flight weight update, and hears from
 each request as it finishes.
@@ -42,6 +47,21 @@ from typing import Any, Protocol
 import torch
 
 OnFinish = Callable[[str, Any], None]
+LORA_ID = 1  # the one adapter an engine serves (vLLM's ids start at 1)
+
+
+def lora_request(path: str, reload: bool = False) -> Any:
+    """vLLM's request of the adapter in ``path``; ``reload``: replace the one loaded under the
+    same id (``load_inplace``). Requests carry one without ``reload``: with it, vLLM would read
+    the directory again at every step."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest("policy", LORA_ID, path, load_inplace=reload)
+
+
+def _added(loaded: Any, path: str) -> None:
+    if loaded is False or (isinstance(loaded, list) and not all(loaded)):
+        raise RuntimeError(f"vLLM did not load the LoRA adapter in {path}")
 
 
 class Engine(Protocol):
@@ -60,6 +80,10 @@ class Engine(Protocol):
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached KV block, running requests' too (they recompute theirs)."""
+
+    def load_lora(self, path: str) -> None:
+        """Load the peft adapter directory ``path`` (again: in place of the one loaded); every
+        request submitted from now on carries it."""
 
     def get_tokenizer(self) -> Any: ...
     def sleep(self, level: int) -> None: ...
@@ -92,12 +116,14 @@ class SyncEngine:
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
+        self.lora: Any = None  # the LoRARequest every request carries (``load_lora``)
 
     def submit(self, requests: Sequence[tuple[str, Any, Any]], on_finish: OnFinish) -> None:
         outputs = self.llm.generate(
             [prompt for _, prompt, _ in requests],
             [params for _, _, params in requests],
             use_tqdm=False,
+            lora_request=self.lora,
         )
         for (request_id, _, _), output in zip(requests, outputs, strict=True):
             on_finish(request_id, None if _aborted(output) else output)
@@ -119,6 +145,10 @@ class SyncEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    def load_lora(self, path: str) -> None:
+        _added(self.llm.llm_engine.add_lora(lora_request(path, reload=True)), path)
+        self.lora = lora_request(path)
 
     def get_tokenizer(self) -> Any:
         return self.llm.get_tokenizer()
@@ -167,6 +197,9 @@ class NoEngine:
     def reset_prefix_cache(self) -> bool:
         return True  # no cache
 
+    def load_lora(self, path: str) -> None:
+        pass  # (a tensor-parallel follower: the leader's engine serves the group)
+
     def sleep(self, level: int) -> None:
         pass
 
@@ -193,6 +226,7 @@ class InProcessRunner:
         self.lock = threading.Condition()  # held by every engine call, one step included
         self.turnstile = threading.Lock()  # taken before ``lock``: a waiting caller goes next
         self.on_finish: dict[str, OnFinish] = {}
+        self.lora: Any = None  # the LoRARequest every request carries (``load_lora``)
         self.paused = self.stopped = False
         self.error: BaseException | None = None  # what stopped the stepping thread
         # OpenMP's thread count is per thread: the stepping thread takes its creator's.
@@ -259,7 +293,7 @@ class InProcessRunner:
             try:
                 for request_id, prompt, params in requests:
                     tried.append(request_id)  # (a failed add may have registered it halfway)
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt, params, lora_request=self.lora)
                     self.on_finish[request_id] = on_finish
             except BaseException:
                 self.engine.abort_request(tried)
@@ -300,6 +334,11 @@ class InProcessRunner:
         with self._turn():
             return self.engine.reset_prefix_cache(reset_running_requests=True)
 
+    def load_lora(self, path: str) -> None:
+        with self._turn():
+            _added(self.engine.add_lora(lora_request(path, reload=True)), path)
+            self.lora = lora_request(path)
+
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
@@ -333,6 +372,7 @@ class AsyncLLMRunner:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-async", daemon=True).start()
         self.tasks: set[asyncio.Task] = set()  # (the loop keeps only weak references)
+        self.lora: Any = None  # the LoRARequest every request carries (``load_lora``)
 
         async def make() -> Any:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
@@ -363,7 +403,12 @@ class AsyncLLMRunner:
                 for request_id, prompt, params in requests:
                     tried.append(request_id)
                     added.append(
-                        (request_id, await self.engine.add_request(request_id, prompt, params))
+                        (
+                            request_id,
+                            await self.engine.add_request(
+                                request_id, prompt, params, lora_request=self.lora
+                            ),
+                        )
                     )
             except BaseException:
                 await self.engine.abort(tried)
@@ -392,6 +437,10 @@ class AsyncLLMRunner:
 
     def reset_prefix_cache(self) -> bool:
         return self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
+
+    def load_lora(self, path: str) -> None:
+        _added(self._run(self.engine.add_lora(lora_request(path, reload=True))), path)
+        self.lora = lora_request(path)
 
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()

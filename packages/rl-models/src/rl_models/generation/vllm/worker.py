@@ -15,6 +15,12 @@ one. vLLM's sleep mode is GPU-only (``enable_sleep_mode`` raises on CPU and the 
 ``finish_generation`` do nothing; on GPU they wake and sleep the engine (level 1: weights to
 host memory, KV cache dropped).
 
+A LoRA policy whose refit sends adapters (``policy.lora.refit``): the engine starts with LoRA
+(``vllm.max_lora_rank``); after ``enable_lora_adapters`` each refit's adapter tensors are kept
+(``adapters.RefitAdapters``), written at the refit's end to a peft directory of this worker's
+and reloaded by the engine (``engines.Engine.load_lora``), whose every request then carries
+them. The base layers (the first refit's) go to vLLM's model once, under the plain HF names.
+
 Tensor parallelism (GPU only, untested here): the tied workers of one engine each hold one GPU
 bundle; the first (leader) sees the tied group's GPUs and runs ``LLM(tensor_parallel_size=tp)``
 with vLLM's multiprocessing executor on them; the others (``NoEngine``) only keep the GPUs
@@ -45,6 +51,7 @@ from rl_models.generation.interfaces import (
     StaleWeightsError,
 )
 from rl_models.generation.streaming import StreamNews
+from rl_models.generation.vllm.adapters import RefitAdapters, check_servable, vllm_lora_rank
 from rl_models.generation.vllm.engines import Engine, NoEngine, bind_cpu_threads, build_engine
 from rl_models.generation.vllm.extension import bucket_to_wire
 from rl_models.generation.vllm.sampling import (
@@ -54,6 +61,7 @@ from rl_models.generation.vllm.sampling import (
     prompts_of,
     request_kwargs,
 )
+from rl_models.policy.config import LoraConfig
 from rl_models.weight_transfer.buckets import PackedBucket, pack_bucket
 from rl_models.weight_transfer.channels import ChannelReceiver
 
@@ -93,6 +101,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         self.device = torch.device("cuda", 0) if self.on_gpu else torch.device("cpu")
         self.sleeping = False
         self.updating = False  # between prepare_for_weight_update and set_weight_version
+        self.reloading = False  # vLLM's model is set up to load weights (rl_start_weight_update)
         # Whether vLLM's model runs in other processes (AsyncLLM's engine core, tensor-parallel
         # workers): a refit bucket is then copied into shared memory for them.
         self._multiprocess = False
@@ -102,6 +111,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         self.running: set[str] = set()  # requests submitted and not yet finished
         # Notified whenever a request of any stream finishes (``poll_streams`` waits on it).
         self.finish_signal = threading.Condition()
+        self.adapters: RefitAdapters | None = None  # a LoRA policy's (enable_lora_adapters)
 
     # -- start / stop -------------------------------------------------------------------------
 
@@ -131,6 +141,10 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_space_gb * 2**30)
         if c.block_size is not None:
             kwargs["block_size"] = c.block_size
+        if c.max_lora_rank is not None:
+            kwargs.update(
+                enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(c.max_lora_rank)
+            )
         if c.tensor_parallel_size == 1 and self.runner() != "async_llm":
             kwargs["distributed_executor_backend"] = "uni"
         return kwargs
@@ -182,7 +196,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def shutdown(self) -> None:
         engine, self.engine = self.engine, NoEngine("it was shut down")
-        engine.shutdown()
+        try:
+            engine.shutdown()
+        finally:
+            if self.adapters is not None:
+                self.adapters.close()
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -433,11 +451,24 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             # ``set_weight_version``: their later tokens come from the new weights. The engine
             # never steps on a half-loaded model.
             self.engine.pause()
-            self._rpc("rl_start_weight_update")
             self.updating = True
+            if self.adapters is None:
+                self._start_reload()
+
+    def _start_reload(self) -> None:
+        """Set vLLM's model up to load weights, once per update. With LoRA adapters only
+        the first refit has base weights: the others never touch the model's."""
+        if not self.reloading:
+            self._rpc("rl_start_weight_update")
+            self.reloading = True
 
     def load_weight_bucket(self, bucket: PackedBucket) -> int:
         self.prepare_for_weight_update()  # no-op when the refit already started it
+        if self.adapters is not None:
+            bucket = self.adapters.keep_bucket(bucket)
+            if not bucket.slots:
+                return 0
+            self._start_reload()
         wire = bucket_to_wire(bucket, other_process=self._multiprocess)
         return sum(self._rpc("rl_load_packed_bucket", *wire))
 
@@ -448,6 +479,11 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         multiprocess one (tensor parallel) gets them packed into a host bucket. Untested on GPU.
         """
         self.prepare_for_weight_update()
+        if self.adapters is not None:
+            named = self.adapters.keep_named(named)
+            if not named:
+                return
+            self._start_reload()
         if self._multiprocess:
             self.load_weight_bucket(pack_bucket(named))
         else:
@@ -456,9 +492,12 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
     def set_weight_version(self, version: int) -> None:
         """Finish the update and stamp its version; every KV block computed with the old
         weights is dropped (``_reset_prefix_cache``)."""
-        if self.updating:
+        if self.reloading:
             self._rpc("rl_finish_weight_update")
-            self.updating = False
+            self.reloading = False
+        self.updating = False
+        if self.adapters is not None and (directory := self.adapters.write()) is not None:
+            self.engine.load_lora(directory)  # before any request runs on the new weights
         self._reset_prefix_cache()
         self.weight_version = int(version)
         if self.engine.is_paused():
@@ -482,6 +521,21 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
 
     def get_weight_version(self) -> int:
         return self.weight_version
+
+    def enable_lora_adapters(self, lora: dict[str, Any]) -> None:
+        """Serve the adapters of a LoRA policy (its ``LoraConfig`` as a dict), once: the refits
+        that follow send adapter tensors and (the first) the base layers. The engine must have
+        started with LoRA up to the policy's rank (``vllm.max_lora_rank``)."""
+        config = LoraConfig.model_validate(lora)
+        if self.adapters is not None:
+            if self.adapters.config != config:
+                raise ValueError(
+                    f"this generator already serves adapters of {self.adapters.config!r}; the "
+                    f"policy's are {config!r} (one generator serves one LoRA policy)"
+                )
+            return
+        check_servable(config, self.config.max_lora_rank)
+        self.adapters = RefitAdapters(config)
 
     # -- sleep / wake (GPU) -------------------------------------------------------------------
 
