@@ -359,8 +359,8 @@ def end_step(
     before_checkpoint: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Log the step's metrics (with the phases' times), validate every ``val_period`` steps
-    and after the last (``val_at_end``), checkpoint when ``checkpointing.save_period`` says so. Returns the
-    validation metrics (empty when none ran).
+    and after the last (as ``val_at_end`` says), checkpoint when ``checkpointing.save_period``
+    says so. Returns the validation metrics (empty when none ran).
 
     A checkpoint is ranked by the validation of its own weights only, never an earlier step's
     (``val_period`` and ``save_period`` need not line up). ``before_checkpoint`` lets a loop
