@@ -496,6 +496,23 @@ def test_kl_in_reward_folds_the_kl_into_reinforce_plus_plus_returns_through_the_
     assert "reference_logprobs" not in run.loss_fn.batch_fields()
 
 
+@pytest.mark.parametrize(
+    ("val_period", "val_at_end", "validated_after"),
+    [(2, None, [2, 3]), (2, False, [2]), (0, True, [3]), (0, None, [])],
+)
+def test_validation_after_the_last_step_follows_val_at_end(
+    make_run, val_period, val_at_end, validated_after
+):
+    from rl_algorithms.run import end_step
+
+    run = make_run((0, 1, 2, 1))
+    run.val_period, run.val_at_end, run.total_steps = val_period, val_at_end, 3
+    validated: list[int] = []
+    for run.step in (1, 2, 3):
+        end_step(run, {"loss": 0.0}, validate=lambda: validated.append(run.step) or {})
+    assert validated == validated_after
+
+
 def test_each_validation_logs_samples_of_the_latest_training_step(make_run):
     import json
 

@@ -86,6 +86,7 @@ EXPECTED = {
         **COMMON_GRPO,
         "grpo.max_num_steps": 1000000,
         "grpo.max_rollout_turns": 1,
+        "grpo.val_at_end": False,
         "policy.model.path": "Qwen/Qwen2.5-1.5B",
         "tokenizer.path": "Qwen/Qwen2.5-1.5B",
         "policy.backend": "dtensor",
@@ -153,6 +154,7 @@ EXPECTED = {
         "dpo.val_global_batch_size": 8,
         "dpo.val_micro_batch_size": 1,
         "dpo.val_at_start": True,
+        "dpo.val_at_end": False,
         "dpo.reference_policy_kl_penalty": 0.05,
         "dpo.preference_average_log_probs": False,
         "dpo.sft_average_log_probs": False,
@@ -185,6 +187,7 @@ EXPECTED = {
         "sft.val_global_batch_size": 32,
         "sft.val_batches": 8,
         "sft.val_at_start": True,
+        "sft.val_at_end": False,
         "policy.model.path": "meta-llama/Llama-3.2-1B",
         "tokenizer.path": "meta-llama/Llama-3.2-1B",
         "tokenizer.chat_template.kind": "jinja",
@@ -235,6 +238,25 @@ def test_a_nemo_recipe_validates_with_its_keys_translated(name):
             if isinstance(want, float)
             else (select(config, key) == want)
         ), key
+
+
+def test_val_at_end_is_translated_both_ways_since_our_default_differs_from_nemos():
+    # NeMo validates after the last step only when val_at_end is true; ours, left out, does
+    # whenever val_period > 0. So false must reach our config too, not be dropped as neutral.
+    assert validated("grpo_math_1B")["grpo"]["val_at_end"] is False
+    on = validated("grpo_math_1B", "grpo.val_at_end=true", "grpo.val_period=0")
+    assert (on["grpo"]["val_at_end"], on["grpo"]["val_period"]) == (True, 0)
+
+
+def test_a_switched_off_section_of_the_value_model_is_named_as_the_recipe_names_it():
+    # ppo_math_1B packs the policy's sequences but not the value model's.
+    translation, _ = translate_file(str(RECIPES / "ppo_math_1B.yaml"), [], "ppo")
+    reasons = {e.key: e.reason for e in translation.ignored}
+    assert reasons["value.sequence_packing.algorithm"] == (
+        "section value.sequence_packing is off (value.sequence_packing.enabled: false)"
+    )
+    assert "policy.sequence_packing.algorithm" not in reasons
+    assert "  value.sequence_packing.* (4 keys):" in translation.ignored_report()
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHM))

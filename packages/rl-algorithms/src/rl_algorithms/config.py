@@ -213,6 +213,9 @@ class LoopConfig(ConfigModel):
     # The run stops at whichever limit comes first; null: the epochs alone decide.
     max_num_steps: int | None = Field(100, ge=1)
     val_period: int = Field(0, ge=0)  # validate every N steps (0: never during training)
+    # Validate after the last step too: null does when val_period > 0 (the last step ends a
+    # period of its own), true always, false only when the last step ends a period.
+    val_at_end: bool | None = None
     val_batches: int = Field(0, ge=0)  # 0: the whole validation set
     # Samples per validation batch.
     val_global_batch_size: int = Field(8, ge=1)

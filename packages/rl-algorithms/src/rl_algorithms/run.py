@@ -98,7 +98,8 @@ class Run(Generic[ConfigT]):
     checkpointer: CheckpointManager | None  # None: this run neither resumes nor saves
     clusters: list[RayVirtualCluster]
     total_steps: int  # lowered to ``step`` when ``end_step`` stops at the time limit
-    val_period: int = 0  # validate every N steps and after the last (0: never)
+    val_period: int = 0  # validate every N steps (0: never during training)
+    val_at_end: bool | None = None  # and after the last: None when val_period > 0
     policy: Policy | None = None
     generation: GenerationInterface | None = None
     envs: dict[str, ActorHandle] = field(default_factory=dict)  # task name -> its environment
@@ -180,6 +181,7 @@ def setup_run(
     max_steps: int | None = None,
     max_epochs: int = 1,
     val_period: int = 0,
+    val_at_end: bool | None = None,
 ) -> Run[ConfigT]:
     """Build a run of algorithm ``name`` (the ``rl`` command's) from its validated ``config``,
     training with ``loss_fn``.
@@ -266,6 +268,7 @@ def setup_run(
         clusters=[cluster],
         total_steps=total_steps,
         val_period=val_period,
+        val_at_end=val_at_end,
         loss_fn=loss_fn,
     )
 
@@ -356,8 +359,8 @@ def end_step(
     before_checkpoint: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Log the step's metrics (with the phases' times), validate every ``val_period`` steps
-    and after the last, checkpoint when ``checkpointing.save_period`` says so. Returns the
-    validation metrics (empty when none ran).
+    and after the last (as ``val_at_end`` says), checkpoint when ``checkpointing.save_period``
+    says so. Returns the validation metrics (empty when none ran).
 
     A checkpoint is ranked by the validation of its own weights only, never an earlier step's
     (``val_period`` and ``save_period`` need not line up). ``before_checkpoint`` lets a loop
@@ -372,7 +375,9 @@ def end_step(
     done = run.step >= run.total_steps
     out_of_time = run.checkpointer is not None and run.checkpointer.out_of_time()
     val_metrics: dict[str, float] = {}
-    if validate is not None and run.val_period and (run.step % run.val_period == 0 or done):
+    at_end = run.val_at_end if run.val_at_end is not None else bool(run.val_period)
+    in_period = bool(run.val_period) and run.step % run.val_period == 0
+    if validate is not None and (in_period or (done and at_end)):
         with logger.timer("validation"):
             val_metrics = validate()
         if val_metrics:

@@ -42,6 +42,7 @@ def setup_supervised(
         max_steps=loop.max_num_steps,
         max_epochs=loop.max_num_epochs,
         val_period=loop.val_period,
+        val_at_end=loop.val_at_end,
     )
 
 

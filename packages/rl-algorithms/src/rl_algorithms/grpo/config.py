@@ -156,6 +156,9 @@ class RolloutLoopConfig(ConfigModel):
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     val_period: int = Field(0, ge=0)  # 0: no validation during training
+    # Validate after the last step too: null does when val_period > 0 (the last step ends a
+    # period of its own), true always, false only when the last step ends a period.
+    val_at_end: bool | None = None
     val_at_start: bool = False  # validate once before the first step
     val_batch_size: int = Field(8, ge=1)  # prompts per validation generation call
     # Most validation prompts used per validation (greedy, one response each).

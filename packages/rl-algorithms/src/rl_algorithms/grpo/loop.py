@@ -79,6 +79,7 @@ def setup_rollout_run(config: RLMasterConfig, name: str, loss_fn: Any, **models:
         max_steps=loop.max_num_steps,
         max_epochs=loop.max_num_epochs,
         val_period=loop.val_period,
+        val_at_end=loop.val_at_end,
         **models,
     )
 

@@ -153,7 +153,12 @@ RULES: list[tuple[str, Any]] = [
             "sft_loss_weight",
         )
     ],
-    ("*.val_at_end", Unless((False,), "validate once more after the last step")),
+    # NeMo validates after the last step only with val_at_end (whatever val_period is); our
+    # default does whenever val_period > 0, so the value is always written.
+    *[
+        (f"{loop}.val_at_end", To(f"{loop}.val_at_end"))
+        for loop in ("grpo", "ppo", "distillation", *SUPERVISED_LOOPS)
+    ],
     (
         "policy.activation_checkpointing_enabled",
         Ignore("NeMo RL does not read it (dtensor_cfg.activation_checkpointing is its key)"),

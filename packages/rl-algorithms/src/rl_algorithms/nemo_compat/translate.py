@@ -67,15 +67,19 @@ def _walk(ctx: Context, policy_only: bool = False) -> None:
     def wanted(prefix: str) -> bool:
         return not policy_only or prefix.startswith("policy.")
 
+    def named(key: str) -> str:  # as the recipe names it: value.X / teacher.X re-rooted
+        return ctx.section + key.removeprefix("policy") if ctx.section else key
+
     compiled = [(pattern_regex(p), rule) for p, rule in RULES if wanted(p)]
     for prefix, flag in OFF_SECTIONS:
         if not wanted(prefix):
             continue
         if prefix in ctx.done or ctx.get(prefix) is None or ctx.get(flag, True) is not False:
             continue
+        reason = f"section {named(prefix)} is off ({named(flag)}: false)"
         for key, value in ctx.leaves(prefix):
             if key != flag and key not in ctx.done:
-                ctx.ignore(key, value, f"section {prefix} is off ({flag}: false)")
+                ctx.ignore(key, value, reason)
     for prefix, unused in UNUSED_SECTIONS:
         reason = unused(ctx)
         if reason is not None:
