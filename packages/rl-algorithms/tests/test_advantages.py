@@ -42,6 +42,25 @@ def test_grpo_matches_the_reference(leave_one_out, normalize_std):
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("leave_one_out", [False, True])
+@pytest.mark.parametrize("normalize_std", [False, True])
+def test_unscored_samples_are_out_of_their_groups_statistics(leave_one_out, normalize_std):
+    # Group 0 loses one sample, group 1 none, group 2 all but one (no signal left: 0).
+    scored = torch.tensor([1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0], dtype=torch.bool)
+    got = grpo_advantages(REWARDS.double(), 4, leave_one_out, normalize_std, scored=scored)
+    expected = torch.zeros(12, dtype=torch.float64)
+    for start in (0, 4):  # each group as if it held its scored samples only
+        keep = [i for i in range(start, start + 4) if scored[i]]
+        ref = reference_grpo(REWARDS[keep], len(keep), leave_one_out, normalize_std)
+        expected[keep] = ref
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    # A made-up reward in an unscored slot changes nothing.
+    other = REWARDS.double().clone()
+    other[1] = 100.0
+    again = grpo_advantages(other, 4, leave_one_out, normalize_std, scored=scored)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
 def test_a_group_with_one_reward_has_zero_advantage():
     adv = grpo_advantages(REWARDS, 4)
     assert adv[4:8].abs().sum() == 0

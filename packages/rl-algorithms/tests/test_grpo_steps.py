@@ -128,6 +128,21 @@ def test_advantages_sit_on_the_sampled_tokens_and_truncated_samples_drop_out(mak
     assert metrics["reward_mean"] == pytest.approx(float(result.rewards.mean()))
 
 
+def test_an_unscored_sample_moves_no_other_samples_advantage(make_run):
+    run = make_run((0, 1))
+    result, _ = grpo.generate_rollouts(run)
+    result.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    result.end_reasons = list(result.end_reasons)
+    batch = result.training_batch(run.tokenizer.pad_token_id)
+    before, _ = grpo.compute_advantages(run, result, batch.loss_mask)
+    result.end_reasons[3] = "unscored"  # its 1.0 is a placeholder, not a reward
+    after, _ = grpo.compute_advantages(run, result, batch.loss_mask)
+    assert after["sample_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    torch.testing.assert_close(after["advantages"][:2], before["advantages"][:2])
+    # Group 1 has one scored sample left: no baseline, no signal.
+    assert after["advantages"][2:].abs().sum() == 0
+
+
 def test_overlong_reward_shaping_penalises_long_responses(make_run):
     run = make_run(
         (0, 1),

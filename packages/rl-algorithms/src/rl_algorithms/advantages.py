@@ -55,12 +55,20 @@ def grpo_advantages(
     leave_one_out: bool = False,
     normalize_std: bool = True,
     eps: float = 1e-6,
+    scored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N]`` advantages against each group's baseline (module docstring).
 
     The std is the unbiased standard deviation of the whole group; a group whose rewards are
     all equal gets advantage 0 (there is nothing to learn from it), never a division by ~0.
+    ``scored`` ``[N]`` bool (default: all) marks the samples whose reward is real: the others
+    (an environment that timed out or could not score them) are left out of their group's
+    baseline and std, and get advantage 0, so a made-up 0 moves no other sample's advantage.
     """
+    if scored is not None and not bool(scored.all()):
+        return _grpo_advantages_of_scored(
+            rewards, group_size, leave_one_out, normalize_std, eps, scored
+        )
     groups = _groups(rewards, group_size)
     if leave_one_out:
         if group_size < 2:
@@ -75,6 +83,37 @@ def grpo_advantages(
     return adv.reshape(-1).to(_result_dtype(rewards))
 
 
+def _grpo_advantages_of_scored(
+    rewards: torch.Tensor,
+    group_size: int,
+    leave_one_out: bool,
+    normalize_std: bool,
+    eps: float,
+    scored: torch.Tensor,
+) -> torch.Tensor:
+    """``grpo_advantages`` with each group's statistics over its scored samples only (a
+    group with fewer than two has no signal: advantage 0)."""
+    check_shape("scored", scored, (rewards.numel(),))
+    groups = _groups(rewards, group_size).to(torch.float64)
+    on = _groups(scored.to(torch.float64), group_size)
+    count = on.sum(dim=1, keepdim=True)
+    total = (groups * on).sum(dim=1, keepdim=True)
+    if leave_one_out:
+        if group_size < 2:
+            raise ValueError("a leave-one-out baseline needs at least 2 samples per prompt")
+        baseline = (total - groups * on) / (count - on).clamp(min=1)
+    else:
+        baseline = total / count.clamp(min=1)
+    adv = groups - baseline
+    if normalize_std:
+        mean = total / count.clamp(min=1)
+        var = (((groups - mean) ** 2) * on).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+        std = var.sqrt()
+        adv = torch.where(std > eps, adv / (std + eps), torch.zeros_like(adv))
+    adv = torch.where((on > 0) & (count > 1), adv, torch.zeros_like(adv))
+    return adv.reshape(-1).to(_result_dtype(rewards))
+
+
 def gdpo_advantages(
     components: torch.Tensor,
     weights: Sequence[float],
@@ -83,12 +122,13 @@ def gdpo_advantages(
     normalize_std: bool = True,
     sample_mask: torch.Tensor | None = None,
     eps: float = 1e-6,
+    scored: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GDPO's ``[N]`` advantages of the ``[N, K]`` rewards ``components`` (module docstring),
     and the ``[N, K]`` per-reward advantages ``A_k`` they combine (float64, for metrics).
 
     Each reward's group statistics are those of ``grpo_advantages`` (the whole group, samples
-    out of the loss included, as in GRPO); the batch whitening takes its mean and unbiased std
+    out of the loss included, as in GRPO, but not the unscored ones: ``scored``); the batch whitening takes its mean and unbiased std
     over the samples with ``sample_mask`` > 0 (default: all), and the others get 0. A batch
     whose combined advantages are all equal gets 0, never a division by ~0.
     """
@@ -106,6 +146,7 @@ def gdpo_advantages(
                 leave_one_out=leave_one_out,
                 normalize_std=normalize_std,
                 eps=eps,
+                scored=scored,
             )
             for k in range(len(weights))
         ],
@@ -136,6 +177,7 @@ def reinforce_plus_plus_advantages(
     kl_coef: float = 0.0,
     eps: float = 1e-8,
     sample_mask: torch.Tensor | None = None,
+    scored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N, S]`` per-token advantages of REINFORCE++ (module docstring).
 
@@ -145,7 +187,8 @@ def reinforce_plus_plus_advantages(
     (default: all 1) marks the samples that enter the loss: the whitening statistics are taken
     over their response tokens only, and the other samples get advantage 0, so that samples
     kept out of the loss (dynamic sampling's filler groups, truncated samples) change nothing.
-    The group baseline is still the mean of the whole group. Advantages are 0 outside the mask.
+    The group baseline is still the mean of the whole group, but for its unscored samples
+    (``scored``, as in ``grpo_advantages``). Advantages are 0 outside the mask.
     """
     mask = token_mask.to(torch.float64)
     if sample_mask is not None:
@@ -156,8 +199,7 @@ def reinforce_plus_plus_advantages(
         mask = mask * (sample_mask.to(torch.float64) > 0)[:, None]
     r = rewards.to(torch.float64)
     if group_size is not None:
-        groups = _groups(rewards, group_size)
-        r = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
+        r = grpo_advantages(rewards, group_size, normalize_std=False, scored=scored)
     returns = r[:, None] * mask
     if kl_coef:
         if kl is None:

@@ -118,11 +118,12 @@ def reward_fields(
     }
     d = run.config.distillation
     sample_mask = result.sample_mask()
+    scored = sample_mask > 0  # a real reward: only these make their group's baseline
     if d.overlong_filtering:
         sample_mask = sample_mask * (~result.truncated).to(sample_mask.dtype)
     fields: dict[str, torch.Tensor] = {"sample_mask": sample_mask}
     if d.grpo_reward:
-        per_sample = grpo_advantages(rewards, d.num_generations_per_prompt)
+        per_sample = grpo_advantages(rewards, d.num_generations_per_prompt, scored=scored)
         fields["advantages"] = (per_sample[:, None] * loss_mask).to(torch.float32)
     return fields, metrics
 

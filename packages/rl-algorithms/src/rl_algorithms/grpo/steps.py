@@ -265,7 +265,7 @@ def reward_components(run: Run, result: RolloutResult) -> RewardComponents:
 
 
 def gdpo_step_advantages(
-    run: Run, result: RolloutResult, sample_mask: torch.Tensor
+    run: Run, result: RolloutResult, sample_mask: torch.Tensor, scored: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GDPO's ``[N]`` advantages, and each reward's normalised advantage's mean and std over
     the samples in the loss (``gdpo/<reward>/advantage_mean``, ``.../advantage_std``)."""
@@ -278,6 +278,7 @@ def gdpo_step_advantages(
         leave_one_out=g.use_leave_one_out_baseline,
         normalize_std=g.normalize_rewards,
         sample_mask=sample_mask,
+        scored=scored,
     )
     on = sample_mask > 0
     metrics = {}
@@ -309,6 +310,10 @@ def compute_advantages(
     g = run.config.grpo
     rewards = shaped_rewards(run, result)
     sample_mask = result.sample_mask()
+    # The samples with a real reward (not an environment's timeout or refusal to score):
+    # only they make their group's baseline. Truncated ones keep theirs (overlong filtering
+    # takes them out of the loss, not out of the statistics).
+    scored = sample_mask > 0
     if g.overlong_filtering:
         sample_mask = overlong_filter(result.truncated, sample_mask)
     kl = None
@@ -336,9 +341,10 @@ def compute_advantages(
             kl=kl,
             kl_coef=kl_coef,
             sample_mask=sample_mask,
+            scored=scored,
         )
     elif g.advantage_estimator == "gdpo":
-        per_sample, estimator_metrics = gdpo_step_advantages(run, result, sample_mask)
+        per_sample, estimator_metrics = gdpo_step_advantages(run, result, sample_mask, scored)
         advantages = per_sample[:, None] * loss_mask
     else:
         per_sample = grpo_advantages(
@@ -346,6 +352,7 @@ def compute_advantages(
             g.num_generations_per_prompt,
             leave_one_out=g.use_leave_one_out_baseline,
             normalize_std=g.normalize_rewards,
+            scored=scored,
         )
         advantages = per_sample[:, None] * loss_mask
     advantages = advantages * (~result.filler)[:, None].to(advantages.dtype)
