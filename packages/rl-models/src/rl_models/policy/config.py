@@ -497,8 +497,9 @@ class DTensorPolicyConfig(PolicyConfig):
             return self
         # Why each is refused: peft wraps the very linear layers the plan splits (its
         # adapters would need plans of their own); a value or classifier head is a plain
-        # layer the plan leaves whole, fed split activations; the shared-prompt pass builds
-        # its own attention over the model's pieces, outside the plan's hooks.
+        # layer the plan leaves whole, fed split activations. (The shared-prompt pass, which
+        # builds its own attention outside the plan's hooks, is skipped, not refused: it
+        # changes speed, not results.)
         unsupported = {
             "lora.enabled": self.lora.enabled,
             f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
