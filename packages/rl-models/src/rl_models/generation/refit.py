@@ -327,7 +327,8 @@ def needs_refit(policy: Any, generation: GenerationInterface) -> bool:
     if sync is not None and sync.serves(policy):
         return sync.lora == "adapters" and not sync.adapters_added
     # No refit from this policy yet (a sync from another policy adds its own adapters).
-    return lora_refit(policy.config.lora, generation.config) == "adapters"
+    lora = policy.config.lora
+    return lora.enabled and lora_refit(lora, generation.config) == "adapters"
 
 
 def refit(
