@@ -114,7 +114,7 @@ def test_adapter_refits_give_the_merged_models_logits_and_send_only_the_adapters
 def test_the_generator_refuses_adapters_of_another_lora_config(pair):
     _, generator = pair
     generator.enable_lora_adapters(LoraConfig.model_validate(LORA).model_dump())  # the same: ok
-    with pytest.raises(ValueError, match="already has adapters"):
+    with pytest.raises(ValueError, match="already serves adapters"):
         generator.enable_lora_adapters({**LORA, "rank": 8})
 
 
