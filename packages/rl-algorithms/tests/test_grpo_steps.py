@@ -68,7 +68,7 @@ def make_run(tokenizer, template, tmp_path):
         return Run(
             name="grpo",
             config=config,
-            policy=type("P", (), {"weight_version": 0})(),
+            policy=type("P", (), {"weight_version": 0, "config": config.policy})(),
             generation=CyclingGeneration(tokenizer, SCRIPT),
             clusters=[],
             envs={"puzzle": SlidingPuzzleEnvironment()},

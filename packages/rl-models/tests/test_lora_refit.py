@@ -11,7 +11,7 @@ from torch.func import functional_call
 
 from rl_models.generation.config import GenerationConfig, lora_refit
 from rl_models.generation.hf_worker import HfGenerationWorker
-from rl_models.generation.refit import WeightSync
+from rl_models.generation.refit import WeightSync, needs_refit, weight_sync
 from rl_models.generation.vllm.adapters import RefitAdapters
 from rl_models.losses import NLLLoss
 from rl_models.policy.config import LoraConfig
@@ -114,7 +114,7 @@ def test_adapter_refits_give_the_merged_models_logits_and_send_only_the_adapters
 def test_the_generator_refuses_adapters_of_another_lora_config(pair):
     _, generator = pair
     generator.enable_lora_adapters(LoraConfig.model_validate(LORA).model_dump())  # the same: ok
-    with pytest.raises(ValueError, match="already has adapters"):
+    with pytest.raises(ValueError, match="already serves adapters"):
         generator.enable_lora_adapters({**LORA, "rank": 8})
 
 
@@ -210,3 +210,33 @@ def test_an_auto_refit_into_a_generator_without_adapters_says_it_sends_merged_we
         with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
             assert WeightSync(policy, generator).lora == "adapters"
     assert not caplog.text
+
+
+def test_a_generator_without_the_policys_adapters_is_refit_before_it_samples():
+    vllm = GenerationConfig.model_validate({"backend": "vllm"})
+
+    def pair(lora: dict | None) -> tuple[Controller, Controller]:
+        config = tiny_config(lora=lora) if lora else tiny_config()
+        policy = Controller(config=config, worker_group=Controller(), weight_version=0)
+        return policy, Controller(config=vllm, weight_version=0, weight_sync=None)
+
+    policy, generator = pair(LORA)
+    assert needs_refit(policy, generator)  # version 0 on both, but no adapters yet
+    sync = weight_sync(policy, generator)
+    assert needs_refit(policy, generator)  # a sync made, still no refit through it
+    sync.adapters_added = True  # as the first adapter refit leaves it
+    assert not needs_refit(policy, generator)
+    policy.weight_version = 1
+    assert needs_refit(policy, generator)
+    # A new policy's adapters are not the ones the generator holds.
+    other, _ = pair(LORA)
+    other.weight_version = 1
+    assert needs_refit(other, generator)
+    # Without LoRA, or with merged weights sent, equal versions need nothing.
+    for lora in (None, {**LORA, "refit": "merged"}):
+        policy, generator = pair(lora)
+        assert not needs_refit(policy, generator)
+        weight_sync(policy, generator)
+        assert not needs_refit(policy, generator)
+        policy.weight_version = 1
+        assert needs_refit(policy, generator)

@@ -512,7 +512,9 @@ def test_a_lora_policy_refits_its_adapters_into_vllm(models, tmp_path):
     """``policy.lora.refit: auto`` into a vLLM engine planned for adapters (``serving_lora``):
     after a train step the first refit sends the base layers with the adapters (object store),
     after another the adapters alone (broadcast: the GPU channels' path); after each, vLLM's
-    greedy log-probs are the merged model's (the policy's LoRA checkpoint, HF in float64)."""
+    greedy log-probs are the merged model's (the policy's LoRA checkpoint, HF in float64), and
+    far from those of the adapters it replaced (none, then the previous step's): a refit that
+    left vLLM with stale adapters fails."""
     lora = {"enabled": True, "rank": 4, "alpha": 8.0}
     config = tiny_config(
         model={"path": models["initial"], "dtype": "float32"},
@@ -534,6 +536,7 @@ def test_a_lora_policy_refits_its_adapters_into_vllm(models, tmp_path):
     policy = Policy(clusters[0], config)
     gen = VllmGeneration(clusters[1], generation, model=config.model, name_prefix="vllm-lora")
     data = prompts(models["tokenizer"], BATCH)
+    replaced = models["initial"]  # what vLLM computes with the adapters a refit replaces
     try:
         sent = []
         for step, channel in enumerate(("auto", "broadcast")):
@@ -544,22 +547,24 @@ def test_a_lora_policy_refits_its_adapters_into_vllm(models, tmp_path):
             merged = str(tmp_path / f"merged-{step}")
             policy.save_checkpoint(merged)
             want = hf_response_logprobs(merged, out, 1.0)
-            unadapted = hf_response_logprobs(models["initial"], out, 1.0)
+            stale = hf_response_logprobs(replaced, out, 1.0)
             gap = 0.0
-            for row, ((logp, tokens), (base_logp, _)) in enumerate(
-                zip(want, unadapted, strict=True)
-            ):
+            for row, ((logp, tokens), (stale_logp, _)) in enumerate(zip(want, stale, strict=True)):
                 n = int(data["input_lengths"][row])
                 got = out["logprobs"][row, n : n + len(tokens)].double()
                 picked = logp.gather(-1, tokens[:, None])[:, 0]
                 torch.testing.assert_close(got, picked, rtol=0, atol=ATOL)
                 assert torch.equal(logp.argmax(-1), tokens)
-                gap = max(gap, float((base_logp - logp).abs().max()))
+                stale_picked = stale_logp.gather(-1, tokens[:, None])[:, 0]
+                gap = max(gap, float((stale_picked - picked).abs().max()))
             print(
-                f"refit {step}: {stats.lora_export}, {stats.bytes} bytes; adapters move "
-                f"log-probs by up to {gap:.3g}"
+                f"refit {step}: {stats.lora_export}, {stats.bytes} bytes; the new adapters "
+                f"move log-probs by up to {gap:.3g}"
             )
-            assert gap > 50 * ATOL  # without its adapters vLLM would have failed the check
+            # With the replaced adapters (none at step 0, step 0's at step 1) vLLM would have
+            # failed the check above.
+            assert gap > 50 * ATOL
+            replaced = merged
         (first, first_bytes), (later, later_bytes) = sent
         assert (first, later) == ("with_base", "adapters")
         assert later_bytes == adapter_bytes and first_bytes > 10 * adapter_bytes

@@ -37,8 +37,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.left)
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_request(self, request_id, prompt, params, lora_request=None) -> None:
         self._call()
+        assert lora_request is None  # (no runner here loads an adapter)
         if prompt == "bad":
             raise ValueError("a prompt the engine refuses")
         self.left[request_id] = params

@@ -107,10 +107,12 @@ def logprob_fields(config: MasterConfig) -> frozenset[str]:
 
 
 def refit_if_stale(run: Run) -> dict[str, float]:
-    """Copy the policy's weights to the generator when it holds an older version."""
-    if run.generation.weight_version == run.policy.weight_version:
+    """Copy the policy's weights to the generator when it holds an older version, or when it
+    has none of the LoRA adapters the policy sends (``needs_refit``)."""
+    from rl_models.generation.refit import needs_refit, refit
+
+    if not needs_refit(run.policy, run.generation):
         return {}
-    from rl_models.generation.refit import refit
 
     # A generator that samples in a narrower dtype than the policy trains in gets its weights
     # cast on the way: half the bytes to move for a bf16 generator of an fp32 policy.

@@ -250,6 +250,17 @@ def lora_refit(lora: Any, generation: GenerationConfig) -> Literal["adapters", "
     return "adapters"
 
 
+def check_one_lora_policy(served: Any, offered: Any) -> None:
+    """Refuse the adapters of ``offered`` (a ``policy.config.LoraConfig``) in a generator that
+    serves adapters of ``served``: one generator serves one LoRA policy, and its LoRA layers are
+    shaped for that policy's config."""
+    if served != offered:
+        raise ValueError(
+            f"this generator already serves adapters of {served!r}; the policy's are "
+            f"{offered!r} (one generator serves one LoRA policy)"
+        )
+
+
 GENERATION_BACKENDS.register(
     Backend("hf", HfGenerationConfig, "rl_models.generation.hf_generation:HfGeneration")
 )

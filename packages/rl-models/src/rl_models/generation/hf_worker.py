@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation.config import GenerationConfig
+from rl_models.generation.config import GenerationConfig, check_one_lora_policy
 from rl_models.generation.interfaces import (
     GenerationWorker,
     IncompleteRefitError,
@@ -182,11 +182,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
 
         config = LoraConfig.model_validate(lora)
         if self.lora is not None:
-            if self.lora != config:
-                raise ValueError(
-                    f"this generator already has adapters of {self.lora!r}; the policy's are "
-                    f"{config!r} (one generator serves one LoRA policy)"
-                )
+            check_one_lora_policy(self.lora, config)
             return
         if self.region is not None:
             raise RuntimeError(

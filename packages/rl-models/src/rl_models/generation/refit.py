@@ -311,6 +311,26 @@ def weight_sync(policy: Any, generation: GenerationInterface) -> WeightSync:
     return sync
 
 
+def needs_refit(policy: Any, generation: GenerationInterface) -> bool:
+    """Whether ``generation`` must get ``policy``'s weights before it samples again: it holds
+    an older version, or the policy sends LoRA adapters and the generator has none yet.
+
+    The second case matters at the start of a run, when both hold version 0: a vLLM generator
+    without adapters serves the base model (its requests carry no LoRA request), and in async
+    GRPO the first adapter refit would then land while requests run, which would keep the base
+    model while their later tokens are stamped with the new version. Adding the adapters before
+    the first generation makes every request carry the policy's LoRA request from the start.
+    """
+    if generation.weight_version != policy.weight_version:
+        return True
+    sync: WeightSync | None = getattr(generation, "weight_sync", None)
+    if sync is not None and sync.serves(policy):
+        return sync.lora == "adapters" and not sync.adapters_added
+    # No refit from this policy yet (a sync from another policy adds its own adapters).
+    lora = policy.config.lora
+    return lora.enabled and lora_refit(lora, generation.config) == "adapters"
+
+
 def refit(
     policy: Any,
     generation: GenerationInterface,

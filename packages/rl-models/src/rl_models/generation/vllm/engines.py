@@ -59,9 +59,20 @@ def lora_request(path: str, reload: bool = False) -> Any:
     return LoRARequest("policy", LORA_ID, path, load_inplace=reload)
 
 
-def _added(loaded: Any, path: str) -> None:
-    if loaded is False or (isinstance(loaded, list) and not all(loaded)):
-        raise RuntimeError(f"vLLM did not load the LoRA adapter in {path}")
+class ServesLora:
+    """``load_lora`` for every engine: each gives its own way to call vLLM's ``add_lora``."""
+
+    lora: Any = None  # the LoRARequest every request carries, once ``load_lora`` ran
+
+    def add_lora(self, request: Any) -> Any:
+        """vLLM's ``add_lora(request)`` of this engine: whether it loaded (a list: per worker)."""
+        raise NotImplementedError
+
+    def load_lora(self, path: str) -> None:
+        loaded = self.add_lora(lora_request(path, reload=True))
+        if loaded is False or (isinstance(loaded, list) and not all(loaded)):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter in {path}")
+        self.lora = lora_request(path)
 
 
 class Engine(Protocol):
@@ -109,14 +120,13 @@ def _aborted(output: Any) -> bool:
     return output is None or output.outputs[0].finish_reason == "abort"
 
 
-class SyncEngine:
+class SyncEngine(ServesLora):
     """``vllm.LLM``: ``submit`` samples the whole batch and reports each request before it
     returns, so no request is ever running between two calls (``abort`` and ``pause`` have
     nothing to stop)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
-        self.lora: Any = None  # the LoRARequest every request carries (``load_lora``)
 
     def submit(self, requests: Sequence[tuple[str, Any, Any]], on_finish: OnFinish) -> None:
         outputs = self.llm.generate(
@@ -146,9 +156,8 @@ class SyncEngine:
     def reset_prefix_cache(self) -> bool:
         return self.llm.reset_prefix_cache(reset_running_requests=True)
 
-    def load_lora(self, path: str) -> None:
-        _added(self.llm.llm_engine.add_lora(lora_request(path, reload=True)), path)
-        self.lora = lora_request(path)
+    def add_lora(self, request: Any) -> Any:
+        return self.llm.llm_engine.add_lora(request)
 
     def get_tokenizer(self) -> Any:
         return self.llm.get_tokenizer()
@@ -163,7 +172,7 @@ class SyncEngine:
         self.llm = None
 
 
-class NoEngine:
+class NoEngine(ServesLora):
     """A worker without an engine (``why`` says why): the calls made on every worker of a
     group (weight updates, sleep, wake) do nothing, sampling is an error."""
 
@@ -197,8 +206,8 @@ class NoEngine:
     def reset_prefix_cache(self) -> bool:
         return True  # no cache
 
-    def load_lora(self, path: str) -> None:
-        pass  # (a tensor-parallel follower: the leader's engine serves the group)
+    def add_lora(self, request: Any) -> Any:
+        return True  # (a tensor-parallel follower: the leader's engine serves the group)
 
     def sleep(self, level: int) -> None:
         pass
@@ -210,7 +219,7 @@ class NoEngine:
         pass
 
 
-class InProcessRunner:
+class InProcessRunner(ServesLora):
     """``LLMEngine`` (built by ``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
     ``uni`` executor) stepped by a daemon thread whenever it has unfinished requests and is
     not paused.
@@ -226,7 +235,6 @@ class InProcessRunner:
         self.lock = threading.Condition()  # held by every engine call, one step included
         self.turnstile = threading.Lock()  # taken before ``lock``: a waiting caller goes next
         self.on_finish: dict[str, OnFinish] = {}
-        self.lora: Any = None  # the LoRARequest every request carries (``load_lora``)
         self.paused = self.stopped = False
         self.error: BaseException | None = None  # what stopped the stepping thread
         # OpenMP's thread count is per thread: the stepping thread takes its creator's.
@@ -334,10 +342,13 @@ class InProcessRunner:
         with self._turn():
             return self.engine.reset_prefix_cache(reset_running_requests=True)
 
+    def add_lora(self, request: Any) -> Any:
+        return self.engine.add_lora(request)  # (in load_lora's turn)
+
     def load_lora(self, path: str) -> None:
+        # One turn for the load and the new request: no request is submitted between them.
         with self._turn():
-            _added(self.engine.add_lora(lora_request(path, reload=True)), path)
-            self.lora = lora_request(path)
+            super().load_lora(path)
 
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
@@ -361,7 +372,7 @@ class InProcessRunner:
         self.llm = self.engine = None
 
 
-class AsyncLLMRunner:
+class AsyncLLMRunner(ServesLora):
     """``AsyncLLM`` driven from synchronous code: its coroutines run on an event loop in a
     daemon thread; each request has a task that reports its final output."""
 
@@ -372,7 +383,6 @@ class AsyncLLMRunner:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-async", daemon=True).start()
         self.tasks: set[asyncio.Task] = set()  # (the loop keeps only weak references)
-        self.lora: Any = None  # the LoRARequest every request carries (``load_lora``)
 
         async def make() -> Any:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
@@ -438,9 +448,8 @@ class AsyncLLMRunner:
     def reset_prefix_cache(self) -> bool:
         return self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
 
-    def load_lora(self, path: str) -> None:
-        _added(self._run(self.engine.add_lora(lora_request(path, reload=True))), path)
-        self.lora = lora_request(path)
+    def add_lora(self, request: Any) -> Any:
+        return self._run(self.engine.add_lora(request))
 
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()

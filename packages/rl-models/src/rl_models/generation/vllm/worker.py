@@ -43,7 +43,7 @@ import ray
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation.config import SamplingConfig, VllmConfig
+from rl_models.generation.config import SamplingConfig, VllmConfig, check_one_lora_policy
 from rl_models.generation.interfaces import (
     GenerationWorker,
     IncompleteRefitError,
@@ -528,11 +528,7 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         started with LoRA up to the policy's rank (``vllm.max_lora_rank``)."""
         config = LoraConfig.model_validate(lora)
         if self.adapters is not None:
-            if self.adapters.config != config:
-                raise ValueError(
-                    f"this generator already serves adapters of {self.adapters.config!r}; the "
-                    f"policy's are {config!r} (one generator serves one LoRA policy)"
-                )
+            check_one_lora_policy(self.adapters.config, config)
             return
         check_servable(config, self.config.max_lora_rank)
         self.adapters = RefitAdapters(config)
