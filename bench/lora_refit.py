@@ -31,8 +31,8 @@ from rl_distributed import RayVirtualCluster, init_ray
 from rl_models.generation.hf_generation import HfGeneration
 from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.generation.refit import RefitStats, refit
+from rl_models.modeling import lora
 from rl_models.modeling.build import build_model
-from rl_models.policy import lora
 from rl_models.policy.config import PolicyConfig
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lm_policy import Policy

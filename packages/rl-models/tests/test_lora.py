@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from rl_data.batch import TrainBatch
 from rl_models.losses import NLLLoss
 from rl_models.modeling.build import build_model
+from rl_models.modeling.lora import ADAPTER_DIR
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
-from rl_models.policy.lora import ADAPTER_DIR
 
 from .conftest import skewed_batch, tiny_config
 

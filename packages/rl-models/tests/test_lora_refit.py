@@ -14,9 +14,8 @@ from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.generation.refit import WeightSync, needs_refit, weight_sync
 from rl_models.generation.vllm.adapters import RefitAdapters
 from rl_models.losses import NLLLoss
-from rl_models.policy.config import LoraConfig
+from rl_models.modeling.lora import LoraConfig, write_adapter_dir
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
-from rl_models.policy.lora import write_adapter_dir
 from rl_models.weight_transfer.buckets import unpack_bucket
 
 from .conftest import initial_model, skewed_batch, tiny_config

@@ -6,8 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from rl_models.modeling.lora import wrap_with_lora
 from rl_models.policy.config import PolicyConfig, build_scheduler
-from rl_models.policy.lora import wrap_with_lora
 
 from .conftest import TINY_LLAMA
 

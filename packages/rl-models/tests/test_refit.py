@@ -16,9 +16,8 @@ from rl_models.generation.hf_generation import HfGeneration
 from rl_models.generation.interfaces import StaleWeightsError
 from rl_models.generation.refit import offloads_policy, refit
 from rl_models.losses import NLLLoss
-from rl_models.policy.config import LoraConfig
+from rl_models.modeling.lora import LoraConfig, wrap_with_lora
 from rl_models.policy.lm_policy import Policy
-from rl_models.policy.lora import wrap_with_lora
 from rl_models.weight_transfer.shared_memory import PREFIX
 
 from .conftest import TINY_LLAMA, initial_model, skewed_batch, tiny_config

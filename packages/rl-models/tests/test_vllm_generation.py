@@ -34,9 +34,8 @@ from rl_models.generation.config import GenerationConfig
 from rl_models.generation.refit import refit
 from rl_models.generation.vllm import VllmGeneration
 from rl_models.losses import NLLLoss
-from rl_models.policy.config import LoraConfig
+from rl_models.modeling.lora import LoraConfig, wrap_with_lora
 from rl_models.policy.lm_policy import Policy
-from rl_models.policy.lora import wrap_with_lora
 from rl_models.weight_transfer.buckets import pack_bucket
 
 from .conftest import logprob_mismatch_metrics, response_mask, skewed_batch, tiny_config

@@ -28,8 +28,9 @@ from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_algorithms.run import GeneratorPlan
 from rl_distributed.config import ConfigModel
 from rl_models.generation.config import GenerationConfig
+from rl_models.modeling.lora import LoraConfig
 from rl_models.modeling.precision import generator_dtype
-from rl_models.policy.config import DType, LoraConfig, ModelConfig, PolicyConfig
+from rl_models.policy.config import DType, ModelConfig, PolicyConfig
 
 DEFAULT_RECIPE = recipe_path("grpo")
 # `rl grpo` with no --config: SmolLM2-135M-Instruct learns two-digit addition on a CPU.

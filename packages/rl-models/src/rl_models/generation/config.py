@@ -232,7 +232,7 @@ class VllmGenerationConfig(GenerationConfig):
 
 def lora_refit(lora: Any, generation: GenerationConfig) -> Literal["adapters", "merged"] | None:
     """What a refit sends ``generation`` from a policy whose ``policy.lora`` is ``lora`` (a
-    ``policy.config.LoraConfig``): "adapters", "merged", or None without LoRA.
+    ``modeling.lora.LoraConfig``): "adapters", "merged", or None without LoRA.
 
     Raises ``ValueError`` for ``refit: adapters`` with a generator that cannot load adapters
     (the run's config check calls this, so such a run never starts).
@@ -251,7 +251,7 @@ def lora_refit(lora: Any, generation: GenerationConfig) -> Literal["adapters", "
 
 
 def check_one_lora_policy(served: Any, offered: Any) -> None:
-    """Refuse the adapters of ``offered`` (a ``policy.config.LoraConfig``) in a generator that
+    """Refuse the adapters of ``offered`` (a ``modeling.lora.LoraConfig``) in a generator that
     serves adapters of ``served``: one generator serves one LoRA policy, and its LoRA layers are
     shaped for that policy's config."""
     if served != offered:

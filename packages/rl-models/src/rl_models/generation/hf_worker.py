@@ -177,8 +177,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         """Add the policy's LoRA adapters (``policy.lora``) to the model, once: from here on a
         refit loads ``lora_A``/``lora_B`` tensors (and once the unmerged base layers) under the
         names ``policy.lora.inject_adapters`` gives them. The next refit must send them all."""
-        from rl_models.policy.config import LoraConfig
-        from rl_models.policy.lora import inject_adapters
+        from rl_models.modeling.lora import LoraConfig, inject_adapters
 
         config = LoraConfig.model_validate(lora)
         if self.lora is not None:

@@ -72,7 +72,7 @@ class RefitStats:
     export: list[dict[str, int]] = field(default_factory=list)  # per policy rank
     fallback: str | None = None  # why ``auto`` did not use shared memory where it could have
     offloaded_policy: bool = False  # the policy left its device for the generator
-    # A LoRA policy's export (``policy.lora.LoraExport``): "merged", "adapters", or "with_base"
+    # A LoRA policy's export (``modeling.lora.LoraExport``): "merged", "adapters", or "with_base"
     # (the first adapter refit into a generator); None without LoRA.
     lora_export: str | None = None
 

@@ -13,6 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from rl_distributed.config import ConfigModel
 from rl_models.backends import POLICY_BACKENDS, Backend, BackendConfig, BackendRegistry
 from rl_models.modeling.config import DType, ModelConfig  # noqa: F401 (DType: re-exported)
+from rl_models.modeling.lora import LoraConfig
 from rl_models.modeling.precision import HalfSetting
 
 
@@ -281,56 +282,6 @@ class ReferencePolicyConfig(ConfigModel):
     enabled: bool = False
     # Keep the copy in host memory and move it to the device only while it is used.
     offload_to_cpu: bool = True
-
-
-class LoraConfig(ConfigModel):
-    """Low-rank adapters (``peft``): ``W + (alpha / rank) * B @ A`` on each target module.
-
-    When enabled only the adapters train; the base weights stay frozen and bit-identical.
-    """
-
-    # Train low-rank adapters only; the base weights stay frozen.
-    enabled: bool = False
-    # Rank of the adapters' A and B matrices.
-    rank: int = Field(8, ge=1)
-    # Scale of the adapters' update, alpha / rank.
-    alpha: float = Field(16.0, gt=0)
-    # Dropout on the adapters' input.
-    dropout: float = Field(0.0, ge=0, lt=1)
-    # Names (suffixes) of the modules to adapt; the default covers Llama-style attention + MLP.
-    # ["all-linear"] (or "all-linear"): every linear layer but the output layer, as peft
-    # defines it.
-    target_modules: list[str] = Field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
-
-    # What a refit sends the generator: "adapters" (only the lora_A/lora_B tensors, bytes
-    # proportional to the rank; the generator applies them with its base weights, which it gets
-    # once), "merged" (W + scaling * B @ A of every adapted layer, the whole model each time,
-    # for generators that cannot load adapters), or "auto": adapters where the generator can
-    # load them (HF, vLLM), else merged. An explicit "adapters" with a generator that cannot load
-    # them is refused when the run's config is read.
-    refit: Literal["auto", "adapters", "merged"] = "auto"
-
-    @field_validator("target_modules", mode="before")
-    @classmethod
-    def _all_linear_alone(cls, names: Any) -> Any:
-        if names == "all-linear":
-            return ["all-linear"]
-        if isinstance(names, list):
-            if not names:
-                raise ValueError("empty: name modules, or all-linear")
-            if "all-linear" in names and len(names) > 1:
-                raise ValueError("'all-linear' already covers the others; give it alone")
-        return names
 
 
 class OffloadConfig(ConfigModel):

@@ -34,10 +34,11 @@ import torch.nn.functional as F
 from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.interfaces import Logprobs, LossFunction, Scores, loss_input_type
+from rl_models.modeling import lora
 from rl_models.modeling.build import build_model
 from rl_models.modeling.moe_routes import require_routers
 from rl_models.modeling.precision import compute_dtype
-from rl_models.policy import checkpoint, lora, offload, tensor_parallel
+from rl_models.policy import checkpoint, offload, tensor_parallel
 from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-export)
     PolicyWorker,
     init_distributed,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rl_models.policy import lora
+from rl_models.modeling import lora
 from rl_models.weight_transfer.buckets import ExportPlan, TensorSpec, pack_planned, plan_buckets
 
 _PEFT_PREFIX = "base_model.model."

@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import torch
 
-from rl_models.policy import lora
-from rl_models.policy.config import LoraConfig
+from rl_models.modeling import lora
+from rl_models.modeling.lora import LoraConfig
 from rl_models.weight_transfer.buckets import PackedBucket, unpack_bucket
 
 

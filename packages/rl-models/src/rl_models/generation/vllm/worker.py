@@ -61,7 +61,7 @@ from rl_models.generation.vllm.sampling import (
     prompts_of,
     request_kwargs,
 )
-from rl_models.policy.config import LoraConfig
+from rl_models.modeling.lora import LoraConfig
 from rl_models.weight_transfer.buckets import PackedBucket, pack_bucket
 from rl_models.weight_transfer.channels import ChannelReceiver
 

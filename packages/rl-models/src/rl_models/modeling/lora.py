@@ -1,4 +1,5 @@
-"""LoRA through ``peft``: wrapping the policy model, merging and saving its adapters.
+"""LoRA through ``peft``: its config, wrapping the policy model, merging and saving its adapters,
+and applying them on a generator (the policy and the generators both use this module).
 
 Checkpoint layout with LoRA (``save_lora_checkpoint``)::
 
@@ -21,12 +22,64 @@ generator can apply adapters (``inject_adapters``), the adapters alone: what a
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, field_validator
 from transformers import PreTrainedModel
 
-from rl_models.policy.config import LoraConfig
+from rl_distributed.config import ConfigModel
+
+
+class LoraConfig(ConfigModel):
+    """Low-rank adapters (``peft``): ``W + (alpha / rank) * B @ A`` on each target module.
+
+    When enabled only the adapters train; the base weights stay frozen and bit-identical.
+    """
+
+    # Train low-rank adapters only; the base weights stay frozen.
+    enabled: bool = False
+    # Rank of the adapters' A and B matrices.
+    rank: int = Field(8, ge=1)
+    # Scale of the adapters' update, alpha / rank.
+    alpha: float = Field(16.0, gt=0)
+    # Dropout on the adapters' input.
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # Names (suffixes) of the modules to adapt; the default covers Llama-style attention + MLP.
+    # ["all-linear"] (or "all-linear"): every linear layer but the output layer, as peft
+    # defines it.
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+
+    # What a refit sends the generator: "adapters" (only the lora_A/lora_B tensors, bytes
+    # proportional to the rank; the generator applies them with its base weights, which it gets
+    # once), "merged" (W + scaling * B @ A of every adapted layer, the whole model each time,
+    # for generators that cannot load adapters), or "auto": adapters where the generator can
+    # load them (HF, vLLM), else merged. An explicit "adapters" with a generator that cannot load
+    # them is refused when the run's config is read.
+    refit: Literal["auto", "adapters", "merged"] = "auto"
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _all_linear_alone(cls, names: Any) -> Any:
+        if names == "all-linear":
+            return ["all-linear"]
+        if isinstance(names, list):
+            if not names:
+                raise ValueError("empty: name modules, or all-linear")
+            if "all-linear" in names and len(names) > 1:
+                raise ValueError("'all-linear' already covers the others; give it alone")
+        return names
+
 
 ADAPTER_DIR = "adapter"
 ADAPTER_NAME = "default"  # peft's name for the one adapter
