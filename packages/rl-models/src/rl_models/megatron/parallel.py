@@ -11,7 +11,8 @@ keeps plain ``torch.optim`` optimisers over plain parameters):
 * tied embeddings with pipeline parallelism: the first stage's embedding and the last stage's
   copy used as output layer get the sum of both gradients, so they stay equal;
 * sequence parallelism: replicated parameters (RMSNorm weights) see only this rank's part of the
-  sequence, so their gradients are summed over the tensor-parallel group;
+  sequence, so their gradients are summed over the tensor-parallel group; so are the query/key
+  norms' (Qwen3), which see only this rank's heads;
 * expert parallelism (mixture-of-experts models): the ``ep`` ranks of an expert group are
   data-parallel ranks for everything but the experts, each holding ``E/ep`` of each layer's
   experts (Megatron marks expert weights ``allreduce=False``); expert gradients are summed over
@@ -203,21 +204,25 @@ class ModelRMSNorm:
     refuses sequence parallelism, only because it cannot tag its weight: a replicated
     parameter that sees part of the sequence on each rank, whose gradient must be summed over
     the tensor-parallel group (``sync_grads`` does so for weights tagged ``sequence_parallel``).
-    The layer norms are tagged so under sequence parallelism; the query/key norms
-    (``QKRMSNorm``) see whole heads of the whole sequence on every rank and are never tagged.
+    The layer norms are tagged so under sequence parallelism.
     """
-
-    tag_sequence_parallel = True
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
         norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        if cls.tag_sequence_parallel:
-            norm.weight.sequence_parallel = config.sequence_parallel
+        norm.weight.sequence_parallel = config.sequence_parallel
         return norm
 
 
-class QKRMSNorm(ModelRMSNorm):
-    tag_sequence_parallel = False
+class QKRMSNorm:
+    """``ModelRMSNorm`` for the query/key norms (one weight shared by all heads): each
+    tensor-parallel rank applies it to its own heads only, so its gradient is always partial
+    and summed over the tensor-parallel group (``sync_grads``), with or without sequence
+    parallelism (as Megatron's ``finalize_model_grads`` does for ``qk_layernorm``)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        norm.weight.sum_grad_over_tensor_ranks = True
+        return norm
 
 
 def _layer_spec(hf: PretrainedConfig, cfg: MegatronConfig, pp: int, stage: int):
@@ -386,10 +391,15 @@ def _tied_copy(gpt: GPTModel, ranks: Ranks, tied: bool) -> torch.nn.Parameter | 
 
 def sync_grads(gpt: GPTModel, ranks: Ranks, tied: bool, sequence_parallel: bool) -> None:
     params = [p for p in gpt.parameters() if p.requires_grad]
-    if sequence_parallel:
-        replicated = [p for p in params if getattr(p, "sequence_parallel", False)]
-        if replicated:
-            _all_reduce_grads(replicated, parallel_state.get_tensor_model_parallel_group())
+    if ranks.tp > 1:
+        partial = [
+            p
+            for p in params
+            if (sequence_parallel and getattr(p, "sequence_parallel", False))
+            or getattr(p, "sum_grad_over_tensor_ranks", False)
+        ]
+        if partial:
+            _all_reduce_grads(partial, parallel_state.get_tensor_model_parallel_group())
     dense = [p for p in params if getattr(p, "allreduce", True)]
     experts = [p for p in params if not getattr(p, "allreduce", True)]
     if ranks.dp > 1:
