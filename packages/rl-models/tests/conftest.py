@@ -144,12 +144,17 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    """The tiny Llama (seed 0, float64) saved as a Hugging Face model directory."""
-    path = tmp_path_factory.mktemp("tiny-llama")
+def save_tiny(tmp_path_factory, spec: dict) -> str:
+    """The model ``spec`` describes (seed 0, float64) saved as a Hugging Face directory."""
+    hf = dict(spec)
+    path = tmp_path_factory.mktemp(f"tiny-{hf['model_type']}")
     torch.manual_seed(0)
-    hf = dict(TINY_LLAMA)
     config = AutoConfig.for_model(hf.pop("model_type"), **hf)
     AutoModelForCausalLM.from_config(config, dtype=torch.float64).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """The tiny Llama (seed 0, float64) saved as a Hugging Face model directory."""
+    return save_tiny(tmp_path_factory, TINY_LLAMA)

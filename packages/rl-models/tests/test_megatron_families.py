@@ -1,9 +1,10 @@
 """Megatron model families: a family is one table, and every conversion is derived from it.
 
-The family under test is defined here, in the test (a Qwen3-style model: Llama's layer plus
-per-head q/k norms, no q/k/v biases), and registered for its ``model_type`` only while the test
-runs. Nothing else about it is written anywhere: conversion both ways, tensor/pipeline sharding,
-the per-rank loading plan and the weight export must all follow from its table.
+Qwen3 (Llama's layer plus per-head q/k norms, no q/k/v biases) and Qwen3-MoE (a router and
+experts in every layer, split over expert-parallel ranks) are tables and nothing else:
+conversion both ways, tensor/pipeline/expert sharding, the per-rank loading plan and the weight
+export must all follow from them. The MoE side works on the checkpoint's names (one tensor per
+expert and projection, as ``save_pretrained`` writes them), read back from the saved files.
 """
 
 import importlib.util
@@ -11,11 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_models.megatron import families
 from rl_models.megatron.convert import (
     GPTLayout,
+    check_expert_parallel,
+    experts_to_global,
     hf_to_megatron,
     megatron_to_hf,
     shard_megatron,
@@ -23,6 +27,8 @@ from rl_models.megatron.convert import (
 )
 from rl_models.megatron.families import family_for, register_family
 from rl_models.megatron.families.llama import LAYER
+from rl_models.megatron.families.qwen3 import FAMILY as QWEN3
+from rl_models.megatron.families.qwen3_moe import FAMILY as QWEN3_MOE
 from rl_models.megatron.family import GATE_UP, QKV, ModelFamily, Weight
 from rl_models.megatron.loading import load_from_safetensors, shard_plan
 from rl_models.megatron.weight_export import MegatronWeightExporter
@@ -30,23 +36,14 @@ from rl_models.megatron.weight_export import MegatronWeightExporter
 from .conftest import TINY_LLAMA
 from .test_weight_export import _Shard, exported
 
-
-def _refuse_attention_bias(config) -> None:
-    if config.attention_bias:
-        raise ValueError("attention_bias is not supported")
-
-
-QWEN3 = ModelFamily(
-    "qwen3",
-    model_types=("qwen3",),
-    layer=(
-        *LAYER,
-        Weight("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
-        Weight("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
-    ),
-    check_config=_refuse_attention_bias,
-)
 TINY_QWEN3 = {**TINY_LLAMA, "model_type": "qwen3", "head_dim": 8}
+TINY_QWEN3_MOE = {
+    **TINY_QWEN3,
+    "model_type": "qwen3_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
@@ -73,8 +70,10 @@ def test_the_package_families_are_found_by_model_type(registry):
     assert family_for(AutoConfig.for_model("llama")).name == "llama"
     qwen2 = family_for(AutoConfig.for_model("qwen2"))
     assert qwen2.name == "qwen2" and qwen2.qkv_bias and qwen2.layer is LAYER
-    with pytest.raises(ValueError, match="no Megatron conversion for model_type 'qwen3'"):
-        GPTLayout.from_hf_config(AutoConfig.for_model("qwen3"))
+    assert family_for(AutoConfig.for_model("qwen3")) is QWEN3 and not QWEN3.moe
+    assert family_for(AutoConfig.for_model("qwen3_moe")) is QWEN3_MOE and QWEN3_MOE.moe
+    with pytest.raises(ValueError, match="no Megatron conversion for model_type 'mixtral'"):
+        GPTLayout.from_hf_config(AutoConfig.for_model("mixtral"))
     with pytest.raises(ValueError, match="already belongs to Megatron family 'llama'"):
         register_family(ModelFamily("other", model_types=("llama",), layer=LAYER))
     with pytest.raises(ValueError, match="fuses 3 HF tensors, the row names 2"):
@@ -83,8 +82,7 @@ def test_the_package_families_are_found_by_model_type(registry):
         ModelFamily("twice", model_types=("x",), layer=LAYER + LAYER[:1])
 
 
-def test_a_family_defined_in_one_place_round_trips(registry):
-    register_family(QWEN3)
+def test_qwen3_round_trips():
     model = tiny_model(TINY_QWEN3, tie_word_embeddings=True)
     layout = GPTLayout.from_hf_config(model.config)
     assert layout.family is QWEN3 and layout.head_dim == 8 and not layout.qkv_bias
@@ -102,10 +100,9 @@ def test_a_family_defined_in_one_place_round_trips(registry):
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}-pp{p}" for t, p in LAYOUTS])
-def test_a_new_family_shards_loads_and_exports(registry, tmp_path, tp, pp):
+def test_qwen3_shards_loads_and_exports(tmp_path, tp, pp):
     """Each rank's shard, cut from the whole model or read from slices of the safetensors
     files, is the same; joined again, and exported, it is the HF model."""
-    register_family(QWEN3)
     model = tiny_model(TINY_QWEN3, vocab_size=127)  # 127: tp=2 pads the vocabulary
     model.save_pretrained(tmp_path)
     layout = GPTLayout.from_hf_config(model.config)
@@ -165,6 +162,77 @@ def test_the_one_file_example_in_the_docs_is_a_working_family(registry):
     assert all(torch.equal(back[n], t) for n, t in hf.items())
     with pytest.raises(ValueError, match="sliding_window"):
         GPTLayout.from_hf_config(AutoConfig.for_model("mistral", sliding_window=4096))
+
+
+def saved_moe(path, **overrides) -> tuple[GPTLayout, dict[str, torch.Tensor]]:
+    """The tiny Qwen3-MoE saved to ``path``: its layout and its checkpoint's tensors."""
+    model = tiny_model(TINY_QWEN3_MOE, **overrides)
+    model.save_pretrained(path)
+    return GPTLayout.from_hf_config(model.config), load_file(str(path / "model.safetensors"))
+
+
+def test_qwen3_moe_round_trips(tmp_path):
+    layout, hf = saved_moe(tmp_path)
+    assert layout.family is QWEN3_MOE and layout.num_experts == 4
+    meg = hf_to_megatron(hf, layout)
+    fc1 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+    gate, up = (hf[f"model.layers.1.mlp.experts.3.{p}_proj.weight"] for p in ("gate", "up"))
+    assert torch.equal(meg[fc1], torch.cat([gate, up]))
+    router = meg["decoder.layers.0.mlp.router.weight"]
+    assert torch.equal(router, hf["model.layers.0.mlp.gate.weight"])
+    # a layer: 2 norms, qkv, proj, 2 q/k norms, router, and 2 weights for each of 4 experts
+    assert len(meg) == 3 + (7 + 2 * 4) * TINY_QWEN3_MOE["num_hidden_layers"]
+    back = megatron_to_hf(meg, layout)
+    assert set(back) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+    with pytest.raises(ValueError, match="every layer must be a mixture of experts"):
+        GPTLayout.from_hf_config(AutoConfig.for_model("qwen3_moe", mlp_only_layers=[0]))
+
+
+EP_LAYOUTS = [(1, 2), (2, 2), (1, 4)]
+
+
+@pytest.mark.parametrize("tp,ep", EP_LAYOUTS, ids=[f"tp{t}-ep{e}" for t, e in EP_LAYOUTS])
+def test_experts_split_over_expert_parallel_ranks(tmp_path, tp, ep):
+    """Each expert-parallel rank holds its experts (numbered from 0), read from slices of the
+    files alone; renumbered and merged, the ranks' shards are the whole model."""
+    layout, hf = saved_moe(tmp_path, vocab_size=127)
+    full = hf_to_megatron(hf, layout)
+    merged: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for e in range(ep):
+        for t in range(tp):
+            shard = shard_megatron(full, layout, tp=tp, tp_rank=t, ep=ep, ep_rank=e)
+            experts = {n.split(".local_experts.")[1].split(".")[0] for n in shard if "expert" in n}
+            assert experts == {str(j) for j in range(4 // ep)}
+            first = e * 4 // ep  # this rank's local expert 0
+            local_fc2 = shard["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"]
+            down = hf[f"model.layers.0.mlp.experts.{first}.down_proj.weight"]
+            assert torch.equal(local_fc2, down.chunk(tp, dim=1)[t])
+            plan = shard_plan(layout, vocab_size=127, tp=tp, tp_rank=t, ep=ep, ep_rank=e)
+            got: dict[str, torch.Tensor] = {}
+            load_from_safetensors(str(tmp_path), plan, layout, tp, torch.float64, got.__setitem__)
+            assert set(got) == set(shard)
+            assert all(torch.equal(got[n], x) for n, x in shard.items())
+            merged[t].update(experts_to_global(shard, layout, ep, e))
+    back = unshard_megatron([merged], layout)
+    assert set(back) == set(full) and all(torch.equal(back[n], x) for n, x in full.items())
+
+
+def test_expert_parallel_sizes_are_checked(tmp_path):
+    layout, _ = saved_moe(tmp_path)
+    dense = GPTLayout.from_hf_config(tiny_model(TINY_QWEN3).config)
+    check_expert_parallel(layout, world=4, tp=1, pp=1, ep=4)
+    check_expert_parallel(layout, world=8, tp=2, pp=2, ep=2, aux_loss_coeff=0.01)
+    cases = [
+        (dense, dict(world=2, tp=1, pp=1, ep=2), "needs a mixture-of-experts model"),
+        (layout, dict(world=3, tp=1, pp=1, ep=3), "does not divide the model's 4 experts"),
+        (layout, dict(world=2, tp=2, pp=1, ep=2), "must divide the data-parallel size 1"),
+        (dense, dict(world=1, tp=1, pp=1, ep=1, aux_loss_coeff=0.1), "moe_aux_loss_coeff"),
+    ]
+    for lay, sizes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_expert_parallel(lay, **sizes)
 
 
 def test_rules_split_like_the_hf_chunks_they_are_made_of():

@@ -1,9 +1,12 @@
 """Tensor and pipeline parallelism of the Megatron-core worker, through the ``Policy`` controller.
 
 Two CPU workers (gloo) hold one model replica between them: two tensor-parallel shards, or two
-pipeline stages. Their log-probs must match plain HF float64, and one SGD step must move the
-weights as the single-process DTensor worker does on the same data; tolerance and its reasons
-as in ``test_megatron_worker.py``.
+pipeline stages; or, for a mixture of experts, two data-parallel replicas that split each
+layer's experts (expert parallelism, tokens sent to their experts' rank by all-to-all). Their
+log-probs must match plain HF float64, and one SGD step must move the weights as the
+single-process DTensor worker does on the same data; tolerance and its reasons as in
+``test_megatron_worker.py``. The sequence-parallel case runs Qwen3 (query/key norms), the
+expert-parallel one Qwen3-MoE, the others Llama.
 
 The unpacked cases also check, on the same workers (a Megatron policy start costs a minute
 here), what a refit and the start-up rely on: each rank read only its slice of the safetensors
@@ -24,12 +27,23 @@ from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lm_policy import Policy
 from rl_models.weight_transfer.buckets import unpack_bucket
 
-from .conftest import skewed_batch, tiny_config
+from .conftest import TINY_LLAMA, save_tiny, skewed_batch, tiny_config
 from .test_megatron_worker import ATOL, hf_logprobs
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
 PACKED = {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 70}}
+TINY_QWEN3 = {**TINY_LLAMA, "model_type": "qwen3", "head_dim": 16}
+TINY_QWEN3_MOE = {
+    **TINY_QWEN3,
+    "model_type": "qwen3_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+#: The model of each case that is not Llama.
+MODELS = {"tp2-sp-packed": TINY_QWEN3, "ep2-moe": TINY_QWEN3_MOE}
 CASES = {
     # Several log-prob micro-batches; train in one micro-batch.
     "tp2": ({"tensor_parallel_size": 2}, {"logprob_micro_batch_size": 3}),
@@ -41,6 +55,8 @@ CASES = {
     # Packed rows of different lengths; the sequence split over the two ranks.
     "tp2-sp-packed": ({"tensor_parallel_size": 2, "sequence_parallel": True}, PACKED),
     "pp2-packed": ({"pipeline_parallel_size": 2}, PACKED),
+    # Each rank has half of each layer's experts and half of the data.
+    "ep2-moe": ({"expert_parallel_size": 2}, {"logprob_micro_batch_size": 3}),
 }
 
 
@@ -94,11 +110,14 @@ def check_export_without_a_full_gather(
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(CASES))
-def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(case, tiny_llama, tmp_path):
+def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(
+    case, tiny_llama, tmp_path_factory, tmp_path
+):
     megatron, extra = CASES[case]
+    path = save_tiny(tmp_path_factory, MODELS[case]) if case in MODELS else tiny_llama
     data = skewed_batch()
     config = tiny_config(
-        model={"path": tiny_llama, "dtype": "float64"},
+        model={"path": path, "dtype": "float64"},
         backend="megatron",
         megatron=megatron,
         reference_policy={"enabled": True},
@@ -107,13 +126,14 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(case, tiny_llam
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = Policy(cluster, config)
     try:
-        assert policy.dp_size == 1  # both workers hold one replica between them
+        # Both workers hold one replica between them; expert-parallel ranks are replicas.
+        assert policy.dp_size == megatron.get("expert_parallel_size", 1)
         if case in CHECKS_LOAD_AND_EXPORT:
-            hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
             check_each_rank_read_only_its_slice(policy, hf.state_dict())
             tp = megatron.get("tensor_parallel_size", 1)
             check_export_without_a_full_gather(policy, hf.state_dict(), tp)
-        expected = hf_logprobs(tiny_llama, data)
+        expected = hf_logprobs(path, data)
         got = policy.get_logprobs(data)["logprobs"]
         assert got.shape == data["input_ids"].shape and got.dtype == torch.float64
         torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
@@ -138,7 +158,8 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(case, tiny_llam
         policy.shutdown()
         cluster.shutdown()
 
-    reference = DTensorPolicyWorker(tiny_config(model={"path": tiny_llama, "dtype": "float64"}))
+    reference = DTensorPolicyWorker(tiny_config(model={"path": path, "dtype": "float64"}))
+    reference.model.config._experts_implementation = "eager"  # as in hf_logprobs
     ref_metrics = reference.train(data, NLLLoss()).metrics
     assert metrics["loss"][0] == pytest.approx(ref_metrics["loss"][0], rel=1e-6)
     assert metrics["grad_norm"][0] == pytest.approx(ref_metrics["grad_norm"][0], rel=1e-6)

@@ -31,6 +31,8 @@ ATOL = 1e-6
 def hf_logprobs(path, data) -> torch.Tensor:
     """Plain HF float64: each sequence alone, unpadded."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    # Mixture-of-experts models: transformers' default grouped matmul has no float64 kernel.
+    model.config._experts_implementation = "eager"
     out = torch.zeros(data["input_ids"].shape, dtype=torch.float64)
     with torch.no_grad():
         for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):

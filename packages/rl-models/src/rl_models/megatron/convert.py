@@ -14,6 +14,11 @@ own state dict; the embedding lives on the first stage and the final norm and ou
 the last. Tied embeddings with pp > 1 give the last stage its own copy of the embedding as
 ``output_layer.weight`` (the worker keeps the two equal by summing their grads).
 
+Expert parallelism (mixture-of-experts families): rank r of ep holds experts
+``[r * E/ep, (r+1) * E/ep)`` of every layer, numbered from 0 in its state dict
+(``shard_megatron``'s ``ep``/``ep_rank``); ``experts_to_global`` renumbers a rank's experts so
+that the expert-parallel ranks' state dicts can simply be merged before ``unshard_megatron``.
+
 Tensors are only sliced, stacked and reshaped, so HF -> Megatron -> HF is bit-exact.
 """
 
@@ -28,10 +33,18 @@ import torch
 
 from rl_models.megatron.families import family_for
 from rl_models.megatron.families.llama import FAMILY as LLAMA
-from rl_models.megatron.family import MEGATRON_LAYERS, ModelFamily, Weight, padded_vocab_size
+from rl_models.megatron.family import (
+    MEGATRON_EXPERTS,
+    MEGATRON_LAYERS,
+    ModelFamily,
+    Weight,
+    padded_vocab_size,
+)
 
 __all__ = [
     "GPTLayout",
+    "check_expert_parallel",
+    "experts_to_global",
     "hf_to_megatron",
     "megatron_global_to_hf",
     "megatron_layer_to_hf",
@@ -60,6 +73,8 @@ class GPTLayout:
     # The table that names and lays out the weights: ``from_hf_config`` picks it by the
     # config's ``model_type``; a layout made by hand gets Llama's.
     family: ModelFamily = LLAMA
+    # Experts per layer (mixture-of-experts families; 0: a dense model).
+    num_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -67,6 +82,18 @@ class GPTLayout:
                 f"{self.num_heads} attention heads do not split into "
                 f"{self.num_kv_heads} key/value groups"
             )
+        if self.family.moe != (self.num_experts > 0):
+            raise ValueError(
+                f"Megatron family {self.family.name!r} with num_experts={self.num_experts}: "
+                "a mixture-of-experts family needs experts, a dense one has none"
+            )
+
+    def local_experts(self, ep: int = 1, ep_rank: int = 0) -> range:
+        """The global numbers of the experts expert-parallel rank ``ep_rank`` of ``ep`` holds."""
+        if self.num_experts % ep:
+            raise ValueError(f"{self.num_experts} experts do not split over {ep} ranks")
+        per_rank = self.num_experts // ep
+        return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
     @property
     def heads_per_group(self) -> int:
@@ -100,6 +127,38 @@ class GPTLayout:
             qkv_bias=family.qkv_bias,
             vocab_size=config.vocab_size,
             family=family,
+            num_experts=getattr(config, family.num_experts_key) if family.moe else 0,
+        )
+
+
+def check_expert_parallel(
+    layout: GPTLayout, world: int, tp: int, pp: int, ep: int, aux_loss_coeff: float = 0.0
+) -> None:
+    """Refuse an expert-parallel size (``megatron.expert_parallel_size``) the model and the
+    ranks cannot have, naming the config key (``ValueError``).
+
+    Megatron carves the expert-parallel groups out of the data-parallel ranks (each of the
+    ``ep`` ranks of a group is a data-parallel replica for everything but the experts), so
+    ``ep`` must divide the data-parallel size ``world / (tp * pp)`` and the number of experts.
+    """
+    key = "megatron.expert_parallel_size"
+    if ep > 1 and not layout.num_experts:
+        raise ValueError(
+            f"{key}={ep} needs a mixture-of-experts model; {layout.family.name!r} is dense"
+        )
+    if layout.num_experts % ep:
+        raise ValueError(f"{key}={ep} does not divide the model's {layout.num_experts} experts")
+    dp = world // (tp * pp)
+    if dp % ep:
+        raise ValueError(
+            f"{key}={ep} must divide the data-parallel size {dp} (world size {world} / "
+            f"tensor_parallel_size {tp} / pipeline_parallel_size {pp}): expert groups are "
+            "made of data-parallel ranks"
+        )
+    if aux_loss_coeff and not layout.num_experts:
+        raise ValueError(
+            f"megatron.moe_aux_loss_coeff={aux_loss_coeff} needs a mixture-of-experts model; "
+            f"{layout.family.name!r} is dense"
         )
 
 
@@ -216,14 +275,45 @@ def tp_whole(name: str, parts: Sequence[torch.Tensor], layout: GPTLayout) -> tor
     return layout.family.weight_of(name).rule.join(parts, layout)
 
 
-def _to_stage(name: str, layers: range) -> str | None:
-    """The name of whole-model weight ``name`` on the stage holding ``layers`` (None: absent)."""
+def _renumber_expert(rest: str, offset: int, experts: range | None = None) -> str | None:
+    """A layer-relative name with its expert number moved by ``offset`` (None: an expert
+    outside ``experts``); other names as they are."""
+    if not rest.startswith(MEGATRON_EXPERTS):
+        return rest
+    number, tail = rest[len(MEGATRON_EXPERTS) :].split(".", 1)
+    if experts is not None and int(number) not in experts:
+        return None
+    return f"{MEGATRON_EXPERTS}{int(number) + offset}.{tail}"
+
+
+def _to_stage(name: str, layers: range, experts: range | None = None) -> str | None:
+    """The name of whole-model weight ``name`` on the stage holding ``layers`` and the
+    expert-parallel rank holding ``experts`` (None: absent there)."""
     if name.startswith(MEGATRON_LAYERS):
         index, rest = name[len(MEGATRON_LAYERS) :].split(".", 1)
         if int(index) not in layers:
             return None
+        if experts is not None:
+            rest = _renumber_expert(rest, -experts.start, experts)
+            if rest is None:
+                return None
         return f"{MEGATRON_LAYERS}{int(index) - layers.start}.{rest}"
     return name
+
+
+def experts_to_global(
+    state: Mapping[str, torch.Tensor], layout: GPTLayout, ep: int, ep_rank: int
+) -> dict[str, torch.Tensor]:
+    """Expert-parallel rank ``ep_rank``'s state dict with its experts under their global
+    numbers (the inverse of ``shard_megatron``'s renumbering; other weights unchanged)."""
+    offset = layout.local_experts(ep, ep_rank).start
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith(MEGATRON_LAYERS):
+            index, rest = name[len(MEGATRON_LAYERS) :].split(".", 1)
+            name = f"{MEGATRON_LAYERS}{index}.{_renumber_expert(rest, offset)}"
+        out[name] = tensor
+    return out
 
 
 def shard_megatron(
@@ -234,16 +324,20 @@ def shard_megatron(
     tp_rank: int = 0,
     pp: int = 1,
     pp_rank: int = 0,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """What the rank at ``(tp_rank, pp_rank)`` holds of the whole state dict ``full``.
+    """What the rank at ``(tp_rank, pp_rank, ep_rank)`` holds of the whole state dict ``full``.
 
     ``full`` is what ``hf_to_megatron`` returns. The result has the names of that rank's
-    ``GPTModel`` (built with ``pre_process``/``post_process`` for its stage); its tensors are
-    views or fresh copies of ``full``'s, never modified in place.
+    ``GPTModel`` (built with ``pre_process``/``post_process`` for its stage, its experts
+    numbered from 0); its tensors are views or fresh copies of ``full``'s, never modified in
+    place.
     """
     layout.check_tp(tp)
     fam = layout.family
     layers = stage_layers(layout.num_layers, pp, pp_rank)
+    experts = layout.local_experts(ep, ep_rank) if layout.num_experts else None
     first, last = pp_rank == 0, pp_rank == pp - 1
     out = {}
     for name, tensor in full.items():
@@ -251,7 +345,7 @@ def shard_megatron(
             continue
         if name in (fam.final_norm.megatron, fam.output_layer.megatron) and not last:
             continue
-        local = _to_stage(name, layers)
+        local = _to_stage(name, layers, experts)
         if local is not None:
             out[local] = fam.weight_of(name).rule.part(tensor, layout, tp, tp_rank)
     if layout.tied_embeddings and last and not first:
@@ -263,7 +357,8 @@ def shard_megatron(
 def unshard_megatron(
     shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], layout: GPTLayout
 ) -> dict[str, torch.Tensor]:
-    """The whole state dict from every rank's shard, ``shards[pp_rank][tp_rank]``.
+    """The whole state dict from every rank's shard, ``shards[pp_rank][tp_rank]`` (with
+    expert parallelism: the expert-parallel ranks' shards merged, ``experts_to_global``).
 
     The inverse of ``shard_megatron`` (bit-exact: only concatenation and slicing). With tied
     embeddings the last stage's ``output_layer.weight`` copy is dropped; the first stage's

@@ -10,13 +10,22 @@ Places in megatron-core 0.16 that assume CUDA even with ``use_cpu_initialization
   ``torch.zeros(..., device="cuda")``; p2p communication allocates its receive buffers (and
   the shapes of variable-length ones) on ``torch.cuda.current_device()`` and calls
   ``torch.cuda.synchronize()``; the tensor-parallel gathers and reduce-scatters of sequence
-  parallelism allocate their outputs on ``torch.cuda.current_device()``.
+  parallelism allocate their outputs on ``torch.cuda.current_device()``;
+* mixture-of-experts layers: the all-to-all token dispatcher makes a ``torch.cuda.Stream`` at
+  construction and copies its split sizes to the host on it (inside ``torch.cuda.stream``,
+  then waits on a recorded event); the router and the auxiliary-loss tracker allocate on
+  ``torch.cuda.current_device()`` / ``device="cuda"``; and without Transformer Engine the
+  router's gating matmul reads ``moe_utils.te_general_gemm``, a name only bound when Transformer
+  Engine imports (a ``NameError`` otherwise): it is bound to None, the "no TE" value the code
+  tests for.
 
 ``apply()`` replaces these, only when CUDA is unavailable: buffers are allocated on the CPU,
 ``fork`` does nothing and the rotary angles stay where the frequencies are. For the last group
 the modules named in ``_CPU_AS_CUDA_MODULES`` see, in place of the ``torch`` module, a thin
-proxy in which "the current CUDA device" and ``device="cuda"`` mean the CPU and
-``torch.cuda.synchronize`` does nothing (gloo's CPU collectives are synchronous for tensors);
+proxy in which "the current CUDA device" and ``device="cuda"`` mean the CPU,
+``torch.cuda.synchronize`` does nothing and CUDA streams are stand-ins on which every copy is
+already done, and
+``all_to_all_single`` takes split sizes given as host tensors (gloo's CPU collectives are synchronous for tensors);
 everything else is the real ``torch``. Patching those modules' globals, not ``torch.cuda``
 itself, keeps the change invisible to the rest of the process.
 
@@ -49,6 +58,9 @@ _CPU_AS_CUDA_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
 )
 
 
@@ -80,8 +92,36 @@ def _on_cpu(device: Any) -> Any:
     return torch.device("cpu") if device is not None and is_cuda else device
 
 
+class _HostStream:
+    """A CUDA stream on a CPU-only machine: work "on" it is done when it returns."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self) -> _HostStream:
+        return self  # an event that has already happened
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 class _CpuCuda:
     """``torch.cuda`` as the patched modules see it."""
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _HostStream:
+        return _HOST_STREAM
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _HostStream:
+        return _HOST_STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -102,10 +142,30 @@ def _factory(fn):
     return staticmethod(on_cpu)
 
 
+def _sizes(split: Any) -> Any:
+    return split.tolist() if isinstance(split, torch.Tensor) else split
+
+
+class _CpuDistributed:
+    """``torch.distributed`` as the patched modules see it: the all-to-all token dispatcher
+    hands ``all_to_all_single`` its split sizes as tensors, which it moves to the host (as
+    lists) only when they are on a GPU; torch wants lists."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        return torch.distributed.all_to_all_single(
+            output, input, _sizes(output_split_sizes), _sizes(input_split_sizes), **kw
+        )
+
+
 class _CpuTorch:
     """``torch`` as the patched modules see it: the real one, but CUDA allocations on CPU."""
 
     cuda = _CpuCuda()
+    distributed = _CpuDistributed()
     empty = _factory(torch.empty)
     zeros = _factory(torch.zeros)
     ones = _factory(torch.ones)
@@ -124,8 +184,11 @@ def apply() -> bool:
         from megatron.core import utils
         from megatron.core.models.common.embeddings import rotary_pos_embedding
         from megatron.core.tensor_parallel import random
+        from megatron.core.transformer.moe import moe_utils
 
         utils.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
         random.CudaRNGStatesTracker.fork = _no_fork
         rotary_pos_embedding.RotaryEmbedding.get_emb = _cpu_rotary_emb
         proxy = _CpuTorch()

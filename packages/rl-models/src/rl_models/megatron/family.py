@@ -25,6 +25,11 @@ A rule says two things about a weight:
   which first pads the vocabulary with zero rows to a multiple of tp, rows whose logits the
   model must mask out); or along the input columns (row parallel: ``ROW``).
 
+Mixture-of-experts families add ``experts`` rows: one expert's weights, with ``{e}`` where the
+expert's number goes (``EXPERT``). A layer holds them once per expert; under expert parallelism
+over ``ep`` ranks, rank r holds experts ``[r * E/ep, (r+1) * E/ep)``, which Megatron numbers
+from 0 on each rank (``local_experts.{j}``) while HF keeps the global number.
+
 The two meet in one invariant the loader relies on: rank r's part of a fused tensor is the
 fusion, under the rank's own head counts (``GPTLayout.per_rank``), of chunk r of each HF tensor
 along ``dim`` (``torch.chunk``), plus the vocabulary's zero rows. So a rank can be filled from
@@ -45,6 +50,10 @@ if TYPE_CHECKING:
 
 #: Where ``GPTModel`` keeps decoder layer ``i``: ``decoder.layers.{i}.``.
 MEGATRON_LAYERS = "decoder.layers."
+#: Where an ``experts`` row puts the expert's number (Megatron's local one, HF's global one).
+EXPERT = "{e}"
+#: What precedes the expert's number in a Megatron name (``SequentialMLP``'s module list).
+MEGATRON_EXPERTS = "mlp.experts.local_experts."
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -171,6 +180,15 @@ class Weight:
     rule: Rule = REPLICATED
     only_if: str | None = None
 
+    def for_expert(self, local: int, global_: int) -> Weight:
+        """The row of one expert: Megatron's local number, HF's global one."""
+        return Weight(
+            self.megatron.replace(EXPERT, str(local)),
+            tuple(n.replace(EXPERT, str(global_)) for n in self.hf),
+            self.rule,
+            self.only_if,
+        )
+
     def __post_init__(self) -> None:
         if isinstance(self.hf, str):
             object.__setattr__(self, "hf", (self.hf,))
@@ -188,7 +206,9 @@ class ModelFamily:
     ``model_types``: the HF ``config.model_type`` values it stands for. ``layer``: the weights
     of one decoder layer, in the order HF names come out of ``megatron_to_hf``. The embedding,
     final norm and output layer default to the Llama names. ``qkv_bias``: the family's
-    attention has q/k/v biases (the ``GPTLayout`` flag of the same name). ``check_config``:
+    attention has q/k/v biases (the ``GPTLayout`` flag of the same name). ``experts``: one
+    expert's weights (names with ``EXPERT``), repeated for each expert a rank holds; a family
+    with experts is a mixture of experts (``moe``). ``check_config``:
     raises ``ValueError`` for a config the table cannot express (a bias Megatron has no place
     for, say).
     """
@@ -206,21 +226,38 @@ class ModelFamily:
     #: HF state-dict entries that are no weights (buffers recomputed from the config).
     hf_ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
     qkv_bias: bool = False
+    experts: tuple[Weight, ...] = ()
+    #: The HF config attribute that says how many experts a layer has.
+    num_experts_key: str = "num_experts"
     check_config: Callable[[Any], None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        names = [w.megatron for w in self.layer]
+        names = [w.megatron for w in self.layer + self.experts]
         if len(set(names)) != len(names):
             raise ValueError(f"family {self.name!r} names a layer weight twice: {names}")
+        for w in self.experts:
+            if not w.megatron.startswith(MEGATRON_EXPERTS + EXPERT):
+                raise ValueError(f"expert row {w.megatron!r} is not under {MEGATRON_EXPERTS}")
+
+    @property
+    def moe(self) -> bool:
+        return bool(self.experts)
 
     def check(self, config: Any) -> None:
         """Refuse an HF config the table cannot express (``ValueError``)."""
         if self.check_config is not None:
             self.check_config(config)
 
-    def layer_weights(self, layout: GPTLayout) -> tuple[Weight, ...]:
-        """The decoder layer's weights present under ``layout`` (``only_if`` flags)."""
-        return tuple(w for w in self.layer if w.only_if is None or getattr(layout, w.only_if))
+    def layer_weights(self, layout: GPTLayout, ep: int = 1, ep_rank: int = 0) -> tuple[Weight, ...]:
+        """The decoder layer's weights present under ``layout`` (``only_if`` flags), with the
+        experts expert-parallel rank ``ep_rank`` of ``ep`` holds (all of them at ep=1)."""
+        dense = [w for w in self.layer if w.only_if is None or getattr(layout, w.only_if)]
+        experts = [
+            w.for_expert(local, global_)
+            for local, global_ in enumerate(layout.local_experts(ep, ep_rank))
+            for w in self.experts
+        ]
+        return (*dense, *experts)
 
     def hf_layer(self, i: int) -> str:
         return f"{self.hf_layers}{i}."
@@ -230,6 +267,9 @@ class ModelFamily:
         if megatron_name.startswith(MEGATRON_LAYERS):
             rest = megatron_name[len(MEGATRON_LAYERS) :].split(".", 1)[1]
             rows: Sequence[Weight] = self.layer
+            if rest.startswith(MEGATRON_EXPERTS):
+                _, tail = rest[len(MEGATRON_EXPERTS) :].split(".", 1)
+                rest, rows = f"{MEGATRON_EXPERTS}{EXPERT}.{tail}", self.experts
         else:
             rest, rows = megatron_name, (self.embedding, self.final_norm, self.output_layer)
         for w in rows:

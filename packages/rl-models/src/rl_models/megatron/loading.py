@@ -97,8 +97,11 @@ def shard_plan(
     tp_rank: int = 0,
     pp: int = 1,
     pp_rank: int = 0,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> list[Piece]:
-    """Every tensor of the ``GPTModel`` at ``(tp_rank, pp_rank)`` and its HF parts.
+    """Every tensor of the ``GPTModel`` at ``(tp_rank, pp_rank, ep_rank)`` and its HF parts
+    (only the experts of expert-parallel rank ``ep_rank``).
 
     Names and contents equal ``shard_megatron(hf_to_megatron(hf), layout, ...)`` exactly.
     """
@@ -115,7 +118,7 @@ def shard_plan(
     if first:
         plan.append(piece(fam.embedding.megatron, fam.embedding))
     for local, i in enumerate(stage_layers(layout.num_layers, pp, pp_rank)):
-        for w in fam.layer_weights(layout):
+        for w in fam.layer_weights(layout, ep, ep_rank):
             plan.append(piece(f"{MEGATRON_LAYERS}{local}.{w.megatron}", w, fam.hf_layer(i)))
     if last:
         plan.append(piece(fam.final_norm.megatron, fam.final_norm))

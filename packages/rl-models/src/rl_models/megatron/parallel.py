@@ -11,7 +11,13 @@ keeps plain ``torch.optim`` optimisers over plain parameters):
 * tied embeddings with pipeline parallelism: the first stage's embedding and the last stage's
   copy used as output layer get the sum of both gradients, so they stay equal;
 * sequence parallelism: replicated parameters (RMSNorm weights) see only this rank's part of the
-  sequence, so their gradients are summed over the tensor-parallel group.
+  sequence, so their gradients are summed over the tensor-parallel group; so are the query/key
+  norms' (Qwen3), which see only this rank's heads;
+* expert parallelism (mixture-of-experts models): the ``ep`` ranks of an expert group are
+  data-parallel ranks for everything but the experts, each holding ``E/ep`` of each layer's
+  experts (Megatron marks expert weights ``allreduce=False``); expert gradients are summed over
+  the expert-data-parallel group only (the replicas holding the same experts), every other
+  gradient over the whole data-parallel group.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from transformers import PretrainedConfig
 
 from rl_models.megatron.convert import (
     GPTLayout,
+    check_expert_parallel,
+    experts_to_global,
     megatron_to_hf,
     padded_vocab_size,
     stage_layers,
@@ -58,6 +66,8 @@ class Ranks:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1
+    ep_rank: int = 0
 
     @classmethod
     def current(cls) -> Ranks:
@@ -69,7 +79,15 @@ class Ranks:
             tp_rank=ps.get_tensor_model_parallel_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
+            ep=ps.get_expert_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
         )
+
+    @property
+    def holds_whole_model(self) -> bool:
+        """This rank's replica and the ``ep - 1`` beside it hold every weight between them
+        once: the ranks that speak for the model in gathers (the first expert group)."""
+        return self.dp_rank < self.ep
 
     @property
     def first_stage(self) -> bool:
@@ -80,7 +98,7 @@ class Ranks:
         return self.pp_rank == self.pp - 1
 
 
-def init_model_parallel(cfg: MegatronConfig) -> Ranks:
+def init_model_parallel(cfg: MegatronConfig, layout: GPTLayout) -> Ranks:
     """``initialize_model_parallel`` with the config's sizes; data parallel is what is left."""
     tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     world = dist.get_world_size()
@@ -89,9 +107,12 @@ def init_model_parallel(cfg: MegatronConfig) -> Ranks:
             f"{world} ranks do not split into tensor_parallel_size {tp} x "
             f"pipeline_parallel_size {pp}"
         )
+    check_expert_parallel(layout, world, tp, pp, cfg.expert_parallel_size, cfg.moe_aux_loss_coeff)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=cfg.expert_parallel_size,
         )
     return Ranks.current()
 
@@ -110,6 +131,7 @@ def transformer_config(
         raise ValueError(f"RoPE scaling {rope.get('rope_type')!r} is not supported")
     layout = GPTLayout.from_hf_config(hf)
     return TransformerConfig(
+        **_moe_settings(hf, layout, cfg),
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
         ffn_hidden_size=hf.intermediate_size,
@@ -122,6 +144,8 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=layout.qkv_bias,
+        # Query/key RMS norms over each head (Qwen3): the family's table has their weights.
+        qk_layernorm=_has_qk_norms(layout),
         # The shim's no-op RNG fork on CPU relies on there being no dropout.
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -139,20 +163,48 @@ def transformer_config(
         # Micro-batches differ in rows and length (dynamic lengths, packing): stages tell each
         # other the shape of every activation they send.
         variable_seq_lengths=True,
-        # No MoE here; the default ("allgather") merely refuses variable_seq_lengths.
+        # The default ("allgather") refuses variable_seq_lengths; on CPU the shim stands in
+        # for the CUDA streams this one uses.
         moe_token_dispatcher_type="alltoall",
         # The schedules must not rescale our losses: they are already global-batch means.
         calculate_per_token_loss=True,
     )
 
 
-class SequenceParallelRMSNorm:
-    """``torch.nn.RMSNorm`` for sequence-parallel layers, built where Megatron builds a norm.
+def _has_qk_norms(layout: GPTLayout) -> bool:
+    return any("q_layernorm" in w.megatron for w in layout.family.layer)
 
-    Without Apex or Transformer Engine the local spec's norm (``WrappedTorchNorm``) refuses
-    sequence parallelism, only because it cannot tag its weight: a replicated parameter that
-    sees part of the sequence on each rank, whose gradient must be summed over the
-    tensor-parallel group (``sync_grads`` does so for weights tagged ``sequence_parallel``).
+
+def _moe_settings(hf: PretrainedConfig, layout: GPTLayout, cfg: MegatronConfig) -> dict:
+    """The ``TransformerConfig`` fields of a mixture-of-experts model (none for a dense one)."""
+    if not layout.num_experts:
+        return {}
+    coeff = cfg.moe_aux_loss_coeff
+    return dict(
+        num_moe_experts=layout.num_experts,
+        moe_router_topk=hf.num_experts_per_tok,
+        moe_ffn_hidden_size=hf.moe_intermediate_size,
+        expert_model_parallel_size=cfg.expert_parallel_size,
+        # HF: softmax over all experts, top k, renormalised when norm_topk_prob; Megatron's
+        # default (softmax over the top k logits) is the renormalised form.
+        moe_router_pre_softmax=not getattr(hf, "norm_topk_prob", True),
+        moe_router_load_balancing_type="aux_loss" if coeff else "none",
+        moe_aux_loss_coeff=coeff,
+        # No token dropping: every token reaches its k experts, as in HF.
+        moe_expert_capacity_factor=None,
+        moe_grouped_gemm=False,
+    )
+
+
+class ModelRMSNorm:
+    """``torch.nn.RMSNorm`` in the model's dtype, built where Megatron builds a norm.
+
+    The local spec's norm (``WrappedTorchNorm``) is built without a dtype: float32 weights,
+    which would round a float64 model's norm weights and update them in float32. It also
+    refuses sequence parallelism, only because it cannot tag its weight: a replicated
+    parameter that sees part of the sequence on each rank, whose gradient must be summed over
+    the tensor-parallel group (``sync_grads`` does so for weights tagged ``sequence_parallel``).
+    The layer norms are tagged so under sequence parallelism.
     """
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
@@ -161,16 +213,34 @@ class SequenceParallelRMSNorm:
         return norm
 
 
+class QKRMSNorm:
+    """``ModelRMSNorm`` for the query/key norms (one weight shared by all heads): each
+    tensor-parallel rank applies it to its own heads only, so its gradient is always partial
+    and summed over the tensor-parallel group (``sync_grads``), with or without sequence
+    parallelism (as Megatron's ``finalize_model_grads`` does for ``qk_layernorm``)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        norm.weight.sum_grad_over_tensor_ranks = True
+        return norm
+
+
 def _layer_spec(hf: PretrainedConfig, cfg: MegatronConfig, pp: int, stage: int):
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if not cfg.sequence_parallel:
-        return spec
-    spec.submodules.input_layernorm = SequenceParallelRMSNorm
-    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
-    layers = len(stage_layers(hf.num_hidden_layers, pp, stage))
-    return TransformerBlockSubmodules(
-        layer_specs=[spec] * layers, layer_norm=SequenceParallelRMSNorm
+    layout = GPTLayout.from_hf_config(hf)
+    # Experts run one after another (SequentialMLP): the grouped GEMM needs CUDA kernels.
+    spec = get_gpt_layer_local_spec(
+        num_experts=layout.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=_has_qk_norms(layout),
+        normalization="RMSNorm",
     )
+    if _has_qk_norms(layout):
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = QKRMSNorm
+    spec.submodules.input_layernorm = ModelRMSNorm
+    spec.submodules.pre_mlp_layernorm = ModelRMSNorm
+    layers = len(stage_layers(hf.num_hidden_layers, pp, stage))
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=ModelRMSNorm)
 
 
 def build_gpt(hf: PretrainedConfig, dtype: torch.dtype, cfg: MegatronConfig | None = None):
@@ -262,13 +332,17 @@ def local_state(gpt: GPTModel) -> dict[str, torch.Tensor]:
 def gather_hf_state(
     gpt: GPTModel, layout: GPTLayout, ranks: Ranks, to_all: bool
 ) -> dict[str, torch.Tensor] | None:
-    """The whole model under HF names, from the shards of data-parallel replica 0.
+    """The whole model under HF names, from the shards of data-parallel replica 0 (with
+    expert parallelism: of the first ``ep`` replicas, each holding its share of the experts).
 
     A collective over all ranks. ``to_all``: every rank gets the result; otherwise only global
     rank 0 does (the others get None). Shards travel as pickled CPU tensors, so this is for
     checkpoints and models that fit one host, like the DTensor worker's full state dicts.
     """
-    mine = (ranks.pp_rank, ranks.tp_rank, local_state(gpt)) if ranks.dp_rank == 0 else None
+    mine = None
+    if ranks.holds_whole_model:
+        state = experts_to_global(local_state(gpt), layout, ranks.ep, ranks.ep_rank)
+        mine = (ranks.pp_rank, ranks.tp_rank, state)
     world = dist.get_world_size()
     if to_all:
         shards: list | None = [None] * world
@@ -278,11 +352,11 @@ def gather_hf_state(
         dist.gather_object(mine, shards, dst=0)
     if shards is None:
         return None
-    grid: list[list] = [[None] * ranks.tp for _ in range(ranks.pp)]
+    grid: list[list[dict]] = [[{} for _ in range(ranks.tp)] for _ in range(ranks.pp)]
     for shard in shards:
-        if shard is not None:
+        if shard is not None:  # the expert-parallel ranks' experts merge into one dict
             pp_rank, tp_rank, state = shard
-            grid[pp_rank][tp_rank] = state
+            grid[pp_rank][tp_rank].update(state)
     return megatron_to_hf(unshard_megatron(grid, layout), layout)
 
 
@@ -317,12 +391,21 @@ def _tied_copy(gpt: GPTModel, ranks: Ranks, tied: bool) -> torch.nn.Parameter | 
 
 def sync_grads(gpt: GPTModel, ranks: Ranks, tied: bool, sequence_parallel: bool) -> None:
     params = [p for p in gpt.parameters() if p.requires_grad]
-    if sequence_parallel:
-        replicated = [p for p in params if getattr(p, "sequence_parallel", False)]
-        if replicated:
-            _all_reduce_grads(replicated, parallel_state.get_tensor_model_parallel_group())
+    if ranks.tp > 1:
+        partial = [
+            p
+            for p in params
+            if (sequence_parallel and getattr(p, "sequence_parallel", False))
+            or getattr(p, "sum_grad_over_tensor_ranks", False)
+        ]
+        if partial:
+            _all_reduce_grads(partial, parallel_state.get_tensor_model_parallel_group())
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    experts = [p for p in params if not getattr(p, "allreduce", True)]
     if ranks.dp > 1:
-        _all_reduce_grads(params, parallel_state.get_data_parallel_group())
+        _all_reduce_grads(dense, parallel_state.get_data_parallel_group())
+    if experts and ranks.dp // ranks.ep > 1:
+        _all_reduce_grads(experts, parallel_state.get_expert_data_parallel_group())
     copy = _tied_copy(gpt, ranks, tied)
     if copy is not None:
         _all_reduce_grads([copy], parallel_state.get_embedding_group())
@@ -338,12 +421,20 @@ def clip_grads(gpt: GPTModel, ranks: Ranks, tied: bool, max_norm: float | None) 
     params = [p for p in gpt.parameters() if p.requires_grad and p.grad is not None]
     copy = _tied_copy(gpt, ranks, tied) if not ranks.first_stage else None
     counted = [p for p in params if param_is_not_tensor_parallel_duplicate(p) and p is not copy]
-    sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else "cpu")
+    device = params[0].grad.device if params else "cpu"
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=device)
     for p in counted:
-        sq += p.grad.detach().double().pow(2).sum()
+        (sq if getattr(p, "allreduce", True) else expert_sq).add_(
+            p.grad.detach().double().pow(2).sum()
+        )
     if ranks.tp * ranks.pp > 1:
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
-    norm = float(sq.sqrt())
+    if ranks.ep > 1 or (expert_sq > 0 and ranks.tp * ranks.pp > 1):
+        # Experts differ over the expert-parallel ranks too (and tensor/pipeline ranks).
+        group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        dist.all_reduce(expert_sq, group=group)
+    norm = float((sq + expert_sq).sqrt())
     if max_norm is not None and math.isfinite(norm):
         # torch.nn.utils.clip_grad_norm_'s rule, so both backends clip alike.
         coef = min(max_norm / (norm + 1e-6), 1.0)

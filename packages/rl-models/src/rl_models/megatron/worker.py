@@ -61,6 +61,7 @@ from rl_models.megatron.loading import (
     load_from_safetensors,
     shard_plan,
 )
+from rl_models.megatron.moe import MoeAuxLoss
 from rl_models.megatron.parallel import (
     ShardFiller,
     build_gpt,
@@ -98,15 +99,14 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         # Alone, outside a worker group, Megatron still wants a process group.
         init_distributed(self.device, always=True)
         cpu_shim.apply()
-        self.ranks = init_model_parallel(self.config.megatron)
+        self.hf_config = hf_config_of(self.config.model)
+        self.layout = GPTLayout.from_hf_config(self.hf_config)
+        self.ranks = init_model_parallel(self.config.megatron, self.layout)
         if self.device.type == "cuda":
             tensor_parallel.model_parallel_cuda_manual_seed(self.config.seed)
         # dp_size is what the shared loop (_steps, batch-size checks) divides by.
         self.dp_size = self.ranks.dp
         self.rank = dist.get_rank()
-
-        self.hf_config = hf_config_of(self.config.model)
-        self.layout = GPTLayout.from_hf_config(self.hf_config)
         self.tied = self.layout.tied_embeddings
         # Only this rank's shard is ever allocated, and filled from slices: of the
         # safetensors files (model.path), or of the HF initialisation run module by module
@@ -137,6 +137,8 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             tp_rank=r.tp_rank,
             pp=r.pp,
             pp_rank=r.pp_rank,
+            ep=r.ep,
+            ep_rank=r.ep_rank,
         )
 
     def _fill(self, gpt: torch.nn.Module, path: str | None) -> LoadStats:
@@ -259,24 +261,32 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         ``LOSS_INPUT_OUTPUT``); their summed loss, on every rank of the replica (the last
         stage computes it)."""
         losses: list[torch.Tensor] = []
+        inputs = self._inputs(step)
+        aux = MoeAuxLoss(
+            self.model, self.config.megatron.moe_aux_loss_coeff, inputs, self._all_reduce
+        )
 
         def loss_of(values: torch.Tensor, inp: Inputs) -> torch.Tensor:
             seqs, toks = global_seqs.to(values.device), global_toks.to(values.device)
             loss, _ = loss_fn(values, TrainBatch.from_transport(inp.data), seqs, toks)
             losses.append(loss.detach().double().cpu())
+            aux.after_forward(inp)
             return loss
 
-        run_pipeline(
-            self.model,
-            self._inputs(step),
-            loss_of,
-            self.hf_config.vocab_size,
-            forward_only=eval_mode,
-            logits=output == "logits",
-            temperature=self.config.logprob_temperature,
-            chunk_size=self.config.logprob_chunk_size,
-            entropy=output == "entropy",
-        )
+        with aux:
+            run_pipeline(
+                self.model,
+                inputs,
+                loss_of,
+                self.hf_config.vocab_size,
+                forward_only=eval_mode,
+                logits=output == "logits",
+                temperature=self.config.logprob_temperature,
+                chunk_size=self.config.logprob_chunk_size,
+                entropy=output == "entropy",
+            )
+        if aux.enabled:
+            self._loss_metrics = [{"moe_aux_loss": aux.value}]
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
         return broadcast_from_last_stage(loss_sum.to(self.device))
 
@@ -301,6 +311,13 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
     def _weight_exporter(self) -> MegatronWeightExporter:
         """Stage by stage, layer by layer, gathered onto tensor-parallel rank 0 only."""
         r = self.ranks
+        if r.ep > 1:
+            # Each expert-parallel rank holds other experts: the exporter's units would have
+            # to be gathered over the expert group as well, which it does not do yet.
+            raise NotImplementedError(
+                "streaming weight export (refit) with megatron.expert_parallel_size > 1 is "
+                "not supported; checkpoints (save_checkpoint) are"
+            )
         gather = tp_gather_to(
             parallel_state.get_tensor_model_parallel_group(),
             parallel_state.get_tensor_model_parallel_src_rank(),
@@ -338,11 +355,14 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             os.makedirs(state_dir, exist_ok=True)
-            hf = AutoModelForCausalLM.from_config(
-                self.hf_config, dtype=self.config.model.torch_dtype
-            )
-            hf.load_state_dict(weights)
-            hf.save_pretrained(path)
+            # The weights go in as they are, under their checkpoint names (which, for a
+            # mixture of experts, are not the fused names transformers uses in memory); the
+            # model itself only supplies the config and the file layout.
+            with torch.device("meta"):
+                hf = AutoModelForCausalLM.from_config(
+                    self.hf_config, dtype=self.config.model.torch_dtype
+                )
+            hf.save_pretrained(path, state_dict=weights)
             torch.save(self.scheduler.state_dict(), os.path.join(state_dir, SCHEDULER_FILE))
         dist.barrier()  # the folders exist before the other ranks write into them
         if self.ranks.dp_rank == 0:

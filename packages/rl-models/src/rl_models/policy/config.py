@@ -258,6 +258,12 @@ class MegatronConfig(ConfigModel):
     pipeline_parallel_size: int = Field(1, ge=1)
     # Split activations along the sequence in the tensor-parallel regions (needs TP > 1).
     sequence_parallel: bool = False
+    # Ranks each layer's experts are split over (mixture-of-experts models). Carved out of the
+    # data-parallel ranks: it must divide the data-parallel size and the number of experts.
+    expert_parallel_size: int = Field(1, ge=1)
+    # Weight of the routers' load-balancing loss (Megatron's per-layer "aux_loss", summed over
+    # layers) in the training loss; 0 turns it off. Mixture-of-experts models only.
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
 
 
 class DTensorConfig(ConfigModel):

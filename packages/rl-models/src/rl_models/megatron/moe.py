@@ -1,0 +1,76 @@
+"""The routers' load-balancing loss of a mixture-of-experts ``GPTModel``, for one training step.
+
+Megatron computes it in each MoE layer (``moe_router_load_balancing_type="aux_loss"``: the
+Switch Transformer loss ``E / (k T^2) * sum_i tokens_i * probs_i`` over the layer's ``T``
+tokens), multiplies it by ``moe_aux_loss_coeff`` and, because the worker sets
+``calculate_per_token_loss``, by the micro-batch's token count ``n``; its gradient is injected in
+backward (``MoEAuxLossAutoScaler``, scale 1 here), and its unscaled value is logged in Megatron's
+tracker. The worker's losses are already means over the global batch, so for the step
+``MoeAuxLoss`` sets the coefficient to ``coeff / N`` (``N``: the tokens the model sees in the
+global batch, every data-parallel rank's micro-batches, padding included since it is routed
+too). The gradient is then that of ``loss + coeff * A`` with ``A = sum_m n_m a_m / N``, the
+token-weighted mean over micro-batches ``m`` of ``a_m``, the layers' losses summed; ``A`` is the
+``moe_aux_loss`` metric (each rank's share, summed over ranks by the metric reduction).
+
+Read per micro-batch from the tracker on the stage computing the loss: with pipeline
+parallelism the metric counts the last stage's layers only (the gradient is whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from megatron.core.transformer.moe.moe_utils import (
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+)
+
+from rl_models.megatron.forward import Inputs
+
+#: Megatron's tracker entry for ``moe_router_load_balancing_type="aux_loss"``.
+TRACKER_KEY = "load_balancing_loss"
+
+
+class MoeAuxLoss:
+    """Scales the load-balancing loss for one step (``with``) and adds up its metric."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        coeff: float,
+        inputs: list[Inputs],
+        all_reduce: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """``all_reduce``: the sum over the data-parallel group (the global token count)."""
+        self.config = model.config
+        self.enabled = bool(getattr(self.config, "num_moe_experts", None)) and coeff > 0
+        self.coeff = coeff
+        self.value = 0.0
+        self._seen = 0.0
+        if self.enabled:
+            local = torch.tensor(float(sum(i.input_ids.numel() for i in inputs)))
+            self.tokens = float(all_reduce(local.double()))
+
+    def _logged(self) -> float:
+        entry = get_moe_layer_wise_logging_tracker().get(TRACKER_KEY)
+        return float(entry["values"].sum()) if entry else 0.0
+
+    def __enter__(self) -> MoeAuxLoss:
+        if self.enabled:
+            clear_aux_losses_tracker()
+            self.config.moe_aux_loss_coeff = self.coeff / max(self.tokens, 1.0)
+        return self
+
+    def after_forward(self, inp: Inputs) -> None:
+        """After micro-batch ``inp``'s forward (and loss): add its share of the metric."""
+        if not self.enabled:
+            return
+        logged = self._logged()
+        self.value += (logged - self._seen) * inp.input_ids.numel() / self.tokens
+        self._seen = logged
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self.config.moe_aux_loss_coeff = self.coeff
+            clear_aux_losses_tracker()
