@@ -314,9 +314,9 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         if r.ep > 1:
             # Each expert-parallel rank holds other experts: the exporter's units would have
             # to be gathered over the expert group as well, which it does not do yet.
-            raise NotImplementedError(
+            raise ValueError(
                 "streaming weight export (refit) with megatron.expert_parallel_size > 1 is "
-                "not supported; checkpoints (save_checkpoint) are"
+                "not built (checkpoints are): RL loops refuse it when their config is read"
             )
         gather = tp_gather_to(
             parallel_state.get_tensor_model_parallel_group(),
