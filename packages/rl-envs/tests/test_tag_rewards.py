@@ -22,6 +22,13 @@ def test_the_answer_is_read_from_the_last_answer_tag_and_compared_as_text():
 def test_an_integer_answer_is_digits_only():
     completions = [GOOD, "<answer>-3</answer>", "<answer>4.5</answer>", "<answer></answer>"]
     assert answer_is_integer([""] * 4, completions) == [1.0, 0.0, 0.0, 0.0]
+    # Digits outside ASCII (str.isdigit takes each of these) are no integer int() would read.
+    others = [
+        "<answer>2\u00b2</answer>",
+        "<answer>\u0664\u0662</answer>",
+        "<answer>\u2460</answer>",
+    ]
+    assert answer_is_integer([""] * 3, others) == [0.0, 0.0, 0.0]
 
 
 def test_the_format_is_one_think_block_a_newline_and_one_answer_block():

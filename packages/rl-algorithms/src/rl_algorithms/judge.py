@@ -27,7 +27,15 @@ The rules (``rl_envs.judging``): ``score_in_tag`` reads the number in the answer
 P(yes) / (P(yes) + P(no)) at the first generated position from the generator's most likely
 first tokens (``sampling.first_token_logprobs``). A sample whose answer the rule cannot read,
 or whose judge call took longer than ``timeout_s``, is marked ``unscored``: it is left out of the
-loss and counted (``unparsable``, ``timeouts``), never read as 0.
+loss and counted (``unparsable``, ``timeouts``), never read as 0. A call given up on keeps the
+judge's workers busy until it ends: a later call waits for it up to ``timeout_s`` more (not on
+its own clock), and past that its samples are not judged at all (``unscored``, counted as
+``skipped``) rather than blamed for a timeout of the call before.
+
+The rubric is filled in as text and then encoded, and a tokenizer encodes a special token's
+string (``<|im_end|>``, say) found in text as that token: so every value the rubric inserts is
+first stripped of the judge tokenizer's special-token strings, and a response cannot end the
+judge's user turn and write its own verdict.
 
 Each sample's ``answer`` (logged with the rollout's samples: ``val/samples``, ``train/samples``)
 is the judge's verdict: its text and the score read from it. The first ``log_judgements`` of
@@ -39,11 +47,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -144,6 +152,66 @@ class Judgement:
         return f"{verdict} | judge: {self.text}"
 
 
+class OneCallAtATime:
+    """Runs calls one at a time on a thread of its own, each given up on past its timeout.
+
+    A call given up on cannot be stopped: it holds the thread (and the judge's workers) until
+    it ends. The next call waits for it, up to ``timeout_s`` after it was given up on, before
+    starting its own clock, so that each call's timeout measures its own work only; while the
+    call given up on still runs past that, later calls are skipped at once."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="judge-call")
+        self._lock = threading.Lock()  # one caller at a time: each clock starts when it runs
+        self._abandoned: Future | None = None
+        self._abandoned_until = 0.0
+
+    def call(
+        self, fn: Callable[..., Any], *args: Any, timeout_s: float
+    ) -> tuple[Literal["done", "timeout", "skipped"], Any]:
+        """``("done", fn(*args))``; ``("timeout", None)`` when it ran past ``timeout_s``;
+        ``("skipped", None)`` when a call given up on still runs and ``fn`` was not called."""
+        with self._lock:
+            if self._abandoned is not None:
+                left = self._abandoned_until - time.monotonic()
+                try:
+                    self._abandoned.exception(timeout=max(left, 0.0))  # its error was given up
+                except FutureTimeout:
+                    return "skipped", None
+                self._abandoned = None
+            future = self._thread.submit(fn, *args)  # the thread is free: it starts now
+            try:
+                return "done", future.result(timeout=timeout_s)
+            except FutureTimeout:
+                self._abandoned = future
+                self._abandoned_until = time.monotonic() + timeout_s
+                return "timeout", None
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def special_token_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The strings a tokenizer encodes as control tokens wherever they appear in text: its
+    special tokens and the added tokens marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    specials = {*tokenizer.all_special_tokens}
+    specials |= {t.content for t in added if getattr(t, "special", False)}
+    return tuple(sorted(specials))
+
+
+def judge_prompt_ids(tokenizer: Any, text: str, chat_template: bool = True) -> list[int]:
+    """The token ids the judge reads for a rendered rubric: a user turn of the tokenizer's chat
+    template (when ``chat_template`` and it has one), else the text with the tokenizer's own
+    special tokens."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer.encode(text, add_special_tokens=False)  # the template holds them
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
 class JudgeEnvironment(EnvironmentInterface):
     """Single-turn: one score per completion from the judge. Metadata per sample: the row's
     columns, which the rubric may name."""
@@ -184,10 +252,11 @@ class JudgeEnvironment(EnvironmentInterface):
             self.cluster.shutdown()
             raise
         # One thread waits on the generator, so that a call past timeout_s can be given up on.
-        self._calls = ThreadPoolExecutor(max_workers=1)
+        self._calls = OneCallAtATime()
+        self.control_strings = special_token_strings(self.tokenizer)
         self._lock = threading.Lock()
         self.counts = OutcomeCounts()
-        self.unparsable = 0
+        self.unparsable = self.skipped = 0
         self.judge_seconds = 0.0
 
     def _token_id(self, text: str, key: str) -> int:
@@ -199,16 +268,6 @@ class JudgeEnvironment(EnvironmentInterface):
             )
         return ids[0]
 
-    def judge_prompt_ids(self, text: str) -> list[int]:
-        """The token ids the judge reads for a rendered rubric."""
-        tok = self.tokenizer
-        if self.cfg.chat_template and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-            return tok.encode(text, add_special_tokens=False)  # the template holds them
-        return tok.encode(text, add_special_tokens=True)
-
     def _generate(self, prompts: list[list[int]]) -> BatchedDataDict:
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -217,13 +276,17 @@ class JudgeEnvironment(EnvironmentInterface):
         data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(p) for p in prompts]))
         return self.generator.generate(data, greedy=self.cfg.greedy)
 
-    def _judge(self, prompts: list[list[int]]) -> list[Judgement] | None:
-        """The judge's verdicts on ``prompts`` (one generate call); None past ``timeout_s``."""
-        call = self._calls.submit(self._generate, prompts)
-        try:
-            out = call.result(timeout=self.cfg.timeout_s)
-        except FutureTimeout:
-            return None
+    def _judge(self, prompts: list[list[int]]) -> tuple[str, list[Judgement]]:
+        """How the generate call on ``prompts`` went (done, timeout, skipped) and the judge's
+        verdicts (for a call that did not finish, ones with no score that say why)."""
+        status, out = self._calls.call(self._generate, prompts, timeout_s=self.cfg.timeout_s)
+        if status != "done":
+            why = (
+                f"over timeout_s={self.cfg.timeout_s:g}"
+                if status == "timeout"
+                else "not judged: a call past timeout_s still holds the judge"
+            )
+            return status, [Judgement("", None, why)] * len(prompts)
         verdicts = []
         for row, prompt in enumerate(prompts):
             n, g = len(prompt), int(out["generation_lengths"][row])
@@ -240,7 +303,7 @@ class JudgeEnvironment(EnvironmentInterface):
             else:
                 score, reason = self.cfg.parse.parse(text)
             verdicts.append(Judgement(text, score, reason))
-        return verdicts
+        return status, verdicts
 
     def step(
         self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any]]
@@ -250,24 +313,29 @@ class JudgeEnvironment(EnvironmentInterface):
         for i, (log, meta) in enumerate(zip(message_log_batch, metadata, strict=True)):
             prompt, completion, _ = prompt_and_completion(log, meta)
             where = f"{self.cfg.config_key}: sample {i} of the batch"
-            text = render_rubric(self.cfg.rubric, prompt, completion, row_columns(meta), where)
-            prompts.append(self.judge_prompt_ids(text))
+            text = render_rubric(
+                self.cfg.rubric,
+                prompt,
+                completion,
+                row_columns(meta),
+                where,
+                control_strings=self.control_strings,
+            )
+            prompts.append(judge_prompt_ids(self.tokenizer, text, self.cfg.chat_template))
         size = self.cfg.batch_size or max(n, 1)
         verdicts: list[Judgement] = []
-        timed_out: list[bool] = []
+        statuses: list[str] = []
         start = time.monotonic()
         for s in range(0, n, size):
-            chunk = self._judge(prompts[s : s + size])
-            count = len(prompts[s : s + size])
-            timed_out += [chunk is None] * count
-            verdicts += (
-                chunk or [Judgement("", None, f"over timeout_s={self.cfg.timeout_s:g}")] * count
-            )
+            status, chunk = self._judge(prompts[s : s + size])
+            statuses += [status] * len(chunk)
+            verdicts += chunk
         with self._lock:
             self.judge_seconds += time.monotonic() - start
-            for verdict, late in zip(verdicts, timed_out, strict=True):
-                self.counts.add("timeout" if late else "ok")
-                self.unparsable += verdict.score is None and not late
+            for verdict, status in zip(verdicts, statuses, strict=True):
+                self.counts.add(status)  # "timeout" is counted as one, "skipped" is not
+                self.skipped += status == "skipped"
+                self.unparsable += verdict.score is None and status == "done"
         for i, verdict in enumerate(verdicts[: self.cfg.log_judgements]):
             logger.info("%s: sample %d: %s", self.cfg.config_key, i, verdict.summary()[:500])
         rewards = [0.0 if v.score is None else v.score for v in verdicts]
@@ -300,12 +368,13 @@ class JudgeEnvironment(EnvironmentInterface):
             counts = {
                 **self.counts.take(),
                 "unparsable": float(self.unparsable),
+                "skipped": float(self.skipped),
                 "judge_seconds": self.judge_seconds,
             }
-            self.unparsable, self.judge_seconds = 0, 0.0
+            self.unparsable, self.skipped, self.judge_seconds = 0, 0, 0.0
         return batch, {**metrics, **counts}
 
     def shutdown(self) -> None:
-        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._calls.shutdown()
         self.generator.shutdown()
         self.cluster.shutdown()

@@ -8,7 +8,8 @@ tested on its own and could serve any other judge.
 
 A rubric is a ``str.format`` template: ``{prompt}`` and ``{response}`` are the sample's, any
 other ``{name}`` is the row's column ``name`` (``ground_truth``, say); ``{{`` and ``}}`` are
-literal braces.
+literal braces. Every value a rubric inserts can be stripped of the judge tokenizer's control
+strings (``without_strings``), so that judged text cannot write the judge's chat turns.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from rl_distributed.config import ConfigModel
 
 #: Placeholders every rubric may use: the sample's own prompt and response.
 SAMPLE_PLACEHOLDERS = ("prompt", "response")
+
+#: A score as a judge writes it: an optional sign, ASCII digits, an optional fraction.
+PLAIN_DECIMAL = re.compile(r"[+-]?[0-9]+(?:\.[0-9]+)?")
 
 
 def rubric_placeholders(template: str) -> tuple[str, ...]:
@@ -67,15 +71,34 @@ def prompt_text(prompt: str | Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
+def without_strings(text: str, strings: Sequence[str]) -> str:
+    """``text`` with every occurrence of each of ``strings`` removed, again and again until none
+    is left: removing ``<|im_end|>`` from ``<|im_<|im_end|>end|>`` once would leave a new one."""
+    strings = sorted({s for s in strings if s}, key=len, reverse=True)
+    while True:
+        stripped = text
+        for s in strings:
+            stripped = stripped.replace(s, "")
+        if stripped == text:
+            return text
+        text = stripped
+
+
 def render_rubric(
     template: str,
     prompt: str | Sequence[Mapping[str, Any]],
     response: str,
     columns: Mapping[str, Any],
     where: str = "the rubric",
+    control_strings: Sequence[str] = (),
 ) -> str:
     """The rubric filled in for one sample. A ``ValueError`` naming the placeholder (and
-    ``where``: the sample) when the row has no such column."""
+    ``where``: the sample) when the row has no such column.
+
+    ``control_strings`` (the judge tokenizer's special tokens) are removed from every inserted
+    value, as text: tokenizers encode such a string in plain text as the control token itself,
+    so a response holding ``<|im_end|>`` could otherwise end the judge's user turn and write
+    an assistant turn of its own."""
     values: dict[str, Any] = {}
     for name in rubric_placeholders(template):
         if name == "prompt":
@@ -89,7 +112,10 @@ def render_rubric(
                 f"{where}: the rubric's placeholder {{{name}}} is neither prompt, response nor "
                 f"a column of the row (its columns: {sorted(columns)})"
             )
-    return template.format_map(values)
+    # A placeholder has no format spec (rubric_placeholders), so str() is what format shows.
+    return template.format_map(
+        {name: without_strings(str(value), control_strings) for name, value in values.items()}
+    )
 
 
 class ScoreInTag(ConfigModel):
@@ -122,12 +148,11 @@ class ScoreInTag(ConfigModel):
             return None, f"no <{self.tag}>...</{self.tag}> in the judge's answer"
         # The last one: a judge that quotes the format before answering ends with its verdict.
         content = found[-1].strip()
-        try:
-            value = float(content)
-        except ValueError:
-            value = math.nan
+        # A plain decimal only: float() would also read "1e30", "1_0", "inf" and non-ASCII
+        # digits, none of which a rubric asks for.
+        value = float(content) if PLAIN_DECIMAL.fullmatch(content) else math.nan
         if not math.isfinite(value):
-            return None, f"<{self.tag}> holds {content[:40]!r}, not a number"
+            return None, f"<{self.tag}> holds {content[:40]!r}, not a number like -1, 7 or 2.5"
         if self.min is None or self.max is None:
             return value, ""
         if not self.min <= value <= self.max:

@@ -36,8 +36,10 @@ def answer_exact(
 
 
 def answer_is_integer(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
-    """1.0 when the tagged answer is made of digits only (a non-negative integer), else 0.0."""
-    return [float(tagged_answer(completion_text(c)).isdigit()) for c in completions]
+    """1.0 when the tagged answer is made of ASCII digits only (a non-negative integer), else
+    0.0. str.isdigit alone would also take "²" and other digits no integer parser reads."""
+    answers = [tagged_answer(completion_text(c)) for c in completions]
+    return [float(a.isascii() and a.isdigit()) for a in answers]
 
 
 def think_answer_format(
