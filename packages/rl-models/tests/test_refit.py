@@ -16,11 +16,10 @@ from rl_models.generation.hf_generation import HfGeneration
 from rl_models.generation.interfaces import StaleWeightsError
 from rl_models.generation.refit import offloads_policy, refit
 from rl_models.losses import NLLLoss
-from rl_models.modeling.lora import LoraConfig, wrap_with_lora
 from rl_models.policy.lm_policy import Policy
 from rl_models.weight_transfer.shared_memory import PREFIX
 
-from .conftest import TINY_LLAMA, initial_model, skewed_batch, tiny_config
+from .conftest import TINY_LLAMA, skewed_batch, tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
@@ -190,43 +189,6 @@ def test_every_channel_delivers_the_trained_weights(tmp_path):
         stats = refit(policy, generation, channel="shared_memory")
         assert stats.channel == "shared_memory"
         assert_generator_weights_equal(generation, str(tmp_path / "broadcast"))
-    finally:
-        generation.shutdown()
-        policy.shutdown()
-        for cluster in clusters:
-            cluster.shutdown()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_lora_policy_sends_its_base_once_then_only_its_adapters():
-    """``policy.lora.refit: auto`` with the HF generator: the first refit adds LoRA layers to
-    the generator and sends the base layers with the adapters, later ones the adapters alone;
-    after each the generator samples what the policy scores."""
-    lora = {"enabled": True, "rank": 4, "alpha": 8.0}
-    config = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float32"}, lora=lora)
-    peft_model = wrap_with_lora(initial_model(), LoraConfig.model_validate(lora))
-    adapter_bytes = sum(4 * p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
-    clusters = [RayVirtualCluster([1], use_gpus=False) for _ in range(2)]
-    policy = Policy(clusters[0], config)
-    generation = HfGeneration(
-        clusters[1],
-        {"backend": "hf", "colocated": False, "sampling": {"max_new_tokens": 4}},
-        model=config.model,
-    )
-    try:
-        sent = []
-        for _ in range(2):
-            policy.train(skewed_batch(), NLLLoss())
-            stats = refit(policy, generation, bucket_bytes=64 * 1024)
-            assert stats.channel == "object_store" and stats.version == policy.weight_version
-            sent.append((stats.lora_export, stats.bytes))
-            assert_generator_matches_policy(policy, generation, prompts())
-        (first, base_bytes), (later, later_bytes) = sent
-        assert (first, later) == ("with_base", "adapters")
-        assert later_bytes == adapter_bytes and base_bytes > 10 * adapter_bytes
-        with pytest.raises(ValueError, match="'shared_memory' carries merged weights"):
-            refit(policy, generation, channel="shared_memory")
     finally:
         generation.shutdown()
         policy.shutdown()
