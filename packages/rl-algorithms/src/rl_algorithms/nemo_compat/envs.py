@@ -46,23 +46,13 @@ def env_group(ctx: Context, prefix: str) -> None:
         elif task == "math_multi_reward" and isinstance(spec, dict):
             _multi_reward_env(ctx, task, leaves)
         elif task == "math" and isinstance(spec, dict):
-            config = {}
-            for key, value in leaves:
-                field_name = key.rsplit(".", 1)[1]
-                if field_name == "num_workers":
-                    config["num_workers"] = value
-                    ctx.record(key, value, f"{base}.config.num_workers")
-                elif field_name == "math_verify_impl" and value == "hf_math_verify":
-                    ctx.ignore(key, value, "our math environment uses HF's Math-Verify too")
-                elif field_name == "math_verify_impl":
-                    ctx.refuse(
-                        key,
-                        value,
-                        f"would verify answers with NeMo's {value!r}; our math environment "
-                        "uses HF's Math-Verify (hf_math_verify)",
-                    )
-                else:
-                    ctx.refuse(key, value, "a math-environment option with no counterpart here")
+            config = _verifier_keys(
+                ctx,
+                task,
+                leaves,
+                hf_math_verify="our math environment uses HF's Math-Verify too",
+                other="a math-environment option with no counterpart here",
+            )
             ctx.set_ours(base, {"kind": "math", "config": config})
         else:
             for key, value in leaves:
@@ -84,22 +74,46 @@ def _named_by_data(ctx: Context) -> set[str]:
     return {spec["env_name"] for spec in specs if spec.get("env_name")}
 
 
+def _verifier_keys(
+    ctx: Context, task: str, leaves: list[tuple[str, Any]], hf_math_verify: str, other: str
+) -> dict[str, Any]:
+    """The keys NeMo's math environments share: ``num_workers`` (ours too), and
+    ``math_verify_impl``, ignored at ``hf_math_verify`` (saying why: ``hf_math_verify``) and
+    refused otherwise; any other key is refused (``other``). Our environment's config."""
+    config: dict[str, Any] = {}
+    for key, value in leaves:
+        field_name = key.rsplit(".", 1)[1]
+        if field_name == "num_workers":
+            config["num_workers"] = value
+            ctx.record(key, value, f"env.{task}.config.num_workers")
+        elif field_name == "math_verify_impl" and value == "hf_math_verify":
+            ctx.ignore(key, value, hf_math_verify)
+        elif field_name == "math_verify_impl":
+            ctx.refuse(
+                key,
+                value,
+                f"would verify answers with NeMo's {value!r}; our math environments use HF's "
+                "Math-Verify (hf_math_verify)",
+            )
+        else:
+            ctx.refuse(key, value, other)
+    return config
+
+
 def _multi_reward_env(ctx: Context, task: str, leaves: list[tuple[str, Any]]) -> None:
     """NeMo's GDPO math environment: three rewards on the text in ``<answer>`` tags (equal to
     the ground truth as text, an integer, the think-then-answer layout) -> ``kind:
     reward_functions`` with the same three as built-ins, weight 1 each (GDPO's
     ``reward_weights`` weigh their advantages)."""
+    config = _verifier_keys(
+        ctx,
+        task,
+        leaves,
+        hf_math_verify="its rewards compare the tagged answer as text",
+        other="an option of NeMo's GDPO math environment with no counterpart",
+    )
+    config["functions"] = [dict(f) for f in MULTI_REWARD_FUNCTIONS]
     base = f"env.{task}"
-    config: dict[str, Any] = {"functions": [dict(f) for f in MULTI_REWARD_FUNCTIONS]}
-    for key, value in leaves:
-        field_name = key.rsplit(".", 1)[1]
-        if field_name == "num_workers":
-            config["num_workers"] = value
-            ctx.record(key, value, f"{base}.config.num_workers")
-        elif field_name == "math_verify_impl" and value == "hf_math_verify":
-            ctx.ignore(key, value, "its rewards compare the tagged answer as text")
-        else:
-            ctx.refuse(key, value, "an option of NeMo's GDPO math environment with no counterpart")
     ctx.set_ours(base, {"kind": "reward_functions", "config": config})
 
 
