@@ -25,16 +25,12 @@ knows how many groups may be out: ``prompts_per_step * (max_age_steps + 1 - lag)
 more than ``max_groups_ahead``). A running episode is never thrown away for its age: a refit
 in flight lets it go on under the new weights, and its tokens say which weights sampled each.
 
-The collector sees the engines only through ``rl_models``' typed streaming interface
-(``StreamingSampler``). The trainer pulls finished groups with ``take``, which also reports
-the collector's state: an error that stopped its thread (with the traceback), the end of its
-prompts, and how long ago its loop last came round (a heartbeat). Every engine call of the
-loop waits at most ``engine_call_seconds``. ``drain`` (a refit without in-flight updates)
-holds every new turn back until ``resume``, so the refit never sees a running request;
-``drain(scoring=True)`` (validation) holds environment steps back too.
-
-The collector owns the prompt loader: ``state_dict`` gives its position plus every prompt
-drawn but not yet handed to the trainer, so a resumed run loses no prompt.
+Engines are seen through ``rl_models``' ``StreamingSampler``, each call waiting at most
+``engine_call_seconds``. The trainer pulls finished groups with ``take``, which also reports
+an error that stopped the loop (with its traceback), the end of the prompts and a heartbeat.
+``drain`` (a refit without in-flight updates) holds new turns back until ``resume``;
+``drain(scoring=True)`` (validation) holds environment steps back too. ``state_dict`` gives
+the prompt loader's position plus every prompt drawn but not yet handed over.
 """
 
 from __future__ import annotations
@@ -297,16 +293,16 @@ class TrajectoryCollector:
         for request in list(self.turns.running):
             with contextlib.suppress(WorkerGroupError):
                 self._cancel_stream(request)
-        self.turns.fail(
-            self.turns.waiting + self.turns.running, GroupCancelled("the collector stopped")
-        )
+        # A turn being started (the loop thread may still be in the engine call) ends too.
+        starting = [self.starting] if self.starting is not None else []
+        pending = self.turns.waiting + self.turns.running + starting
+        self.turns.fail(pending, GroupCancelled("the collector stopped"))
         for group in self.groups:
             self._halt(group, "the collector stopped")
         if self.endpoint is not None:
             self.endpoint.close()
 
     # -- the loop ------------------------------------------------------------------------------
-
     def _exhausted(self) -> bool:
         return self.out_of_prompts and not self.groups and not self.retry and not self.fresh
 
@@ -482,10 +478,14 @@ class TrajectoryCollector:
                     self.cond.notify_all()
                 return
             with self.cond:
-                request.stream_id = stream
-                self.turns.running.append(request)
-                self.starting = None
+                request.stream_id, self.starting = stream, None
+                ended = request.reply.done()  # stop() ended it meanwhile: drop its stream
+                if not ended:
+                    self.turns.running.append(request)
                 self.cond.notify_all()
+            if ended:
+                with contextlib.suppress(WorkerGroupError):
+                    self._engine_call(sampler, "cancel", sampler.cancel, stream)
 
     def _poll(self, wait: float) -> bool:
         """Collect finished samples of every running turn (one call per engine; with a single
