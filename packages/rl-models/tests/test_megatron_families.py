@@ -219,6 +219,64 @@ def test_experts_split_over_expert_parallel_ranks(tmp_path, tp, ep):
     assert set(back) == set(full) and all(torch.equal(back[n], x) for n, x in full.items())
 
 
+EP_EXPORTS = [(1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,ep", EP_EXPORTS, ids=[f"tp{t}-pp{p}-ep{e}" for t, p, e in EP_EXPORTS]
+)
+def test_expert_parallel_ranks_export_the_checkpoint_between_them(tmp_path, tp, pp, ep):
+    """Every rank of a simulated tp x pp x ep grid, plus a second expert group (a replica of
+    the first), runs the exporter: the expert-parallel ranks send their own experts under
+    their global numbers, rank 0 of each group the rest; together, each tensor exactly once,
+    the checkpoint's tensors. Nobody holds more than one layer, buckets keep their bound."""
+    layout, hf = saved_moe(tmp_path, vocab_size=127)
+    full = hf_to_megatron(hf, layout)
+    grid = {
+        (p, e, t): shard_megatron(
+            full, layout, tp=tp, tp_rank=t, pp=pp, pp_rank=p, ep=ep, ep_rank=e
+        )
+        for p in range(pp)
+        for e in range(ep)
+        for t in range(tp)
+    }
+
+    def gather_for(p, e, t):
+        def gather(tensor):
+            # By value: the weights are random, so no two tensors of a rank are equal.
+            shard = grid[p, e, t]
+            name = next(n for n, v in shard.items() if v.shape == tensor.shape and v.equal(tensor))
+            return [grid[p, e, r][name] for r in range(tp)] if t == 0 else None
+
+        return gather
+
+    def exporter(p, e, t, dp_rank):
+        return MegatronWeightExporter(
+            _Shard(grid[p, e, t]),
+            layout,
+            **dict(tp=tp, tp_rank=t, pp=pp, pp_rank=p, dp_rank=dp_rank, gather=gather_for(p, e, t)),
+            ep=ep,
+            ep_rank=e,
+        )
+
+    exporters = [exporter(p, e, t, dp_rank=e) for p, e, t in grid]
+    replica = exporter(0, 0, 0, dp_rank=ep)  # expert rank 0 of the second expert group
+    layer_bytes = sum(t.numel() * 8 for n, t in hf.items() if ".layers.0." in n)
+    bucket_bytes = layer_bytes // 4
+    got, sizes = exported([*exporters, replica], bucket_bytes)  # (each name at most once)
+    assert not replica.plan(bucket_bytes).producer
+    assert set(got) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(got[name], tensor), name
+    assert all(nbytes <= bucket_bytes or count == 1 for nbytes, count in sizes)
+    embed = hf["model.embed_tokens.weight"].numel() * 8
+    assert max(e.peak_held_bytes for e in exporters) <= max(layer_bytes, embed)
+    if ep > 1:  # an expert rank's peak: its own experts of one layer
+        expert_bytes = sum(t.numel() * 8 for n, t in hf.items() if ".layers.0.mlp.experts." in n)
+        later = [x for x in exporters if x.ep_rank > 0]
+        assert max(x.peak_held_bytes for x in later) <= expert_bytes // ep
+
+
 def test_expert_parallel_sizes_are_checked(tmp_path):
     layout, _ = saved_moe(tmp_path)
     dense = GPTLayout.from_hf_config(tiny_model(TINY_QWEN3).config)

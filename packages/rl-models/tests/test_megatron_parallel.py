@@ -12,8 +12,11 @@ The unpacked cases also check, on the same workers (a Megatron policy start cost
 here), what a refit and the start-up rely on: each rank read only its slice of the safetensors
 files, and the weight export hands out the HF state dict bit for bit without any rank holding
 more than one decoder layer of full tensors (``test_megatron_sharded_build.py`` covers a fresh
-initialisation).
+initialisation). The expert-parallel case checks the export after its training step, against
+the state dict gathered as checkpoints gather it: each rank sends its own experts.
 """
+
+import re
 
 import pytest
 import torch
@@ -74,7 +77,7 @@ def check_each_rank_read_only_its_slice(policy: Policy, expected: dict[str, torc
 
 
 def check_export_without_a_full_gather(
-    policy: Policy, expected: dict[str, torch.Tensor], tp: int
+    policy: Policy, expected: dict[str, torch.Tensor], tp: int = 1, ep: int = 1
 ) -> None:
     """The refit's export in buckets of a tenth of the model: the HF state dict exactly."""
     model_bytes = sum(t.numel() * 8 for t in expected.values())
@@ -91,6 +94,10 @@ def check_export_without_a_full_gather(
     stats = group.call_all("finish_weight_export")
     if tp == 2:  # tensor-parallel rank 0 produces everything, rank 1 only sends its shards
         assert [p.producer for p in plans] == [True, False] and not got[1]
+    elif ep == 2:  # expert rank 1 sends its experts (2 and 3 of 4), rank 0 all the rest
+        assert all(p.producer for p in plans)
+        assert got[1] and all(re.search(r"\.experts\.[23]\.", n) for n in got[1])
+        assert not any(re.search(r"\.experts\.[23]\.", n) for n in got[0])
     else:  # each pipeline stage exports its own layers
         assert all(p.producer for p in plans)
         assert all(".layers.0." in n or "embed" in n for n in got[0])
@@ -148,6 +155,10 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(
         metrics = policy.train(data, NLLLoss()).metrics
         policy.prepare_for_lp_inference()
         assert metrics["global_valid_toks"] == [float(mask.sum())]
+        if case == "ep2-moe":  # the trained weights, streamed as a refit streams them
+            gathered = policy.worker_group.call_all("hf_state_dict")
+            assert all(set(g) == set(gathered[0]) for g in gathered)
+            check_export_without_a_full_gather(policy, gathered[0], ep=2)
         assert metrics["loss"][0] == pytest.approx(nll)
 
         ckpt = str(tmp_path / "ckpt")

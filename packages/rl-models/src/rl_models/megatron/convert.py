@@ -208,16 +208,22 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: GPTLayout) -> dict[st
 
 
 def megatron_layer_to_hf(
-    take: Callable[[str], torch.Tensor], i: int, layout: GPTLayout
+    take: Callable[[str], torch.Tensor],
+    i: int,
+    layout: GPTLayout,
+    weights: Sequence[Weight] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decoder layer ``i`` under HF names; ``take(name)`` gives its whole Megatron tensors.
 
     One layer at a time, so a weight export can convert layer by layer (``megatron_to_hf``
-    applies it to every layer).
+    applies it to every layer). ``weights``: the rows to convert (default: the whole layer,
+    every expert under its global number); an expert-parallel rank passes those it holds
+    (``ModelFamily.layer_weights``/``expert_weights`` with its ``ep_rank``), whose Megatron
+    names carry its local expert numbers and whose HF names the global ones.
     """
     fam = layout.family
     out: dict[str, torch.Tensor] = {}
-    for w in fam.layer_weights(layout):
+    for w in fam.layer_weights(layout) if weights is None else weights:
         whole = take(f"{MEGATRON_LAYERS}{i}.{w.megatron}")
         out |= _hf_of(w, whole, layout, fam.hf_layer(i))
     return out

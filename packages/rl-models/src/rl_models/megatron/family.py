@@ -252,12 +252,18 @@ class ModelFamily:
         """The decoder layer's weights present under ``layout`` (``only_if`` flags), with the
         experts expert-parallel rank ``ep_rank`` of ``ep`` holds (all of them at ep=1)."""
         dense = [w for w in self.layer if w.only_if is None or getattr(layout, w.only_if)]
-        experts = [
+        return (*dense, *self.expert_weights(layout, ep, ep_rank))
+
+    def expert_weights(
+        self, layout: GPTLayout, ep: int = 1, ep_rank: int = 0
+    ) -> tuple[Weight, ...]:
+        """The rows of the experts expert-parallel rank ``ep_rank`` of ``ep`` holds in a layer:
+        Megatron's local expert numbers, HF's global ones (none for a dense family)."""
+        return tuple(
             w.for_expert(local, global_)
             for local, global_ in enumerate(layout.local_experts(ep, ep_rank))
             for w in self.experts
-        ]
-        return (*dense, *experts)
+        )
 
     def hf_layer(self, i: int) -> str:
         return f"{self.hf_layers}{i}."

@@ -1,4 +1,5 @@
-"""Streaming a Megatron (tensor + pipeline parallel) policy's weights out under HF names.
+"""Streaming a Megatron (tensor, pipeline and expert parallel) policy's weights out under HF
+names.
 
 Pure torch, like ``convert``: the tensor-parallel gather is passed in, so the logic runs (and is
 tested) without megatron-core.
@@ -12,8 +13,18 @@ back together (``convert.tp_whole``) and converted to HF tensors
 tensors are copied into the current bucket and the unit is dropped when the next one is
 gathered. A rank so holds at most one bucket plus one
 layer, never the model. Only tensor-parallel rank 0 of data-parallel replica 0 of each stage
-produces buckets; the other tensor-parallel ranks of replica 0 take part in the gathers; other
-replicas (same weights) do nothing.
+produces buckets (with expert parallelism: of each of the first ``ep`` replicas, see below); the
+other tensor-parallel ranks of those replicas take part in the gathers; other replicas (same
+weights) do nothing.
+
+Expert parallelism (a mixture of experts over ``ep`` ranks): the first ``ep`` data-parallel
+replicas (expert-parallel ranks 0..ep-1 of the first expert group) hold every expert once
+between them, as for ``parallel.gather_hf_state``. Each of them exports the experts it holds,
+under their global HF numbers (the family's ``expert_weights``, the renumbering the loader and
+``convert.experts_to_global`` use); expert-parallel rank 0 also exports everything that is not
+an expert (which every expert-parallel rank holds alike). No tensor crosses the expert group:
+a stage has ``ep`` producers, which the refit already merges like the producers of several
+stages, and each holds at most its own experts of one layer.
 
 Bucket boundaries are planned over HF tensors from shapes alone (meta tensors run through the
 same conversion), so a layer larger than a bucket is spread over several buckets, gathered once.
@@ -34,7 +45,7 @@ from rl_models.megatron.convert import (
     stage_layers,
     tp_whole,
 )
-from rl_models.megatron.family import MEGATRON_LAYERS
+from rl_models.megatron.family import MEGATRON_EXPERTS, MEGATRON_LAYERS
 from rl_models.policy.weight_export import Packer
 from rl_models.weight_transfer.buckets import ExportPlan, TensorSpec, pack_planned, plan_buckets
 
@@ -63,10 +74,19 @@ class MegatronWeightExporter:
         pp_rank: int,
         dp_rank: int,
         gather: TpGather,
+        ep: int = 1,
+        ep_rank: int = 0,
     ) -> None:
+        """``ep``/``ep_rank``: the expert-parallel size and this rank's place in its expert
+        group (Megatron makes expert groups of consecutive data-parallel ranks, so replica
+        ``dp_rank < ep`` is expert-parallel rank ``dp_rank`` of the first group)."""
         self.model, self.layout, self.tp, self.gather = model, layout, tp, gather
-        self.active = dp_rank == 0
+        self.ep, self.ep_rank = ep, ep_rank
+        # The first expert group holds each weight once; later groups are copies of it.
+        self.active = dp_rank < ep
         self.producer = self.active and tp_rank == 0
+        # Every expert-parallel rank holds the weights outside the experts: rank 0 sends them.
+        self.dense = ep_rank == 0
         self.layers = stage_layers(layout.num_layers, pp, pp_rank)
         self.first, self.last = pp_rank == 0, pp_rank == pp - 1
         self._plan: list[list[TensorSpec]] | None = None
@@ -82,15 +102,15 @@ class MegatronWeightExporter:
     def _units(self, local: Mapping[str, torch.Tensor]) -> list[_Unit]:
         fam = self.layout.family
         units = []
-        if self.first:
+        if self.first and self.dense:
             units.append(_Unit((fam.embedding.megatron,), None))
         for j, i in enumerate(self.layers):
             prefix = f"{MEGATRON_LAYERS}{j}."
-            names = tuple(
-                k for k in local if k.startswith(prefix) and not k.endswith("_extra_state")
-            )
-            units.append(_Unit(names, i))
-        if self.last:
+            own = prefix if self.dense else prefix + MEGATRON_EXPERTS
+            names = tuple(k for k in local if k.startswith(own) and not k.endswith("_extra_state"))
+            if names:
+                units.append(_Unit(names, i))
+        if self.last and self.dense:
             units.append(_Unit((fam.final_norm.megatron,), None))
             if not self.layout.tied_embeddings:
                 units.append(_Unit((fam.output_layer.megatron,), None))
@@ -110,7 +130,9 @@ class MegatronWeightExporter:
                 raise KeyError(f"pipeline stage holding layers {self.layers} has no {local!r}")
             return whole[local]
 
-        return megatron_layer_to_hf(take, unit.layer, self.layout)
+        fam, ep, ep_rank = self.layout.family, self.ep, self.ep_rank
+        rows = fam.layer_weights if self.dense else fam.expert_weights
+        return megatron_layer_to_hf(take, unit.layer, self.layout, rows(self.layout, ep, ep_rank))
 
     def plan(
         self, bucket_bytes: int, dtype: str | None = None, lora_export: str = "merged"

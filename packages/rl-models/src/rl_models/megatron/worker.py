@@ -309,15 +309,15 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         return state
 
     def _weight_exporter(self) -> MegatronWeightExporter:
-        """Stage by stage, layer by layer, gathered onto tensor-parallel rank 0 only."""
+        """Stage by stage, layer by layer, gathered onto tensor-parallel rank 0 only; with
+        expert parallelism each expert-parallel rank of the first expert group sends its own
+        experts (see ``weight_export``).
+
+        Experts are gathered over the tensor-parallel group too: Megatron splits them over an
+        expert tensor-parallel group of the same ranks, since ``init_model_parallel`` leaves
+        ``expert_tensor_parallel_size`` at its default (the tensor-parallel size).
+        """
         r = self.ranks
-        if r.ep > 1:
-            # Each expert-parallel rank holds other experts: the exporter's units would have
-            # to be gathered over the expert group as well, which it does not do yet.
-            raise ValueError(
-                "streaming weight export (refit) with megatron.expert_parallel_size > 1 is "
-                "not built (checkpoints are): RL loops refuse it when their config is read"
-            )
         gather = tp_gather_to(
             parallel_state.get_tensor_model_parallel_group(),
             parallel_state.get_tensor_model_parallel_src_rank(),
@@ -332,6 +332,8 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             pp_rank=r.pp_rank,
             dp_rank=r.dp_rank,
             gather=gather,
+            ep=r.ep,
+            ep_rank=r.ep_rank,
         )
 
     def _optimizer_file(self) -> str:
