@@ -132,14 +132,12 @@ def test_a_vllm_generator_is_planned_for_lora_adapters_at_the_policys_rank():
         )
 
 
-def test_rl_loops_refuse_expert_parallel_megatron_which_cannot_refit_yet():
+def test_rl_loops_take_an_expert_parallel_megatron_policy_which_refits():
+    """Each expert-parallel rank streams its own experts (``megatron.weight_export``)."""
     base = ["--config", str(GRPO_RECIPE), "tokenizer.path=/tokenizer", "policy.backend=megatron"]
-    config = cli.build_config(cli.load_algorithm("grpo"), base)
-    assert config.policy.megatron.expert_parallel_size == 1
-    with pytest.raises(ConfigError, match=r"expert_parallel_size > 1: refitting the generator"):
-        cli.build_config(
-            cli.load_algorithm("grpo"), [*base, "policy.megatron.expert_parallel_size=2"]
-        )
+    expert_parallel = [*base, "policy.megatron.expert_parallel_size=2"]
+    config = cli.build_config(cli.load_algorithm("grpo"), expert_parallel)
+    assert config.policy.megatron.expert_parallel_size == 2
 
 
 def test_ppo_takes_the_entropy_bonus_into_its_policy_loss():

@@ -305,14 +305,6 @@ class RLMasterConfig(RunConfig):
                 "do); set loss_fn.entropy_coef: 0 or change the backend"
             )
         self.generation.serving_lora(self.policy.lora)  # refit: adapters the generator can load
-        megatron = getattr(self.policy, "megatron", None)
-        if megatron is not None and megatron.expert_parallel_size > 1:
-            # Its weight export gathers over tensor and pipeline ranks, not over expert ranks.
-            raise ValueError(
-                "policy.megatron.expert_parallel_size > 1: refitting the generator from "
-                "expert-parallel ranks is not built yet (checkpoints are); RL loops need "
-                "expert_parallel_size: 1 (SFT, DPO and RM train with it)"
-            )
         if self.generation.loads_model_from_disk and self.policy.model.path is None:
             raise ValueError(
                 f"generation.backend: {self.generation.backend} loads the model from disk: set "
