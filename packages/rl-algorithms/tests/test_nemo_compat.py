@@ -132,6 +132,7 @@ EXPECTED = {
         "policy.megatron.tensor_parallel_size": 1,
         "policy.megatron.pipeline_parallel_size": 1,
         "policy.megatron.sequence_parallel": False,
+        "policy.megatron.expert_parallel_size": 1,
         "policy.optimizer.name": "AdamW",
         "policy.optimizer.kwargs": {
             "lr": 5.0e-6,
@@ -282,6 +283,27 @@ def test_dtensor_tensor_and_sequence_parallel_sizes_carry_over():
         "tensor_parallel_size": 2,
         "sequence_parallel": True,
     }
+
+
+def test_megatron_expert_parallel_size_carries_over_and_expert_tp_only_when_it_changes_nothing():
+    config = validated(
+        "grpo_math_1B_megatron",
+        "policy.megatron_cfg.expert_model_parallel_size=4",
+        "policy.megatron_cfg.tensor_model_parallel_size=2",
+        "policy.megatron_cfg.expert_tensor_parallel_size=2",
+    )
+    assert select(config, "policy.megatron.expert_parallel_size") == 4
+    assert select(config, "policy.megatron.tensor_parallel_size") == 2
+    tree = yaml.safe_load(Path(recipe("grpo_math_1B_megatron")).read_text())
+    megatron = tree["policy"]["megatron_cfg"]
+    for etp, tp, refused in [(1, 2, False), (None, 4, False), (4, 4, False), (2, 4, True)]:
+        megatron.update(expert_tensor_parallel_size=etp, tensor_model_parallel_size=tp)
+        translation = translate(tree, "grpo")
+        reasons = {e.key: e.reason for e in translation.refused}
+        key = "policy.megatron_cfg.expert_tensor_parallel_size"
+        assert (key in reasons) == refused, (etp, tp)
+        if refused:
+            assert "split MoE experts unlike the dense layers" in reasons[key]
 
 
 def test_a_refused_key_stops_the_run_with_what_it_would_have_done(capsys):

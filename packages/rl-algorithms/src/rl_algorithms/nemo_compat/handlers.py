@@ -384,6 +384,13 @@ def _empty(value: Any, ctx: Context) -> bool:
     return not value or (isinstance(value, dict) and not any(value.values()))
 
 
+def _experts_split_as_dense_layers(value: Any, ctx: Context) -> bool:
+    """NeMo's ``expert_tensor_parallel_size`` changes nothing here: unset, 1 or the
+    tensor-parallel size. Experts are split over the tensor-parallel ranks as the dense layers
+    are (Megatron's default); NeMo's usual 1 keeps them whole, a layout with the same results."""
+    return value in (None, 1) or value == ctx.get("policy.megatron_cfg.tensor_model_parallel_size")
+
+
 def _stop_strings(value: Any, ctx: Context) -> list[str]:
     # null: none, unless the sliding-puzzle games (translated first) stop at their action tag.
     return list(value or ctx.ours("generation.sampling.stop_strings") or [])

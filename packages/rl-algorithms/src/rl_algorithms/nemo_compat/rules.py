@@ -22,6 +22,7 @@ from rl_algorithms.nemo_compat.handlers import (
     _empty,
     _enabled_backend,
     _estimator_setting,
+    _experts_split_as_dense_layers,
     _generation_backend,
     _importance_weight,
     _kl_in_reward,
@@ -438,7 +439,11 @@ RULES: list[tuple[str, Any]] = [
     ("policy.megatron_cfg.sequence_parallel", To("policy.megatron.sequence_parallel")),
     ("policy.megatron_cfg.activation_checkpointing", To("policy.activation_checkpointing")),
     ("policy.megatron_cfg.context_parallel_size", Unless((1,), "split sequences across GPUs")),
-    ("policy.megatron_cfg.expert_*_parallel_size", Unless((1,), "shard MoE experts")),
+    ("policy.megatron_cfg.expert_model_parallel_size", To("policy.megatron.expert_parallel_size")),
+    (
+        "policy.megatron_cfg.expert_tensor_parallel_size",
+        Unless(_experts_split_as_dense_layers, "split MoE experts unlike the dense layers"),
+    ),
     (
         "policy.megatron_cfg.num_layers_in_*_pipeline_stage",
         Unless((None,), "size the first/last pipeline stage"),
