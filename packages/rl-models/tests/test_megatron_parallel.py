@@ -16,6 +16,7 @@ initialisation). The expert-parallel case checks the export after its training s
 the state dict gathered as checkpoints gather it: each rank sends its own experts.
 """
 
+import os
 import re
 
 import pytest
@@ -45,6 +46,7 @@ TINY_QWEN3_MOE = {
     "moe_intermediate_size": 32,
     "norm_topk_prob": True,
 }
+MOMENTUM = {"lr": 1.0, "momentum": 0.9}
 #: The model of each case that is not Llama.
 MODELS = {"tp2-sp-packed": TINY_QWEN3, "ep2-moe": TINY_QWEN3_MOE}
 CASES = {
@@ -58,8 +60,12 @@ CASES = {
     # Packed rows of different lengths; the sequence split over the two ranks.
     "tp2-sp-packed": ({"tensor_parallel_size": 2, "sequence_parallel": True}, PACKED),
     "pp2-packed": ({"pipeline_parallel_size": 2}, PACKED),
-    # Each rank has half of each layer's experts and half of the data.
-    "ep2-moe": ({"expert_parallel_size": 2}, {"logprob_micro_batch_size": 3}),
+    # Each rank has half of each layer's experts and half of the data. Momentum (the first
+    # step is plain SGD's) gives each rank optimiser state of its own experts to checkpoint.
+    "ep2-moe": (
+        {"expert_parallel_size": 2},
+        {"logprob_micro_batch_size": 3, "optimizer": {"name": "SGD", "kwargs": MOMENTUM}},
+    ),
 }
 
 
@@ -180,3 +186,17 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(
     torch.testing.assert_close(after, hf_logprobs(ckpt, data), rtol=0, atol=ATOL)
     assert (after - got).abs().max() > 1e-3
     torch.testing.assert_close(ref_lp, got, rtol=0, atol=1e-12)
+    if case == "ep2-moe":
+        check_each_expert_rank_saved_its_optimiser_state(ckpt)
+
+
+def check_each_expert_rank_saved_its_optimiser_state(ckpt: str) -> None:
+    """Both expert ranks wrote their momenta: equal for the weights they share (gradients
+    summed over the replicas), different for their own experts (2 of 4, 2 weights each)."""
+    files = [os.path.join(ckpt, f"optimizer-pp0-tp0-ep{e}.pt") for e in (0, 1)]
+    ours, theirs = (torch.load(f, weights_only=False)["state"] for f in files)
+    assert set(ours) == set(theirs)
+    differ = [
+        i for i in ours if not torch.equal(ours[i]["momentum_buffer"], theirs[i]["momentum_buffer"])
+    ]
+    assert len(differ) == 2 * 2 * TINY_QWEN3_MOE["num_hidden_layers"]

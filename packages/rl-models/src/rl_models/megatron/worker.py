@@ -337,20 +337,23 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         )
 
     def _optimizer_file(self) -> str:
-        """One file per model-parallel rank (their optimiser states hold different shards)."""
+        """One file per model-parallel rank (their optimiser states hold different shards),
+        and per expert-parallel rank (each holds the state of other experts)."""
         r = self.ranks
-        if r.tp * r.pp == 1:
+        if r.tp * r.pp * r.ep == 1:
             return OPTIMIZER_FILE
         stem, ext = os.path.splitext(OPTIMIZER_FILE)
-        return f"{stem}-pp{r.pp_rank}-tp{r.tp_rank}{ext}"
+        experts = f"-ep{r.ep_rank}" if r.ep > 1 else ""
+        return f"{stem}-pp{r.pp_rank}-tp{r.tp_rank}{experts}{ext}"
 
     def save_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
         """HF safetensors weights (``from_pretrained``-loadable) into ``path``; optimiser and
         scheduler state into ``training_state_dir`` (``path`` when not given).
 
-        Rank 0 writes the gathered weights and the scheduler; each rank of replica 0 writes
-        its own optimiser state. Loading needs the same tensor and pipeline parallel sizes for
-        the optimiser state (the weights load under any layout).
+        Rank 0 writes the gathered weights and the scheduler; each rank of replica 0 (with
+        expert parallelism: of the first ``ep`` replicas) writes its own optimiser state.
+        Loading needs the same tensor, pipeline and expert parallel sizes for the optimiser
+        state (the weights load under any layout).
         """
         state_dir = training_state_dir or path
         weights = gather_hf_state(self.model, self.layout, self.ranks, to_all=False)
@@ -367,7 +370,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             hf.save_pretrained(path, state_dict=weights)
             torch.save(self.scheduler.state_dict(), os.path.join(state_dir, SCHEDULER_FILE))
         dist.barrier()  # the folders exist before the other ranks write into them
-        if self.ranks.dp_rank == 0:
+        if self.ranks.holds_whole_model:
             optimizer_file = os.path.join(state_dir, self._optimizer_file())
             torch.save(self.optimizer.state_dict(), optimizer_file)
         dist.barrier()
