@@ -27,7 +27,6 @@ Prints each figure and the ratios last.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import socket
@@ -35,6 +34,8 @@ import subprocess
 import sys
 
 import torch
+
+from rl_models.resident_memory import peak_since, reset_peak
 
 # ~170M parameters: 680 MB of float32 weights, most in the decoder layers.
 BUILD_MODEL = {
@@ -62,21 +63,6 @@ ROWS, ROW_TOKENS, CHUNK = 4, 1024, 1024
 MB = 2**20
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> int:
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
-
-
 def child_build() -> None:
     from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
@@ -85,9 +71,9 @@ def child_build() -> None:
         "optimizer": {"name": "SGD", "kwargs": {"lr": 1e-3}},
         "train_global_batch_size": 2,
     }
-    before = _reset_peak()
+    before = reset_peak()
     worker = DTensorPolicyWorker(config)
-    peak = _status("VmHWM") - before
+    peak = peak_since(before)
     full = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     print(json.dumps({"rank": worker.rank, "peak": peak, "full": full}), flush=True)
     worker.shutdown()
@@ -113,9 +99,9 @@ def child_logprobs(chunk: int | None) -> None:
         input_lengths=torch.full((ROWS,), ROW_TOKENS),
         loss_mask=torch.ones(ROWS, ROW_TOKENS),
     )
-    before = _reset_peak()
+    before = reset_peak()
     worker.train(data, NLLLoss())
-    print(json.dumps({"peak": _status("VmHWM") - before}), flush=True)
+    print(json.dumps({"peak": peak_since(before)}), flush=True)
 
 
 def _megatron_config(layout: str, source: str | None) -> dict:
@@ -144,9 +130,9 @@ def child_megatron(layout: str, source: str | None, whole: bool) -> None:
 
     config = PolicyConfig.model_validate(_megatron_config(layout, source))
     if not whole:
-        before = _reset_peak()
+        before = reset_peak()
         worker = MegatronPolicyWorker(config)
-        peak = _status("VmHWM") - before
+        peak = peak_since(before)
         piece = sum(p.numel() * p.element_size() for p in worker.model.parameters())
         print(json.dumps({"rank": worker.rank, "peak": peak, "piece": piece}), flush=True)
         worker.shutdown()
@@ -154,7 +140,7 @@ def child_megatron(layout: str, source: str | None, whole: bool) -> None:
     init_distributed(torch.device("cpu"), always=True)
     cpu_shim.apply()
     r = init_model_parallel(config.megatron)
-    before = _reset_peak()
+    before = reset_peak()
     hf = build_model(config.model, config.seed)  # the whole model, on every rank
     layout_ = GPTLayout.from_hf_config(hf.config)
     full = hf_to_megatron(hf.state_dict(), layout_)
@@ -165,7 +151,7 @@ def child_megatron(layout: str, source: str | None, whole: bool) -> None:
     for name, tensor in shard.items():
         fill(name, tensor)
     del shard
-    peak = _status("VmHWM") - before
+    peak = peak_since(before)
     print(json.dumps({"rank": dist.get_rank(), "peak": peak}), flush=True)
     dist.destroy_process_group()
 

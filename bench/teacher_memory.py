@@ -30,9 +30,10 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
-from policy_memory import MB, _reset_peak, _status  # the same peak measurement
+from policy_memory import MB
 
 from rl_models.policy.logprobs import chunked_topk_logprobs
+from rl_models.resident_memory import peak_since, reset_peak
 
 HIDDEN, CHUNK = 576, 1024
 
@@ -48,14 +49,14 @@ def inputs(tokens: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 def child(variant: str, tokens: int, vocab: int, k: int, out: str) -> None:
     torch.set_num_threads(1)
     hidden, weight = inputs(tokens, vocab)
-    before = _reset_peak()
+    before = reset_peak()
     if variant == "full":
         logits = F.linear(hidden, weight)
         top, ids = logits.topk(k, dim=-1)
         values = top - torch.logsumexp(logits, dim=-1, keepdim=True)
     else:
         values, ids = chunked_topk_logprobs(hidden, weight, k, CHUNK)
-    peak = _status("VmHWM") - before
+    peak = peak_since(before)
     torch.save({"values": values, "ids": ids}, out)
     print(json.dumps({"peak": peak}), flush=True)
 

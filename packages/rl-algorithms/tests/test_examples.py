@@ -17,6 +17,14 @@ FILL = {
     "dpo_gpu": ["policy.model.path=/m", "tokenizer.path=/m", f"data.train.path={PREFERENCES}"],
     "rm_gpu": ["policy.model.path=/m", "tokenizer.path=/m", f"data.train.path={PREFERENCES}"],
     "grpo_math": ["policy.model.path=/m", "tokenizer.path=/m"],
+    "grpo_8b_8gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
+    "grpo_32b_8gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
+    "grpo_70b_16gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
+    "sft_30b_a3b_8gpu": [
+        "policy.model.path=/m",
+        "tokenizer.path=/m",
+        f"data.train.path={SFT_DATA}",
+    ],
     "grpo_arithmetic_gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
     "eval_gpu": ["model.path=/m", "tokenizer.path=/m"],
     "ppo_math_gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
@@ -39,6 +47,57 @@ def test_example_recipe_validates(recipe, capsys, tmp_path):
     argv = [algorithm, "--config", str(EXAMPLES / f"{recipe}.yaml"), *fill]
     assert cli.main([*argv, "--print-config"]) == 0, capsys.readouterr().err
     assert "checkpoint" in capsys.readouterr().out
+
+
+# The scale-out recipes and the model in docs/guides/memory.md whose fitting mesh each uses.
+SCALE_OUT = {
+    "grpo_8b_8gpu": "Llama-3.1-8B",
+    "grpo_32b_8gpu": "Qwen2.5-32B",
+    "grpo_70b_16gpu": "Llama-3.1-70B",
+    "sft_30b_a3b_8gpu": "Qwen3-30B-A3B",
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(SCALE_OUT))
+def test_a_scale_out_recipe_has_the_mesh_the_memory_model_fits(recipe, capsys, tmp_path):
+    """``--print-config`` of the recipe shows the mesh, precision and batch of the plan the
+    memory model found fitting for its model (rl_models.memory_model.plans.chosen)."""
+    import yaml
+
+    from rl_models.memory_model.plans import chosen
+
+    _, plan = chosen(SCALE_OUT[recipe])
+    fill = [re.sub(r"=/(m|t|tokenizer)$", f"={tmp_path}", arg) for arg in FILL[recipe]]
+    argv = [recipe.split("_")[0], "--config", str(EXAMPLES / f"{recipe}.yaml"), *fill]
+    assert cli.main([*argv, "--print-config"]) == 0, capsys.readouterr().err
+    config = yaml.safe_load(capsys.readouterr().out)
+    policy, cluster = config["policy"], config["cluster"]
+    assert policy["backend"] == plan.backend
+    assert cluster["num_nodes"] * cluster["gpus_per_node"] == plan.gpus
+    mesh = policy["dtensor"] if plan.backend == "dtensor" else policy["megatron"]
+    assert (mesh["tensor_parallel_size"], mesh["sequence_parallel"]) == (
+        plan.tp,
+        plan.sequence_parallel,
+    )
+    if plan.backend == "megatron":
+        assert mesh["pipeline_parallel_size"] == plan.pp
+        assert mesh["expert_parallel_size"] == plan.ep
+    assert policy["model"]["dtype"] == {4: "float32", 2: "bfloat16"}[plan.param_bytes]
+    assert policy["activation_checkpointing"] == plan.activation_checkpointing
+    batching = policy["dynamic_batching"]
+    tokens = batching["train_mb_tokens"] if batching["enabled"] else None
+    tokens = tokens or policy["train_micro_batch_size"] * config["data"]["max_seq_length"]
+    assert tokens == plan.micro_batch_tokens
+    if plan.generator_tp:
+        vllm = config["generation"]["vllm"]
+        assert vllm["tensor_parallel_size"] == plan.generator_tp
+        assert (vllm["max_num_seqs"], vllm["max_model_len"]) == (
+            plan.sequences,
+            plan.sequence_length,
+        )
+        assert policy["offload"]["optimizer_state"] == plan.offload_optimizer
+    else:
+        assert "generation" not in config
 
 
 def test_every_algorithm_has_a_cpu_and_a_gpu_recipe():

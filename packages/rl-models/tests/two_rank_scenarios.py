@@ -31,6 +31,7 @@ from rl_models.interfaces import Values
 from rl_models.losses import NLLLoss
 from rl_models.policy import segment_attention
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.resident_memory import peak_since, reset_peak
 
 # Big enough that a whole copy (~110 MB in float32) stands far above the noise of a process's
 # resident memory; most of it in the decoder layers, as in real models.
@@ -45,24 +46,12 @@ BIG_LLAMA = {
 }
 
 
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` memory figure, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def build_memory() -> dict[str, int]:
     """Peak resident memory added while this rank builds a model from config."""
     config = tiny_config(model={"hf_config": BIG_LLAMA, "dtype": "float32"})
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak (VmHWM) to the current resident size
-    before = _status("VmRSS")
+    before = reset_peak()
     worker = DTensorPolicyWorker(config)
-    peak = _status("VmHWM") - before
+    peak = peak_since(before)
     full = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     del worker
     gc.collect()

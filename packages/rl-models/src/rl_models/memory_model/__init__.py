@@ -1,0 +1,297 @@
+"""Memory per GPU of a training job, computed from the model's config and the mesh.
+
+What is counted, in bytes per GPU (``P`` parameters, ``L`` layers, ``h`` hidden size, ``I``
+MLP width, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``V`` vocabulary):
+
+- **weights, gradients, optimizer**: ``P`` per GPU times the parameter dtype's bytes, once
+  for weights and gradients, ``optimizer_states`` times for the optimizer (AdamW keeps
+  ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype: 2). DTensor backend: FSDP2 shards all
+  three over every rank (full shard) after tensor parallelism split the layers, so ``P / (tp
+  * dp)``. Megatron backend: nothing is sharded over data parallelism (a plain optimizer per
+  rank, gradients all-reduced); tensor parallelism splits the layers and vocabulary,
+  pipeline parallelism the layers (the heaviest stage counts: its layers, plus embedding and
+  output layer when ``pp = 1``, the larger of the two otherwise), expert parallelism the experts.
+- **gathered**: FSDP2 all-gathers one unit at a time (a decoder layer, or the root with the
+  embedding and output layer) in the compute dtype, and prefetches the next: two units, plus
+  one unit's unsharded gradient in the parameter dtype before its reduce-scatter.
+- **activations**: what autograd keeps per token and layer, in the compute dtype, assuming a
+  flash/memory-efficient attention kernel (no ``[T, T]`` scores): the layer input, attention
+  norm output, MLP norm input and output (``4h``); q, k, v after RoPE and the attention output
+  (``2 nq d + 2 nkv d``), plus q and k before their norms where the family has them (Qwen3);
+  the SwiGLU gate, up, ``silu(gate)`` and their product (``4I``) - for a mixture of experts
+  ``k (4 I_e + h)`` for the ``k`` experts a token visits and its router logits (``E`` float32).
+  Tensor parallelism divides the head and MLP terms; sequence parallelism the ``4h`` too.
+  Beside the layers: the embedding's output and the final norm's input and output (``3h``),
+  and one more layer's worth for the gradients of the layer backward is in. With activation
+  checkpointing only each layer's input (``h``) is kept, plus the layer being recomputed and
+  its gradients (two layers). A Megatron pipeline's first stage keeps ``pp`` micro-batches of
+  its ``L / pp`` layers in flight (1F1B): ``L`` layers' worth.
+- **logits**: two float32 ``[tokens, V / tp]`` buffers (logits and their softmax/gradient),
+  over ``logprob_chunk`` tokens when log-probs are chunked, over the micro-batch otherwise.
+- **generator**: vLLM's weights (``P`` in its dtype, over its ``tp``) and KV cache:
+  ``2 L nkv d`` bytes-per-element per token (the key/value heads over ``tp``, at least one
+  each) for ``sequences x sequence_length`` tokens. In a colocated run vLLM sleeps while the
+  policy trains (level 1: weights to host, cache dropped), so the two peaks are apart:
+  *training* (the policy's parts) and *generation* (the policy's weights, and its optimizer
+  unless offloaded, beside the generator's).
+
+Ignored: allocator fragmentation, NCCL buffers, the CUDA context, cuBLAS workspaces and
+vLLM's own activations: ``OVERHEAD`` per process covers them, and a plan fits when its peak
+stays under ``1 - HEADROOM`` of the GPU. Also ignored: norm weights split by tensor
+parallelism (they are replicated; a few MB), float32 upcasts inside norms and softmax, a
+reference policy's copy (offloaded to host between uses), and the forward-only log-prob pass
+(smaller than a training step). ``python -m rl_models.memory_model NAME`` prints a table (``__main__.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+GIB = 2**30
+OVERHEAD = 2 * GIB  # per process: CUDA context, NCCL buffers, cuBLAS workspace, fragmentation
+HEADROOM = 0.10  # share of the GPU a plan leaves unused: the allocator never packs perfectly
+GPU_BYTES = 80 * 10**9  # an "80 GB" GPU (H100/A100 80GB)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a Llama/Qwen2/Qwen3/Qwen3-MoE decoder that memory depends on."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+    attention_bias: bool  # q/k/v biases (Qwen2 always; Llama/Qwen3 with attention_bias)
+    output_bias: bool  # an o_proj bias (Llama/Qwen3 with attention_bias)
+    qk_norm: bool  # Qwen3 families: RMSNorm on each head's q and k
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    moe_layers: int = 0
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | Any) -> Shape:
+        """From a transformers config (a ``PretrainedConfig`` or its ``config.json`` dict)."""
+        c = dict(config) if isinstance(config, Mapping) else config.to_dict()
+        kind = c.get("model_type")
+        if kind not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+            raise ValueError(f"model_type {kind!r}: expected llama, qwen2, qwen3 or qwen3_moe")
+        if c.get("mlp_bias"):
+            raise ValueError("mlp_bias: true is not modelled (no such public model)")
+        layers, experts = (
+            c["num_hidden_layers"],
+            c.get("num_experts", 0) if kind == "qwen3_moe" else 0,
+        )
+        step, dense_only = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers", []))
+        moe_layers = sum(
+            1 for i in range(layers) if experts and i not in dense_only and (i + 1) % step == 0
+        )
+        heads = c["num_attention_heads"]
+        bias = bool(c.get("attention_bias", False))
+        return cls(
+            vocab=c["vocab_size"], hidden=c["hidden_size"], layers=layers, heads=heads,
+            kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            intermediate=c["intermediate_size"], tied=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=bias or kind == "qwen2", output_bias=bias and kind != "qwen2",
+            qk_norm=kind.startswith("qwen3"), experts=experts,
+            experts_per_token=c.get("num_experts_per_tok", 0) if experts else 0,
+            expert_intermediate=c.get("moe_intermediate_size", 0) if experts else 0,
+            moe_layers=moe_layers,
+        )  # fmt: skip
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's attention, with its input norm (and q/k norms)."""
+        q, kv, h = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden
+        biases = (q + 2 * kv) * self.attention_bias + h * self.output_bias
+        return 2 * h * q + 2 * h * kv + biases + h + 2 * self.head_dim * self.qk_norm
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """One dense layer's SwiGLU MLP (gate, up, down) with its input norm."""
+        return 3 * self.hidden * self.intermediate + self.hidden
+
+    @property
+    def expert_params(self) -> int:
+        """All experts of one MoE layer."""
+        return self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def moe_mlp_params(self) -> int:
+        """One MoE layer's parameters other than its experts: router and norm."""
+        return self.experts * self.hidden + self.hidden
+
+    @property
+    def vocab_params(self) -> tuple[int, int]:
+        """``(embedding, output layer with the final norm)``; a tied output layer adds none."""
+        return self.vocab * self.hidden, self.vocab * self.hidden * (not self.tied) + self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        """Every decoder layer's parameters but the experts."""
+        dense = self.layers - self.moe_layers
+        mlps = dense * self.dense_mlp_params + self.moe_layers * self.moe_mlp_params
+        return self.layers * self.attention_params + mlps
+
+    @property
+    def total_params(self) -> int:
+        return self.layer_params + self.moe_layers * self.expert_params + sum(self.vocab_params)
+
+    def activation_elements(self, tp: int = 1, sequence_parallel: bool = False) -> float:
+        """Elements autograd keeps per token for one whole layer (the module docstring's
+        formula), averaged over the layers of a partly dense MoE model."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        inner = 2 * q + 2 * kv + (q + kv) * self.qk_norm
+        dense = 4 * self.intermediate
+        moe = self.experts_per_token * (4 * self.expert_intermediate + self.hidden)
+        router = self.experts * 2  # the router's logits and probabilities
+        mlp = (
+            self.moe_layers * (moe + router) + (self.layers - self.moe_layers) * dense
+        ) / self.layers
+        return 4 * self.hidden / (tp if sequence_parallel else 1) + (inner + mlp) / tp
+
+    def kv_bytes_per_token(self, tp: int = 1, kv_bytes: int = 2) -> int:
+        """A generator's KV cache per token on one GPU: ``2 L nkv d`` elements, the key/value
+        heads split over ``tp`` (each GPU keeping at least one)."""
+        return 2 * self.layers * math.ceil(self.kv_heads / tp) * self.head_dim * kv_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the job runs: the mesh, precision, batch and generator of one training job."""
+
+    backend: Literal["dtensor", "megatron"] = "dtensor"
+    gpus: int = 8
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    param_bytes: int = 4  # policy.model.dtype: float32 master weights (bfloat16: 2)
+    compute_bytes: int = 2  # policy.mixed_precision: bfloat16 (none: the param bytes)
+    optimizer_states: int = 2  # AdamW's two moments, in the parameter dtype
+    micro_batch_tokens: int = 16384  # tokens per micro-batch on one GPU
+    activation_checkpointing: bool = True
+    logprob_chunk: int | None = 1024
+    offload_optimizer: bool = True  # policy.offload.optimizer_state (while generating)
+    generator_tp: int = 1  # 0: no generator (SFT)
+    generator_bytes: int = 2
+    sequences: int = 64  # generation.vllm.max_num_seqs per engine
+    sequence_length: int = 4096  # generation.vllm.max_model_len
+    kv_bytes: int = 2
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    def check(self, shape: Shape) -> None:
+        """Refuse a mesh the backends refuse, naming the field."""
+        if self.gpus % (self.tp * self.pp):
+            raise ValueError(f"gpus={self.gpus} is not a multiple of tp*pp={self.tp * self.pp}")
+        if self.backend == "dtensor" and (self.pp > 1 or self.ep > 1):
+            raise ValueError("the dtensor backend has no pipeline or expert parallelism (pp, ep)")
+        if self.backend == "megatron" and self.activation_checkpointing:
+            raise ValueError("the megatron backend has no activation_checkpointing")
+        if shape.heads % self.tp or shape.kv_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide {shape.heads}/{shape.kv_heads} heads")
+        if self.ep > 1 and (self.dp % self.ep or shape.experts % self.ep):
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} and the experts")
+        if self.generator_tp and self.gpus % self.generator_tp:
+            raise ValueError(f"generator_tp={self.generator_tp} does not divide gpus={self.gpus}")
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per GPU of each part (the module docstring says how each is computed)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    gathered: float
+    activations: float
+    logits: float
+    generator_weights: float
+    kv_cache: float
+    offload_optimizer: bool
+
+    @property
+    def training(self) -> float:
+        parts = self.weights + self.gradients + self.optimizer + self.gathered
+        return (
+            parts + self.activations + self.logits + OVERHEAD * (1 + bool(self.generator_weights))
+        )
+
+    @property
+    def generation(self) -> float:
+        if not self.generator_weights:
+            return 0.0
+        policy = self.weights + self.optimizer * (not self.offload_optimizer) + OVERHEAD
+        return policy + self.generator_weights + self.kv_cache + OVERHEAD
+
+    @property
+    def peak(self) -> float:
+        return max(self.training, self.generation)
+
+    def fits(self, gpu_bytes: float = GPU_BYTES) -> bool:
+        return self.peak <= (1 - HEADROOM) * gpu_bytes
+
+    def vllm_memory_utilization(self, gpu_bytes: float = GPU_BYTES) -> tuple[float, float]:
+        """``(least, most)`` for ``generation.vllm.gpu_memory_utilization``: enough for the
+        generator's weights and cache, no more than the policy leaves free while generating."""
+        need = self.generator_weights + self.kv_cache + OVERHEAD
+        left = (1 - HEADROOM) * gpu_bytes - (self.generation - need)
+        return need / gpu_bytes, left / gpu_bytes
+
+
+def breakdown(shape: Shape, plan: Plan) -> Breakdown:
+    """The bytes per GPU of ``shape`` trained as ``plan`` says."""
+    plan.check(shape)
+    embedding, head = shape.vocab_params
+    experts = shape.moe_layers * shape.expert_params
+    if plan.backend == "dtensor":
+        params = shape.total_params / (plan.tp * plan.dp)
+        unit = max(shape.layer_params / shape.layers + experts / shape.layers, embedding + head)
+        gathered = unit / plan.tp * (2 * plan.compute_bytes + plan.param_bytes)
+    else:
+        stage = math.ceil(shape.layers / plan.pp) / shape.layers
+        vocab = embedding + head if plan.pp == 1 else max(embedding, head)
+        params = (stage * (shape.layer_params + experts / plan.ep) + vocab) / plan.tp
+        gathered = 0.0
+    layer = shape.activation_elements(plan.tp, plan.sequence_parallel)
+    residual = shape.hidden / (plan.tp if plan.sequence_parallel else 1)
+    if plan.activation_checkpointing:
+        elements = shape.layers * residual + 2 * layer
+    else:  # also a pipeline's first stage: pp micro-batches x L/pp layers
+        elements = (shape.layers + 1) * layer
+    elements += 3 * residual
+    activations = elements * plan.micro_batch_tokens * plan.compute_bytes
+    chunk = min(plan.logprob_chunk or plan.micro_batch_tokens, plan.micro_batch_tokens)
+    logits = 2 * chunk * shape.vocab / plan.tp * 4
+    gen_weights, kv = 0.0, 0.0
+    if plan.generator_tp:
+        gen_weights = shape.total_params * plan.generator_bytes / plan.generator_tp
+        tokens = plan.sequences * plan.sequence_length
+        kv = tokens * shape.kv_bytes_per_token(plan.generator_tp, plan.kv_bytes)
+    return Breakdown(
+        weights=params * plan.param_bytes,
+        gradients=params * plan.param_bytes,
+        optimizer=params * plan.param_bytes * plan.optimizer_states,
+        gathered=gathered,
+        activations=activations,
+        logits=logits,
+        generator_weights=gen_weights,
+        kv_cache=kv,
+        offload_optimizer=plan.offload_optimizer,
+    )
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB, one decimal (the tables' unit)."""
+    return f"{n / GIB:.1f}"

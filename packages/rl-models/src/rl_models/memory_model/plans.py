@@ -1,0 +1,112 @@
+"""Four public models' shapes, the meshes docs/guides/memory.md weighs for them on one node
+of 8 x 80 GB GPUs, and the tables it shows, all computed by :mod:`rl_models.memory_model` (``python -m
+rl_models.memory_model - --doc`` prints them; a test checks the page shows exactly these)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_models.memory_model import OVERHEAD, Plan, Shape, breakdown, gib
+
+# Public config.json values of a few models (the keys this module reads), by model name.
+SHAPES: dict[str, dict[str, Any]] = {
+    "Llama-3.1-8B": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "tie_word_embeddings": False,
+    },
+    "Qwen2.5-32B": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120,
+        "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 40,
+        "num_key_value_heads": 8, "tie_word_embeddings": False,
+    },
+    "Llama-3.1-70B": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "tie_word_embeddings": False,
+    },
+    "Qwen3-30B-A3B": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+
+
+# the meshes docs/guides/memory.md weighs for each model on 8 x 80 GB GPUs (the 70B also on
+# two nodes), GRPO with a colocated vLLM unless the generator is off (``generator_tp=0``: SFT).
+# The first plan of each model that fits is its recipe's in examples/configs/.
+HALF = {"param_bytes": 2, "compute_bytes": 2}
+MEGATRON = {"backend": "megatron", "activation_checkpointing": False, **HALF}
+DOC_PLANS: dict[str, list[tuple[str, Plan]]] = {
+    "Llama-3.1-8B": [
+        ("dtensor dp4 x tp2 (SP)", Plan(tp=2, sequence_parallel=True)),
+        ("dtensor dp8", Plan()),
+    ],
+    "Qwen2.5-32B": [
+        ("dtensor dp8, fp32 master", Plan(generator_tp=4)),
+        ("dtensor dp2 x tp4 (SP), bf16", Plan(tp=4, sequence_parallel=True, generator_tp=4, **HALF)),
+    ],
+    "Llama-3.1-70B": [
+        ("megatron tp8", Plan(tp=8, sequence_parallel=True, micro_batch_tokens=8192, generator_tp=8, **MEGATRON)),
+        ("megatron tp4 x pp2", Plan(tp=4, pp=2, sequence_parallel=True, micro_batch_tokens=8192, generator_tp=8, **MEGATRON)),
+        ("megatron tp8 x pp2, 16 GPUs", Plan(gpus=16, tp=8, pp=2, sequence_parallel=True, micro_batch_tokens=8192, generator_tp=8, **MEGATRON)),
+    ],
+    "Qwen3-30B-A3B": [
+        ("megatron dp8 (SFT)", Plan(micro_batch_tokens=4096, generator_tp=0, **MEGATRON)),
+        ("megatron ep8 (SFT)", Plan(ep=8, micro_batch_tokens=4096, generator_tp=0, **MEGATRON)),
+    ],
+}  # fmt: skip
+PARTS = ("weights", "gradients", "optimizer", "gathered", "activations", "logits")
+GEN_PARTS = ("generator_weights", "kv_cache")
+
+
+def fit_table() -> str:
+    """Markdown: each model's meshes, their two peaks per GPU and whether they fit."""
+    rows = [
+        "| model | mesh | training GiB | generation GiB | fits 8 x 80 GB |",
+        "|---|---|---|---|---|",
+    ]
+    for name, plans in DOC_PLANS.items():
+        shape = Shape.from_config(SHAPES[name])
+        for label, plan in plans:
+            b = breakdown(shape, plan)
+            gen = gib(b.generation) if plan.generator_tp else "—"
+            fits = "yes" if b.fits() else "no"
+            rows.append(f"| {name} | {label} | {gib(b.training)} | {gen} | {fits} |")
+    return "\n".join(rows)
+
+
+def breakdown_table(name: str, plan: Plan) -> str:
+    """Markdown: one model's parts per GPU under ``plan`` (GiB)."""
+    b = breakdown(Shape.from_config(SHAPES[name]), plan)
+    parts = PARTS + (GEN_PARTS if plan.generator_tp else ())
+    rows = ["| part | GiB per GPU |", "|---|---|"]
+    rows += [f"| {p.replace('_', ' ')} | {gib(getattr(b, p))} |" for p in parts]
+    rows.append(f"| overhead (each process) | {gib(OVERHEAD)} |")
+    rows.append(f"| **training peak** | **{gib(b.training)}** |")
+    if plan.generator_tp:
+        low, high = b.vllm_memory_utilization()
+        rows.append(f"| **generation peak** | **{gib(b.generation)}** |")
+        rows.append(f"| vLLM gpu_memory_utilization | {low:.2f} to {high:.2f} |")
+    return "\n".join(rows)
+
+
+def chosen(name: str) -> tuple[str, Plan]:
+    """The first of ``name``'s plans that fits: its recipe's mesh."""
+    shape = Shape.from_config(SHAPES[name])
+    for label, plan in DOC_PLANS[name]:
+        if breakdown(shape, plan).fits():
+            return label, plan
+    raise ValueError(f"no plan of {name} fits")
+
+
+def doc_tables() -> str:
+    """What docs/guides/memory.md shows between its markers (a test compares the two)."""
+    out = [fit_table()]
+    for name in DOC_PLANS:
+        label, plan = chosen(name)
+        out += [f"**{name}, {label}**", breakdown_table(name, plan)]
+    return "\n\n".join(out)
