@@ -61,10 +61,12 @@ SCALE_OUT = {
 @pytest.mark.parametrize("recipe", sorted(SCALE_OUT))
 def test_a_scale_out_recipe_has_the_mesh_the_memory_model_fits(recipe, capsys, tmp_path):
     """``--print-config`` of the recipe shows the mesh, precision and batch of the plan the
-    memory model found fitting for its model (rl_models.memory_model.plans.chosen)."""
+    memory model found fitting for its model (rl_models.memory_model.plans.chosen), and a vLLM
+    gpu_memory_utilization inside the range that plan computes."""
     import yaml
 
-    from rl_models.memory_model.plans import chosen
+    from rl_models.memory_model import Shape, breakdown
+    from rl_models.memory_model.plans import SHAPES, chosen
 
     _, plan = chosen(SCALE_OUT[recipe])
     fill = [re.sub(r"=/(m|t|tokenizer)$", f"={tmp_path}", arg) for arg in FILL[recipe]]
@@ -83,6 +85,9 @@ def test_a_scale_out_recipe_has_the_mesh_the_memory_model_fits(recipe, capsys, t
         assert mesh["pipeline_parallel_size"] == plan.pp
         assert mesh["expert_parallel_size"] == plan.ep
     assert policy["model"]["dtype"] == {4: "float32", 2: "bfloat16"}[plan.param_bytes]
+    # Compute runs in mixed_precision's dtype, or in the weights' own without it.
+    compute = {"bfloat16": 2, "float16": 2, None: plan.param_bytes}[policy["mixed_precision"]]
+    assert compute == plan.compute_bytes
     assert policy["activation_checkpointing"] == plan.activation_checkpointing
     batching = policy["dynamic_batching"]
     tokens = batching["train_mb_tokens"] if batching["enabled"] else None
@@ -95,7 +100,11 @@ def test_a_scale_out_recipe_has_the_mesh_the_memory_model_fits(recipe, capsys, t
             plan.sequences,
             plan.sequence_length,
         )
-        assert policy["offload"]["optimizer_state"] == plan.offload_optimizer
+        assert config["generation"]["refit_bucket_bytes"] == plan.refit_bucket_bytes
+        low, high = breakdown(
+            Shape.from_config(SHAPES[SCALE_OUT[recipe]]), plan
+        ).vllm_memory_utilization()
+        assert low <= vllm["gpu_memory_utilization"] <= high
     else:
         assert "generation" not in config
 

@@ -1,12 +1,15 @@
 """The memory model (rl_models.memory_model) against real modules and a measured train step.
 
 Parameter counts and the bytes of weights, gradients and optimizer state are exact: they are
-asserted to the byte against the modules transformers builds and the optimizer a worker
-steps. Activations are an estimate: the measured peak of a train step must fall within a band
-of the prediction (the test says why that band)."""
+asserted to the byte against the modules transformers builds, the optimizer a worker steps and
+what the Megatron loader hands each rank of a mesh. Activations are an estimate: the measured
+peak of a train step must fall within a band of the prediction (the test says why that
+band)."""
 
 from __future__ import annotations
 
+import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -16,12 +19,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.losses import NLLLoss
+from rl_models.megatron.convert import GPTLayout
+from rl_models.megatron.loading import load_from_safetensors, shard_plan
 from rl_models.memory_model import Plan, Shape, breakdown
+from rl_models.memory_model.__main__ import main as memory_model_cli
 from rl_models.memory_model.plans import SHAPES, doc_tables
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.resident_memory import peak_since, reset_peak
 
-from .conftest import TINY_LLAMA
+from .conftest import TINY_LLAMA, save_tiny
 from .test_router_replay import TINY_QWEN3_MOE
 
 DOC = Path(__file__).parents[3] / "docs" / "guides" / "memory.md"
@@ -43,10 +49,14 @@ def meta_model(spec: dict) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("name", [*TINY_SHAPES, *SHAPES])
-def test_parameter_count_is_the_real_modules(name):
+def test_parameter_counts_are_the_real_modules(name):
     spec = TINY_SHAPES.get(name) or SHAPES[name]
-    real = sum(p.numel() for p in meta_model(spec).parameters())
-    assert Shape.from_config(spec).total_params == real
+    model, shape = meta_model(spec), Shape.from_config(spec)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    # What a refit gathers whole (DTensor: one parameter) and FSDP gathers (one layer).
+    assert shape.largest_param == max(p.numel() for p in model.parameters())
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert shape.heaviest_layer() == max(layers)
 
 
 def test_public_sizes_are_the_published_ones():
@@ -60,17 +70,62 @@ def test_public_sizes_are_the_published_ones():
     assert Shape.from_config(SHAPES["Llama-3.1-8B"]).kv_bytes_per_token() == 128 * 1024
 
 
-def test_meshes_divide_what_they_split():
-    shape = Shape.from_config(SHAPES["Qwen3-30B-A3B"])
-    fsdp = breakdown(shape, Plan())
-    assert fsdp.weights * 8 == shape.total_params * 4  # full shard over 8 ranks, float32
+# Megatron meshes of the tiny models: (tp, pp, ep); pp > 1 with tp = 1 (the replicated norms
+# below are counted over the whole model). What each rank holds is what the Megatron worker's
+# loader (shard_plan, the family's table of split dimensions) reads for it from a real
+# checkpoint; the model's figure is for the heaviest rank.
+MEGATRON_TINY = {
+    "llama": TINY_LLAMA,
+    # Megatron's Qwen3-MoE family has experts in every layer.
+    "qwen3-moe": {**TINY_QWEN3_MOE, "mlp_only_layers": [], "num_hidden_layers": 2},
+}
+MEGATRON_MESHES = {
+    "llama": [(1, 2, 1), (2, 1, 1)],
+    "qwen3-moe": [(1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 1, 2)],
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh"), [(n, m) for n, meshes in MEGATRON_MESHES.items() for m in meshes]
+)
+def test_megatron_weights_per_rank_are_what_its_loader_gives_a_rank(name, mesh, tmp_path_factory):
+    tp, pp, ep = mesh
+    spec = MEGATRON_TINY[name]
+    path = save_tiny(tmp_path_factory, spec)
+    hf = dict(spec)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    layout = GPTLayout.from_hf_config(config)
+    held = []
+    for tp_rank, pp_rank, ep_rank in itertools.product(range(tp), range(pp), range(ep)):
+        plan = shard_plan(
+            layout, vocab_size=config.vocab_size, tp=tp, tp_rank=tp_rank, pp=pp,
+            pp_rank=pp_rank, ep=ep, ep_rank=ep_rank,
+        )  # fmt: skip
+        stats = load_from_safetensors(path, plan, layout, tp, torch.float32, lambda *_: None)
+        held.append(stats.bytes_emitted)
     megatron = {"backend": "megatron", "activation_checkpointing": False, "generator_tp": 0}
-    ep8 = breakdown(shape, Plan(ep=8, param_bytes=2, **megatron))
-    experts = shape.moe_layers * shape.expert_params
-    assert ep8.weights == (shape.total_params - experts * 7 / 8) * 2  # replicated but experts
-    pp2 = breakdown(shape, Plan(pp=2, param_bytes=2, **megatron))
-    embedding, head = shape.vocab_params
-    assert pp2.weights == ((shape.total_params - embedding - head) / 2 + head) * 2
+    plan = Plan(gpus=tp * pp * ep, tp=tp, pp=pp, ep=ep, param_bytes=4, **megatron)
+    predicted = breakdown(Shape.from_config(spec), plan).weights
+    # To the byte but for what the model knowingly splits over tp though Megatron replicates
+    # it (its docstring): the norms and the MoE routers, named so in the module.
+    replicated = sum(
+        p.numel()
+        for n, p in meta_model(spec).named_parameters()
+        if "norm" in n or ".mlp.gate." in n
+    )
+    assert max(held) - predicted == replicated * (1 - 1 / tp) * 4
+
+
+def test_only_training_and_start_hold_the_optimizer():
+    # The refit moves the optimizer state to host memory before vLLM wakes (refit.py), and
+    # it stays there through generation: those peaks must not move with its size.
+    shape = Shape.from_config(SHAPES["Llama-3.1-8B"])
+    adam, sgd = breakdown(shape, Plan()), breakdown(shape, Plan(optimizer_states=0))
+    assert adam.refit == sgd.refit and adam.generation == sgd.generation
+    assert adam.training > sgd.training and adam.start > sgd.start
+    # ... nor does the generation peak hold the policy's weights (offloaded after the refit).
+    half = breakdown(shape, Plan(param_bytes=2))
+    assert half.generation == adam.generation and half.refit < adam.refit
 
 
 @pytest.mark.parametrize(
@@ -148,11 +203,24 @@ def test_a_measured_train_step_matches_the_prediction(checkpointing):
     assert 0.75 < peak / step < 1.6, (peak / 2**20, step / 2**20)
 
 
-def test_the_tables_in_the_docs_are_the_module_s():
+def test_the_tables_in_the_docs_are_the_module_s(capsys):
     doc = DOC.read_text()
-    start = doc.index(
-        "<!-- memory tables: generated by python -m rl_models.memory_model - --doc -->"
-    )
+    start = doc.index("<!-- memory tables: generated by python -m rl_models.memory_model --doc -->")
     end = doc.index("<!-- end of memory tables -->")
     shown = doc[start:end].split("\n", 1)[1].strip()
-    assert shown == doc_tables(), "regenerate: python -m rl_models.memory_model - --doc"
+    assert shown == doc_tables(), "regenerate: python -m rl_models.memory_model --doc"
+    memory_model_cli(["--doc"])  # no model argument needed
+    assert capsys.readouterr().out.strip() == shown
+
+
+def test_the_cli_reads_flags_strictly(capsys):
+    with pytest.raises(SystemExit):
+        memory_model_cli(["Llama-3.1-8B", "--sequence-parallel", "ture"])
+    assert "expected true or false, got 'ture'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        memory_model_cli([])
+    assert "a model is needed" in capsys.readouterr().err
+    # Log-probs over the whole micro-batch: 16384 tokens x V float32, twice.
+    memory_model_cli(["Llama-3.1-8B", "--logprob-chunk", "none", "--tp", "2"])
+    # 2 x 16384 tokens x 128256 / 2 vocabulary rows x 4 bytes = 7.8 GiB
+    assert re.search(r"logits\s*│\s*7\.8 ", capsys.readouterr().out)

@@ -19,28 +19,61 @@ MLP width, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``V`` vocabulary)
   norm output, MLP norm input and output (``4h``); q, k, v after RoPE and the attention output
   (``2 nq d + 2 nkv d``), plus q and k before their norms where the family has them (Qwen3);
   the SwiGLU gate, up, ``silu(gate)`` and their product (``4I``) - for a mixture of experts
-  ``k (4 I_e + h)`` for the ``k`` experts a token visits and its router logits (``E`` float32).
-  Tensor parallelism divides the head and MLP terms; sequence parallelism the ``4h`` too.
-  Beside the layers: the embedding's output and the final norm's input and output (``3h``),
-  and one more layer's worth for the gradients of the layer backward is in. With activation
-  checkpointing only each layer's input (``h``) is kept, plus the layer being recomputed and
-  its gradients (two layers). A Megatron pipeline's first stage keeps ``pp`` micro-batches of
-  its ``L / pp`` layers in flight (1F1B): ``L`` layers' worth.
+  ``k (4 I_e + h)`` for the ``k`` experts a token visits, and the router's softmax output,
+  which is float32 (``E`` float32 values, counted as ``2E`` elements of the bfloat16 compute
+  dtype). Tensor parallelism divides the head and MLP terms; sequence parallelism the ``4h``
+  too. Beside the layers: the embedding's output and the final norm's input and output
+  (``3h``), and one more layer's worth for the gradients of the layer backward is in. With
+  activation checkpointing only each layer's input (``h``) is kept, plus the layer being
+  recomputed and its gradients (two layers). A Megatron pipeline's first stage keeps ``pp``
+  micro-batches of its ``L / pp`` layers in flight (1F1B): ``L`` layers' worth.
 - **logits**: two float32 ``[tokens, V / tp]`` buffers (logits and their softmax/gradient),
   over ``logprob_chunk`` tokens when log-probs are chunked, over the micro-batch otherwise.
 - **generator**: vLLM's weights (``P`` in its dtype, over its ``tp``) and KV cache:
   ``2 L nkv d`` bytes-per-element per token (the key/value heads over ``tp``, at least one
-  each) for ``sequences x sequence_length`` tokens. In a colocated run vLLM sleeps while the
-  policy trains (level 1: weights to host, cache dropped), so the two peaks are apart:
-  *training* (the policy's parts) and *generation* (the policy's weights, and its optimizer
-  unless offloaded, beside the generator's).
+  each) for ``sequences x sequence_length`` tokens.
+- **refit buffers**: a refit streams the weights in buckets of ``refit_bucket_bytes``; the
+  CUDA IPC channel keeps a producer's last two buckets alive (the refit's pipeline depth), and
+  the rank packing them holds one whole unit beside them (``policy/weight_export.py``: one
+  gathered parameter; ``megatron/weight_export.py``: one layer, embedding or output layer
+  gathered from the tensor-parallel ranks), in the parameter dtype.
+
+Phases of a colocated GRPO run (policy and vLLM in two processes on each GPU, taking turns;
+the code paths are ``generation/refit.py``, ``generation/vllm/worker.py`` and
+``policy/base_worker.py``), each of which must fit:
+
+- *training*: the policy's weights, gradients, optimizer, gathered units, activations and
+  logits. vLLM sleeps (level 1: weights in host memory, KV cache released).
+- *refit*: the refit moves the optimizer state off the GPU whatever
+  ``policy.offload.optimizer_state`` says (the gradients were freed after the optimizer
+  step), vLLM wakes its weights only (the KV cache stays released), the buckets flow, then
+  the policy's weights go to host memory: the policy's weights, the generator's weights and
+  the refit buffers.
+- *generation*: the generator's weights and KV cache (vLLM's own activations are in its
+  ``OVERHEAD``); of the policy only its process.
+- *start*: vLLM starts awake beside a policy that holds its weights, and its startup refuses
+  to run unless ``gpu_memory_utilization`` of the GPU is free. The first generation comes
+  before any refit (both hold the weights on disk), so nothing has moved the policy; a run
+  resumed from a checkpoint also loads its optimizer state onto the GPU now, beside vLLM's
+  whole memory. Counted with that state, since any long run may resume: the policy's weights
+  and optimizer beside the generator's weights and KV cache. It bounds the usable
+  ``gpu_memory_utilization`` from above.
+
+``policy.offload.optimizer_state`` acts only in ``prepare_for_lp_inference`` (the log-prob
+pass, vLLM asleep), a phase under the training peak (no gradients); colocated on GPUs the
+refit has moved the state already, so no peak here depends on the flag.
 
 Ignored: allocator fragmentation, NCCL buffers, the CUDA context, cuBLAS workspaces and
 vLLM's own activations: ``OVERHEAD`` per process covers them, and a plan fits when its peak
-stays under ``1 - HEADROOM`` of the GPU. Also ignored: norm weights split by tensor
-parallelism (they are replicated; a few MB), float32 upcasts inside norms and softmax, a
-reference policy's copy (offloaded to host between uses), and the forward-only log-prob pass
-(smaller than a training step). ``python -m rl_models.memory_model NAME`` prints a table (``__main__.py``).
+stays under ``1 - HEADROOM`` of the GPU. Also ignored: norm weights (and Megatron's MoE
+routers) split by tensor parallelism (they are replicated; a few MB), float32 upcasts inside
+norms and softmax, Megatron's vocabulary padding (the embedding and output layer rounded up
+to a multiple of ``tp`` rows, ``megatron/family.py``), MoE load imbalance (activations
+assume each expert rank gets its share of the routed tokens; a rank whose experts are picked
+more often keeps more), a reference policy's copy (offloaded to host between uses), and the
+forward-only log-prob pass (smaller than a training step).
+
+``python -m rl_models.memory_model NAME`` prints a table (``__main__.py``).
 """
 
 from __future__ import annotations
@@ -145,6 +178,26 @@ class Shape:
     def total_params(self) -> int:
         return self.layer_params + self.moe_layers * self.expert_params + sum(self.vocab_params)
 
+    def heaviest_layer(self, ep: int = 1) -> float:
+        """The parameters of the largest decoder layer on one rank, its experts over ``ep``."""
+        mlps = [self.dense_mlp_params] if self.layers > self.moe_layers else []
+        if self.moe_layers:
+            mlps.append(self.moe_mlp_params + self.expert_params / ep)
+        return self.attention_params + max(mlps)
+
+    @property
+    def largest_param(self) -> int:
+        """The elements of the largest single parameter in the Hugging Face module: the
+        embedding or output layer, a projection, or a MoE layer's fused ``gate_up_proj``
+        (``[E, 2 I_e, h]``, the layout transformers builds)."""
+        h, q = self.hidden, self.heads * self.head_dim
+        candidates = [self.vocab * h, q * h]
+        if self.layers > self.moe_layers:
+            candidates.append(self.intermediate * h)
+        if self.moe_layers:
+            candidates.append(self.experts * 2 * self.expert_intermediate * h)
+        return max(candidates)
+
     def activation_elements(self, tp: int = 1, sequence_parallel: bool = False) -> float:
         """Elements autograd keeps per token for one whole layer (the module docstring's
         formula), averaged over the layers of a partly dense MoE model."""
@@ -152,7 +205,7 @@ class Shape:
         inner = 2 * q + 2 * kv + (q + kv) * self.qk_norm
         dense = 4 * self.intermediate
         moe = self.experts_per_token * (4 * self.expert_intermediate + self.hidden)
-        router = self.experts * 2  # the router's logits and probabilities
+        router = self.experts * 2  # its float32 softmax output (module docstring)
         mlp = (
             self.moe_layers * (moe + router) + (self.layers - self.moe_layers) * dense
         ) / self.layers
@@ -180,12 +233,12 @@ class Plan:
     micro_batch_tokens: int = 16384  # tokens per micro-batch on one GPU
     activation_checkpointing: bool = True
     logprob_chunk: int | None = 1024
-    offload_optimizer: bool = True  # policy.offload.optimizer_state (while generating)
     generator_tp: int = 1  # 0: no generator (SFT)
     generator_bytes: int = 2
     sequences: int = 64  # generation.vllm.max_num_seqs per engine
     sequence_length: int = 4096  # generation.vllm.max_model_len
     kv_bytes: int = 2
+    refit_bucket_bytes: int = 256 * 2**20  # generation.refit_bucket_bytes (its default)
 
     @property
     def dp(self) -> int:
@@ -209,7 +262,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Bytes per GPU of each part (the module docstring says how each is computed)."""
+    """Bytes per GPU of each part and the peak of each phase (the module docstring says how
+    each is computed and when each phase holds what)."""
 
     weights: float
     gradients: float
@@ -219,51 +273,75 @@ class Breakdown:
     logits: float
     generator_weights: float
     kv_cache: float
-    offload_optimizer: bool
+    refit_buffers: float
+
+    @property
+    def colocated(self) -> bool:
+        """Whether a generator shares the GPU (its process adds an ``OVERHEAD``)."""
+        return bool(self.generator_weights)
+
+    @property
+    def generator_need(self) -> float:
+        """vLLM's least memory: its weights, the KV cache the plan's sequences fill, and its
+        process's ``OVERHEAD``."""
+        return self.generator_weights + self.kv_cache + OVERHEAD * self.colocated
 
     @property
     def training(self) -> float:
         parts = self.weights + self.gradients + self.optimizer + self.gathered
-        return (
-            parts + self.activations + self.logits + OVERHEAD * (1 + bool(self.generator_weights))
-        )
+        return parts + self.activations + self.logits + OVERHEAD * (1 + self.colocated)
+
+    @property
+    def refit(self) -> float:
+        if not self.colocated:
+            return 0.0
+        return self.weights + self.generator_weights + self.refit_buffers + 2 * OVERHEAD
 
     @property
     def generation(self) -> float:
-        if not self.generator_weights:
+        return OVERHEAD + self.generator_need if self.colocated else 0.0
+
+    @property
+    def start(self) -> float:
+        """vLLM's start and first generation, or a resumed run's checkpoint load: the policy's
+        weights and optimizer state beside vLLM's least memory."""
+        if not self.colocated:
             return 0.0
-        policy = self.weights + self.optimizer * (not self.offload_optimizer) + OVERHEAD
-        return policy + self.generator_weights + self.kv_cache + OVERHEAD
+        return self.weights + self.optimizer + OVERHEAD + self.generator_need
 
     @property
     def peak(self) -> float:
-        return max(self.training, self.generation)
+        return max(self.training, self.refit, self.generation, self.start)
 
     def fits(self, gpu_bytes: float = GPU_BYTES) -> bool:
         return self.peak <= (1 - HEADROOM) * gpu_bytes
 
     def vllm_memory_utilization(self, gpu_bytes: float = GPU_BYTES) -> tuple[float, float]:
-        """``(least, most)`` for ``generation.vllm.gpu_memory_utilization``: enough for the
-        generator's weights and cache, no more than the policy leaves free while generating."""
-        need = self.generator_weights + self.kv_cache + OVERHEAD
-        left = (1 - HEADROOM) * gpu_bytes - (self.generation - need)
-        return need / gpu_bytes, left / gpu_bytes
+        """``(least, most)`` for ``generation.vllm.gpu_memory_utilization``: enough for vLLM's
+        least memory; no more than what the policy leaves at the start (its weights and, on a
+        resume, its optimizer state), the phase where vLLM holds the most beside it."""
+        beside = self.start - self.generator_need
+        most = (1 - HEADROOM) * gpu_bytes - beside
+        return self.generator_need / gpu_bytes, most / gpu_bytes
 
 
 def breakdown(shape: Shape, plan: Plan) -> Breakdown:
     """The bytes per GPU of ``shape`` trained as ``plan`` says."""
     plan.check(shape)
     embedding, head = shape.vocab_params
-    experts = shape.moe_layers * shape.expert_params
     if plan.backend == "dtensor":
         params = shape.total_params / (plan.tp * plan.dp)
-        unit = max(shape.layer_params / shape.layers + experts / shape.layers, embedding + head)
+        unit = max(shape.heaviest_layer(), embedding + head)
         gathered = unit / plan.tp * (2 * plan.compute_bytes + plan.param_bytes)
+        exported = shape.largest_param  # one parameter gathered whole
     else:
+        experts = shape.moe_layers * shape.expert_params
         stage = math.ceil(shape.layers / plan.pp) / shape.layers
         vocab = embedding + head if plan.pp == 1 else max(embedding, head)
         params = (stage * (shape.layer_params + experts / plan.ep) + vocab) / plan.tp
         gathered = 0.0
+        # one unit gathered whole from the tensor-parallel ranks
+        exported = max(shape.heaviest_layer(plan.ep), embedding, head)
     layer = shape.activation_elements(plan.tp, plan.sequence_parallel)
     residual = shape.hidden / (plan.tp if plan.sequence_parallel else 1)
     if plan.activation_checkpointing:
@@ -274,11 +352,12 @@ def breakdown(shape: Shape, plan: Plan) -> Breakdown:
     activations = elements * plan.micro_batch_tokens * plan.compute_bytes
     chunk = min(plan.logprob_chunk or plan.micro_batch_tokens, plan.micro_batch_tokens)
     logits = 2 * chunk * shape.vocab / plan.tp * 4
-    gen_weights, kv = 0.0, 0.0
+    gen_weights, kv, refit = 0.0, 0.0, 0.0
     if plan.generator_tp:
         gen_weights = shape.total_params * plan.generator_bytes / plan.generator_tp
         tokens = plan.sequences * plan.sequence_length
         kv = tokens * shape.kv_bytes_per_token(plan.generator_tp, plan.kv_bytes)
+        refit = 2 * plan.refit_bucket_bytes + exported * plan.param_bytes
     return Breakdown(
         weights=params * plan.param_bytes,
         gradients=params * plan.param_bytes,
@@ -288,7 +367,7 @@ def breakdown(shape: Shape, plan: Plan) -> Breakdown:
         logits=logits,
         generator_weights=gen_weights,
         kv_cache=kv,
-        offload_optimizer=plan.offload_optimizer,
+        refit_buffers=refit,
     )
 
 

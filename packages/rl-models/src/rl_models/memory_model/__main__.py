@@ -1,5 +1,5 @@
 """``python -m rl_models.memory_model NAME``: a model's memory per GPU as a table, or with
-``--doc`` the tables of docs/guides/memory.md."""
+``--doc`` (and no model) the tables of docs/guides/memory.md."""
 
 from __future__ import annotations
 
@@ -11,7 +11,25 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_models.memory_model import GPU_BYTES, HEADROOM, OVERHEAD, Plan, Shape, breakdown, gib
-from rl_models.memory_model.plans import SHAPES, doc_tables
+from rl_models.memory_model.plans import PHASES, SHAPES, doc_tables
+
+
+def _boolean(text: str) -> bool:
+    """``true`` or ``false`` (any case); anything else is refused, never read as false."""
+    value = {"true": True, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def _tokens_or_none(text: str) -> int | None:
+    """A token count, or ``none`` (log-probs over the whole micro-batch, unchunked)."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or none, got {text!r}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,27 +39,35 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "model",
-        help="a Hugging Face config.json path, or Llama-3.1-8B, Qwen2.5-32B, Llama-3.1-70B, Qwen3-30B-A3B",
+        nargs="?",
+        help=f"a Hugging Face config.json path, or one of {', '.join(SHAPES)}",
     )
     parser.add_argument("--doc", action="store_true", help="print docs/guides/memory.md's tables")
     for f in fields(Plan):
         flag = "--" + f.name.replace("_", "-")
         if isinstance(f.default, bool):
             parser.add_argument(
-                flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=f.default
+                flag, type=_boolean, default=f.default, help=f"true or false (default {f.default})"
             )
         elif f.name == "backend":
             parser.add_argument(flag, choices=["dtensor", "megatron"], default=f.default)
+        elif f.name == "logprob_chunk":
+            parser.add_argument(
+                flag, type=_tokens_or_none, default=f.default, help=f"or none (default {f.default})"
+            )
         else:
             parser.add_argument(flag, type=int, default=f.default, help=f"(default {f.default})")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.doc:
         print(doc_tables())
         return
+    if args.model is None:
+        parser.error("a model is needed (a config.json path or a name), unless --doc is given")
     if args.model in SHAPES:
         config = SHAPES[args.model]
     else:
@@ -54,11 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     table.add_column("part")
     table.add_column("GiB per GPU", justify="right")
     for part, value in asdict(b).items():
-        if part != "offload_optimizer":
-            table.add_row(part.replace("_", " "), gib(value))
+        table.add_row(part.replace("_", " "), gib(value))
     table.add_row("overhead (each process)", gib(OVERHEAD))
-    table.add_row("training peak", gib(b.training), style="bold")
-    table.add_row("generation peak", gib(b.generation), style="bold")
+    for phase in PHASES if b.colocated else PHASES[:1]:  # without a generator: training only
+        table.add_row(f"{phase} peak", gib(getattr(b, phase)), style="bold")
+    if b.colocated:
+        low, high = b.vllm_memory_utilization()
+        table.add_row("vLLM gpu_memory_utilization", f"{low:.2f} to {high:.2f}")
     verdict = "fits" if b.fits() else "does not fit"
     table.caption = f"{verdict} in {1 - HEADROOM:.0%} of {GPU_BYTES / 1e9:.0f} GB"
     Console().print(table)

@@ -1,6 +1,7 @@
 """Four public models' shapes, the meshes docs/guides/memory.md weighs for them on one node
-of 8 x 80 GB GPUs, and the tables it shows, all computed by :mod:`rl_models.memory_model` (``python -m
-rl_models.memory_model - --doc`` prints them; a test checks the page shows exactly these)."""
+of 8 x 80 GB GPUs, and the tables it shows, all computed by :mod:`rl_models.memory_model`
+(``python -m rl_models.memory_model --doc`` prints them; a test checks the page shows exactly
+these)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 # The first plan of each model that fits is its recipe's in examples/configs/.
 HALF = {"param_bytes": 2, "compute_bytes": 2}
 MEGATRON = {"backend": "megatron", "activation_checkpointing": False, **HALF}
+# The 70B's Megatron meshes: sequence parallel, 8192 tokens a micro-batch, vLLM over 8 GPUs.
+MEGATRON_70B = {
+    **MEGATRON, "sequence_parallel": True, "micro_batch_tokens": 8192, "generator_tp": 8,
+}  # fmt: skip
+SFT_30B = {**MEGATRON, "micro_batch_tokens": 4096, "generator_tp": 0}
 DOC_PLANS: dict[str, list[tuple[str, Plan]]] = {
     "Llama-3.1-8B": [
         ("dtensor dp4 x tp2 (SP)", Plan(tp=2, sequence_parallel=True)),
@@ -47,49 +53,55 @@ DOC_PLANS: dict[str, list[tuple[str, Plan]]] = {
     ],
     "Qwen2.5-32B": [
         ("dtensor dp8, fp32 master", Plan(generator_tp=4)),
-        ("dtensor dp2 x tp4 (SP), bf16", Plan(tp=4, sequence_parallel=True, generator_tp=4, **HALF)),
+        (
+            "dtensor dp2 x tp4 (SP), bf16",
+            Plan(tp=4, sequence_parallel=True, generator_tp=4, **HALF),
+        ),
     ],
     "Llama-3.1-70B": [
-        ("megatron tp8", Plan(tp=8, sequence_parallel=True, micro_batch_tokens=8192, generator_tp=8, **MEGATRON)),
-        ("megatron tp4 x pp2", Plan(tp=4, pp=2, sequence_parallel=True, micro_batch_tokens=8192, generator_tp=8, **MEGATRON)),
-        ("megatron tp8 x pp2, 16 GPUs", Plan(gpus=16, tp=8, pp=2, sequence_parallel=True, micro_batch_tokens=8192, generator_tp=8, **MEGATRON)),
+        ("megatron tp8", Plan(tp=8, **MEGATRON_70B)),
+        ("megatron tp4 x pp2", Plan(tp=4, pp=2, **MEGATRON_70B)),
+        ("megatron tp8 x pp2, 16 GPUs", Plan(gpus=16, tp=8, pp=2, **MEGATRON_70B)),
     ],
     "Qwen3-30B-A3B": [
-        ("megatron dp8 (SFT)", Plan(micro_batch_tokens=4096, generator_tp=0, **MEGATRON)),
-        ("megatron ep8 (SFT)", Plan(ep=8, micro_batch_tokens=4096, generator_tp=0, **MEGATRON)),
+        ("megatron dp8 (SFT)", Plan(**SFT_30B)),
+        ("megatron ep8 (SFT)", Plan(ep=8, **SFT_30B)),
     ],
-}  # fmt: skip
+}
 PARTS = ("weights", "gradients", "optimizer", "gathered", "activations", "logits")
-GEN_PARTS = ("generator_weights", "kv_cache")
+GEN_PARTS = ("generator_weights", "kv_cache", "refit_buffers")
+# The peaks of a colocated run's phases (the module docstring of rl_models.memory_model).
+PHASES = ("training", "refit", "generation", "start")
 
 
 def fit_table() -> str:
-    """Markdown: each model's meshes, their two peaks per GPU and whether they fit."""
+    """Markdown: each model's meshes, the peak per GPU of each phase and whether they fit."""
     rows = [
-        "| model | mesh | training GiB | generation GiB | fits 8 x 80 GB |",
-        "|---|---|---|---|---|",
+        "| model | mesh | training GiB | refit GiB | generation GiB | start GiB | fits |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, plans in DOC_PLANS.items():
         shape = Shape.from_config(SHAPES[name])
         for label, plan in plans:
             b = breakdown(shape, plan)
-            gen = gib(b.generation) if plan.generator_tp else "—"
+            shown = PHASES if b.colocated else PHASES[:1]  # SFT: no generator, training only
+            peaks = [gib(getattr(b, p)) if p in shown else "—" for p in PHASES]
             fits = "yes" if b.fits() else "no"
-            rows.append(f"| {name} | {label} | {gib(b.training)} | {gen} | {fits} |")
+            rows.append(f"| {name} | {label} | {' | '.join(peaks)} | {fits} |")
     return "\n".join(rows)
 
 
 def breakdown_table(name: str, plan: Plan) -> str:
     """Markdown: one model's parts per GPU under ``plan`` (GiB)."""
     b = breakdown(Shape.from_config(SHAPES[name]), plan)
-    parts = PARTS + (GEN_PARTS if plan.generator_tp else ())
+    parts = PARTS + (GEN_PARTS if b.colocated else ())
     rows = ["| part | GiB per GPU |", "|---|---|"]
     rows += [f"| {p.replace('_', ' ')} | {gib(getattr(b, p))} |" for p in parts]
     rows.append(f"| overhead (each process) | {gib(OVERHEAD)} |")
-    rows.append(f"| **training peak** | **{gib(b.training)}** |")
-    if plan.generator_tp:
+    for phase in PHASES if b.colocated else PHASES[:1]:  # SFT: training only
+        rows.append(f"| **{phase} peak** | **{gib(getattr(b, phase))}** |")
+    if b.colocated:
         low, high = b.vllm_memory_utilization()
-        rows.append(f"| **generation peak** | **{gib(b.generation)}** |")
         rows.append(f"| vLLM gpu_memory_utilization | {low:.2f} to {high:.2f} |")
     return "\n".join(rows)
 
