@@ -123,3 +123,30 @@ def test_sharded_checkpoint_of_two_ranks_resumes_on_one(ray_session, tmp_path):
     assert resumed["loss"] == pytest.approx(metrics["loss"], abs=1e-9)
     got = single.get_logprobs(skewed_batch())["logprobs"]
     torch.testing.assert_close(got, after, rtol=0, atol=1e-6)
+
+
+def test_a_megatron_resume_under_other_parallel_sizes_names_the_keys(tmp_path):
+    """The optimiser state of a Megatron checkpoint is split per parallel rank: resuming with
+    another expert_parallel_size (or tp, pp) is refused up front, naming the key and both
+    values, instead of a missing file or torch's param-group error. A checkpoint saved before
+    the sizes were recorded is judged by whether this rank's optimiser file exists."""
+    from rl_models.megatron.training_state import check_parallel_layout, save_parallel_layout
+
+    saved = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "expert_parallel_size": 2}
+    save_parallel_layout(str(tmp_path), saved)
+    check_parallel_layout(str(tmp_path), saved, "optimizer-pp0-tp0-ep0.pt")  # same: fine
+    run = {**saved, "expert_parallel_size": 4}
+    message = r"policy\.megatron\.expert_parallel_size: checkpoint 2, this run 4"
+    with pytest.raises(ValueError, match=message) as refused:
+        check_parallel_layout(str(tmp_path), run, "optimizer-pp0-tp0-ep3.pt")
+    assert "tensor_parallel_size" not in str(refused.value)  # only what differs
+    both = {**run, "tensor_parallel_size": 2}
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: checkpoint 1, this run 2; "):
+        check_parallel_layout(str(tmp_path), both, "optimizer-pp0-tp1-ep3.pt")
+
+    older = tmp_path / "older"  # no recorded sizes: the files tell
+    older.mkdir()
+    (older / "optimizer-pp0-tp0-ep0.pt").write_bytes(b"")
+    check_parallel_layout(str(older), saved, "optimizer-pp0-tp0-ep0.pt")
+    with pytest.raises(FileNotFoundError, match=r"saved under other policy\.megatron parallel"):
+        check_parallel_layout(str(older), run, "optimizer-pp0-tp0-ep3.pt")

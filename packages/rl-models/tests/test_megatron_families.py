@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rl_models.generation.config import GenerationConfig
+from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.megatron import families
 from rl_models.megatron.convert import (
     GPTLayout,
@@ -32,6 +34,8 @@ from rl_models.megatron.families.qwen3_moe import FAMILY as QWEN3_MOE
 from rl_models.megatron.family import GATE_UP, QKV, ModelFamily, Weight
 from rl_models.megatron.loading import load_from_safetensors, shard_plan
 from rl_models.megatron.weight_export import MegatronWeightExporter
+from rl_models.policy.weight_export import WeightExportMethods
+from rl_models.weight_transfer.shared_memory import RegionLayout
 
 from .conftest import TINY_LLAMA
 from .test_weight_export import _Shard, exported
@@ -219,18 +223,9 @@ def test_experts_split_over_expert_parallel_ranks(tmp_path, tp, ep):
     assert set(back) == set(full) and all(torch.equal(back[n], x) for n, x in full.items())
 
 
-EP_EXPORTS = [(1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
-
-
-@pytest.mark.parametrize(
-    "tp,pp,ep", EP_EXPORTS, ids=[f"tp{t}-pp{p}-ep{e}" for t, p, e in EP_EXPORTS]
-)
-def test_expert_parallel_ranks_export_the_checkpoint_between_them(tmp_path, tp, pp, ep):
-    """Every rank of a simulated tp x pp x ep grid, plus a second expert group (a replica of
-    the first), runs the exporter: the expert-parallel ranks send their own experts under
-    their global numbers, rank 0 of each group the rest; together, each tensor exactly once,
-    the checkpoint's tensors. Nobody holds more than one layer, buckets keep their bound."""
-    layout, hf = saved_moe(tmp_path, vocab_size=127)
+def expert_parallel_exporters(layout, hf, tp, pp, ep):
+    """Every rank of a simulated tp x pp x ep grid as a Megatron exporter of its shard of the
+    checkpoint ``hf``, and expert rank 0 of a second expert group (a replica of the first)."""
     full = hf_to_megatron(hf, layout)
     grid = {
         (p, e, t): shard_megatron(
@@ -259,8 +254,22 @@ def test_expert_parallel_ranks_export_the_checkpoint_between_them(tmp_path, tp, 
             ep_rank=e,
         )
 
-    exporters = [exporter(p, e, t, dp_rank=e) for p, e, t in grid]
-    replica = exporter(0, 0, 0, dp_rank=ep)  # expert rank 0 of the second expert group
+    return [exporter(p, e, t, dp_rank=e) for p, e, t in grid], exporter(0, 0, 0, dp_rank=ep)
+
+
+EP_EXPORTS = [(1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,ep", EP_EXPORTS, ids=[f"tp{t}-pp{p}-ep{e}" for t, p, e in EP_EXPORTS]
+)
+def test_expert_parallel_ranks_export_the_checkpoint_between_them(tmp_path, tp, pp, ep):
+    """Every rank of a simulated tp x pp x ep grid, plus a second expert group (a replica of
+    the first), runs the exporter: the expert-parallel ranks send their own experts under
+    their global numbers, rank 0 of each group the rest; together, each tensor exactly once,
+    the checkpoint's tensors. Nobody holds more than one layer, buckets keep their bound."""
+    layout, hf = saved_moe(tmp_path, vocab_size=127)
+    exporters, replica = expert_parallel_exporters(layout, hf, tp, pp, ep)
     layer_bytes = sum(t.numel() * 8 for n, t in hf.items() if ".layers.0." in n)
     bucket_bytes = layer_bytes // 4
     got, sizes = exported([*exporters, replica], bucket_bytes)  # (each name at most once)
@@ -275,6 +284,88 @@ def test_expert_parallel_ranks_export_the_checkpoint_between_them(tmp_path, tp, 
         expert_bytes = sum(t.numel() * 8 for n, t in hf.items() if ".layers.0.mlp.experts." in n)
         later = [x for x in exporters if x.ep_rank > 0]
         assert max(x.peak_held_bytes for x in later) <= expert_bytes // ep
+
+
+class _PolicyRank(WeightExportMethods):
+    """A simulated Megatron rank with the policy worker's weight-export methods."""
+
+    def __init__(self, exporter):
+        self.exporter = exporter
+
+    def _weight_exporter(self):
+        return self.exporter
+
+
+GENERATOR_GRIDS = [(1, 1, 1), (2, 2, 2)]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,ep", GENERATOR_GRIDS, ids=[f"tp{t}-pp{p}-ep{e}" for t, p, e in GENERATOR_GRIDS]
+)
+def test_an_hf_generator_takes_the_megatron_moe_export(tmp_path, tp, pp, ep):
+    """The Megatron export names experts as the checkpoint does (one tensor per expert and
+    projection); the HF generator keeps them fused in memory. Through buckets (the object
+    store's entry point) and through a shared-memory region it lays out, every slice of every
+    fused parameter is written: the generator, perturbed before each refit, then holds exactly
+    the parameters ``from_pretrained`` loads from the checkpoint, and the same float64 logits."""
+    layout, hf = saved_moe(tmp_path, vocab_size=127)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    expected = dict(reference.named_parameters())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in expected  # fused in memory
+    config = GenerationConfig(backend="hf", sampling={"max_new_tokens": 1, "stop_token_ids": []})
+    gen = HfGenerationWorker(config.model_dump(), {"path": str(tmp_path), "dtype": "float64"})
+    for model in (reference, gen.model):  # the grouped-matmul kernel has no float64
+        model.config._experts_implementation = "eager"
+    tokens = torch.randint(0, 127, (3, 11), generator=torch.Generator().manual_seed(0))
+    bucket_bytes = sum(t.numel() * 8 for n, t in hf.items() if ".layers.0." in n) // 4
+
+    def perturb():
+        with torch.no_grad():
+            for p in gen.model.parameters():
+                p.add_(torch.rand_like(p) + 0.5)
+
+    def check():
+        for name, p in gen.model.named_parameters():
+            assert torch.equal(p, expected[name]), name
+        with torch.no_grad():
+            got, want = gen.model(tokens).logits, reference(tokens).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+    perturb()
+    exporters, replica = expert_parallel_exporters(layout, hf, tp, pp, ep)
+    for exporter in [*exporters, replica]:
+        for step in range(exporter.plan(bucket_bytes).steps):
+            bucket = exporter.bucket(step)
+            if bucket is not None:
+                gen.load_weight_bucket(bucket)
+        exporter.finish()
+    check()
+
+    perturb()
+    ranks = [_PolicyRank(x) for x in expert_parallel_exporters(layout, hf, tp, pp, ep)[0]]
+    plans = [r.weight_export_plan(bucket_bytes) for r in ranks]
+    for r in ranks:
+        r.finish_weight_export()
+    specs = [s for p in plans for bucket in p.buckets for s in bucket]
+    path, reason = gen.map_weight_region(None, RegionLayout.of(specs))  # the export's order
+    assert path is None and "where the generation model's 'model.layers" in reason
+    region_layout = gen.weight_region_layout(specs)
+    gen.prepare_for_weight_update()
+    path, reason = gen.map_weight_region(None, region_layout)
+    assert reason is None, reason
+    try:
+        for r in ranks:
+            r.map_weight_region(path, region_layout)
+        gen.unlink_weight_region(path)
+        for r in ranks:
+            r.write_weights_to_region(path, region_layout, bucket_bytes)
+        gen.commit_weight_region(path, region_layout.digest, 1)
+        start = gen.region.tensor.data_ptr()
+        for name, p in gen.model.named_parameters():  # the region is the model's memory
+            assert start <= p.data_ptr() < start + region_layout.nbytes, name
+        check()
+    finally:
+        gen.shutdown()
 
 
 def test_expert_parallel_sizes_are_checked(tmp_path):

@@ -16,6 +16,7 @@ initialisation). The expert-parallel case checks the export after its training s
 the state dict gathered as checkpoints gather it: each rank sends its own experts.
 """
 
+import json
 import os
 import re
 
@@ -193,6 +194,10 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(
 def check_each_expert_rank_saved_its_optimiser_state(ckpt: str) -> None:
     """Both expert ranks wrote their momenta: equal for the weights they share (gradients
     summed over the replicas), different for their own experts (2 of 4, 2 weights each)."""
+    from rl_models.megatron.training_state import LAYOUT_FILE
+
+    with open(os.path.join(ckpt, LAYOUT_FILE)) as f:  # what a resume is checked against
+        assert json.load(f)["expert_parallel_size"] == 2
     files = [os.path.join(ckpt, f"optimizer-pp0-tp0-ep{e}.pt") for e in (0, 1)]
     ours, theirs = (torch.load(f, weights_only=False)["state"] for f in files)
     assert set(ours) == set(theirs)

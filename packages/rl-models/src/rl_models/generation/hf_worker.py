@@ -28,8 +28,10 @@ from rl_models.generation.interfaces import (
 from rl_models.generation.sampling import StopStrings, sample
 from rl_models.generation.seeds import seeds_of
 from rl_models.modeling.build import build_model
+from rl_models.modeling.checkpoint_views import CheckpointViews
 from rl_models.modeling.config import ModelConfig
 from rl_models.modeling.moe_routes import require_routers
+from rl_models.weight_transfer.buckets import TensorSpec
 from rl_models.weight_transfer.channels import ChannelReceiver
 from rl_models.weight_transfer.shared_memory import (
     MappedRegion,
@@ -62,7 +64,10 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         # The policy's builder and seed, so a model from hf_config starts with its weights.
         model = build_model(model_config, self.config.seed)
         self.model = model.eval().requires_grad_(False).to(self.device)
-        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        # Refits send weights under in-memory names (DTensor) or checkpoint names (Megatron:
+        # one tensor per expert, which transformers fuses in memory); both land here.
+        self.weights = CheckpointViews(self.model)
+        self.params = self.weights.params
         if self.config.record_routed_experts:  # refused now rather than at the first generate
             require_routers(self.model, "generation.record_routed_experts")
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_config.path)
@@ -160,18 +165,21 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
 
     @torch.no_grad()
     def load_named_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy full HF-named tensors into the model (every receive channel ends here)."""
+        """Copy full HF-named tensors into the model (every receive channel ends here): a
+        parameter's in-memory name, or a checkpoint name whose tensor is a slice of a fused
+        parameter (``modeling.checkpoint_views``)."""
         self.updating = True  # until set_weight_version stamps the finished refit
         for name, tensor in named:
-            param = self.params.get(name)
-            if param is None:
+            target = self.weights.slice(name)
+            if target is None:
                 raise KeyError(f"refit sent weight {name!r}, which the generation model lacks")
-            if param.shape != tensor.shape:
+            if target.view.shape != tensor.shape:
                 raise ValueError(
                     f"refit sent {name!r} of shape {tuple(tensor.shape)}; the generation model's "
-                    f"is {tuple(param.shape)}"
+                    f"is {tuple(target.view.shape)}"
+                    + ("" if target.param == name else f" (a slice of {target.param!r})")
                 )
-            param.copy_(tensor)
+            target.view.copy_(tensor)
 
     def enable_lora_adapters(self, lora: dict[str, Any]) -> None:
         """Add the policy's LoRA adapters (``policy.lora``) to the model, once: from here on a
@@ -191,7 +199,8 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         self.updating = True  # the adapters are zero until the refit that follows fills them
         inject_adapters(self.model, config)
         self.model.eval().requires_grad_(False).to(self.device)
-        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.weights.refresh()
+        self.params = self.weights.params
         self.lora = config
 
     def set_weight_version(self, version: int) -> None:
@@ -207,35 +216,76 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
 
     # -- the shared-memory channel (``weight_transfer/shared_memory.py``) ----------------------
 
-    def _cannot_share(self, layout: RegionLayout) -> str | None:
-        """Why this model's parameters cannot be views of a region with ``layout`` (or None)."""
+    def weight_region_layout(self, specs: list[TensorSpec]) -> RegionLayout:
+        """The region layout for the policy's export ``specs`` in which this model's parameters
+        can be views: a tensor that is a slice of a fused parameter (a checkpoint-named expert)
+        sits where that parameter keeps it, the parameter laid out whole."""
+
+        def place(spec: TensorSpec) -> tuple[str, int, int] | None:
+            try:
+                target = self.weights.slice(spec.name)
+            except ValueError:
+                return None  # map_weight_region then says why
+            run = None if target is None else target.contiguous_bytes
+            if run is None:
+                return None
+            whole = target.whole
+            return target.param, run[0], whole.numel() * whole.element_size()
+
+        return RegionLayout.of(specs, place)
+
+    def _region_segments(self, layout: RegionLayout) -> tuple[dict[str, int], str | None]:
+        """Where each parameter the region holds starts in it (bytes), or why this model's
+        parameters cannot be views of a region with ``layout``."""
         if self.device.type != "cpu":
-            return f"the generation model is on {self.device}, not in host memory"
+            return {}, f"the generation model is on {self.device}, not in host memory"
+        starts: dict[str, int] = {}
+        covered: dict[str, int] = {}
         for slot in layout.slots:
-            param = self.params.get(slot.name)
-            if param is None:
-                return f"the region holds {slot.name!r}, which the generation model lacks"
-            dtype = str(param.dtype).removeprefix("torch.")
-            if tuple(param.shape) != slot.shape or dtype != slot.dtype:
-                return (
+            try:
+                target = self.weights.slice(slot.name)
+            except ValueError as e:
+                return {}, str(e)
+            if target is None:
+                return {}, f"the region holds {slot.name!r}, which the generation model lacks"
+            dtype = str(target.view.dtype).removeprefix("torch.")
+            if tuple(target.view.shape) != slot.shape or dtype != slot.dtype:
+                return {}, (
                     f"the region holds {slot.name!r} as {slot.dtype} {slot.shape}; the generation "
-                    f"model's is {dtype} {tuple(param.shape)}"
+                    f"model's is {dtype} {tuple(target.view.shape)}"
                 )
-        return None
+            run = target.contiguous_bytes
+            start = None if run is None else slot.offset - run[0]
+            if start is None or starts.setdefault(target.param, start) != start:
+                return {}, (
+                    f"the region holds {slot.name!r} where the generation model's "
+                    f"{target.param!r} does not keep it (lay it out with weight_region_layout)"
+                )
+            covered[target.param] = covered.get(target.param, 0) + slot.nbytes
+        for name, nbytes in covered.items():
+            whole = self.params[name]
+            if nbytes != whole.numel() * whole.element_size():
+                return {}, (
+                    f"the region holds {nbytes} bytes of the generation model's {name!r}, which "
+                    f"has {whole.numel() * whole.element_size()}: the refit would not write all"
+                )
+        return starts, None
 
     @torch.no_grad()
     def map_weight_region(
         self, path: str | None, layout: RegionLayout
     ) -> tuple[str | None, str | None]:
-        """Make the parameters named in ``layout`` views of a shared weight region.
+        """Make the parameters named in ``layout`` views of a shared weight region (a fused
+        parameter whose slices the region holds under checkpoint names: the whole of it).
 
         ``path`` None: create the region and copy the current weights in (one parameter at a
         time, each freed as it moves, so the model is never held twice); else map the region
         another worker of this group created (its contents are about to be overwritten by the
         refit). Returns ``(path, None)``, or ``(None, reason)`` when this model cannot share
-        (other dtypes, not on the host); then nothing changed.
+        (other dtypes, not on the host, a layout that splits a fused parameter); then nothing
+        changed.
         """
-        reason = self._cannot_share(layout)
+        starts, reason = self._region_segments(layout)
         if reason is not None:
             return None, reason
         region = self.region
@@ -251,8 +301,10 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
                 return None, f"cannot create a {layout.nbytes}-byte region in shared memory ({e})"
             atexit.register(remove_region, path)
         region = MappedRegion(path, layout)
-        for name, view in region.views.items():
+        for name, start in starts.items():
             param = self.params[name]
+            nbytes = param.numel() * param.element_size()
+            view = region.tensor[start : start + nbytes].view(param.dtype).reshape(param.shape)
             if created:
                 view.copy_(param)
             param.data = view

@@ -176,7 +176,9 @@ class GenerationWorker(ABC):
 
     A backend whose controller sets ``shares_weight_memory = True`` (HF) also offers the
     shared-memory channel (``weight_transfer/shared_memory.py``, the CPU default on one node):
-    ``map_weight_region(path, layout)`` once (its parameters become views of the region; with
+    ``weight_region_layout(specs)`` lays the region out for the policy's export (where the
+    worker's parameters keep each tensor), ``map_weight_region(path, layout)`` once (its
+    parameters become views of the region; with
     ``path=None`` the worker creates it, and ``unlink_weight_region(path)`` later removes its
     file once every process maps it), then per refit ``prepare_for_weight_update()`` and
     ``commit_weight_region(path, digest, version)`` around the policy's writes.

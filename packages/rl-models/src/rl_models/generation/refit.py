@@ -374,15 +374,18 @@ def _set_up_region(
     dtype: str | None,
     stats: RefitStats,
 ) -> SharedWeightRegion | None:
-    """First refit into this generator from ``src``: lay the region out from the export plan,
-    create it on one generation worker (which moves its weights in), map it on the other
-    generation workers and on every policy rank, then remove its file. None, with
-    ``stats.fallback`` saying why, when the generator cannot keep its weights in a region."""
+    """First refit into this generator from ``src``: lay the region out from the export plan
+    (the generator places each tensor where its parameters keep it: an expert sent under its
+    checkpoint name inside the fused parameter transformers holds), create it on one generation
+    worker (which moves its weights in), map it on the other generation workers and on every
+    policy rank, then remove its file. None, with ``stats.fallback`` saying why, when the
+    generator cannot keep its weights in a region."""
     plans: list[ExportPlan] = src.call_all(
         "weight_export_plan", bucket_bytes=bucket_bytes, dtype=dtype
     )
     src.call_all("finish_weight_export")
-    layout = RegionLayout.of([s for p in plans for bucket in p.buckets for s in bucket])
+    specs = [s for p in plans for bucket in p.buckets for s in bucket]
+    layout: RegionLayout = dst.call_one(0, "weight_region_layout", specs=specs)
     path, reason = dst.call_one(0, "map_weight_region", path=None, layout=layout)
     if path is None:
         stats.fallback = reason

@@ -162,6 +162,19 @@ def check_expert_parallel(
         )
 
 
+def in_first_expert_group(dp_rank: int, ep: int) -> bool:
+    """Whether data-parallel replica ``dp_rank`` is in the first expert group, whose ``ep``
+    replicas hold every weight once between them (later groups are copies of it).
+
+    Megatron numbers expert ranks with the expert-parallel index faster than the
+    expert-data-parallel one, so replica ``d`` is expert-parallel rank ``d % ep`` of group
+    ``d // ep``: replicas ``0..ep-1`` are the first group, replica ``d`` its rank ``d``. The
+    export and the checkpoint gathers rely on this; the worker checks it against megatron-core
+    where it builds the exporter.
+    """
+    return dp_rank < ep
+
+
 def _taker(
     state: Mapping[str, torch.Tensor], which: str
 ) -> tuple[Callable[[str], torch.Tensor], set[str]]:

@@ -48,6 +48,7 @@ from rl_models.megatron.convert import (
     GPTLayout,
     check_expert_parallel,
     experts_to_global,
+    in_first_expert_group,
     megatron_to_hf,
     padded_vocab_size,
     stage_layers,
@@ -87,7 +88,22 @@ class Ranks:
     def holds_whole_model(self) -> bool:
         """This rank's replica and the ``ep - 1`` beside it hold every weight between them
         once: the ranks that speak for the model in gathers (the first expert group)."""
-        return self.dp_rank < self.ep
+        return in_first_expert_group(self.dp_rank, self.ep)
+
+    def check_expert_numbering(self) -> None:
+        """Check ``in_first_expert_group``'s reading of Megatron's numbering against
+        megatron-core itself (cheap: two lookups), so that a change there fails loudly instead
+        of exporting some experts twice and others never."""
+        if not self.holds_whole_model:
+            return
+        ps = parallel_state
+        actual = (ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank())
+        if actual != (self.dp_rank, 0):
+            raise RuntimeError(
+                f"data-parallel rank {self.dp_rank} (< expert_parallel_size {self.ep}) should "
+                f"be expert-parallel rank {self.dp_rank} of expert group 0; megatron-core has "
+                f"it as expert-parallel rank {actual[0]} of expert-data-parallel rank {actual[1]}"
+            )
 
     @property
     def first_stage(self) -> bool:

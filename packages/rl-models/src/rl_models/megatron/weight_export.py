@@ -40,6 +40,7 @@ import torch
 
 from rl_models.megatron.convert import (
     GPTLayout,
+    in_first_expert_group,
     megatron_global_to_hf,
     megatron_layer_to_hf,
     stage_layers,
@@ -78,12 +79,12 @@ class MegatronWeightExporter:
         ep_rank: int = 0,
     ) -> None:
         """``ep``/``ep_rank``: the expert-parallel size and this rank's place in its expert
-        group (Megatron makes expert groups of consecutive data-parallel ranks, so replica
-        ``dp_rank < ep`` is expert-parallel rank ``dp_rank`` of the first group)."""
+        group (``convert.in_first_expert_group``: replica ``dp_rank < ep`` is expert-parallel
+        rank ``dp_rank`` of the first group)."""
         self.model, self.layout, self.tp, self.gather = model, layout, tp, gather
         self.ep, self.ep_rank = ep, ep_rank
         # The first expert group holds each weight once; later groups are copies of it.
-        self.active = dp_rank < ep
+        self.active = in_first_expert_group(dp_rank, ep)
         self.producer = self.active and tp_rank == 0
         # Every expert-parallel rank holds the weights outside the experts: rank 0 sends them.
         self.dense = ep_rank == 0

@@ -70,6 +70,7 @@ from rl_models.megatron.parallel import (
     init_model_parallel,
     sync_grads,
 )
+from rl_models.megatron.training_state import check_parallel_layout, save_parallel_layout
 from rl_models.megatron.weight_export import MegatronWeightExporter, tp_gather_to
 from rl_models.modeling.build import hf_config_of
 from rl_models.policy.base_worker import PolicyWorker, init_distributed, local_device
@@ -318,6 +319,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         ``expert_tensor_parallel_size`` at its default (the tensor-parallel size).
         """
         r = self.ranks
+        r.check_expert_numbering()
         gather = tp_gather_to(
             parallel_state.get_tensor_model_parallel_group(),
             parallel_state.get_tensor_model_parallel_src_rank(),
@@ -346,6 +348,14 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         experts = f"-ep{r.ep_rank}" if r.ep > 1 else ""
         return f"{stem}-pp{r.pp_rank}-tp{r.tp_rank}{experts}{ext}"
 
+    def _parallel_sizes(self) -> dict[str, int]:
+        r = self.ranks
+        return {
+            "tensor_parallel_size": r.tp,
+            "pipeline_parallel_size": r.pp,
+            "expert_parallel_size": r.ep,
+        }
+
     def save_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
         """HF safetensors weights (``from_pretrained``-loadable) into ``path``; optimiser and
         scheduler state into ``training_state_dir`` (``path`` when not given).
@@ -353,7 +363,8 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         Rank 0 writes the gathered weights and the scheduler; each rank of replica 0 (with
         expert parallelism: of the first ``ep`` replicas) writes its own optimiser state.
         Loading needs the same tensor, pipeline and expert parallel sizes for the optimiser
-        state (the weights load under any layout).
+        state (the weights load under any layout), which rank 0 records
+        (``training_state.save_parallel_layout``).
         """
         state_dir = training_state_dir or path
         weights = gather_hf_state(self.model, self.layout, self.ranks, to_all=False)
@@ -369,6 +380,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
                 )
             hf.save_pretrained(path, state_dict=weights)
             torch.save(self.scheduler.state_dict(), os.path.join(state_dir, SCHEDULER_FILE))
+            save_parallel_layout(state_dir, self._parallel_sizes())
         dist.barrier()  # the folders exist before the other ranks write into them
         if self.ranks.holds_whole_model:
             optimizer_file = os.path.join(state_dir, self._optimizer_file())
@@ -376,8 +388,10 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         dist.barrier()
 
     def load_checkpoint(self, path: str, training_state_dir: str | None = None) -> None:
-        """Restore what ``save_checkpoint`` wrote (every rank reads both directories)."""
+        """Restore what ``save_checkpoint`` wrote (every rank reads both directories); a
+        checkpoint saved under other parallel sizes is refused before anything is read."""
         state_dir = training_state_dir or path
+        check_parallel_layout(state_dir, self._parallel_sizes(), self._optimizer_file())
         self._fill(self.model, path)  # this rank's slices of the saved safetensors only
         optim = torch.load(os.path.join(state_dir, self._optimizer_file()), weights_only=False)
         self.optimizer.load_state_dict(optim)

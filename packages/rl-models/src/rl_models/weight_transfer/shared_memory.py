@@ -39,12 +39,15 @@ import contextlib
 import hashlib
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from rl_models.weight_transfer.buckets import TensorSlot, TensorSpec, slots_of
+from rl_models.weight_transfer.buckets import TensorSlot, TensorSpec, _aligned, slots_of
+
+#: Where a consumer keeps a tensor: (segment name, byte offset in the segment, segment bytes).
+Placer = Callable[[TensorSpec], "tuple[str, int, int] | None"]
 
 REGION_DIR = "/dev/shm"
 PREFIX = "rl-refit-"
@@ -57,8 +60,25 @@ class RegionLayout:
     slots: tuple[TensorSlot, ...]
 
     @classmethod
-    def of(cls, specs: Sequence[TensorSpec]) -> RegionLayout:
-        return cls(slots_of(specs))
+    def of(cls, specs: Sequence[TensorSpec], place: Placer | None = None) -> RegionLayout:
+        """Each tensor at the next aligned offset, in the order of ``specs``; or, with
+        ``place``, where the consumer keeps it: ``place(spec)`` names the *segment* (e.g. a
+        fused parameter) the tensor is a contiguous part of, its byte offset in it and the
+        segment's size (None: a segment of its own). A segment is laid out whole at its first
+        tensor, so a consumer can map the segment as one tensor and the producer write each
+        part by name."""
+        if place is None:
+            return cls(slots_of(specs))
+        slots, segments, end = [], {}, 0
+        for spec in specs:
+            where = place(spec)
+            key, inner, size = where if where is not None else (spec.name, 0, spec.nbytes)
+            if key not in segments:
+                segments[key], end = end, end + _aligned(size)
+            slots.append(
+                TensorSlot(spec.name, spec.dtype, spec.shape, segments[key] + inner, spec.nbytes)
+            )
+        return cls(tuple(slots))
 
     @property
     def nbytes(self) -> int:
