@@ -93,6 +93,7 @@ EXPECTED = {
         "policy.mixed_precision": "bfloat16",
         "policy.dtensor.tensor_parallel_size": 1,
         "policy.dtensor.sequence_parallel": False,
+        "policy.dtensor.context_parallel_size": 1,
         "policy.train_global_batch_size": 512,
         "policy.max_total_sequence_length": 512,
         "policy.sequence_packing.max_tokens_per_microbatch": 2048,
@@ -282,7 +283,13 @@ def test_dtensor_tensor_and_sequence_parallel_sizes_carry_over():
     assert select(config, "policy.dtensor") == {
         "tensor_parallel_size": 2,
         "sequence_parallel": True,
+        "context_parallel_size": 1,
     }
+
+
+def test_dtensor_context_parallel_size_carries_over():
+    config = validated("grpo_math_1B", "policy.dtensor_cfg.context_parallel_size=2")
+    assert select(config, "policy.dtensor.context_parallel_size") == 2
 
 
 def test_megatron_expert_parallel_size_carries_over_and_expert_tp_only_when_it_changes_nothing():

@@ -19,6 +19,8 @@ from .test_token_entropy import float64_logprobs_and_entropy
 from .two_rank_scenarios import (
     TENSOR_PARALLEL_CASES,
     asked_token_ids,
+    context_parallel_config,
+    long_documents,
     tensor_parallel_config,
     tensor_parallel_loss,
 )
@@ -233,3 +235,44 @@ def test_a_tensor_parallel_step_exports_and_saves_the_one_process_weights(ranks,
     for weights in (result["exported"], result["checkpoint"]):
         for name, tensor in weights.items():
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-10, msg=name)
+
+
+def test_context_parallel_packed_row_gives_float64_logprobs_and_the_one_process_step(ranks):
+    """cp=2 on one packed row of three uneven documents (plus padding): each rank runs half
+    of the row's tokens, attending to the other half's keys under the documents' causal mask.
+    Both ranks' log-probs (entropies, top-k) equal the plain float64 model run on each
+    document alone, and one
+    SGD step gives one process's gradient norm and weights: a dropped document mask or a
+    gradient counted on both ranks (twice the norm) fails here (checked)."""
+    from rl_models.losses import NLLLoss
+    from rl_models.modeling.build import build_model
+    from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+
+    data = long_documents()
+    config = context_parallel_config(cp=False)
+    hf = build_model(config.model, config.seed).eval()
+    expected = torch.zeros(*data["input_ids"].shape, 2, dtype=torch.float64)
+    expected_top = torch.zeros(*data["input_ids"].shape, 5, dtype=torch.float64)
+    expected_ids = torch.zeros(*data["input_ids"].shape, 5, dtype=torch.long)
+    with torch.no_grad():
+        for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
+            logits = hf(ids[None, :n]).logits[0, :-1]
+            expected[row, 1:n] = float64_logprobs_and_entropy(logits, ids[1:n])
+            expected_top[row, 1:n], expected_ids[row, 1:n] = logits.log_softmax(-1).topk(5)
+    results = scenario(ranks, "context_parallel")
+    for r in results:
+        torch.testing.assert_close(r["logprobs"], expected[..., 0], rtol=0, atol=1e-10)
+        torch.testing.assert_close(r["entropy"], expected[..., 1], rtol=0, atol=1e-10)
+        torch.testing.assert_close(r["topk"]["topk_logprobs"], expected_top, rtol=0, atol=1e-10)
+        assert torch.equal(r["topk"]["topk_ids"], expected_ids)
+    worker = DTensorPolicyWorker(config)
+    initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
+    trained = worker.model.state_dict()
+    assert max(float((trained[k] - initial[k]).abs().max()) for k in trained) > 1e-2
+    for r in results:
+        assert r["grad_norm"] == pytest.approx(grad_norm, rel=1e-12)
+    got = results[0]["trained_weights"]
+    assert set(got) == set(trained)
+    for name, tensor in trained.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-10, msg=name)

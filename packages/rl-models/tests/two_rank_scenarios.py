@@ -304,8 +304,50 @@ def tensor_parallel(case: str, out: str) -> dict:
     }
 
 
-def main(out: str) -> None:
-    """Every scenario runs even if another fails; a failure is saved as its message."""
+def long_documents(lengths=(37, 90, 19)) -> object:
+    """Three documents of uneven lengths, right-padded to the longest (a loss on the second
+    half of each): packed, one row of 146 tokens, which context parallelism pads to 148."""
+    return skewed_batch(lengths=lengths, seed=7)
+
+
+def context_parallel_config(cp: bool = True):
+    """cp=2 over both ranks (dp=1) on packed rows (``cp=False``: the same without cp)."""
+    return tiny_config(
+        train_global_batch_size=3,
+        train_micro_batch_size=3,
+        logprob_chunk_size=16,
+        dynamic_batching={"enabled": False},
+        sequence_packing={"enabled": True, "max_tokens_per_microbatch": 256},
+        **({"dtensor": {"context_parallel_size": 2}} if cp else {}),
+    )
+
+
+def context_parallel() -> dict:
+    """cp=2, each rank given the whole batch: log-probs, entropies and the top-k of the
+    packed row, then one SGD step (gradient norm and the trained weights, gathered)."""
+    from rl_models.policy.forward import TokenLogprobs
+
+    data = long_documents()
+    worker = DTensorPolicyWorker(context_parallel_config())
+    logprobs = worker.get_logprobs(data)["logprobs"]
+    entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))[..., 1]
+    topk = dict(worker.get_topk_logprobs(data, k=5))
+    grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
+    weights = get_model_state_dict(
+        worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {
+        "logprobs": logprobs,
+        "entropy": entropy,
+        "topk": topk,
+        "grad_norm": grad_norm,
+        "trained_weights": weights,
+    }
+
+
+def main(out: str, only: list[str]) -> None:
+    """Every scenario runs even if another fails; a failure is saved as its message.
+    ``only``: run just the scenarios whose names contain one of these (all when empty)."""
     rank = int(os.environ["RANK"])
     half = skewed_batch().slice(rank * 4, rank * 4 + 4)
     results: dict = {}
@@ -323,8 +365,11 @@ def main(out: str) -> None:
             f"tensor_parallel/{case}": lambda case=case: tensor_parallel(case, out)
             for case in TENSOR_PARALLEL_CASES
         },
+        "context_parallel": context_parallel,
     }
     for name, scenario in scenarios.items():
+        if only and not any(part in name for part in only):
+            continue
         try:
             results[name] = scenario()
         except Exception as e:
@@ -335,4 +380,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

@@ -380,6 +380,22 @@ def _dtensor_sequence_parallel(ctx: Context, key: str, value: Any) -> None:
         ctx.put(key, value, "policy.dtensor.sequence_parallel")
 
 
+def _dtensor_context_parallel(ctx: Context, key: str, value: Any) -> None:
+    """Carried over where the config takes it: not with tensor parallelism, activation
+    checkpointing, LoRA nor for a critic (``value:``), each refused with it here."""
+    clashes = {
+        "tensor parallelism": ctx.get("policy.dtensor_cfg.tensor_parallel_size", 1) > 1,
+        "activation checkpointing": ctx.get("policy.dtensor_cfg.activation_checkpointing"),
+        "LoRA": ctx.get("policy.dtensor_cfg.lora_cfg.enabled"),
+        "a value model": ctx.section == "value",
+    }
+    named = [name for name, on in clashes.items() if on]
+    if value != 1 and named:
+        ctx.refuse(key, value, f"would split sequences across GPUs with {' and '.join(named)}")
+    else:
+        ctx.put(key, value, "policy.dtensor.context_parallel_size")
+
+
 def _empty(value: Any, ctx: Context) -> bool:
     return not value or (isinstance(value, dict) and not any(value.values()))
 

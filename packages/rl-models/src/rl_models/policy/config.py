@@ -269,9 +269,13 @@ class MegatronConfig(ConfigModel):
 class DTensorConfig(ConfigModel):
     """Model parallelism of the DTensor backend (NeMo RL's ``dtensor_cfg`` names): the workers
     form a ``(data parallel, tensor parallel)`` mesh; FSDP2 shards over the first dimension.
+    With context parallelism they form a ``(data parallel, context parallel)`` mesh instead,
+    and FSDP2 shards over all the workers.
 
     Tensor parallelism needs a model family with a plan (Llama, Qwen2) whose attention heads
-    (and key/value heads) divide by ``tensor_parallel_size``; ``policy/tensor_parallel.py``."""
+    (and key/value heads) divide by ``tensor_parallel_size``; ``policy/tensor_parallel.py``.
+    Context parallelism needs a model whose attention goes through Hugging Face's attention
+    interface (no sliding windows, no soft-capping); ``policy/context_parallel.py``."""
 
     # Ranks each decoder layer's matrices (and the vocabulary) are split over; the workers'
     # count must be a multiple of it (the rest is data parallel).
@@ -279,6 +283,11 @@ class DTensorConfig(ConfigModel):
     # Split the activations between blocks (norms, residual stream) along the sequence across
     # the tensor-parallel ranks (needs tensor_parallel_size > 1).
     sequence_parallel: bool = False
+    # Ranks each row's tokens (padded or packed) are split over along the sequence; each
+    # attends to the others' keys, all-gathered. For long sequences: activations per rank
+    # shrink with it. The workers' count must be a multiple of it; not with
+    # tensor_parallel_size > 1.
+    context_parallel_size: int = Field(1, ge=1)
 
 
 class ReferencePolicyConfig(ConfigModel):
@@ -388,10 +397,15 @@ class PolicyConfig(BackendConfig):
         return 1, 1
 
     @property
+    def context_parallel_size(self) -> int:
+        """Ranks that split each row along the sequence between them (they share batches)."""
+        return 1
+
+    @property
     def model_parallel_size(self) -> int:
-        """Ranks that hold one copy of the model between them (1 for FSDP's data parallel)."""
+        """Ranks that share one data-parallel rank's batches (1 for FSDP's data parallel)."""
         pipeline, tensor = self.model_parallel_layout
-        return pipeline * tensor
+        return pipeline * tensor * self.context_parallel_size
 
     # What a backend's workers can compute beyond log-probs and logits. A backend claims a
     # capability by overriding it, so one registered later claims none it has not built;
@@ -450,6 +464,7 @@ class DTensorPolicyConfig(PolicyConfig):
         tp = self.dtensor.tensor_parallel_size
         if self.dtensor.sequence_parallel and tp == 1:
             raise ValueError("dtensor.sequence_parallel needs dtensor.tensor_parallel_size > 1")
+        self._check_context_parallel()
         if tp == 1:
             return self
         # Why each is refused: peft wraps the very linear layers the plan splits (its
@@ -469,9 +484,42 @@ class DTensorPolicyConfig(PolicyConfig):
             )
         return self
 
+    def _check_context_parallel(self) -> None:
+        cp = self.dtensor.context_parallel_size
+        if cp == 1:
+            return
+        # Why each is refused: its kernel is switched in for one forward call, so the
+        # recompute of activation checkpointing (in backward, outside the call) would attend
+        # without it; it replaces the attention with sdpa over the gathered keys, so another
+        # configured kernel would silently not run; the routes of a replayed batch, peft's
+        # wrapping, tensor parallelism's plan and a value or classifier head (read at one
+        # token, or at every token of a row that is split) are not split with the rows.
+        unsupported = {
+            f"dtensor.tensor_parallel_size={self.dtensor.tensor_parallel_size}": (
+                self.dtensor.tensor_parallel_size > 1
+            ),
+            "activation_checkpointing": self.activation_checkpointing,
+            f"model.attn_implementation={self.model.attn_implementation} (use sdpa)": (
+                self.model.attn_implementation != "sdpa"
+            ),
+            "router_replay": self.router_replay,
+            "lora.enabled": self.lora.enabled,
+            f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
+        }
+        named = [k for k, on in unsupported.items() if on]
+        if named:
+            raise ValueError(
+                f"dtensor.context_parallel_size={cp} does not work with {', '.join(named)}; "
+                "use context_parallel_size 1 for these"
+            )
+
     @property
     def model_parallel_layout(self) -> tuple[int, int]:
         return 1, self.dtensor.tensor_parallel_size
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.dtensor.context_parallel_size
 
     @property
     def supports_topk_logprobs(self) -> bool:

@@ -11,6 +11,11 @@ first split by tensor (and sequence) parallelism (``tensor_parallel.py``), then 
 it over ``dp``. The ``tp`` ranks of one ``dp`` rank get the same micro-batches and compute the
 same losses; counts and metrics are reduced over ``dp`` only (``dp_group``).
 
+With ``dtensor.context_parallel_size`` > 1 (and tp = 1) the mesh is ``("dp", "cp")`` instead:
+the ``cp`` ranks of one ``dp`` rank get the same micro-batches and split every row along the
+sequence between them (``context_parallel.py``); FSDP2 shards over all the ranks (the ``dp``
+and ``cp`` dimensions as one), since every rank's gradients are its own tokens' share.
+
 Sharded, the model is built on the meta device and each rank materialises and loads only its
 own shards (``build.py``). The reference policy, when enabled, is built the same way and runs
 under the same sharding and precision as the policy, so the two agree exactly at step 0.
@@ -24,6 +29,7 @@ LoRA each rank builds the whole base model before sharding it.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -38,7 +44,7 @@ from rl_models.modeling import lora
 from rl_models.modeling.build import build_model
 from rl_models.modeling.moe_routes import require_routers
 from rl_models.modeling.precision import compute_dtype
-from rl_models.policy import checkpoint, offload, tensor_parallel
+from rl_models.policy import checkpoint, context_parallel, offload, tensor_parallel
 from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-export)
     PolicyWorker,
     init_distributed,
@@ -70,27 +76,21 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         init_distributed(self.device)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.tp_size = self.config.dtensor.tensor_parallel_size
-        if world % self.tp_size:
-            raise ValueError(
-                f"{world} policy workers cannot be split into groups of "
-                f"dtensor.tensor_parallel_size={self.tp_size}: make the worker count a "
-                "multiple of it"
-            )
-        self.dp_size = world // self.tp_size
+        self.cp_size = self.config.dtensor.context_parallel_size
+        for key, size in (("tensor", self.tp_size), ("context", self.cp_size)):
+            if world % size:
+                raise ValueError(
+                    f"{world} policy workers cannot be split into groups of "
+                    f"dtensor.{key}_parallel_size={size}: make the worker count a multiple of it"
+                )
+        self.dp_size = world // (self.tp_size * self.cp_size)
         #: Whether the model is distributed at all (FSDP2, and tensor parallel with tp > 1).
         self.sharded = world > 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.lora = self.config.lora.enabled
         self.forward_options = ForwardOptions.of(self.config)
         if self.sharded:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            # One mesh for the policy and its reference; one-dimensional without tp.
-            dims = tensor_parallel.MESH_DIMS if self.tp_size > 1 else ("dp",)
-            shape = (self.dp_size, self.tp_size)[: len(dims)]
-            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=dims)
-            if self.tp_size > 1:
-                self.dp_group = self._mesh["dp"].get_group()
+            self._make_meshes(world)
         # None: compute in the weights' dtype ("auto" on a device without native bfloat16).
         self.compute_dtype = compute_dtype(self.config.mixed_precision, self.device.type)
 
@@ -101,6 +101,31 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         if self.config.reference_policy.enabled and not self.lora:
             self.reference = self._build_reference()
         self._make_optimizer()
+
+    def _make_meshes(self, world: int) -> None:
+        """The device mesh (one for the policy and its reference) and FSDP2's part of it."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kind = self.device.type
+        if self.tp_size > 1:
+            self._mesh = init_device_mesh(
+                kind, (self.dp_size, self.tp_size), mesh_dim_names=tensor_parallel.MESH_DIMS
+            )
+            self.dp_group = self._mesh["dp"].get_group()
+            self._fsdp_mesh = self._mesh["dp"]
+        elif self.cp_size > 1:
+            self._mesh = init_device_mesh(
+                kind, (self.dp_size, self.cp_size), mesh_dim_names=("dp", "cp")
+            )
+            self.dp_group = self._mesh["dp"].get_group()
+            group = context_parallel.ContextGroup.of(self._mesh["cp"].get_group())
+            self.forward_options = dataclasses.replace(self.forward_options, context=group)
+            # FSDP2 over every rank, a one-dimensional mesh of its own (the same ranks as the
+            # (dp, cp) mesh flattened): each rank's gradients are its tokens' share.
+            self._fsdp_mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp_cp",))
+        else:
+            self._mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
+            self._fsdp_mesh = self._mesh
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.config.activation_checkpointing:
@@ -144,7 +169,9 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         if self.tp_size > 1:
             sequence_parallel = self.config.dtensor.sequence_parallel
             tensor_parallel.parallelize(model, self._mesh["tp"], sequence_parallel)
-        mesh = self._mesh["dp"]
+        if self.cp_size > 1:
+            context_parallel.check_model(model, self.cp_size)
+        mesh = self._fsdp_mesh
         precision = MixedPrecisionPolicy()
         if self.compute_dtype is not None:
             # Parameters are all-gathered in the compute dtype (half the traffic); gradients
@@ -325,10 +352,12 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
                     )
                     self._loss_metrics.append(metrics)
                 if not eval_mode:
-                    # FSDP averages gradients over the dp ranks; the losses are already global
+                    # FSDP averages gradients over its ranks; the losses are already global
                     # means, so the sum over ranks is wanted: undo the average. (The tp ranks of
-                    # a dp rank compute the same loss; tensor parallelism adds nothing up twice.)
-                    (loss * self.dp_size).backward()
+                    # a dp rank compute the same loss; tensor parallelism adds nothing up twice.
+                    # The cp ranks compute the same loss too, but each one's gradients are its
+                    # own tokens' share: FSDP's ranks include them.)
+                    (loss * (self._fsdp_mesh.size() if self.sharded else 1)).backward()
             loss_sum += loss.detach().double().cpu()
         return loss_sum
 

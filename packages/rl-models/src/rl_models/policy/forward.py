@@ -24,6 +24,10 @@ restarting at 0 per sequence. How the sequences are kept apart depends on the at
 sdpa and eager get a dense block-diagonal causal mask; the flash-attention and flex kernels get
 no mask at all and find the sequence boundaries from the position ids (Hugging Face's
 packed-sequence path: variable-length kernels, no ``[T, T]`` mask in memory).
+
+Under context parallelism (``ForwardOptions.context``) each rank runs the model on its share
+of every row, padded or packed (``context_parallel.py``); the per-token outputs are gathered
+back to whole rows before anything above reads them, so they are the same on every rank.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ from rl_models.interfaces import (
     Values,
 )
 from rl_models.modeling.moe_routes import NO_ROUTE, RouteReplay
+from rl_models.policy import context_parallel
 from rl_models.policy.config import PolicyConfig
+from rl_models.policy.context_parallel import ContextGroup, ContextSplit, NoSplit
 from rl_models.policy.logprobs import (
     logsumexp_and_entropy,
     output_layer_computes_logprobs,
@@ -83,6 +89,9 @@ class ForwardOptions:
     # The output layer is split over the vocabulary (tensor parallel): log-probs always come
     # from its slices (logprobs.vocab_parallel_logprobs), never from whole logits.
     vocab_parallel: bool = False
+    # Context parallelism (context_parallel.py): this rank runs its share of every row. Not in
+    # the config: the worker sets it once its process groups exist.
+    context: ContextGroup | None = None
 
     @classmethod
     def of(cls, config: PolicyConfig) -> ForwardOptions:
@@ -94,8 +103,12 @@ class ForwardOptions:
             temperature=config.logprob_temperature,
             # The shared-prefix forward runs a group's prompt once and its rows' tails apart:
             # the routes of a replayed batch would have to be cut the same way. It also runs
-            # the model's pieces itself, outside the tensor-parallel plan's hooks.
-            share_prefix=config.share_prompt_prefix and not config.router_replay and tp == 1,
+            # the model's pieces itself, outside the tensor-parallel plan's hooks, and over
+            # whole rows, not context-parallel shares of them.
+            share_prefix=config.share_prompt_prefix
+            and not config.router_replay
+            and tp == 1
+            and config.context_parallel_size == 1,
             router_replay=config.router_replay,
             vocab_parallel=tp > 1,
         )
@@ -133,6 +146,13 @@ def _padding_mask(mb: BatchedDataDict) -> torch.Tensor:
     return pos[None, :] < lengths[:, None].to(ids.device)
 
 
+def _packed_documents(packed: PackedSequences, rows: int) -> torch.Tensor:
+    """``[T]``: the sequence (row of the micro-batch) each token of the packed row came from."""
+    device = packed.input_ids.device
+    slots = packed.cu_seqlens.diff().long().to(device)
+    return torch.repeat_interleave(torch.arange(rows, device=device), slots)
+
+
 def _packed_inputs(
     mb: BatchedDataDict, attn_implementation: str
 ) -> tuple[PackedSequences, dict[str, torch.Tensor | None]]:
@@ -142,10 +162,7 @@ def _packed_inputs(
     mask = None
     if attn_implementation in DENSE_MASK_KERNELS:
         # A token sees earlier tokens of its own sequence only.
-        seq = torch.repeat_interleave(
-            torch.arange(ids.shape[0], device=ids.device),
-            p.cu_seqlens.diff().long().to(ids.device),
-        )
+        seq = _packed_documents(p, ids.shape[0])
         causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=ids.device).tril()
         mask = (causal & (seq[:, None] == seq[None, :]))[None, None]
         if attn_implementation == "eager":
@@ -162,9 +179,35 @@ def _model_inputs(
     """The model's arguments for ``mb``: its padded rows, or one packed row (with its
     ``PackedSequences``)."""
     if options.packed:
-        return _packed_inputs(mb, options.attn_implementation)
+        # Under context parallelism the kernel builds its own mask (no [T, T] one here).
+        kernel = context_parallel.NAME if options.context else options.attn_implementation
+        return _packed_inputs(mb, kernel)
     real = _padding_mask(mb).long()
     return None, {"input_ids": mb["input_ids"], "attention_mask": real, "use_cache": False}
+
+
+def _split(
+    inputs: dict[str, torch.Tensor | bool | None],
+    mb: BatchedDataDict,
+    packed: PackedSequences | None,
+    options: ForwardOptions,
+) -> ContextSplit | NoSplit:
+    """The model's ``inputs`` as this rank runs them: its share of every row under context
+    parallelism (the documents a token may attend within: its padded row, or its sequence of
+    the packed row; padding none), else whole."""
+    if options.context is None:
+        return NoSplit(inputs)
+    if packed is None:
+        documents = torch.where(_padding_mask(mb), 0, -1)
+    else:
+        documents = _packed_documents(packed, mb["input_ids"].shape[0])[None]
+    return options.context.split(inputs, documents)
+
+
+def _run(model: torch.nn.Module, split: ContextSplit | NoSplit) -> torch.Tensor:
+    """The model's ``logits`` output over this rank's tokens (not gathered)."""
+    with split.attending(model):
+        return model(**split.inputs).logits
 
 
 def routes_replayed(
@@ -221,7 +264,11 @@ def forward_logprobs(
         raise ValueError("forward_logprobs gives the entropy with one token per position only")
     # The output layer computes log-probs itself only where its output is the plain logits.
     in_head = supports_chunked_logprobs(model) and (
-        chunk_size is not None or wanted is not None or entropy or options.vocab_parallel
+        chunk_size is not None
+        or wanted is not None
+        or entropy
+        or options.vocab_parallel
+        or options.context is not None
     )
     wanted = wanted if in_head else None
     # Per position, the tokens whose log-probs are wanted: the input token, then gather_ids.
@@ -235,6 +282,7 @@ def forward_logprobs(
         ):
             return shared_prefix_logprobs(model, mb, wanted, chunk_size, temperature)
     p, inputs = _model_inputs(mb, options)
+    split = _split(inputs, mb, p, options)
     row_tokens, row_wanted = tokens, wanted
     if p is not None:  # the one packed row's
         row_tokens = pack_sequences(tokens, lengths).input_ids
@@ -246,14 +294,18 @@ def forward_logprobs(
         # The output layer's forward is swapped for the chunked log-probs while the model runs
         # (not called on hidden states taken out of it): FSDP2's and peft's hooks then see one
         # ordinary call, and the output layer's sharded weight is gathered as usual.
-        targets = F.pad(row_tokens[:, 1:], (*trailing, 0, 1))
+        # Targets (and kept positions) of the whole rows, split like the tokens: a token's
+        # target may be held by the next rank.
+        targets = split.local(F.pad(row_tokens[:, 1:], (*trailing, 0, 1)))
+        keep = None if keep is None else split.local(keep)
         with output_layer_computes_logprobs(model, targets, chunk_size, temperature, keep, entropy):
-            lp = model(**inputs).logits[:, :-1]
+            lp = split.gathered(_run(model, split))[:, :-1]
     elif entropy:
-        logits = model(**inputs).logits[:, :-1]
+        logits = split.gathered(_run(model, split))[:, :-1]
         lp = token_logprobs_and_entropy(logits, row_tokens[:, 1:], temperature)
     else:
-        lp = token_logprobs(model(**inputs).logits[:, :-1], row_tokens[:, 1:], temperature)
+        logits = split.gathered(_run(model, split))[:, :-1]
+        lp = token_logprobs(logits, row_tokens[:, 1:], temperature)
     return _aligned(F.pad(lp, (*(0, 0) * (lp.dim() - 2), 1, 0)), mb, p)
 
 
@@ -281,13 +333,15 @@ def forward_topk_logprobs(
     are 0 at position 0 and on padding). With a chunkable output layer no ``[tokens, vocab]``
     logits exist: the output layer computes the top-k ``chunk_size`` tokens at a time."""
     p, inputs = _model_inputs(mb, options)
+    split = _split(inputs, mb, p, options)
     chunk_size, temperature = options.chunk_size, options.temperature
     if supports_chunked_logprobs(model):
         with output_layer_computes_topk(model, k, chunk_size, temperature) as found:
-            values = model(**inputs).logits
+            values = _run(model, split)
         top_ids = found["ids"]
     else:  # soft-capped or scaled logits: the model's own, whole
-        values, top_ids = _log_softmax(model(**inputs).logits, temperature).topk(k, dim=-1)
+        values, top_ids = _log_softmax(_run(model, split), temperature).topk(k, dim=-1)
+    values, top_ids = split.gathered(values), split.gathered(top_ids)
     values, top_ids = (_aligned(F.pad(t[:, :-1], (0, 0, 1, 0)), mb, p) for t in (values, top_ids))
     return values, top_ids
 
@@ -300,7 +354,8 @@ def forward_logits(
     Under tensor parallelism the vocabulary slices are gathered: a loss over whole logits
     gets them whole on every rank (its backward hands each rank its own slice's gradient)."""
     p, inputs = _model_inputs(mb, options)
-    logits = model(**inputs).logits
+    split = _split(inputs, mb, p, options)
+    logits = split.gathered(_run(model, split))
     if options.vocab_parallel:
         logits = logits.full_tensor()
     return _aligned(F.pad(logits[:, :-1], (0, 0, 1, 0)), mb, p)

@@ -32,19 +32,22 @@ from rl_models.policy.config import PolicyConfig
 
 logger = logging.getLogger(__name__)
 
-MODEL_PARALLEL_AXES = ["pipeline_parallel", "tensor_parallel"]
+MODEL_PARALLEL_AXES = ["pipeline_parallel", "context_parallel", "tensor_parallel"]
 
 
 def worker_sharding(config: PolicyConfig, world: int) -> NamedSharding:
-    """Workers as a ``[pipeline_parallel, data_parallel, tensor_parallel]`` grid."""
+    """Workers as a ``[pipeline_parallel, data_parallel, context_parallel, tensor_parallel]``
+    grid: the ranks of one data-parallel rank get the same batches."""
     pp, tp = config.model_parallel_layout
-    if world % (tp * pp):
+    cp = config.context_parallel_size
+    if world % (tp * pp * cp):
         raise ValueError(
             f"{world} workers cannot be split into model replicas of tensor_parallel_size {tp} "
-            f"x pipeline_parallel_size {pp}"
+            f"x pipeline_parallel_size {pp} x context_parallel_size {cp}"
         )
-    layout = np.arange(world).reshape(pp, world // (tp * pp), tp)
-    return NamedSharding(layout, ["pipeline_parallel", "data_parallel", "tensor_parallel"])
+    layout = np.arange(world).reshape(pp, world // (tp * pp * cp), cp, tp)
+    names = ["pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel"]
+    return NamedSharding(layout, names)
 
 
 class Policy(PolicyInterface):

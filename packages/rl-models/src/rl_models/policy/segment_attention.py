@@ -136,10 +136,7 @@ def segment_attention(
     value_dim = value.shape[-1]
     if rows * width != layout.tokens:
         raise ValueError(f"the layout is for {layout.tokens} tokens, the call has {rows * width}")
-    # On a CPU the flash kernel runs these small problems faster in float32 than in bf16 (and
-    # the softmax is then float32, as eager attention has it); on an accelerator the half
-    # kernel is the fast one.
-    dtype = torch.float32 if query.dtype in HALF and query.device.type == "cpu" else query.dtype
+    dtype = attention_dtype(query)
     # Keys and values repeated per query head: with a mask, sdpa's own grouped-query option
     # would send CUDA to its math kernel (Hugging Face's sdpa path repeats them too).
     q = query.transpose(1, 2).reshape(rows * width, heads, dim).to(dtype)
@@ -163,6 +160,15 @@ def segment_attention(
     return out.view(rows, width, heads, value_dim).to(query.dtype), None
 
 
+def attention_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype a kernel here runs ``scaled_dot_product_attention`` in for ``query``'s.
+
+    On a CPU the flash kernel runs these small problems faster in float32 than in bf16 (and
+    the softmax is then float32, as eager attention has it); on an accelerator the half
+    kernel is the fast one."""
+    return torch.float32 if query.dtype in HALF and query.device.type == "cpu" else query.dtype
+
+
 def _gathered(t: torch.Tensor, index: torch.Tensor, n: int, length: int) -> torch.Tensor:
     """``[n, heads, length, D]`` from the flat tokens ``t [tokens, heads, D]`` at ``index``."""
     return t.index_select(0, index).view(n, length, *t.shape[1:]).transpose(1, 2)
@@ -175,12 +181,22 @@ AttentionInterface.register(NAME, segment_attention)
 def attention_by_segments(model: torch.nn.Module, layout: SegmentLayout) -> Iterator[None]:
     """While inside, ``model``'s attention layers compute ``layout``'s problems (module
     docstring) instead of attending over whole rows."""
+    token = _ACTIVE.set(layout)
+    try:
+        with kernel_switched(model, NAME):
+            yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def kernel_switched(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """While inside, ``model``'s attention layers call the attention function registered as
+    ``name`` (``AttentionInterface``) instead of the configured one."""
     config = model.config.get_text_config()
     before = config._attn_implementation
-    token = _ACTIVE.set(layout)
-    config._attn_implementation = NAME
+    config._attn_implementation = name
     try:
         yield
     finally:
         config._attn_implementation = before
-        _ACTIVE.reset(token)
