@@ -1,8 +1,11 @@
-"""Rendezvous and placement on a real two-node Ray cluster, both nodes on this machine.
+"""Two Ray nodes on this one machine, as on two machines: drivers attach to the cluster
+`ray start` made (RAY_ADDRESS), virtual nodes land on distinct Ray nodes, rendezvous and
+placement go by node.
 
 The second node gets its own loopback address (127.0.0.2), so "which node" is visible in
 addresses as on two machines, and two logical GPUs, so the head is a CPU-only node beside a
-GPU node (the workers never touch a GPU; Ray only counts them).
+GPU node (the workers never touch a GPU; Ray only counts them). One cluster serves every test
+here: starting it costs half a minute or more on a busy machine.
 """
 
 import json
@@ -75,6 +78,23 @@ PLACEMENT = textwrap.dedent(
             report[name] = str(err)
         report[name + "_s"] = time.monotonic() - start
     print(json.dumps(report))
+    """
+)
+
+
+DRIVER = textwrap.dedent(
+    """
+    import json, ray
+    from rl_distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
+    cluster = RayVirtualCluster({bundles}, use_gpus=False, placement_group_strategy="{strategy}")
+    group = RayWorkerGroup(cluster, RayWorkerBuilder("rl_distributed.testing.EchoWorker"))
+    envs = group.call_all("env")
+    print(json.dumps({{"gcs": ray.get_runtime_context().gcs_address,
+                      "cpus": ray.cluster_resources()["CPU"],
+                      "nodes": [m.placement["node_id"] for m in group.worker_metadata],
+                      "node_ranks": [e["NODE_RANK"] for e in envs]}}))
+    group.shutdown()
+    cluster.shutdown()
     """
 )
 
@@ -187,3 +207,24 @@ def test_spread_counts_only_nodes_that_can_hold_the_bundles(cpu_head_and_gpu_nod
         assert "(2 CPU, 0 GPU: 0 bundles)" in message
         assert f"{SECOND_NODE_IP} (2 CPU, 2 GPU: 2 bundles)" in message
     assert "[2, 1] bundles of {'CPU': 1.0, 'GPU': 1.0}" in report["too_many"]
+
+
+def attach_and_report(env: dict, bundles: list[int], strategy: str = "SPREAD") -> dict:
+    return run_driver(env, DRIVER.format(bundles=bundles, strategy=strategy))
+
+
+def test_driver_attaches_to_the_cluster_in_ray_address(cpu_head_and_gpu_node):
+    env = cpu_head_and_gpu_node
+    report = attach_and_report(env, [2])
+    assert report["gcs"].endswith(env["RAY_ADDRESS"].rsplit(":", 1)[1])
+    assert report["cpus"] == 4.0  # head 2 + second node 2: not a fresh local cluster
+    assert len(set(report["nodes"])) == 1  # one virtual node stays on one physical node
+
+
+def test_virtual_nodes_land_on_distinct_ray_nodes(cpu_head_and_gpu_node):
+    env = cpu_head_and_gpu_node
+    report = attach_and_report(env, [1, 1], strategy="STRICT_SPREAD")
+    assert len(set(report["nodes"])) == 2
+    assert report["node_ranks"] == ["0", "1"]
+    # SPREAD (the default) spreads too when there are enough nodes.
+    assert len(set(attach_and_report(env, [1, 1])["nodes"])) == 2
