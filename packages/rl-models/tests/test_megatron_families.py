@@ -20,6 +20,7 @@ from rl_models.generation.hf_worker import HfGenerationWorker
 from rl_models.megatron import families
 from rl_models.megatron.convert import (
     GPTLayout,
+    check_expert_numbering,
     check_expert_parallel,
     experts_to_global,
     hf_to_megatron,
@@ -382,6 +383,17 @@ def test_expert_parallel_sizes_are_checked(tmp_path):
     for lay, sizes, message in cases:
         with pytest.raises(ValueError, match=message):
             check_expert_parallel(lay, **sizes)
+
+
+def test_expert_numbering_is_checked_against_megatron_cores():
+    """The first expert group's replica ``d`` must be megatron-core's expert-parallel rank
+    ``d`` of expert group 0 (what the export and checkpoint gathers assume); later groups hold
+    copies and are not asked."""
+    check_expert_numbering(dp_rank=1, ep=2, expert_rank=1, expert_group=0)
+    check_expert_numbering(dp_rank=3, ep=2, expert_rank=1, expert_group=1)
+    message = "megatron-core has it as expert-parallel rank 0 of expert-data-parallel rank 1"
+    with pytest.raises(RuntimeError, match=message):  # numbered the other way round
+        check_expert_numbering(dp_rank=1, ep=2, expert_rank=0, expert_group=1)
 
 
 def test_rules_split_like_the_hf_chunks_they_are_made_of():

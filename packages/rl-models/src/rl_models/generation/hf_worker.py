@@ -28,7 +28,7 @@ from rl_models.generation.interfaces import (
 from rl_models.generation.sampling import StopStrings, sample
 from rl_models.generation.seeds import seeds_of
 from rl_models.modeling.build import build_model
-from rl_models.modeling.checkpoint_views import CheckpointViews
+from rl_models.modeling.checkpoint_views import CheckpointViews, FusedCoverage
 from rl_models.modeling.config import ModelConfig
 from rl_models.modeling.moe_routes import require_routers
 from rl_models.weight_transfer.buckets import TensorSpec
@@ -81,6 +81,9 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         # Between the first weight loaded and set_weight_version the model is a mix of two
         # versions; a refit that fails midway leaves it so, and generate then refuses.
         self.updating = False
+        # The parts of fused parameters this refit wrote: set_weight_version refuses one that
+        # wrote some experts of a parameter but not all (the others would stay stale).
+        self.refit_writes = FusedCoverage()
         self.region: MappedRegion | None = None  # shared-memory channel: our weights live here
         self.owns_region = False  # this worker created the region file (and unlinks it)
         self.lora: Any = None  # the policy's LoraConfig once adapters were added
@@ -162,6 +165,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
     def prepare_for_weight_update(self) -> None:
         self.prepare_for_generation()
         self.updating = True
+        self.refit_writes = FusedCoverage()
 
     @torch.no_grad()
     def load_named_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -180,6 +184,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
                     + ("" if target.param == name else f" (a slice of {target.param!r})")
                 )
             target.view.copy_(tensor)
+            self.refit_writes.add(name, target)
 
     def enable_lora_adapters(self, lora: dict[str, Any]) -> None:
         """Add the policy's LoRA adapters (``policy.lora``) to the model, once: from here on a
@@ -204,6 +209,15 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         self.lora = config
 
     def set_weight_version(self, version: int) -> None:
+        """Stamp a finished refit, unless it left part of a fused parameter unwritten (then
+        the model stays marked as updating, and generate refuses until a complete refit)."""
+        gaps = self.refit_writes.gaps()
+        if gaps:
+            raise RuntimeError(
+                f"refit to weight version {version} wrote only part of fused parameters of the "
+                "generation model; the rest would keep old weights: " + "; ".join(gaps)
+            )
+        self.refit_writes = FusedCoverage()
         self.version = version
         self.updating = False
 
@@ -240,7 +254,7 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
         if self.device.type != "cpu":
             return {}, f"the generation model is on {self.device}, not in host memory"
         starts: dict[str, int] = {}
-        covered: dict[str, int] = {}
+        coverage = FusedCoverage()
         for slot in layout.slots:
             try:
                 target = self.weights.slice(slot.name)
@@ -261,14 +275,18 @@ class HfGenerationWorker(ChannelReceiver, GenerationWorker):
                     f"the region holds {slot.name!r} where the generation model's "
                     f"{target.param!r} does not keep it (lay it out with weight_region_layout)"
                 )
-            covered[target.param] = covered.get(target.param, 0) + slot.nbytes
-        for name, nbytes in covered.items():
-            whole = self.params[name]
-            if nbytes != whole.numel() * whole.element_size():
+            earlier = coverage.add(slot.name, target)
+            if earlier is not None:
                 return {}, (
-                    f"the region holds {nbytes} bytes of the generation model's {name!r}, which "
-                    f"has {whole.numel() * whole.element_size()}: the refit would not write all"
+                    f"the region holds {earlier!r} and {slot.name!r}, which are (partly) the "
+                    f"same elements of the generation model's {target.param!r}"
                 )
+        gaps = coverage.gaps()
+        if gaps:
+            return {}, (
+                "the region does not hold all of fused parameters of the generation model (a "
+                "refit would leave the rest stale): " + "; ".join(gaps)
+            )
         return starts, None
 
     @torch.no_grad()

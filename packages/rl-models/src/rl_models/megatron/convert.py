@@ -170,9 +170,23 @@ def in_first_expert_group(dp_rank: int, ep: int) -> bool:
     expert-data-parallel one, so replica ``d`` is expert-parallel rank ``d % ep`` of group
     ``d // ep``: replicas ``0..ep-1`` are the first group, replica ``d`` its rank ``d``. The
     export and the checkpoint gathers rely on this; the worker checks it against megatron-core
-    where it builds the exporter.
+    where it sets up its ranks (``check_expert_numbering``).
     """
     return dp_rank < ep
+
+
+def check_expert_numbering(dp_rank: int, ep: int, expert_rank: int, expert_group: int) -> None:
+    """Refuse a rank of the first expert group whose expert-parallel rank and
+    expert-data-parallel rank (``expert_group``), as megatron-core numbers them, are not what
+    ``in_first_expert_group`` reads off its data-parallel rank: a change in megatron-core's
+    numbering then fails at start-up, not as experts exported or saved twice and others
+    never."""
+    if in_first_expert_group(dp_rank, ep) and (expert_rank, expert_group) != (dp_rank, 0):
+        raise RuntimeError(
+            f"data-parallel rank {dp_rank} (< expert_parallel_size {ep}) should be "
+            f"expert-parallel rank {dp_rank} of expert group 0; megatron-core has it as "
+            f"expert-parallel rank {expert_rank} of expert-data-parallel rank {expert_group}"
+        )
 
 
 def _taker(

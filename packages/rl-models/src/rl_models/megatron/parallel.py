@@ -46,6 +46,7 @@ from transformers import PretrainedConfig
 
 from rl_models.megatron.convert import (
     GPTLayout,
+    check_expert_numbering,
     check_expert_parallel,
     experts_to_global,
     in_first_expert_group,
@@ -91,19 +92,15 @@ class Ranks:
         return in_first_expert_group(self.dp_rank, self.ep)
 
     def check_expert_numbering(self) -> None:
-        """Check ``in_first_expert_group``'s reading of Megatron's numbering against
-        megatron-core itself (cheap: two lookups), so that a change there fails loudly instead
-        of exporting some experts twice and others never."""
-        if not self.holds_whole_model:
-            return
+        """``convert.check_expert_numbering`` against megatron-core's own numbering (two
+        lookups); ``init_model_parallel`` runs it once, for the export and checkpoints alike."""
         ps = parallel_state
-        actual = (ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank())
-        if actual != (self.dp_rank, 0):
-            raise RuntimeError(
-                f"data-parallel rank {self.dp_rank} (< expert_parallel_size {self.ep}) should "
-                f"be expert-parallel rank {self.dp_rank} of expert group 0; megatron-core has "
-                f"it as expert-parallel rank {actual[0]} of expert-data-parallel rank {actual[1]}"
-            )
+        check_expert_numbering(
+            self.dp_rank,
+            self.ep,
+            ps.get_expert_model_parallel_rank(),
+            ps.get_expert_data_parallel_rank(),
+        )
 
     @property
     def first_stage(self) -> bool:
@@ -130,7 +127,11 @@ def init_model_parallel(cfg: MegatronConfig, layout: GPTLayout) -> Ranks:
             pipeline_model_parallel_size=pp,
             expert_model_parallel_size=cfg.expert_parallel_size,
         )
-    return Ranks.current()
+    ranks = Ranks.current()
+    # Here rather than at each use: the weight export and checkpoints both rely on it, and
+    # an SFT run that never refits saves checkpoints all the same.
+    ranks.check_expert_numbering()
+    return ranks
 
 
 def transformer_config(

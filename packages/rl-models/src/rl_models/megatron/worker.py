@@ -319,7 +319,6 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         ``expert_tensor_parallel_size`` at its default (the tensor-parallel size).
         """
         r = self.ranks
-        r.check_expert_numbering()
         gather = tp_gather_to(
             parallel_state.get_tensor_model_parallel_group(),
             parallel_state.get_tensor_model_parallel_src_rank(),

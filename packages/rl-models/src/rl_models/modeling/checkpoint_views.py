@@ -32,11 +32,18 @@ class UnsupportedCheckpointName(ValueError):
 
 @dataclass(frozen=True)
 class ParameterSlice:
-    """A checkpoint tensor's place: ``view``, a view of parameter ``param`` (``whole``)."""
+    """A checkpoint tensor's place: ``view``, a view of parameter ``param`` (``whole``).
+
+    ``part`` is which piece of a fused parameter the view is, ``(expert, chunk)`` of
+    ``parts`` ``(experts, chunks)``: the pieces of one parameter are disjoint and together
+    the whole of it (``FusedCoverage`` counts them). None: the view is the whole parameter.
+    """
 
     param: str
     whole: torch.Tensor
     view: torch.Tensor
+    part: tuple[int, int] | None = None
+    parts: tuple[int, int] = (1, 1)
 
     @property
     def contiguous_bytes(self) -> tuple[int, int] | None:
@@ -53,7 +60,9 @@ class CheckpointViews:
     """Views of ``model``'s parameters by checkpoint name (in-memory names map to themselves).
 
     ``slice(name)`` is the ``ParameterSlice`` a tensor sent under ``name`` is written into, or
-    None when the model has no such weight. Parameters are looked up when asked, so views taken
+    None when the model has no such weight. A checkpoint name that transformers only renames
+    (Mixtral's ``block_sparse_moe.gate`` is ``mlp.gate`` in memory) is the whole renamed
+    parameter; one a converter fuses is its slice of the fused parameter. Parameters are looked up when asked, so views taken
     after the model's parameters were re-pointed (``param.data = ...``) see the new memory.
     """
 
@@ -71,16 +80,66 @@ class CheckpointViews:
         param = self.params.get(name)
         if param is not None:
             return ParameterSlice(name, param.data, param.data)
-        if not self._converters:
+        if not (self._renamings or self._converters):
             return None
         from transformers.core_model_loading import rename_source_key
 
         target, pattern = rename_source_key(name, self._renamings, self._converters)
         param = self.params.get(target)
-        if pattern is None or param is None:
+        if param is None:
             return None
-        view = _slice_of(self._by_pattern[pattern], pattern, name, param)
-        return ParameterSlice(target, param.data, view)
+        if pattern is None:  # renamed only: the checkpoint tensor is the whole parameter
+            return ParameterSlice(target, param.data, param.data)
+        return _slice_of(self._by_pattern[pattern], pattern, name, target, param)
+
+
+class FusedCoverage:
+    """Which parts of each fused parameter a set of checkpoint tensors writes.
+
+    Why: a refit (or a shared region's layout) that writes some experts of a fused parameter
+    must write all of them, or the rest stay stale without anyone noticing; and a layout must
+    hold each part once. Parts are counted, not bytes: one part twice and another never sum
+    to the right size. The parts of ``CheckpointViews`` partition their parameter, so a part
+    written once each, or the parameter written whole, is every element written once.
+    """
+
+    def __init__(self) -> None:
+        # parameter -> part (None: the whole parameter) -> the first name that wrote it
+        self._written: dict[str, dict[tuple[int, int] | None, str]] = {}
+        self._parts: dict[str, tuple[int, int]] = {}
+
+    def add(self, name: str, target: ParameterSlice) -> str | None:
+        """Record that tensor ``name`` writes ``target``. Returns the name of an earlier tensor
+        that wrote some of the same elements (the same part, or the whole parameter and a
+        part of it), else None."""
+        written = self._written.setdefault(target.param, {})
+        if target.part is None:
+            earlier = next(iter(written.values()), None)
+        else:
+            self._parts[target.param] = target.parts
+            earlier = written.get(target.part, written.get(None))
+        written.setdefault(target.part, name)
+        return earlier
+
+    def gaps(self) -> list[str]:
+        """One line for each fused parameter written in part only, naming the parts that
+        were not written as ``(expert, chunk)`` (a chunk: gate or up of a gate_up_proj)."""
+        lines = []
+        for param, written in self._written.items():
+            if None in written:  # written whole (or not fused at all)
+                continue
+            experts, chunks = self._parts[param]
+            missing = [
+                (e, c) for e in range(experts) for c in range(chunks) if (e, c) not in written
+            ]
+            if missing:
+                shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+                lines.append(
+                    f"{param!r} ({experts} experts x {chunks} chunks): {len(missing)} parts "
+                    f"not written, (expert, chunk) {shown}; written e.g. "
+                    f"{next(iter(written.values()))!r}"
+                )
+        return lines
 
 
 def _conversions(model: torch.nn.Module) -> tuple[list, list]:
@@ -99,9 +158,12 @@ def _conversions(model: torch.nn.Module) -> tuple[list, list]:
     return renamings, converters
 
 
-def _slice_of(converter, pattern: str, name: str, param: torch.Tensor) -> torch.Tensor:
-    """The part of fused ``param`` that checkpoint tensor ``name`` (matched by ``pattern`` of
-    ``converter``) becomes, as a view."""
+def _slice_of(
+    converter, pattern: str, name: str, target: str, param: torch.Tensor
+) -> ParameterSlice:
+    """The part of fused parameter ``target`` that checkpoint tensor ``name`` (matched by
+    ``pattern`` of ``converter``) becomes: expert ``e``'s chunk ``c`` of the concatenation (0
+    of 1 without one), so that the parts partition the parameter."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     ops = list(converter.operations)
@@ -125,6 +187,7 @@ def _slice_of(converter, pattern: str, name: str, param: torch.Tensor) -> torch.
             f"{param.shape[merge_dim]} in its fused parameter"
         )
     view = param.data.select(merge_dim, expert)
+    chunk, chunks = 0, 1
     if len(ops) == 2:
         sources = converter.source_patterns
         cat = ops[1].dim
@@ -134,5 +197,7 @@ def _slice_of(converter, pattern: str, name: str, param: torch.Tensor) -> torch.
             raise UnsupportedCheckpointName(
                 f"fused parameter of {name!r} is not {len(sources)} equal parts of {cat}"
             )
-        view = view.narrow(cat, sources.index(pattern) * size, size)
-    return view
+        chunk, chunks = sources.index(pattern), len(sources)
+        view = view.narrow(cat, chunk * size, size)
+    parts = (param.shape[merge_dim], chunks)
+    return ParameterSlice(target, param.data, view, part=(expert, chunk), parts=parts)
