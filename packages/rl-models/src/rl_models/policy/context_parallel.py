@@ -152,7 +152,8 @@ class ContextSplit:
         if bias is None:
             rows, _, queries, keys = self.mask.shape
             # Allocated with the key dimension padded to a multiple of 16 and viewed back:
-            # the memory-efficient CUDA kernel copies a bias whose rows are not so aligned.
+            # sdpa's memory-efficient CUDA path pads (copies, at every call) a bias whose
+            # strides are not multiples of 8.
             aligned = -(-keys // 16) * 16
             whole = torch.zeros(rows, 1, queries, aligned, dtype=dtype, device=self.mask.device)
             bias = whole[..., :keys].masked_fill_(~self.mask, float("-inf"))
