@@ -292,6 +292,33 @@ def test_dtensor_context_parallel_size_carries_over():
     assert select(config, "policy.dtensor.context_parallel_size") == 2
 
 
+@pytest.mark.parametrize(
+    "section, key, value, named",
+    [
+        ("dtensor_cfg", "tensor_parallel_size", 2, "dtensor.tensor_parallel_size=2"),
+        ("dtensor_cfg", "activation_checkpointing", True, "activation_checkpointing"),
+        ("lora_cfg", "enabled", True, "lora.enabled"),
+        ("router_replay", "enabled", True, "router_replay"),
+        ("reward_model_cfg", "enabled", True, "model.kind=sequence_classification"),
+    ],
+)
+def test_dtensor_context_parallel_is_refused_with_what_our_config_refuses(
+    section, key, value, named
+):
+    """The mapping asks the config's own rule (``context_parallel_clashes``)."""
+    tree, algorithm = sft_tree(), "sft"
+    policy = tree["policy"]
+    policy["dtensor_cfg"]["context_parallel_size"] = 2
+    if section == "reward_model_cfg":  # a reward model is trained by `rl rm`
+        tree["rm"], algorithm = tree.pop("sft") | {"max_num_steps": -1, "val_batches": -1}, "rm"
+        del tree["rm"]["only_unmask_final"]
+    parent = policy["dtensor_cfg"] if section == "lora_cfg" else policy
+    parent.setdefault(section, {})[key] = value
+    refused = {e.key: e.reason for e in translate(tree, algorithm).refused}
+    reason = refused["policy.dtensor_cfg.context_parallel_size"]
+    assert reason == f"would split sequences across GPUs with {named}"
+
+
 def test_megatron_expert_parallel_size_carries_over_and_expert_tp_only_when_it_changes_nothing():
     config = validated(
         "grpo_math_1B_megatron",

@@ -4,14 +4,19 @@ rank). Two cp ranks computing against one process are in ``test_two_ranks.py`` (
 ``context_parallel`` scenario)."""
 
 import re
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.multiprocessing import start_processes
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from rl_models.policy.context_parallel import ContextGroup, split_indices
+from rl_models.policy.context_parallel import ContextGroup, check_model, split_indices
 from rl_models.policy.forward import ForwardOptions
 from rl_models.policy.lm_policy import worker_sharding
+from rl_models.weight_transfer.channels import free_port
 
 from .conftest import TINY_LLAMA, tiny_config
 
@@ -59,14 +64,15 @@ def test_the_shared_prompt_pass_is_off_under_context_parallelism():
 
 
 @pytest.mark.parametrize("width, cp", [(12, 2), (10, 2), (146, 2), (29, 3), (64, 4)])
-def test_every_position_is_held_once_and_ranks_share_the_causal_work(width, cp):
+def test_every_position_is_held_once_and_ranks_get_equal_causal_pair_counts(width, cp):
     held = [split_indices(width, cp, r) for r in range(cp)]
     padded = -(-width // (2 * cp)) * 2 * cp
     assert torch.equal(torch.cat(held).sort().values, torch.arange(padded))
     assert len({len(h) for h in held}) == 1
-    # A query at position t attends to t + 1 keys: each rank's sum of them is the same.
-    work = {int((h + 1).sum()) for h in held}
-    assert len(work) == 1, work
+    # In one causal document a query at position t sees t + 1 keys: each rank's count of
+    # unmasked query-key pairs is the same (what a block-skipping kernel's work would follow).
+    pairs = {int((h + 1).sum()) for h in held}
+    assert len(pairs) == 1, pairs
     assert torch.equal(split_indices(12, 2, 0), torch.tensor([0, 1, 2, 9, 10, 11]))
 
 
@@ -111,7 +117,7 @@ def test_split_and_gather_order_round_trips_with_global_positions_and_targets(cp
 @pytest.mark.parametrize("cp", [2, 3])
 def test_rank_by_rank_attention_over_gathered_keys_equals_per_document_attention(cp):
     """What the kernel computes on each rank (its queries against every rank's keys, in
-    gather order, under the split's mask), put back in order, equals causal attention run on
+    gather order, under the split's attention bias), put back in order, equals causal attention run on
     each document alone; the padding queries see something (no NaN)."""
     lengths = (5, 11, 3)
     inputs, documents, _ = packed_row(lengths)
@@ -125,7 +131,13 @@ def test_rank_by_rank_attention_over_gathered_keys_equals_per_document_attention
 
     keys = torch.cat([local(k, p) for p in parts], 2)
     values = torch.cat([local(v, p) for p in parts], 2)
-    outs = [F.scaled_dot_product_attention(local(q, p), keys, values, p.mask) for p in parts]
+    # The kernel's mask: the split's additive float bias, built once for every layer.
+    biases = [p.attention_bias(torch.float64) for p in parts]
+    assert all(p.attention_bias(torch.float64) is b for p, b in zip(parts, biases, strict=True))
+    outs = [
+        F.scaled_dot_product_attention(local(q, p), keys, values, b)
+        for p, b in zip(parts, biases, strict=True)
+    ]
     got = torch.cat(outs, 2).index_select(2, parts[0].restore)
     assert not got.isnan().any()
     expected = []
@@ -147,3 +159,95 @@ def test_padded_rows_attend_within_their_real_tokens():
     assert order[row0[1]].tolist() == [0, 1]
     assert sorted(order[row0[2]].tolist()) == [3, 4, 5, 6]
     assert sorted(order[part.mask[1, 0, 1]].tolist()) == [0, 1]
+
+
+def test_gather_on_a_cp_group_without_global_rank_0_against_float64_math():
+    """Four gloo processes as dp=2 x cp=2: the gather's forward and both backwards (summed
+    for keys and values, own slice for outputs) on each cp group, the second of which does
+    not hold global rank 0 (where torch's autograd all-gather failed). Each rank checks its
+    results against float64 arithmetic on the tensors every rank can make for itself; the
+    ranks are forked (no re-import: they start in well under a second)."""
+    start_processes(_gather_rank, args=(free_port(),), nprocs=4, start_method="fork")
+
+
+def _tensor(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _check_gather(cp: ContextGroup, members: list[int], rank: int, dim: int, same: bool) -> None:
+    """Gather along ``dim``; each rank's loss weighs the whole with its own weights (or, with
+    ``same``, the group's shared ones, as every rank computing one loss does)."""
+    shape = (2, 3, 2, 4)
+    mine = _tensor(shape, seed=rank).requires_grad_()
+    whole = cp.gather(mine, dim, same_gradient=same)
+    expected = torch.cat([_tensor(shape, seed=r) for r in members], dim)
+    torch.testing.assert_close(whole, expected, rtol=0, atol=0)
+
+    def weights(r: int) -> torch.Tensor:
+        return _tensor(expected.shape, seed=100 + (members[0] if same else r) + 10 * dim)
+
+    (whole * weights(rank)).sum().backward()
+    own = slice(cp.rank * shape[dim], (cp.rank + 1) * shape[dim])
+    index = (slice(None),) * dim + (own,)
+    # Every rank's loss reads this rank's slice: their gradients summed; or the one shared
+    # loss's gradient, taken once.
+    want = sum(weights(r)[index] for r in ([rank] if same else members))
+    torch.testing.assert_close(mine.grad, want, rtol=0, atol=1e-15)
+
+
+def _gather_rank(rank: int, port: int) -> None:
+    address = f"tcp://127.0.0.1:{port}"
+    timeout = timedelta(seconds=60)  # a hung collective fails the run instead of stalling it
+    dist.init_process_group("gloo", address, rank=rank, world_size=4, timeout=timeout)
+    try:
+        groups = [[0, 1], [2, 3]]  # the cp groups of dp ranks 0 and 1
+        handles = [dist.new_group(members) for members in groups]  # every rank makes each
+        members = groups[rank // 2]
+        cp = ContextGroup.of(handles[rank // 2])
+        assert cp.rank == rank % 2 and cp.size == 2
+        _check_gather(cp, members, rank, dim=2, same=False)  # keys and values
+        _check_gather(cp, members, rank, dim=1, same=True)  # per-token outputs
+    finally:
+        dist.destroy_process_group()
+
+
+SMALL = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 32,
+}
+
+
+def meta_model(model_type: str, **config) -> torch.nn.Module:
+    """The model class and config ``check_model`` reads, with no weights allocated."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL, **config))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_full_attention_families_are_accepted(model_type):
+    check_model(meta_model(model_type), 2)
+
+
+@pytest.mark.parametrize(
+    "model_type, config, named",
+    [
+        # Short convolutions beside attention: named by its layer type.
+        ("lfm2", {"layer_types": ["conv", "full_attention"]}, "'lfm2' has ['conv'] layers"),
+        ("minimax", {}, "'minimax' has ['linear_attention'] layers"),
+        # A family not on the list, whatever its layers (no layer_types to read here).
+        ("gpt2", {}, "'gpt2' is not known to have full-attention layers only"),
+        # Sliding-window layers of an allowed family, named by their layer type.
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+            "'qwen2' has ['sliding_attention'] layers",
+        ),
+    ],
+)
+def test_models_with_other_sequence_layers_are_refused_by_name(model_type, config, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_model(meta_model(model_type, **config), 2)

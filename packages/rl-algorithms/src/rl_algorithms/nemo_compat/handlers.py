@@ -380,18 +380,33 @@ def _dtensor_sequence_parallel(ctx: Context, key: str, value: Any) -> None:
         ctx.put(key, value, "policy.dtensor.sequence_parallel")
 
 
+def _model_kind(ctx: Context) -> str:
+    """Our ``model.kind`` for the section: a critic for NeMo's ``value:``, a reward model where
+    ``reward_model_cfg`` is on (``_reward_model_cfg``), else a causal LM."""
+    if ctx.section == "value":
+        return "value"
+    if ctx.get("policy.reward_model_cfg.enabled"):
+        return "sequence_classification"
+    return "causal_lm"
+
+
 def _dtensor_context_parallel(ctx: Context, key: str, value: Any) -> None:
-    """Carried over where the config takes it: not with tensor parallelism, activation
-    checkpointing, LoRA nor for a critic (``value:``), each refused with it here."""
-    clashes = {
-        "tensor parallelism": ctx.get("policy.dtensor_cfg.tensor_parallel_size", 1) > 1,
-        "activation checkpointing": ctx.get("policy.dtensor_cfg.activation_checkpointing"),
-        "LoRA": ctx.get("policy.dtensor_cfg.lora_cfg.enabled"),
-        "a value model": ctx.section == "value",
-    }
-    named = [name for name, on in clashes.items() if on]
-    if value != 1 and named:
-        ctx.refuse(key, value, f"would split sequences across GPUs with {' and '.join(named)}")
+    """Carried over where our config takes it: refused with what the config's own rule
+    (``context_parallel_clashes``) names, read from the recipe's keys. No NeMo key sets the
+    attention kernel: ours is the default."""
+    from rl_models.modeling.config import ModelConfig
+    from rl_models.policy.config import context_parallel_clashes
+
+    clashes = context_parallel_clashes(
+        tensor_parallel_size=ctx.get("policy.dtensor_cfg.tensor_parallel_size", 1),
+        activation_checkpointing=bool(ctx.get("policy.dtensor_cfg.activation_checkpointing")),
+        attn_implementation=ModelConfig.model_fields["attn_implementation"].default,
+        router_replay=bool(ctx.get("policy.router_replay.enabled")),
+        lora=bool(ctx.get("policy.dtensor_cfg.lora_cfg.enabled")),
+        kind=_model_kind(ctx),
+    )
+    if value != 1 and clashes:
+        ctx.refuse(key, value, f"would split sequences across GPUs with {', '.join(clashes)}")
     else:
         ctx.put(key, value, "policy.dtensor.context_parallel_size")
 
@@ -450,7 +465,7 @@ def _reward_model_cfg(ctx: Context, key: str, value: Any) -> None:
         raise Refuse("would train the policy as a reward model: that is `rl rm` here")
     elif key.endswith(".enabled"):
         # A score head on the last real token, one score: what `rl rm` trains.
-        ctx.put(key, value, "policy.model.kind", ours="sequence_classification")
+        ctx.put(key, value, "policy.model.kind", ours=_model_kind(ctx))
         ctx.set_ours("policy.model.num_labels", 1)
     elif key.endswith(".reward_model_type") and value == "bradley_terry":
         ctx.ignore(key, value, "`rl rm` trains with the Bradley-Terry loss")

@@ -274,8 +274,8 @@ class DTensorConfig(ConfigModel):
 
     Tensor parallelism needs a model family with a plan (Llama, Qwen2) whose attention heads
     (and key/value heads) divide by ``tensor_parallel_size``; ``policy/tensor_parallel.py``.
-    Context parallelism needs a model whose attention goes through Hugging Face's attention
-    interface (no sliding windows, no soft-capping); ``policy/context_parallel.py``."""
+    Context parallelism needs a model of full-attention layers only, called through Hugging
+    Face's attention interface (``policy/context_parallel.check_model``)."""
 
     # Ranks each decoder layer's matrices (and the vocabulary) are split over; the workers'
     # count must be a multiple of it (the rest is data parallel).
@@ -440,6 +440,32 @@ class PolicyConfig(BackendConfig):
         return self.logprob_micro_batch_size or self.train_micro_batch_size
 
 
+def context_parallel_clashes(
+    *,
+    tensor_parallel_size: int,
+    activation_checkpointing: bool,
+    attn_implementation: str,
+    router_replay: bool,
+    lora: bool,
+    kind: str,
+) -> list[str]:
+    """What (``policy.`` keys, with values) ``dtensor.context_parallel_size`` > 1 does not work
+    with: the one rule, for the config and NeMo's mapping. Why: its kernel is switched in for
+    one forward call, which activation checkpointing's recompute runs outside of; it replaces
+    attention with sdpa, so another kernel would silently not run; replayed routes, peft's
+    wrapping, tensor parallelism's plan and a value or classifier head are not split."""
+    sdpa = attn_implementation == "sdpa"
+    unsupported = {
+        f"dtensor.tensor_parallel_size={tensor_parallel_size}": tensor_parallel_size > 1,
+        "activation_checkpointing": activation_checkpointing,
+        f"model.attn_implementation={attn_implementation} (use sdpa)": not sdpa,
+        "router_replay": router_replay,
+        "lora.enabled": lora,
+        f"model.kind={kind}": kind != "causal_lm",
+    }
+    return [name for name, on in unsupported.items() if on]
+
+
 def worker_config(backend: str, config: PolicyConfig | dict[str, Any]) -> PolicyConfig:
     """``config`` validated for a worker of ``backend``; a config naming another backend is
     refused, since its settings would otherwise be silently ignored by this worker."""
@@ -460,11 +486,24 @@ class DTensorPolicyConfig(PolicyConfig):
     dtensor: DTensorConfig = Field(default_factory=DTensorConfig)
 
     @model_validator(mode="after")
-    def _tensor_parallel_supports_it(self) -> DTensorPolicyConfig:
+    def _model_parallelism_supports_it(self) -> DTensorPolicyConfig:
         tp = self.dtensor.tensor_parallel_size
         if self.dtensor.sequence_parallel and tp == 1:
             raise ValueError("dtensor.sequence_parallel needs dtensor.tensor_parallel_size > 1")
-        self._check_context_parallel()
+        cp = self.dtensor.context_parallel_size
+        named = context_parallel_clashes(
+            tensor_parallel_size=tp,
+            activation_checkpointing=self.activation_checkpointing,
+            attn_implementation=self.model.attn_implementation,
+            router_replay=self.router_replay,
+            lora=self.lora.enabled,
+            kind=self.model.kind,
+        )
+        if cp > 1 and named:
+            raise ValueError(
+                f"dtensor.context_parallel_size={cp} does not work with {', '.join(named)}; "
+                "use context_parallel_size 1 for these"
+            )
         if tp == 1:
             return self
         # Why each is refused: peft wraps the very linear layers the plan splits (its
@@ -483,35 +522,6 @@ class DTensorPolicyConfig(PolicyConfig):
                 "use tensor_parallel_size 1 (FSDP2 alone) for these"
             )
         return self
-
-    def _check_context_parallel(self) -> None:
-        cp = self.dtensor.context_parallel_size
-        if cp == 1:
-            return
-        # Why each is refused: its kernel is switched in for one forward call, so the
-        # recompute of activation checkpointing (in backward, outside the call) would attend
-        # without it; it replaces the attention with sdpa over the gathered keys, so another
-        # configured kernel would silently not run; the routes of a replayed batch, peft's
-        # wrapping, tensor parallelism's plan and a value or classifier head (read at one
-        # token, or at every token of a row that is split) are not split with the rows.
-        unsupported = {
-            f"dtensor.tensor_parallel_size={self.dtensor.tensor_parallel_size}": (
-                self.dtensor.tensor_parallel_size > 1
-            ),
-            "activation_checkpointing": self.activation_checkpointing,
-            f"model.attn_implementation={self.model.attn_implementation} (use sdpa)": (
-                self.model.attn_implementation != "sdpa"
-            ),
-            "router_replay": self.router_replay,
-            "lora.enabled": self.lora.enabled,
-            f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
-        }
-        named = [k for k, on in unsupported.items() if on]
-        if named:
-            raise ValueError(
-                f"dtensor.context_parallel_size={cp} does not work with {', '.join(named)}; "
-                "use context_parallel_size 1 for these"
-            )
 
     @property
     def model_parallel_layout(self) -> tuple[int, int]:

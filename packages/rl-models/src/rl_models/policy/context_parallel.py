@@ -6,21 +6,26 @@ of every row's tokens only. Everything but attention is per token and needs noth
 Attention is computed by the ``rl_context_parallel`` kernel (below): each rank's queries
 attend to the keys of the WHOLE row, all-gathered over the group at every layer (the design
 Llama 3's training used: no ring of partial softmaxes, and it keeps any mask, so packed rows
-work). The gather's backward sums each key's and value's gradients over the ranks whose
-queries read them (``torch.distributed.nn.functional.all_gather``: a reduce-scatter).
+work). The gather's backward hands each rank its keys' and values' gradients summed over
+the ranks whose queries read them (``ContextGroup.gather``: a reduce-scatter).
 
 Sharding (``split_indices``): a row is padded to a multiple of ``2 * cp`` and cut into
-``2 * cp`` equal chunks; rank ``i`` takes chunks ``i`` and ``2 * cp - 1 - i``. Under a causal
-mask early queries see few keys and late ones many, so pairing an early chunk with a late one
-gives every rank the same attention work. Position ids are the global ones (rotary
-embeddings see where a token really is), and per-token inputs computed from the whole row,
-such as next-token targets, are shifted BEFORE the split (``ContextSplit.local``): a chunk's
-last token keeps its target even when the next token lives on another rank.
+``2 * cp`` equal chunks; rank ``i`` takes chunks ``i`` and ``2 * cp - 1 - i``. The mask is
+dense, so every rank's attention costs the same ``L x S`` whatever it holds; the pairing of
+an early chunk (whose queries see few keys) with a late one (many) evens out the *unmasked*
+query-key pairs, the work a kernel that skips masked blocks would do (this sdpa call does
+not). Position ids are the global ones (rotary embeddings see where a token really is), and
+per-token inputs computed from the whole row, such as next-token targets, are shifted BEFORE
+the split (``ContextSplit.local``): a chunk's last token keeps its target even when the next
+token lives on another rank.
 
 The mask of a rank's queries against the gathered keys is built from each token's index in
 the row (causality) and its document: a padded micro-batch's rows are one document each, a
 packed row's sequences one document each, padding a document of its own (-1) that no real
-token sees. A padding query sees earlier padding and itself, never an empty row.
+token sees. A padding query sees earlier padding and itself, never an empty row. Each
+split builds the mask once as an additive float tensor in the attention's dtype
+(``ContextSplit.attention_bias``) that every layer passes to sdpa: handed a bool mask, sdpa
+would make (and save for backward) a float copy at every layer.
 
 Per-token outputs (log-probs) come back whole on every rank of the group
 (``ContextSplit.gathered``), in the row's order, so losses need not know about context
@@ -28,7 +33,9 @@ parallelism. Every rank then computes the same loss from the same values; the ga
 backward hands each rank the gradient of its own tokens' outputs only, once (summing the
 ranks' identical gradients, as a plain all-gather's backward does, would count them ``cp``
 times). Each rank's parameter gradients then cover its own tokens; FSDP2's reduction over
-the ranks adds them up (the worker undoes its average, see ``dtensor_worker``).
+the ranks adds them up (the worker undoes its average, see ``dtensor_worker``). Keys, values
+and outputs go through one gather (``ContextGroup.gather``), which calls the group's own
+collectives: it works on any subgroup of the world (one ``cp`` group of several ``dp`` ranks).
 
 The kernel is switched in by name for one forward call (``segment_attention.kernel_switched``):
 activation checkpointing, whose recompute runs outside that call, is refused with it.
@@ -39,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +53,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_gather
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
@@ -83,6 +88,14 @@ class ContextGroup:
     def of(cls, group: dist.ProcessGroup) -> ContextGroup:
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
 
+    def gather(self, t: torch.Tensor, dim: int, *, same_gradient: bool = False) -> torch.Tensor:
+        """The group's ranks' ``t`` concatenated along ``dim``, in group-rank order. Backward
+        hands each rank the gradient of its own slice, summed over the group's ranks (each
+        rank's queries read every rank's keys), or with ``same_gradient`` (every rank
+        computes the same loss from the gathered whole, so their gradients are equal) as it
+        is: summing would count it ``size`` times."""
+        return _Gather.apply(t, self, dim, same_gradient)
+
     def split(self, inputs: dict[str, Any], documents: torch.Tensor) -> ContextSplit:
         """``inputs`` (the model's keyword arguments over whole ``[B, S]`` rows) split for this
         rank; ``documents`` ``[B, S]``: each token's document (-1: padding)."""
@@ -115,6 +128,10 @@ class ContextSplit:
     restore: torch.Tensor  # [cp * L] gathered order -> row order
     mask: torch.Tensor  # [B, 1, L, cp * L] bool: local queries against the gathered keys
     inputs: dict[str, Any]  # the model's keyword arguments for this rank's tokens
+    # ``mask`` as sdpa's additive bias, by dtype: built at the first layer, shared by the rest.
+    _biases: dict[torch.dtype, torch.Tensor] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a per-token ``[B, S, ...]`` tensor (padded with 0)."""
@@ -125,8 +142,23 @@ class ContextSplit:
     def gathered(self, t: torch.Tensor) -> torch.Tensor:
         """``[B, L, ...]`` per-token outputs of this rank's tokens -> ``[B, S, ...]`` of the
         whole rows, the same on every rank; backward gives each rank its tokens' gradient."""
-        whole = _GatherOwnGradient.apply(t, self.cp)
+        whole = self.cp.gather(t, 1, same_gradient=True)
         return whole.index_select(1, self.restore.to(t.device))[:, : self.width]
+
+    def attention_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as the float bias sdpa adds to the scores (0 where a query sees a key,
+        -inf elsewhere), in ``dtype``: one tensor for all layers, so autograd saves one."""
+        bias = self._biases.get(dtype)
+        if bias is None:
+            rows, _, queries, keys = self.mask.shape
+            # Allocated with the key dimension padded to a multiple of 16 and viewed back:
+            # sdpa's memory-efficient CUDA path pads (copies, at every call) a bias whose
+            # strides are not multiples of 8.
+            aligned = -(-keys // 16) * 16
+            whole = torch.zeros(rows, 1, queries, aligned, dtype=dtype, device=self.mask.device)
+            bias = whole[..., :keys].masked_fill_(~self.mask, float("-inf"))
+            self._biases[dtype] = bias
+        return bias
 
     @contextlib.contextmanager
     def attending(self, model: torch.nn.Module) -> Iterator[None]:
@@ -155,20 +187,30 @@ class NoSplit:
         return contextlib.nullcontext()
 
 
-class _GatherOwnGradient(torch.autograd.Function):
-    """All-gather along dimension 1; backward: this rank's slice of the incoming gradient,
-    which is the same on every rank (each computes the same loss from the gathered whole)."""
+class _Gather(torch.autograd.Function):
+    """``ContextGroup.gather``. Only the group's own collectives (``dist.all_gather`` and
+    ``dist.reduce_scatter`` take group ranks as they come): torch's autograd all-gather
+    (``torch.distributed.nn``) scatters from group rank ``i`` as if it were global rank ``i``
+    on gloo, which fails on any group not starting at global rank 0."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
+    def forward(
+        ctx, t: torch.Tensor, cp: ContextGroup, dim: int, same_gradient: bool
+    ) -> torch.Tensor:
         parts = [torch.empty_like(t) for _ in range(cp.size)]
         dist.all_gather(parts, t.contiguous(), group=cp.group)
-        ctx.slice = (cp.rank * t.shape[1], t.shape[1])
-        return torch.cat(parts, 1)
+        ctx.cp, ctx.dim, ctx.same_gradient = cp, dim, same_gradient
+        return torch.cat(parts, dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.narrow(1, *ctx.slice), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        cp, dim = ctx.cp, ctx.dim
+        slices = [part.contiguous() for part in grad.chunk(cp.size, dim)]
+        if ctx.same_gradient:
+            return slices[cp.rank], None, None, None
+        own = torch.empty_like(slices[cp.rank])
+        dist.reduce_scatter(own, slices, group=cp.group)
+        return own, None, None, None
 
 
 _ACTIVE: contextvars.ContextVar[ContextSplit | None] = contextvars.ContextVar(
@@ -198,10 +240,8 @@ def context_parallel_attention(
     if split is None:
         raise RuntimeError(f"attention kernel {NAME!r} called outside ContextSplit.attending")
     # Keys and values side by side: one collective per layer, not two.
-    with warnings.catch_warnings():  # deprecated for torch.compile's sake, kept for autograd
-        warnings.filterwarnings("ignore", ".*nn.functional.all_gather", FutureWarning)
-        parts = all_gather(torch.cat([key, value], -1).contiguous(), group=split.cp.group)
-    keys, values = torch.cat(parts, dim=2).split([key.shape[-1], value.shape[-1]], -1)
+    both = split.cp.gather(torch.cat([key, value], -1), 2)
+    keys, values = both.split([key.shape[-1], value.shape[-1]], -1)
     dtype = attention_dtype(query)
     groups = query.shape[1] // key.shape[1]
     with torch.autocast(query.device.type, enabled=False):
@@ -209,7 +249,7 @@ def context_parallel_attention(
             query.to(dtype),
             repeat_kv(keys, groups).to(dtype),
             repeat_kv(values, groups).to(dtype),
-            attn_mask=split.mask,
+            attn_mask=split.attention_bias(dtype),
             dropout_p=dropout,
             scale=scaling,
         )
@@ -218,15 +258,37 @@ def context_parallel_attention(
 
 AttentionInterface.register(NAME, context_parallel_attention)
 
+#: Model families (``model_type``) whose decoder layers are all self-attention followed by a
+#: per-token MLP or mixture of experts; ``check_model`` refuses any other. A sequence layer
+#: other than attention (LFM2's short convolutions, mamba, linear attention) would run over a
+#: rank's two non-adjacent chunks as if they were one sequence, with no error.
+FULL_ATTENTION_FAMILIES = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+)
+
 
 def check_model(model: torch.nn.Module, size: int) -> None:
-    """Refuse, by name, a model whose attention the context-parallel kernel cannot replace."""
+    """Refuse, by name, a model whose sequence mixing the context-parallel kernel does not
+    replace whole: attention outside Hugging Face's AttentionInterface, layers other than
+    full attention, a family not known to have only those, sliding windows, soft-capping."""
     where = f"policy.dtensor.context_parallel_size={size}"
     config = model.config.get_text_config()
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
             f"{where}: {type(model).__name__} does not call its attention through Hugging "
             "Face's AttentionInterface, so its attention cannot be split; use 1"
+        )
+    other_layers = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    if other_layers:
+        raise ValueError(
+            f"{where}: model type {config.model_type!r} has {other_layers} layers, which would "
+            "run over each rank's chunks as if they were the whole row; only full-attention "
+            "layers can be split; use 1"
+        )
+    if config.model_type not in FULL_ATTENTION_FAMILIES:
+        raise ValueError(
+            f"{where}: model type {config.model_type!r} is not known to have full-attention "
+            f"layers only (known: {sorted(FULL_ATTENTION_FAMILIES)}); use 1"
         )
     windowed = getattr(config, "sliding_window", None) is not None and getattr(
         config, "use_sliding_window", True
