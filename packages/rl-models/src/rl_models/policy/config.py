@@ -490,7 +490,6 @@ class DTensorPolicyConfig(PolicyConfig):
         tp = self.dtensor.tensor_parallel_size
         if self.dtensor.sequence_parallel and tp == 1:
             raise ValueError("dtensor.sequence_parallel needs dtensor.tensor_parallel_size > 1")
-        cp = self.dtensor.context_parallel_size
         named = context_parallel_clashes(
             tensor_parallel_size=tp,
             activation_checkpointing=self.activation_checkpointing,
@@ -499,7 +498,7 @@ class DTensorPolicyConfig(PolicyConfig):
             lora=self.lora.enabled,
             kind=self.model.kind,
         )
-        if cp > 1 and named:
+        if (cp := self.dtensor.context_parallel_size) > 1 and named:
             raise ValueError(
                 f"dtensor.context_parallel_size={cp} does not work with {', '.join(named)}; "
                 "use context_parallel_size 1 for these"
