@@ -151,9 +151,7 @@ def slow(session: nox.Session) -> None:
     sync(session)
     # The slowest tests' times are printed: this tier is what fills CI's time budget.
     paths = ("tests", *(f"packages/{p}/tests" for p in PACKAGES))
-    # A slow test without a timeout of its own gets 900 s, not the fast tests' 300: this tier
-    # runs beside the other sessions, so each of its tests may take twice its time alone.
-    pytest(session, *paths, marks="slow", options=("--durations=25", "--timeout=900"))
+    pytest(session, *paths, marks="slow", options=("--durations=25",))
 
 
 WITHOUT_TORCH = f"""
