@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import nox
@@ -212,31 +211,6 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=False)
 def tests(session: nox.Session) -> None:
     """Everything CI runs: lint, each package alone, integration (with the docs build),
-    standalone install, and slow.
-
-    The slow tier runs beside the others, in a nox process of its own. Its tests spend much of
-    their time waiting (on Ray workers starting, subprocesses, deadlines a test lets pass), so
-    on a 2-core machine the two lines finish well before the same sessions one after the
-    other. Its output is printed whole when it ends, after the other sessions' output.
-    """
-    fd, log = tempfile.mkstemp(prefix="rl-slow-tier-", suffix=".log")
-    session.log(f"the slow tier runs beside the other sessions; its output goes to {log}")
-    with os.fdopen(fd, "w") as out:
-        slow = subprocess.Popen(
-            [sys.executable, "-m", "nox", "-s", "slow"], stdout=out, stderr=subprocess.STDOUT
-        )
-    others_failed = False
-    try:
-        session.run(
-            sys.executable, "-m", "nox", "-s", "lint", *PACKAGES, "integration", "standalone",
-            external=True,
-        )  # fmt: skip
-    except nox.command.CommandFailed:
-        others_failed = True  # still wait for the slow tier, and show its output
-    finally:
-        slow_code = slow.wait()
-        with open(log) as f:
-            print(f.read(), flush=True)
-    if others_failed or slow_code:
-        failed = ["a session above"] * others_failed + ["slow"] * bool(slow_code)
-        session.error(f"failed: {' and '.join(failed)}")
+    standalone install, slow."""
+    for name in ["lint", *PACKAGES, "integration", "standalone", "slow"]:
+        session.notify(name)
