@@ -140,6 +140,21 @@ def test_rl_loops_take_an_expert_parallel_megatron_policy_which_refits():
     assert config.policy.megatron.expert_parallel_size == 2
 
 
+def test_a_critic_without_a_model_of_its_own_builds_and_refuses_context_parallelism():
+    """A critic's model left out (the policy's, with a value head, filled in later) still
+    validates, and context parallelism, which cannot split a value head's gradient, is
+    refused for the critic by name."""
+    from rl_models.policy.config import worker_config
+
+    base = ["--config", str(PPO_RECIPE), "tokenizer.path=/tokenizer"]
+    config = cli.build_config(cli.load_algorithm("ppo"), base)
+    assert worker_config("dtensor", config.critic).dtensor.context_parallel_size == 1
+    with pytest.raises(ConfigError, match=r"critic: .*context_parallel_size=2 .*model\.kind=value"):
+        cli.build_config(
+            cli.load_algorithm("ppo"), [*base, "critic.dtensor.context_parallel_size=2"]
+        )
+
+
 def test_ppo_takes_the_entropy_bonus_into_its_policy_loss():
     from rl_algorithms.ppo.loop import make_loss
     from rl_models.interfaces import LossTokenLogprobsAndEntropy, loss_input_type

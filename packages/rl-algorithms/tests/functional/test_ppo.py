@@ -77,10 +77,16 @@ def weights(path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
 
 
-def test_ppo_trains_its_critic_and_resumes_exactly(tmp_path, assets):
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    records = run_ppo(straight, assets)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, assets):
+    """The uninterrupted run, colocated critic: what the resumed run and the critic on workers
+    of its own are held against (one run serves both tests)."""
+    root = tmp_path_factory.mktemp("straight")
+    return root, run_ppo(root, assets)
+
+
+def test_ppo_trains_its_critic_and_resumes_exactly(straight, tmp_path, assets):
+    straight, records = straight
     for key, steps in [
         ("train/loss", STEPS - 1),  # the policy trains from step 2 on
         ("train/critic/value_loss", STEPS),
@@ -116,24 +122,24 @@ def test_ppo_trains_its_critic_and_resumes_exactly(tmp_path, assets):
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=f"{role}: {name}")
 
 
-def test_a_critic_on_workers_of_its_own_trains_and_values_like_a_colocated_one(tmp_path, assets):
+def test_a_critic_on_workers_of_its_own_trains_and_values_like_a_colocated_one(
+    straight, tmp_path, assets
+):
     """``critic.colocated: false``: the critic gets a cluster of its own (a second Ray
     placement group beside the policy's and the generator's). Two steps train with finite
-    losses, and its first step's values, value loss and explained variance are those of a
-    colocated critic on the same rollouts (same seeds: placement changes no number)."""
-    runs = {}
-    for colocated, steps in ((False, 2), (True, 1)):
-        root = tmp_path / ("colocated" if colocated else "separate")
-        root.mkdir()
-        config = ppo_config(root, assets)
-        config["critic"]["colocated"] = colocated
-        config["ppo"].update(max_num_steps=steps, val_period=0, policy_training_start_step=0)
-        config["checkpointing"]["enabled"] = False
-        assert cli.main(["ppo", "--config", write_config(root, config)]) == 0
-        runs[colocated] = [r for r in read_metrics(root / "logs") if "train/loss" in r]
-    separate, colocated = runs[False], runs[True]
-    assert len(separate) == 2
-    for key in ("train/loss", "train/critic/value_loss", "train/values_mean"):
+    losses, and its first step's values, value loss and explained variance are those of the
+    colocated critic of the uninterrupted run on the same rollouts (same seeds: placement
+    changes no number)."""
+    config = ppo_config(tmp_path, assets)
+    config["critic"]["colocated"] = False
+    config["ppo"]["max_num_steps"] = 2
+    config["checkpointing"]["enabled"] = False
+    assert cli.main(["ppo", "--config", write_config(tmp_path, config)]) == 0
+    separate = [r for r in read_metrics(tmp_path / "logs") if "train/critic/value_loss" in r]
+    colocated = [r for r in straight[1] if "train/critic/value_loss" in r]
+    assert [r["step"] for r in separate] == [1, 2]
+    for key in ("train/critic/value_loss", "train/values_mean"):
         assert all(math.isfinite(r[key]) for r in separate), (key, separate)
+    assert math.isfinite(separate[1]["train/loss"])  # the policy trains from step 2 on
     for key in ("train/values_mean", "train/critic/value_loss", "train/explained_variance"):
         assert separate[0][key] == colocated[0][key], key

@@ -15,6 +15,7 @@ from rl_models.backends import POLICY_BACKENDS, Backend, BackendConfig, BackendR
 from rl_models.modeling.config import DType, ModelConfig  # noqa: F401 (DType: re-exported)
 from rl_models.modeling.lora import LoraConfig
 from rl_models.modeling.precision import HalfSetting
+from rl_models.policy.context_parallel import context_parallel_clashes
 
 
 def check_kwargs(cls: type, kwargs: dict[str, Any], given_by_us: int) -> None:
@@ -440,32 +441,6 @@ class PolicyConfig(BackendConfig):
         return self.logprob_micro_batch_size or self.train_micro_batch_size
 
 
-def context_parallel_clashes(
-    *,
-    tensor_parallel_size: int,
-    activation_checkpointing: bool,
-    attn_implementation: str,
-    router_replay: bool,
-    lora: bool,
-    kind: str,
-) -> list[str]:
-    """What (``policy.`` keys, with values) ``dtensor.context_parallel_size`` > 1 does not work
-    with: the one rule, for the config and NeMo's mapping. Why: its kernel is switched in for
-    one forward call, which activation checkpointing's recompute runs outside of; it replaces
-    attention with sdpa, so another kernel would silently not run; replayed routes, peft's
-    wrapping, tensor parallelism's plan and a value or classifier head are not split."""
-    sdpa = attn_implementation == "sdpa"
-    unsupported = {
-        f"dtensor.tensor_parallel_size={tensor_parallel_size}": tensor_parallel_size > 1,
-        "activation_checkpointing": activation_checkpointing,
-        f"model.attn_implementation={attn_implementation} (use sdpa)": not sdpa,
-        "router_replay": router_replay,
-        "lora.enabled": lora,
-        f"model.kind={kind}": kind != "causal_lm",
-    }
-    return [name for name, on in unsupported.items() if on]
-
-
 def worker_config(backend: str, config: PolicyConfig | dict[str, Any]) -> PolicyConfig:
     """``config`` validated for a worker of ``backend``; a config naming another backend is
     refused, since its settings would otherwise be silently ignored by this worker."""
@@ -490,19 +465,22 @@ class DTensorPolicyConfig(PolicyConfig):
         tp = self.dtensor.tensor_parallel_size
         if self.dtensor.sequence_parallel and tp == 1:
             raise ValueError("dtensor.sequence_parallel needs dtensor.tensor_parallel_size > 1")
-        named = context_parallel_clashes(
-            tensor_parallel_size=tp,
-            activation_checkpointing=self.activation_checkpointing,
-            attn_implementation=self.model.attn_implementation,
-            router_replay=self.router_replay,
-            lora=self.lora.enabled,
-            kind=self.model.kind,
-        )
-        if (cp := self.dtensor.context_parallel_size) > 1 and named:
-            raise ValueError(
-                f"dtensor.context_parallel_size={cp} does not work with {', '.join(named)}; "
-                "use context_parallel_size 1 for these"
+        if (cp := self.dtensor.context_parallel_size) > 1:
+            # Only a critic's config leaves its model out: the policy's, with a value head.
+            model = self.model
+            named = context_parallel_clashes(
+                tensor_parallel_size=tp,
+                activation_checkpointing=self.activation_checkpointing,
+                attn_implementation=model.attn_implementation if model else "sdpa",
+                router_replay=self.router_replay,
+                lora=self.lora.enabled,
+                kind=model.kind if model else "value",
             )
+            if named:
+                raise ValueError(
+                    f"dtensor.context_parallel_size={cp} does not work with {', '.join(named)}; "
+                    "use context_parallel_size 1 for these"
+                )
         if tp == 1:
             return self
         # Why each is refused: peft wraps the very linear layers the plan splits (its

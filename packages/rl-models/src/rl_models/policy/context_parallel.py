@@ -297,3 +297,29 @@ def check_model(model: torch.nn.Module, size: int) -> None:
     if windowed or capped:
         what = "sliding-window" if windowed else "soft-capped"
         raise ValueError(f"{where}: the model has {what} attention, which it does not apply")
+
+
+def context_parallel_clashes(
+    *,
+    tensor_parallel_size: int,
+    activation_checkpointing: bool,
+    attn_implementation: str,
+    router_replay: bool,
+    lora: bool,
+    kind: str,
+) -> list[str]:
+    """What (``policy.`` keys, with values) ``dtensor.context_parallel_size`` > 1 does not work
+    with: the one rule, for the config and NeMo's mapping. Why: its kernel is switched in for
+    one forward call, which activation checkpointing's recompute runs outside of; it replaces
+    attention with sdpa, so another kernel would silently not run; replayed routes, peft's
+    wrapping, tensor parallelism's plan and a value or classifier head are not split."""
+    sdpa = attn_implementation == "sdpa"
+    unsupported = {
+        f"dtensor.tensor_parallel_size={tensor_parallel_size}": tensor_parallel_size > 1,
+        "activation_checkpointing": activation_checkpointing,
+        f"model.attn_implementation={attn_implementation} (use sdpa)": not sdpa,
+        "router_replay": router_replay,
+        "lora.enabled": lora,
+        f"model.kind={kind}": kind != "causal_lm",
+    }
+    return [name for name, on in unsupported.items() if on]
