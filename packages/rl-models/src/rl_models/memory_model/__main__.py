@@ -71,8 +71,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.model in SHAPES:
         config = SHAPES[args.model]
     else:
-        with open(args.model) as f:
-            config = json.load(f)
+        try:
+            with open(args.model) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as err:
+            parser.error(
+                f"{args.model}: not a readable config.json, nor one of {list(SHAPES)} ({err})"
+            )
     shape = Shape.from_config(config)
     plan = Plan(**{f.name: getattr(args, f.name) for f in fields(Plan)})
     b = breakdown(shape, plan)
