@@ -236,9 +236,18 @@ class Ranks:
         self.outbox.put((kind, payload))
 
     def close(self, timeout_s: float) -> list[int | None]:
+        """Wait up to ``timeout_s`` for every rank to exit, then end the ones left.
+
+        ``Process.join`` waits for the rank's sentinel pipe to close, which can be much later
+        than its exit: the ``torch_shm_manager`` that a rank starts for CPU IPC handles inherits
+        that pipe and lives on while this process still maps the shared weights. ``exitcode``
+        asks the operating system for the exit status itself.
+        """
+        deadline = time.monotonic() + timeout_s
         for p in self.procs:
-            p.join(timeout=timeout_s)
-            if p.is_alive():
+            while p.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if p.exitcode is None:
                 p.terminate()
                 p.join()
         return [p.exitcode for p in self.procs]

@@ -200,6 +200,9 @@ def test_sigint_ends_the_command_with_one_line(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell's background job starts with SIGINT ignored, and Python keeps it ignored:
+        # give the child the default disposition, as a terminal's foreground process has.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert process.stdout.readline() == "running\n"
     process.send_signal(signal.SIGINT)
