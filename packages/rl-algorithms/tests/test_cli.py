@@ -64,12 +64,14 @@ def test_a_bad_value_exits_nonzero_naming_the_key(argv, key, expected, capsys):
 
 
 def test_grpo_banana_fails_before_ray_or_any_worker_starts():
-    # A fresh interpreter: after the error, no Ray cluster was ever started or joined.
+    # A fresh interpreter: after the error, no Ray cluster was ever started or joined. Nor was
+    # a model library imported: checking a config must not cost their seconds of start-up.
     code = (
         "import sys; from rl_algorithms import cli\n"
         "rc = cli.main(sys.argv[1:])\n"
         "ray = sys.modules.get('ray')\n"
         "print('ray started:', bool(ray and ray.is_initialized()))\n"
+        "print('imported:', sorted({'transformers', 'vllm', 'megatron', 'peft'} & set(sys.modules)))\n"
         "sys.exit(rc)"
     )
     out = subprocess.run(
@@ -92,6 +94,7 @@ def test_grpo_banana_fails_before_ray_or_any_worker_starts():
     first_problem = out.stderr.splitlines()[1].strip()
     assert first_problem == "grpo.num_generations_per_prompt: got 'banana' — expected int"
     assert "ray started: False" in out.stdout
+    assert "imported: []" in out.stdout
 
 
 def test_the_console_script_reports_an_unknown_key_with_a_suggestion():

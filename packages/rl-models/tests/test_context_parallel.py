@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.multiprocessing import start_processes
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rl_models.policy.context_parallel import ContextGroup, check_model, split_indices
+from rl_models.policy.context_parallel import ContextGroup, split_indices
+from rl_models.policy.context_parallel_rules import check_model
 from rl_models.policy.forward import ForwardOptions
 from rl_models.policy.lm_policy import worker_sharding
 from rl_models.weight_transfer.channels import free_port

@@ -395,7 +395,7 @@ def _dtensor_context_parallel(ctx: Context, key: str, value: Any) -> None:
     (``context_parallel_clashes``) names, read from the recipe's keys. No NeMo key sets the
     attention kernel: ours is the default."""
     from rl_models.modeling.config import ModelConfig
-    from rl_models.policy.context_parallel import context_parallel_clashes
+    from rl_models.policy.context_parallel_rules import context_parallel_clashes
 
     clashes = context_parallel_clashes(
         tensor_parallel_size=ctx.get("policy.dtensor_cfg.tensor_parallel_size", 1),

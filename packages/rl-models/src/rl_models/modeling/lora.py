@@ -22,11 +22,13 @@ generator can apply adapters (``inject_adapters``), the adapters alone: what a
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, field_validator
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from rl_distributed.config import ConfigModel
 

@@ -15,7 +15,7 @@ from rl_models.backends import POLICY_BACKENDS, Backend, BackendConfig, BackendR
 from rl_models.modeling.config import DType, ModelConfig  # noqa: F401 (DType: re-exported)
 from rl_models.modeling.lora import LoraConfig
 from rl_models.modeling.precision import HalfSetting
-from rl_models.policy.context_parallel import context_parallel_clashes
+from rl_models.policy.context_parallel_rules import context_parallel_clashes
 
 
 def check_kwargs(cls: type, kwargs: dict[str, Any], given_by_us: int) -> None:
@@ -276,7 +276,7 @@ class DTensorConfig(ConfigModel):
     Tensor parallelism needs a model family with a plan (Llama, Qwen2) whose attention heads
     (and key/value heads) divide by ``tensor_parallel_size``; ``policy/tensor_parallel.py``.
     Context parallelism needs a model of full-attention layers only, called through Hugging
-    Face's attention interface (``policy/context_parallel.check_model``)."""
+    Face's attention interface (``policy/context_parallel_rules.check_model``)."""
 
     # Ranks each decoder layer's matrices (and the vocabulary) are split over; the workers'
     # count must be a multiple of it (the rest is data parallel).

@@ -44,7 +44,13 @@ from rl_models.modeling import lora
 from rl_models.modeling.build import build_model
 from rl_models.modeling.moe_routes import require_routers
 from rl_models.modeling.precision import compute_dtype
-from rl_models.policy import checkpoint, context_parallel, offload, tensor_parallel
+from rl_models.policy import (
+    checkpoint,
+    context_parallel,
+    context_parallel_rules,
+    offload,
+    tensor_parallel,
+)
 from rl_models.policy.base_worker import (  # noqa: F401 (microbatch_args: re-export)
     PolicyWorker,
     init_distributed,
@@ -170,7 +176,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             sequence_parallel = self.config.dtensor.sequence_parallel
             tensor_parallel.parallelize(model, self._mesh["tp"], sequence_parallel)
         if self.cp_size > 1:
-            context_parallel.check_model(model, self.cp_size)
+            context_parallel_rules.check_model(model, self.cp_size)
         mesh = self._fsdp_mesh
         precision = MixedPrecisionPolicy()
         if self.compute_dtype is not None:
