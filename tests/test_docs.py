@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,68 @@ RUNNABLE = {"python", "bash"}
 BASH_PRELUDE = """set -euo pipefail
 uv() { if [ "$1" = run ]; then shift; "$@"; else command uv "$@"; fi; }
 """
+BLOCK_SECONDS = 240
+DONE, FAILED = "@@docs-block-done@@", "@@docs-block-failed@@"
+# Reads blocks from stdin (a line "label<TAB>length", then the code) and runs each in one
+# namespace, so later blocks see earlier ones' names; prints a marker after each.
+PYTHON_DRIVER = f"""
+import sys, traceback
+namespace = {{"__name__": "__main__"}}
+for header in iter(sys.stdin.readline, ""):
+    label, size = header.rstrip("\\n").split("\\t")
+    code = sys.stdin.read(int(size))
+    try:
+        exec(compile(code, label, "exec"), namespace)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        print("\\n{FAILED}", flush=True)
+        break
+    sys.stderr.flush()
+    print("\\n{DONE}", flush=True)
+"""
+
+
+class PythonSession:
+    """One interpreter for all of a page's python blocks, given one block at a time as the
+    page reads (its bash blocks run in between): each block runs once."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-u", "-c", PYTHON_DRIVER],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # the interpreter is gone
+
+    def run(self, label: str, code: str) -> tuple[bool, str]:
+        """Whether the block ran without an error, and what it printed."""
+        self.process.stdin.write(f"{label}\t{len(code)}\n{code}")
+        self.process.stdin.flush()
+        printed: list[str] = []
+        deadline = time.monotonic() + BLOCK_SECONDS
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return False, "".join(printed) + f"\n(still running after {BLOCK_SECONDS} s)"
+            if line is None or line.strip() in (DONE, FAILED):
+                return line is not None and line.strip() == DONE, "".join(printed)
+            printed.append(line)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
 def code_blocks(page: Path) -> list[tuple[str, str, str | None]]:
@@ -75,25 +140,29 @@ def test_every_code_block_of_the_page_runs(page, tmp_path):
     }
     # Models converted once (the main recipe's GGUF) stay shared with the rest of the suite.
     env.setdefault("XDG_CACHE_HOME", str(Path.home() / ".cache"))
-    python = [code for lang, code, skip in blocks if lang == "python" and skip is None]
-    for i, (lang, code, skip) in enumerate(blocks):
-        where = f"{page.relative_to(ROOT)}, code block {i + 1} ({lang})"
-        assert lang in RUNNABLE or lang in ("", "text", "yaml", "json"), f"{where}: language?"
-        if skip is not None or lang not in RUNNABLE:
-            assert lang not in RUNNABLE or skip.strip(" ."), f"{where}: a skip needs a reason"
-            continue
-        if lang == "python":
-            # Each block runs after the page's earlier blocks, in one interpreter.
-            upto = python[: python.index(code) + 1]
-            command = [sys.executable, "-c", "\n".join(upto)]
-        else:
-            command = ["bash", "-c", BASH_PRELUDE + code]
-        run = subprocess.run(
-            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
-        )
-        assert run.returncode == 0, (
-            f"{where} failed:\n{code}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-        )
+    python = PythonSession(tmp_path, env)
+    try:
+        for i, (lang, code, skip) in enumerate(blocks):
+            where = f"{page.relative_to(ROOT)}, code block {i + 1} ({lang})"
+            assert lang in RUNNABLE or lang in ("", "text", "yaml", "json"), f"{where}: language?"
+            if skip is not None or lang not in RUNNABLE:
+                assert lang not in RUNNABLE or skip.strip(" ."), f"{where}: a skip needs a reason"
+                continue
+            if lang == "python":
+                ok, printed = python.run(where, code)
+            else:
+                run = subprocess.run(
+                    ["bash", "-c", BASH_PRELUDE + code],
+                    cwd=tmp_path,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=BLOCK_SECONDS,
+                )
+                ok, printed = run.returncode == 0, run.stdout[-3000:] + "\n" + run.stderr
+            assert ok, f"{where} failed:\n{code}\n{printed[-6000:]}"
+    finally:
+        python.close()
 
 
 # -- the README ---------------------------------------------------------------------------------
