@@ -518,7 +518,8 @@ def test_agent_programs_play_in_the_collector_actor_and_a_hung_group_is_requeued
     tokenizer, template
 ):
     # The program's first request goes into the first stream, which hangs. (A good group takes
-    # a second or two; 30 s leaves room for a machine under load.)
+    # a second or two; 15 s leaves room for a machine under load, as the 10 s of the hung
+    # generation test above does.)
     talk = f"{Path(__file__).with_name('agent_program_examples.py')}:talk"
     program = AgentProgramConfig(function=talk)
     client, engine = start(
@@ -527,7 +528,7 @@ def test_agent_programs_play_in_the_collector_actor_and_a_hung_group_is_requeued
         4,
         hang_first=True,
         name="c-programs",
-        max_group_seconds=30.0,
+        max_group_seconds=15.0,
         agent_program=program,
         sampling=(1.0, 1.0),
     )
