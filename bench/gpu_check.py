@@ -245,12 +245,19 @@ class Ranks:
         """
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
-            while p.exitcode is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if p.exitcode is None:
+            if not exited(p, deadline):
                 p.terminate()
-                p.join()
+                if not exited(p, time.monotonic() + 10):
+                    p.kill()
+                    exited(p, time.monotonic() + 10)
         return [p.exitcode for p in self.procs]
+
+
+def exited(process: Any, deadline: float) -> bool:
+    """Whether ``process`` has exited by ``deadline`` (``exitcode``, not ``join``: see above)."""
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return process.exitcode is not None
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -39,24 +40,29 @@ BASH_PRELUDE = """set -euo pipefail
 uv() { if [ "$1" = run ]; then shift; "$@"; else command uv "$@"; fi; }
 """
 BLOCK_SECONDS = 240
-DONE, FAILED = "@@docs-block-done@@", "@@docs-block-failed@@"
-# Reads blocks from stdin (a line "label<TAB>length", then the code) and runs each in one
-# namespace, so later blocks see earlier ones' names; prints a marker after each.
-PYTHON_DRIVER = f"""
-import sys, traceback
-namespace = {{"__name__": "__main__"}}
-for header in iter(sys.stdin.readline, ""):
+# Reads blocks (a line "label<TAB>length", then the code) from its own copy of stdin, with
+# /dev/null in stdin's place for the blocks and their children, and runs each in one real
+# __main__ module, so later blocks see earlier ones' names; after each it prints the marker
+# given as argv[1] and "ok" or "failed".
+PYTHON_DRIVER = """
+import os, sys, traceback, types
+blocks = os.fdopen(os.dup(0), encoding="utf-8")
+sys.stdin = open(os.devnull)
+os.dup2(sys.stdin.fileno(), 0)
+main = sys.modules["__main__"] = types.ModuleType("__main__")
+marker = sys.argv[1]
+for header in iter(blocks.readline, ""):
     label, size = header.rstrip("\\n").split("\\t")
-    code = sys.stdin.read(int(size))
+    code = blocks.read(int(size))
     try:
-        exec(compile(code, label, "exec"), namespace)
+        exec(compile(code, label, "exec"), main.__dict__)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
-        print("\\n{FAILED}", flush=True)
+        print(f"\\n{marker} failed", flush=True)
         break
     sys.stderr.flush()
-    print("\\n{DONE}", flush=True)
+    print(f"\\n{marker} ok", flush=True)
 """
 
 
@@ -65,27 +71,35 @@ class PythonSession:
     page reads (its bash blocks run in between): each block runs once."""
 
     def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        # Random, so that no block's output can pass for the end of a block.
+        self.marker = f"@@docs-block-{uuid.uuid4().hex}@@"
         self.process = subprocess.Popen(
-            [sys.executable, "-u", "-c", PYTHON_DRIVER],
+            [sys.executable, "-u", "-c", PYTHON_DRIVER, self.marker],
             cwd=cwd,
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
+            encoding="utf-8",
+            errors="replace",
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.put(line)
-        self.lines.put(None)  # the interpreter is gone
+        try:
+            for line in self.process.stdout:
+                self.lines.put(line)
+        finally:
+            self.lines.put(None)  # the interpreter is gone
 
     def run(self, label: str, code: str) -> tuple[bool, str]:
         """Whether the block ran without an error, and what it printed."""
-        self.process.stdin.write(f"{label}\t{len(code)}\n{code}")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(f"{label}\t{len(code)}\n{code}")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            return False, "(the interpreter had exited)"
         printed: list[str] = []
         deadline = time.monotonic() + BLOCK_SECONDS
         while True:
@@ -93,8 +107,10 @@ class PythonSession:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return False, "".join(printed) + f"\n(still running after {BLOCK_SECONDS} s)"
-            if line is None or line.strip() in (DONE, FAILED):
-                return line is not None and line.strip() == DONE, "".join(printed)
+            if line is None:
+                return False, "".join(printed) + "\n(the interpreter exited)"
+            if line.startswith(self.marker):
+                return line.strip() == f"{self.marker} ok", "".join(printed)
             printed.append(line)
 
     def close(self) -> None:

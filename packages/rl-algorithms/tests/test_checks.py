@@ -185,7 +185,10 @@ def test_sigint_ends_the_command_with_one_line(tmp_path):
     import sys
 
     script = (
-        "import sys, time\n"
+        # A shell's background job starts with SIGINT ignored, and Python then leaves it
+        # ignored: Ctrl-C's handling, as a terminal's foreground process has it.
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from rl_algorithms import cli\n"
         "def main(config):\n"
         "    print('running', flush=True)\n"
@@ -200,9 +203,6 @@ def test_sigint_ends_the_command_with_one_line(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # A shell's background job starts with SIGINT ignored, and Python keeps it ignored:
-        # give the child the default disposition, as a terminal's foreground process has.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert process.stdout.readline() == "running\n"
     process.send_signal(signal.SIGINT)
