@@ -143,6 +143,24 @@ def test_the_block_parser_reads_markers_and_languages(tmp_path):
     ]
 
 
+def test_a_pages_python_session_keeps_names_and_reports_the_block_that_failed(tmp_path):
+    """What the page test relies on: later blocks see earlier names, a block's own output
+    cannot pass for its end, and an error fails the block that raised it, by its label."""
+    session = PythonSession(tmp_path, dict(os.environ))
+    try:
+        assert session.run("block 1", "x = 41\nprint('@@docs-block-x@@ ok')") == (
+            True,
+            "@@docs-block-x@@ ok\n\n",
+        )
+        assert session.run("block 2", "print(x + 1)") == (True, "42\n\n")
+        ok, printed = session.run("block 3", "print('before')\nraise ValueError('boom')")
+        assert not ok
+        assert 'File "block 3", line 2' in printed and "ValueError: boom" in printed
+        assert session.run("block 4", "print(1)")[0] is False  # nothing runs after an error
+    finally:
+        session.close()
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
 def test_every_code_block_of_the_page_runs(page, tmp_path):
     blocks = code_blocks(page)
