@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_models.generation import static_decode
 from rl_models.generation.config import GenerationConfig, SamplingConfig
-from rl_models.generation.sampling import sample
+from rl_models.generation.sampling import MIN_SHARED_PREFIX, sample, shared_prefix_length
 from rl_models.generation.static_decode import unsupported_reason
 
 from .conftest import TINY_LLAMA
@@ -118,6 +118,75 @@ def test_bfloat16_logprobs_are_the_bfloat16_models_and_near_float64():
         worst = max(worst, float((got - own.double()).abs().max()))
         torch.testing.assert_close(got, sequence_logprobs(exact, seq)[n - 1 :], rtol=0, atol=0.1)
     assert worst < 0.02, worst  # ~0.004 for this model
+
+
+def prompts_opening_alike(prefix: int, tails: list[int], vocab: int = 128):
+    """Right-padded prompts: the same ``prefix`` random tokens, then each its own tail."""
+    gen = torch.Generator().manual_seed(5)
+    head = torch.randint(1, vocab, (prefix,), generator=gen)
+    rows = [torch.cat([head, torch.randint(1, vocab, (t,), generator=gen)]) for t in tails]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+    return ids, torch.tensor([len(row) for row in rows])
+
+
+@pytest.mark.parametrize("static_kv", [True, False])
+def test_a_long_prefix_of_distinct_prompts_is_prefilled_once_and_changes_no_sample(static_kv):
+    """Four distinct prompts open with the same 70 tokens, one of them with nothing after
+    (so 69 are shared: each prompt keeps its last token), each sampled twice: the prefix runs
+    once as a batch of one, then the tails as one batch. Every reported log-prob is the
+    uncached float64 forward's of that row's own sequence, and each row samples what it
+    samples alone (a batch of one shares nothing)."""
+    model = tiny_model("llama")
+    ids, lengths = prompts_opening_alike(70, [0, 9, 4, 6])
+    ids, lengths = ids.repeat_interleave(2, 0), lengths.repeat_interleave(2)
+    fed = []  # the shape of every batch of tokens the model embeds
+    model.model.embed_tokens.register_forward_pre_hook(
+        lambda module, args: fed.append(tuple(args[0].shape))
+    )
+    stops = list(range(1, 128, 9))
+    sampling = SamplingConfig(max_new_tokens=10, stop_token_ids=stops)
+    seeds = list(range(40, 40 + len(ids)))
+    common = dict(stop_token_ids=stops, static_kv=static_kv)
+    out = sample(model, ids, lengths, sampling, row_seeds=seeds, **common)
+    assert fed[:2] == [(1, 69), (4, ids.shape[1] - 69)], fed[:3]
+    assert_logprobs_are_the_float64_forwards(model, out, lengths)
+    assert len(set(out.generation_lengths.tolist())) >= 3, out.generation_lengths
+    for row in range(len(ids)):
+        alone = sample(
+            model,
+            ids[row : row + 1],
+            lengths[row : row + 1],
+            sampling,
+            row_seeds=seeds[row : row + 1],
+            **common,
+        )
+        width = alone.output_ids.shape[1]
+        assert torch.equal(out.output_ids[row, :width], alone.output_ids[0])
+        torch.testing.assert_close(out.logprobs[row, :width], alone.logprobs[0], rtol=0, atol=1e-6)
+
+
+def test_a_short_shared_prefix_leaves_the_prompts_whole():
+    """A prefix under ``MIN_SHARED_PREFIX`` (a chat template's header) is not split off: the
+    prompts are prefilled whole, in one batch."""
+    model = tiny_model("llama")
+    ids, lengths = prompts_opening_alike(MIN_SHARED_PREFIX - 2, [3, 5])
+    fed = []
+    model.model.embed_tokens.register_forward_pre_hook(
+        lambda module, args: fed.append(tuple(args[0].shape))
+    )
+    sample(model, ids, lengths, SamplingConfig(max_new_tokens=2), stop_token_ids=[])
+    assert fed[0] == tuple(ids.shape)
+    assert shared_prefix_length(ids, lengths) == MIN_SHARED_PREFIX - 2
+
+
+def test_shared_prefix_length_stops_at_the_first_difference_and_before_a_last_token():
+    ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 9, 8, 1], [5, 6, 7, 8, 2]])
+    assert shared_prefix_length(ids, torch.tensor([4, 5, 5])) == 2
+    same = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 8]])
+    assert shared_prefix_length(same, torch.tensor([3, 4])) == 2  # the short one keeps its 7
+    assert shared_prefix_length(same[:1], torch.tensor([3])) == 0  # one prompt shares nothing
 
 
 def test_models_it_does_not_mirror_are_named():

@@ -211,10 +211,12 @@ class ForwardDecoder:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
+        cache: DynamicCache | None = None,
     ) -> tuple[torch.Tensor, ForwardDecoder]:
         """The logits ``[B, V]`` at the last position of left-padded prompts, and the decoder
-        of the steps after them."""
-        cache = DynamicCache(config=model.config)
+        of the steps after them; ``cache``: keys and values already computed for the tokens
+        before ``input_ids`` (``attention_mask`` covers them too)."""
+        cache = DynamicCache(config=model.config) if cache is None else cache
         # The prompt's last position is the only one sampled from: asking for its logits alone
         # spares the LM head [batch, width, vocab] (the largest matmul of a small model's
         # prefill).
@@ -249,14 +251,97 @@ def start_decoding(
     position_ids: torch.Tensor,
     new_tokens: int,
     static_kv: bool,
+    cache: DynamicCache | None = None,
 ) -> tuple[torch.Tensor, Decoder]:
     """The logits ``[B, V]`` at the last position of left-padded prompts, and the decoder of up
     to ``new_tokens`` steps after them: with ``static_kv``, the lean decoder where it mirrors
     the model (after a prefill by the model's own decoder stack); else the model's forward
-    throughout."""
+    throughout. ``cache``: a prefix's keys and values, as the prefills take it."""
     if static_kv and unsupported_reason(model) is None:
-        return StaticKVDecoder.prefill(model, input_ids, attention_mask, position_ids, new_tokens)
-    return ForwardDecoder.prefill(model, input_ids, attention_mask, position_ids)
+        return StaticKVDecoder.prefill(
+            model, input_ids, attention_mask, position_ids, new_tokens, cache
+        )
+    return ForwardDecoder.prefill(model, input_ids, attention_mask, position_ids, cache)
+
+
+#: Distinct prompts that begin with the same tokens have that prefix prefilled once when it
+#: is at least this long (a long system prompt, the tools' schemas an agent is shown). A chat
+#: template's header of a few dozen tokens saves little next to the decoding steps, and its
+#: prompts then keep the one prefill they had.
+MIN_SHARED_PREFIX = 64
+
+
+def shared_prefix_length(input_ids: torch.Tensor, lengths: torch.Tensor) -> int:
+    """How many leading tokens all rows of right-padded ``input_ids`` have in common, short of
+    the shortest row's last token: every row keeps a token of its own, the one whose logits
+    its first response token is drawn from."""
+    span = int(lengths.min()) - 1
+    if len(input_ids) < 2 or span < 1:
+        return 0
+    same = (input_ids[:, :span] == input_ids[:1, :span]).all(dim=0)
+    return span if bool(same.all()) else int((~same).to(torch.uint8).argmax())
+
+
+@dataclass
+class Prefill:
+    """What a prefill leaves for the decoding steps: the logits ``[B, V]`` at each prompt's
+    last token, the decoder, and the attention mask over the cached columns (1: a real token)
+    with each row's next position ``[B, 1]``."""
+
+    logits: torch.Tensor
+    decoder: Decoder
+    mask: torch.Tensor
+    next_position: torch.Tensor
+
+
+def prefill_prompts(
+    model: torch.nn.Module,
+    prompts: torch.Tensor,
+    lengths: torch.Tensor,
+    new_tokens: int,
+    *,
+    pad_token_id: int,
+    static_kv: bool,
+    share_prefix: bool,
+) -> Prefill:
+    """Prefill the right-padded ``prompts`` (one row per prompt) for up to ``new_tokens``
+    decoding steps.
+
+    With ``share_prefix``, the leading tokens every prompt shares (``shared_prefix_length``,
+    when at least ``MIN_SHARED_PREFIX``) run once, as a batch of one, and their keys and values
+    are copied to every row; only each prompt's own tail is prefilled per row. The cache then
+    holds the prefix, then the tails left-padded: padding sits between them, masked. Positions
+    and the causal order are those of each whole prompt, so the logits are the same as a
+    prefill of the whole prompts, up to float rounding (the sums run in other shapes)."""
+    device = next(model.parameters()).device
+    rows, width = prompts.shape
+    shared = shared_prefix_length(prompts, lengths) if share_prefix else 0
+    shared = shared if shared >= MIN_SHARED_PREFIX else 0
+    cache = None
+    if shared:
+        cache = DynamicCache(config=model.config)
+        prefix = prompts[:1, :shared].to(device)
+        last_only = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+        model(
+            input_ids=prefix,
+            attention_mask=torch.ones_like(prefix),
+            position_ids=torch.arange(shared, device=device)[None],
+            past_key_values=cache,
+            use_cache=True,
+            **last_only,
+        )
+        cache.reorder_cache(torch.zeros(rows, dtype=torch.long, device=device))
+    tail_width = width - shared
+    left = torch.full((rows, tail_width), pad_token_id, dtype=torch.long)
+    tail_mask = torch.zeros(rows, tail_width, dtype=torch.long)
+    for k, n in enumerate(lengths.tolist()):
+        left[k, width - n :] = prompts[k, shared:n]
+        tail_mask[k, width - n :] = 1
+    left, tail_mask = left.to(device), tail_mask.to(device)
+    positions = shared + (tail_mask.cumsum(-1) - 1).clamp(min=0)
+    mask = torch.cat([torch.ones(rows, shared, dtype=torch.long, device=device), tail_mask], 1)
+    logits, decoder = start_decoding(model, left, mask, positions, new_tokens, static_kv, cache)
+    return Prefill(logits, decoder, mask, positions[:, -1:] + 1)
 
 
 def _distinct_prompts(
@@ -299,10 +384,11 @@ def sample(
     A row stops at a stop token (kept in the response), after the token that completes one of
     its stop strings (kept), or after ``max_new_tokens`` (then ``truncated``).
 
-    Two savings that change no result: rows with the same prompt (a GRPO group) share one
-    prefill, its KV cache copied to each; and once a quarter of the rows still decoding have
-    stopped, they leave the batch (and the cache), so a few long answers do not keep every
-    finished row computing.
+    Savings that change no result: rows with the same prompt (a GRPO group) share one
+    prefill, its KV cache copied to each; distinct prompts that open with the same long prefix
+    (an agent's tool schemas) prefill it once (``prefill_prompts``: the same values up to float
+    rounding); and once a quarter of the rows still decoding have stopped, they leave the batch
+    (and the cache), so a few long answers do not keep every finished row computing.
 
     ``record_routes`` (a mixture-of-experts model): ``routed_experts`` holds, per position of
     ``output_ids``, the experts each MoE layer's router chose when that token went through the
@@ -359,17 +445,18 @@ def _sample(
     if int(lengths.min()) < 1:
         raise ValueError("every prompt needs at least one token (input_lengths >= 1)")
     firsts, row_of = _distinct_prompts(input_ids, lengths)
-    left = torch.full((len(firsts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(firsts), width, dtype=torch.long)
-    for k, i in enumerate(firsts):
-        n = int(lengths[i])
-        left[k, width - n :] = input_ids[i, :n]
-        mask[k, width - n :] = 1
-    left, mask = left.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits, decoder = start_decoding(
-        model, left, mask, positions, sampling.max_new_tokens, static_kv
+    prefill = prefill_prompts(
+        model,
+        input_ids[firsts],
+        lengths[firsts],
+        sampling.max_new_tokens,
+        pad_token_id=pad_token_id,
+        static_kv=static_kv,
+        # Routes are recorded per prompt column; a prefix run apart would need its own.
+        share_prefix=recorder is None,
     )
+    logits, decoder, mask = prefill.logits, prefill.decoder, prefill.mask
+    next_position = prefill.next_position
     if recorder is not None:  # the prefill's routes, [prompts, width, layers, k] left-padded
         routes = recorder.take()
         prompt_routes = routes.view(len(firsts), width, *routes.shape[1:]).cpu()
@@ -378,8 +465,7 @@ def _sample(
     if len(firsts) < batch:  # one copy of its prompt's cache per row
         expand = torch.tensor(row_of, device=device)
         decoder.select_rows(expand)
-        logits, mask, positions = logits[expand], mask[expand], positions[expand]
-    next_position = positions[:, -1:] + 1
+        logits, mask, next_position = logits[expand], mask[expand], next_position[expand]
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     check_strings = stop_strings is not None and stop_strings.any
 
