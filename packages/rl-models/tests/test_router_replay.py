@@ -104,6 +104,28 @@ def test_recorded_routes_equal_a_float64_recomputation(generated):
         assert bool((routes[i, total - 1 :] == NO_ROUTE).all())
 
 
+def test_prompts_opening_alike_are_prefilled_whole_when_routes_are_recorded():
+    """Two prompts opening with the same 70 tokens would have that prefix prefilled once; the
+    routes are recorded per prompt column, so they are prefilled whole, and every prompt
+    token's routes are the float64 recomputation's."""
+    model = build_model(moe_config().model, 0).eval()
+    head = torch.randint(1, 128, (70,), generator=torch.Generator().manual_seed(2))
+    ids = torch.stack([torch.cat([head, torch.tensor([t, t + 1])]) for t in (3, 9)])
+    out = sample(
+        model,
+        ids,
+        torch.tensor([72, 72]),
+        SamplingConfig(max_new_tokens=3),
+        stop_token_ids=[],
+        row_seeds=[1, 2],
+        record_routes=True,
+    )
+    for i in range(2):
+        total = 72 + int(out.generation_lengths[i])
+        expected = float64_routes(model, out.output_ids[i, :total])
+        assert torch.equal(out.routed_experts[i, : total - 1].long(), expected[: total - 1])
+
+
 def replay_batch(generated) -> BatchedDataDict:
     _, lengths, out = generated
     return BatchedDataDict(

@@ -11,6 +11,7 @@ from rl_models.generation import static_decode
 from rl_models.generation.config import GenerationConfig, SamplingConfig
 from rl_models.generation.sampling import MIN_SHARED_PREFIX, sample, shared_prefix_length
 from rl_models.generation.static_decode import unsupported_reason
+from rl_models.modeling.attention_layout import mixed_attention_reason
 
 from .conftest import TINY_LLAMA
 
@@ -131,28 +132,39 @@ def prompts_opening_alike(prefix: int, tails: list[int], vocab: int = 128):
     return ids, torch.tensor([len(row) for row in rows])
 
 
-@pytest.mark.parametrize("static_kv", [True, False])
-def test_a_long_prefix_of_distinct_prompts_is_prefilled_once_and_changes_no_sample(static_kv):
-    """Four distinct prompts open with the same 70 tokens, one of them with nothing after
-    (so 69 are shared: each prompt keeps its last token), each sampled twice: the prefix runs
-    once as a batch of one, then the tails as one batch. Every reported log-prob is the
-    uncached float64 forward's of that row's own sequence, and each row samples what it
-    samples alone (a batch of one shares nothing)."""
-    model = tiny_model("llama")
-    ids, lengths = prompts_opening_alike(70, [0, 9, 4, 6])
-    ids, lengths = ids.repeat_interleave(2, 0), lengths.repeat_interleave(2)
-    fed = []  # the shape of every batch of tokens the model embeds
-    model.model.embed_tokens.register_forward_pre_hook(
+def embedded_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
+    """The shape of every batch of tokens ``model`` embeds from now on (filled as it runs)."""
+    fed: list[tuple[int, ...]] = []
+    model.get_input_embeddings().register_forward_pre_hook(
         lambda module, args: fed.append(tuple(args[0].shape))
     )
+    return fed
+
+
+@pytest.mark.parametrize("static_kv", [True, False])
+@pytest.mark.parametrize("tails", [[0, 9, 4, 6], [5, 5, 5]])
+def test_a_long_prefix_of_distinct_prompts_is_prefilled_once_and_changes_no_sample(
+    static_kv, tails
+):
+    """Distinct prompts open with the same 70 tokens, each sampled twice. With tails of
+    different lengths (one empty, so 69 are shared: each prompt keeps its last token) there is
+    padding between the prefix and a tail; with equal tails, none. The prefix runs once as a
+    batch of one, then the tails as one batch. Every reported log-prob is the uncached float64
+    forward's of that row's own sequence, and each row samples what it samples alone (a batch
+    of one shares nothing)."""
+    model = tiny_model("llama")
+    ids, lengths = prompts_opening_alike(70, tails)
+    ids, lengths = ids.repeat_interleave(2, 0), lengths.repeat_interleave(2)
+    fed = embedded_shapes(model)
     stops = list(range(1, 128, 9))
     sampling = SamplingConfig(max_new_tokens=10, stop_token_ids=stops)
     seeds = list(range(40, 40 + len(ids)))
     common = dict(stop_token_ids=stops, static_kv=static_kv)
     out = sample(model, ids, lengths, sampling, row_seeds=seeds, **common)
-    assert fed[:2] == [(1, 69), (4, ids.shape[1] - 69)], fed[:3]
+    shared = 69 if 0 in tails else 70
+    assert fed[:2] == [(1, shared), (len(tails), ids.shape[1] - shared)], fed[:3]
     assert_logprobs_are_the_float64_forwards(model, out, lengths)
-    assert len(set(out.generation_lengths.tolist())) >= 3, out.generation_lengths
+    assert len(set(out.generation_lengths.tolist())) >= 2, out.generation_lengths
     for row in range(len(ids)):
         alone = sample(
             model,
@@ -167,18 +179,41 @@ def test_a_long_prefix_of_distinct_prompts_is_prefilled_once_and_changes_no_samp
         torch.testing.assert_close(out.logprobs[row, :width], alone.logprobs[0], rtol=0, atol=1e-6)
 
 
-def test_a_short_shared_prefix_leaves_the_prompts_whole():
-    """A prefix under ``MIN_SHARED_PREFIX`` (a chat template's header) is not split off: the
-    prompts are prefilled whole, in one batch."""
-    model = tiny_model("llama")
-    ids, lengths = prompts_opening_alike(MIN_SHARED_PREFIX - 2, [3, 5])
-    fed = []
-    model.model.embed_tokens.register_forward_pre_hook(
-        lambda module, args: fed.append(tuple(args[0].shape))
-    )
-    sample(model, ids, lengths, SamplingConfig(max_new_tokens=2), stop_token_ids=[])
+def test_a_shared_prefix_is_split_off_from_its_minimum_length_and_not_when_asked_not_to():
+    """63 shared tokens (a chat template's header, say) are not split off: the prompts are
+    prefilled whole, in one batch; 64 are. ``share_prefix=False`` keeps them whole too."""
+    sampling = SamplingConfig(max_new_tokens=2)
+    for prefix, split in ((MIN_SHARED_PREFIX - 1, False), (MIN_SHARED_PREFIX, True)):
+        model = tiny_model("llama")
+        ids, lengths = prompts_opening_alike(prefix, [3, 5])
+        fed = embedded_shapes(model)
+        sample(model, ids, lengths, sampling, stop_token_ids=[])
+        assert (fed[0] == (1, prefix)) is split and (fed[0] == tuple(ids.shape)) is not split
+        fed.clear()
+        sample(model, ids, lengths, sampling, stop_token_ids=[], share_prefix=False)
+        assert fed[0] == tuple(ids.shape)
+
+
+@pytest.mark.parametrize(
+    "family,extra",
+    [
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 2, "max_window_layers": 0}),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}),
+    ],
+    ids=["sliding-window", "dynamic-rope"],
+)
+def test_models_whose_layout_matters_prefill_prompts_opening_alike_whole(family, extra):
+    """A window of 2 tokens would count the padding between a prefix and a short tail; a
+    dynamic rotary embedding would rescale with the prefix's own length. Such models prefill
+    whole prompts, and every log-prob is the float64 forward's."""
+    model = tiny_model(family, **extra)
+    assert mixed_attention_reason(model.config) is not None
+    ids, lengths = prompts_opening_alike(70, [0, 9, 4, 6])
+    fed = embedded_shapes(model)
+    sampling = SamplingConfig(max_new_tokens=6, stop_token_ids=[])
+    out = sample(model, ids, lengths, sampling, stop_token_ids=[], row_seeds=[1, 2, 3, 4])
     assert fed[0] == tuple(ids.shape)
-    assert shared_prefix_length(ids, lengths) == MIN_SHARED_PREFIX - 2
+    assert_logprobs_are_the_float64_forwards(model, out, lengths)
 
 
 def test_shared_prefix_length_stops_at_the_first_difference_and_before_a_last_token():

@@ -7,6 +7,8 @@ computed from the very logits it was sampled from.
 Prompts arrive right-padded; they are left-padded here (attention mask and position ids
 ``0..L-1`` per row) so every row's next token sits in the last column, and the result is
 right-padded again: row ``i`` holds its ``L_i`` prompt tokens, then its response, then padding.
+When the prompts open with a long shared prefix, the cache holds that prefix once per row, then
+each prompt's own tail left-padded after it (``prefill_prompts``).
 
 Log-probs (the same convention as the vLLM backend, whose ``processed_logprobs`` it follows):
 each token's log-prob under the distribution it was actually drawn from, that is
@@ -35,6 +37,7 @@ from transformers import DynamicCache
 
 from rl_models.generation.config import SamplingConfig
 from rl_models.generation.static_decode import StaticKVDecoder, unsupported_reason
+from rl_models.modeling.attention_layout import mixed_attention_reason
 from rl_models.modeling.moe_routes import NO_ROUTE, ROUTE_DTYPE, RouteRecorder
 
 
@@ -294,6 +297,7 @@ class Prefill:
     next_position: torch.Tensor
 
 
+@torch.no_grad()
 def prefill_prompts(
     model: torch.nn.Module,
     prompts: torch.Tensor,
@@ -311,24 +315,28 @@ def prefill_prompts(
     when at least ``MIN_SHARED_PREFIX``) run once, as a batch of one, and their keys and values
     are copied to every row; only each prompt's own tail is prefilled per row. The cache then
     holds the prefix, then the tails left-padded: padding sits between them, masked. Positions
-    and the causal order are those of each whole prompt, so the logits are the same as a
-    prefill of the whole prompts, up to float rounding (the sums run in other shapes)."""
+    and the causal order are those of each whole prompt, so for a model of plain causal
+    attention the logits are those of a prefill of the whole prompts up to float rounding (the
+    sums run in other shapes; in bf16 that can flip a near tie). A model with a sliding window,
+    chunked attention, recurrent layers or a length-scaled rotary embedding
+    (``mixed_attention_reason``) is prefilled whole: the padding would change what it computes."""
     device = next(model.parameters()).device
     rows, width = prompts.shape
-    shared = shared_prefix_length(prompts, lengths) if share_prefix else 0
+    shared = 0
+    if share_prefix and mixed_attention_reason(model.config) is None:
+        shared = shared_prefix_length(prompts, lengths)
     shared = shared if shared >= MIN_SHARED_PREFIX else 0
     cache = None
     if shared:
         cache = DynamicCache(config=model.config)
         prefix = prompts[:1, :shared].to(device)
-        last_only = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
-        model(
+        # The decoder stack alone: only the prefix's keys and values are wanted, no logits.
+        model.get_decoder()(
             input_ids=prefix,
             attention_mask=torch.ones_like(prefix),
             position_ids=torch.arange(shared, device=device)[None],
             past_key_values=cache,
             use_cache=True,
-            **last_only,
         )
         cache.reorder_cache(torch.zeros(rows, dtype=torch.long, device=device))
     tail_width = width - shared
@@ -374,6 +382,7 @@ def sample(
     row_seeds: Sequence[int] | None = None,
     static_kv: bool = True,
     record_routes: bool = False,
+    share_prefix: bool = True,
 ) -> Samples:
     """One response per row of right-padded ``input_ids`` (see the module docstring).
 
@@ -385,10 +394,11 @@ def sample(
     its stop strings (kept), or after ``max_new_tokens`` (then ``truncated``).
 
     Savings that change no result: rows with the same prompt (a GRPO group) share one
-    prefill, its KV cache copied to each; distinct prompts that open with the same long prefix
-    (an agent's tool schemas) prefill it once (``prefill_prompts``: the same values up to float
-    rounding); and once a quarter of the rows still decoding have stopped, they leave the batch
-    (and the cache), so a few long answers do not keep every finished row computing.
+    prefill, its KV cache copied to each; and once a quarter of the rows still decoding have
+    stopped, they leave the batch (and the cache), so a few long answers do not keep every
+    finished row computing. With ``share_prefix``, distinct prompts that open with the same
+    long prefix (an agent's tool schemas) prefill it once: the same values up to float
+    rounding (``prefill_prompts`` says when it applies).
 
     ``record_routes`` (a mixture-of-experts model): ``routed_experts`` holds, per position of
     ``output_ids``, the experts each MoE layer's router chose when that token went through the
@@ -411,6 +421,7 @@ def sample(
             row_seeds,
             static_kv,
             recorder,
+            share_prefix,
         )
 
 
@@ -427,6 +438,7 @@ def _sample(
     row_seeds: Sequence[int] | None,
     static_kv: bool,
     recorder: RouteRecorder | None,
+    share_prefix: bool,
 ) -> Samples:
     device = next(model.parameters()).device
     batch, width = input_ids.shape
@@ -453,7 +465,7 @@ def _sample(
         pad_token_id=pad_token_id,
         static_kv=static_kv,
         # Routes are recorded per prompt column; a prefix run apart would need its own.
-        share_prefix=recorder is None,
+        share_prefix=share_prefix and recorder is None,
     )
     logits, decoder, mask = prefill.logits, prefill.decoder, prefill.mask
     next_position = prefill.next_position

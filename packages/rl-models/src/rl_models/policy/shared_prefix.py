@@ -32,6 +32,7 @@ import contextlib
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.modeling.attention_layout import mixed_attention_reason
 from rl_models.policy.logprobs import output_layer_computes_logprobs
 from rl_models.policy.segment_attention import SegmentLayout, attention_by_segments, segment_layout
 
@@ -64,14 +65,10 @@ def shared_prefixes(ids: torch.Tensor, prefix: torch.Tensor) -> tuple[list[int],
 
 
 def supports_shared_prefix(model: torch.nn.Module, attn_implementation: str) -> bool:
-    """sdpa (a boolean mask is used as given; eager would add it to the scores) and no
-    sliding-window layers (the block mask would let them see past their window)."""
-    config = model.config.get_text_config()
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(
-        config, "use_sliding_window", True
-    )
-    sliding |= any("sliding" in t for t in getattr(config, "layer_types", None) or ())
-    return attn_implementation == "sdpa" and not sliding
+    """sdpa (a boolean mask is used as given; eager would add it to the scores) and plain
+    causal attention in every layer (``mixed_attention_reason``: a sliding window, for one,
+    would see past its window through the block mask)."""
+    return attn_implementation == "sdpa" and mixed_attention_reason(model.config) is None
 
 
 def _packed_rows(
