@@ -15,7 +15,11 @@ def test_the_format_reward_pays_for_a_bare_integer_only():
     rewards = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rewards)
     completions = ["57", " 57\n", "-3", "The answer is 57.", "57.", "5 7", "", "57 apples"]
-    assert rewards.just_the_number(completions) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    expected = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert rewards.just_the_number(completions) == expected
+    # The main job's prompts are conversations: each completion is the assistant's message.
+    messages = [[{"role": "assistant", "content": text}] for text in completions]
+    assert rewards.just_the_number(completions=messages) == expected
 
 
 def test_the_two_reward_recipe_reads_as_gdpo(capsys, monkeypatch):

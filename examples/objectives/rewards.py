@@ -10,6 +10,9 @@ import re
 _BARE_NUMBER = re.compile(r"-?\d+")
 
 
-def just_the_number(completions: list[str], **_) -> list[float]:
-    """1.0 when the completion, stripped of surrounding whitespace, is one integer, else 0.0."""
-    return [float(bool(_BARE_NUMBER.fullmatch(text.strip()))) for text in completions]
+def just_the_number(completions: list, **_) -> list[float]:
+    """1.0 when the completion, stripped of surrounding whitespace, is one integer, else 0.0.
+    A completion is its text, or (the main job's conversational prompts) the one assistant
+    message ``[{"role": "assistant", "content": text}]``."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(bool(_BARE_NUMBER.fullmatch(text.strip()))) for text in texts]
