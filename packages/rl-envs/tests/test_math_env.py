@@ -36,6 +36,12 @@ CASES = [  # (response, ground truth, reward)
     (r"\boxed{3}", "4", 0.0),  # wrong
     ("I am not sure.", "4", 0.0),  # no answer at all
     (r"\boxed{\frac{1}{", "4", 0.0),  # malformed LaTeX
+    ("28 + 99 = 127", "127", 1.0),  # the working, then the value
+    ("The answer is 12 + 15", "27", 0.0),  # the sum restated, not worked out
+    ("The answer is 12 * 15.", "180", 0.0),
+    ("The final answer is 3/4", "0.75", 1.0),  # a fraction is a number as written
+    (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0),
+    (r"\boxed{10^{3}}", "1000", 0.0),  # a power left to the reader
 ]
 
 
@@ -47,7 +53,7 @@ def test_right_wrong_and_malformed_answers(env):
     assert out.terminateds.all()
     assert out.answers[0] == r"\frac{1}{2}"
     _, metrics = env.global_post_process_and_metrics({"rewards": out.rewards})
-    assert metrics["accuracy"] == pytest.approx(0.5)
+    assert metrics["accuracy"] == pytest.approx(6 / 12)
     assert metrics["timeouts"] == 0 and metrics["verifier_errors"] == 0
 
 

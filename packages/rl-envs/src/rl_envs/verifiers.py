@@ -33,7 +33,32 @@ def score_math(response: str, ground_truth: str) -> tuple[float, str | None]:
         raise ValueError(f"ground truth does not parse: {ground_truth!r}")
     pred = parse(response)
     answer = pred[-1] if pred and isinstance(pred[-1], str) else (str(pred[0]) if pred else None)
+    if pred and _is_number(gold[0]) and not _written_as_a_number(pred[0]):
+        # To sympy "12 + 15" equals 27, but an answer that leaves the sum to the reader has
+        # not answered: models learn to restate the question's arithmetic ("The answer is
+        # 12 + 15"), as the main job's policy did under this reward before the check.
+        return 0.0, answer
     return (1.0 if pred and verify(gold, pred) else 0.0), answer
+
+
+def _is_number(expr: Any) -> bool:
+    return bool(getattr(expr, "is_Number", False))
+
+
+def _written_as_a_number(expr: Any) -> bool:
+    """Whether a parsed answer is a number as written (an integer, a decimal, a fraction of two
+    integers), not a sum, product or power of numbers still to be worked out. Where the ground
+    truth is a number, the answer must be one (a ground truth that is an expression, ``\\sqrt{8}``
+    say, leaves the form to math-verify)."""
+    if _is_number(expr):
+        return True
+    if getattr(expr, "is_Pow", False):  # 1/4 parses as 4**-1
+        return bool(expr.base.is_Integer) and expr.exp == -1
+    if getattr(expr, "is_Mul", False) and len(expr.args) == 2:  # 3/4 parses as 3 * 4**-1
+        whole = [a for a in expr.args if a.is_Integer]
+        inverse = [a for a in expr.args if a.is_Pow and _written_as_a_number(a)]
+        return len(whole) == 1 and len(inverse) == 1
+    return False
 
 
 @functools.lru_cache(maxsize=64)
