@@ -12,7 +12,7 @@ _BARE_NUMBER = re.compile(r"-?\d+")
 
 def just_the_number(completions: list, **_) -> list[float]:
     """1.0 when the completion, stripped of surrounding whitespace, is one integer, else 0.0.
-    A completion is its text, or (the main job's conversational prompts) the one assistant
-    message ``[{"role": "assistant", "content": text}]``."""
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    A completion is its text, or (the main job's conversational prompts) the assistant's
+    messages ``[{"role": "assistant", "content": text}]``, the answer in the last."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [float(bool(_BARE_NUMBER.fullmatch(text.strip()))) for text in texts]

@@ -3,6 +3,7 @@ import ray
 import torch
 
 from rl_envs.math_env import MathEnvConfig, MathEnvironment
+from rl_envs.verifiers import score_math
 
 pytestmark = pytest.mark.ray
 
@@ -38,10 +39,6 @@ CASES = [  # (response, ground truth, reward)
     (r"\boxed{\frac{1}{", "4", 0.0),  # malformed LaTeX
     ("28 + 99 = 127", "127", 1.0),  # the working, then the value
     ("The answer is 12 + 15", "27", 0.0),  # the sum restated, not worked out
-    ("The answer is 12 * 15.", "180", 0.0),
-    ("The final answer is 3/4", "0.75", 1.0),  # a fraction is a number as written
-    (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0),
-    (r"\boxed{10^{3}}", "1000", 0.0),  # a power left to the reader
 ]
 
 
@@ -53,8 +50,31 @@ def test_right_wrong_and_malformed_answers(env):
     assert out.terminateds.all()
     assert out.answers[0] == r"\frac{1}{2}"
     _, metrics = env.global_post_process_and_metrics({"rewards": out.rewards})
-    assert metrics["accuracy"] == pytest.approx(6 / 12)
+    assert metrics["accuracy"] == pytest.approx(4 / 8)
     assert metrics["timeouts"] == 0 and metrics["verifier_errors"] == 0
+
+
+# Where the ground truth is a number, the answer must be one as written. Each case marked
+# "rule" is one math-verify alone scores 1.0.
+NUMBER_FORM = [  # (response, ground truth, reward)
+    ("The answer is 12 + 15", "27", 0.0),  # rule: the sum restated
+    (r"So it is $\boxed{12 + 15}$", "27", 0.0),  # rule: the same, through the LaTeX parser
+    ("The answer is 12 * 15.", "180", 0.0),  # rule: a product
+    (r"\boxed{10^{3}}", "1000", 0.0),  # rule: a power
+    ("The answer is 84/4", "21", 0.0),  # rule: a fraction not in lowest terms
+    ("28 + 99 = 127", "127", 1.0),  # the working, then the value
+    (r"$28 + 99 = 127$", "127", 1.0),  # an equation: its last right side is the answer
+    (r"\boxed{x = 5}", "5", 1.0),
+    ("The final answer is 3/4", "0.75", 1.0),  # a fraction in lowest terms
+    (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0),
+    ("50%", "50", 1.0),  # a percentage
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", 1.0),  # the ground truth is an expression: no rule
+]
+
+
+@pytest.mark.parametrize(("response", "truth", "reward"), NUMBER_FORM)
+def test_an_answer_to_a_number_must_be_written_as_a_number(response, truth, reward):
+    assert score_math(response, truth)[0] == reward
 
 
 def test_missing_ground_truth_column_is_refused_naming_it(env):

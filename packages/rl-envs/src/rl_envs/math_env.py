@@ -1,4 +1,5 @@
-"""Math answers checked by math-verify: the boxed (or last) answer against the ground truth."""
+"""Math answers checked by math-verify: the boxed (or last) answer against the ground truth
+(``rl_envs.verifiers.score_math``: an answer to a number must be written as a number)."""
 
 from __future__ import annotations
 

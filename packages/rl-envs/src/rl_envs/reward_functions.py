@@ -68,7 +68,8 @@ def math_reward(
     prompts: Sequence[Any], completions: Sequence[Any], ground_truth: Sequence[str], **columns: Any
 ) -> list[float]:
     """The math environment's reward as a reward function: 1.0 when the completion's final
-    answer equals ``ground_truth`` mathematically (math-verify), else 0.0."""
+    answer equals ``ground_truth`` mathematically (math-verify; an answer to a number must be
+    written as one: ``score_math``), else 0.0."""
     from rl_envs.verifiers import score_math
 
     return [

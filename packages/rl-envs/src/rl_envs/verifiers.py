@@ -7,6 +7,7 @@ scoring needs: not torch or Ray, which cost seconds on every (re)start of a proc
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -18,12 +19,15 @@ _FENCE = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)```", re.DOTALL)
 
 
 def score_math(response: str, ground_truth: str) -> tuple[float, str | None]:
-    """1.0 when the response's final answer equals ``ground_truth`` mathematically, else 0.0.
+    """1.0 when the response's final answer equals ``ground_truth`` mathematically, else 0.0;
+    where the ground truth is a number, the answer must be written as one
+    (``_written_as_a_number``).
 
     Runs in a verifier process's main thread, so math-verify's own ``signal.alarm`` timeouts
     work; the pool's per-sample timeout backs them up.
     """
     from math_verify import parse, verify
+    from math_verify.grader import is_equation, take_last_relation
 
     if not isinstance(ground_truth, str) or not ground_truth.strip():
         raise ValueError(f"no ground truth to check against: {ground_truth!r}")
@@ -33,31 +37,35 @@ def score_math(response: str, ground_truth: str) -> tuple[float, str | None]:
         raise ValueError(f"ground truth does not parse: {ground_truth!r}")
     pred = parse(response)
     answer = pred[-1] if pred and isinstance(pred[-1], str) else (str(pred[0]) if pred else None)
-    if pred and _is_number(gold[0]) and not _written_as_a_number(pred[0]):
-        # To sympy "12 + 15" equals 27, but an answer that leaves the sum to the reader has
-        # not answered: models learn to restate the question's arithmetic ("The answer is
-        # 12 + 15"), as the main job's policy did under this reward before the check.
-        return 0.0, answer
+    if pred and getattr(gold[0], "is_Number", False):
+        # "$28 + 99 = 127$" answers 127: math-verify compares an equation's last right side.
+        value = take_last_relation(pred[0]).rhs if is_equation(pred[0]) else pred[0]
+        if not _written_as_a_number(value):
+            # To sympy "12 + 15" equals 27, but an answer that leaves the sum to the reader has
+            # not answered: models learn to restate the question's arithmetic ("The answer is
+            # 12 + 15"), as the main job's policy did under this reward before the check.
+            return 0.0, answer
     return (1.0 if pred and verify(gold, pred) else 0.0), answer
 
 
-def _is_number(expr: Any) -> bool:
-    return bool(getattr(expr, "is_Number", False))
-
-
 def _written_as_a_number(expr: Any) -> bool:
-    """Whether a parsed answer is a number as written (an integer, a decimal, a fraction of two
-    integers), not a sum, product or power of numbers still to be worked out. Where the ground
-    truth is a number, the answer must be one (a ground truth that is an expression, ``\\sqrt{8}``
-    say, leaves the form to math-verify)."""
-    if _is_number(expr):
+    """Whether a parsed answer is a number as written: an integer, a decimal, a percentage, a
+    fraction (LaTeX fractions of integers parse to numbers; plain ``3/4`` stays ``3 * 4**-1``
+    and must be in lowest terms), not a sum, product or power of numbers still to be worked
+    out. Where the ground truth is a number, the answer must be one; a ground truth that is an
+    expression (``\\sqrt{8}``) leaves the form to math-verify. LaTeX ``\\frac{84}{4}`` is 21 once
+    parsed, so a restated division in LaTeX still counts."""
+    from math_verify.grader import is_atomic_or_pct_atomic
+    from sympy import Number
+
+    if is_atomic_or_pct_atomic(expr, Number):
         return True
-    if getattr(expr, "is_Pow", False):  # 1/4 parses as 4**-1
-        return bool(expr.base.is_Integer) and expr.exp == -1
-    if getattr(expr, "is_Mul", False) and len(expr.args) == 2:  # 3/4 parses as 3 * 4**-1
+    if getattr(expr, "is_Mul", False) and len(expr.args) == 2:
         whole = [a for a in expr.args if a.is_Integer]
-        inverse = [a for a in expr.args if a.is_Pow and _written_as_a_number(a)]
-        return len(whole) == 1 and len(inverse) == 1
+        inverse = [a for a in expr.args if a.is_Pow and a.base.is_Integer and a.exp == -1]
+        if len(whole) == 1 and len(inverse) == 1:
+            numerator, denominator = int(whole[0]), int(inverse[0].base)
+            return denominator > 1 and math.gcd(numerator, denominator) == 1
     return False
 
 
