@@ -396,9 +396,9 @@ def sample(
     Savings that change no result: rows with the same prompt (a GRPO group) share one
     prefill, its KV cache copied to each; and once a quarter of the rows still decoding have
     stopped, they leave the batch (and the cache), so a few long answers do not keep every
-    finished row computing. With ``share_prefix``, distinct prompts that open with the same
-    long prefix (an agent's tool schemas) prefill it once: the same values up to float
-    rounding (``prefill_prompts`` says when it applies).
+    finished row computing. One more changes values by float rounding only: with
+    ``share_prefix``, distinct prompts that open with the same long prefix (an agent's tool
+    schemas) prefill it once (``prefill_prompts`` says when it applies).
 
     ``record_routes`` (a mixture-of-experts model): ``routed_experts`` holds, per position of
     ``output_ids``, the experts each MoE layer's router chose when that token went through the
