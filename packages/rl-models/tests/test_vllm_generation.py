@@ -410,18 +410,30 @@ def test_one_poll_collects_every_stream(engines, models, runner):
             assert int(sample["generation_lengths"][0]) > 0
             assert int(sample["weight_version_min"][0]) == int(sample["weight_version_max"][0])
             assert int(sample["weight_version_max"][0]) == version  # no refit meanwhile
+            tags = sample["generation_versions"][0, : int(sample["unpadded_sequence_lengths"][0])]
+            assert (tags[:n] == -1).all() and (tags[n:] == version).all()
         with pytest.raises(WorkerCallError, match=f"KeyError.*no stream '{stream_id}'"):
             sampler.poll([stream_id])  # forgotten
 
 
+def refit_from(gen, path: str, version: int) -> None:
+    gen.prepare_for_weight_update()
+    gen.load_weight_bucket(pack_bucket(load_file(f"{path}/model.safetensors").items()))
+    gen.set_weight_version(version)
+
+
+def token_logprobs(path, samples: list[BatchedDataDict]) -> list[torch.Tensor]:
+    """Float64 HF log-probs of each sample's generated tokens under the weights at ``path``."""
+    found = hf_response_logprobs(path, BatchedDataDict.from_batches(samples), TEMPERATURE)
+    return [logp.gather(1, tokens[:, None])[:, 0] for logp, tokens in found]
+
+
 @pytest.mark.parametrize("runner", ["async", "async_llm"])
-def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(
-    engines, models, runner
-):
+def test_in_flight_refit_tags_each_token_and_drops_the_old_prefix_cache(engines, models, runner):
     """A refit while a stream is generating: the engine pauses, loads, resets its prefix cache
     with the requests still running (vLLM's plain reset refuses then, and the old weights' KV
     blocks would be reused under the new version), and the running samples finish tagged with
-    both versions."""
+    both versions: per token, each tag naming the weights whose log-prob the token has."""
     gen, tokenizer = engines[runner], models["tokenizer"]
     sampler = sampler_of(gen)
     long_prompt = prompts(tokenizer, [" ".join(TEXTS * 3)])  # two whole 32-token blocks
@@ -431,7 +443,9 @@ def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(
     assert int(again["prefix_cached_tokens"][0]) >= 32  # the prefix cache is on and holds it
 
     version = gen.weight_version + 1
-    state = load_file(f"{models['other']}/model.safetensors")  # the weights it holds: a no-op
+    # The engine holds "other"; the refit loads "initial", so that a token's log-prob tells
+    # which weights sampled it.
+    state = load_file(f"{models['initial']}/model.safetensors")
     # 80 rows in waves of max_num_seqs=8: once the first sample is out, a wave runs (holding
     # KV blocks) and eight more wait, dozens of decode steps from done, when the refit lands.
     many = prompts(tokenizer, BATCH * 16)
@@ -454,9 +468,32 @@ def test_in_flight_refit_tags_straddling_samples_and_drops_the_old_prefix_cache(
     # Samples running when the refit landed finished on the new weights: an in-flight update.
     assert (v_max == version).any(), "the stream finished before the refit: nothing in flight"
 
+    # Per token: every generated token tagged old then new (one boundary at most), the prompt
+    # untagged, and each token's vLLM log-prob that of the weights its tag names.
+    rows = [samples[row] for row in sorted(samples)]
+    old_lp, new_lp = token_logprobs(models["other"], rows), token_logprobs(models["initial"], rows)
+    straddling = 0
+    for sample, old, new in zip(rows, old_lp, new_lp, strict=True):
+        n = int(sample["unpadded_sequence_lengths"][0])
+        start = n - int(sample["generation_lengths"][0])
+        tags = sample["generation_versions"][0]
+        assert (tags[:start] == -1).all()
+        generated = tags[start:n]
+        assert set(generated.tolist()) <= {version - 1, version}
+        assert torch.equal(generated, generated.sort().values)  # old tokens first
+        expected = torch.where(generated == version, new, old).float()
+        torch.testing.assert_close(sample["logprobs"][0, start:n], expected, rtol=0, atol=ATOL)
+        straddling += len(set(generated.tolist())) == 2
+    assert straddling, "no sample had tokens of both versions"
+    # The two weights' log-probs differ, so a boundary off by one token would fail above.
+    assert max(float((o - n).abs().max()) for o, n in zip(old_lp, new_lp, strict=True)) > 0.1
+
     after = stream_all(sampler, long_prompt)[0]
     assert int(after["weight_version_min"][0]) == version
+    start = int(long_prompt["input_lengths"][0])
+    assert (after["generation_versions"][0, start:] == version).all()
     assert int(after["prefix_cached_tokens"][0]) == 0  # no block from the old weights reused
+    refit_from(gen, models["other"], version + 1)  # the weights the later tests expect
 
 
 @pytest.mark.parametrize("runner", ["async", "async_llm"])

@@ -18,6 +18,7 @@ from rl_models.generation.vllm.sampling import (
     assemble,
     most_likely,
     prompts_of,
+    sampled_versions,
     sampling_kwargs,
 )
 from rl_models.generation.vllm.worker import VllmGenerationWorker, _Stream
@@ -57,6 +58,46 @@ def test_results_are_laid_out_prompt_then_response_right_padded():
     assert out["unpadded_sequence_lengths"].tolist() == [5, 2]
     assert out["logprobs"].tolist() == [[0, 0, 0, -0.5, -0.25], [0, -1.0, 0, 0, 0]]
     assert out["truncated"].tolist() == [True, False]
+
+
+def completion(token_ids, spans):
+    """The fields of vLLM's ``CompletionOutput`` that ``sampled_versions`` reads, with its
+    ``weight_versions`` spans as ``(label, start, end)``."""
+    from types import SimpleNamespace
+
+    spans = (
+        None if spans is None else [SimpleNamespace(version=v, start=s, end=e) for v, s, e in spans]
+    )
+    return SimpleNamespace(token_ids=token_ids, weight_versions=spans)
+
+
+def test_each_token_gets_the_version_of_the_span_vllm_reported_it_in():
+    assert sampled_versions(completion([5, 6, 7, 8], [("3", 0, 2), ("4", 2, 4)])) == (3, 3, 4, 4)
+    assert sampled_versions(completion([5], [("0", 0, 1)])) == (0,)
+    assert sampled_versions(completion([], [])) == ()
+    # Unknown, never where a wrong version could come out: no spans, a label that is not one
+    # of the worker's numbers (vLLM's "default"), or tokens no span covers.
+    assert sampled_versions(completion([5, 6], None)) is None
+    assert sampled_versions(completion([5, 6], [("default", 0, 2)])) is None
+    assert sampled_versions(completion([5, 6, 7], [("1", 0, 2)])) is None
+
+    # Laid out like output_ids: -1 on the prompt and padding; only when every row has them.
+    with_tags = [
+        Response([5, 6, 7], [-0.1] * 3, False, versions=(1, 1, 2)),
+        Response([9], [-1.0], True, versions=(2,)),
+    ]
+    out = assemble(
+        torch.tensor([[1, 2], [3, 0]]), torch.tensor([2, 1]), with_tags, 0, with_versions=True
+    )
+    assert out["generation_versions"].tolist() == [[-1, -1, 1, 1, 2], [-1, 2, -1, -1, -1]]
+    assert "generation_versions" not in assemble(
+        torch.tensor([[1, 2], [3, 0]]), torch.tensor([2, 1]), with_tags, 0
+    )
+    untagged = [with_tags[0], Response([9], [-1.0], True)]
+    out = assemble(
+        torch.tensor([[1, 2], [3, 0]]), torch.tensor([2, 1]), untagged, 0, with_versions=True
+    )
+    assert "generation_versions" not in out
 
 
 def test_the_first_tokens_top_logprobs_are_asked_for_ranked_and_laid_out():

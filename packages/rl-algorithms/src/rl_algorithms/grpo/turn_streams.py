@@ -80,8 +80,9 @@ class TurnQueue:
 
 class StreamedGeneration:
     """``GenerationInterface.generate`` for one group's agent loop: files the turn with the
-    collector and blocks until its stream is done. The rows carry ``weight_version_min`` /
-    ``_max`` (the versions that sampled them) into ``Episodes``' per-token tags."""
+    collector and blocks until its stream is done. The rows carry the weight version of each
+    sampled token (``generation_versions``) and ``weight_version_min`` / ``_max`` into
+    ``Episodes``' per-token tags."""
 
     def __init__(self, queue: TurnQueue, sampler: StreamingSampler, group: Any) -> None:
         self.queue, self.sampler, self.group = queue, sampler, group

@@ -89,6 +89,11 @@ class Engine(Protocol):
     def collective_rpc(self, method: str, args: tuple) -> list[Any]:
         """``method(*args)`` in each of vLLM's model workers (``extension``); their results."""
 
+    def set_weight_version(self, label: str) -> None:
+        """Label the tokens sampled from now on (vLLM reports each finished request's spans
+        of labels: ``CompletionOutput.weight_versions``). Called while generation is paused."""
+        ...
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached KV block, running requests' too (they recompute theirs)."""
 
@@ -153,6 +158,9 @@ class SyncEngine(ServesLora):
     def collective_rpc(self, method: str, args: tuple) -> list[Any]:
         return self.llm.collective_rpc(method, args=args)
 
+    def set_weight_version(self, label: str) -> None:
+        self.llm.llm_engine.set_weight_version(label)
+
     def reset_prefix_cache(self) -> bool:
         return self.llm.reset_prefix_cache(reset_running_requests=True)
 
@@ -202,6 +210,9 @@ class NoEngine(ServesLora):
 
     def collective_rpc(self, method: str, args: tuple) -> list[Any]:
         return []  # (a tensor-parallel follower: the leader's engine loads for the group)
+
+    def set_weight_version(self, label: str) -> None:
+        pass  # (the leader's engine labels the group's tokens)
 
     def reset_prefix_cache(self) -> bool:
         return True  # no cache
@@ -338,6 +349,10 @@ class InProcessRunner(ServesLora):
         with self._turn():
             return self.engine.collective_rpc(method, args=args)
 
+    def set_weight_version(self, label: str) -> None:
+        with self._turn():  # between two steps: no step's tokens get half of each label
+            self.engine.set_weight_version(label)
+
     def reset_prefix_cache(self) -> bool:
         with self._turn():
             return self.engine.reset_prefix_cache(reset_running_requests=True)
@@ -444,6 +459,9 @@ class AsyncLLMRunner(ServesLora):
 
     def collective_rpc(self, method: str, args: tuple) -> list[Any]:
         return self._run(self.engine.collective_rpc(method, args=args))
+
+    def set_weight_version(self, label: str) -> None:
+        self._run(self.engine.update_weight_version(label))
 
     def reset_prefix_cache(self) -> bool:
         return self._run(self.engine.reset_prefix_cache(reset_running_requests=True))

@@ -76,6 +76,31 @@ class Response:
     truncated: bool  # finish_reason == "length"
     # The most likely first tokens and their log-probs, most likely first (first_token_logprobs).
     first_top: tuple[tuple[int, float], ...] = ()
+    # The weight version that sampled each token (``sampled_versions``); None where vLLM
+    # did not label them all with one of the worker's versions.
+    versions: tuple[int, ...] | None = None
+
+
+def sampled_versions(completion: Any) -> tuple[int, ...] | None:
+    """The weight version of each token of a finished ``CompletionOutput``, read from vLLM's
+    spans of version labels (``weight_versions``: tokens ``[start, end)`` were sampled while
+    the engine's label was ``version``; the worker labels each version with its number).
+    None when vLLM reported no spans, or a token has no label that is a number (an engine
+    whose label was never set says ``"default"``)."""
+    spans = getattr(completion, "weight_versions", None)
+    count = len(completion.token_ids)
+    if spans is None:
+        return None
+    versions: list[int | None] = [None] * count
+    for span in spans:
+        try:
+            version = int(span.version)
+        except (TypeError, ValueError):
+            return None
+        versions[span.start : span.end] = [version] * (min(span.end, count) - span.start)
+    if len(versions) != count or any(v is None for v in versions):
+        return None
+    return tuple(versions)  # type: ignore[arg-type]
 
 
 def most_likely(step: Mapping[int, Any], k: int) -> tuple[tuple[int, float], ...]:
@@ -99,10 +124,13 @@ def assemble(
     responses: Sequence[Response],
     pad_token_id: int,
     first_token_logprobs: int = 0,
+    with_versions: bool = False,
 ) -> BatchedDataDict:
     """The generate() result (see ``rl_models.generation.interfaces``) of one batch; with
     ``first_token_logprobs`` k > 0, each response's ``first_top`` as ``first_token_top_ids`` /
-    ``first_token_top_logprobs`` (a row with fewer than k: id -1, log-prob -inf after them)."""
+    ``first_token_top_logprobs`` (a row with fewer than k: id -1, log-prob -inf after them).
+    ``with_versions``: each sampled token's weight version as ``generation_versions`` (aligned
+    with ``output_ids``; -1 on prompt and padding), when every response has them."""
     batch, width = input_ids.shape
     gen_lengths = torch.tensor([len(r.token_ids) for r in responses], dtype=torch.long)
     total = width + int(gen_lengths.max()) if len(responses) else width
@@ -128,4 +156,9 @@ def assemble(
             for j, (token, logprob) in enumerate(response.first_top[:k]):
                 top_ids[row, j], top_logprobs[row, j] = token, logprob
         out["first_token_top_ids"], out["first_token_top_logprobs"] = top_ids, top_logprobs
+    if with_versions and responses and all(r.versions is not None for r in responses):
+        versions = torch.full((batch, total), -1, dtype=torch.long)
+        for row, (n, response) in enumerate(zip(input_lengths.tolist(), responses, strict=True)):
+            versions[row, n : n + len(response.token_ids)] = torch.tensor(response.versions)
+        out["generation_versions"] = versions
     return out

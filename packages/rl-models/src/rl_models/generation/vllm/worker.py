@@ -60,6 +60,7 @@ from rl_models.generation.vllm.sampling import (
     most_likely,
     prompts_of,
     request_kwargs,
+    sampled_versions,
 )
 from rl_models.modeling.lora import LoraConfig
 from rl_models.weight_transfer.buckets import PackedBucket, pack_bucket
@@ -179,6 +180,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         if not self._multiprocess and not self.on_gpu:
             bind_cpu_threads(self.config.cpu_threads_bind, self.dp_rank)
         self.engine = build_engine(self.runner(), kwargs)
+        # vLLM labels every sampled token with the engine's label: ours is the version number.
+        self.engine.set_weight_version(str(self.weight_version))
         self._warm_up()
         return time.monotonic() - start
 
@@ -240,15 +243,19 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         ]
         k = self.sampling.first_token_logprobs
         first_top = most_likely(completion.logprobs[0], k) if k and ids else ()
-        return Response(ids, logprobs, completion.finish_reason == "length", first_top)
+        truncated = completion.finish_reason == "length"
+        return Response(ids, logprobs, truncated, first_top, sampled_versions(completion))
 
-    def _assemble(self, data: BatchedDataDict, responses: list) -> BatchedDataDict:
+    def _assemble(
+        self, data: BatchedDataDict, responses: list, with_versions: bool = False
+    ) -> BatchedDataDict:
         return assemble(
             data["input_ids"],
             data["input_lengths"],
             responses,
             self.pad_token_id(),
             self.sampling.first_token_logprobs,
+            with_versions,
         )
 
     def generate(
@@ -295,8 +302,10 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         vLLM aborted without our cancel (the rest of the stream is cancelled; its sample will
         never come). Waits up to ``wait`` s until one of them has news.
 
-        Each sample carries ``weight_version_min`` / ``weight_version_max``: the versions its
-        tokens were sampled from (they differ when a refit landed while it was generated), and
+        Each sample carries ``weight_version_min`` / ``weight_version_max``: the versions of
+        the weights when its request started and when it finished (they differ when a refit
+        landed while it was generated), ``generation_versions``: the version that sampled each
+        token (vLLM's spans of the labels ``set_weight_version`` gives the engine), and
         ``prefix_cached_tokens``: prompt tokens whose KV came from the prefix cache.
 
         Unknown ids raise ``KeyError``; a stream that failed otherwise (the engine's error)
@@ -349,7 +358,14 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         samples = {}
         for row, result, version, cached in items:
             one = stream.data.select_indices([row])
-            sample = self._assemble(one, [result])
+            sample = self._assemble(one, [result], with_versions=True)
+            if "generation_versions" not in sample:  # vLLM labelled not every token:
+                # the oldest version it may have seen for each, never too young (and every
+                # sample of a stream has the key, so they stack).
+                start = int(one["input_lengths"][0])
+                tags = torch.full(sample["output_ids"].shape, -1, dtype=torch.long)
+                tags[0, start : start + len(result.token_ids)] = stream.version
+                sample["generation_versions"] = tags
             sample["weight_version_min"] = torch.tensor([stream.version])
             sample["weight_version_max"] = torch.tensor([version])
             sample["prefix_cached_tokens"] = torch.tensor([cached])
@@ -500,6 +516,8 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
             self.engine.load_lora(directory)  # before any request runs on the new weights
         self._reset_prefix_cache()
         self.weight_version = int(version)
+        # Still paused (an in-flight refit): running requests' next tokens get the new label.
+        self.engine.set_weight_version(str(self.weight_version))
         if self.engine.is_paused():
             self.engine.resume()
 
