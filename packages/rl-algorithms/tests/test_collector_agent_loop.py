@@ -196,6 +196,9 @@ def collector(tokenizer, template, engine, metas, **kwargs) -> TrajectoryCollect
     )
 
 
+client_waits: list[int] = []  # each ``train`` call's steps that waited for a long group
+
+
 def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: int, span: int):
     """Take ``n`` groups a step for ``steps`` steps, bumping the engine's weights after each
     (an in-flight refit); the groups of each step, the buffer, the collector's last reply (it
@@ -203,6 +206,7 @@ def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: i
     age of every sample trained on (its step minus that of the oldest weights it saw)."""
     buffer = ReplayBuffer(span)
     trajectories = Trajectories(buffer, LocalClient(client), max_wait=60)
+    client_waits.append(0)
     taken, most_out, ages = [], 0, []
     buffer.record_step(0, 0)
     for step in range(steps):
@@ -213,6 +217,7 @@ def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: i
         time.sleep(0.02)  # the train step
         engine.version += 1
         buffer.record_step(step + 1, engine.version)
+        client_waits[-1] = trajectories.straggler_waits
     trajectories.lag = 0  # waiting for the next step's groups, which never come
     deadline = time.monotonic() + 10
     with pytest.raises(CollectorError, match="ran out of prompts"):  # once its groups end
@@ -256,6 +261,26 @@ def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(t
     versions = batch.extras["generation_versions"]  # beside generation_logprobs
     assert bool((versions[batch.loss_mask > 0] >= 0).all())  # every sampled token has one
     assert bool((versions[:, 0] == -1).all())  # a prompt token has none
+
+
+def test_a_long_group_at_the_span_is_waited_for_not_dropped(tokenizer, template):
+    # The same long-tail workload with a span of 2: a 10-turn group outlives two steps of
+    # one-turn groups (the test above sees ages up to 4), so without the trainer waiting for
+    # it at its last chance it would be dropped as too old, generated again and dropped again.
+    metas = [{"turns": 10 if i % 3 == 0 else 1, "constant": True} for i in range(24)]
+    engine = InProcessEngine(tokenizer)
+    client = collector(tokenizer, template, engine, metas)
+    try:
+        steps, buffer, reply, _, ages = train(client, engine, n=2, steps=12, span=2)
+        waits = client_waits[-1]
+    finally:
+        client.stop()
+    trained = Counter(int(g.prompt["idx"][0]) for groups in steps for g in groups)
+    assert trained == Counter(range(24))  # long and short alike, each once
+    assert buffer.dropped_groups == 0 and reply.stale_requeued_groups == 0
+    assert reply.discarded_tokens == 0
+    assert max(ages) == 2  # the span is reached, never passed
+    assert waits > 0  # some step did wait for a long group
 
 
 def test_dynamic_sampling_filters_groups_without_signal_and_does_not_requeue_them(

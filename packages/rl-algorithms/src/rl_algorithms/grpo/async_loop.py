@@ -123,6 +123,7 @@ class Trajectories:
         # 1 from taking a step's groups until the next ``take``: the generator's weights are
         # then a step behind the groups still to come (the collector admits fewer).
         self.lag = 0
+        self.straggler_waits = 0  # steps that waited for a group at its last chance
 
     @classmethod
     def start(cls, run: Run) -> Trajectories:
@@ -143,16 +144,25 @@ class Trajectories:
         self.buffer.add(self.last_reply.groups)
 
     def take(self, n: int, step: int) -> tuple[list[TrajectoryGroup], float]:
-        """``n`` groups young enough for ``step``, and the seconds spent waiting for them."""
+        """``n`` groups young enough for ``step``, and the seconds spent waiting for them.
+
+        A running group admitted ``max_trajectory_span_steps`` steps ago or more would be too
+        old to train on after this step, and dropped: so the step waits for it (or for it to be
+        cut at ``max_group_seconds``), and takes it first, as the oldest. Long episodes are
+        trained on as often as they are sampled, at the price of that wait."""
         start = time.monotonic()
         self.lag = 0
+        waited_for_straggler = False
         while True:
             dropped = self.buffer.dropped_groups
-            groups = self.buffer.take(n, step)
+            straggler = self._straggler_due(step)
+            waited_for_straggler |= straggler
+            groups = None if straggler else self.buffer.take(n, step)
             self.consumed += self.buffer.dropped_groups - dropped
             if groups is not None:
                 self.consumed += n
                 waited = time.monotonic() - start
+                self.straggler_waits += waited_for_straggler
                 self.lag = 1
                 self.pull(timeout=0)  # tell the collector at once: it may start more groups
                 return groups, waited
@@ -163,6 +173,15 @@ class Trajectories:
                     f"from the {self.collector.describe()}; the buffer holds {len(self.buffer)}"
                 )
             self.pull(timeout=1.0)
+
+    def _straggler_due(self, step: int) -> bool:
+        """Whether a running group may hold tokens ``max_trajectory_span_steps`` steps old at
+        ``step``: this is the last step it can be trained in."""
+        reply = self.last_reply
+        if reply is None or reply.oldest_running_version is None:
+            return False
+        admitted = self.buffer.step_of(reply.oldest_running_version)
+        return step - admitted >= self.buffer.max_age_steps
 
     def state_dict(self) -> dict[str, Any]:
         self.pull(timeout=0)  # what finished is saved rather than generated again
@@ -289,6 +308,8 @@ def async_grpo_train(run: Run) -> dict[str, float]:
                     buffer, dropped_at_start, reply
                 ),
                 "requeued_groups": float(reply.requeued_groups),
+                # Steps that waited for a long group rather than let it grow too old.
+                "straggler_waits": float(trajectories.straggler_waits),
                 "aborted_groups": float(reply.aborted_groups),
                 # Cancelled groups whose agent loop is still blocked in an environment step
                 # (no env_step_timeout_s): each holds a thread.

@@ -19,7 +19,10 @@ One thread, the collector's loop, makes every engine call::
        (``stale_requeued_groups``: it spanned more than ``max_trajectory_span_steps``)
 
 Staleness by admission: a group is started only when, trained after the groups already out
-(oldest first), it would be at most ``max_age_steps`` steps old. The trainer says with each
+(oldest first), it would be at most ``max_age_steps`` steps old. A group that runs far longer
+than the rest is not thrown away either: the trainer waits for it at the last step it can be
+trained in (``max_trajectory_span_steps`` after the weights it was admitted under: the engine's
+version then, reported as ``oldest_running_version``). The trainer says with each
 ``take`` whether it has already taken its current step's groups (``lag``), so the collector
 knows how many groups may be out: ``prompts_per_step * (max_age_steps + 1 - lag)`` (and never
 more than ``max_groups_ahead``). A running episode is never thrown away for its age: a refit
@@ -87,6 +90,10 @@ class CollectorReply:
     discarded_tokens: int  # of those, in groups cancelled or aborted (not trained on)
     generator_idle_seconds: float  # in all, with no turn generating
     groups_running: int  # admitted, not yet finished
+    # The engine's weight version when the oldest running group was admitted (None: none
+    # runs): its tokens are at most as old, so the trainer can tell a step that must wait
+    # for it (``Trajectories.take``).
+    oldest_running_version: int | None
     stuck_groups: int  # cancelled, their agent loop's thread still blocked in an env step
     heartbeat_age_seconds: float  # since the loop last came round
     doing: str  # what the loop is waiting on, for a stall report
@@ -100,6 +107,7 @@ class _Group:
     requeues: int = 0  # times this prompt was queued again before
     sampler: StreamingSampler | None = None  # every turn of the group on one engine
     version: int | None = None  # the engine's version, for a prompt too long to generate from
+    admitted_version: int | None = None  # the engine's version when it was admitted
     play: Future | None = None  # its agent loop
     requests: list[TurnRequest] = field(default_factory=list)
     abandoned: bool = False  # cancelled: its agent loop's next turn raises
@@ -232,6 +240,10 @@ class TrajectoryCollector:
                 discarded_tokens=self.discarded_tokens,
                 generator_idle_seconds=self.generator_idle_seconds,
                 groups_running=len(self.groups),
+                oldest_running_version=min(
+                    (g.admitted_version for g in self.groups if g.admitted_version is not None),
+                    default=None,
+                ),
                 stuck_groups=self._stuck_groups(),
                 heartbeat_age_seconds=time.monotonic() - self.heartbeat,
                 doing=self.doing,
@@ -373,10 +385,13 @@ class TrajectoryCollector:
                 self.next_worker += 1
                 self.groups.append(group)
                 self.out += 1
+            sampler = group.sampler
+            version = self._engine_call(sampler, "weight_version", sampler.weight_version)
+            with self.cond:
+                group.admitted_version = version
             prompt_tokens = sum(len(m["token_ids"]) for m in group.prompt["message_log"][0])
             if prompt_tokens >= self.max_seq_len:  # nothing to generate: the engine's weights
-                sampler = group.sampler
-                group.version = self._engine_call(sampler, "weight_version", sampler.weight_version)
+                group.version = version
             # A group cancelled while stuck in an environment step (or its agent programs)
             # keeps its thread, counted in ``stuck_groups``; no later group waits for it.
             group.play = start_thread("trajectory-group", self._play, group)
@@ -517,7 +532,7 @@ class TrajectoryCollector:
         if news.done:
             out = BatchedDataDict.from_batches(
                 [request.samples[r] for r in range(request.data.size)],
-                pad_value_dict={"output_ids": self.pad_token_id},
+                pad_value_dict={"output_ids": self.pad_token_id, "generation_versions": -1},
             )
             tokens = int(out["generation_lengths"].sum())
             with self.cond:
