@@ -23,8 +23,18 @@ each phase uses the second core, not only what async gains.
 96 new tokens by default: there generation is ~40 % of a synchronous step (0.6 s of 1.5 s),
 still less than the 45-90 % of published profiles; at 32 it is ~30 %, and async can gain less.
 
+``--workload long-tail``: multi-turn episodes whose lengths vary 8x, the shape of a tool-using
+agent's rollouts. The environment (``LongTailTurnsEnv``, below) answers each turn with a
+``role: tool`` message and ends the episode after 1 turn, or after ``--long-turns`` turns for
+one prompt in eight (every episode of that prompt); each turn samples up to 24 new tokens.
+A synchronous step waits for its slowest group; asynchronous GRPO's collector keeps the
+generator on other groups meanwhile, and refits land in flight, so a long episode goes on under
+newer weights rather than being thrown away. The async runs also print the fraction of the
+tokens they generated that were discarded unused (cancelled, aborted or dropped as too old).
+
     uv run python bench/async_grpo.py [--steps 8] [--hidden 256] [--layers 4] [--new-tokens 96]
         [--repeats 3] [--drain] [--logs DIR] [--runner auto|in_process|async_llm]
+        [--workload single-turn|long-tail] [--long-turns 8]
 """
 
 from __future__ import annotations
@@ -37,6 +47,51 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn
+
+BENCH_DIR = str(Path(__file__).resolve().parent)
+RESULT_LINE = "steps/minute, discarded:"  # what a measuring child prints (the run prints too)
+
+
+class LongTailTurnsEnv(EnvironmentInterface):
+    """The long-tail workload's environment: the question ``What is a + b?`` takes
+    ``long_turns`` turns when ``a + b`` is a multiple of 8 (one question in eight), one turn
+    otherwise; each turn but the last is answered by a tool message. The reward is 1 when the
+    last turn holds the right sum, so it depends on what was sampled (mostly 0 for an untrained
+    model, like an agent's early reward). Stateless: the turn count travels in the metadata."""
+
+    concurrent_steps = True
+
+    def __init__(self, config: dict) -> None:
+        self.long_turns = int(config.get("long_turns", 8))
+
+    def turns_for(self, ground_truth: str) -> int:
+        return self.long_turns if int(ground_truth) % 8 == 0 else 1
+
+    def step(self, message_log_batch, metadata):
+        import torch
+
+        replies, metas, rewards, dones = [], [], [], []
+        for log, meta in zip(message_log_batch, metadata, strict=True):
+            turn = meta.get("turn", 0) + 1
+            done = turn >= self.turns_for(meta["ground_truth"])
+            last = str(log[-1]["content"])
+            replies.append([{"role": "tool", "content": f"result {turn}", "tool_call_id": "0"}])
+            metas.append({**meta, "turn": turn})
+            rewards.append(float(done and meta["ground_truth"] in last))
+            dones.append(done)
+        return EnvironmentReturn(
+            observations=replies,
+            metadata=metas,
+            next_stop_strings=[None] * len(replies),
+            rewards=torch.tensor(rewards),
+            terminateds=torch.tensor(dones),
+            answers=[None] * len(replies),
+        )
+
+    def global_post_process_and_metrics(self, batch):
+        return batch, {}
 
 
 def build_model(root: Path, hidden: int, layers: int) -> str:
@@ -75,11 +130,18 @@ def run_config(
     asynchronous: bool,
     in_flight: bool = True,
     runner: str = "auto",
+    long_turns: int = 0,
+    max_age: int = 1,
 ) -> dict:
+    """The run's config; ``long_turns`` > 0 is the long-tail multi-turn workload."""
+    max_len = 512 if long_turns else 256
+    arithmetic = {"kind": "math", "config": {"num_workers": 1}}
+    if long_turns:
+        arithmetic = {"kind": "async_grpo:LongTailTurnsEnv", "config": {"long_turns": long_turns}}
     return {
         "policy": {
             "model": {"path": model, "dtype": "float32"},
-            "max_total_sequence_length": 256,
+            "max_total_sequence_length": max_len,
             "train_global_batch_size": 32,
             "train_micro_batch_size": 8,
             "optimizer": {"name": "AdamW", "kwargs": {"lr": 1.0e-4}},
@@ -94,7 +156,7 @@ def run_config(
                 "async_engine": asynchronous,
                 **({"async_engine_runner": runner} if asynchronous else {}),
                 "kv_cache_space_gb": 0.5,
-                "max_model_len": 256,
+                "max_model_len": max_len,
                 "cpu_threads_bind": "0",  # the generator's core
             },
         },
@@ -102,7 +164,7 @@ def run_config(
             "reference_policy_kl_penalty": 0.0,
             "use_importance_sampling_correction": True,
         },
-        "env": {"arithmetic": {"kind": "math", "config": {"num_workers": 1}}},
+        "env": {"arithmetic": arithmetic},
         "data": {
             "train": {"source": "arithmetic", "size": 512, "max_operand": 9},
             "max_seq_length": 64,
@@ -112,10 +174,11 @@ def run_config(
             "num_generations_per_prompt": 8,
             "max_num_steps": steps,
             "max_num_epochs": 4,
+            "max_rollout_turns": max(long_turns, 1),
             "val_period": 0,
             "async_grpo": {
                 "enabled": asynchronous,
-                "max_trajectory_age_steps": 1,
+                "max_trajectory_age_steps": max_age,
                 "in_flight_weight_updates": in_flight,
             },
         },
@@ -144,7 +207,9 @@ def pin_trainer(run) -> None:
             os.sched_setaffinity(pid, {1})
 
 
-def steps_per_minute(config: dict) -> float:
+def steps_per_minute(config: dict) -> tuple[float, float | None]:
+    """Steps per minute of the run ``config`` describes, and (async runs) the fraction of its
+    generated tokens it discarded unused by its last step."""
     from rl_algorithms import grpo
     from rl_algorithms.grpo.async_loop import async_grpo_train
 
@@ -156,18 +221,21 @@ def steps_per_minute(config: dict) -> float:
         # Each step's end is when its metrics are logged; the first step (kernel warm-up, the
         # collector starting) is left out: steps 2..N are timed.
         ends: list[float] = []
+        discarded: list[float] = []
         log_metrics = run.logger.log_metrics
 
         def timed(metrics, step, prefix=""):
             if prefix == "train":
                 ends.append(time.perf_counter())
+            if "discarded_token_fraction" in metrics:
+                discarded.append(float(metrics["discarded_token_fraction"]))
             log_metrics(metrics, step, prefix)
 
         run.logger.log_metrics = timed
         loop(run)
     finally:
         run.shutdown()
-    return (len(ends) - 1) / (ends[-1] - ends[0]) * 60
+    return (len(ends) - 1) / (ends[-1] - ends[0]) * 60, (discarded[-1] if discarded else None)
 
 
 def main() -> None:
@@ -175,7 +243,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument(
+        "--new-tokens", type=int, help="per turn (default: 96 single-turn, 24 long-tail)"
+    )
+    parser.add_argument("--workload", choices=["single-turn", "long-tail"], default="single-turn")
+    parser.add_argument("--long-turns", type=int, default=8, help="turns of a long episode")
+    parser.add_argument(
+        "--max-age", type=int, default=1, help="async: grpo.async_grpo.max_trajectory_age_steps"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds, in alternating order")
     parser.add_argument("--logs", help="keep each run's metrics.jsonl (timings) under this dir")
     parser.add_argument(
@@ -189,6 +264,8 @@ def main() -> None:
     )
     parser.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)  # (variant, model, logs)
     args = parser.parse_args()
+    if args.new_tokens is None:
+        args.new_tokens = 24 if args.workload == "long-tail" else 96
     if args.measure:
         measure(args, *args.measure)
         return
@@ -197,7 +274,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.logs or tmp)
         model = build_model(root, args.hidden, args.layers)
-        ratios, ratios_both = [], []
+        ratios, ratios_both, discarded = [], [], []
         for repeat in range(args.repeats):
             logs = root / f"round{repeat + 1}"
             rates = {}
@@ -205,8 +282,11 @@ def main() -> None:
             if repeat % 2:
                 order[1:] = order[:0:-1]
             for variant in order:
-                rates[variant] = in_fresh_process(args, variant, model, logs)
-                print(f"{variant}: {rates[variant]:.2f} steps/minute", flush=True)
+                rates[variant], fraction = in_fresh_process(args, variant, model, logs)
+                tail = "" if fraction is None else f", discarded tokens {fraction:.3f}"
+                print(f"{variant}: {rates[variant]:.2f} steps/minute{tail}", flush=True)
+                if fraction is not None:
+                    discarded.append(fraction)
             ratios.append(rates["async"] / rates["sync"])
             ratios_both.append(rates["async"] / rates["sync, both cores"])
             print(
@@ -214,15 +294,20 @@ def main() -> None:
                 f"async/(sync, both cores) {ratios_both[-1]:.2f}",
                 flush=True,
             )
+        print(f"async runs' discarded tokens / generated tokens: {max(discarded):.3f} at most")
         print(
-            f"async/sync (median of {args.repeats} rounds): {statistics.median(ratios):.2f} "
+            f"{args.workload}: async/sync (median of {args.repeats} rounds): "
+            f"{statistics.median(ratios):.2f} "
             f"(each on its own core); {statistics.median(ratios_both):.2f} against sync with "
             "both cores for each phase"
         )
 
 
-def in_fresh_process(args: argparse.Namespace, variant: str, model: str, logs: Path) -> float:
-    """Steps per minute of one variant, measured in a process (and Ray cluster) of its own.
+def in_fresh_process(
+    args: argparse.Namespace, variant: str, model: str, logs: Path
+) -> tuple[float, float | None]:
+    """Steps per minute of one variant, measured in a process (and Ray cluster) of its own,
+    and the fraction of its generated tokens discarded (async only).
 
     A fresh process per run keeps the rounds independent: in one long-lived driver, Ray's
     session, its idle worker pool and the driver's heap carry over from run to run, and later
@@ -231,18 +316,35 @@ def in_fresh_process(args: argparse.Namespace, variant: str, model: str, logs: P
     command = [sys.executable, __file__, "--steps", str(args.steps), "--new-tokens"]
     command += [str(args.new_tokens), "--hidden", str(args.hidden), "--layers", str(args.layers)]
     command += ["--runner", args.runner, *(["--drain"] if args.drain else [])]
+    command += ["--workload", args.workload, "--long-turns", str(args.long_turns)]
+    command += ["--max-age", str(args.max_age)]
     command += ["--measure", variant, model, str(logs)]
     out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"the {variant} run failed:\n{out.stderr[-4000:]}")
-    return float(out.stdout.strip().splitlines()[-1].split()[-1])
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith(RESULT_LINE)][-1:]
+    rate, discarded = line.split()[-2:]
+    return float(rate), None if discarded == "None" else float(discarded)
 
 
 def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> None:
     """The child's side of ``in_fresh_process``: set up the cores, run, print the rate last."""
     asynchronous = variant == "async"
+    long_turns = args.long_turns if args.workload == "long-tail" else 0
     config = run_config(
-        Path(logs), model, args.steps, args.new_tokens, asynchronous, not args.drain, args.runner
+        Path(logs),
+        model,
+        args.steps,
+        args.new_tokens,
+        asynchronous,
+        not args.drain,
+        args.runner,
+        long_turns,
+        args.max_age,
+    )
+    # The environment's actor imports it from this file's folder (its kind: async_grpo:...).
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [BENCH_DIR, *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     if variant == "sync, both cores":
         # As a user gets it by default: nothing pinned, each worker with the cluster's threads.
@@ -259,7 +361,8 @@ def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> No
             # it starts (the generator's engine and its front end, the collector, the
             # environments).
             os.sched_setaffinity(0, {0})
-    print(f"steps/minute {steps_per_minute(config)}")
+    rate, discarded = steps_per_minute(config)
+    print(f"{RESULT_LINE} {rate} {discarded}")
 
 
 if __name__ == "__main__":
