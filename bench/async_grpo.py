@@ -25,8 +25,10 @@ still less than the 45-90 % of published profiles; at 32 it is ~30 %, and async 
 
 ``--workload long-tail``: multi-turn episodes whose lengths vary 8x, the shape of a tool-using
 agent's rollouts. The environment (``LongTailTurnsEnv``, below) answers each turn with a
-``role: tool`` message and ends the episode after 1 turn, or after ``--long-turns`` turns for
-one prompt in eight (every episode of that prompt); each turn samples up to 24 new tokens.
+``role: tool`` message and ends the episode after 1 turn, or after ``--long-turns`` turns when
+the question's answer is a multiple of 8 (every episode of that prompt: 23 % of the questions
+of single digits with +, - and *, so 65 % of the steps of 4 prompts hold a long group); each
+turn samples up to 24 new tokens.
 A synchronous step waits for its slowest group; asynchronous GRPO's collector keeps the
 generator on other groups meanwhile, and refits land in flight, so a long episode goes on under
 newer weights rather than being thrown away. The async runs also print the fraction of the
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -55,11 +58,11 @@ RESULT_LINE = "steps/minute, discarded:"  # what a measuring child prints (the r
 
 
 class LongTailTurnsEnv(EnvironmentInterface):
-    """The long-tail workload's environment: the question ``What is a + b?`` takes
-    ``long_turns`` turns when ``a + b`` is a multiple of 8 (one question in eight), one turn
-    otherwise; each turn but the last is answered by a tool message. The reward is 1 when the
-    last turn holds the right sum, so it depends on what was sampled (mostly 0 for an untrained
-    model, like an agent's early reward). Stateless: the turn count travels in the metadata."""
+    """The long-tail workload's environment: a question takes ``long_turns`` turns when its
+    answer is a multiple of 8, one turn otherwise; each turn but the last is answered by a tool
+    message. The reward is 1 when the last turn holds the answer as a number, so it depends on
+    what was sampled (mostly 0 for an untrained model, like an agent's early reward).
+    Stateless: the turn count travels in the metadata."""
 
     concurrent_steps = True
 
@@ -76,10 +79,10 @@ class LongTailTurnsEnv(EnvironmentInterface):
         for log, meta in zip(message_log_batch, metadata, strict=True):
             turn = meta.get("turn", 0) + 1
             done = turn >= self.turns_for(meta["ground_truth"])
-            last = str(log[-1]["content"])
+            numbers = re.findall(r"-?\d+", str(log[-1]["content"]))
             replies.append([{"role": "tool", "content": f"result {turn}", "tool_call_id": "0"}])
             metas.append({**meta, "turn": turn})
-            rewards.append(float(done and meta["ground_truth"] in last))
+            rewards.append(float(done and meta["ground_truth"] in numbers))
             dones.append(done)
         return EnvironmentReturn(
             observations=replies,
@@ -294,7 +297,8 @@ def main() -> None:
                 f"async/(sync, both cores) {ratios_both[-1]:.2f}",
                 flush=True,
             )
-        print(f"async runs' discarded tokens / generated tokens: {max(discarded):.3f} at most")
+        if discarded:
+            print(f"async runs' discarded tokens / generated tokens: {max(discarded):.3f} at most")
         print(
             f"{args.workload}: async/sync (median of {args.repeats} rounds): "
             f"{statistics.median(ratios):.2f} "
@@ -322,8 +326,10 @@ def in_fresh_process(
     out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"the {variant} run failed:\n{out.stderr[-4000:]}")
-    (line,) = [x for x in out.stdout.splitlines() if x.startswith(RESULT_LINE)][-1:]
-    rate, discarded = line.split()[-2:]
+    lines = [x for x in out.stdout.splitlines() if x.startswith(RESULT_LINE)]
+    if not lines:
+        raise RuntimeError(f"the {variant} run printed no result:\n{out.stdout[-4000:]}")
+    rate, discarded = lines[-1].split()[-2:]
     return float(rate), None if discarded == "None" else float(discarded)
 
 

@@ -196,17 +196,14 @@ def collector(tokenizer, template, engine, metas, **kwargs) -> TrajectoryCollect
     )
 
 
-client_waits: list[int] = []  # each ``train`` call's steps that waited for a long group
-
-
 def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: int, span: int):
     """Take ``n`` groups a step for ``steps`` steps, bumping the engine's weights after each
     (an in-flight refit); the groups of each step, the buffer, the collector's last reply (it
-    must have run out of prompts, nothing left running), the most groups out at once and the
-    age of every sample trained on (its step minus that of the oldest weights it saw)."""
+    must have run out of prompts, nothing left running), counts (the most groups out at once,
+    the steps that waited for a long group) and the age of every sample trained on (its step
+    minus that of the oldest weights it saw)."""
     buffer = ReplayBuffer(span)
     trajectories = Trajectories(buffer, LocalClient(client), max_wait=60)
-    client_waits.append(0)
     taken, most_out, ages = [], 0, []
     buffer.record_step(0, 0)
     for step in range(steps):
@@ -217,14 +214,14 @@ def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: i
         time.sleep(0.02)  # the train step
         engine.version += 1
         buffer.record_step(step + 1, engine.version)
-        client_waits[-1] = trajectories.straggler_waits
     trajectories.lag = 0  # waiting for the next step's groups, which never come
     deadline = time.monotonic() + 10
     with pytest.raises(CollectorError, match="ran out of prompts"):  # once its groups end
         while time.monotonic() < deadline:
             trajectories.pull(timeout=0.5)
     last = client.take(trajectories.consumed, 0.0)  # its counters now
-    return taken, buffer, last, most_out, ages
+    counts = {"most_out": most_out, "straggler_waits": trajectories.straggler_waits}
+    return taken, buffer, last, counts, ages
 
 
 def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(tokenizer, template):
@@ -233,7 +230,7 @@ def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(t
     engine = InProcessEngine(tokenizer)
     client = collector(tokenizer, template, engine, metas)
     try:
-        steps, buffer, reply, most_out, ages = train(client, engine, n=2, steps=12, span=4)
+        steps, buffer, reply, counts, ages = train(client, engine, n=2, steps=12, span=4)
     finally:
         client.stop()
     trained = Counter(int(g.prompt["idx"][0]) for groups in steps for g in groups)
@@ -242,7 +239,7 @@ def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(t
     assert buffer.dropped_groups == 0 and reply.discarded_tokens == 0
     assert reply.generated_tokens > 0
     # Admission: never more groups out than two steps' worth (max age 1).
-    assert most_out <= 2 * 2
+    assert counts["most_out"] <= 2 * 2
     # A 10-turn group overtaken by one-turn groups is trained later, older than max age 1,
     # but within the span (none was dropped).
     assert max(ages) <= 4 and max(ages) > 1
@@ -271,8 +268,7 @@ def test_a_long_group_at_the_span_is_waited_for_not_dropped(tokenizer, template)
     engine = InProcessEngine(tokenizer)
     client = collector(tokenizer, template, engine, metas)
     try:
-        steps, buffer, reply, _, ages = train(client, engine, n=2, steps=12, span=2)
-        waits = client_waits[-1]
+        steps, buffer, reply, counts, ages = train(client, engine, n=2, steps=12, span=2)
     finally:
         client.stop()
     trained = Counter(int(g.prompt["idx"][0]) for groups in steps for g in groups)
@@ -280,7 +276,7 @@ def test_a_long_group_at_the_span_is_waited_for_not_dropped(tokenizer, template)
     assert buffer.dropped_groups == 0 and reply.stale_requeued_groups == 0
     assert reply.discarded_tokens == 0
     assert max(ages) == 2  # the span is reached, never passed
-    assert waits > 0  # some step did wait for a long group
+    assert counts["straggler_waits"] > 0  # some step did wait for a long group
 
 
 def test_dynamic_sampling_filters_groups_without_signal_and_does_not_requeue_them(

@@ -20,6 +20,7 @@ from rl_models.generation.vllm.sampling import (
     prompts_of,
     sampled_versions,
     sampling_kwargs,
+    stream_versions,
 )
 from rl_models.generation.vllm.worker import VllmGenerationWorker, _Stream
 from rl_models.weight_transfer.buckets import pack_bucket, unpack_bucket
@@ -81,23 +82,17 @@ def test_each_token_gets_the_version_of_the_span_vllm_reported_it_in():
     assert sampled_versions(completion([5, 6], [("default", 0, 2)])) is None
     assert sampled_versions(completion([5, 6, 7], [("1", 0, 2)])) is None
 
-    # Laid out like output_ids: -1 on the prompt and padding; only when every row has them.
-    with_tags = [
-        Response([5, 6, 7], [-0.1] * 3, False, versions=(1, 1, 2)),
-        Response([9], [-1.0], True, versions=(2,)),
-    ]
-    out = assemble(
-        torch.tensor([[1, 2], [3, 0]]), torch.tensor([2, 1]), with_tags, 0, with_versions=True
-    )
-    assert out["generation_versions"].tolist() == [[-1, -1, 1, 1, 2], [-1, 2, -1, -1, -1]]
-    assert "generation_versions" not in assemble(
-        torch.tensor([[1, 2], [3, 0]]), torch.tensor([2, 1]), with_tags, 0
-    )
-    untagged = [with_tags[0], Response([9], [-1.0], True)]
-    out = assemble(
-        torch.tensor([[1, 2], [3, 0]]), torch.tensor([2, 1]), untagged, 0, with_versions=True
-    )
-    assert "generation_versions" not in out
+    # A streamed sample's tags, laid out like its output_ids (-1 on the prompt and padding),
+    # with the oldest and newest version; without vLLM's labels, every token gets the version
+    # its request started on and the newest is the one it finished on.
+    tagged = Response([5, 6, 7], [-0.1] * 3, False, versions=(1, 1, 2))
+    found = stream_versions(6, 2, tagged, started=0, finished=3)
+    assert found["generation_versions"].tolist() == [[-1, -1, 1, 1, 2, -1]]
+    assert (int(found["weight_version_min"]), int(found["weight_version_max"])) == (1, 2)
+    untagged = Response([5, 6], [-0.1] * 2, False)
+    found = stream_versions(5, 2, untagged, started=0, finished=3)
+    assert found["generation_versions"].tolist() == [[-1, -1, 0, 0, -1]]
+    assert (int(found["weight_version_min"]), int(found["weight_version_max"])) == (0, 3)
 
 
 def test_the_first_tokens_top_logprobs_are_asked_for_ranked_and_laid_out():

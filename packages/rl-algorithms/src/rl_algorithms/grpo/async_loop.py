@@ -146,17 +146,18 @@ class Trajectories:
     def take(self, n: int, step: int) -> tuple[list[TrajectoryGroup], float]:
         """``n`` groups young enough for ``step``, and the seconds spent waiting for them.
 
-        A running group admitted ``max_trajectory_span_steps`` steps ago or more would be too
-        old to train on after this step, and dropped: so the step waits for it (or for it to be
-        cut at ``max_group_seconds``), and takes it first, as the oldest. Long episodes are
-        trained on as often as they are sampled, at the price of that wait."""
+        A running group whose tokens may date from ``max_trajectory_span_steps`` steps ago
+        would be too old to train on after this step, and dropped: so the step waits until it
+        is in the buffer (or was cut at ``max_group_seconds``), where the oldest groups are
+        taken first. (More than ``n`` groups due at once cannot all be taken: the extras are
+        dropped as before.)"""
         start = time.monotonic()
         self.lag = 0
+        self.pull(timeout=0)  # the collector's state now, not as it was before training
         waited_for_straggler = False
         while True:
             dropped = self.buffer.dropped_groups
             straggler = self._straggler_due(step)
-            waited_for_straggler |= straggler
             groups = None if straggler else self.buffer.take(n, step)
             self.consumed += self.buffer.dropped_groups - dropped
             if groups is not None:
@@ -172,16 +173,20 @@ class Trajectories:
                     f"waited {waited:.0f} s (grpo.async_grpo.max_wait_seconds) for {n} groups "
                     f"from the {self.collector.describe()}; the buffer holds {len(self.buffer)}"
                 )
+            waited_for_straggler |= straggler
             self.pull(timeout=1.0)
 
     def _straggler_due(self, step: int) -> bool:
-        """Whether a running group may hold tokens ``max_trajectory_span_steps`` steps old at
-        ``step``: this is the last step it can be trained in."""
+        """Whether the oldest running group may hold tokens ``max_trajectory_span_steps`` steps
+        old at ``step``: this is the last step it can be trained in. (With a span equal to
+        ``max_trajectory_age_steps`` that is every step for the groups of the last one: the
+        run is then close to synchronous.)"""
         reply = self.last_reply
         if reply is None or reply.oldest_running_version is None:
             return False
         admitted = self.buffer.step_of(reply.oldest_running_version)
-        return step - admitted >= self.buffer.max_age_steps
+        # (Past it, it is too old whenever it comes: waiting would only hold the step up.)
+        return step - admitted == self.buffer.max_age_steps
 
     def state_dict(self) -> dict[str, Any]:
         self.pull(timeout=0)  # what finished is saved rather than generated again

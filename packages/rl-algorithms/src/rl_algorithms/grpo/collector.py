@@ -90,9 +90,10 @@ class CollectorReply:
     discarded_tokens: int  # of those, in groups cancelled or aborted (not trained on)
     generator_idle_seconds: float  # in all, with no turn generating
     groups_running: int  # admitted, not yet finished
-    # The engine's weight version when the oldest running group was admitted (None: none
-    # runs): its tokens are at most as old, so the trainer can tell a step that must wait
-    # for it (``Trajectories.take``).
+    # The oldest weight version any running group's tokens may come from (None: none runs):
+    # the engine's version when the oldest was admitted (its turns start no earlier; one
+    # queued past a refit has younger tokens, so this errs old). The trainer waits for such
+    # a group at the last step it can be trained in (``Trajectories.take``).
     oldest_running_version: int | None
     stuck_groups: int  # cancelled, their agent loop's thread still blocked in an env step
     heartbeat_age_seconds: float  # since the loop last came round
@@ -107,7 +108,8 @@ class _Group:
     requeues: int = 0  # times this prompt was queued again before
     sampler: StreamingSampler | None = None  # every turn of the group on one engine
     version: int | None = None  # the engine's version, for a prompt too long to generate from
-    admitted_version: int | None = None  # the engine's version when it was admitted
+    # The engine's version when it was admitted: none of its tokens is older.
+    oldest_version: int | None = None
     play: Future | None = None  # its agent loop
     requests: list[TurnRequest] = field(default_factory=list)
     abandoned: bool = False  # cancelled: its agent loop's next turn raises
@@ -241,7 +243,7 @@ class TrajectoryCollector:
                 generator_idle_seconds=self.generator_idle_seconds,
                 groups_running=len(self.groups),
                 oldest_running_version=min(
-                    (g.admitted_version for g in self.groups if g.admitted_version is not None),
+                    (g.oldest_version for g in self.groups if g.oldest_version is not None),
                     default=None,
                 ),
                 stuck_groups=self._stuck_groups(),
@@ -373,7 +375,20 @@ class TrajectoryCollector:
             self.doing = "its own loop"
 
     def _admit(self) -> None:
+        # Each engine's version, read once per pass (before the groups it tags are listed as
+        # running, so a reply never misses one; a refit meanwhile makes it err old).
+        versions: dict[int, int] = {}
         while True:
+            with self.cond:
+                if self.stopped or self.draining or self._room() <= 0:
+                    return
+                if self.out_of_prompts and not self.retry and not self.fresh:
+                    return  # (no engine call a pass at the end of the prompts)
+                sampler = self.samplers[self.next_worker % len(self.samplers)]
+            if id(sampler) not in versions:
+                versions[id(sampler)] = self._engine_call(
+                    sampler, "weight_version", sampler.weight_version
+                )
             with self.cond:
                 if self.stopped or self.draining or self._room() <= 0:
                     return
@@ -381,17 +396,14 @@ class TrajectoryCollector:
                 if drawn is None:
                     return
                 group = _Group(drawn[0], time.monotonic(), self._drained(), drawn[1])
-                group.sampler = self.samplers[self.next_worker % len(self.samplers)]
+                group.sampler = sampler
+                group.oldest_version = versions[id(sampler)]
                 self.next_worker += 1
                 self.groups.append(group)
                 self.out += 1
-            sampler = group.sampler
-            version = self._engine_call(sampler, "weight_version", sampler.weight_version)
-            with self.cond:
-                group.admitted_version = version
             prompt_tokens = sum(len(m["token_ids"]) for m in group.prompt["message_log"][0])
             if prompt_tokens >= self.max_seq_len:  # nothing to generate: the engine's weights
-                group.version = version
+                group.version = group.oldest_version
             # A group cancelled while stuck in an environment step (or its agent programs)
             # keeps its thread, counted in ``stuck_groups``; no later group waits for it.
             group.play = start_thread("trajectory-group", self._play, group)

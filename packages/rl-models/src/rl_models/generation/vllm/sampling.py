@@ -124,13 +124,10 @@ def assemble(
     responses: Sequence[Response],
     pad_token_id: int,
     first_token_logprobs: int = 0,
-    with_versions: bool = False,
 ) -> BatchedDataDict:
     """The generate() result (see ``rl_models.generation.interfaces``) of one batch; with
     ``first_token_logprobs`` k > 0, each response's ``first_top`` as ``first_token_top_ids`` /
-    ``first_token_top_logprobs`` (a row with fewer than k: id -1, log-prob -inf after them).
-    ``with_versions``: each sampled token's weight version as ``generation_versions`` (aligned
-    with ``output_ids``; -1 on prompt and padding), when every response has them."""
+    ``first_token_top_logprobs`` (a row with fewer than k: id -1, log-prob -inf after them)."""
     batch, width = input_ids.shape
     gen_lengths = torch.tensor([len(r.token_ids) for r in responses], dtype=torch.long)
     total = width + int(gen_lengths.max()) if len(responses) else width
@@ -156,9 +153,29 @@ def assemble(
             for j, (token, logprob) in enumerate(response.first_top[:k]):
                 top_ids[row, j], top_logprobs[row, j] = token, logprob
         out["first_token_top_ids"], out["first_token_top_logprobs"] = top_ids, top_logprobs
-    if with_versions and responses and all(r.versions is not None for r in responses):
-        versions = torch.full((batch, total), -1, dtype=torch.long)
-        for row, (n, response) in enumerate(zip(input_lengths.tolist(), responses, strict=True)):
-            versions[row, n : n + len(response.token_ids)] = torch.tensor(response.versions)
-        out["generation_versions"] = versions
     return out
+
+
+def stream_versions(
+    width: int, start: int, response: Response, started: int, finished: int
+) -> dict[str, torch.Tensor]:
+    """A streamed sample's weight versions: ``generation_versions`` (one row of ``width``
+    positions like its ``output_ids``: the version of each token sampled from ``start`` on, -1
+    elsewhere) and the oldest and newest of them (``weight_version_min`` / ``_max``). Where
+    vLLM did not label every token (``response.versions`` None), each gets ``started``, the
+    version its request started on (never too young), and the newest is ``finished``, the
+    worker's version when it finished; the keys are always there, so a stream's samples
+    stack."""
+    count = len(response.token_ids)
+    tags = torch.full((1, width), -1, dtype=torch.long)
+    if response.versions is not None and count:
+        tags[0, start : start + count] = torch.tensor(response.versions)
+        oldest, newest = min(response.versions), max(response.versions)
+    else:
+        tags[0, start : start + count] = started
+        oldest, newest = started, finished
+    return {
+        "generation_versions": tags,
+        "weight_version_min": torch.tensor([oldest]),
+        "weight_version_max": torch.tensor([newest]),
+    }

@@ -61,6 +61,7 @@ from rl_models.generation.vllm.sampling import (
     prompts_of,
     request_kwargs,
     sampled_versions,
+    stream_versions,
 )
 from rl_models.modeling.lora import LoraConfig
 from rl_models.weight_transfer.buckets import PackedBucket, pack_bucket
@@ -246,16 +247,13 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         truncated = completion.finish_reason == "length"
         return Response(ids, logprobs, truncated, first_top, sampled_versions(completion))
 
-    def _assemble(
-        self, data: BatchedDataDict, responses: list, with_versions: bool = False
-    ) -> BatchedDataDict:
+    def _assemble(self, data: BatchedDataDict, responses: list) -> BatchedDataDict:
         return assemble(
             data["input_ids"],
             data["input_lengths"],
             responses,
             self.pad_token_id(),
             self.sampling.first_token_logprobs,
-            with_versions,
         )
 
     def generate(
@@ -358,16 +356,9 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         samples = {}
         for row, result, version, cached in items:
             one = stream.data.select_indices([row])
-            sample = self._assemble(one, [result], with_versions=True)
-            if "generation_versions" not in sample:  # vLLM labelled not every token:
-                # the oldest version it may have seen for each, never too young (and every
-                # sample of a stream has the key, so they stack).
-                start = int(one["input_lengths"][0])
-                tags = torch.full(sample["output_ids"].shape, -1, dtype=torch.long)
-                tags[0, start : start + len(result.token_ids)] = stream.version
-                sample["generation_versions"] = tags
-            sample["weight_version_min"] = torch.tensor([stream.version])
-            sample["weight_version_max"] = torch.tensor([version])
+            sample = self._assemble(one, [result])
+            start, width = int(one["input_lengths"][0]), sample["output_ids"].shape[1]
+            sample.update(stream_versions(width, start, result, stream.version, version))
             sample["prefix_cached_tokens"] = torch.tensor([cached])
             samples[row] = sample
         stream.remaining -= len(items)
