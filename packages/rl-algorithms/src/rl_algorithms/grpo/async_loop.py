@@ -15,9 +15,10 @@ buffer (``replay_buffer.py``) and, after each step, refits the generator without
 it: running episodes go on under the new weights, each token tagged with the weight version
 that sampled it. One step, top to bottom (``async_grpo_train``)::
 
-    wait for num_prompts_per_step groups (one older than max_trajectory_span_steps, which only
-    a group that ran far longer than the rest becomes, is dropped, counted with its tokens,
-    and its prompt generated again; with dynamic sampling the collector filters groups whose
+    wait for num_prompts_per_step groups (and for a running group at the last step it can be
+    trained in, max_trajectory_span_steps after it was admitted; one older than that, which
+    the wait rarely leaves, is dropped, counted with its tokens, and its prompt generated
+    again; with dynamic sampling the collector filters groups whose
     rewards are all equal; a dead, failed, stalled or exhausted collector, or a wait past
     max_wait_seconds, raises here, naming it and the cause)
     -> advantages -> log-probs under the current policy -> clipped policy-gradient step, whose
@@ -58,8 +59,8 @@ import time
 from typing import Any
 
 from rl_algorithms.diagnostics import warn_on_mismatch
-from rl_algorithms.grpo.collector import CollectorReply
 from rl_algorithms.grpo.collector_client import CollectorClient, CollectorError
+from rl_algorithms.grpo.collector_reply import CollectorReply
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer, TrajectoryGroup
 from rl_algorithms.grpo.steps import (
     refit_if_stale,

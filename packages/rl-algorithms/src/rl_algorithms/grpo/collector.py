@@ -19,21 +19,18 @@ One thread, the collector's loop, makes every engine call::
        (``stale_requeued_groups``: it spanned more than ``max_trajectory_span_steps``)
 
 Staleness by admission: a group is started only when, trained after the groups already out
-(oldest first), it would be at most ``max_age_steps`` steps old. A group that runs far longer
-than the rest is not thrown away either: the trainer waits for it at the last step it can be
-trained in (``max_trajectory_span_steps`` after the weights it was admitted under: the engine's
-version then, reported as ``oldest_running_version``). The trainer says with each
-``take`` whether it has already taken its current step's groups (``lag``), so the collector
-knows how many groups may be out: ``prompts_per_step * (max_age_steps + 1 - lag)`` (and never
-more than ``max_groups_ahead``). A running episode is never thrown away for its age: a refit
-in flight lets it go on under the new weights, and its tokens say which weights sampled each.
+(oldest first), it would be at most ``max_age_steps`` steps old. The trainer says with each
+``take`` whether it has taken its current step's groups (``lag``), so the collector knows how
+many may be out: ``prompts_per_step * (max_age_steps + 1 - lag)`` (at most
+``max_groups_ahead``). A running episode is never thrown away for its age: a refit in flight
+lets it go on under the new weights, its tokens tagged with the weights that sampled each,
+and the trainer waits for it at its last step (``CollectorReply.oldest_running_version``).
 
-Engines are seen through ``rl_models``' ``StreamingSampler``, each call waiting at most
-``engine_call_seconds``. The trainer pulls finished groups with ``take``, which also reports
-an error that stopped the loop (with its traceback), the end of the prompts and a heartbeat.
-``drain`` (a refit without in-flight updates) holds new turns back until ``resume``;
-``drain(scoring=True)`` (validation) holds environment steps back too. ``state_dict`` gives
-the prompt loader's position plus every prompt drawn but not yet handed over.
+Engines are seen through ``rl_models``' ``StreamingSampler`` (each call waits at most
+``engine_call_seconds``). The trainer pulls finished groups with ``take`` (see
+``CollectorReply``). ``drain`` (a refit without in-flight updates) holds new turns back until
+``resume``; ``drain(scoring=True)`` (validation) holds environment steps back too.
+``state_dict``: the loader's position and every prompt drawn but not yet handed over.
 """
 
 from __future__ import annotations
@@ -54,6 +51,7 @@ from rl_algorithms.advantages import groups_with_signal
 from rl_algorithms.agent_loop import AgentLoopConfig, run_agent_loop
 from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.episodes import version_span
+from rl_algorithms.grpo.collector_reply import CollectorReply
 from rl_algorithms.grpo.replay_buffer import TrajectoryGroup
 from rl_algorithms.grpo.turn_streams import (
     EnvironmentGate,
@@ -73,31 +71,6 @@ POLL_SLEEP_SECONDS = 0.02  # between two rounds of the loop when nothing is gene
 # it paces the loop while groups generate (a poll is a Ray call, and on a busy core every call
 # the engine answers slows its sampling), and bounds how late a new turn is started.
 POLL_WAIT_SECONDS = 0.03
-
-
-@dataclass(frozen=True)
-class CollectorReply:
-    """What ``take`` answers: the groups finished since the last call, and the state."""
-
-    groups: list[TrajectoryGroup]
-    error: str | None  # why the collector stopped (an exception with its traceback)
-    exhausted: bool  # no prompt left and none generating, none handed over in this reply
-    requeued_groups: int  # hung groups cancelled and generated again, so far
-    aborted_groups: int  # groups vLLM aborted on its own, generated again
-    stale_requeued_groups: int  # groups the trainer dropped as too old, generated again
-    filtered_groups: int  # dynamic sampling: groups whose rewards were all equal
-    generated_tokens: int  # sampled by the engines for training groups, so far
-    discarded_tokens: int  # of those, in groups cancelled or aborted (not trained on)
-    generator_idle_seconds: float  # in all, with no turn generating
-    groups_running: int  # admitted, not yet finished
-    # The oldest weight version any running group's tokens may come from (None: none runs):
-    # the engine's version when the oldest was admitted (its turns start no earlier; one
-    # queued past a refit has younger tokens, so this errs old). The trainer waits for such
-    # a group at the last step it can be trained in (``Trajectories.take``).
-    oldest_running_version: int | None
-    stuck_groups: int  # cancelled, their agent loop's thread still blocked in an env step
-    heartbeat_age_seconds: float  # since the loop last came round
-    doing: str  # what the loop is waiting on, for a stall report
 
 
 @dataclass(eq=False)
@@ -375,8 +348,8 @@ class TrajectoryCollector:
             self.doing = "its own loop"
 
     def _admit(self) -> None:
-        # Each engine's version, read once per pass (before the groups it tags are listed as
-        # running, so a reply never misses one; a refit meanwhile makes it err old).
+        # Each engine's version, read once per pass before its groups are listed (a refit
+        # meanwhile makes it err old).
         versions: dict[int, int] = {}
         while True:
             with self.cond:

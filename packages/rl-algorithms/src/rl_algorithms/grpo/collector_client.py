@@ -8,7 +8,8 @@ from typing import Any
 
 import ray
 
-from rl_algorithms.grpo.collector import CollectorReply, TrajectoryCollector
+from rl_algorithms.grpo.collector import TrajectoryCollector
+from rl_algorithms.grpo.collector_reply import CollectorReply
 from rl_distributed.batched_data_dict import BatchedDataDict
 
 # The loop's heartbeat may be this much older than one engine call's limit before the trainer
