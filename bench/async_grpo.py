@@ -26,9 +26,9 @@ still less than the 45-90 % of published profiles; at 32 it is ~30 %, and async 
 ``--workload long-tail``: multi-turn episodes whose lengths vary 8x, the shape of a tool-using
 agent's rollouts. The environment (``LongTailTurnsEnv``, below) answers each turn with a
 ``role: tool`` message and ends the episode after 1 turn, or after ``--long-turns`` turns when
-the question's answer is a multiple of 8 (every episode of that prompt: 23 % of the questions
-of single digits with +, - and *, so 65 % of the steps of 4 prompts hold a long group); each
-turn samples up to 24 new tokens.
+the question's answer is a multiple of 8 (every episode of that prompt: 21 % of the bench's
+512 questions of single digits with +, - and *, so about 61 % of the steps of 4 prompts hold
+a long group); each turn samples up to 24 new tokens.
 A synchronous step waits for its slowest group; asynchronous GRPO's collector keeps the
 generator on other groups meanwhile, and refits land in flight, so a long episode goes on under
 newer weights rather than being thrown away. The async runs also print the fraction of the

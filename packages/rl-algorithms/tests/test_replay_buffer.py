@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl_algorithms.grpo.async_loop import discarded_token_fraction
+from rl_algorithms.grpo.async_loop import Trajectories, discarded_token_fraction
+from rl_algorithms.grpo.collector_client import CollectorError, check_reply
+from rl_algorithms.grpo.collector_reply import CollectorReply
 from rl_algorithms.grpo.replay_buffer import ReplayBuffer, TrajectoryGroup
 from rl_algorithms.rollouts import RolloutResult
 from rl_distributed.batched_data_dict import BatchedDataDict
@@ -38,6 +40,80 @@ def group(
 
 def tags(groups):
     return [g.prompt["tag"][0] for g in groups]
+
+
+def reply(groups=(), running=(), exhausted=False) -> CollectorReply:
+    counts = dict.fromkeys(
+        ["requeued_groups", "aborted_groups", "stale_requeued_groups", "filtered_groups"], 0
+    )
+    return CollectorReply(
+        groups=list(groups),
+        error=None,
+        exhausted=exhausted,
+        generated_tokens=0,
+        discarded_tokens=0,
+        generator_idle_seconds=0.0,
+        groups_running=len(running),
+        running_versions=tuple(running),
+        stuck_groups=0,
+        heartbeat_age_seconds=0.0,
+        doing="",
+        **counts,
+    )
+
+
+class ScriptedCollector:
+    """A collector client answering each ``take`` with the next scripted reply (the last one
+    again when they run out), checked as the real client checks them."""
+
+    def __init__(self, replies: list[CollectorReply]) -> None:
+        self.replies, self.lags = list(replies), []
+
+    def take(self, consumed, timeout, stale=None, lag=0):
+        self.lags.append(lag)
+        answer = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
+        return check_reply(answer, self.describe(), 60.0, lag)
+
+    def describe(self):
+        return "scripted collector"
+
+
+def test_a_step_waits_for_a_running_group_at_its_last_step_only():
+    buffer = ReplayBuffer(max_age_steps=2)
+    for step in range(4):
+        buffer.record_step(step, step)  # version v at step v
+    buffer.add([group([3, 3], tag="a"), group([3, 3], tag="b")])
+    # Step 3: a group admitted under version 1 is at its span (3 - 1 = 2): the step waits
+    # for it, and trains on it with one of the younger two waiting there.
+    late = group([1, 1], tag="late")
+    script = [reply(running=[1, 3]), reply(running=[1, 3]), reply([late]), reply()]
+    collector = ScriptedCollector(script)
+    trajectories = Trajectories(buffer, collector, max_wait=10)
+    trajectories.last_reply = reply(running=[1, 3])
+    taken, _ = trajectories.take(2, step=3)
+    assert sorted(tags(taken)) == ["a", "late"] and trajectories.straggler_waits == 1
+    assert buffer.dropped_groups == 0
+
+    # A group past its span (admitted under version 0: 3 - 0 > 2) is not waited for: it would
+    # be too old whenever it came.
+    collector.replies = [reply(running=[0])]
+    trajectories.last_reply = reply(running=[0])
+    buffer.add([group([3, 3], tag="c")])
+    taken, _ = trajectories.take(2, step=3)
+    assert sorted(tags(taken)) == ["b", "c"] and trajectories.straggler_waits == 1
+
+
+def test_a_collector_out_of_prompts_is_no_error_while_the_buffer_holds_the_step():
+    buffer = ReplayBuffer(max_age_steps=2)
+    buffer.record_step(0, 0)
+    buffer.add([group([0, 0], tag="a"), group([0, 0], tag="b")])
+    collector = ScriptedCollector([reply(exhausted=True)])
+    trajectories = Trajectories(buffer, collector, max_wait=10)
+    trajectories.last_reply, trajectories.lag = reply(), 1  # after the last step's take
+    taken, _ = trajectories.take(2, step=0)
+    assert tags(taken) == ["a", "b"]
+    with pytest.raises(CollectorError, match="ran out of prompts"):  # and none left now
+        trajectories.take(2, step=1)
 
 
 def test_ages_count_trainer_steps_not_optimiser_steps():

@@ -486,6 +486,9 @@ def test_in_flight_refit_tags_each_token_and_drops_the_old_prefix_cache(engines,
             generated = tags[start:n]
             assert set(generated.tolist()) <= {version - 1, version}
             assert torch.equal(generated, generated.sort().values)  # old tokens first
+            # The sample's oldest and newest version are those of its own tokens.
+            assert int(sample["weight_version_min"][0]) == int(generated.min())
+            assert int(sample["weight_version_max"][0]) == int(generated.max())
             expected = torch.where(generated == version, new, old).float()
             torch.testing.assert_close(sample["logprobs"][0, start:n], expected, rtol=0, atol=ATOL)
             if len(set(generated.tolist())) == 2:

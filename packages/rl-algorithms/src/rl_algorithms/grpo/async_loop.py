@@ -153,8 +153,12 @@ class Trajectories:
         taken first. (More than ``n`` groups due at once cannot all be taken: the extras are
         dropped as before.)"""
         start = time.monotonic()
+        if self.last_reply is not None:
+            # The collector's state now, not as it was before training. (Sent at the last
+            # step's lag: running out of prompts is no error while the buffer may hold this
+            # step's groups.)
+            self.pull(timeout=0)
         self.lag = 0
-        self.pull(timeout=0)  # the collector's state now, not as it was before training
         waited_for_straggler = False
         while True:
             dropped = self.buffer.dropped_groups
@@ -178,16 +182,15 @@ class Trajectories:
             self.pull(timeout=1.0)
 
     def _straggler_due(self, step: int) -> bool:
-        """Whether the oldest running group may hold tokens ``max_trajectory_span_steps`` steps
-        old at ``step``: this is the last step it can be trained in. (With a span equal to
-        ``max_trajectory_age_steps`` that is every step for the groups of the last one: the
-        run is then close to synchronous.)"""
+        """Whether a running group may hold tokens ``max_trajectory_span_steps`` steps old at
+        ``step``: this is the last step it can be trained in. (A group past it is too old
+        whenever it comes: waiting for it would only hold the step up. With a span equal to
+        ``max_trajectory_age_steps`` every step waits for the groups of the last one.)"""
         reply = self.last_reply
-        if reply is None or reply.oldest_running_version is None:
+        if reply is None:
             return False
-        admitted = self.buffer.step_of(reply.oldest_running_version)
-        # (Past it, it is too old whenever it comes: waiting would only hold the step up.)
-        return step - admitted == self.buffer.max_age_steps
+        span = self.buffer.max_age_steps
+        return any(step - self.buffer.step_of(v) == span for v in reply.running_versions)
 
     def state_dict(self) -> dict[str, Any]:
         self.pull(timeout=0)  # what finished is saved rather than generated again

@@ -24,7 +24,7 @@ Staleness by admission: a group is started only when, trained after the groups a
 many may be out: ``prompts_per_step * (max_age_steps + 1 - lag)`` (at most
 ``max_groups_ahead``). A running episode is never thrown away for its age: a refit in flight
 lets it go on under the new weights, its tokens tagged with the weights that sampled each,
-and the trainer waits for it at its last step (``CollectorReply.oldest_running_version``).
+and the trainer waits for it at its last step (``CollectorReply.running_versions``).
 
 Engines are seen through ``rl_models``' ``StreamingSampler`` (each call waits at most
 ``engine_call_seconds``). The trainer pulls finished groups with ``take`` (see
@@ -215,9 +215,8 @@ class TrajectoryCollector:
                 discarded_tokens=self.discarded_tokens,
                 generator_idle_seconds=self.generator_idle_seconds,
                 groups_running=len(self.groups),
-                oldest_running_version=min(
-                    (g.oldest_version for g in self.groups if g.oldest_version is not None),
-                    default=None,
+                running_versions=tuple(
+                    sorted({g.oldest_version for g in self.groups if g.oldest_version is not None})
                 ),
                 stuck_groups=self._stuck_groups(),
                 heartbeat_age_seconds=time.monotonic() - self.heartbeat,

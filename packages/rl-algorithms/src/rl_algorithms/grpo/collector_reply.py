@@ -22,11 +22,11 @@ class CollectorReply:
     discarded_tokens: int  # of those, in groups cancelled or aborted (not trained on)
     generator_idle_seconds: float  # in all, with no turn generating
     groups_running: int  # admitted, not yet finished
-    # The oldest weight version any running group's tokens may come from (None: none runs):
-    # the engine's version when the oldest was admitted (its turns start no earlier; one
-    # queued past a refit has younger tokens, so this errs old). The trainer waits for such
-    # a group at the last step it can be trained in (``Trajectories.take``).
-    oldest_running_version: int | None
+    # The engine's weight versions the running groups were admitted under (distinct, sorted):
+    # none of a group's tokens is older (one whose turns start after a refit has younger
+    # ones, so this errs old). The trainer waits for a group at the last step it can be
+    # trained in (``Trajectories.take``).
+    running_versions: tuple[int, ...]
     stuck_groups: int  # cancelled, their agent loop's thread still blocked in an env step
     heartbeat_age_seconds: float  # since the loop last came round
     doing: str  # what the loop is waiting on, for a stall report

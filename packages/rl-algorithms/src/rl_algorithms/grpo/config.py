@@ -67,9 +67,10 @@ class AsyncGRPOConfig(ConfigModel):
     # after the groups already out (oldest first), it is at most this many steps old; a
     # running episode is never thrown away for its age (a refit in flight lets it go on).
     max_trajectory_age_steps: int = Field(1, ge=0)
-    # A finished group is trained on unless it is older than this many steps (its prompt is
-    # then generated again and its tokens counted as discarded): only a group that ran far
-    # longer than the rest gets there. Must be >= max_trajectory_age_steps.
+    # The oldest a group may be when trained on: the trainer waits for a running group at the
+    # last step it can be trained in; one older still (more due at a step than it takes) is
+    # dropped, its prompt generated again and its tokens counted as discarded. Must be >=
+    # max_trajectory_age_steps.
     max_trajectory_span_steps: int = Field(4, ge=0)
     # true: a refit pauses the engine between two decoding steps and the running generations
     # go on with the new weights; false: the collector lets them finish (drain) first.

@@ -300,10 +300,10 @@ class VllmGenerationWorker(ChannelReceiver, GenerationWorker):
         vLLM aborted without our cancel (the rest of the stream is cancelled; its sample will
         never come). Waits up to ``wait`` s until one of them has news.
 
-        Each sample carries ``weight_version_min`` / ``weight_version_max``: the versions of
-        the weights when its request started and when it finished (they differ when a refit
-        landed while it was generated), ``generation_versions``: the version that sampled each
-        token (vLLM's spans of the labels ``set_weight_version`` gives the engine), and
+        Each sample carries ``generation_versions``: the version that sampled each token
+        (vLLM's spans of the labels ``set_weight_version`` gives the engine), with their oldest
+        and newest as ``weight_version_min`` / ``_max`` (they differ when a refit landed while
+        it was generated; see ``stream_versions`` for a request vLLM did not label), and
         ``prefix_cached_tokens``: prompt tokens whose KV came from the prefix cache.
 
         Unknown ids raise ``KeyError``; a stream that failed otherwise (the engine's error)
