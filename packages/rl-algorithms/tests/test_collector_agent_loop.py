@@ -19,6 +19,7 @@ import json
 import threading
 import time
 from collections import Counter
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 import pytest
@@ -313,6 +314,22 @@ def test_a_group_past_its_deadline_is_cancelled_and_leaves_no_stream(tokenizer, 
         client.stop()
     assert engine.streams == {}  # nothing left running on the engine
     assert client.requests_in_flight() == {"waiting": 0, "running": 0}
+
+
+def test_stopping_the_collector_ends_the_turns_it_was_generating(tokenizer, template):
+    # Turns that never finish on their own: stop() must fail them, or their agent loops'
+    # threads wait forever (and hold up the interpreter's exit).
+    engine = InProcessEngine(tokenizer, hang=True)
+    client = collector(tokenizer, template, engine, [{"turns": 3}] * 2)
+    deadline = time.monotonic() + 10
+    while len(client.turns.running) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(client.turns.running) == 2  # both groups' first turns are on the engine
+    groups = list(client.groups)
+    client.stop()
+    finished, _ = futures_wait([g.play for g in groups], timeout=10)
+    assert len(finished) == 2
+    assert engine.streams == {}
 
 
 def test_admission_keeps_groups_that_finish_in_order_within_the_max_age(tokenizer, template):

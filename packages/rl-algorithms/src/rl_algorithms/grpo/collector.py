@@ -276,12 +276,13 @@ class TrajectoryCollector:
             self.gate.closed = False  # let a held environment step return
             self.cond.notify_all()
         self.thread.join(timeout=10)
-        for request in list(self.turns.running):
+        running = list(self.turns.running)  # (cancelling takes them off that list)
+        for request in running:
             with contextlib.suppress(WorkerGroupError):
                 self._cancel_stream(request)
-        # A turn being started (the loop thread may still be in the engine call) ends too.
+        # Each fails, a turn being started too: a waiting agent loop would block the exit.
         starting = [self.starting] if self.starting is not None else []
-        pending = self.turns.waiting + self.turns.running + starting
+        pending = self.turns.waiting + running + starting
         self.turns.fail(pending, GroupCancelled("the collector stopped"))
         for group in self.groups:
             self._halt(group, "the collector stopped")
