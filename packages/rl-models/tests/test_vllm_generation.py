@@ -442,9 +442,10 @@ def test_in_flight_refit_tags_each_token_and_drops_the_old_prefix_cache(engines,
     again = stream_all(sampler, long_prompt)[0]
     assert int(again["prefix_cached_tokens"][0]) >= 32  # the prefix cache is on and holds it
 
+    # The engine holds "other" (loaded again here: an earlier test may have refitted it); the
+    # refit below loads "initial", so that a token's log-prob tells which weights sampled it.
+    refit_from(gen, models["other"], gen.weight_version + 1)
     version = gen.weight_version + 1
-    # The engine holds "other"; the refit loads "initial", so that a token's log-prob tells
-    # which weights sampled it.
     state = load_file(f"{models['initial']}/model.safetensors")
     # 80 rows in waves of max_num_seqs=8: once the first sample is out, a wave runs (holding
     # KV blocks) and eight more wait, dozens of decode steps from done, when the refit lands.
