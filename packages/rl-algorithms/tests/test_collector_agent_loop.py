@@ -225,9 +225,13 @@ def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: i
     return taken, buffer, last, counts, ages
 
 
+# Every third prompt's episodes take 10 turns, the others' one.
+LONG_TAIL = [{"turns": 10 if i % 3 == 0 else 1, "constant": True} for i in range(24)]
+
+
 def test_episodes_ten_times_longer_are_trained_on_as_often_as_they_are_sampled(tokenizer, template):
     # Every third prompt's episodes take 10 turns, the others' one.
-    metas = [{"turns": 10 if i % 3 == 0 else 1, "constant": True} for i in range(24)]
+    metas = LONG_TAIL
     engine = InProcessEngine(tokenizer)
     client = collector(tokenizer, template, engine, metas)
     try:
@@ -265,7 +269,7 @@ def test_a_long_group_at_the_span_is_waited_for_not_dropped(tokenizer, template)
     # The same long-tail workload with a span of 2: a 10-turn group outlives two steps of
     # one-turn groups (the test above sees ages up to 4), so without the trainer waiting for
     # it at its last chance it would be dropped as too old, generated again and dropped again.
-    metas = [{"turns": 10 if i % 3 == 0 else 1, "constant": True} for i in range(24)]
+    metas = LONG_TAIL
     engine = InProcessEngine(tokenizer)
     client = collector(tokenizer, template, engine, metas)
     try:
