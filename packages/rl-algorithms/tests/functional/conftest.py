@@ -129,3 +129,22 @@ def read_metrics(log_dir: Path) -> list[dict]:
 
 def series(records: list[dict], key: str) -> list[float]:
     return [r[key] for r in records if key in r]
+
+
+# Rank-4 adapters, sent to the generator as adapters (never merged weights).
+LORA = {"enabled": True, "rank": 4, "alpha": 8, "refit": "adapters"}
+
+
+def check_adapter_refits(records: list[dict], checkpoint: Path) -> None:
+    """A LoRA run's refits: the first sends the base weights with the adapters, every later one
+    exactly the adapters' bytes (those of the adapters in ``checkpoint``, a step's directory);
+    and the adapters trained (some ``lora_B``, zero at the start, moved)."""
+    from safetensors.torch import load_file
+
+    adapters = load_file(checkpoint / "policy" / "adapter" / "adapter_model.safetensors")
+    assert adapters and all(".lora_" in name for name in adapters), sorted(adapters)[:4]
+    size = sum(t.numel() * t.element_size() for t in adapters.values())
+    assert any(t.abs().max() > 0 for n, t in adapters.items() if ".lora_B" in n), "B never moved"
+    first, *later = series(records, "train/refit_bytes")
+    assert first > 10 * size, (first, size)
+    assert later and all(b == size for b in later), (later, size)

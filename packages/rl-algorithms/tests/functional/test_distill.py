@@ -1,6 +1,7 @@
 """`rl distill` end to end on tiny models: the student moves towards a frozen teacher on its
-own samples (the top-k KL falls), both estimators run through `rl distill`; a teacher whose
-vocabulary differs is refused before any worker starts."""
+own samples (the top-k KL falls), both estimators run through `rl distill` (the second with a
+LoRA student whose refits send only its adapters); a teacher whose vocabulary differs is
+refused before any worker starts."""
 
 import math
 
@@ -8,7 +9,7 @@ import pytest
 
 from rl_algorithms import cli
 
-from .conftest import TINY_LLAMA, read_metrics, series, write_config
+from .conftest import LORA, TINY_LLAMA, check_adapter_refits, read_metrics, series, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(600)]
 STEPS = 4
@@ -74,6 +75,8 @@ def test_the_student_closes_its_gap_to_the_teacher(tmp_path, assets, estimator):
     if estimator == "sampled_token":
         # Both placements in the one pair of runs: this teacher gets a cluster of its own.
         config["teacher"]["colocated"] = False
+        # And a LoRA student, its adapters on a higher learning rate (B starts at 0).
+        config["policy"].update(lora=LORA, optimizer={"name": "AdamW", "kwargs": {"lr": 1e-2}})
     cfg = write_config(tmp_path, config)
     assert cli.main(["distill", "--config", cfg]) == 0
     records = read_metrics(tmp_path / "logs")
@@ -89,6 +92,8 @@ def test_the_student_closes_its_gap_to_the_teacher(tmp_path, assets, estimator):
     assert len(series(records, teacher_key)) == STEPS
     assert series(records, "val/accuracy")
     assert (tmp_path / "ckpt" / f"step_{STEPS}" / "policy" / "model.safetensors").is_file()
+    if estimator == "sampled_token":
+        check_adapter_refits(records, tmp_path / "ckpt" / f"step_{STEPS}")
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_before_ray(tmp_path, assets, capsys):

@@ -1,6 +1,7 @@
-"""`rl ppo` end to end on a tiny model: the critic learns the returns, every loss is finite,
-and a run stopped after a checkpoint and resumed equals the uninterrupted one (policy and
-critic)."""
+"""`rl ppo` end to end on a tiny model, its policy training LoRA adapters: the critic learns
+the returns, every loss is finite, refits send the HF generator only the adapters, and a run
+stopped after a checkpoint and resumed equals the uninterrupted one (the policy's merged
+weights and adapters, and the critic)."""
 
 import math
 
@@ -10,7 +11,7 @@ from safetensors.torch import load_file
 
 from rl_algorithms import cli
 
-from .conftest import TINY_LLAMA, read_metrics, series, write_config
+from .conftest import LORA, TINY_LLAMA, check_adapter_refits, read_metrics, series, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(900)]
 STEPS = 4
@@ -28,6 +29,7 @@ def ppo_config(tmp_path, assets) -> dict:
             "train_micro_batch_size": 4,
             "optimizer": {"name": "AdamW", "kwargs": {"lr": 1.0e-3}},
             "reference_policy": {"enabled": True},
+            "lora": LORA,
         },
         "critic": {
             "train_micro_batch_size": 4,
@@ -74,7 +76,9 @@ def run_ppo(tmp_path, assets, *overrides: str) -> list[dict]:
 
 
 def weights(path) -> dict[str, torch.Tensor]:
-    return load_file(path / "model.safetensors")
+    """A model directory's weights, or a peft adapter directory's adapters."""
+    name = "adapter_model" if path.name == "adapter" else "model"
+    return load_file(path / f"{name}.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +107,7 @@ def test_ppo_trains_its_critic_and_resumes_exactly(straight, tmp_path, assets):
     explained = series(records, "train/explained_variance")
     assert max(explained[-2:]) > explained[0]
     assert (straight / "ckpt" / f"step_{STEPS}" / "critic" / "model.safetensors").is_file()
+    check_adapter_refits(records, straight / "ckpt" / f"step_{STEPS}")
 
     # Stopped after step 2's checkpoint, then the same command with the full length resumes.
     resumed = tmp_path / "resumed"
@@ -114,7 +119,7 @@ def test_ppo_trains_its_critic_and_resumes_exactly(straight, tmp_path, assets):
     for r in (r for r in records if "train/loss" in r):
         for key in ("train/loss", "train/critic/value_loss", "train/reward_mean"):
             assert r[key] == want[r["step"]][key], (r["step"], key)
-    for role in ("policy", "critic"):
+    for role in ("policy", "policy/adapter", "critic"):
         a = weights(straight / "ckpt" / f"step_{STEPS}" / role)
         b = weights(resumed / "ckpt" / f"step_{STEPS}" / role)
         assert a.keys() == b.keys()

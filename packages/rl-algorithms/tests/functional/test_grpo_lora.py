@@ -1,0 +1,51 @@
+"""GRPO with LoRA on two DTensor ranks, sampling from vLLM on workers of its own: every refit
+after the first sends exactly the adapters' bytes, vLLM samples with them (its log-probs agree
+with the trainer's), and the reference policy is the bare base model. (LoRA with the HF
+generator, colocated, and a LoRA run's exact resume are in the PPO and distillation tests.)
+"""
+
+import math
+
+import pytest
+
+from rl_algorithms import cli
+
+from .conftest import LORA, check_adapter_refits, read_metrics, save_tiny_vllm_llama, write_config
+from .test_grpo import grpo_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(600)]
+
+
+def test_grpo_lora_on_two_ranks_samples_from_vllm_with_the_adapters(tmp_path, assets):
+    cfg = grpo_config(tmp_path, assets)
+    cfg["policy"].update(
+        model={"path": save_tiny_vllm_llama(tmp_path / "tiny", assets["tokenizer"])},
+        lora=LORA,
+        # One optimiser step per GRPO step: step 1's log-probs are all the bare base model's.
+        train_global_batch_size=16,
+        # The adapters start at B = 0; a larger step than full fine-tuning's moves them.
+        optimizer={"name": "AdamW", "kwargs": {"lr": 1.0e-2}},
+    )
+    cfg["policy"]["model"]["dtype"] = "float32"
+    cfg["generation"] = {
+        "backend": "vllm",
+        "colocated": False,
+        "sampling": cfg["generation"]["sampling"],
+        "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
+    }
+    cfg["grpo"].update(max_num_steps=3, val_period=0)
+    cfg["cluster"]["cpu_workers_per_node"] = 2
+    assert cli.main(["grpo", "--config", write_config(tmp_path, cfg)]) == 0
+
+    records = read_metrics(tmp_path / "logs")
+    steps = {r["step"]: r for r in records if "train/loss" in r}
+    assert sorted(steps) == [1, 2, 3]
+    for step, r in steps.items():
+        # vLLM applies the adapters the trainer has: their log-probs agree.
+        assert 1.0 <= r["train/token_mult_prob_error"] < 1.05, (step, r)
+        assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]), r
+    # B = 0 at the start: the policy is its reference, the bare base model, exactly; once
+    # trained, the adapters move it away.
+    assert abs(steps[1]["train/kl_penalty"]) < 1e-7, steps[1]
+    assert steps[3]["train/kl_penalty"] > 0, steps[3]
+    check_adapter_refits(records, tmp_path / "ckpt" / "step_3")
