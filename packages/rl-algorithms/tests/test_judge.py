@@ -1,5 +1,6 @@
 """An LLM judge as an RL actor (``env.<task>.kind: judge``): a tiny float64 Llama judges on the
-HF generator, in its own worker group, behind a real Ray environment actor.
+HF generator, in its own worker group, behind a real Ray environment actor; a float32 one on
+the vLLM generator.
 
 The judge's answers are known in advance from an independent float64 forward pass of the same
 model over the rubric as the test writes it out (``str.format``, the tokenizer): its vocabulary
@@ -182,6 +183,59 @@ def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscore
     assert (late_metrics["timeouts"], late_metrics["skipped"]) == (4, 0)
     assert len(calls) == 3
     assert late_metrics["unparsable"] == int(yes_no.unscored[4:].sum())
+
+
+@pytest.mark.slow  # a vLLM engine start
+def test_a_judge_on_vllm_reads_its_first_tokens_probabilities_as_float64_does(
+    ray_session, judge_dir, tmp_path
+):
+    """``yes_probability`` on the vLLM generator: the first tokens' top-k log-probs come from
+    vLLM (``sampling.first_token_logprobs``), in float32, and the scores match the float64
+    reference of the same weights. The judge has vLLM's shape (head size 64) and the same
+    vocabulary; its greedy answer, the verdict's text, is the reference's arg-max."""
+    _, tokenizer, _ = judge_dir
+    tokenizer.save_pretrained(tmp_path)
+    torch.manual_seed(3)
+    hf = {**TINY_LLAMA, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+    hf["vocab_size"] = len(WORDS)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # far from uniform: no near-ties for the argmax
+    model.save_pretrained(tmp_path)
+    reference_model = model.double().eval()
+
+    yes, no = ["w56"], ["w52"]  # both in the top 8 for half of the samples, neither for 3
+    spec = judge_spec(
+        tmp_path, {"rule": "yes_probability", "yes_tokens": yes, "no_tokens": no, "top_k": 8}
+    )
+    spec.config["model"]["dtype"] = "float32"
+    spec.config["generation"] = {
+        "backend": "vllm",
+        "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
+    }
+    _, config = environment_class("yes_no", spec)
+    judge = JudgeEnvironment(config)
+    logs, metadata = samples(12)
+    try:
+        verdicts = judge.step(logs, metadata)
+    finally:
+        judge.shutdown()
+
+    reference = reference_logprobs((None, tokenizer, reference_model), logs, metadata)
+    yes_ids, no_ids = ([WORDS.index(w) for w in side] for side in (yes, no))
+    top = reference.topk(8, dim=-1)
+    scored, between = 0, 0
+    for i in range(len(logs)):
+        assert WORDS[int(reference[i].argmax())] in verdicts.answers[i], verdicts.answers[i]
+        kept = dict(zip(top.indices[i].tolist(), top.values[i].exp().tolist(), strict=True))
+        p_yes = sum(kept.get(t, 0.0) for t in yes_ids)
+        p_no = sum(kept.get(t, 0.0) for t in no_ids)
+        assert bool(verdicts.unscored[i]) == (p_yes + p_no == 0), i
+        if p_yes + p_no:
+            scored += 1
+            between += 0.01 < p_yes / (p_yes + p_no) < 0.99
+            assert float(verdicts.rewards[i]) == pytest.approx(p_yes / (p_yes + p_no), abs=1e-4)
+    assert 0 < scored < len(logs) and between > 0, (scored, between)  # every outcome exercised
 
 
 def test_a_call_given_up_on_delays_the_next_up_to_timeout_s_then_later_ones_are_skipped():
