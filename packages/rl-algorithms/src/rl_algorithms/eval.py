@@ -215,6 +215,7 @@ def evaluate(run: Run) -> dict[str, float]:
     n = cfg.num_tests_per_prompt
     outcomes: list[PromptOutcome] = []
     records: list[dict[str, Any]] = []
+    program_counts: dict[str, float] = {}  # failed episodes (by reason), requests: summed
     run.logger.progress.start(len(run.train_loader), description="eval")
     for batch_number, prompts in enumerate(run.train_loader, start=1):
         with run.logger.timer("generation"):
@@ -242,6 +243,8 @@ def evaluate(run: Run) -> dict[str, float]:
             finally:
                 run.generation.finish_generation()
         correct = (result.rewards >= cfg.success_threshold).tolist()
+        if cfg.agent_program is not None:
+            add_program_counts(program_counts, result.metrics, episodes=len(correct))
         for p in range(prompts.size):
             rows = range(p * n, (p + 1) * n)
             outcomes.append(
@@ -264,12 +267,27 @@ def evaluate(run: Run) -> dict[str, float]:
         run.logger.progress.update(batch_number, {})
     run.logger.progress.stop()
     metrics = {**summarize(outcomes, cfg.pass_k_value), **run.logger.timer.pop()}
+    if program_counts:
+        requests = program_counts.pop("agent_program/requests")
+        metrics["agent_program/requests_mean"] = requests / metrics["num_samples"]
+        metrics.update(program_counts)
     run.logger.log_metrics(metrics, step=0, prefix="eval")
     if cfg.output_file is not None:
         path = Path(cfg.output_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return metrics
+
+
+def add_program_counts(counts: dict[str, float], metrics: dict[str, float], episodes: int) -> None:
+    """Add one batch's agent-program metrics to ``counts``: its failed episodes (in all and by
+    reason) and its requests, so that an eval whose programs failed says so (the failed
+    episodes score 0 like wrong answers)."""
+    for key, value in metrics.items():
+        if key.startswith("agent_program/failed"):
+            counts[key] = counts.get(key, 0.0) + value
+    requests = metrics["agent_program/requests_mean"] * episodes
+    counts["agent_program/requests"] = counts.get("agent_program/requests", 0.0) + requests
 
 
 def _response_text(log: list[dict[str, Any]], prompt_messages: int) -> str:

