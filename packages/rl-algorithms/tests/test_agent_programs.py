@@ -486,6 +486,12 @@ def test_rl_eval_plays_its_samples_through_the_agent_program(server, tokenizer, 
     # Its response is the program's conversation: its second request's own user turn in it.
     assert all("Once more." in r["response"] for r in good)
     assert [r["correct"] for r in records if r["prompt_idx"] == 1] == [False, False]
+    # The report says why: two failed episodes (no request made), two requests each for the
+    # others, so that a broken program does not read as a weak model.
+    assert metrics["agent_program/failed_episodes"] == 2
+    assert metrics["agent_program/failed/no_requests"] == 2
+    assert metrics["agent_program/failed/error"] == 0
+    assert metrics["agent_program/requests_mean"] == 1.0
 
 
 def test_a_stopped_rollout_kills_its_commands_at_once(server, tokenizer, template, tmp_path):

@@ -44,23 +44,3 @@ def test_majority_vote():
     assert not majority_vote_correct(OUTCOMES[3])
     assert summarize(OUTCOMES, [1])["majority_vote_accuracy"] == 0.5
     assert not majority_vote_correct(PromptOutcome([True, False], [None, None]))
-
-
-def test_an_evals_agent_program_failures_and_requests_add_up_over_batches():
-    from rl_algorithms.eval import add_program_counts
-
-    counts: dict[str, float] = {}
-    batch = {"agent_program/failed_episodes": 1.0, "agent_program/failed/timeout": 1.0}
-    add_program_counts(counts, {**batch, "agent_program/requests_mean": 2.0}, episodes=4)
-    add_program_counts(
-        counts,
-        {"agent_program/failed_episodes": 2.0, "agent_program/failed/raised": 2.0,
-         "agent_program/requests_mean": 0.5, "reward_mean": 0.3},
-        episodes=2,
-    )  # fmt: skip
-    assert counts == {
-        "agent_program/failed_episodes": 3.0,
-        "agent_program/failed/timeout": 1.0,
-        "agent_program/failed/raised": 2.0,
-        "agent_program/requests": 9.0,
-    }

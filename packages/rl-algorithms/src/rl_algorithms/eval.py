@@ -208,14 +208,15 @@ def setup(config: MasterConfig) -> Run:
 
 def evaluate(run: Run) -> dict[str, float]:
     """Sample, score and summarise every prompt; logs ``eval/*`` at step 0."""
-    from rl_algorithms.agent_programs.programs import rollout_through_programs
+    from rl_algorithms.agent_programs.programs import program_metrics, rollout_through_programs
     from rl_algorithms.rollouts import run_rollouts
 
     cfg = run.config.eval
     n = cfg.num_tests_per_prompt
     outcomes: list[PromptOutcome] = []
     records: list[dict[str, Any]] = []
-    program_counts: dict[str, float] = {}  # failed episodes (by reason), requests: summed
+    end_reasons: list[str] = []  # each episode's, and its requests: what agent programs did
+    requests: list[int] = []
     run.logger.progress.start(len(run.train_loader), description="eval")
     for batch_number, prompts in enumerate(run.train_loader, start=1):
         with run.logger.timer("generation"):
@@ -242,9 +243,12 @@ def evaluate(run: Run) -> dict[str, float]:
                     )
             finally:
                 run.generation.finish_generation()
-        correct = (result.rewards >= cfg.success_threshold).tolist()
-        if cfg.agent_program is not None:
-            add_program_counts(program_counts, result.metrics, episodes=len(correct))
+        # A sample that carries no score (its program failed, its environment did not
+        # answer) is wrong whatever success_threshold is.
+        scored = result.sample_mask() > 0
+        correct = ((result.rewards >= cfg.success_threshold) & scored).tolist()
+        end_reasons += result.end_reasons
+        requests += result.turns.tolist()
         for p in range(prompts.size):
             rows = range(p * n, (p + 1) * n)
             outcomes.append(
@@ -267,10 +271,8 @@ def evaluate(run: Run) -> dict[str, float]:
         run.logger.progress.update(batch_number, {})
     run.logger.progress.stop()
     metrics = {**summarize(outcomes, cfg.pass_k_value), **run.logger.timer.pop()}
-    if program_counts:
-        requests = program_counts.pop("agent_program/requests")
-        metrics["agent_program/requests_mean"] = requests / metrics["num_samples"]
-        metrics.update(program_counts)
+    if cfg.agent_program is not None:
+        metrics.update(program_metrics(end_reasons, requests))
     run.logger.log_metrics(metrics, step=0, prefix="eval")
     if cfg.output_file is not None:
         path = Path(cfg.output_file)
@@ -279,19 +281,11 @@ def evaluate(run: Run) -> dict[str, float]:
     return metrics
 
 
-def add_program_counts(counts: dict[str, float], metrics: dict[str, float], episodes: int) -> None:
-    """Add one batch's agent-program metrics to ``counts``: its failed episodes (in all and by
-    reason) and its requests, so that an eval whose programs failed says so (the failed
-    episodes score 0 like wrong answers)."""
-    for key, value in metrics.items():
-        if key.startswith("agent_program/failed"):
-            counts[key] = counts.get(key, 0.0) + value
-    requests = metrics["agent_program/requests_mean"] * episodes
-    counts["agent_program/requests"] = counts.get("agent_program/requests", 0.0) + requests
-
-
 def _response_text(log: list[dict[str, Any]], prompt_messages: int) -> str:
     return "".join(m.get("content", "") for m in log[prompt_messages:])
+
+
+COUNTS = ("num_prompts", "num_samples")
 
 
 def print_report(metrics: dict[str, float]) -> None:
@@ -304,7 +298,7 @@ def print_report(metrics: dict[str, float]) -> None:
     for key, value in metrics.items():
         if not key.startswith("timing/"):
             table.add_row(
-                key, f"{value:.4f}" if key not in ("num_prompts", "num_samples") else f"{value:.0f}"
+                key, f"{value:.0f}" if key in COUNTS or "/failed" in key else f"{value:.4f}"
             )
     Console().print(table)
 

@@ -148,3 +148,14 @@ def check_adapter_refits(records: list[dict], checkpoint: Path) -> None:
     first, *later = series(records, "train/refit_bytes")
     assert first > 10 * size, (first, size)
     assert later and all(b == size for b in later), (later, size)
+
+
+def check_generator_agrees(records: list[dict]) -> None:
+    """Every trained step's generator log-probs equal the trainer's to float32 rounding (a
+    generator sampling from a stale or bare base model would be off by the policy's updates:
+    more than 1e-9 in KL after one step at lr 1e-3)."""
+    steps = [r for r in records if "train/loss" in r]
+    assert steps
+    for r in steps:
+        assert r["train/gen_train_kl_k3"] < 1e-9, r
+        assert 1.0 <= r["train/token_mult_prob_error"] < 1.001, r

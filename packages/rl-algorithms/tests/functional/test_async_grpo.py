@@ -14,6 +14,8 @@ its own) and one trainer worker.
   (the engine decodes one sequence at a time, so a refit always finds work running).
 - A collector killed mid-run makes the trainer raise within seconds, naming it; re-running the
   same config resumes from the last checkpoint with the buffer it saved, and finishes.
+- An agent program of the user's (the plain `openai` client, two requests an episode) plays
+  every episode through the collector's endpoint, backed by the same async engine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -39,6 +42,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.m
 # The environment class travels to its Ray actor by value (this module is not installed).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+PROGRAMS = Path(__file__).parents[1] / "agent_program_examples.py"
 STEPS = 4
 SPAN = 4  # grpo.async_grpo.max_trajectory_span_steps's default
 PROMPTS, GENERATIONS = 4, 4
@@ -214,3 +218,20 @@ def test_killed_collector_is_reported_and_the_run_resumes_with_its_buffer(tmp_pa
     after = [r for r in records[resumed:] if "train/loss" in r]
     assert [r["step"] for r in after] == list(range(int(saved.name[5:]) + 1, resumed_steps + 1))
     check_steps(after)
+
+
+def test_async_grpo_trains_an_agent_program_through_the_async_engine(tmp_path, tiny_model):
+    config = async_config(tmp_path, tiny_model)
+    config["grpo"]["max_num_steps"] = 2
+    config["grpo"]["agent_program"] = {"function": f"{PROGRAMS}:talk", "max_episode_seconds": 120}
+    config["checkpointing"]["enabled"] = False
+    assert cli.main(["grpo", "--config", write_config(tmp_path, config)]) == 0
+
+    records = read_metrics(tmp_path / "logs")
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    check_steps(steps)
+    # Every episode trained on was the program's: two requests, none failed.
+    for r in steps:
+        assert r["train/agent_program/failed_episodes"] == 0, r
+        assert r["train/agent_program/requests_mean"] == 2, r

@@ -41,11 +41,16 @@ def test_grpo_lora_on_two_ranks_samples_from_vllm_with_the_adapters(tmp_path, as
     steps = {r["step"]: r for r in records if "train/loss" in r}
     assert sorted(steps) == [1, 2, 3]
     for step, r in steps.items():
-        # vLLM applies the adapters the trainer has: their log-probs agree.
-        assert 1.0 <= r["train/token_mult_prob_error"] < 1.05, (step, r)
+        # vLLM applies the adapters the trainer has: their log-probs agree to float32.
+        assert 1.0 <= r["train/token_mult_prob_error"] < 1.001, (step, r)
         assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]), r
     # B = 0 at the start: the policy is its reference, the bare base model, exactly; once
     # trained, the adapters move it away.
     assert abs(steps[1]["train/kl_penalty"]) < 1e-7, steps[1]
-    assert steps[3]["train/kl_penalty"] > 0, steps[3]
+    for step in (2, 3):
+        r = steps[step]
+        # The control: were vLLM sampling from the bare base, its log-probs would be as far
+        # from the trainer's as the base is from the policy (the KL penalty measures that).
+        assert r["train/kl_penalty"] > 1e-5, r
+        assert r["train/gen_train_kl_k3"] < 0.01 * r["train/kl_penalty"], r
     check_adapter_refits(records, tmp_path / "ckpt" / "step_3")

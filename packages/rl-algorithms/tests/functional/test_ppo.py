@@ -11,7 +11,15 @@ from safetensors.torch import load_file
 
 from rl_algorithms import cli
 
-from .conftest import LORA, TINY_LLAMA, check_adapter_refits, read_metrics, series, write_config
+from .conftest import (
+    LORA,
+    TINY_LLAMA,
+    check_adapter_refits,
+    check_generator_agrees,
+    read_metrics,
+    series,
+    write_config,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(900)]
 STEPS = 4
@@ -108,6 +116,7 @@ def test_ppo_trains_its_critic_and_resumes_exactly(straight, tmp_path, assets):
     assert max(explained[-2:]) > explained[0]
     assert (straight / "ckpt" / f"step_{STEPS}" / "critic" / "model.safetensors").is_file()
     check_adapter_refits(records, straight / "ckpt" / f"step_{STEPS}")
+    check_generator_agrees(records)
 
     # Stopped after step 2's checkpoint, then the same command with the full length resumes.
     resumed = tmp_path / "resumed"
@@ -115,6 +124,11 @@ def test_ppo_trains_its_critic_and_resumes_exactly(straight, tmp_path, assets):
     run_ppo(resumed, assets, "ppo.max_num_steps=2")
     records = run_ppo(resumed, assets)
     assert [r["run/resumed_from_step"] for r in records if "run/resumed_from_step" in r] == [2]
+    # The resumed run's fresh generator gets the base once more, then the adapters, and
+    # samples with them.
+    after = records[next(i for i, r in enumerate(records) if "run/resumed_from_step" in r) :]
+    check_adapter_refits(after, resumed / "ckpt" / f"step_{STEPS}")
+    check_generator_agrees(after)
     want = {r["step"]: r for r in read_metrics(straight / "logs") if "train/loss" in r}
     for r in (r for r in records if "train/loss" in r):
         for key in ("train/loss", "train/critic/value_loss", "train/reward_mean"):

@@ -28,7 +28,7 @@ import os
 import shlex
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
@@ -330,12 +330,18 @@ def _scored(
     episodes.template_mismatches = sum(t.template_mismatches for t in trajectories)
     episodes.timings.update(timings)
     result = episodes.result(with_env_metrics)
-    failed = [r for r in reasons if r in FAILURES]
     result.metrics.update(metrics)
-    result.metrics["agent_program/failed_episodes"] = float(len(failed))
-    for reason in FAILURES:
-        result.metrics[f"agent_program/failed/{reason.rsplit('/', 1)[1]}"] = float(
-            failed.count(reason)
-        )
-    result.metrics["agent_program/requests_mean"] = sum(len(t.requests) for t in trajectories) / n
+    result.metrics.update(program_metrics(reasons, [len(t.requests) for t in trajectories]))
     return result
+
+
+def program_metrics(end_reasons: Sequence[str], requests: Sequence[int]) -> dict[str, float]:
+    """What agent-program episodes did, from each one's end reason and request count: those
+    that failed, in all and by reason (``agent_program/failed/<reason>``), and the requests an
+    episode made. For one rollout or for several put together (a step's groups, an eval)."""
+    failed = [r for r in end_reasons if r in FAILURES]
+    metrics = {"agent_program/failed_episodes": float(len(failed))}
+    for reason in FAILURES:
+        metrics[f"agent_program/failed/{reason.rsplit('/', 1)[1]}"] = float(failed.count(reason))
+    metrics["agent_program/requests_mean"] = sum(requests) / max(len(requests), 1)
+    return metrics

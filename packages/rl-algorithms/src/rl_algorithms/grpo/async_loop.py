@@ -328,6 +328,10 @@ def async_grpo_train(run: Run) -> dict[str, float]:
                 "generator_idle_seconds": generator_idle - idle_before,
             }
             idle_before = generator_idle
+            if g.agent_program is not None:  # what the programs of the groups trained on did
+                from rl_algorithms.agent_programs.programs import program_metrics
+
+                last.update(program_metrics(result.end_reasons, result.turns.tolist()))
             last.update(warn_on_mismatch(run, last))
             end_step(
                 run,
