@@ -1,7 +1,8 @@
 """GRPO with LoRA on two DTensor ranks, sampling from vLLM on workers of its own: every refit
-after the first sends exactly the adapters' bytes, vLLM samples with them (its log-probs agree
-with the trainer's), and the reference policy is the bare base model. (LoRA with the HF
-generator, colocated, and a LoRA run's exact resume are in the PPO and distillation tests.)
+after the first sends exactly the adapters' bytes, and vLLM samples with them: its log-probs
+agree with the trainer's to float32 rounding, while the trained policy is measurably away from
+its reference (the KL penalty), which a generator without the adapters would have followed.
+(LoRA with the HF generator, colocated, and a LoRA run's exact resume are in the PPO test.)
 """
 
 import math
