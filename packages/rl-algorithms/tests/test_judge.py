@@ -33,7 +33,7 @@ from rl_algorithms.rollout_result import RolloutResult
 from rl_distributed.config import ConfigError
 from rl_envs.judging import render_rubric
 
-from .conftest import TINY_LLAMA
+from .conftest import TINY_LLAMA, VLLM_CPU
 
 SCORES = 64  # ids 0..63 are "<score>i</score>", 64..127 the words "w0".."w63"
 WORDS = [f"<score>{i}</score>" for i in range(SCORES)] + [f"w{i}" for i in range(SCORES)]
@@ -211,7 +211,7 @@ def test_a_judge_on_vllm_reads_its_first_tokens_probabilities_as_float64_does(
     spec.config["max_new_tokens"] = 3  # the first token's log-probs, not the last one's
     spec.config["generation"] = {
         "backend": "vllm",
-        "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
+        "vllm": dict(VLLM_CPU),
     }
     _, config = environment_class("yes_no", spec)
     judge = JudgeEnvironment(config)

@@ -35,6 +35,7 @@ from rl_algorithms.grpo.collector_client import CollectorError
 from rl_algorithms.utils.checkpoint import STATE_FILE
 from rl_envs.math_env import MathEnvConfig, MathEnvironment
 
+from ..conftest import VLLM_CPU
 from .conftest import read_metrics, save_tiny_vllm_llama, series, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session"), pytest.mark.timeout(900)]
@@ -94,12 +95,7 @@ def async_config(tmp_path, tiny_model: str, **async_grpo) -> dict:
             "backend": "vllm",
             "colocated": False,
             "sampling": {"temperature": 1.0, "max_new_tokens": 12, "stop_strings": [" "]},
-            "vllm": {
-                "async_engine": True,
-                "kv_cache_space_gb": 0.25,
-                "max_model_len": 128,
-                "cpu_threads_bind": "nobind",
-            },
+            "vllm": {**VLLM_CPU, "async_engine": True},
         },
         "loss_fn": {
             "reference_policy_kl_penalty": 0.0,

@@ -11,6 +11,7 @@ import torch
 from rl_algorithms import cli
 from rl_algorithms.utils.checkpoint import CheckpointingConfig, CheckpointManager
 
+from ..conftest import VLLM_CPU
 from .conftest import TINY_LLAMA, read_metrics, save_tiny_vllm_llama, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
@@ -77,7 +78,7 @@ def test_rl_eval_on_vllm_plays_an_agent_program_against_a_model_directory(tmp_pa
         "generation": {
             "backend": "vllm",
             "sampling": {"max_new_tokens": 8},
-            "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
+            "vllm": dict(VLLM_CPU),
         },
         "env": {"arithmetic": {"kind": "math", "config": {"num_workers": 1}}},
         "data": {

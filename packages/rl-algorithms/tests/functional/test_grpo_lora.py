@@ -11,6 +11,7 @@ import pytest
 
 from rl_algorithms import cli
 
+from ..conftest import VLLM_CPU
 from .conftest import LORA, check_adapter_refits, read_metrics, save_tiny_vllm_llama, write_config
 from .test_grpo import grpo_config
 
@@ -32,7 +33,7 @@ def test_grpo_lora_on_two_ranks_samples_from_vllm_with_the_adapters(tmp_path, as
         "backend": "vllm",
         "colocated": False,
         "sampling": cfg["generation"]["sampling"],
-        "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
+        "vllm": dict(VLLM_CPU),
     }
     cfg["grpo"].update(max_num_steps=3, val_period=0)
     cfg["cluster"]["cpu_workers_per_node"] = 2
