@@ -37,6 +37,9 @@ from rl_distributed.venvs.registry import PythonEnv
 
 CACHE_ENV_VAR = "RL_ENV_CACHE_DIR"
 WORKSPACE_ENV_VAR = "RL_WORKSPACE_ROOT"
+# Every install writes its modules' bytecode: with PYTHONDONTWRITEBYTECODE set, Python would
+# never write it, and each worker would compile torch (and vLLM) from source as it starts.
+COMPILE = ("--compile-bytecode",)
 #: "1"/"all" rebuilds every environment once per driver; or a comma-separated list of names.
 REBUILD_ENV_VAR = "RL_REBUILD_ENVS"
 MARKER = ".rl-env.json"
@@ -229,7 +232,7 @@ def _build(env: PythonEnv, folder: Path, resolution: str | None) -> None:
     uv = uv_binary()
     if env.extras:
         # Exactly what the lock says for these extras; no dev tools.
-        args = [uv, "sync", "--locked", "--no-default-groups", "--python", sys.executable]
+        args = [uv, "sync", "--locked", "--no-default-groups", *COMPILE, "--python", sys.executable]
         args += [arg for extra in env.extras for arg in ("--extra", extra)]
         _run(env, args, cwd=workspace_root(), extra_env={"UV_PROJECT_ENVIRONMENT": str(folder)})
     else:
@@ -237,17 +240,15 @@ def _build(env: PythonEnv, folder: Path, resolution: str | None) -> None:
     if resolution:
         pinned = folder / "rl-resolution.txt"
         pinned.write_text(resolution)
-        python = ["--python", str(python_of(folder))]
+        python = [*COMPILE, "--python", str(python_of(folder))]
         if env.extras:  # add the pinned requirements to what the lock installed
             _run(env, [uv, "pip", "install", *python, "--no-deps", "-r", str(pinned)])
         else:  # exactly the resolution: nothing more, nothing less
             _run(env, [uv, "pip", "sync", *python, str(pinned)])
     elif not env.extras:
         # Workers need the driver's exact Ray.
-        _run(
-            env,
-            [uv, "pip", "install", "--python", str(python_of(folder)), f"ray=={ray.__version__}"],
-        )
+        python = str(python_of(folder))
+        _run(env, [uv, "pip", "install", *COMPILE, "--python", python, f"ray=={ray.__version__}"])
     if not env.extras:
         # ... and rl_distributed itself (linked, below).
         _link_rl_distributed(folder)
