@@ -30,8 +30,11 @@ from rl_algorithms.judge import (
     special_token_strings,
 )
 from rl_algorithms.rollout_result import RolloutResult
+from rl_algorithms.run import GeneratorPlan, groups_per_bundle
+from rl_distributed import RayVirtualCluster
 from rl_distributed.config import ConfigError
 from rl_envs.judging import render_rubric
+from rl_models.generation.config import GenerationConfig
 
 from .conftest import TINY_LLAMA, VLLM_CPU
 
@@ -91,6 +94,11 @@ def reference_logprobs(judge_dir, logs, metadata) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def placement_groups(judge: JudgeEnvironment) -> list[str]:
+    """The placement group each of the judge's generation workers says it runs in."""
+    return [m.placement["placement_group_id"] for m in judge.generator.worker_group.worker_metadata]
+
+
 def judge_spec(path, parse) -> EnvSpec:
     config = {
         "model": {"path": str(path), "dtype": "float64"},
@@ -106,25 +114,34 @@ def judge_spec(path, parse) -> EnvSpec:
 def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscored(
     ray_session, judge_dir
 ):
-    """score_in_tag behind a Ray environment actor; yes_probability on a judge built in this
-    process (the same class: one actor's start-up less for the 2-core CI machine), both on
-    generation workers of their own."""
+    """score_in_tag behind a Ray environment actor, colocated: its worker sits on a bundle of
+    the run's cluster that a policy already uses; yes_probability on a judge built in this
+    process (the same class: one actor's start-up less for the 2-core CI machine) on a
+    generation worker of its own."""
     path = judge_dir[0]
     yes, no = ["w61", "w9"], ["w46"]
-    cls, tag_config = environment_class(
-        "tagged", judge_spec(path, {"rule": "score_in_tag", "min": 0, "max": SCALE_MAX})
-    )
+    tag_spec = judge_spec(path, {"rule": "score_in_tag", "min": 0, "max": SCALE_MAX})
+    tag_spec.config["resources"] = {"colocated": True}
+    cls, tag_config = environment_class("tagged", tag_spec)
     _, yn_config = environment_class(
         "yes_no",
         judge_spec(
             path, {"rule": "yes_probability", "yes_tokens": yes, "no_tokens": no, "top_k": 8}
         ),
     )
-    actor = cls.as_actor(tag_config)  # starts while the in-process judge starts
+    # The run's cluster as setup_run makes it for a policy and a colocated judge.
+    main = RayVirtualCluster([1], use_gpus=False, max_colocated_worker_groups=2, name="main")
+    main.claim_bundles([(0, 0)], "the policy")
+    actor = cls.as_actor(tag_config, main)  # starts while the in-process judge starts
     in_process = JudgeEnvironment(yn_config)
     logs, metadata = samples(12)
     try:
         tagged = ray.get(actor.step.remote(logs, metadata), timeout=120)
+        # The colocated judge's worker runs in the main cluster's placement group (as each
+        # worker reports it), the other judge's in one of its own.
+        main_group = main.get_placement_groups()[0].id.hex()
+        assert ray.get(actor.__ray_call__.remote(placement_groups)) == [main_group]
+        assert placement_groups(in_process) not in ([], [main_group])
         _, tag_metrics = ray.get(
             actor.global_post_process_and_metrics.remote({"rewards": tagged.rewards})
         )
@@ -149,6 +166,7 @@ def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscore
     finally:
         stop_environments({"tagged": actor})
         in_process.shutdown()
+        main.shutdown()
 
     reference = reference_logprobs(judge_dir, logs, metadata)
     # score_in_tag: the greedy token is the answer; its word says what the score is.
@@ -304,15 +322,50 @@ def test_the_judge_config_is_checked_with_the_recipe_naming_its_keys(judge_dir):
         environment_class("qa", spec)
 
 
+def test_a_colocated_judge_is_counted_on_the_runs_bundles_and_takes_turns(judge_dir):
+    path = judge_dir[0]
+    spec = judge_spec(path, {"rule": "score_in_tag"})
+    spec.config["resources"] = {"colocated": True}
+    cls, cfg = environment_class("qa", spec)
+    assert cls.shares_main_cluster(cfg) and cfg.generator_config().colocated
+    own = judge_spec(path, {"rule": "score_in_tag"})
+    assert not environment_class("qa", own)[1].generator_config().colocated
+    # The run's cluster: policy, colocated generator and judge share each bundle; with no
+    # policy (rl eval) the generator and the judge; a judge of its own adds no group.
+    generator = GeneratorPlan(config=GenerationConfig(backend="hf"), model=None)
+    apart = GeneratorPlan(config=GenerationConfig(backend="hf"), model=None, colocated=False)
+    assert groups_per_bundle(True, (generator, None, None), {"qa": spec}) == 3
+    assert groups_per_bundle(True, (apart, None, None), {"qa": spec, "b": own}) == 2
+    assert groups_per_bundle(False, (generator, None, None), {"qa": spec}) == 2
+    assert groups_per_bundle(True, (generator, None, None), None) == 2
+    # It takes one worker per bundle of the run's cluster: sizes of its own are refused.
+    spec.config["resources"] = {"colocated": True, "num_workers": 2}
+    with pytest.raises(ConfigError, match=r"env\.qa\.config\.resources.*leave num_workers out"):
+        environment_class("qa", spec)
+    # A vLLM judge is awake beside the generator while it scores: its share must be said.
+    spec.config["resources"] = {"colocated": True}
+    spec.config["generation"] = {"backend": "vllm"}
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        environment_class("qa", spec)
+    spec.config["generation"] = {"backend": "vllm", "vllm": {"gpu_memory_utilization": 0.2}}
+    assert environment_class("qa", spec)[1].resources.colocated
+    # Built outside a run, it has no cluster to share.
+    with pytest.raises(ValueError, match=r"colocated.*none was given"):
+        JudgeEnvironment(cfg)
+
+
 GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guides" / "llm-judges.md"
 
 
-def test_the_guides_recipe_is_a_valid_judge():
-    (recipe,) = re.findall(r"```yaml\n(.*?)```", GUIDE.read_text(), flags=re.S)
+def test_the_guides_recipes_are_valid_judges():
+    recipe, colocated = re.findall(r"```yaml\n(.*?)```", GUIDE.read_text(), flags=re.S)
     cls, cfg = environment_class("qa", EnvSpec(**yaml.safe_load(recipe)["env"]["qa"]))
     assert cls is JudgeEnvironment and cls.required_metadata_for(cfg) == ("ground_truth",)
     assert cfg.generator_config().sampling.max_new_tokens == 256
     assert cfg.generator_config().backend == "vllm" and not cfg.generator_config().colocated
+    cls, cfg = environment_class("qa", EnvSpec(**yaml.safe_load(colocated)["env"]["qa"]))
+    assert cls.shares_main_cluster(cfg) and cfg.generator_config().colocated
+    assert cfg.generator_config().vllm.gpu_memory_utilization == 0.15
 
 
 def test_the_judges_verdict_is_logged_with_the_sample():

@@ -134,9 +134,19 @@ EnvSection = Annotated[dict[str, EnvSpec], AfterValidator(check_environments)]
 ENVIRONMENT_STARTUP_TIMEOUT_S = 300.0
 
 
-def start_environments(env: dict[str, EnvSpec]) -> dict[str, Any]:
+def shares_main_cluster(task: str, spec: EnvSpec) -> bool:
+    """Whether ``env.<task>`` puts worker groups on the run's own cluster (a colocated judge):
+    its class says so with ``shares_main_cluster(cfg)``, and is then built as
+    ``cls(cfg, main_cluster)``."""
+    cls, cfg = environment_class(task, spec)
+    return bool(hasattr(cls, "shares_main_cluster") and cls.shares_main_cluster(cfg))
+
+
+def start_environments(env: dict[str, EnvSpec], main_cluster: Any = None) -> dict[str, Any]:
     """One Ray actor per task name, each started (its worker pools placed and ready) before
-    this returns: an environment that cannot start is an error here, never a wait at step 0."""
+    this returns: an environment that cannot start is an error here, never a wait at step 0.
+    ``main_cluster`` (the run's own, counting them among the groups sharing its bundles) goes
+    to the environments that share it."""
     import ray
 
     actors = {}
@@ -145,7 +155,8 @@ def start_environments(env: dict[str, EnvSpec]) -> dict[str, Any]:
         for task, spec in env.items():
             cls, cfg = environment_class(task, spec)
             cfg, free_cpus = fit_worker_pool(task, cfg, free_cpus)
-            actors[task] = cls.as_actor(cfg)
+            shared = (main_cluster,) if shares_main_cluster(task, spec) else ()
+            actors[task] = cls.as_actor(cfg, *shared)
         for task, actor in actors.items():
             try:
                 ray.get(actor.__ray_ready__.remote(), timeout=ENVIRONMENT_STARTUP_TIMEOUT_S)

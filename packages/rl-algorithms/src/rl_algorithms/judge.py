@@ -19,7 +19,8 @@ the prompt and the response, and its answer is parsed to a score::
 The judge samples on a generation worker group of its own, built by the same factory as the
 policy's generator (``actors.make_generator``) on a virtual cluster of its own
 (``actors.start_cluster``): ``resources`` says how many workers, and whether each holds a GPU
-of its own or runs on CPUs. Every sample of a step goes to the judge in one ``generate`` call
+of its own or runs on CPUs. With ``resources.colocated`` it sits on the run's own bundles
+instead, one worker on each, sharing the policy's GPUs. Every sample of a step goes to the judge in one ``generate`` call
 (``batch_size`` caps it), greedy by default.
 
 The rules (``rl_envs.judging``): ``score_in_tag`` reads the number in the answer's last
@@ -71,13 +72,29 @@ logger = logging.getLogger(__name__)
 
 
 class JudgeResources(ConfigModel):
-    """Where the judge's generation workers run: a virtual cluster of their own."""
+    """Where the judge's generation workers run: a virtual cluster of their own, or the run's
+    own bundles (``colocated``)."""
 
     # Generation workers, one bundle each; they split a batch (vLLM: each engine takes
     # generation.vllm.tensor_parallel_size of them).
     num_workers: int = Field(1, ge=1)
     # 1: each worker has a GPU of its own, none of the policy's; 0: CPU workers.
     gpus_per_worker: int = Field(0, ge=0, le=1)
+    # True: one judge worker on each of the run's own bundles (the policy's GPUs), beside the
+    # policy and a colocated generator, instead of a cluster of its own. It takes turns with
+    # them as the generator does: awake for each judging call (vLLM wakes from sleep mode,
+    # HF moves its weights onto the GPU), its memory given back after it.
+    colocated: bool = False
+
+    @model_validator(mode="after")
+    def _one_placement(self) -> JudgeResources:
+        given = sorted({"num_workers", "gpus_per_worker"} & self.model_fields_set)
+        if self.colocated and given:
+            raise ValueError(
+                f"colocated: true places the judge on the run's own bundles (one worker "
+                f"each); leave {' and '.join(given)} out"
+            )
+        return self
 
 
 class JudgeEnvConfig(ConfigModel):
@@ -123,18 +140,33 @@ class JudgeEnvConfig(ConfigModel):
             )
         if self.generation.model is not None:
             raise ValueError("the judge's model is its model key; leave generation.model out")
+        vllm = getattr(self.generation, "vllm", None)  # the vLLM backend's keys
+        if (
+            self.resources.colocated
+            and vllm is not None
+            and "gpu_memory_utilization" not in vllm.model_fields_set
+        ):
+            raise ValueError(
+                "a colocated vLLM judge scores while the policy's generator is awake on the "
+                "same GPUs: set generation.vllm.gpu_memory_utilization to the share it may take "
+                f"beside it (the default {vllm.gpu_memory_utilization} is for an engine alone)"
+            )
         return self
 
     def generator_config(self) -> GenerationConfig:
         """The judge's generation config: its model, max_new_tokens, the first token's top
-        log-probs for yes_probability, and workers that keep their device (nothing shares
-        it)."""
+        log-probs for yes_probability, and workers that keep their device between calls when
+        it is their own, or give it back after each call when they share the policy's."""
         top_k = self.parse.top_k if isinstance(self.parse, YesProbability) else 0
         sampling = self.generation.sampling.model_copy(
             update={"max_new_tokens": self.max_new_tokens, "first_token_logprobs": top_k}
         )
         return self.generation.model_copy(
-            update={"model": self.model, "sampling": sampling, "colocated": False}
+            update={
+                "model": self.model,
+                "sampling": sampling,
+                "colocated": self.resources.colocated,
+            }
         )
 
 
@@ -220,7 +252,13 @@ class JudgeEnvironment(EnvironmentInterface):
     def required_metadata_for(cls, cfg: JudgeEnvConfig) -> tuple[str, ...]:
         return rubric_columns(cfg.rubric)
 
-    def __init__(self, cfg: JudgeEnvConfig) -> None:
+    @classmethod
+    def shares_main_cluster(cls, cfg: JudgeEnvConfig) -> bool:
+        """Whether the judge's workers go on the run's own cluster (``start_environments``
+        hands it over; the run counts them among the groups sharing its bundles)."""
+        return cfg.resources.colocated
+
+    def __init__(self, cfg: JudgeEnvConfig, main_cluster: Any = None) -> None:
         from rl_algorithms import actors
         from rl_algorithms.config import ClusterConfig
         from rl_models.generation.hf_worker import load_tokenizer
@@ -238,18 +276,28 @@ class JudgeEnvironment(EnvironmentInterface):
         if isinstance(cfg.parse, YesProbability):
             self.yes_ids = tuple(self._token_id(t, "yes_tokens") for t in cfg.parse.yes_tokens)
             self.no_ids = tuple(self._token_id(t, "no_tokens") for t in cfg.parse.no_tokens)
-        n, gpus = cfg.resources.num_workers, cfg.resources.gpus_per_worker
-        self.cluster = actors.start_cluster(
-            ClusterConfig(gpus_per_node=n * gpus, cpu_workers_per_node=n),
-            f"{cfg.config_key}-judge",
-            bundles_per_node=[n],
-        )
+        self.owns_cluster = not cfg.resources.colocated
+        if not self.owns_cluster:
+            if main_cluster is None:
+                raise ValueError(
+                    f"{cfg.config_key}.resources.colocated: the judge shares the run's cluster, "
+                    "and none was given (only a run's start_environments gives it)"
+                )
+            self.cluster = main_cluster
+        else:
+            n, gpus = cfg.resources.num_workers, cfg.resources.gpus_per_worker
+            self.cluster = actors.start_cluster(
+                ClusterConfig(gpus_per_node=n * gpus, cpu_workers_per_node=n),
+                f"{cfg.config_key}-judge",
+                bundles_per_node=[n],
+            )
         try:
             self.generator = actors.make_generator(
                 self.cluster, generation, cfg.model, f"{cfg.config_key}-judge"
             )
         except BaseException:
-            self.cluster.shutdown()
+            if self.owns_cluster:
+                self.cluster.shutdown()
             raise
         # One thread waits on the generator, so that a call past timeout_s can be given up on.
         self._calls = OneCallAtATime()
@@ -274,7 +322,14 @@ class JudgeEnvironment(EnvironmentInterface):
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(p) for p in prompts]))
-        return self.generator.generate(data, greedy=self.cfg.greedy)
+        if self.owns_cluster:
+            return self.generator.generate(data, greedy=self.cfg.greedy)
+        # On the policy's devices: awake for this call only, so that training has them back.
+        self.generator.prepare_for_generation()
+        try:
+            return self.generator.generate(data, greedy=self.cfg.greedy)
+        finally:
+            self.generator.finish_generation()
 
     def _judge(self, prompts: list[list[int]]) -> tuple[str, list[Judgement]]:
         """How the generate call on ``prompts`` went (done, timeout, skipped) and the judge's
@@ -377,4 +432,5 @@ class JudgeEnvironment(EnvironmentInterface):
     def shutdown(self) -> None:
         self._calls.shutdown()
         self.generator.shutdown()
-        self.cluster.shutdown()
+        if self.owns_cluster:  # a shared cluster is the run's to remove
+            self.cluster.shutdown()

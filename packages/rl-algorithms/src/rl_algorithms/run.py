@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from rl_algorithms import actors
 from rl_algorithms.checks import check_inputs, check_rows_for_envs, refuse_finished_run
 from rl_algorithms.config import RunConfig, set_seed
-from rl_algorithms.environments import offered_tools, stop_environments
+from rl_algorithms.environments import offered_tools, shares_main_cluster, stop_environments
 from rl_algorithms.utils.checkpoint import CheckpointManager, read_info
 from rl_algorithms.utils.logger import Logger
 from rl_data.batch import TrainBatch
@@ -250,11 +250,10 @@ def setup_run(
         limit = "max_num_steps" if total_steps == max_steps else "max_num_epochs"
         refuse_finished_run(read_info(latest)["step"], total_steps, config, latest, limit)
 
-    # Worker groups that share the policy's bundles, taking turns on them.
-    sharing = [plan.colocated for plan in (generator, critic, teacher) if plan is not None]
-    groups_per_bundle = 1 + sum(sharing) if policy is not None else 1
     cluster = actors.start_cluster(
-        config.cluster, f"{name}-cluster", groups_per_bundle=groups_per_bundle
+        config.cluster,
+        f"{name}-cluster",
+        groups_per_bundle=groups_per_bundle(policy is not None, (generator, critic, teacher), envs),
     )
     run = Run(
         name=name,
@@ -306,7 +305,7 @@ def setup_run(
                 placed(teacher, "teacher"), teacher.config, f"{name}-teacher"
             )
         if envs:
-            run.envs = actors.start_environments(dict(envs))
+            run.envs = actors.start_environments(dict(envs), main_cluster=cluster)
         if latest is not None:
             state = checkpointer.load(
                 latest, run.policy, dataloader=train_loader, models=run.trained_models()
@@ -323,6 +322,18 @@ def setup_run(
     if latest is not None:
         run.logger.log_metrics({"resumed_from_step": run.step}, step=run.step, prefix="run")
     return run
+
+
+def groups_per_bundle(
+    has_policy: bool,
+    plans: tuple[GeneratorPlan | ModelPlan | None, ...],
+    envs: Mapping[str, Any] | None,
+) -> int:
+    """How many worker groups share each bundle of the run's own cluster: the policy and the
+    actors colocated with it, taking turns on it (with no policy, its only actor), and the
+    environments' groups that sit there too (a colocated judge)."""
+    sharing = sum(plan.colocated for plan in plans if plan is not None) if has_policy else 0
+    return 1 + sharing + sum(shares_main_cluster(task, spec) for task, spec in (envs or {}).items())
 
 
 def open_checkpoints(

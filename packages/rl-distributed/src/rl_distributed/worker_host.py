@@ -73,6 +73,7 @@ class WorkerHost:
             "hostname": socket.gethostname(),
             "node_ip": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
             "class": self._fqn,
             "stderr": _stderr_path(),
         }

@@ -189,14 +189,15 @@ class EnvironmentInterface(ABC):
         return type(self).concurrent_steps
 
     @classmethod
-    def as_actor(cls, cfg: Any, **actor_options: Any) -> ray.actor.ActorHandle:
-        """Start this environment as a Ray actor. It mostly waits on its workers, so by default
-        it reserves no CPU of its own (``num_cpus=0``); one of ``concurrent_steps`` serves
-        ``MAX_CONCURRENT_STEPS`` calls at once (a threaded actor)."""
+    def as_actor(cls, cfg: Any, *args: Any, **actor_options: Any) -> ray.actor.ActorHandle:
+        """Start this environment as a Ray actor, built as ``cls(cfg, *args)``. It mostly waits
+        on its workers, so by default it reserves no CPU of its own (``num_cpus=0``); one of
+        ``concurrent_steps`` serves ``MAX_CONCURRENT_STEPS`` calls at once (a threaded
+        actor)."""
         options: dict[str, Any] = {"num_cpus": 0}
         if cls.concurrent_steps:
             options["max_concurrency"] = MAX_CONCURRENT_STEPS
-        return ray.remote(cls).options(**{**options, **actor_options}).remote(cfg)
+        return ray.remote(cls).options(**{**options, **actor_options}).remote(cfg, *args)
 
 
 def check_required_metadata(
