@@ -135,8 +135,21 @@ def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscore
     actor = cls.as_actor(tag_config, main)  # starts while the in-process judge starts
     in_process = JudgeEnvironment(yn_config)
     logs, metadata = samples(12)
+
+    def record_turns(judge: JudgeEnvironment) -> None:
+        """Record the judge's wake and sleep calls on its generator (in the actor)."""
+        judge.turns = []
+        for name in ("prepare_for_generation", "finish_generation"):
+            real = getattr(judge.generator, name)
+            setattr(judge.generator, name, lambda n=name, f=real: (judge.turns.append(n), f()))
+
     try:
+        ray.get(actor.__ray_call__.remote(record_turns))
         tagged = ray.get(actor.step.remote(logs, metadata), timeout=120)
+        # One judging call, awake for it only (on a CPU both calls change nothing: this shows
+        # the judge takes its turns, not what a GPU does with them).
+        turns = ray.get(actor.__ray_call__.remote(lambda judge: judge.turns))
+        assert turns == ["prepare_for_generation", "finish_generation"]
         # The colocated judge's worker runs in the main cluster's placement group (as each
         # worker reports it), the other judge's in one of its own.
         main_group = main.get_placement_groups()[0].id.hex()

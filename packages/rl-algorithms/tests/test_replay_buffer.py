@@ -274,3 +274,22 @@ def test_multi_turn_and_dynamic_sampling_are_allowed_and_a_span_below_the_age_is
     err = capsys.readouterr().err
     assert "grpo.async_grpo.max_trajectory_span_steps (1) must be >=" in err
     assert "max_rollout_turns" not in err and "use_dynamic_sampling" not in err
+
+
+def test_a_judge_on_the_policys_devices_is_refused_in_async_mode(capsys):
+    """Async GRPO scores while the policy trains: a judge cannot take turns with it."""
+    from rl_algorithms import cli
+
+    judge = (
+        "+env.judged={kind: judge, config: {model: {path: /nonexistent}, "
+        "rubric: 'Q {prompt} A {response}', resources: {colocated: true}}}"
+    )
+    args = async_grpo_args("loss_fn.use_importance_sampling_correction=true", judge)
+    # A synchronous run takes it: it stops at the missing model file only (before Ray starts).
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "no such file /nonexistent" in err and "judge" not in err
+    assert cli.main([*args, "grpo.async_grpo.enabled=true"]) == 2
+    err = capsys.readouterr().err
+    assert "env.judged's judge cannot take turns" in err
+    assert "env.judged.config.resources.colocated" in err

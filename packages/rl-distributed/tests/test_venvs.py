@@ -91,6 +91,12 @@ def test_two_checkouts_with_the_same_lock_do_not_share_an_environment(cache, tmp
 def test_build_once_reuse_and_rebuild(cache, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # away from the workspace's uv settings: the builder's own hold
     python = ensure_env(SIX_OLD)
+    # Installed with its bytecode (looked for before anything there imported and wrote it): a
+    # worker never compiles its packages from source, as it would on every start where
+    # PYTHONDONTWRITEBYTECODE is set.
+    site = Path(python).parent.parent / "lib"
+    for module in ("__pycache__/six", "ray/__pycache__/__init__"):
+        assert list(site.glob(f"python*/site-packages/{module}.cpython-*.pyc")), module
     out = subprocess.run(
         [python, "-c", "import six, ray, rl_distributed.worker_host; print(six.__version__)"],
         capture_output=True,
@@ -98,11 +104,6 @@ def test_build_once_reuse_and_rebuild(cache, tmp_path, monkeypatch):
         check=True,
     )
     assert out.stdout.strip() == "1.16.0"
-    # Installed with its bytecode: a worker never compiles its packages from source (which it
-    # would on every start where PYTHONDONTWRITEBYTECODE is set).
-    site = Path(python).parent.parent / "lib"
-    for module in ("__pycache__/six", "ray/__pycache__/__init__"):
-        assert list(site.glob(f"python*/site-packages/{module}.cpython-*.pyc")), module
     assert ensure_env(SIX_OLD) == python
     assert len(builds(cache)) == 1
     ensure_env(SIX_OLD, rebuild=True)

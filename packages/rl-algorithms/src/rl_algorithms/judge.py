@@ -83,7 +83,8 @@ class JudgeResources(ConfigModel):
     # True: one judge worker on each of the run's own bundles (the policy's GPUs), beside the
     # policy and a colocated generator, instead of a cluster of its own. It takes turns with
     # them as the generator does: awake for each judging call (vLLM wakes from sleep mode,
-    # HF moves its weights onto the GPU), its memory given back after it.
+    # HF moves its weights onto the GPU), its memory given back after it. Not with async
+    # GRPO, whose environments score while the policy trains.
     colocated: bool = False
 
     @model_validator(mode="after")
@@ -147,9 +148,10 @@ class JudgeEnvConfig(ConfigModel):
             and "gpu_memory_utilization" not in vllm.model_fields_set
         ):
             raise ValueError(
-                "a colocated vLLM judge scores while the policy's generator is awake on the "
-                "same GPUs: set generation.vllm.gpu_memory_utilization to the share it may take "
-                f"beside it (the default {vllm.gpu_memory_utilization} is for an engine alone)"
+                "a colocated vLLM judge is awake while it scores, beside what else holds those "
+                "GPUs then (a colocated generator, or the policy where the generator has GPUs of "
+                "its own): set generation.vllm.gpu_memory_utilization to the share it may take "
+                f"(the default {vllm.gpu_memory_utilization} is for an engine alone)"
             )
         return self
 
@@ -299,6 +301,8 @@ class JudgeEnvironment(EnvironmentInterface):
             if self.owns_cluster:
                 self.cluster.shutdown()
             raise
+        if not self.owns_cluster:
+            self.generator.finish_generation()  # asleep until its first call: the run starts
         # One thread waits on the generator, so that a call past timeout_s can be given up on.
         self._calls = OneCallAtATime()
         self.control_strings = special_token_strings(self.tokenizer)

@@ -23,7 +23,7 @@ from rl_algorithms.config import (
     prefixed,
     recipe_path,
 )
-from rl_algorithms.environments import EnvSection, environment_class
+from rl_algorithms.environments import EnvSection, environment_class, shares_main_cluster
 from rl_algorithms.losses import ClippedPGLossConfig, ClippedPGLossFn
 from rl_algorithms.run import GeneratorPlan
 from rl_distributed.config import ConfigModel
@@ -472,3 +472,10 @@ def check_async_config(config: Any) -> None:
             f">= grpo.async_grpo.max_trajectory_age_steps ({a.max_trajectory_age_steps}): groups "
             "admitted in time would be dropped as too old"
         )
+    for task, spec in (config.env or {}).items():
+        if shares_main_cluster(task, spec):
+            raise ValueError(
+                f"grpo.async_grpo.enabled: true scores while the policy trains: env.{task}'s "
+                "judge cannot take turns on the policy's devices (leave out "
+                f"env.{task}.config.resources.colocated, or give it devices of its own)"
+            )

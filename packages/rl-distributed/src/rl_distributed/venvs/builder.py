@@ -40,6 +40,8 @@ WORKSPACE_ENV_VAR = "RL_WORKSPACE_ROOT"
 # Every install writes its modules' bytecode: with PYTHONDONTWRITEBYTECODE set, Python would
 # never write it, and each worker would compile torch (and vLLM) from source as it starts.
 COMPILE = ("--compile-bytecode",)
+# How the builder builds; a new format gets new environments (2: with bytecode).
+BUILD_FORMAT = 2
 #: "1"/"all" rebuilds every environment once per driver; or a comma-separated list of names.
 REBUILD_ENV_VAR = "RL_REBUILD_ENVS"
 MARKER = ".rl-env.json"
@@ -169,6 +171,7 @@ def env_key(env: PythonEnv, resolution: str | None = None) -> str:
         "source": str(_source_tree(env)),
         "python": sys.version.split()[0],
         "ray": ray.__version__,
+        "build": BUILD_FORMAT,
     }
     digest.update(json.dumps(spec, sort_keys=True).encode())
     return digest.hexdigest()[:16]
