@@ -114,10 +114,10 @@ def judge_spec(path, parse) -> EnvSpec:
 def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscored(
     ray_session, judge_dir
 ):
-    """score_in_tag behind a Ray environment actor, colocated: its worker sits on a bundle of
-    the run's cluster that a policy already uses; yes_probability on a judge built in this
-    process (the same class: one actor's start-up less for the 2-core CI machine) on a
-    generation worker of its own."""
+    """score_in_tag behind a Ray environment actor, colocated: its two workers sit on the
+    bundles of the run's cluster that a two-rank policy already uses; yes_probability on a
+    judge built in this process (the same class: one actor's start-up less for the 2-core CI
+    machine) on a generation worker of its own."""
     path = judge_dir[0]
     yes, no = ["w61", "w9"], ["w46"]
     tag_spec = judge_spec(path, {"rule": "score_in_tag", "min": 0, "max": SCALE_MAX})
@@ -129,9 +129,9 @@ def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscore
             path, {"rule": "yes_probability", "yes_tokens": yes, "no_tokens": no, "top_k": 8}
         ),
     )
-    # The run's cluster as setup_run makes it for a policy and a colocated judge.
-    main = RayVirtualCluster([1], use_gpus=False, max_colocated_worker_groups=2, name="main")
-    main.claim_bundles([(0, 0)], "the policy")
+    # The run's cluster as setup_run makes it for a two-rank policy and a colocated judge.
+    main = RayVirtualCluster([2], use_gpus=False, max_colocated_worker_groups=2, name="main")
+    main.claim_bundles([(0, 0), (0, 1)], "the policy")
     actor = cls.as_actor(tag_config, main)  # starts while the in-process judge starts
     in_process = JudgeEnvironment(yn_config)
     logs, metadata = samples(12)
@@ -150,10 +150,10 @@ def test_a_judge_actor_scores_in_one_call_and_leaves_what_it_cannot_read_unscore
         # the judge takes its turns, not what a GPU does with them).
         turns = ray.get(actor.__ray_call__.remote(lambda judge: judge.turns))
         assert turns == ["prepare_for_generation", "finish_generation"]
-        # The colocated judge's worker runs in the main cluster's placement group (as each
-        # worker reports it), the other judge's in one of its own.
+        # The colocated judge has a worker on each of the main cluster's two bundles (in its
+        # placement group, as each worker reports it), the other judge one in a group of its own.
         main_group = main.get_placement_groups()[0].id.hex()
-        assert ray.get(actor.__ray_call__.remote(placement_groups)) == [main_group]
+        assert ray.get(actor.__ray_call__.remote(placement_groups)) == [main_group] * 2
         assert placement_groups(in_process) not in ([], [main_group])
         _, tag_metrics = ray.get(
             actor.global_post_process_and_metrics.remote({"rewards": tagged.rewards})

@@ -20,8 +20,8 @@ The judge samples on a generation worker group of its own, built by the same fac
 policy's generator (``actors.make_generator``) on a virtual cluster of its own
 (``actors.start_cluster``): ``resources`` says how many workers, and whether each holds a GPU
 of its own or runs on CPUs. With ``resources.colocated`` it sits on the run's own bundles
-instead, one worker on each, sharing the policy's GPUs. Every sample of a step goes to the judge in one ``generate`` call
-(``batch_size`` caps it), greedy by default.
+instead, one worker on each, sharing the policy's GPUs. Every sample of a step goes to the
+judge in one ``generate`` call (``batch_size`` caps it), greedy by default.
 
 The rules (``rl_envs.judging``): ``score_in_tag`` reads the number in the answer's last
 ``<tag>...</tag>`` (with ``min``/``max`` mapped onto [0, 1]); ``yes_probability`` reads
