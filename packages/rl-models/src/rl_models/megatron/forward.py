@@ -276,6 +276,7 @@ def run_pipeline(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     entropy: bool = False,
+    after_forward: Callable[[Inputs], None] | None = None,
 ) -> None:
     """Forward (and unless ``forward_only``, backward) every micro-batch through the stages.
 
@@ -285,6 +286,7 @@ def run_pipeline(
     are computed from the output layer's input, ``chunk_size`` tokens at a time
     (``logprobs_from_hidden``); whole logits are only made for ``logits`` or
     ``chunk_size=None``.
+    ``after_forward`` runs on every stage, after the stage's forward of each micro-batch.
     Gradients accumulate in the parameters' ``.grad``; nothing is reduced across data-parallel
     ranks here.
     """
@@ -299,6 +301,8 @@ def run_pipeline(
         chunked = not logits and chunk_size is not None
         with output_layer_returns_hidden(gpt) if chunked else contextlib.nullcontext() as weight:
             out = gpt(input_ids=inp.input_ids, position_ids=pos, attention_mask=inp.mask)
+        if after_forward is not None:
+            after_forward(inp)
 
         def loss_func(out):
             if logits:

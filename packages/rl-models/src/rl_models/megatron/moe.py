@@ -12,8 +12,15 @@ too). The gradient is then that of ``loss + coeff * A`` with ``A = sum_m n_m a_m
 token-weighted mean over micro-batches ``m`` of ``a_m``, the layers' losses summed; ``A`` is the
 ``moe_aux_loss`` metric (each rank's share, summed over ranks by the metric reduction).
 
-Read per micro-batch from the tracker on the stage computing the loss: with pipeline
-parallelism the metric counts the last stage's layers only (the gradient is whole).
+With sequence parallelism each tensor-parallel rank routes its slice of the sequence and
+computes its part of each layer's loss (the probabilities of its own tokens against the whole
+micro-batch's expert counts; the parts add up to the loss). Megatron scales each part by the
+rank's own token count, ``n / tp``, not ``n``, so the coefficient is multiplied by ``tp`` to
+keep the gradient that of ``loss + coeff * A``.
+
+The metric is read per micro-batch from the tracker on every pipeline stage (each stage's
+tracker holds its own layers), right after the stage's forward of that micro-batch, and summed
+over the model-parallel group (the stages, and the tensor-parallel ranks' parts) at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import (
     clear_aux_losses_tracker,
     get_moe_layer_wise_logging_tracker,
@@ -41,11 +50,16 @@ class MoeAuxLoss:
         coeff: float,
         inputs: list[Inputs],
         all_reduce: Callable[[torch.Tensor], torch.Tensor],
+        sequence_split: int = 1,
     ) -> None:
-        """``all_reduce``: the sum over the data-parallel group (the global token count)."""
+        """``all_reduce``: the sum over the data-parallel group (the global token count);
+        ``sequence_split``: the ranks each micro-batch's sequence is split over (the
+        tensor-parallel size with sequence parallelism, else 1)."""
+        self.model = model
         self.config = model.config
         self.enabled = bool(getattr(self.config, "num_moe_experts", None)) and coeff > 0
         self.coeff = coeff
+        self.sequence_split = sequence_split
         self.value = 0.0
         self._seen = 0.0
         if self.enabled:
@@ -59,16 +73,28 @@ class MoeAuxLoss:
     def __enter__(self) -> MoeAuxLoss:
         if self.enabled:
             clear_aux_losses_tracker()
-            self.config.moe_aux_loss_coeff = self.coeff / max(self.tokens, 1.0)
+            scale = self.sequence_split / max(self.tokens, 1.0)
+            self.config.moe_aux_loss_coeff = self.coeff * scale
         return self
 
     def after_forward(self, inp: Inputs) -> None:
-        """After micro-batch ``inp``'s forward (and loss): add its share of the metric."""
+        """After this stage's forward of micro-batch ``inp``: add its layers' share of the
+        metric."""
         if not self.enabled:
             return
         logged = self._logged()
         self.value += (logged - self._seen) * inp.input_ids.numel() / self.tokens
         self._seen = logged
+
+    def total(self) -> float:
+        """The metric of this replica: every stage's layers, every tensor-parallel part (a
+        collective over the model-parallel group)."""
+        value = torch.tensor(self.value, dtype=torch.float64)
+        group = parallel_state.get_model_parallel_group()
+        if dist.get_world_size(group=group) > 1:
+            value = value.to(next(iter(self.model.parameters())).device)
+            dist.all_reduce(value, group=group)
+        return float(value)
 
     def __exit__(self, *exc: object) -> None:
         if self.enabled:

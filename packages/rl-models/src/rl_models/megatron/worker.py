@@ -263,15 +263,14 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         stage computes it)."""
         losses: list[torch.Tensor] = []
         inputs = self._inputs(step)
-        aux = MoeAuxLoss(
-            self.model, self.config.megatron.moe_aux_loss_coeff, inputs, self._all_reduce
-        )
+        megatron = self.config.megatron
+        split = self.ranks.tp if megatron.sequence_parallel else 1
+        aux = MoeAuxLoss(self.model, megatron.moe_aux_loss_coeff, inputs, self._all_reduce, split)
 
         def loss_of(values: torch.Tensor, inp: Inputs) -> torch.Tensor:
             seqs, toks = global_seqs.to(values.device), global_toks.to(values.device)
             loss, _ = loss_fn(values, TrainBatch.from_transport(inp.data), seqs, toks)
             losses.append(loss.detach().double().cpu())
-            aux.after_forward(inp)
             return loss
 
         with aux:
@@ -285,9 +284,10 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
                 temperature=self.config.logprob_temperature,
                 chunk_size=self.config.logprob_chunk_size,
                 entropy=output == "entropy",
+                after_forward=aux.after_forward,
             )
         if aux.enabled:
-            self._loss_metrics = [{"moe_aux_loss": aux.value}]
+            self._loss_metrics = [{"moe_aux_loss": aux.total()}]
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
         return broadcast_from_last_stage(loss_sum.to(self.device))
 

@@ -1,0 +1,112 @@
+"""A mixture of experts on the Megatron-core worker with tensor or pipeline parallelism, and
+the routers' load-balancing loss (``megatron.moe_aux_loss_coeff``), against plain PyTorch.
+
+Two CPU workers (gloo) hold one Qwen3-MoE replica between them: two tensor-parallel shards
+with sequence parallelism (which Megatron requires beside experts), each routing half of every
+sequence, or two pipeline stages, each holding one layer's router. One step of two
+micro-batches with the load-balancing loss on must move the weights as a float64 reference
+written from the formula does (the Switch Transformer loss of each layer, summed over layers,
+weighted by the micro-batches' token counts), and the ``moe_aux_loss`` metric must equal the
+reference's value: every layer's, whichever stage or tensor rank routed its tokens.
+Tolerance as in ``test_megatron_worker.py``.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import rl_models.megatron  # noqa: F401  (registers rl_models.megatron -> the mcore env)
+from rl_data.batch import TrainBatch
+from rl_distributed import RayVirtualCluster
+from rl_models.losses import NLLLoss
+from rl_models.policy.lm_policy import Policy
+
+from .conftest import save_tiny, skewed_batch, tiny_config
+from .test_megatron_parallel import TINY_QWEN3_MOE
+from .test_megatron_worker import ATOL, hf_logprobs
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
+
+COEFF = 0.5
+ROWS, LENGTH, MICRO = 8, 20, 4  # two micro-batches of 4 x 20 tokens (20: even, for tp=2)
+LAYOUTS = {
+    "tp2-sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
+    "pp2": {"pipeline_parallel_size": 2},
+}
+
+
+def switch_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """One layer's load-balancing loss over the tokens of ``router_logits [T, E]``:
+    ``E / (k T^2) * sum_e count_e * sum_t p_te``, ``count_e`` the tokens routed to expert e
+    (top k of the softmax, not differentiated) and ``p`` the softmax over all experts."""
+    tokens, experts = router_logits.shape
+    probs = torch.softmax(router_logits, dim=-1)
+    chosen = probs.topk(top_k, dim=-1).indices
+    counts = F.one_hot(chosen, experts).sum(dim=(0, 1)).to(probs.dtype)
+    return experts / (top_k * tokens**2) * (counts * probs.sum(dim=0)).sum()
+
+
+def reference_step(path: str, data, coeff: float) -> tuple[dict[str, torch.Tensor], float]:
+    """The HF model in float64 after one SGD step (lr 1) on the mean token NLL plus
+    ``coeff * A``, and ``A``: the micro-batches' summed-over-layers losses, each weighted by
+    its tokens (padding included: it is routed too) over the batch's."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    model.config._experts_implementation = "eager"
+    batch = TrainBatch.from_transport(data)
+    mask = batch.loss_token_mask()
+    ids = data["input_ids"]
+    nll = torch.zeros((), dtype=torch.float64)
+    aux = torch.zeros((), dtype=torch.float64)
+    for start in range(0, ROWS, MICRO):
+        rows = slice(start, start + MICRO)
+        out = model(ids[rows], output_router_logits=True)
+        logp = torch.log_softmax(out.logits[:, :-1], dim=-1).gather(-1, ids[rows, 1:, None])[..., 0]
+        nll = nll - (logp * mask[rows, 1:]).sum() / mask.sum()
+        layers = sum(switch_loss(r, model.config.num_experts_per_tok) for r in out.router_logits)
+        aux = aux + layers * ids[rows].numel() / ids.numel()
+    (nll + coeff * aux).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    return model.state_dict(), float(aux.detach())
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_step_with_its_load_balancing_loss_matches_float64(layout, tmp_path_factory, tmp_path):
+    path = save_tiny(tmp_path_factory, TINY_QWEN3_MOE)
+    data = skewed_batch(lengths=(LENGTH,) * ROWS)
+    config = tiny_config(
+        model={"path": path, "dtype": "float64"},
+        backend="megatron",
+        megatron={**LAYOUTS[layout], "moe_aux_loss_coeff": COEFF},
+        train_micro_batch_size=MICRO,
+        dynamic_batching={"enabled": False},
+    )
+    cluster = RayVirtualCluster([2], use_gpus=False)
+    policy = Policy(cluster, config)
+    try:
+        assert policy.dp_size == 1  # both ranks hold one replica
+        got = policy.get_logprobs(data)["logprobs"]
+        torch.testing.assert_close(got, hf_logprobs(path, data), rtol=0, atol=ATOL)
+        policy.prepare_for_training()
+        metrics = policy.train(data, NLLLoss()).metrics
+        policy.prepare_for_lp_inference()
+        ckpt = str(tmp_path / "ckpt")
+        policy.save_checkpoint(ckpt)
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+
+    expected, aux = reference_step(path, data, COEFF)
+    assert aux > 0
+    assert metrics["moe_aux_loss"][0] == pytest.approx(aux, rel=1e-6)
+    trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()
+    assert set(trained) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=0, atol=ATOL, msg=name)
+    # The load-balancing loss moved the routers: without it they would be elsewhere.
+    without, _ = reference_step(path, data, 0.0)
+    routers = [n for n in expected if n.endswith("mlp.gate.weight")]
+    assert routers and all((without[n] - expected[n]).abs().max() > 1e-4 for n in routers)
