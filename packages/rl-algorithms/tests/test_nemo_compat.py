@@ -287,15 +287,21 @@ def test_dtensor_tensor_and_sequence_parallel_sizes_carry_over():
     }
 
 
-def test_dtensor_context_parallel_size_carries_over():
+def test_dtensor_context_parallel_size_carries_over_with_tensor_parallelism_too():
     config = validated("grpo_math_1B", "policy.dtensor_cfg.context_parallel_size=2")
     assert select(config, "policy.dtensor.context_parallel_size") == 2
+    config = validated(
+        "grpo_math_1B",
+        "policy.dtensor_cfg.context_parallel_size=2",
+        "policy.dtensor_cfg.tensor_parallel_size=2",
+    )
+    assert select(config, "policy.dtensor.context_parallel_size") == 2
+    assert select(config, "policy.dtensor.tensor_parallel_size") == 2
 
 
 @pytest.mark.parametrize(
     "section, key, value, named",
     [
-        ("dtensor_cfg", "tensor_parallel_size", 2, "dtensor.tensor_parallel_size=2"),
         ("dtensor_cfg", "activation_checkpointing", True, "activation_checkpointing"),
         ("lora_cfg", "enabled", True, "lora.enabled"),
         ("router_replay", "enabled", True, "router_replay"),

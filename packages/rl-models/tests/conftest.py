@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import ray
 import torch
@@ -6,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.virtual_cluster import init_ray
 from rl_models.policy.config import PolicyConfig
+from rl_models.weight_transfer.channels import free_port
 
 # A tiny Llama: big enough to have every part of the real thing, small enough for 2 cores.
 TINY_LLAMA = {
@@ -158,3 +163,20 @@ def save_tiny(tmp_path_factory, spec: dict) -> str:
 def tiny_llama(tmp_path_factory) -> str:
     """The tiny Llama (seed 0, float64) saved as a Hugging Face model directory."""
     return save_tiny(tmp_path_factory, TINY_LLAMA)
+
+
+def run_ranks(nprocs: int, script: str, *args: str, timeout: float = 600) -> None:
+    """``script`` on ``nprocs`` gloo ranks under ``torch.distributed.run`` (one OpenMP thread
+    each); fails with the end of their stderr when any rank fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}"]
+    cmd += [f"--master-port={free_port()}", script, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+
+
+def scenario_results(nprocs: int, script: str, out) -> list[dict]:
+    """What each rank of a scenario script (``two_rank_scenarios.py``,
+    ``four_rank_scenarios.py``) saved to ``out/rank<r>.pt``, after running it."""
+    run_ranks(nprocs, script, str(out))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]

@@ -35,10 +35,24 @@ def test_context_parallel_lays_the_workers_out_as_dp_by_cp():
         worker_sharding(config, 3)
 
 
+def test_context_with_tensor_parallelism_lays_the_workers_out_as_dp_by_cp_by_tp():
+    config = tiny_config(
+        dtensor={"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}
+    )
+    assert config.model_parallel_size == 4
+    sharding = worker_sharding(config, 8)
+    assert sharding.get_axis_size("data_parallel") == 2
+    # tp fastest, then cp, then dp: the worker's ("dp", "cp", "tp") mesh numbers them alike.
+    axes = ("data_parallel", "context_parallel", "tensor_parallel")
+    for rank, coords in ((1, (0, 0, 1)), (2, (0, 1, 0)), (4, (1, 0, 0)), (7, (1, 1, 1))):
+        assert tuple(sharding.get_worker_coords(rank)[a] for a in axes) == coords
+    with pytest.raises(ValueError, match="context_parallel_size 2"):
+        worker_sharding(config, 6)
+
+
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        ({"dtensor": {"tensor_parallel_size": 2}}, "dtensor.tensor_parallel_size=2"),
         ({"activation_checkpointing": True}, "activation_checkpointing"),
         ({"lora": {"enabled": True}}, "lora.enabled"),
         ({"model": {"hf_config": TINY_LLAMA, "kind": "value"}}, "model.kind=value"),

@@ -1,9 +1,6 @@
 """LoRA through peft: only the adapters train, the base stays the reference, checkpoints load."""
 
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ from rl_models.modeling.build import build_model
 from rl_models.modeling.lora import ADAPTER_DIR
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
-from .conftest import skewed_batch, tiny_config
+from .conftest import run_ranks, skewed_batch, tiny_config
 
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0}
 ADAM = {"name": "AdamW", "kwargs": {"lr": 1e-2}}
@@ -171,12 +168,6 @@ def test_lora_gradient_matches_a_hand_built_float64_lora():
             torch.testing.assert_close(step, grad, rtol=0, atol=1e-10)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Each rank of the FSDP2 test runs this under torchrun (spawned test functions cannot be
 # unpickled from the tests package): argv is the policy config (JSON) and the checkpoint path.
 RANK_SCRIPT = """
@@ -204,9 +195,7 @@ def test_fsdp2_with_lora_gives_the_single_process_step(tmp_path):
     torch.save(dict(skewed_batch()), data)
     config = tiny_config(lora=LORA, train_micro_batch_size=1).model_dump_json()
     sharded = str(tmp_path / "sharded")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-    cmd += [f"--master-port={free_port()}", str(script), config, str(data), sharded]
-    subprocess.run(cmd, check=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_ranks(2, str(script), config, str(data), sharded, timeout=120)
     single = lora_worker()
     single.train(skewed_batch(), NLLLoss())
     single.save_checkpoint(str(tmp_path / "single"))

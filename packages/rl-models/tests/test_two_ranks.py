@@ -5,14 +5,11 @@ computed on its half of the batch, and the tests hold that against one process.
 """
 
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from .conftest import TINY_LLAMA, grouped_batch, initial_model, skewed_batch
+from .conftest import TINY_LLAMA, grouped_batch, initial_model, scenario_results, skewed_batch
 from .test_normalisation import weights_after_one_step
 from .test_reward_model import reference_scores
 from .test_token_entropy import float64_logprobs_and_entropy
@@ -29,21 +26,9 @@ pytestmark = pytest.mark.slow  # one launch of two processes: ~2 min on 2 cores
 SCRIPT = os.path.join(os.path.dirname(__file__), "two_rank_scenarios.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("two-ranks")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-    cmd += [f"--master-port={free_port()}", SCRIPT, str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-6000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return scenario_results(2, SCRIPT, tmp_path_factory.mktemp("two-ranks"))
 
 
 def scenario(ranks: list[dict], name: str) -> list[dict]:
@@ -244,9 +229,7 @@ def test_context_parallel_packed_row_gives_float64_logprobs_and_the_one_process_
     document alone, and one
     SGD step gives one process's gradient norm and weights: a dropped document mask or a
     gradient counted on both ranks (twice the norm) fails here (checked)."""
-    from rl_models.losses import NLLLoss
     from rl_models.modeling.build import build_model
-    from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
     data = long_documents()
     config = context_parallel_config(cp=False)
@@ -265,6 +248,15 @@ def test_context_parallel_packed_row_gives_float64_logprobs_and_the_one_process_
         torch.testing.assert_close(r["entropy"], expected[..., 1], rtol=0, atol=1e-10)
         torch.testing.assert_close(r["topk"]["topk_logprobs"], expected_top, rtol=0, atol=1e-10)
         assert torch.equal(r["topk"]["topk_ids"], expected_ids)
+    check_the_one_process_step(config, data, results, "trained_weights")
+
+
+def check_the_one_process_step(config, data, results: list[dict], weights: str) -> None:
+    """One SGD step (NLL) in one process on the whole batch changes the weights, and every
+    rank's gradient norm and rank 0's ``results[0][weights]`` equal it (float64, 1e-10)."""
+    from rl_models.losses import NLLLoss
+    from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+
     worker = DTensorPolicyWorker(config)
     initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
     grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
@@ -272,7 +264,7 @@ def test_context_parallel_packed_row_gives_float64_logprobs_and_the_one_process_
     assert max(float((trained[k] - initial[k]).abs().max()) for k in trained) > 1e-2
     for r in results:
         assert r["grad_norm"] == pytest.approx(grad_norm, rel=1e-12)
-    got = results[0]["trained_weights"]
+    got = results[0][weights]
     assert set(got) == set(trained)
     for name, tensor in trained.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-10, msg=name)

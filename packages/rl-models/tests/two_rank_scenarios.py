@@ -310,15 +310,19 @@ def long_documents(lengths=(37, 90, 19)) -> object:
     return skewed_batch(lengths=lengths, seed=7)
 
 
-def context_parallel_config(cp: bool = True):
-    """cp=2 over both ranks (dp=1) on packed rows (``cp=False``: the same without cp)."""
+def context_parallel_config(cp: bool = True, tp: int = 1):
+    """cp=2 over both ranks (dp=1) on packed rows (``cp=False``: the same without cp); with
+    ``tp`` > 1 each cp rank split by tensor (and sequence) parallelism too."""
+    dtensor = {"context_parallel_size": 2} if cp else {}
+    if tp > 1:
+        dtensor |= {"tensor_parallel_size": tp, "sequence_parallel": True}
     return tiny_config(
         train_global_batch_size=3,
         train_micro_batch_size=3,
         logprob_chunk_size=16,
         dynamic_batching={"enabled": False},
         sequence_packing={"enabled": True, "max_tokens_per_microbatch": 256},
-        **({"dtensor": {"context_parallel_size": 2}} if cp else {}),
+        **({"dtensor": dtensor} if dtensor else {}),
     )
 
 

@@ -398,7 +398,6 @@ def _dtensor_context_parallel(ctx: Context, key: str, value: Any) -> None:
     from rl_models.policy.context_parallel_rules import context_parallel_clashes
 
     clashes = context_parallel_clashes(
-        tensor_parallel_size=ctx.get("policy.dtensor_cfg.tensor_parallel_size", 1),
         activation_checkpointing=bool(ctx.get("policy.dtensor_cfg.activation_checkpointing")),
         attn_implementation=ModelConfig.model_fields["attn_implementation"].default,
         router_replay=bool(ctx.get("policy.router_replay.enabled")),

@@ -469,7 +469,6 @@ class DTensorPolicyConfig(PolicyConfig):
             # Only a critic's config leaves its model out: the policy's, with a value head.
             model = self.model
             named = context_parallel_clashes(
-                tensor_parallel_size=tp,
                 activation_checkpointing=self.activation_checkpointing,
                 attn_implementation=model.attn_implementation if model else "sdpa",
                 router_replay=self.router_replay,

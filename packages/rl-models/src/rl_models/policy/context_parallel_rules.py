@@ -53,7 +53,6 @@ def check_model(model: torch.nn.Module, size: int) -> None:
 
 def context_parallel_clashes(
     *,
-    tensor_parallel_size: int,
     activation_checkpointing: bool,
     attn_implementation: str,
     router_replay: bool,
@@ -64,10 +63,9 @@ def context_parallel_clashes(
     with: the one rule, for the config and NeMo's mapping. Why: its kernel is switched in for
     one forward call, which activation checkpointing's recompute runs outside of; it replaces
     attention with sdpa, so another kernel would silently not run; replayed routes, peft's
-    wrapping, tensor parallelism's plan and a value or classifier head are not split."""
+    wrapping and a value or classifier head are not split."""
     sdpa = attn_implementation == "sdpa"
     unsupported = {
-        f"dtensor.tensor_parallel_size={tensor_parallel_size}": tensor_parallel_size > 1,
         "activation_checkpointing": activation_checkpointing,
         f"model.attn_implementation={attn_implementation} (use sdpa)": not sdpa,
         "router_replay": router_replay,

@@ -11,10 +11,11 @@ first split by tensor (and sequence) parallelism (``tensor_parallel.py``), then 
 it over ``dp``. The ``tp`` ranks of one ``dp`` rank get the same micro-batches and compute the
 same losses; counts and metrics are reduced over ``dp`` only (``dp_group``).
 
-With ``dtensor.context_parallel_size`` > 1 (and tp = 1) the mesh is ``("dp", "cp")`` instead:
-the ``cp`` ranks of one ``dp`` rank get the same micro-batches and split every row along the
-sequence between them (``context_parallel.py``); FSDP2 shards over all the ranks (the ``dp``
-and ``cp`` dimensions as one), since every rank's gradients are its own tokens' share.
+With ``dtensor.context_parallel_size`` > 1 the mesh is ``("dp", "cp", "tp")`` instead: the
+``cp`` ranks of one ``dp`` rank get the same micro-batches and split every row along the
+sequence between them (``context_parallel.py``), each of them split by tensor parallelism when
+``tp`` > 1 (its own heads and columns of its share of the tokens); FSDP2 shards over the
+``dp`` and ``cp`` dimensions as one, since every rank's gradients are its own tokens' share.
 
 Sharded, the model is built on the meta device and each rank materialises and loads only its
 own shards (``build.py``). The reference policy, when enabled, is built the same way and runs
@@ -72,6 +73,9 @@ from rl_models.policy.forward import (
 )
 from rl_models.policy.weight_export import DTensorWeightExporter, WeightExportMethods
 
+#: The mesh with context parallelism: data, context and tensor parallel (tp fastest).
+MESH_3D = ("dp", "cp", "tp")
+
 
 class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
     """Holds one rank of the policy (and optionally a frozen reference copy)."""
@@ -83,12 +87,13 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.tp_size = self.config.dtensor.tensor_parallel_size
         self.cp_size = self.config.dtensor.context_parallel_size
-        for key, size in (("tensor", self.tp_size), ("context", self.cp_size)):
-            if world % size:
-                raise ValueError(
-                    f"{world} policy workers cannot be split into groups of "
-                    f"dtensor.{key}_parallel_size={size}: make the worker count a multiple of it"
-                )
+        if world % (self.tp_size * self.cp_size):
+            raise ValueError(
+                f"{world} policy workers cannot be split into groups of "
+                f"dtensor.tensor_parallel_size={self.tp_size} x "
+                f"dtensor.context_parallel_size={self.cp_size}: make the worker count a "
+                "multiple of their product"
+            )
         self.dp_size = world // (self.tp_size * self.cp_size)
         #: Whether the model is distributed at all (FSDP2, and tensor parallel with tp > 1).
         self.sharded = world > 1
@@ -113,25 +118,29 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         from torch.distributed.device_mesh import init_device_mesh
 
         kind = self.device.type
-        if self.tp_size > 1:
+        if self.cp_size == 1 and self.tp_size == 1:
+            self._mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
+            self._fsdp_mesh = self._mesh
+            return
+        if self.cp_size == 1:
             self._mesh = init_device_mesh(
                 kind, (self.dp_size, self.tp_size), mesh_dim_names=tensor_parallel.MESH_DIMS
             )
             self.dp_group = self._mesh["dp"].get_group()
             self._fsdp_mesh = self._mesh["dp"]
-        elif self.cp_size > 1:
-            self._mesh = init_device_mesh(
-                kind, (self.dp_size, self.cp_size), mesh_dim_names=("dp", "cp")
-            )
-            self.dp_group = self._mesh["dp"].get_group()
-            group = context_parallel.ContextGroup.of(self._mesh["cp"].get_group())
-            self.forward_options = dataclasses.replace(self.forward_options, context=group)
-            # FSDP2 over every rank, a one-dimensional mesh of its own (the same ranks as the
-            # (dp, cp) mesh flattened): each rank's gradients are its tokens' share.
-            self._fsdp_mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp_cp",))
-        else:
-            self._mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
-            self._fsdp_mesh = self._mesh
+            return
+        # tp fastest, then cp, then dp: the driver's layout (worker_sharding) numbers them so.
+        self._mesh = init_device_mesh(
+            kind, (self.dp_size, self.cp_size, self.tp_size), mesh_dim_names=MESH_3D
+        )
+        self.dp_group = self._mesh["dp"].get_group()
+        group = context_parallel.ContextGroup.of(self._mesh["cp"].get_group())
+        self.forward_options = dataclasses.replace(self.forward_options, context=group)
+        # FSDP2 over the dp and cp dimensions as one (each rank's gradients are its tokens'
+        # share), a dimension of the same mesh as tp so that it composes with the tensor
+        # parallel plan's DTensors. DeviceMesh._flatten is how torch names such a dimension
+        # (its own 2-D/3-D parallel examples use it).
+        self._fsdp_mesh = self._mesh["dp", "cp"]._flatten("dp_cp")
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.config.activation_checkpointing:

@@ -1,0 +1,80 @@
+"""Run by ``test_four_ranks.py`` under ``torch.distributed.run`` with four gloo ranks: the
+DTensor worker on a two-dimensional ``dp x tp = 2 x 2`` mesh and on a three-dimensional
+``dp x cp x tp = 1 x 2 x 2`` one. Each rank saves what it computed to ``<out>/rank<r>.pt``,
+as ``two_rank_scenarios.py`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import skewed_batch, tiny_config
+from two_rank_scenarios import context_parallel_config, long_documents
+
+from rl_models.losses import NLLLoss
+from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+from rl_models.policy.forward import TokenLogprobs
+
+#: The meshes' cases: the skewed batch on dp x tp, the packed long documents on cp x tp.
+CASES = ("dp2-tp2-sp", "cp2-tp2-sp")
+
+
+def case_config(case: str, parallel: bool = True):
+    """A case's config (``parallel=False``: the same in one process)."""
+    if case == "cp2-tp2-sp":
+        return context_parallel_config(cp=parallel, tp=2 if parallel else 1)
+    dtensor = {"tensor_parallel_size": 2, "sequence_parallel": True}
+    return tiny_config(
+        logprob_chunk_size=7,
+        dynamic_batching={"enabled": False},
+        **({"dtensor": dtensor} if parallel else {}),
+    )
+
+
+def case_data(case: str):
+    return long_documents() if case == "cp2-tp2-sp" else skewed_batch()
+
+
+def mesh_step(case: str, out: str) -> dict:
+    """Log-probs with entropies, then one SGD step: its gradient norm and the checkpoint it
+    writes (read back by rank 0). With dp = 2 each dp rank (two consecutive ranks) gets half
+    of the rows, as the driver shards them; with cp every rank gets the whole batch."""
+    rank = int(os.environ["RANK"])
+    data = case_data(case)
+    if case.startswith("dp2"):
+        half = data.size // 2
+        data = data.slice((rank // 2) * half, (rank // 2 + 1) * half)
+    worker = DTensorPolicyWorker(case_config(case))
+    with torch.no_grad():
+        logprobs_entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))
+    grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
+    path = os.path.join(out, f"checkpoint-{case}")
+    worker.save_checkpoint(path)
+    saved = {}
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"logprobs_entropy": logprobs_entropy, "grad_norm": grad_norm, "checkpoint": saved}
+
+
+def main(out: str) -> None:
+    """Every case runs even if another fails; a failure is saved as its message."""
+    rank = int(os.environ["RANK"])
+    results: dict = {}
+    for case in CASES:
+        try:
+            results[case] = mesh_step(case, out)
+        except Exception as e:
+            results[case] = f"{type(e).__name__}: {e}"
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
