@@ -3,7 +3,9 @@ the routers' load-balancing loss (``megatron.moe_aux_loss_coeff``), against plai
 
 Two CPU workers (gloo) hold one Qwen3-MoE replica between them: two tensor-parallel shards
 with sequence parallelism (which Megatron requires beside experts), each routing half of every
-sequence, or two pipeline stages, each holding one layer's router. One step of two
+sequence, or two pipeline stages, each holding one layer's router. Four workers make two such
+tensor-parallel replicas that split each layer's experts (expert parallelism beside tensor
+parallelism). One step of two
 micro-batches with the load-balancing loss on must move the weights as a float64 reference
 written from the formula does (the Switch Transformer loss of each layer, summed over layers,
 weighted by the micro-batches' token counts), and the ``moe_aux_loss`` metric must equal the
@@ -30,9 +32,15 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_se
 
 COEFF = 0.5
 ROWS, LENGTH, MICRO = 8, 20, 4  # two micro-batches of 4 x 20 tokens (20: even, for tp=2)
+#: Each layout's ``megatron`` section and ranks. With ep=2 beside tp=2 there are two
+#: data-parallel replicas (four ranks), each given one of the two micro-batches.
 LAYOUTS = {
-    "tp2-sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
-    "pp2": {"pipeline_parallel_size": 2},
+    "tp2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, 2),
+    "pp2": ({"pipeline_parallel_size": 2}, 2),
+    "tp2-sp-ep2": (
+        {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2},
+        4,
+    ),
 }
 
 
@@ -75,19 +83,20 @@ def reference_step(path: str, data, coeff: float) -> tuple[dict[str, torch.Tenso
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_step_with_its_load_balancing_loss_matches_float64(layout, tmp_path_factory, tmp_path):
+    megatron, world = LAYOUTS[layout]
     path = save_tiny(tmp_path_factory, TINY_QWEN3_MOE)
     data = skewed_batch(lengths=(LENGTH,) * ROWS)
     config = tiny_config(
         model={"path": path, "dtype": "float64"},
         backend="megatron",
-        megatron={**LAYOUTS[layout], "moe_aux_loss_coeff": COEFF},
+        megatron={**megatron, "moe_aux_loss_coeff": COEFF},
         train_micro_batch_size=MICRO,
         dynamic_batching={"enabled": False},
     )
-    cluster = RayVirtualCluster([2], use_gpus=False)
+    cluster = RayVirtualCluster([world], use_gpus=False)
     policy = Policy(cluster, config)
     try:
-        assert policy.dp_size == 1  # both ranks hold one replica
+        assert policy.dp_size == megatron.get("expert_parallel_size", 1)
         got = policy.get_logprobs(data)["logprobs"]
         torch.testing.assert_close(got, hf_logprobs(path, data), rtol=0, atol=ATOL)
         policy.prepare_for_training()

@@ -25,8 +25,9 @@ the modules named in ``_CPU_AS_CUDA_MODULES`` see, in place of the ``torch`` mod
 proxy in which "the current CUDA device" and ``device="cuda"`` mean the CPU,
 ``torch.cuda.synchronize`` does nothing and CUDA streams are stand-ins on which every copy is
 already done, and
-``all_to_all_single`` takes split sizes given as host tensors (gloo's CPU collectives are synchronous for tensors);
-everything else is the real ``torch``. Patching those modules' globals, not ``torch.cuda``
+``all_to_all_single`` takes split sizes given as host tensors (gloo's CPU collectives are synchronous for tensors),
+and ``all_gather`` / ``reduce_scatter`` take pieces of unequal lengths (experts beside tensor
+parallelism); everything else is the real ``torch``. Patching those modules' globals, not ``torch.cuda``
 itself, keeps the change invisible to the rest of the process.
 
 Dropout must be 0 (the policy worker sets it so): with a no-op fork, dropout inside
@@ -149,7 +150,10 @@ def _sizes(split: Any) -> Any:
 class _CpuDistributed:
     """``torch.distributed`` as the patched modules see it: the all-to-all token dispatcher
     hands ``all_to_all_single`` its split sizes as tensors, which it moves to the host (as
-    lists) only when they are on a GPU; torch wants lists."""
+    lists) only when they are on a GPU; torch wants lists. With experts beside tensor
+    parallelism, the dispatcher also gathers and reduce-scatters pieces of unequal lengths
+    over the tensor-parallel ranks (each routed a different number of tokens), which NCCL
+    does and gloo refuses: here they go through equal-sized collectives instead."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.distributed, name)
@@ -159,6 +163,32 @@ class _CpuDistributed:
         return torch.distributed.all_to_all_single(
             output, input, _sizes(output_split_sizes), _sizes(input_split_sizes), **kw
         )
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        """Every rank's ``tensor`` into ``tensor_list``; unequal first dimensions are padded
+        to the longest for the gather and cut back after it."""
+        lengths = [t.shape[0] for t in tensor_list]
+        if len(set(lengths)) == 1:
+            return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(lengths)
+        padded = torch.cat([tensor, tensor.new_zeros(longest - tensor.shape[0], *tensor.shape[1:])])
+        gathered = [torch.empty_like(padded) for _ in lengths]
+        torch.distributed.all_gather(gathered, padded, group=group)
+        for out, got, n in zip(tensor_list, gathered, lengths, strict=True):
+            out.copy_(got[:n])
+        return None
+
+    @staticmethod
+    def reduce_scatter(output, input_list, group=None, async_op=False):
+        """The sum over the ranks of each rank's ``input_list``, piece ``rank`` into
+        ``output`` (pieces of any lengths): one all-reduce of them all."""
+        whole = torch.cat([t.reshape(-1) for t in input_list])
+        torch.distributed.all_reduce(whole, group=group)
+        rank = torch.distributed.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        output.copy_(whole[start : start + output.numel()].view_as(output))
+        return None
 
 
 class _CpuTorch:

@@ -107,6 +107,8 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             tensor_parallel.model_parallel_cuda_manual_seed(self.config.seed)
         # dp_size is what the shared loop (_steps, batch-size checks) divides by.
         self.dp_size = self.ranks.dp
+        # What the shared loop's reductions (counts, metrics) run over: the replicas only.
+        self.dp_group = parallel_state.get_data_parallel_group()
         self.rank = dist.get_rank()
         self.tied = self.layout.tied_embeddings
         # Only this rank's shard is ever allocated, and filled from slices: of the
@@ -169,15 +171,6 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
             "bytes_emitted": s.bytes_emitted,
             "model_piece_numel": piece,
         }
-
-    # -- collectives over the data-parallel group ----------------------------------------------
-
-    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """Reduce over the data-parallel group only (the replicas), not the whole world."""
-        if self.ranks.dp > 1:
-            t = t.to(self.device)
-            dist.all_reduce(t, op=op, group=parallel_state.get_data_parallel_group())
-        return t.cpu()
 
     def _inputs(self, mbs: list[BatchedDataDict]) -> list[Inputs]:
         multiple = self.ranks.tp if self.config.megatron.sequence_parallel else 1
