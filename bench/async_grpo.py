@@ -28,7 +28,9 @@ agent's rollouts. The environment (``LongTailTurnsEnv``, below) answers each tur
 ``role: tool`` message and ends the episode after 1 turn, or after ``--long-turns`` turns when
 the question's answer is a multiple of 8 (every episode of that prompt: 21 % of the bench's
 512 questions of single digits with +, - and *, so about 61 % of the steps of 4 prompts hold
-a long group); each turn samples up to 24 new tokens.
+a long group); each turn samples up to 24 new tokens. ``--tool-seconds S`` makes each tool
+call take S seconds of wall time without using a core, as a call to a search service, a remote
+sandbox or a judge does (0 by default: the tool answers at once).
 A synchronous step waits for its slowest group; asynchronous GRPO's collector keeps the
 generator on other groups meanwhile, and refits land in flight, so a long episode goes on under
 newer weights rather than being thrown away. The async runs also print the fraction of the
@@ -36,7 +38,7 @@ tokens they generated that were discarded unused (cancelled, aborted or dropped 
 
     uv run python bench/async_grpo.py [--steps 8] [--hidden 256] [--layers 4] [--new-tokens 96]
         [--repeats 3] [--drain] [--logs DIR] [--runner auto|in_process|async_llm]
-        [--workload single-turn|long-tail] [--long-turns 8]
+        [--workload single-turn|long-tail] [--long-turns 8] [--tool-seconds 0]
 """
 
 from __future__ import annotations
@@ -60,14 +62,16 @@ RESULT_LINE = "steps/minute, discarded:"  # what a measuring child prints (the r
 class LongTailTurnsEnv(EnvironmentInterface):
     """The long-tail workload's environment: a question takes ``long_turns`` turns when its
     answer is a multiple of 8, one turn otherwise; each turn but the last is answered by a tool
-    message. The reward is 1 when the last turn holds the answer as a number, so it depends on
-    what was sampled (mostly 0 for an untrained model, like an agent's early reward).
-    Stateless: the turn count travels in the metadata."""
+    message, after ``tool_seconds`` of waiting (a tool's latency). The reward is 1 when the
+    last turn holds the answer as a number, so it depends on what was sampled (mostly 0 for an
+    untrained model, like an agent's early reward). Stateless: the turn count travels in the
+    metadata."""
 
     concurrent_steps = True
 
     def __init__(self, config: dict) -> None:
         self.long_turns = int(config.get("long_turns", 8))
+        self.tool_seconds = float(config.get("tool_seconds", 0.0))
 
     def turns_for(self, ground_truth: str) -> int:
         return self.long_turns if int(ground_truth) % 8 == 0 else 1
@@ -84,6 +88,8 @@ class LongTailTurnsEnv(EnvironmentInterface):
             metas.append({**meta, "turn": turn})
             rewards.append(float(done and meta["ground_truth"] in numbers))
             dones.append(done)
+        if self.tool_seconds and not all(dones):
+            time.sleep(self.tool_seconds)  # the calls of one step run side by side
         return EnvironmentReturn(
             observations=replies,
             metadata=metas,
@@ -135,12 +141,16 @@ def run_config(
     runner: str = "auto",
     long_turns: int = 0,
     max_age: int = 1,
+    tool_seconds: float = 0.0,
 ) -> dict:
     """The run's config; ``long_turns`` > 0 is the long-tail multi-turn workload."""
     max_len = 512 if long_turns else 256
     arithmetic = {"kind": "math", "config": {"num_workers": 1}}
     if long_turns:
-        arithmetic = {"kind": "async_grpo:LongTailTurnsEnv", "config": {"long_turns": long_turns}}
+        arithmetic = {
+            "kind": "async_grpo:LongTailTurnsEnv",
+            "config": {"long_turns": long_turns, "tool_seconds": tool_seconds},
+        }
     return {
         "policy": {
             "model": {"path": model, "dtype": "float32"},
@@ -252,6 +262,9 @@ def main() -> None:
     parser.add_argument("--workload", choices=["single-turn", "long-tail"], default="single-turn")
     parser.add_argument("--long-turns", type=int, default=8, help="turns of a long episode")
     parser.add_argument(
+        "--tool-seconds", type=float, default=0.0, help="long-tail: each tool call's latency"
+    )
+    parser.add_argument(
         "--max-age", type=int, default=1, help="async: grpo.async_grpo.max_trajectory_age_steps"
     )
     parser.add_argument("--repeats", type=int, default=3, help="rounds, in alternating order")
@@ -274,6 +287,8 @@ def main() -> None:
         return
     if args.steps < 2 or args.repeats < 1:
         parser.error("--steps must be >= 2 (the first is untimed) and --repeats >= 1")
+    if args.tool_seconds < 0 or (args.tool_seconds and args.workload != "long-tail"):
+        parser.error("--tool-seconds must be >= 0, and is for --workload long-tail only")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.logs or tmp)
         model = build_model(root, args.hidden, args.layers)
@@ -299,8 +314,11 @@ def main() -> None:
             )
         if discarded:
             print(f"async runs' discarded tokens / generated tokens: {max(discarded):.3f} at most")
+        workload = args.workload
+        if args.workload == "long-tail" and args.tool_seconds:
+            workload += f", tool calls of {args.tool_seconds:g} s"
         print(
-            f"{args.workload}: async/sync (median of {args.repeats} rounds): "
+            f"{workload}: async/sync (median of {args.repeats} rounds): "
             f"{statistics.median(ratios):.2f} "
             f"(each on its own core); {statistics.median(ratios_both):.2f} against sync with "
             "both cores for each phase"
@@ -321,7 +339,7 @@ def in_fresh_process(
     command += [str(args.new_tokens), "--hidden", str(args.hidden), "--layers", str(args.layers)]
     command += ["--runner", args.runner, *(["--drain"] if args.drain else [])]
     command += ["--workload", args.workload, "--long-turns", str(args.long_turns)]
-    command += ["--max-age", str(args.max_age)]
+    command += ["--max-age", str(args.max_age), "--tool-seconds", str(args.tool_seconds)]
     command += ["--measure", variant, model, str(logs)]
     out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode != 0:
@@ -347,6 +365,7 @@ def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> No
         args.runner,
         long_turns,
         args.max_age,
+        args.tool_seconds,
     )
     # The environment's actor imports it from this file's folder (its kind: async_grpo:...).
     os.environ["PYTHONPATH"] = os.pathsep.join(

@@ -180,3 +180,31 @@ def scenario_results(nprocs: int, script: str, out) -> list[dict]:
     ``four_rank_scenarios.py``) saved to ``out/rank<r>.pt``, after running it."""
     run_ranks(nprocs, script, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+
+
+def scenario(ranks: list[dict], name: str) -> list[dict]:
+    """Each rank's results of one scenario; a scenario that raised fails with its error."""
+    for r in ranks:
+        assert isinstance(r[name], dict), f"{name} failed: {r[name]}"
+    return [r[name] for r in ranks]
+
+
+def check_the_one_process_step(config, data, results: list[dict], *weights: str) -> None:
+    """One SGD step (NLL) in one process on the whole batch changes the weights, and every
+    rank's gradient norm and rank 0's ``results[0][w]`` for each ``w`` in ``weights`` equal
+    it (float64, 1e-10)."""
+    from rl_models.losses import NLLLoss
+    from rl_models.policy.dtensor_worker import DTensorPolicyWorker
+
+    worker = DTensorPolicyWorker(config)
+    initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
+    trained = worker.model.state_dict()
+    assert max(float((trained[k] - initial[k]).abs().max()) for k in trained) > 1e-2
+    for r in results:
+        assert r["grad_norm"] == pytest.approx(grad_norm, rel=1e-12)
+    for key in weights:
+        got = results[0][key]
+        assert set(got) == set(trained), key
+        for name, tensor in trained.items():
+            torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-10, msg=name)

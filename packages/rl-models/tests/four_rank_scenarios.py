@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import skewed_batch, tiny_config
-from two_rank_scenarios import context_parallel_config, long_documents
+from two_rank_scenarios import context_parallel_config, long_documents, test_module
 
-from rl_models.losses import NLLLoss
+from rl_models.losses import LabelSmoothedNLLLoss, NLLLoss
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.forward import TokenLogprobs
 
@@ -24,9 +24,13 @@ CASES = ("dp2-tp2-sp", "cp2-tp2-sp")
 
 
 def case_config(case: str, parallel: bool = True):
-    """A case's config (``parallel=False``: the same in one process)."""
+    """A case's config (``parallel=False``: the same in one process). The three-dimensional
+    mesh's case also clips its gradients (its norm is ~1.6) and writes each rank's own shards
+    of the checkpoint."""
     if case == "cp2-tp2-sp":
-        return context_parallel_config(cp=parallel, tp=2 if parallel else 1)
+        sharded = {"checkpoint": {"sharded": True}} if parallel else {}
+        tp = 2 if parallel else 1
+        return context_parallel_config(cp=parallel, tp=tp, max_grad_norm=0.5, **sharded)
     dtensor = {"tensor_parallel_size": 2, "sequence_parallel": True}
     return tiny_config(
         logprob_chunk_size=7,
@@ -40,7 +44,8 @@ def case_data(case: str):
 
 
 def mesh_step(case: str, out: str) -> dict:
-    """Log-probs with entropies, then one SGD step: its gradient norm and the checkpoint it
+    """Log-probs with entropies and a loss over whole logits (evaluated), then one SGD step:
+    its gradient norm, the weights exported in buckets (a refit's) and the checkpoint it
     writes (read back by rank 0). With dp = 2 each dp rank (two consecutive ranks) gets half
     of the rows, as the driver shards them; with cp every rank gets the whole batch."""
     rank = int(os.environ["RANK"])
@@ -51,7 +56,11 @@ def mesh_step(case: str, out: str) -> dict:
     worker = DTensorPolicyWorker(case_config(case))
     with torch.no_grad():
         logprobs_entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))
+    whole_logits_loss = worker.train(data, LabelSmoothedNLLLoss(0.0), eval_mode=True)
     grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
+    weights, _ = test_module("test_weight_export").exported(
+        [worker._weight_exporter()], bucket_bytes=1 << 14
+    )
     path = os.path.join(out, f"checkpoint-{case}")
     worker.save_checkpoint(path)
     saved = {}
@@ -60,7 +69,13 @@ def mesh_step(case: str, out: str) -> dict:
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
         saved = {k: v.clone() for k, v in model.state_dict().items()}
-    return {"logprobs_entropy": logprobs_entropy, "grad_norm": grad_norm, "checkpoint": saved}
+    return {
+        "logprobs_entropy": logprobs_entropy,
+        "whole_logits_loss": whole_logits_loss.metrics["loss"],
+        "grad_norm": grad_norm,
+        "exported": weights,
+        "checkpoint": saved,
+    }
 
 
 def main(out: str) -> None:

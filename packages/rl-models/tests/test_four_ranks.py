@@ -4,7 +4,9 @@ ranks, each split by tensor and sequence parallelism) and a ``dp x cp x tp = 1 x
 
 The ranks run ``four_rank_scenarios.py`` under ``torch.distributed.run``. Every rank's
 log-probs and entropies must equal the plain float64 model run on each sequence alone, and one
-SGD step must give one process's gradient norm and weights (the checkpoint rank 0 reads back).
+SGD step must give one process's gradient norm and weights (the checkpoint rank 0 reads back,
+written in shards by each rank in the three-dimensional case, and the weights a refit exports);
+a loss over whole logits must give the float64 mean NLL.
 A gradient reduced over the wrong ranks (counted twice over tp, or missing a dp or cp rank's
 share) changes the norm and the weights far beyond the tolerance.
 """
@@ -14,10 +16,11 @@ import os
 import pytest
 import torch
 
-from .conftest import scenario_results
+from rl_data.batch import TrainBatch
+
+from .conftest import check_the_one_process_step, scenario, scenario_results
 from .four_rank_scenarios import CASES, case_config, case_data
 from .test_token_entropy import float64_logprobs_and_entropy
-from .test_two_ranks import check_the_one_process_step, scenario
 
 pytestmark = pytest.mark.slow  # one launch of four processes
 SCRIPT = os.path.join(os.path.dirname(__file__), "four_rank_scenarios.py")
@@ -48,4 +51,9 @@ def test_a_mesh_gives_float64_logprobs_and_the_one_process_step(ranks, case):
             rows = slice((rank // 2) * half, (rank // 2 + 1) * half)
         torch.testing.assert_close(r["logprobs_entropy"], expected[rows], rtol=0, atol=1e-10)
 
-    check_the_one_process_step(config, data, results, "checkpoint")
+    # A loss over whole logits (gathered over tp, then over cp): the mean token NLL.
+    mask = TrainBatch.from_transport(data).loss_token_mask()
+    nll = float(-(expected[..., 0] * mask).sum() / mask.sum())
+    for r in results:
+        assert r["whole_logits_loss"][0] == pytest.approx(nll, rel=1e-10)
+    check_the_one_process_step(config, data, results, "checkpoint", "exported")

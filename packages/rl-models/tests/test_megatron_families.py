@@ -373,12 +373,15 @@ def test_expert_parallel_sizes_are_checked(tmp_path):
     layout, _ = saved_moe(tmp_path)
     dense = GPTLayout.from_hf_config(tiny_model(TINY_QWEN3).config)
     check_expert_parallel(layout, world=4, tp=1, pp=1, ep=4)
-    check_expert_parallel(layout, world=8, tp=2, pp=2, ep=2, aux_loss_coeff=0.01)
+    check_expert_parallel(
+        layout, world=8, tp=2, pp=2, ep=2, aux_loss_coeff=0.01, sequence_parallel=True
+    )
     cases = [
         (dense, dict(world=2, tp=1, pp=1, ep=2), "needs a mixture-of-experts model"),
         (layout, dict(world=3, tp=1, pp=1, ep=3), "does not divide the model's 4 experts"),
         (layout, dict(world=2, tp=2, pp=1, ep=2), "must divide the data-parallel size 1"),
         (dense, dict(world=1, tp=1, pp=1, ep=1, aux_loss_coeff=0.1), "moe_aux_loss_coeff"),
+        (layout, dict(world=2, tp=2, pp=1, ep=1), "sequence_parallel must be true"),
     ]
     for lay, sizes, message in cases:
         with pytest.raises(ValueError, match=message):

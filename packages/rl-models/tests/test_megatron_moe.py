@@ -31,7 +31,9 @@ from .test_megatron_worker import ATOL, hf_logprobs
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
 COEFF = 0.5
-ROWS, LENGTH, MICRO = 8, 20, 4  # two micro-batches of 4 x 20 tokens (20: even, for tp=2)
+# Two micro-batches of four rows each, as wide as their longest row (20 and 17 tokens;
+# sequence parallelism pads the second to 18), so they weigh differently and hold padding.
+LENGTHS, MICRO = (13, 20, 7, 15, 11, 17, 16, 9), 4
 #: Each layout's ``megatron`` section and ranks. With ep=2 beside tp=2 there are two
 #: data-parallel replicas (four ranks), each given one of the two micro-batches.
 LAYOUTS = {
@@ -55,24 +57,36 @@ def switch_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return experts / (top_k * tokens**2) * (counts * probs.sum(dim=0)).sum()
 
 
-def reference_step(path: str, data, coeff: float) -> tuple[dict[str, torch.Tensor], float]:
+def reference_step(
+    path: str, data, coeff: float, multiple: int
+) -> tuple[dict[str, torch.Tensor], float]:
     """The HF model in float64 after one SGD step (lr 1) on the mean token NLL plus
     ``coeff * A``, and ``A``: the micro-batches' summed-over-layers losses, each weighted by
-    its tokens (padding included: it is routed too) over the batch's."""
+    its tokens over the batch's. A micro-batch is ``MICRO`` rows as wide as its longest row,
+    padded to a multiple of ``multiple`` (the tensor-parallel size with sequence parallelism);
+    padding tokens attend to their row's real tokens and are routed and counted like them."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     model.config._experts_implementation = "eager"
-    batch = TrainBatch.from_transport(data)
-    mask = batch.loss_token_mask()
-    ids = data["input_ids"]
+    mask = TrainBatch.from_transport(data).loss_token_mask()
+    lengths = data["input_lengths"]
+    micro_batches = []
+    for start in range(0, len(lengths), MICRO):
+        rows = slice(start, start + MICRO)
+        width = int(lengths[rows].max())
+        padded = -(-width // multiple) * multiple
+        ids = F.pad(data["input_ids"][rows, :width], (0, padded - width))
+        real = torch.arange(padded)[None, :] < lengths[rows, None]
+        micro_batches.append((rows, width, ids, real))
+    tokens = sum(ids.numel() for _, _, ids, _ in micro_batches)
     nll = torch.zeros((), dtype=torch.float64)
     aux = torch.zeros((), dtype=torch.float64)
-    for start in range(0, ROWS, MICRO):
-        rows = slice(start, start + MICRO)
-        out = model(ids[rows], output_router_logits=True)
-        logp = torch.log_softmax(out.logits[:, :-1], dim=-1).gather(-1, ids[rows, 1:, None])[..., 0]
-        nll = nll - (logp * mask[rows, 1:]).sum() / mask.sum()
+    for rows, width, ids, real in micro_batches:
+        out = model(ids, attention_mask=real.long(), output_router_logits=True)
+        logp = torch.log_softmax(out.logits[:, : width - 1], dim=-1)
+        logp = logp.gather(-1, ids[:, 1:width, None])[..., 0]
+        nll = nll - (logp * mask[rows, 1:width]).sum() / mask.sum()
         layers = sum(switch_loss(r, model.config.num_experts_per_tok) for r in out.router_logits)
-        aux = aux + layers * ids[rows].numel() / ids.numel()
+        aux = aux + layers * ids.numel() / tokens
     (nll + coeff * aux).backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -85,7 +99,7 @@ def reference_step(path: str, data, coeff: float) -> tuple[dict[str, torch.Tenso
 def test_moe_step_with_its_load_balancing_loss_matches_float64(layout, tmp_path_factory, tmp_path):
     megatron, world = LAYOUTS[layout]
     path = save_tiny(tmp_path_factory, TINY_QWEN3_MOE)
-    data = skewed_batch(lengths=(LENGTH,) * ROWS)
+    data = skewed_batch(lengths=LENGTHS)
     config = tiny_config(
         model={"path": path, "dtype": "float64"},
         backend="megatron",
@@ -99,6 +113,8 @@ def test_moe_step_with_its_load_balancing_loss_matches_float64(layout, tmp_path_
         assert policy.dp_size == megatron.get("expert_parallel_size", 1)
         got = policy.get_logprobs(data)["logprobs"]
         torch.testing.assert_close(got, hf_logprobs(path, data), rtol=0, atol=ATOL)
+        # An evaluation adds no load-balancing loss, so it reports none (not a 0).
+        assert "moe_aux_loss" not in policy.train(data, NLLLoss(), eval_mode=True).metrics
         policy.prepare_for_training()
         metrics = policy.train(data, NLLLoss()).metrics
         policy.prepare_for_lp_inference()
@@ -108,7 +124,8 @@ def test_moe_step_with_its_load_balancing_loss_matches_float64(layout, tmp_path_
         policy.shutdown()
         cluster.shutdown()
 
-    expected, aux = reference_step(path, data, COEFF)
+    multiple = 2 if megatron.get("sequence_parallel") else 1
+    expected, aux = reference_step(path, data, COEFF, multiple)
     assert aux > 0
     assert metrics["moe_aux_loss"][0] == pytest.approx(aux, rel=1e-6)
     trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()
@@ -116,6 +133,6 @@ def test_moe_step_with_its_load_balancing_loss_matches_float64(layout, tmp_path_
     for name, tensor in expected.items():
         torch.testing.assert_close(trained[name], tensor, rtol=0, atol=ATOL, msg=name)
     # The load-balancing loss moved the routers: without it they would be elsewhere.
-    without, _ = reference_step(path, data, 0.0)
+    without, _ = reference_step(path, data, 0.0, multiple)
     routers = [n for n in expected if n.endswith("mlp.gate.weight")]
     assert routers and all((without[n] - expected[n]).abs().max() > 1e-4 for n in routers)

@@ -9,7 +9,15 @@ import os
 import pytest
 import torch
 
-from .conftest import TINY_LLAMA, grouped_batch, initial_model, scenario_results, skewed_batch
+from .conftest import (
+    TINY_LLAMA,
+    check_the_one_process_step,
+    grouped_batch,
+    initial_model,
+    scenario,
+    scenario_results,
+    skewed_batch,
+)
 from .test_normalisation import weights_after_one_step
 from .test_reward_model import reference_scores
 from .test_token_entropy import float64_logprobs_and_entropy
@@ -29,13 +37,6 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "two_rank_scenarios.py")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     return scenario_results(2, SCRIPT, tmp_path_factory.mktemp("two-ranks"))
-
-
-def scenario(ranks: list[dict], name: str) -> list[dict]:
-    """Each rank's results of one scenario; a scenario that raised fails with its error."""
-    for r in ranks:
-        assert isinstance(r[name], dict), f"{name} failed: {r[name]}"
-    return [r[name] for r in ranks]
 
 
 def test_reward_model_scores_with_two_ranks(ranks):
@@ -249,22 +250,3 @@ def test_context_parallel_packed_row_gives_float64_logprobs_and_the_one_process_
         torch.testing.assert_close(r["topk"]["topk_logprobs"], expected_top, rtol=0, atol=1e-10)
         assert torch.equal(r["topk"]["topk_ids"], expected_ids)
     check_the_one_process_step(config, data, results, "trained_weights")
-
-
-def check_the_one_process_step(config, data, results: list[dict], weights: str) -> None:
-    """One SGD step (NLL) in one process on the whole batch changes the weights, and every
-    rank's gradient norm and rank 0's ``results[0][weights]`` equal it (float64, 1e-10)."""
-    from rl_models.losses import NLLLoss
-    from rl_models.policy.dtensor_worker import DTensorPolicyWorker
-
-    worker = DTensorPolicyWorker(config)
-    initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
-    grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
-    trained = worker.model.state_dict()
-    assert max(float((trained[k] - initial[k]).abs().max()) for k in trained) > 1e-2
-    for r in results:
-        assert r["grad_norm"] == pytest.approx(grad_norm, rel=1e-12)
-    got = results[0][weights]
-    assert set(got) == set(trained)
-    for name, tensor in trained.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-10, msg=name)

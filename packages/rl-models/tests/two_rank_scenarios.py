@@ -310,9 +310,10 @@ def long_documents(lengths=(37, 90, 19)) -> object:
     return skewed_batch(lengths=lengths, seed=7)
 
 
-def context_parallel_config(cp: bool = True, tp: int = 1):
+def context_parallel_config(cp: bool = True, tp: int = 1, **extra):
     """cp=2 over both ranks (dp=1) on packed rows (``cp=False``: the same without cp); with
-    ``tp`` > 1 each cp rank split by tensor (and sequence) parallelism too."""
+    ``tp`` > 1 each cp rank split by tensor (and sequence) parallelism too; ``extra``: other
+    config."""
     dtensor = {"context_parallel_size": 2} if cp else {}
     if tp > 1:
         dtensor |= {"tensor_parallel_size": tp, "sequence_parallel": True}
@@ -323,6 +324,7 @@ def context_parallel_config(cp: bool = True, tp: int = 1):
         dynamic_batching={"enabled": False},
         sequence_packing={"enabled": True, "max_tokens_per_microbatch": 256},
         **({"dtensor": dtensor} if dtensor else {}),
+        **extra,
     )
 
 

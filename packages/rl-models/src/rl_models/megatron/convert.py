@@ -132,7 +132,13 @@ class GPTLayout:
 
 
 def check_expert_parallel(
-    layout: GPTLayout, world: int, tp: int, pp: int, ep: int, aux_loss_coeff: float = 0.0
+    layout: GPTLayout,
+    world: int,
+    tp: int,
+    pp: int,
+    ep: int,
+    aux_loss_coeff: float = 0.0,
+    sequence_parallel: bool = False,
 ) -> None:
     """Refuse an expert-parallel size (``megatron.expert_parallel_size``) the model and the
     ranks cannot have, naming the config key (``ValueError``).
@@ -140,6 +146,8 @@ def check_expert_parallel(
     Megatron carves the expert-parallel groups out of the data-parallel ranks (each of the
     ``ep`` ranks of a group is a data-parallel replica for everything but the experts), so
     ``ep`` must divide the data-parallel size ``world / (tp * pp)`` and the number of experts.
+    Experts beside tensor parallelism need sequence parallelism (megatron-core refuses them
+    otherwise, at the first training step).
     """
     key = "megatron.expert_parallel_size"
     if ep > 1 and not layout.num_experts:
@@ -154,6 +162,12 @@ def check_expert_parallel(
             f"{key}={ep} must divide the data-parallel size {dp} (world size {world} / "
             f"tensor_parallel_size {tp} / pipeline_parallel_size {pp}): expert groups are "
             "made of data-parallel ranks"
+        )
+    if layout.num_experts and tp > 1 and not sequence_parallel:
+        raise ValueError(
+            f"megatron.sequence_parallel must be true for a mixture-of-experts model with "
+            f"tensor_parallel_size {tp}: megatron-core runs experts beside tensor parallelism "
+            "only with sequence parallelism"
         )
     if aux_loss_coeff and not layout.num_experts:
         raise ValueError(

@@ -167,10 +167,15 @@ class _CpuDistributed:
     @staticmethod
     def all_gather(tensor_list, tensor, group=None, async_op=False):
         """Every rank's ``tensor`` into ``tensor_list``; unequal first dimensions are padded
-        to the longest for the gather and cut back after it."""
+        to the longest for the gather and cut back after it (synchronously)."""
         lengths = [t.shape[0] for t in tensor_list]
         if len(set(lengths)) == 1:
             return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        if async_op or any(t.shape[1:] != tensor.shape[1:] for t in tensor_list):
+            raise RuntimeError(
+                "cpu_shim: an asynchronous all_gather, or one of pieces whose shapes differ "
+                "beyond the first dimension, is not done on CPU"
+            )
         longest = max(lengths)
         padded = torch.cat([tensor, tensor.new_zeros(longest - tensor.shape[0], *tensor.shape[1:])])
         gathered = [torch.empty_like(padded) for _ in lengths]
@@ -180,9 +185,13 @@ class _CpuDistributed:
         return None
 
     @staticmethod
-    def reduce_scatter(output, input_list, group=None, async_op=False):
+    def reduce_scatter(
+        output, input_list, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False
+    ):
         """The sum over the ranks of each rank's ``input_list``, piece ``rank`` into
-        ``output`` (pieces of any lengths): one all-reduce of them all."""
+        ``output`` (pieces of any lengths): one all-reduce of them all, synchronously."""
+        if async_op or op != torch.distributed.ReduceOp.SUM:
+            raise RuntimeError("cpu_shim: reduce_scatter is done on CPU as a plain sum")
         whole = torch.cat([t.reshape(-1) for t in input_list])
         torch.distributed.all_reduce(whole, group=group)
         rank = torch.distributed.get_rank(group)

@@ -10,13 +10,17 @@ tracker. The worker's losses are already means over the global batch, so for the
 global batch, every data-parallel rank's micro-batches, padding included since it is routed
 too). The gradient is then that of ``loss + coeff * A`` with ``A = sum_m n_m a_m / N``, the
 token-weighted mean over micro-batches ``m`` of ``a_m``, the layers' losses summed; ``A`` is the
-``moe_aux_loss`` metric (each rank's share, summed over ranks by the metric reduction).
+``moe_aux_loss`` metric (each data-parallel replica's share, summed over the replicas by the
+metric reduction). It is logged in training steps only: Megatron's routers add the loss only
+in training mode with gradients on, so an evaluation would read 0.
 
 With sequence parallelism each tensor-parallel rank routes its slice of the sequence and
 computes its part of each layer's loss (the probabilities of its own tokens against the whole
 micro-batch's expert counts; the parts add up to the loss). Megatron scales each part by the
 rank's own token count, ``n / tp``, not ``n``, so the coefficient is multiplied by ``tp`` to
-keep the gradient that of ``loss + coeff * A``.
+keep the gradient that of ``loss + coeff * A``. (The router splits over tensor x context
+parallel ranks; this backend has no context parallelism. No padding mask is passed, so
+Megatron counts padding tokens too, as ``N`` does.)
 
 The metric is read per micro-batch from the tracker on every pipeline stage (each stage's
 tracker holds its own layers), right after the stage's forward of that micro-batch, and summed
@@ -60,15 +64,19 @@ class MoeAuxLoss:
         self.enabled = bool(getattr(self.config, "num_moe_experts", None)) and coeff > 0
         self.coeff = coeff
         self.sequence_split = sequence_split
-        self.value = 0.0
-        self._seen = 0.0
+        # Kept on the model's device, read once (``total``): a read per micro-batch would make
+        # every pipeline stage wait for the device before sending its activations on.
+        self.value = torch.zeros((), dtype=torch.float64)
+        self._seen = torch.zeros((), dtype=torch.float64)
         if self.enabled:
+            device = next(iter(model.parameters())).device
+            self.value, self._seen = self.value.to(device), self._seen.to(device)
             local = torch.tensor(float(sum(i.input_ids.numel() for i in inputs)))
             self.tokens = float(all_reduce(local.double()))
 
-    def _logged(self) -> float:
+    def _logged(self) -> torch.Tensor:
         entry = get_moe_layer_wise_logging_tracker().get(TRACKER_KEY)
-        return float(entry["values"].sum()) if entry else 0.0
+        return entry["values"].sum().double() if entry else torch.zeros_like(self._seen)
 
     def __enter__(self) -> MoeAuxLoss:
         if self.enabled:
@@ -83,16 +91,15 @@ class MoeAuxLoss:
         if not self.enabled:
             return
         logged = self._logged()
-        self.value += (logged - self._seen) * inp.input_ids.numel() / self.tokens
+        self.value += (logged - self._seen) * (inp.input_ids.numel() / self.tokens)
         self._seen = logged
 
     def total(self) -> float:
         """The metric of this replica: every stage's layers, every tensor-parallel part (a
         collective over the model-parallel group)."""
-        value = torch.tensor(self.value, dtype=torch.float64)
+        value = self.value.clone()
         group = parallel_state.get_model_parallel_group()
         if dist.get_world_size(group=group) > 1:
-            value = value.to(next(iter(self.model.parameters())).device)
             dist.all_reduce(value, group=group)
         return float(value)
 

@@ -120,7 +120,15 @@ def init_model_parallel(cfg: MegatronConfig, layout: GPTLayout) -> Ranks:
             f"{world} ranks do not split into tensor_parallel_size {tp} x "
             f"pipeline_parallel_size {pp}"
         )
-    check_expert_parallel(layout, world, tp, pp, cfg.expert_parallel_size, cfg.moe_aux_loss_coeff)
+    check_expert_parallel(
+        layout,
+        world,
+        tp,
+        pp,
+        cfg.expert_parallel_size,
+        cfg.moe_aux_loss_coeff,
+        cfg.sequence_parallel,
+    )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,

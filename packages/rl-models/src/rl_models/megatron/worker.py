@@ -279,7 +279,7 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
                 entropy=output == "entropy",
                 after_forward=aux.after_forward,
             )
-        if aux.enabled:
+        if aux.enabled and not eval_mode:
             self._loss_metrics = [{"moe_aux_loss": aux.total()}]
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
         return broadcast_from_last_stage(loss_sum.to(self.device))

@@ -270,8 +270,8 @@ class MegatronConfig(ConfigModel):
 class DTensorConfig(ConfigModel):
     """Model parallelism of the DTensor backend (NeMo RL's ``dtensor_cfg`` names): the workers
     form a ``(data parallel, tensor parallel)`` mesh; FSDP2 shards over the first dimension.
-    With context parallelism they form a ``(data parallel, context parallel)`` mesh instead,
-    and FSDP2 shards over all the workers.
+    With context parallelism they form a ``(data parallel, context parallel, tensor parallel)``
+    mesh instead, and FSDP2 shards over the first two dimensions as one.
 
     Tensor parallelism needs a model family with a plan (Llama, Qwen2) whose attention heads
     (and key/value heads) divide by ``tensor_parallel_size``; ``policy/tensor_parallel.py``.
@@ -286,8 +286,8 @@ class DTensorConfig(ConfigModel):
     sequence_parallel: bool = False
     # Ranks each row's tokens (padded or packed) are split over along the sequence; each
     # attends to the others' keys, all-gathered. For long sequences: activations per rank
-    # shrink with it. The workers' count must be a multiple of it; not with
-    # tensor_parallel_size > 1.
+    # shrink with it. The workers' count must be a multiple of it (times
+    # tensor_parallel_size: each context-parallel rank can be split by tensor parallelism too).
     context_parallel_size: int = Field(1, ge=1)
 
 

@@ -172,7 +172,8 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """Tensor parallel over ``tp`` (when > 1), then FSDP2: each decoder layer, then the
-        rest, sharded over ``dp`` (works on gloo).
+        rest, sharded over ``dp`` (over ``dp`` and ``cp`` as one with context parallelism;
+        works on gloo).
 
         A peft model is sharded the same way (its decoder layers are those of the base model);
         FSDP2 takes the mix of frozen base and trainable adapter parameters in one group.

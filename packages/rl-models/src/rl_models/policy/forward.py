@@ -352,12 +352,14 @@ def forward_logits(
     """``[B, S, V]`` next-token logits; ``[:, t]`` predicts token ``t`` (0 at t=0 and padding).
 
     Under tensor parallelism the vocabulary slices are gathered: a loss over whole logits
-    gets them whole on every rank (its backward hands each rank its own slice's gradient)."""
+    gets them whole on every rank (its backward hands each rank its own slice's gradient).
+    They are made whole before context parallelism's gather, which takes plain tensors."""
     p, inputs = _model_inputs(mb, options)
     split = _split(inputs, mb, p, options)
-    logits = split.gathered(_run(model, split))
+    logits = _run(model, split)
     if options.vocab_parallel:
         logits = logits.full_tensor()
+    logits = split.gathered(logits)
     return _aligned(F.pad(logits[:, :-1], (0, 0, 1, 0)), mb, p)
 
 

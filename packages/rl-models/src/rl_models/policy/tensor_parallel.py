@@ -1,4 +1,5 @@
-"""Tensor and sequence parallelism of a Hugging Face causal LM over a ``("dp", "tp")`` mesh.
+"""Tensor and sequence parallelism of a Hugging Face causal LM over the ``tp`` dimension of the
+worker's mesh (``("dp", "tp")``, or ``("dp", "cp", "tp")`` with context parallelism).
 
 ``parallelize`` splits every decoder layer's matrices over the ``tp`` ranks with torch's
 ``parallelize_module`` (Megatron's layout): attention's q/k/v projections and the MLP's
@@ -7,8 +8,8 @@ projection by input rows, so each rank computes its own attention heads and MLP 
 one all-reduce per block joins them. The embedding is split by vocabulary rows; the output
 layer by vocabulary rows too, its output left split over the vocabulary: log-probs are then
 computed from the slices (``logprobs.vocab_parallel_logprobs``), never from a whole row of
-logits on one rank. FSDP2 then shards the result over the ``dp`` ranks (the worker's
-``_shard``).
+logits on one rank. FSDP2 then shards the result over the ``dp`` ranks (``dp`` and ``cp``
+with context parallelism; the worker's ``_shard``).
 
 With sequence parallelism the activations between the blocks (the norms, the residual stream)
 are split along the sequence as well: the all-reduces become a reduce-scatter after each block
