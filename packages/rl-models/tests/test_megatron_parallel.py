@@ -181,6 +181,8 @@ def test_model_parallel_policy_matches_hf_and_the_dtensor_worker(
     ref_metrics = reference.train(data, NLLLoss()).metrics
     assert metrics["loss"][0] == pytest.approx(ref_metrics["loss"][0], rel=1e-6)
     assert metrics["grad_norm"][0] == pytest.approx(ref_metrics["grad_norm"][0], rel=1e-6)
+    # The loss's own metrics reach the driver from the last stage, summed over the replicas.
+    assert metrics["num_valid_tokens"] == ref_metrics["num_valid_tokens"] == [float(mask.sum())]
     trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()
     for name, tensor in reference.model.state_dict().items():
         torch.testing.assert_close(trained[name], tensor, rtol=0, atol=ATOL, msg=name)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -333,6 +334,20 @@ def run_pipeline(
         micro_batch_size=max(i.shape[0] for i in inputs),
         forward_only=forward_only,
     )
+
+
+def objects_from_last_stage(obj: Any) -> Any:
+    """``obj`` as the last pipeline stage of this replica has it (a collective; picklable
+    objects, such as a loss's metrics)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(
+            box,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        obj = box[0]
+    return obj
 
 
 def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:

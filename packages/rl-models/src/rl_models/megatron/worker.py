@@ -52,6 +52,7 @@ from rl_models.megatron.forward import (
     Inputs,
     broadcast_from_last_stage,
     make_inputs,
+    objects_from_last_stage,
     run_pipeline,
 )
 from rl_models.megatron.loading import (
@@ -260,10 +261,13 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         split = self.ranks.tp if megatron.sequence_parallel else 1
         aux = MoeAuxLoss(self.model, megatron.moe_aux_loss_coeff, inputs, self._all_reduce, split)
 
+        metrics: list[dict[str, float]] = []
+
         def loss_of(values: torch.Tensor, inp: Inputs) -> torch.Tensor:
             seqs, toks = global_seqs.to(values.device), global_toks.to(values.device)
-            loss, _ = loss_fn(values, TrainBatch.from_transport(inp.data), seqs, toks)
+            loss, loss_metrics = loss_fn(values, TrainBatch.from_transport(inp.data), seqs, toks)
             losses.append(loss.detach().double().cpu())
+            metrics.append(loss_metrics)
             return loss
 
         with aux:
@@ -279,8 +283,11 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
                 entropy=output == "entropy",
                 after_forward=aux.after_forward,
             )
+        # The loss's own metrics, per micro-batch, on every stage (the driver reads rank 0's);
+        # the base class adds them up over the replicas.
+        self._loss_metrics = objects_from_last_stage(metrics)
         if aux.enabled and not eval_mode:
-            self._loss_metrics = [{"moe_aux_loss": aux.total()}]
+            self._loss_metrics.append({"moe_aux_loss": aux.total()})
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
         return broadcast_from_last_stage(loss_sum.to(self.device))
 
