@@ -44,6 +44,7 @@ tokens they generated that were discarded unused (cancelled, aborted or dropped 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import statistics
@@ -287,7 +288,9 @@ def main() -> None:
         return
     if args.steps < 2 or args.repeats < 1:
         parser.error("--steps must be >= 2 (the first is untimed) and --repeats >= 1")
-    if args.tool_seconds < 0 or (args.tool_seconds and args.workload != "long-tail"):
+    if not 0 <= args.tool_seconds < math.inf or (
+        args.tool_seconds and args.workload != "long-tail"
+    ):
         parser.error("--tool-seconds must be >= 0, and is for --workload long-tail only")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.logs or tmp)
@@ -308,8 +311,8 @@ def main() -> None:
             ratios.append(rates["async"] / rates["sync"])
             ratios_both.append(rates["async"] / rates["sync, both cores"])
             print(
-                f"round {repeat + 1}: async/sync {ratios[-1]:.2f}, "
-                f"async/(sync, both cores) {ratios_both[-1]:.2f}",
+                f"round {repeat + 1}: async/sync {ratios[-1]:.3f}, "
+                f"async/(sync, both cores) {ratios_both[-1]:.3f}",
                 flush=True,
             )
         if discarded:

@@ -56,4 +56,6 @@ def test_a_mesh_gives_float64_logprobs_and_the_one_process_step(ranks, case):
     nll = float(-(expected[..., 0] * mask).sum() / mask.sum())
     for r in results:
         assert r["whole_logits_loss"][0] == pytest.approx(nll, rel=1e-10)
+    if case == "cp2-tp2-sp":  # its max_grad_norm of 0.5 clips
+        assert all(r["grad_norm"][0] > 0.5 for r in results)
     check_the_one_process_step(config, data, results, "checkpoint", "exported")

@@ -58,13 +58,14 @@ def switch_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def reference_step(
-    path: str, data, coeff: float, multiple: int
+    path: str, data, coeff: float, multiple: int, by_tokens: bool = True
 ) -> tuple[dict[str, torch.Tensor], float]:
     """The HF model in float64 after one SGD step (lr 1) on the mean token NLL plus
     ``coeff * A``, and ``A``: the micro-batches' summed-over-layers losses, each weighted by
     its tokens over the batch's. A micro-batch is ``MICRO`` rows as wide as its longest row,
     padded to a multiple of ``multiple`` (the tensor-parallel size with sequence parallelism);
-    padding tokens attend to their row's real tokens and are routed and counted like them."""
+    padding tokens attend to their row's real tokens and are routed and counted like them.
+    ``by_tokens=False``: the micro-batches' plain mean instead (what the test tells apart)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     model.config._experts_implementation = "eager"
     mask = TrainBatch.from_transport(data).loss_token_mask()
@@ -86,7 +87,7 @@ def reference_step(
         logp = logp.gather(-1, ids[:, 1:width, None])[..., 0]
         nll = nll - (logp * mask[rows, 1:width]).sum() / mask.sum()
         layers = sum(switch_loss(r, model.config.num_experts_per_tok) for r in out.router_logits)
-        aux = aux + layers * ids.numel() / tokens
+        aux = aux + layers * (ids.numel() / tokens if by_tokens else 1 / len(micro_batches))
     (nll + coeff * aux).backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -113,8 +114,13 @@ def test_moe_step_with_its_load_balancing_loss_matches_float64(layout, tmp_path_
         assert policy.dp_size == megatron.get("expert_parallel_size", 1)
         got = policy.get_logprobs(data)["logprobs"]
         torch.testing.assert_close(got, hf_logprobs(path, data), rtol=0, atol=ATOL)
-        # An evaluation adds no load-balancing loss, so it reports none (not a 0).
-        assert "moe_aux_loss" not in policy.train(data, NLLLoss(), eval_mode=True).metrics
+        # An evaluation adds no load-balancing loss, so it reports none (not a 0); its loss
+        # is the plain NLL.
+        evaluated = policy.train(data, NLLLoss(), eval_mode=True).metrics
+        assert "moe_aux_loss" not in evaluated
+        mask = TrainBatch.from_transport(data).loss_token_mask()
+        nll = float(-(hf_logprobs(path, data) * mask).sum() / mask.sum())
+        assert evaluated["loss"][0] == pytest.approx(nll, rel=1e-6)
         policy.prepare_for_training()
         metrics = policy.train(data, NLLLoss()).metrics
         policy.prepare_for_lp_inference()
@@ -128,6 +134,9 @@ def test_moe_step_with_its_load_balancing_loss_matches_float64(layout, tmp_path_
     expected, aux = reference_step(path, data, COEFF, multiple)
     assert aux > 0
     assert metrics["moe_aux_loss"][0] == pytest.approx(aux, rel=1e-6)
+    # The micro-batches weigh by their tokens (80 and 72, or 68): a plain mean is told apart.
+    _, plain_mean = reference_step(path, data, COEFF, multiple, by_tokens=False)
+    assert abs(plain_mean - aux) > 1e-4 * aux
     trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64).state_dict()
     assert set(trained) == set(expected)
     for name, tensor in expected.items():

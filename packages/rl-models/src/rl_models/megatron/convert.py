@@ -166,8 +166,8 @@ def check_expert_parallel(
     if layout.num_experts and tp > 1 and not sequence_parallel:
         raise ValueError(
             f"megatron.sequence_parallel must be true for a mixture-of-experts model with "
-            f"tensor_parallel_size {tp}: megatron-core runs experts beside tensor parallelism "
-            "only with sequence parallelism"
+            f"tensor_parallel_size {tp}: megatron-core trains experts beside tensor "
+            "parallelism only with sequence parallelism"
         )
     if aux_loss_coeff and not layout.num_experts:
         raise ValueError(
