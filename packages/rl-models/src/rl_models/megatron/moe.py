@@ -65,7 +65,8 @@ class MoeAuxLoss:
         self.coeff = coeff
         self.sequence_split = sequence_split
         # Kept on the model's device, read once (``total``): a read per micro-batch would make
-        # every pipeline stage wait for the device before sending its activations on.
+        # the stages before the last (which read nothing else) wait for the device before
+        # sending their activations on.
         self.value = torch.zeros((), dtype=torch.float64)
         self._seen = torch.zeros((), dtype=torch.float64)
         if self.enabled:
