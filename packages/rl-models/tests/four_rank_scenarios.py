@@ -43,8 +43,16 @@ def case_data(case: str):
     return long_documents() if case == "cp2-tp2-sp" else skewed_batch()
 
 
+def case_loss(case: str):
+    """The training step's loss. The three-dimensional mesh trains through whole logits
+    (label smoothing reads every vocabulary entry), so the gradient flows back through the
+    gather over tp and then over cp; the two-dimensional one trains on token log-probs."""
+    return LabelSmoothedNLLLoss(0.1) if case == "cp2-tp2-sp" else NLLLoss()
+
+
 def mesh_step(case: str, out: str) -> dict:
-    """Log-probs with entropies and a loss over whole logits (evaluated), then one SGD step:
+    """Log-probs with entropies and a loss over whole logits (evaluated), then one SGD step
+    (``case_loss``):
     its gradient norm, the weights exported in buckets (a refit's) and the checkpoint it
     writes (read back by rank 0). With dp = 2 each dp rank (two consecutive ranks) gets half
     of the rows, as the driver shards them; with cp every rank gets the whole batch."""
@@ -57,7 +65,7 @@ def mesh_step(case: str, out: str) -> dict:
     with torch.no_grad():
         logprobs_entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))
     whole_logits_loss = worker.train(data, LabelSmoothedNLLLoss(0.0), eval_mode=True)
-    grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
+    grad_norm = worker.train(data, case_loss(case)).metrics["grad_norm"]
     weights, _ = test_module("test_weight_export").exported(
         [worker._weight_exporter()], bucket_bytes=1 << 14
     )

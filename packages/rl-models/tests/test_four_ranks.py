@@ -6,7 +6,8 @@ The ranks run ``four_rank_scenarios.py`` under ``torch.distributed.run``. Every 
 log-probs and entropies must equal the plain float64 model run on each sequence alone, and one
 SGD step must give one process's gradient norm and weights (the checkpoint rank 0 reads back,
 written in shards by each rank in the three-dimensional case, and the weights a refit exports);
-a loss over whole logits must give the float64 mean NLL.
+a loss over whole logits must give the float64 mean NLL, and on the three-dimensional mesh the
+SGD step trains through whole logits (label smoothing) and must match one process too.
 A gradient reduced over the wrong ranks (counted twice over tp, or missing a dp or cp rank's
 share) changes the norm and the weights far beyond the tolerance.
 """
@@ -19,7 +20,7 @@ import torch
 from rl_data.batch import TrainBatch
 
 from .conftest import check_the_one_process_step, scenario, scenario_results
-from .four_rank_scenarios import CASES, case_config, case_data
+from .four_rank_scenarios import CASES, case_config, case_data, case_loss
 from .test_token_entropy import float64_logprobs_and_entropy
 
 pytestmark = pytest.mark.slow  # one launch of four processes
@@ -58,4 +59,6 @@ def test_a_mesh_gives_float64_logprobs_and_the_one_process_step(ranks, case):
         assert r["whole_logits_loss"][0] == pytest.approx(nll, rel=1e-10)
     if case == "cp2-tp2-sp":  # its max_grad_norm of 0.5 clips
         assert all(r["grad_norm"][0] > 0.5 for r in results)
-    check_the_one_process_step(config, data, results, "checkpoint", "exported")
+    check_the_one_process_step(
+        config, data, results, "checkpoint", "exported", loss=case_loss(case)
+    )
