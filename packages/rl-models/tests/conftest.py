@@ -189,16 +189,16 @@ def scenario(ranks: list[dict], name: str) -> list[dict]:
     return [r[name] for r in ranks]
 
 
-def check_the_one_process_step(config, data, results: list[dict], *weights: str, loss=None) -> None:
-    """One SGD step (``loss``, NLL by default) in one process on the whole batch changes the
-    weights, and every rank's gradient norm and rank 0's ``results[0][w]`` for each ``w`` in
-    ``weights`` equal it (float64, 1e-10)."""
+def check_the_one_process_step(config, data, results: list[dict], *weights: str) -> None:
+    """One SGD step (NLL) in one process on the whole batch changes the weights, and every
+    rank's gradient norm and rank 0's ``results[0][w]`` for each ``w`` in ``weights`` equal
+    it (float64, 1e-10)."""
     from rl_models.losses import NLLLoss
     from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
     worker = DTensorPolicyWorker(config)
     initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
-    grad_norm = worker.train(data, loss or NLLLoss()).metrics["grad_norm"]
+    grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
     trained = worker.model.state_dict()
     assert max(float((trained[k] - initial[k]).abs().max()) for k in trained) > 1e-2
     for r in results:

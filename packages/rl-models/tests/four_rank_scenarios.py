@@ -21,6 +21,9 @@ from rl_models.policy.forward import TokenLogprobs
 
 #: The meshes' cases: the skewed batch on dp x tp, the packed long documents on cp x tp.
 CASES = ("dp2-tp2-sp", "cp2-tp2-sp")
+#: The label smoothing of the losses over whole logits: not 0, so the loss reads every
+#: vocabulary entry's log-probability, not only the target's.
+SMOOTHING = 0.1
 
 
 def case_config(case: str, parallel: bool = True):
@@ -43,18 +46,11 @@ def case_data(case: str):
     return long_documents() if case == "cp2-tp2-sp" else skewed_batch()
 
 
-def case_loss(case: str):
-    """The training step's loss. The three-dimensional mesh trains through whole logits
-    (label smoothing reads every vocabulary entry), so the gradient flows back through the
-    gather over tp and then over cp; the two-dimensional one trains on token log-probs."""
-    return LabelSmoothedNLLLoss(0.1) if case == "cp2-tp2-sp" else NLLLoss()
-
-
 def mesh_step(case: str, out: str) -> dict:
     """Log-probs with entropies and a loss over whole logits (evaluated), then one SGD step
-    (``case_loss``):
-    its gradient norm, the weights exported in buckets (a refit's) and the checkpoint it
-    writes (read back by rank 0). With dp = 2 each dp rank (two consecutive ranks) gets half
+    (NLL): its gradient norm, the weights exported in buckets (a refit's) and the checkpoint
+    it writes (read back by rank 0). On cp x tp, also the gradient norm of a step through
+    whole logits, the gradient flowing back through the gather over tp and then over cp. With dp = 2 each dp rank (two consecutive ranks) gets half
     of the rows, as the driver shards them; with cp every rank gets the whole batch."""
     rank = int(os.environ["RANK"])
     data = case_data(case)
@@ -64,8 +60,14 @@ def mesh_step(case: str, out: str) -> dict:
     worker = DTensorPolicyWorker(case_config(case))
     with torch.no_grad():
         logprobs_entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))
-    whole_logits_loss = worker.train(data, LabelSmoothedNLLLoss(0.0), eval_mode=True)
-    grad_norm = worker.train(data, case_loss(case)).metrics["grad_norm"]
+    whole_logits_loss = worker.train(data, LabelSmoothedNLLLoss(SMOOTHING), eval_mode=True)
+    whole_logits_grad_norm = None
+    if case == "cp2-tp2-sp":  # a step through whole logits, on weights of its own
+        logits_worker = DTensorPolicyWorker(case_config(case))
+        step = logits_worker.train(data, LabelSmoothedNLLLoss(SMOOTHING))
+        whole_logits_grad_norm = step.metrics["grad_norm"]
+        del logits_worker
+    grad_norm = worker.train(data, NLLLoss()).metrics["grad_norm"]
     weights, _ = test_module("test_weight_export").exported(
         [worker._weight_exporter()], bucket_bytes=1 << 14
     )
@@ -80,6 +82,7 @@ def mesh_step(case: str, out: str) -> dict:
     return {
         "logprobs_entropy": logprobs_entropy,
         "whole_logits_loss": whole_logits_loss.metrics["loss"],
+        "whole_logits_grad_norm": whole_logits_grad_norm,
         "grad_norm": grad_norm,
         "exported": weights,
         "checkpoint": saved,
