@@ -21,8 +21,8 @@ from rl_models.policy.forward import TokenLogprobs
 
 #: The meshes' cases: the skewed batch on dp x tp, the packed long documents on cp x tp.
 CASES = ("dp2-tp2-sp", "cp2-tp2-sp")
-#: The label smoothing of the losses over whole logits: not 0, so the loss reads every
-#: vocabulary entry's log-probability, not only the target's.
+#: The label smoothing of the losses over whole logits: not 0, so the loss's value also
+#: depends on every vocabulary entry's log-probability (its mean), not only the target's.
 SMOOTHING = 0.1
 
 
@@ -50,8 +50,9 @@ def mesh_step(case: str, out: str) -> dict:
     """Log-probs with entropies and a loss over whole logits (evaluated), then one SGD step
     (NLL): its gradient norm, the weights exported in buckets (a refit's) and the checkpoint
     it writes (read back by rank 0). On cp x tp, also the gradient norm of a step through
-    whole logits, the gradient flowing back through the gather over tp and then over cp. With dp = 2 each dp rank (two consecutive ranks) gets half
-    of the rows, as the driver shards them; with cp every rank gets the whole batch."""
+    whole logits, whose gradient flows back through the gather over tp, then over cp.
+    With dp = 2 each dp rank (two consecutive ranks) gets half of the rows, as the driver
+    shards them; with cp every rank gets the whole batch."""
     rank = int(os.environ["RANK"])
     data = case_data(case)
     if case.startswith("dp2"):
