@@ -124,12 +124,19 @@ def test_a_garbled_or_truncated_result_frame_costs_only_its_sample(ray_session):
         pool.shutdown()
 
 
-def test_a_pool_of_no_given_size_fits_what_ray_has_free(ray_session):
-    # All CPUs but one held elsewhere (the trainer's, say): one worker, not two. (The module's
-    # other pools may hold some already.)
+def test_a_pool_of_no_given_size_fits_what_ray_has_free(sqrt_pool):
+    # All CPUs but one held elsewhere (the trainer's, say): one worker, not two.
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    # Ray hands back the CPUs of earlier tests' killed actors and removed reservations a moment
+    # later: wait until only the module's sqrt pool holds any, or a late release would free a
+    # second CPU between the hold below and the pool's count.
+    settled = ray.cluster_resources()["CPU"] - len(sqrt_pool._workers)
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0.0) != settled and time.monotonic() < deadline:
+        time.sleep(0.1)
     free = ray.available_resources()["CPU"]
+    assert free == settled
     held = placement_group([{"CPU": free - 1}]) if free > 1 else None
     if held is not None:
         ray.get(held.ready(), timeout=60)
