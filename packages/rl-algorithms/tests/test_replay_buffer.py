@@ -103,6 +103,21 @@ def test_a_step_waits_for_a_running_group_at_its_last_step_only():
     assert sorted(tags(taken)) == ["b", "c"] and trajectories.straggler_waits == 1
 
 
+def test_a_step_short_of_groups_anyway_is_no_straggler_wait():
+    buffer = ReplayBuffer(max_age_steps=2)
+    for step in range(4):
+        buffer.record_step(step, step)
+    buffer.add([group([3, 3], tag="a")])
+    # Step 3 needs two groups and holds one: it waits while the group at its span runs, but
+    # would have waited without it too. The straggler is the group that completes the step.
+    late = group([1, 1], tag="late")
+    collector = ScriptedCollector([reply(running=[1]), reply([late]), reply()])
+    trajectories = Trajectories(buffer, collector, max_wait=10)
+    trajectories.last_reply = reply(running=[1])
+    taken, _ = trajectories.take(2, step=3)
+    assert sorted(tags(taken)) == ["a", "late"] and trajectories.straggler_waits == 0
+
+
 def test_a_collector_out_of_prompts_is_no_error_while_the_buffer_holds_the_step():
     buffer = ReplayBuffer(max_age_steps=2)
     buffer.record_step(0, 0)

@@ -124,7 +124,8 @@ class Trajectories:
         # 1 from taking a step's groups until the next ``take``: the generator's weights are
         # then a step behind the groups still to come (the collector admits fewer).
         self.lag = 0
-        self.straggler_waits = 0  # steps that waited for a group at its last chance
+        # Steps held up by a group at its last chance while the buffer held enough groups.
+        self.straggler_waits = 0
 
     @classmethod
     def start(cls, run: Run) -> Trajectories:
@@ -163,6 +164,9 @@ class Trajectories:
         while True:
             dropped = self.buffer.dropped_groups
             straggler = self._straggler_due(step)
+            # Counted only while the buffer could serve the step: then the straggler alone
+            # holds it up (short of groups, the step would wait anyway).
+            waited_for_straggler |= straggler and self.buffer.holds(n, step)
             groups = None if straggler else self.buffer.take(n, step)
             self.consumed += self.buffer.dropped_groups - dropped
             if groups is not None:
@@ -178,7 +182,6 @@ class Trajectories:
                     f"waited {waited:.0f} s (grpo.async_grpo.max_wait_seconds) for {n} groups "
                     f"from the {self.collector.describe()}; the buffer holds {len(self.buffer)}"
                 )
-            waited_for_straggler |= straggler
             self.pull(timeout=1.0)
 
     def _straggler_due(self, step: int) -> bool:

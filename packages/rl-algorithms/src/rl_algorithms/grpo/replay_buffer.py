@@ -121,11 +121,15 @@ class ReplayBuffer:
         stale, self.stale = self.stale, []
         return stale
 
+    def holds(self, n: int, step: int) -> bool:
+        """Whether ``take(n, step)`` would return groups (stale ones are dropped first)."""
+        self.drop_stale(step)
+        return len(self.groups) >= n
+
     def take(self, n: int, step: int) -> list[TrajectoryGroup] | None:
         """The ``n`` groups whose oldest tokens are oldest (in arrival order among equals), young
         enough for step ``step`` (stale ones are dropped first), or None if there are fewer."""
-        self.drop_stale(step)
-        if len(self.groups) < n:
+        if not self.holds(n, step):
             return None
         order = sorted(range(len(self.groups)), key=lambda i: int(self.groups[i].step_min.min()))  # type: ignore[union-attr]
         chosen = set(order[:n])
