@@ -116,6 +116,17 @@ def test_a_step_short_of_groups_anyway_is_no_straggler_wait():
     trajectories.last_reply = reply(running=[1])
     taken, _ = trajectories.take(2, step=3)
     assert sorted(tags(taken)) == ["a", "late"] and trajectories.straggler_waits == 0
+    assert len(buffer) == 0 and buffer.dropped_groups == 0
+
+    # Short at first, then a young group arrives while the straggler still runs: from then on
+    # the straggler alone holds the step up, and it counts.
+    buffer.add([group([3, 3], tag="b")])
+    late = group([1, 1], tag="late2")
+    script = [reply([group([3, 3], tag="c")], running=[1]), reply(running=[1]), reply([late])]
+    collector.replies = [*script, reply()]
+    trajectories.last_reply = reply(running=[1])
+    taken, _ = trajectories.take(2, step=3)
+    assert sorted(tags(taken)) == ["b", "late2"] and trajectories.straggler_waits == 1
 
 
 def test_a_collector_out_of_prompts_is_no_error_while_the_buffer_holds_the_step():

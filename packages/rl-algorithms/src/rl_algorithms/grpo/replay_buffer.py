@@ -122,14 +122,16 @@ class ReplayBuffer:
         return stale
 
     def holds(self, n: int, step: int) -> bool:
-        """Whether ``take(n, step)`` would return groups (stale ones are dropped first)."""
-        self.drop_stale(step)
-        return len(self.groups) >= n
+        """Whether ``take(n, step)`` would return groups; changes nothing (a stale group
+        counts as missing, as ``take`` drops it)."""
+        young = sum(int(self.ages(g, step).max()) <= self.max_age_steps for g in self.groups)
+        return young >= n
 
     def take(self, n: int, step: int) -> list[TrajectoryGroup] | None:
         """The ``n`` groups whose oldest tokens are oldest (in arrival order among equals), young
         enough for step ``step`` (stale ones are dropped first), or None if there are fewer."""
-        if not self.holds(n, step):
+        self.drop_stale(step)
+        if len(self.groups) < n:
             return None
         order = sorted(range(len(self.groups)), key=lambda i: int(self.groups[i].step_min.min()))  # type: ignore[union-attr]
         chosen = set(order[:n])
