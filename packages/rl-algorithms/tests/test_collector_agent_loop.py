@@ -197,9 +197,16 @@ def collector(tokenizer, template, engine, metas, **kwargs) -> TrajectoryCollect
     )
 
 
-def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: int, span: int):
-    """Take ``n`` groups a step for ``steps`` steps, bumping the engine's weights after each
-    (an in-flight refit); the groups of each step, the buffer, the collector's last reply (it
+def train(
+    client: TrajectoryCollector,
+    engine: InProcessEngine,
+    n: int,
+    steps: int,
+    span: int,
+    train_seconds: float = 0.02,
+):
+    """Take ``n`` groups a step for ``steps`` steps, each trained for ``train_seconds``, bumping
+    the engine's weights after each (an in-flight refit); the groups of each step, the buffer, the collector's last reply (it
     must have run out of prompts, nothing left running), counts (the most groups out at once,
     the steps that waited for a long group) and the age of every sample trained on (its step
     minus that of the oldest weights it saw)."""
@@ -212,7 +219,7 @@ def train(client: TrajectoryCollector, engine: InProcessEngine, n: int, steps: i
         taken.append(groups)
         ages += [age for g in groups for age in buffer.ages(g, step).tolist()]
         most_out = max(most_out, client.out + len(groups))
-        time.sleep(0.02)  # the train step
+        time.sleep(train_seconds)  # the train step
         engine.version += 1
         buffer.record_step(step + 1, engine.version)
     trajectories.lag = 0  # waiting for the next step's groups, which never come
@@ -337,14 +344,17 @@ def test_stopping_the_collector_ends_the_turns_it_was_generating(tokenizer, temp
 
 
 def test_admission_keeps_groups_that_finish_in_order_within_the_max_age(tokenizer, template):
-    # One-turn episodes of 0.1 s (far above the threads' jitter) finish in the order they
-    # started: none trained is older than max_age_steps (1), though the buffer would keep them
-    # up to a span of 4.
+    # Episodes that finish in the order they started: none trained is older than
+    # max_age_steps (1), though the buffer would keep them up to a span of 4. Admission only
+    # bounds the age of groups that finish in order. The next step's groups are admitted
+    # once the trainer asks for them, one train step after this step's: a train step of
+    # 0.1 s keeps the threads' jitter from reordering one-turn episodes of 0.2 s. (At
+    # 0.02 s, a group once finished after the next step's and was trained two steps old.)
     metas = [{"turns": 1, "constant": True} for _ in range(16)]
-    engine = InProcessEngine(tokenizer, seconds=0.1)
+    engine = InProcessEngine(tokenizer, seconds=0.2)
     client = collector(tokenizer, template, engine, metas, max_age_steps=1)
     try:
-        _, _, _, _, ages = train(client, engine, n=2, steps=8, span=4)
+        _, _, _, _, ages = train(client, engine, n=2, steps=8, span=4, train_seconds=0.1)
     finally:
         client.stop()
     assert len(ages) == 16 * G
