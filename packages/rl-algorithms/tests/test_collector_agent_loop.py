@@ -205,11 +205,12 @@ def train(
     span: int,
     train_seconds: float = 0.02,
 ):
-    """Take ``n`` groups a step for ``steps`` steps, each trained for ``train_seconds``, bumping
-    the engine's weights after each (an in-flight refit); the groups of each step, the buffer, the collector's last reply (it
-    must have run out of prompts, nothing left running), counts (the most groups out at once,
-    the steps that waited for a long group) and the age of every sample trained on (its step
-    minus that of the oldest weights it saw)."""
+    """Take ``n`` groups a step for ``steps`` steps, each trained for ``train_seconds``,
+    bumping the engine's weights after each (an in-flight refit). Returns the groups of each
+    step, the buffer, the collector's last reply (it must have run out of prompts, nothing
+    left running), counts (the most groups out at once, the steps that waited for a long
+    group) and the age of every sample trained on (its step minus that of the oldest weights
+    it saw)."""
     buffer = ReplayBuffer(span)
     trajectories = Trajectories(buffer, LocalClient(client), max_wait=60)
     taken, most_out, ages = [], 0, []
@@ -346,10 +347,12 @@ def test_stopping_the_collector_ends_the_turns_it_was_generating(tokenizer, temp
 def test_admission_keeps_groups_that_finish_in_order_within_the_max_age(tokenizer, template):
     # Episodes that finish in the order they started: none trained is older than
     # max_age_steps (1), though the buffer would keep them up to a span of 4. Admission only
-    # bounds the age of groups that finish in order. The next step's groups are admitted
-    # once the trainer asks for them, one train step after this step's: a train step of
-    # 0.1 s keeps the threads' jitter from reordering one-turn episodes of 0.2 s. (At
-    # 0.02 s, a group once finished after the next step's and was trained two steps old.)
+    # bounds the age of groups that finish in order, and one step's groups start only about
+    # a train step before the next step's (those start once the trainer, done training,
+    # waits for its next groups). A train step of 0.1 s keeps the threads' jitter from
+    # reordering them; at 0.02 s a group once finished after the next step's and was trained
+    # two steps old. Episodes of 0.2 s keep the trainer waiting, so a collector that ignored
+    # the trainer's lag would admit a step early and fail this.
     metas = [{"turns": 1, "constant": True} for _ in range(16)]
     engine = InProcessEngine(tokenizer, seconds=0.2)
     client = collector(tokenizer, template, engine, metas, max_age_steps=1)
