@@ -105,7 +105,7 @@ class ReplayBuffer:
         in ``stale`` until ``pop_stale`` (their prompts are to be generated again)."""
         kept = []
         for group in self.groups:
-            if int(self.ages(group, step).max()) > self.max_age_steps:
+            if self._too_old(group, step):
                 self.dropped_groups += 1
                 self.dropped_samples += len(group.version_min)
                 self.dropped_tokens += int(group.result.metrics.get("completion_tokens", 0))
@@ -124,8 +124,10 @@ class ReplayBuffer:
     def holds(self, n: int, step: int) -> bool:
         """Whether ``take(n, step)`` would return groups; changes nothing (a stale group
         counts as missing, as ``take`` drops it)."""
-        young = sum(int(self.ages(g, step).max()) <= self.max_age_steps for g in self.groups)
-        return young >= n
+        return sum(not self._too_old(g, step) for g in self.groups) >= n
+
+    def _too_old(self, group: TrajectoryGroup, step: int) -> bool:
+        return int(self.ages(group, step).max()) > self.max_age_steps
 
     def take(self, n: int, step: int) -> list[TrajectoryGroup] | None:
         """The ``n`` groups whose oldest tokens are oldest (in arrival order among equals), young
