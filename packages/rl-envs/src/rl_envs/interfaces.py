@@ -20,6 +20,7 @@ from typing import Any, ClassVar, NamedTuple
 import ray
 import torch
 
+from rl_data.array_pickling import reduce_with_arrays
 from rl_data.types import Message, MessageLog
 
 #: The step calls an environment actor of ``concurrent_steps`` serves at once (Ray's
@@ -52,6 +53,9 @@ class RewardComponents:
             )
         if len(set(self.names)) != k:
             raise ValueError(f"RewardComponents: names repeat: {list(self.names)}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # its tensor crosses processes as an array
+        return reduce_with_arrays(self)
 
     def __getitem__(self, rows: Any) -> RewardComponents:
         """The same rewards for these rows of ``values``."""
@@ -110,6 +114,9 @@ class EnvironmentReturn(NamedTuple):
     # bool [B]: the samples the environment could not score (see ``EnvironmentStep``); None:
     # it scored every one.
     unscored: torch.Tensor | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:  # from an actor, its tensors travel as arrays
+        return reduce_with_arrays(self)
 
     def steps(self) -> list[EnvironmentStep]:
         """Each sample's step, in the batch's order."""

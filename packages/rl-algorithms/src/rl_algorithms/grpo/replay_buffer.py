@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from rl_algorithms.rollouts import RolloutResult
+from rl_data.array_pickling import reduce_with_arrays
 from rl_distributed.batched_data_dict import BatchedDataDict
 
 
@@ -42,6 +43,9 @@ class TrajectoryGroup:
     # The trainer step of each sample's oldest version (set by ``ReplayBuffer.add``). Ages are
     # kept in steps, which a checkpoint keeps whatever the resumed policy's versions are.
     step_min: torch.Tensor | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:  # from the collector: its tensors as arrays
+        return reduce_with_arrays(self)
 
     @property
     def oldest_version(self) -> int:
