@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.losses import NLLLoss
+from rl_models.modeling.attention_layout import mixed_attention_reason
 from rl_models.policy import forward, shared_prefix
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.shared_prefix import (
@@ -149,6 +150,18 @@ def test_sharing_runs_only_where_it_pays_and_where_the_mask_is_right():
     mistral = AutoConfig.for_model(**{**TINY_LLAMA, "model_type": "mistral", "sliding_window": 4})
     sliding = AutoModelForCausalLM.from_config(mistral)
     assert not supports_shared_prefix(sliding, "sdpa")
+    # ALiBi biases attention by distance, each family its own way: whole sequences.
+    for alibi in (
+        AutoConfig.for_model("bloom", n_layer=1, hidden_size=16, n_head=2),
+        AutoConfig.for_model("falcon", alibi=True),
+        AutoConfig.for_model("mpt"),
+    ):
+        assert "ALiBi" in (mixed_attention_reason(alibi) or ""), alibi.model_type
+    assert mixed_attention_reason(AutoConfig.for_model("falcon")) is None  # rotary
+    bloom = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("bloom", n_layer=1, hidden_size=16, n_head=2, vocab_size=128)
+    )
+    assert not supports_shared_prefix(bloom, "sdpa")
     # Long responses behind a short shared prompt: the dense packed attention costs more.
     long = BatchedDataDict(
         input_ids=torch.randint(1, 100, (8, 200)).index_fill(1, torch.arange(4), 7),

@@ -11,7 +11,10 @@ any of them keeps whole sequences:
   fewer real tokens than its window;
 - a recurrent or convolutional layer (linear attention, Mamba) steps through the padding;
 - a rotary embedding that rescales with the longest position in a forward (``dynamic``,
-  ``longrope``) would give the prefix, run alone, other frequencies than the whole prompt.
+  ``longrope``) would give the prefix, run alone, other frequencies than the whole prompt;
+- ALiBi (BLOOM, MPT, Falcon with ``alibi``) adds a bias by distance that each family builds its
+  own way, some from the mask and some from the columns; none is checked against these
+  layouts, so they keep whole sequences.
 """
 
 from __future__ import annotations
@@ -35,6 +38,17 @@ def _rope_types(rope: Any) -> set[str]:
     return found
 
 
+def _uses_alibi(config: Any) -> bool:
+    """BLOOM always; Falcon when ``alibi`` is set; MPT when its ``attn_config`` says so."""
+    attn = getattr(config, "attn_config", None)
+    mpt_alibi = attn.get("alibi") if isinstance(attn, dict) else getattr(attn, "alibi", False)
+    return (
+        getattr(config, "model_type", None) == "bloom"
+        or bool(getattr(config, "alibi", False))
+        or bool(mpt_alibi)
+    )
+
+
 def mixed_attention_reason(config: Any) -> str | None:
     """Why a model of this (Hugging Face) config does not attend plainly and causally over
     every earlier token in every layer, or None if it does (see the module docstring)."""
@@ -48,6 +62,8 @@ def mixed_attention_reason(config: Any) -> str | None:
     others = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
     if others:
         return f"it has layers of type {others}, not only full_attention"
+    if _uses_alibi(config):
+        return "it biases attention by distance (ALiBi), built by the model from its columns"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     scaled = sorted(_rope_types(rope) & LENGTH_SCALED_ROPE)
     if scaled:
