@@ -7,8 +7,9 @@ would write, ``env.step.remote(logs, metadata)``, the tensors pickled by torch (
 storages' legacy ``torch.save`` format). Ours: the agent loop's call, the logs wrapped in
 ``ArrayPickled`` (``rl_data/array_pickling.py``). The actor's ``step`` reads every message's
 tokens and returns an ``EnvironmentReturn`` (its own tensors travel as arrays in both
-measurements: that part is the class's, not the call's). Shapes are a GRPO step's: 8
-conversations a call, single-turn (a prompt and an answer) or ``--turns`` tool turns.
+measurements: that part is the class's, not the call's). Shapes are a GRPO group's: 8
+conversations a call sharing their prompt's tensors, single-turn (a prompt and an answer) or
+``--turns`` tool turns.
 Alternating rounds; the median of the rounds' ratios is printed last.
 
     uv run python bench/env_call.py [--turns 1] [--rounds 5] [--calls 40]
@@ -17,6 +18,7 @@ Alternating rounds; the median of the rounds' ratios is printed last.
 from __future__ import annotations
 
 import argparse
+import pickle
 import statistics
 import time
 
@@ -42,8 +44,11 @@ class Scorer:
         )
 
 
+PROMPT = {"role": "user", "content": "What is 12 + 15?", "token_ids": torch.arange(40)}
+
+
 def conversation(turns: int) -> list[dict]:
-    log = [{"role": "user", "content": "What is 12 + 15?", "token_ids": torch.arange(40)}]
+    log = [dict(PROMPT)]  # a group's conversations share the prompt's tensors, as in a run
     for _ in range(turns):
         log.append(
             {
@@ -77,6 +82,8 @@ def main() -> None:
     scorer = Scorer.remote()
     logs = [conversation(args.turns) for _ in range(args.conversations)]
     metadata = [{"ground_truth": "27"}] * args.conversations
+    plain_bytes = len(pickle.dumps(logs))
+    print(f"bytes pickled: plain {plain_bytes}, as arrays {len(pickle.dumps(ArrayPickled(logs)))}")
     ratios = []
     for r in range(args.rounds):
         plain = seconds_per_call(scorer, logs, metadata, args.calls, wrap=False)

@@ -85,6 +85,28 @@ def test_a_slice_sends_its_own_bytes_not_its_storage():
     assert torch.equal(pickle.loads(as_arrays)[0], view)
 
 
+def test_what_is_shared_is_sent_once_and_comes_back_shared():
+    prompt = {"role": "user", "content": "q", "token_ids": torch.arange(2000)}
+    logs = [[dict(prompt), {"role": "assistant", "content": "a", "token_ids": torch.arange(3)}]]
+    logs *= 8  # a group's conversations share their prompt's token ids (and here, more)
+    alone = len(pickle.dumps(ArrayPickled(logs[:1])))
+    assert len(pickle.dumps(ArrayPickled(logs))) < alone + 200
+    back = out_of_band_round_trip(ArrayPickled(logs))
+    assert back[0] is back[7] and back[0][0]["token_ids"] is back[5][0]["token_ids"]
+    assert_same(back, logs)
+    looped: list = [torch.ones(2)]
+    looped.append(looped)  # a structure that refers to itself stays finite
+    again = pickle.loads(pickle.dumps(ArrayPickled(looped)))
+    assert again[1] is again and torch.equal(again[0], torch.ones(2))
+
+
+def test_an_expanded_tensor_is_not_sent_whole():
+    wide = torch.arange(4).expand(100_000, 4)
+    data = pickle.dumps(ArrayPickled([wide]))
+    assert len(data) < 10_000  # as an array it would be 3.2 MB
+    assert torch.equal(pickle.loads(data)[0], wide)
+
+
 def test_what_numpy_cannot_hold_travels_as_a_tensor():
     weights = torch.ones(3, requires_grad=True)
     halves = torch.tensor([0.5, 1.5], dtype=torch.bfloat16)

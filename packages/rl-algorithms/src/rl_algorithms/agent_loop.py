@@ -56,6 +56,7 @@ from rl_algorithms.environment_calls import (
     rows_by_task,
     serves_concurrent_steps,
     split_steps,
+    step_remote,
 )
 from rl_algorithms.episodes import (
     ENV_TIMEOUT,
@@ -65,7 +66,6 @@ from rl_algorithms.episodes import (
     Episodes,
 )
 from rl_algorithms.rollout_result import RolloutResult
-from rl_data.array_pickling import ArrayPickled
 from rl_data.templates import ChatTemplate
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.config import ConfigModel
@@ -251,8 +251,7 @@ class _AgentLoop:
         token = None if self.step_gate is None else self.step_gate.enter(timeout)
         ref = None
         if hasattr(env.step, "remote"):
-            # A tensor or more per message: as arrays they pickle ~100x faster.
-            ref = env.step.remote(ArrayPickled(logs), metadata)
+            ref = step_remote(env, logs, metadata)
             future = ref.future()
         else:
             future = self.env_threads[task].submit(env.step, logs, metadata)

@@ -12,14 +12,22 @@ from typing import Any
 import ray
 import torch
 
+from rl_data.array_pickling import ArrayPickled
 from rl_data.types import MessageLog
 from rl_envs.interfaces import EnvironmentReturn, EnvironmentStep
 
 
 def call_env(env: Any, logs: list[MessageLog], metadata: list[Any]) -> Any:
     """A Ray actor's ``step.remote`` future, or an in-process environment's result."""
-    step = env.step
-    return step.remote(logs, metadata) if hasattr(step, "remote") else step(logs, metadata)
+    if hasattr(env.step, "remote"):
+        return step_remote(env, logs, metadata)
+    return env.step(logs, metadata)
+
+
+def step_remote(env: Any, logs: list[MessageLog], metadata: list[Any]) -> ray.ObjectRef:
+    """An environment actor's ``step`` call. The conversations carry a tensor or more per
+    message, which pickle many times faster as arrays (``ArrayPickled``)."""
+    return env.step.remote(ArrayPickled(logs), ArrayPickled(metadata))
 
 
 # What each environment actor said of its ``concurrent_steps``: fixed by its class, so asked once

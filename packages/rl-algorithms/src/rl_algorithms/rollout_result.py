@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rl_algorithms.environment_calls import environment_metrics
-from rl_data.array_pickling import reduce_with_arrays
+from rl_data.array_pickling import reduce_with_arrays, shallow_copy
 from rl_data.batch import TrainBatch
 from rl_data.collate import flatten_message_logs
 from rl_data.types import MessageLog
@@ -66,6 +66,9 @@ class RolloutResult:
     def __reduce__(self) -> tuple[Any, ...]:
         # From the async collector to the trainer, a tensor or more per message: as arrays.
         return reduce_with_arrays(self)
+
+    def __copy__(self) -> RolloutResult:
+        return shallow_copy(self)
 
     def sample_mask(self) -> torch.Tensor:
         """float32 ``[N]``: 1 for the rows a loss may train on. Out of it: fillers, and

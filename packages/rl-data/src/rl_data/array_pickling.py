@@ -9,10 +9,16 @@ call to it paid tens of milliseconds for the tensors alone (``bench/env_call.py`
 ``ArrayPickled(value)`` is a one-trip wrapper: pickling it writes ``value`` with its CPU
 tensors as arrays, and unpickling gives back the plain ``value`` (not the wrapper), its tensors
 rebuilt with their dtype and shape, writable and owning their memory. Lists, tuples and dicts
-are walked; anything else is pickled as it is, and so is a tensor numpy cannot hold (bfloat16,
-one that is not on the CPU or that requires grad). The records that carry conversations and
-scores across processes (an environment's return, a rollout's result) pickle the same way
-through ``reduce_with_arrays``.
+are walked; anything else is pickled as it is (a ``BatchedDataDict``, for one). An object met
+twice (the prompt's token ids that a group's conversations share) is sent once and comes back
+shared. A tensor travels torch's way when numpy cannot hold it (bfloat16, one not on the CPU
+or that requires grad) or when its elements outnumber its storage's (an ``expand``: as an
+array it would be sent whole). Tensor subclasses come back as plain tensors, and views of one
+storage as separate tensors.
+
+The records that carry conversations and scores across processes (an environment's return, a
+rollout's result) pickle the same way through ``reduce_with_arrays``; ``shallow_copy`` keeps
+their ``copy.copy`` what it was.
 """
 
 from __future__ import annotations
@@ -36,32 +42,60 @@ class _Array:
         return (_Array, (self.array,))
 
 
-def _pack(value: Any) -> Any:
+def _as_array(tensor: torch.Tensor) -> _Array | None:
+    try:
+        if tensor.numel() * tensor.element_size() > tensor.untyped_storage().nbytes():
+            return None  # an expanded tensor: its storage is smaller than its elements
+        return _Array(tensor.numpy())
+    except (TypeError, RuntimeError, NotImplementedError):  # bfloat16, CUDA, grad, sparse
+        return None
+
+
+def _pack(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` with its tensors as ``_Array``s; ``memo`` (by ``id``) keeps what is shared
+    shared, and what refers to itself finite."""
+    if id(value) in memo:
+        return memo[id(value)]
+    kind = type(value)
     if isinstance(value, torch.Tensor):
-        try:
-            return _Array(value.numpy())
-        except (TypeError, RuntimeError):  # bfloat16, not on the CPU, requires grad, ...
-            return value
-    if type(value) is list:
-        return [_pack(item) for item in value]
-    if type(value) is tuple:
-        return tuple(_pack(item) for item in value)
-    if type(value) is dict:
-        return {key: _pack(item) for key, item in value.items()}
-    return value
+        packed: Any = _as_array(value) or value
+    elif kind is list:
+        packed = memo[id(value)] = []
+        packed.extend(_pack(item, memo) for item in value)
+    elif kind is dict:
+        packed = memo[id(value)] = {}
+        packed.update((key, _pack(item, memo)) for key, item in value.items())
+    elif kind is tuple:
+        packed = tuple(_pack(item, memo) for item in value)
+    else:
+        return value
+    memo[id(value)] = packed
+    return packed
 
 
-def _unpack(value: Any) -> Any:
-    if isinstance(value, _Array):
+def _unpack(value: Any, memo: dict[int, Any]) -> Any:
+    if id(value) in memo:
+        return memo[id(value)]
+    kind = type(value)
+    if kind is _Array:
         # A copy: an out-of-band buffer (Ray's object store) can be read-only and shared.
-        return torch.from_numpy(np.array(value.array, copy=True))
-    if type(value) is list:
-        return [_unpack(item) for item in value]
-    if type(value) is tuple:
-        return tuple(_unpack(item) for item in value)
-    if type(value) is dict:
-        return {key: _unpack(item) for key, item in value.items()}
-    return value
+        out: Any = torch.from_numpy(np.array(value.array, copy=True))
+    elif kind is list:
+        out = memo[id(value)] = []
+        out.extend(_unpack(item, memo) for item in value)
+    elif kind is dict:
+        out = memo[id(value)] = {}
+        out.update((key, _unpack(item, memo)) for key, item in value.items())
+    elif kind is tuple:
+        out = tuple(_unpack(item, memo) for item in value)
+    else:
+        return value
+    memo[id(value)] = out
+    return out
+
+
+def _restore(packed: Any) -> Any:
+    return _unpack(packed, {})
 
 
 class ArrayPickled:
@@ -73,19 +107,31 @@ class ArrayPickled:
         self.value = value
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_unpack, (_pack(self.value),))
+        return (_restore, (_pack(self.value, {}),))
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+    return obj._asdict()
 
 
 def reduce_with_arrays(obj: Any) -> tuple[Any, ...]:
     """The ``__reduce__`` of a dataclass or named tuple whose fields hold tensors: it is
     rebuilt from its fields (through its constructor), each sent as ``ArrayPickled`` sends a
     value. A checkpoint that pickles it names this module's ``_rebuild``."""
-    if dataclasses.is_dataclass(obj):
-        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
-    else:
-        fields = obj._asdict()
-    return (_rebuild, (type(obj), _pack(fields)))
+    return (_rebuild, (type(obj), _pack(_fields(obj), {})))
 
 
 def _rebuild(cls: type, fields: dict[str, Any]) -> Any:
-    return cls(**_unpack(fields))
+    return cls(**_restore(fields))
+
+
+def shallow_copy(obj: Any) -> Any:
+    """``copy.copy`` of a dataclass or named tuple that pickles through ``reduce_with_arrays``
+    (which ``copy`` would otherwise use): a new record holding the same field values."""
+    if dataclasses.is_dataclass(obj):
+        new = object.__new__(type(obj))
+        new.__dict__.update(obj.__dict__)  # (a frozen dataclass's too: no __setattr__ here)
+        return new
+    return type(obj)(*obj)

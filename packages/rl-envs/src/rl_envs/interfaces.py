@@ -20,7 +20,7 @@ from typing import Any, ClassVar, NamedTuple
 import ray
 import torch
 
-from rl_data.array_pickling import reduce_with_arrays
+from rl_data.array_pickling import reduce_with_arrays, shallow_copy
 from rl_data.types import Message, MessageLog
 
 #: The step calls an environment actor of ``concurrent_steps`` serves at once (Ray's
@@ -56,6 +56,9 @@ class RewardComponents:
 
     def __reduce__(self) -> tuple[Any, ...]:  # its tensor crosses processes as an array
         return reduce_with_arrays(self)
+
+    def __copy__(self) -> RewardComponents:
+        return shallow_copy(self)
 
     def __getitem__(self, rows: Any) -> RewardComponents:
         """The same rewards for these rows of ``values``."""
@@ -117,6 +120,9 @@ class EnvironmentReturn(NamedTuple):
 
     def __reduce__(self) -> tuple[Any, ...]:  # from an actor, its tensors travel as arrays
         return reduce_with_arrays(self)
+
+    def __copy__(self) -> EnvironmentReturn:
+        return shallow_copy(self)
 
     def steps(self) -> list[EnvironmentStep]:
         """Each sample's step, in the batch's order."""

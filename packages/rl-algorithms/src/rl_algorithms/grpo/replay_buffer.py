@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from rl_algorithms.rollouts import RolloutResult
-from rl_data.array_pickling import reduce_with_arrays
+from rl_data.array_pickling import reduce_with_arrays, shallow_copy
 from rl_distributed.batched_data_dict import BatchedDataDict
 
 
@@ -46,6 +46,9 @@ class TrajectoryGroup:
 
     def __reduce__(self) -> tuple[Any, ...]:  # from the collector: its tensors as arrays
         return reduce_with_arrays(self)
+
+    def __copy__(self) -> TrajectoryGroup:
+        return shallow_copy(self)
 
     @property
     def oldest_version(self) -> int:
