@@ -51,51 +51,44 @@ def _as_array(tensor: torch.Tensor) -> _Array | None:
         return None
 
 
-def _pack(value: Any, memo: dict[int, Any]) -> Any:
-    """``value`` with its tensors as ``_Array``s; ``memo`` (by ``id``) keeps what is shared
-    shared, and what refers to itself finite."""
+def _rebuilt(value: Any, leaf: Any, memo: dict[int, Any]) -> Any:
+    """``value`` with ``leaf`` applied to everything in it that is not a list, dict or tuple;
+    ``memo`` (by ``id``) keeps what is shared shared, and what refers to itself finite."""
     if id(value) in memo:
         return memo[id(value)]
     kind = type(value)
-    if isinstance(value, torch.Tensor):
-        packed: Any = _as_array(value) or value
-    elif kind is list:
-        packed = memo[id(value)] = []
-        packed.extend(_pack(item, memo) for item in value)
-    elif kind is dict:
-        packed = memo[id(value)] = {}
-        packed.update((key, _pack(item, memo)) for key, item in value.items())
-    elif kind is tuple:
-        packed = tuple(_pack(item, memo) for item in value)
-    else:
-        return value
-    memo[id(value)] = packed
-    return packed
-
-
-def _unpack(value: Any, memo: dict[int, Any]) -> Any:
-    if id(value) in memo:
-        return memo[id(value)]
-    kind = type(value)
-    if kind is _Array:
-        # A copy: an out-of-band buffer (Ray's object store) can be read-only and shared.
-        out: Any = torch.from_numpy(np.array(value.array, copy=True))
-    elif kind is list:
-        out = memo[id(value)] = []
-        out.extend(_unpack(item, memo) for item in value)
+    if kind is list:
+        out: Any = []
+        memo[id(value)] = out
+        out.extend(_rebuilt(item, leaf, memo) for item in value)
     elif kind is dict:
         out = memo[id(value)] = {}
-        out.update((key, _unpack(item, memo)) for key, item in value.items())
+        out.update((key, _rebuilt(item, leaf, memo)) for key, item in value.items())
     elif kind is tuple:
-        out = tuple(_unpack(item, memo) for item in value)
+        out = tuple(_rebuilt(item, leaf, memo) for item in value)
     else:
-        return value
+        out = leaf(value)
     memo[id(value)] = out
     return out
 
 
+def _to_array(value: Any) -> Any:
+    return (_as_array(value) or value) if isinstance(value, torch.Tensor) else value
+
+
+def _to_tensor(value: Any) -> Any:
+    if type(value) is not _Array:
+        return value
+    # A copy: an out-of-band buffer (Ray's object store) can be read-only and shared.
+    return torch.from_numpy(np.array(value.array, copy=True))
+
+
+def _pack(value: Any) -> Any:
+    return _rebuilt(value, _to_array, {})
+
+
 def _restore(packed: Any) -> Any:
-    return _unpack(packed, {})
+    return _rebuilt(packed, _to_tensor, {})
 
 
 class ArrayPickled:
@@ -107,7 +100,7 @@ class ArrayPickled:
         self.value = value
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore, (_pack(self.value, {}),))
+        return (_restore, (_pack(self.value),))
 
 
 def _fields(obj: Any) -> dict[str, Any]:
@@ -120,7 +113,7 @@ def reduce_with_arrays(obj: Any) -> tuple[Any, ...]:
     """The ``__reduce__`` of a dataclass or named tuple whose fields hold tensors: it is
     rebuilt from its fields (through its constructor), each sent as ``ArrayPickled`` sends a
     value. A checkpoint that pickles it names this module's ``_rebuild``."""
-    return (_rebuild, (type(obj), _pack(_fields(obj), {})))
+    return (_rebuild, (type(obj), _pack(_fields(obj))))
 
 
 def _rebuild(cls: type, fields: dict[str, Any]) -> Any:
