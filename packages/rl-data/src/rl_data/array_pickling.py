@@ -56,16 +56,23 @@ def _rebuilt(value: Any, leaf: Any, memo: dict[int, Any]) -> Any:
     ``memo`` (by ``id``) keeps what is shared shared, and what refers to itself finite."""
     if id(value) in memo:
         return memo[id(value)]
+    # Plain loops, not comprehensions: a frame per level of nesting, as pickle's own, so
+    # that data as deep as pickle takes (a dataset's nested metadata) packs too.
     kind = type(value)
     if kind is list:
         out: Any = []
         memo[id(value)] = out
-        out.extend(_rebuilt(item, leaf, memo) for item in value)
+        for item in value:
+            out.append(_rebuilt(item, leaf, memo))
     elif kind is dict:
         out = memo[id(value)] = {}
-        out.update((key, _rebuilt(item, leaf, memo)) for key, item in value.items())
+        for key, item in value.items():
+            out[key] = _rebuilt(item, leaf, memo)
     elif kind is tuple:
-        out = tuple(_rebuilt(item, leaf, memo) for item in value)
+        items = []
+        for item in value:
+            items.append(_rebuilt(item, leaf, memo))
+        out = tuple(items)
     else:
         out = leaf(value)
     memo[id(value)] = out

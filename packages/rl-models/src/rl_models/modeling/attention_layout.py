@@ -63,7 +63,7 @@ def mixed_attention_reason(config: Any) -> str | None:
     if others:
         return f"it has layers of type {others}, not only full_attention"
     if _uses_alibi(config):
-        return "it biases attention by distance (ALiBi), built by the model from its columns"
+        return "it biases attention by distance (ALiBi), unchecked against these layouts"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     scaled = sorted(_rope_types(rope) & LENGTH_SCALED_ROPE)
     if scaled:
