@@ -1,18 +1,36 @@
-"""A format reward for the main job's task, for GDPO's two-reward recipe (two_rewards.yaml).
+"""Format rewards for the main job's task, for GDPO's two-reward recipes.
 
-The prompt asks for "just the number"; correctness is the built-in ``math`` reward. This one
-pays for the format alone, so the two rewards disagree often early in training (a right answer
+The prompt asks for "just the number"; correctness is the built-in ``math`` reward. These pay
+for the format alone, so the two rewards disagree often early in training (a right answer
 inside a sentence, a bare wrong number): the case where GDPO's per-reward normalisation and
-GRPO's normalised sum give different advantages."""
+GRPO's normalised sum give different advantages.
+
+- ``just_the_number`` (two_rewards.yaml) pays for a bare integer only. SmolLM2-135M adds
+  better when it writes the sum out, so this reward can be had by giving up accuracy, and on
+  some seeds it took the run over (docs/guides/objectives.md).
+- ``no_words`` (two_rewards_no_words.yaml) pays for an answer without prose: a bare integer or
+  the sum written out (``65 + 97 = 162``). It still disagrees with correctness (a wrong sum
+  written out, a right one inside a sentence), but no longer pays for dropping the working."""
 
 import re
 
 _BARE_NUMBER = re.compile(r"-?\d+")
+# Digits, spaces and the signs of a written sum, on one line, ending in an integer.
+_NO_WORDS = re.compile(r"[\d +\-=]*?-?\d+")
+
+
+def _texts(completions: list) -> list[str]:
+    # A completion is its text, or (the main job's conversational prompts) the assistant's
+    # messages ``[{"role": "assistant", "content": text}]``, the answer in the last.
+    return [c if isinstance(c, str) else c[-1]["content"] for c in completions]
 
 
 def just_the_number(completions: list, **_) -> list[float]:
-    """1.0 when the completion, stripped of surrounding whitespace, is one integer, else 0.0.
-    A completion is its text, or (the main job's conversational prompts) the assistant's
-    messages ``[{"role": "assistant", "content": text}]``, the answer in the last."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [float(bool(_BARE_NUMBER.fullmatch(text.strip()))) for text in texts]
+    """1.0 when the completion, stripped of surrounding whitespace, is one integer, else 0.0."""
+    return [float(bool(_BARE_NUMBER.fullmatch(text.strip()))) for text in _texts(completions)]
+
+
+def no_words(completions: list, **_) -> list[float]:
+    """1.0 when the completion, stripped of surrounding whitespace, is one line of digits and
+    ``+``, ``-``, ``=`` signs ending in an integer (``162``, ``65 + 97 = 162``), else 0.0."""
+    return [float(bool(_NO_WORDS.fullmatch(text.strip()))) for text in _texts(completions)]

@@ -58,6 +58,52 @@ def test_shared_prefix_logprobs_equal_the_plain_forward(chunk):
     assert (shared[wanted] != 0).all()
 
 
+@pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunked"])
+def test_shared_prefix_entropy_and_its_gradient_equal_each_row_run_alone(float64_norms, chunk):
+    # An entropy bonus reads each loss token's log-prob and entropy: with the prompt run once,
+    # both and their gradients equal a float64 reference that runs every row alone.
+    data = grouped_batch()
+    wanted = TrainBatch.from_transport(data).loss_token_mask() > 0
+    temperature, bonus = 0.7, 0.3
+    model = initial_model()
+    options = forward.ForwardOptions(chunk_size=chunk, temperature=temperature, share_prefix=True)
+    out = forward.forward_logprobs(model, data, options, wanted=wanted, entropy=True)
+    (out[..., 0].sum() + bonus * out[..., 1].sum()).backward()
+    got = {k: p.grad for k, p in model.named_parameters()}
+
+    reference = initial_model()
+    expected = torch.zeros_like(out)
+    total = torch.zeros((), dtype=torch.float64)
+    for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
+        logp_all = torch.log_softmax(reference(ids[None, :n]).logits[0, : n - 1] / temperature, -1)
+        logp = logp_all.gather(-1, ids[1:n, None])[:, 0]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        keep = wanted[row, 1:n]
+        total = total + (logp * keep).sum() + bonus * (entropy * keep).sum()
+        expected[row, 1:n] = torch.stack([logp * keep, entropy * keep], -1).detach()
+    total.backward()
+    torch.testing.assert_close(out.detach(), expected, rtol=0, atol=1e-10)
+    assert (out[..., 1][wanted] > 0).all()  # entropies, not zeros, where the loss reads them
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=0, atol=1e-10, msg=name)
+
+
+def test_an_entropy_forward_shares_the_prompts(monkeypatch):
+    data = grouped_batch()
+    wanted = TrainBatch.from_transport(data).loss_token_mask() > 0
+    calls = []
+    original = forward.shared_prefix_logprobs
+    monkeypatch.setattr(
+        forward,
+        "shared_prefix_logprobs",
+        lambda *args, **kwargs: calls.append(args[-1]) or original(*args, **kwargs),
+    )
+    options = forward.ForwardOptions(share_prefix=True)
+    with torch.no_grad():
+        forward.forward_logprobs(initial_model(), data, options, wanted=wanted, entropy=True)
+    assert calls == [True]
+
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["by-segments", "checkpointed-dense"])
 def test_a_step_with_shared_prompts_equals_the_float64_reference_and_runs_prompts_once(
     float64_norms, monkeypatch, recompute

@@ -273,14 +273,14 @@ def forward_logprobs(
     wanted = wanted if in_head else None
     # Per position, the tokens whose log-probs are wanted: the input token, then gather_ids.
     tokens = ids if gather_ids is None else torch.cat([ids[..., None], gather_ids.to(ids)], -1)
-    # The shared-prefix pass gives log-probs only.
-    sharing = options.share_prefix and not options.packed and gather_ids is None and not entropy
+    # The shared-prefix pass gives one token's log-prob per position (and its entropy).
+    sharing = options.share_prefix and not options.packed and gather_ids is None
     if sharing and wanted is not None:
         wanted = wanted & _padding_mask(mb)
         if supports_shared_prefix(model, options.attn_implementation) and sharing_pays(
             model, wanted, lengths, ids
         ):
-            return shared_prefix_logprobs(model, mb, wanted, chunk_size, temperature)
+            return shared_prefix_logprobs(model, mb, wanted, chunk_size, temperature, entropy)
     p, inputs = _model_inputs(mb, options)
     split = _split(inputs, mb, p, options)
     row_tokens, row_wanted = tokens, wanted

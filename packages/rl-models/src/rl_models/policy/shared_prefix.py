@@ -167,9 +167,11 @@ def shared_prefix_logprobs(
     wanted: torch.Tensor,
     chunk_size: int | None,
     temperature: float,
+    entropy: bool = False,
 ) -> torch.Tensor:
     """``[B, S]`` log-probs at the ``wanted`` positions (0 elsewhere) of a right-padded
-    micro-batch, each distinct prefix run once (module docstring). ``model`` is a Hugging
+    micro-batch, each distinct prefix run once (module docstring); with ``entropy``, ``[B, S,
+    2]``: the log-probs, then the entropy of the distribution that predicts each token. ``model`` is a Hugging
     Face causal LM for which ``supports_shared_prefix`` holds and whose output layer returns
     plain logits (``supports_chunked_logprobs``). One ordinary forward call, so FSDP2's hooks
     see nothing unusual; under activation checkpointing the attention is the dense masked
@@ -201,7 +203,9 @@ def shared_prefix_logprobs(
         attention = attention_by_segments(model, _segments(packed, longest, device))
     with (
         attention,
-        output_layer_computes_logprobs(model, ids[rows, next_cols], chunk_size, temperature, keep),
+        output_layer_computes_logprobs(
+            model, ids[rows, next_cols], chunk_size, temperature, keep, entropy
+        ),
     ):
         out = model(
             input_ids=ids[rows, cols] * real,
@@ -212,5 +216,7 @@ def shared_prefix_logprobs(
     # Back to the row layout: the log-prob of token (row, col + 1); the unkept ones land in a
     # spare last slot, then dropped.
     flat = torch.where(keep, rows * (width + 1) + next_cols, batch * (width + 1))
-    lp = out.new_zeros(batch * (width + 1) + 1).scatter(0, flat.flatten(), out.flatten())
-    return lp[:-1].view(batch, width + 1)[:, :width]
+    values = out.flatten(0, 1)  # [positions] or, with the entropy, [positions, 2]
+    index = flat.flatten().view(-1, *[1] * (values.dim() - 1)).expand_as(values)
+    lp = values.new_zeros(batch * (width + 1) + 1, *values.shape[1:]).scatter(0, index, values)
+    return lp[:-1].view(batch, width + 1, *values.shape[1:])[:, :width]
