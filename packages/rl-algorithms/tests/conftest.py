@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -35,15 +36,25 @@ def ray_session():
     ray.shutdown()
 
 
+@contextlib.contextmanager
+def ray_with_cpus(num_cpus: int):
+    """Inside, the test process's Ray cluster has ``num_cpus`` logical CPUs; the session's
+    cluster is back after."""
+    ray.shutdown()
+    init_ray(num_cpus=num_cpus, log_to_driver=False)
+    try:
+        yield num_cpus
+    finally:
+        ray.shutdown()
+        init_ray(num_cpus=TEST_RAY_CPUS, log_to_driver=False)
+
+
 @pytest.fixture
 def machine_sized_ray(ray_session):
     """For one test, a Ray cluster with the machine's own CPUs, as `rl` starts it when
-    ``cluster.ray_num_cpus`` is left out (the session's cluster is back after the test)."""
-    ray.shutdown()
-    init_ray(num_cpus=os.cpu_count(), log_to_driver=False)
-    yield os.cpu_count()
-    ray.shutdown()
-    init_ray(num_cpus=TEST_RAY_CPUS, log_to_driver=False)
+    ``cluster.ray_num_cpus`` is left out."""
+    with ray_with_cpus(os.cpu_count()) as cpus:
+        yield cpus
 
 
 # A tokenizer for rollout tests: the sliding puzzle's words and the scripted samples' markers.

@@ -1,4 +1,5 @@
-"""`rl ppo` end to end on a tiny model, its policy training LoRA adapters: the critic learns
+"""`rl ppo` end to end on a tiny model, its policy training LoRA adapters on two DTensor ranks
+(the critic beside it on the same two, or on two workers of its own): the critic learns
 the returns, every loss is finite, refits send the HF generator only the adapters, and a run
 stopped after a checkpoint and resumed equals the uninterrupted one (the policy's merged
 weights and adapters, and the critic)."""
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 
 from rl_algorithms import cli
 
+from ..conftest import TEST_RAY_CPUS, ray_with_cpus
 from .conftest import (
     LORA,
     TINY_LLAMA,
@@ -73,7 +75,7 @@ def ppo_config(tmp_path, assets) -> dict:
         },
         "logger": {"log_dir": str(tmp_path / "logs"), "progress_bar": False},
         "checkpointing": {"checkpoint_dir": str(tmp_path / "ckpt"), "save_period": 2},
-        "cluster": {"ray_num_cpus": 4},
+        "cluster": {"ray_num_cpus": 4, "cpu_workers_per_node": 2},
     }
 
 
@@ -151,9 +153,14 @@ def test_a_critic_on_workers_of_its_own_trains_and_values_like_a_colocated_one(
     changes no number)."""
     config = ppo_config(tmp_path, assets)
     config["critic"]["colocated"] = False
+    # As many ranks as the colocated critic had: with fewer, its gradients would be reduced
+    # in another order, and the value losses would differ by float32 rounding (about 2e-8).
+    config["critic"]["num_workers"] = 2
     config["ppo"]["max_num_steps"] = 2
     config["checkpointing"]["enabled"] = False
-    assert cli.main(["ppo", "--config", write_config(tmp_path, config)]) == 0
+    # Two logical CPUs more than the session's cluster: the critic's own two workers.
+    with ray_with_cpus(TEST_RAY_CPUS + 2):
+        assert cli.main(["ppo", "--config", write_config(tmp_path, config)]) == 0
     separate = [r for r in read_metrics(tmp_path / "logs") if "train/critic/value_loss" in r]
     colocated = [r for r in straight[1] if "train/critic/value_loss" in r]
     assert [r["step"] for r in separate] == [1, 2]
