@@ -32,8 +32,9 @@ def test_the_format_reward_pays_for_a_bare_integer_only():
 def test_the_no_words_reward_pays_for_a_written_sum_and_refuses_prose():
     rewards = _rewards()
     completions = ["162", " 65 + 97 = 162\n", "65+97=162", "-3", "65 + 97 = 162.", "The sum is 162"]
-    completions += ["65 + 97 =", "", "162\n162", "162 apples"]
-    expected = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    completions += ["65 + 97 =", "", "162\n162", "162 apples", "1 2 3", "= 162", "+162"]
+    completions += ["1-2-3", "\u0661\u0666\u0662"]  # the last: Arabic-Indic digits
+    expected = [1.0, 1.0, 1.0, 1.0] + [0.0] * 11
     assert rewards.no_words(completions) == expected
     messages = [[{"role": "assistant", "content": text}] for text in completions]
     assert rewards.no_words(completions=messages) == expected

@@ -15,8 +15,9 @@ GRPO's normalised sum give different advantages.
 import re
 
 _BARE_NUMBER = re.compile(r"-?\d+")
-# Digits, spaces and the signs of a written sum, on one line, ending in an integer.
-_NO_WORDS = re.compile(r"[\d +\-=]*?-?\d+")
+# A bare integer, or a sum or difference written out before it ("65 + 97 = 162"); ASCII
+# digits only.
+_NO_WORDS = re.compile(r"(?:-?\d+ *[+-] *-?\d+ *= *)?-?\d+", re.ASCII)
 
 
 def _texts(completions: list) -> list[str]:
@@ -31,6 +32,6 @@ def just_the_number(completions: list, **_) -> list[float]:
 
 
 def no_words(completions: list, **_) -> list[float]:
-    """1.0 when the completion, stripped of surrounding whitespace, is one line of digits and
-    ``+``, ``-``, ``=`` signs ending in an integer (``162``, ``65 + 97 = 162``), else 0.0."""
+    """1.0 when the completion, stripped of surrounding whitespace, is an integer, or a sum or
+    difference of two integers written out before it (``162``, ``65 + 97 = 162``), else 0.0."""
     return [float(bool(_NO_WORDS.fullmatch(text.strip()))) for text in _texts(completions)]

@@ -41,8 +41,8 @@ def ray_with_cpus(num_cpus: int):
     """Inside, the test process's Ray cluster has ``num_cpus`` logical CPUs; the session's
     cluster is back after."""
     ray.shutdown()
-    init_ray(num_cpus=num_cpus, log_to_driver=False)
     try:
+        init_ray(num_cpus=num_cpus, log_to_driver=False)
         yield num_cpus
     finally:
         ray.shutdown()
