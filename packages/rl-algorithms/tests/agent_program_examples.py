@@ -63,9 +63,14 @@ def misbehave(base_url, row):
         deadline = time.monotonic() + 120
         while not release.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        Path(row["report"]).write_text(
-            refused(lambda: api.chat.completions.create(model="policy", messages=row["messages"]))
+        message = refused(
+            lambda: api.chat.completions.create(model="policy", messages=row["messages"])
         )
+        # Written aside, then renamed: the test waits for the report to exist, and must not
+        # read it between its creation and its text.
+        written = Path(row["report"]).with_suffix(".writing")
+        written.write_text(message)
+        written.replace(row["report"])
         return None
     if behaviour == "diverges":
         first = api.chat.completions.create(model="policy", messages=row["messages"])
