@@ -204,7 +204,9 @@ def test_bad_agents_are_cut_counted_and_kept_out_of_the_loss(server, tokenizer, 
         function=f"{PROGRAMS}:misbehave",
         max_episode_seconds=2.0,
     )
-    # The hung program was not waited for: it is held until now (see ``misbehave``).
+    # The hung program was not waited for: it is held until now (see ``misbehave``). Its
+    # late call is counted from here, so the count is read before it is released.
+    late_before = server.late_requests
     report.with_suffix(".release").touch()
     assert result.end_reasons == [
         "agent_returned",
@@ -227,7 +229,6 @@ def test_bad_agents_are_cut_counted_and_kept_out_of_the_loss(server, tokenizer, 
     train = result.training_batch(tokenizer.pad_token_id)
     assert (train.loss_mask.sum(1) > 0).tolist() == [True, False, True, True, True]
     # The hung program's call after its deadline is refused and counted.
-    late_before = server.late_requests
     deadline = time.monotonic() + 10
     while not report.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
