@@ -3,6 +3,7 @@ port), real ``openai`` clients, a real tokenizer and chat template; the generato
 double whose sampled ids do not survive a decode / encode round trip, so any re-tokenisation
 of what was sampled would show. The programs are in agent_program_examples.py."""
 
+import itertools
 import json
 import threading
 import time
@@ -140,13 +141,28 @@ def test_an_episode_is_one_trajectory_of_exactly_the_sampled_tokens(server, toke
     assert result.metrics["agent_program/failed_episodes"] == 0
 
 
-def test_concurrent_requests_of_many_episodes_share_generate_calls(server, tokenizer, template):
+def test_concurrent_requests_of_many_episodes_share_generate_calls(
+    server, tokenizer, template, monkeypatch
+):
+    # Every episode's request is counted as it queues, so that the first call can wait for
+    # them all (a sleep could end before a slow episode's request arrived).
+    submitted, all_submitted = itertools.count(1), threading.Event()
+    submit = GenerationBatcher.submit
+
+    def counted_submit(self, prompt, stops):
+        future = submit(self, prompt, stops)
+        if next(submitted) == 8:
+            all_submitted.set()
+        return future
+
+    monkeypatch.setattr(GenerationBatcher, "submit", counted_submit)
+
     class SlowFirstCall(RandomTokenGeneration):
-        """The first call takes a while: the other episodes' requests queue meanwhile."""
+        """The first call lasts until the other episodes' requests have queued behind it."""
 
         def generate(self, data, greedy=False, *, expected_weight_version=None):
             if not self.rows:
-                time.sleep(0.5)
+                assert all_submitted.wait(60), "not every episode's request arrived"
             self.sizes = [*getattr(self, "sizes", []), data.size]
             return super().generate(data, greedy, expected_weight_version=expected_weight_version)
 
@@ -202,7 +218,9 @@ def test_bad_agents_are_cut_counted_and_kept_out_of_the_loss(server, tokenizer, 
         tokenizer,
         template,
         function=f"{PROGRAMS}:misbehave",
-        max_episode_seconds=2.0,
+        # Long enough for the good program's two requests on a busy machine: the hung one
+        # is held past it whatever it is, so it costs this test its length once.
+        max_episode_seconds=5.0,
     )
     # The hung program was not waited for: it is held until now (see ``misbehave``). Its
     # late call is counted from here, so the count is read before it is released.
@@ -503,7 +521,9 @@ def test_a_stopped_rollout_kills_its_commands_at_once(server, tokenizer, templat
 
     pid_file, script = tmp_path / "pid", tmp_path / "hangs.py"
     script.write_text(
-        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n"
+        # Written aside and renamed: the pid file exists only with the pid in it.
+        f"import os, time\nopen({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid()))\n"
+        f"os.replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r})\ntime.sleep(300)\n"
     )
     stop: Future = Future()
 

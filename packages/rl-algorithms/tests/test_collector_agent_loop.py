@@ -369,16 +369,18 @@ def test_time_held_at_the_gate_counts_against_no_deadline(tokenizer, template):
     ``env_step_timeout_s`` and ``max_group_seconds``: after ``resume`` the step runs, the
     episodes end as they should, and the group is neither cut nor cancelled."""
     engine = InProcessEngine(tokenizer, seconds=0.05)
-    loop = AgentLoopConfig(env_step_timeout_s=0.5)
+    # Deadlines of a second or two, not tenths: two turns of 0.05 s must fit in them with
+    # room for a busy machine's thread jitter.
+    loop = AgentLoopConfig(env_step_timeout_s=1.0)
     client = collector(
-        tokenizer, template, engine, [{"turns": 2}] * 2, max_group_seconds=0.8, agent_loop=loop
+        tokenizer, template, engine, [{"turns": 2}] * 2, max_group_seconds=2.0, agent_loop=loop
     )
     try:
         deadline = time.monotonic() + 10
         while not client.turns.running and time.monotonic() < deadline:
             time.sleep(0.005)
         assert client.drain(5.0, scoring=True)  # its first turn done, its step held
-        time.sleep(1.5)
+        time.sleep(2.5)
         client.resume()
         groups, _, reply, _, _ = train(client, engine, n=1, steps=2, span=4)
     finally:
@@ -386,7 +388,7 @@ def test_time_held_at_the_gate_counts_against_no_deadline(tokenizer, template):
     assert reply.requeued_groups == 0
     for [group] in groups:
         assert group.result.end_reasons == ["terminated"] * G
-        assert group.seconds < 0.8  # its age leaves the drain out
+        assert group.seconds < 2.0  # its age leaves the drain out
 
 
 class HangingEnv(TurnsEnv):
@@ -442,7 +444,7 @@ def test_groups_stuck_in_a_step_hold_no_thread_later_groups_need(tokenizer, temp
         engine,
         [{"turns": 1, "constant": True}],
         envs={"t": env},
-        max_group_seconds=0.3,
+        max_group_seconds=1.0,  # the sixth, good attempt must fit in it, on a busy machine too
         max_groups_ahead=1,
         agent_loop=AgentLoopConfig(env_steps="batched"),
     )
