@@ -258,11 +258,13 @@ class CountingPolicy:
     def prepare_for_lp_inference(self):
         pass
 
-    def get_logprobs(self, batch):
+    def get_logprobs(self, batch, *, at_loss_tokens=False):
+        assert at_loss_tokens  # all a loss or KL reads: the prompt is not computed
         self.calls.append("policy")
         return {"logprobs": torch.zeros_like(batch.input_ids, dtype=torch.float32)}
 
-    def get_reference_policy_logprobs(self, batch):
+    def get_reference_policy_logprobs(self, batch, *, at_loss_tokens=False):
+        assert at_loss_tokens
         self.calls.append("reference")
         return {"reference_logprobs": torch.zeros_like(batch.input_ids, dtype=torch.float32)}
 
@@ -425,11 +427,13 @@ class LogprobPolicy:
         g = torch.Generator().manual_seed(seed)
         return -torch.rand(batch.input_ids.shape, generator=g)
 
-    def get_logprobs(self, batch):
+    def get_logprobs(self, batch, *, at_loss_tokens=False):
+        assert at_loss_tokens
         self.calls.append("get_logprobs")
         return {"logprobs": self._logprobs(batch, 1)}
 
-    def get_reference_policy_logprobs(self, batch):
+    def get_reference_policy_logprobs(self, batch, *, at_loss_tokens=False):
+        assert at_loss_tokens
         self.calls.append("get_reference_policy_logprobs")
         return {"reference_logprobs": self._logprobs(batch, 2)}
 

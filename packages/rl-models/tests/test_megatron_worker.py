@@ -100,6 +100,11 @@ def test_megatron_worker_matches_hf_and_the_dtensor_worker(tiny_llama, tmp_path)
         # The reference policy kept the initial weights.
         ref_lp = call(plain, "get_reference_policy_logprobs", data=data)["reference_logprobs"]
         torch.testing.assert_close(ref_lp, got, rtol=0, atol=1e-12)
+        # Only at the loss's tokens (what GRPO asks for): the same values, zero elsewhere.
+        ref_at_loss = call(plain, "get_reference_policy_logprobs", data=data, at_loss_tokens=True)[
+            "reference_logprobs"
+        ]
+        torch.testing.assert_close(ref_at_loss, got * (mask > 0), rtol=0, atol=1e-12)
         # Loading the checkpoint back undoes a further step.
         call(plain, "train", data=data, loss_fn=NLLLoss())
         call(plain, "load_checkpoint", path=ckpt, training_state_dir=state)

@@ -251,3 +251,37 @@ def test_sharing_can_be_turned_off():
     )
     worker.train(data, NLLLoss())
     assert embedded == [data["input_ids"].numel()]
+
+
+def test_logprobs_at_loss_tokens_run_each_prompt_once_and_equal_each_row_run_alone(
+    monkeypatch,
+):
+    # What GRPO's pi_old and reference log-probs ask for (``at_loss_tokens``): the prompt is
+    # not an output the loss reads, so a group's prompt runs once.
+    data = grouped_batch()
+    config = tiny_config(train_micro_batch_size=13, reference_policy={"enabled": True})
+    worker = DTensorPolicyWorker(config)
+    calls = []
+    original = forward.shared_prefix_logprobs
+    monkeypatch.setattr(
+        forward,
+        "shared_prefix_logprobs",
+        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs),
+    )
+    got = worker.get_logprobs(data, at_loss_tokens=True)["logprobs"]
+    reference = worker.get_reference_policy_logprobs(data, at_loss_tokens=True)
+    assert len(calls) == 2  # both took the shared-prompt pass
+    # Each row alone, in float64, through the plain Hugging Face model: zero off the loss.
+    model, mask = initial_model(), TrainBatch.from_transport(data).loss_token_mask()
+    expected = torch.zeros_like(got, dtype=torch.float64)
+    with torch.no_grad():
+        for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
+            logp = torch.log_softmax(model(ids[None, :n]).logits[0, : n - 1], -1)
+            expected[row, 1:n] = logp.gather(-1, ids[1:n, None])[:, 0] * mask[row, 1:n]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    torch.testing.assert_close(reference["reference_logprobs"], expected, rtol=0, atol=1e-10)
+    # Every position's log-probs, the default, are the plain forward's: no sharing.
+    everywhere = worker.get_logprobs(data)["logprobs"]
+    assert len(calls) == 2
+    torch.testing.assert_close(everywhere * (mask > 0), got, rtol=0, atol=1e-10)
+    assert bool((everywhere[mask == 0][1:] != 0).any())  # the prompts' are there too

@@ -174,12 +174,21 @@ class PolicyInterface(ABC):
     """A trainable language-model policy, however it is placed and parallelised."""
 
     @abstractmethod
-    def get_logprobs(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
-        """``{"logprobs": [B, S]}`` of the current weights, in ``data``'s row order."""
+    def get_logprobs(
+        self, data: TrainBatch | BatchedDataDict, *, at_loss_tokens: bool = False
+    ) -> BatchedDataDict:
+        """``{"logprobs": [B, S]}`` of the current weights, in ``data``'s row order.
+
+        ``at_loss_tokens``: only where ``TrainBatch.loss_token_mask`` counts (0 elsewhere), all
+        a loss or a KL reads. A backend may then skip the other positions' output layer and
+        run a group's shared prompt once, which for a GRPO batch is most of the work."""
 
     @abstractmethod
-    def get_reference_policy_logprobs(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
-        """``{"reference_logprobs": [B, S]}`` of the frozen initial weights."""
+    def get_reference_policy_logprobs(
+        self, data: TrainBatch | BatchedDataDict, *, at_loss_tokens: bool = False
+    ) -> BatchedDataDict:
+        """``{"reference_logprobs": [B, S]}`` of the frozen initial weights
+        (``at_loss_tokens`` as for ``get_logprobs``)."""
 
     @abstractmethod
     def train(

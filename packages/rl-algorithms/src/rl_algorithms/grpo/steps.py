@@ -416,11 +416,10 @@ def compute_logprobs(
     run.policy.prepare_for_lp_inference()
     out = {}
     if "prev_logprobs" in fields:
-        out["prev_logprobs"] = run.policy.get_logprobs(batch)["logprobs"]
+        out["prev_logprobs"] = run.policy.get_logprobs(batch, at_loss_tokens=True)["logprobs"]
     if "reference_logprobs" in fields:
-        out["reference_logprobs"] = run.policy.get_reference_policy_logprobs(batch)[
-            "reference_logprobs"
-        ]
+        reference = run.policy.get_reference_policy_logprobs(batch, at_loss_tokens=True)
+        out["reference_logprobs"] = reference["reference_logprobs"]
     return out
 
 

@@ -181,7 +181,12 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
     # -- inference -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, data: BatchedDataDict) -> torch.Tensor:
+    def _logprobs(
+        self, model: torch.nn.Module, data: BatchedDataDict, at_loss_tokens: bool = False
+    ) -> torch.Tensor:
+        """``[B, S]`` log-probs of ``data`` in its row order; ``at_loss_tokens``: zeroed off
+        the loss's tokens (the pipeline computes every position's; the values kept are the
+        same)."""
         model.eval()
         width = data["input_ids"].shape[1]
         (mbs,), restore = self._steps(
@@ -209,17 +214,23 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         )
         # Only the last stage computed them; every rank of the replica returns them.
         result = broadcast_from_last_stage(result.to(self.device)).cpu()
-        return result[torch.tensor(restore)] if restore is not None else result
+        result = result[torch.tensor(restore)] if restore is not None else result
+        if at_loss_tokens:
+            result = result * (TrainBatch.from_transport(data).loss_token_mask() > 0)
+        return result
 
-    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        return BatchedDataDict({"logprobs": self._logprobs(self.model, data)})
+    def get_logprobs(self, data: BatchedDataDict, at_loss_tokens: bool = False) -> BatchedDataDict:
+        return BatchedDataDict({"logprobs": self._logprobs(self.model, data, at_loss_tokens)})
 
-    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, at_loss_tokens: bool = False
+    ) -> BatchedDataDict:
         if self.reference is None:
             raise RuntimeError("this policy has no reference model (reference_policy.enabled)")
         self.reference.to(self.device)
         try:
-            return BatchedDataDict({"reference_logprobs": self._logprobs(self.reference, data)})
+            lp = self._logprobs(self.reference, data, at_loss_tokens)
+            return BatchedDataDict({"reference_logprobs": lp})
         finally:
             if self.config.reference_policy.offload_to_cpu:
                 self.reference.to("cpu")

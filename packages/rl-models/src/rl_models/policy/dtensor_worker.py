@@ -289,8 +289,9 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             results = tuple(r[torch.tensor(restore)] for r in results)
         return results if pair else results[0]
 
-    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
-        return BatchedDataDict({"logprobs": self._per_row(self.model, data, TokenLogprobs())})
+    def get_logprobs(self, data: BatchedDataDict, at_loss_tokens: bool = False) -> BatchedDataDict:
+        output = TokenLogprobs(at_loss_tokens=at_loss_tokens)
+        return BatchedDataDict({"logprobs": self._per_row(self.model, data, output)})
 
     def get_topk_logprobs(self, data: BatchedDataDict, k: int) -> BatchedDataDict:
         """``{"topk_logprobs": [B, S, k], "topk_ids": [B, S, k]}``: at every position ``t`` the
@@ -318,17 +319,20 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
             }
         )
 
-    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, at_loss_tokens: bool = False
+    ) -> BatchedDataDict:
+        output = TokenLogprobs(at_loss_tokens=at_loss_tokens)
         if self.lora and self.config.reference_policy.enabled:
             # The frozen base weights are the initial policy: switch the adapters off.
             with self.model.disable_adapter():
-                lp = self._per_row(self.model, data, TokenLogprobs(), replay=False)
+                lp = self._per_row(self.model, data, output, replay=False)
             return BatchedDataDict({"reference_logprobs": lp})
         if self.reference is None:
             raise RuntimeError("this policy has no reference model (reference_policy.enabled)")
         offload.move_module(self.reference, self.device, copy=False)
         try:
-            lp = self._per_row(self.reference, data, TokenLogprobs(), replay=False)
+            lp = self._per_row(self.reference, data, output, replay=False)
             return BatchedDataDict({"reference_logprobs": lp})
         finally:
             if self.config.reference_policy.offload_to_cpu:

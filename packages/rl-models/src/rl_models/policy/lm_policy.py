@@ -135,11 +135,15 @@ class Policy(PolicyInterface):
         out = BatchedDataDict.from_batches(self._run(method, shards, **common))
         return out.reorder_data(restore) if restore is not None else out
 
-    def get_logprobs(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
-        return self._per_row("get_logprobs", data)
+    def get_logprobs(
+        self, data: TrainBatch | BatchedDataDict, *, at_loss_tokens: bool = False
+    ) -> BatchedDataDict:
+        return self._per_row("get_logprobs", data, at_loss_tokens=at_loss_tokens)
 
-    def get_reference_policy_logprobs(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
-        return self._per_row("get_reference_policy_logprobs", data)
+    def get_reference_policy_logprobs(
+        self, data: TrainBatch | BatchedDataDict, *, at_loss_tokens: bool = False
+    ) -> BatchedDataDict:
+        return self._per_row("get_reference_policy_logprobs", data, at_loss_tokens=at_loss_tokens)
 
     def get_scores(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
         """``{"scores": [B, num_labels]}`` of a sequence classifier (``model.kind``)."""
