@@ -425,7 +425,10 @@ class LogprobPolicy:
 
     def _logprobs(self, batch, seed):
         g = torch.Generator().manual_seed(seed)
-        return -torch.rand(batch.input_ids.shape, generator=g)
+        # What a policy gives at_loss_tokens: 0 off the loss's tokens, so that a step
+        # reading pi_old or the reference there would read zeros and be caught.
+        lp = -torch.rand(batch.input_ids.shape, generator=g)
+        return torch.where(batch.loss_token_mask() > 0, lp, 0.0)
 
     def get_logprobs(self, batch, *, at_loss_tokens=False):
         assert at_loss_tokens
@@ -551,3 +554,37 @@ def test_each_validation_logs_samples_of_the_latest_training_step(make_run):
     logged = [(r["step"], r["train/samples"]) for r in lines if "train/samples" in r]
     assert logged == [(2, s) for s in result.samples(3)]
     assert [s["reward"] for _, s in logged] == result.rewards[:3].tolist()
+
+
+def test_the_policy_gives_its_workers_at_loss_tokens_and_they_leave_the_prompt_out():
+    # The Policy a run holds, its one DTensor worker in this process (no Ray).
+    from rl_data.batch import TrainBatch
+    from rl_models.policy.config import PolicyConfig
+
+    from .conftest import TINY_LLAMA
+    from .in_process import in_process_policy
+
+    config = PolicyConfig.model_validate(
+        {
+            "model": {"hf_config": TINY_LLAMA, "dtype": "float64"},
+            "train_global_batch_size": 4,
+            "train_micro_batch_size": 4,
+        }
+    )
+    policy = in_process_policy(config, "policy", [])
+    g = torch.Generator().manual_seed(0)
+    # Two rows share a prompt; one is switched off (sample_mask 0); one ends in its prompt.
+    ids = torch.randint(1, TINY_LLAMA["vocab_size"], (4, 12), generator=g)
+    ids[1, :6] = ids[0, :6]
+    batch = TrainBatch(
+        input_ids=ids,
+        input_lengths=torch.tensor([12, 9, 12, 5]),
+        loss_mask=(torch.arange(12) >= 6).double().expand(4, 12).clone(),
+        sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]),
+    )
+    everywhere = policy.get_logprobs(batch)["logprobs"]
+    at_loss = policy.get_logprobs(batch, at_loss_tokens=True)["logprobs"]
+    wanted = batch.loss_token_mask() > 0
+    assert wanted.any(1).tolist() == [True, True, False, False]
+    torch.testing.assert_close(at_loss, torch.where(wanted, everywhere, 0.0), rtol=0, atol=1e-10)
+    assert bool((everywhere[:, 1:5] != 0).all())  # the prompts' log-probs, left out above

@@ -71,8 +71,8 @@ def with_reference_logprobs(run: Run) -> Callable[[TrainBatch], TrainBatch]:
 
     def prepare(batch: TrainBatch) -> TrainBatch:
         run.policy.prepare_for_lp_inference()
-        reference = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
-        return batch.replace(reference_logprobs=reference)
+        reference = run.policy.get_reference_policy_logprobs(batch, at_loss_tokens=True)
+        return batch.replace(reference_logprobs=reference["reference_logprobs"])
 
     return prepare
 

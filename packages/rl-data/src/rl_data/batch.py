@@ -58,9 +58,11 @@ class TrainBatch:
     chose (-1 where it recorded none: a response's last token, padding); what the policy's
     ``router_replay`` routes by."""
     prev_logprobs: torch.Tensor | None = None
-    """``[B, S]`` log-probs of the policy the batch is trained from (pi_old)."""
+    """``[B, S]`` log-probs of the policy the batch is trained from (pi_old). The loops take
+    them at the loss's tokens only: 0 where ``loss_token_mask()`` is 0 (the prompt, and every
+    token of a row whose ``sample_mask`` is 0)."""
     reference_logprobs: torch.Tensor | None = None
-    """``[B, S]`` log-probs of the frozen reference policy."""
+    """``[B, S]`` log-probs of the frozen reference policy, 0 where ``prev_logprobs`` are."""
     values: torch.Tensor | None = None
     """``[B, S]`` the critic's values when the batch was collected (V_old, PPO)."""
     returns: torch.Tensor | None = None

@@ -95,7 +95,8 @@ def teacher_scores(run: Run, batch: TrainBatch) -> dict[str, torch.Tensor]:
     if in_turns:
         run.teacher.prepare_for_lp_inference()
     if config.loss_fn.estimator == "sampled_token":
-        scores = {"teacher_logprobs": run.teacher.get_logprobs(batch)["logprobs"]}
+        teacher = run.teacher.get_logprobs(batch, at_loss_tokens=True)
+        scores = {"teacher_logprobs": teacher["logprobs"]}
     else:
         topk = run.teacher.get_topk_logprobs(batch, config.distillation.topk_logits_k)
         scores = {

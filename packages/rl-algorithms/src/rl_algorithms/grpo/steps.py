@@ -407,7 +407,9 @@ def compute_logprobs(
     reference policy's ``reference_logprobs``: the ``fields`` asked for (default: the ones
     ``logprob_fields`` names for GRPO), by their ``TrainBatch`` names.
 
-    With a single optimiser step per batch pi_old is the policy being trained, so its
+    Both are taken at the loss's tokens only (0 where ``batch.loss_token_mask()`` is 0), all
+    a loss or a KL reads: a group's prompt then runs once, and its positions skip the output
+    layer. With a single optimiser step per batch pi_old is the policy being trained, so its
     log-probs come out of the train step's own forward pass (see ``ClippedPGLossFn``).
     """
     fields = logprob_fields(run.config) if fields is None else fields

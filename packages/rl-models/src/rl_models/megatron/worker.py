@@ -216,7 +216,8 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         result = broadcast_from_last_stage(result.to(self.device)).cpu()
         result = result[torch.tensor(restore)] if restore is not None else result
         if at_loss_tokens:
-            result = result * (TrainBatch.from_transport(data).loss_token_mask() > 0)
+            wanted = TrainBatch.from_transport(data).loss_token_mask() > 0
+            result = torch.where(wanted, result, 0.0)
         return result
 
     def get_logprobs(self, data: BatchedDataDict, at_loss_tokens: bool = False) -> BatchedDataDict:

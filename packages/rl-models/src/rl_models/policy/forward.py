@@ -474,7 +474,12 @@ class TokenLogprobs(Output):
         batch = TrainBatch.from_transport(mb) if self.at_loss_tokens or self.teacher_topk else None
         wanted = batch.loss_token_mask() > 0 if self.at_loss_tokens else None
         gather_ids = teacher_topk_ids(batch) if self.teacher_topk else None
-        return forward_logprobs(model, mb, options, wanted, gather_ids, self.entropy)
+        out = forward_logprobs(model, mb, options, wanted, gather_ids, self.entropy)
+        if wanted is None:
+            return out
+        # An output layer that cannot compute log-probs itself (a soft-capped or scaled head)
+        # gives every position's: zero the others here, so that the result is the same.
+        return torch.where(wanted[..., None] if out.dim() == 3 else wanted, out, 0.0)
 
 
 @dataclass(frozen=True)

@@ -138,12 +138,13 @@ class Policy(PolicyInterface):
     def get_logprobs(
         self, data: TrainBatch | BatchedDataDict, *, at_loss_tokens: bool = False
     ) -> BatchedDataDict:
-        return self._per_row("get_logprobs", data, at_loss_tokens=at_loss_tokens)
+        return self._per_row("get_logprobs", data, **_only_if(at_loss_tokens=at_loss_tokens))
 
     def get_reference_policy_logprobs(
         self, data: TrainBatch | BatchedDataDict, *, at_loss_tokens: bool = False
     ) -> BatchedDataDict:
-        return self._per_row("get_reference_policy_logprobs", data, at_loss_tokens=at_loss_tokens)
+        only = _only_if(at_loss_tokens=at_loss_tokens)
+        return self._per_row("get_reference_policy_logprobs", data, **only)
 
     def get_scores(self, data: TrainBatch | BatchedDataDict) -> BatchedDataDict:
         """``{"scores": [B, num_labels]}`` of a sequence classifier (``model.kind``)."""
@@ -208,3 +209,9 @@ class Policy(PolicyInterface):
 
     def shutdown(self) -> None:
         self.worker_group.shutdown(cleanup_method="shutdown")
+
+
+def _only_if(**flags: bool) -> dict[str, bool]:
+    """The flags that are set: a worker of a plugged-in backend written before a flag existed
+    still serves the calls that do not ask for it."""
+    return {name: True for name, on in flags.items() if on}
