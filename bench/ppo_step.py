@@ -73,26 +73,26 @@ def worker(model: dict, kind: str) -> DTensorPolicyWorker:
     )
 
 
-def rollout_batch(seed: int = 0) -> tuple[BatchedDataDict, torch.Tensor]:
+def rollout_batch(seed: int = 0, rows: int = ROWS) -> tuple[BatchedDataDict, torch.Tensor]:
     """Groups of GROUP rows sharing a 46-token prompt (as the main job's 4 prompts x 8), each
     with a response of 8..32 tokens; rewards 0/1."""
     gen = torch.Generator().manual_seed(seed)
-    responses = torch.randint(8, RESPONSE + 1, (ROWS,), generator=gen)
+    responses = torch.randint(8, RESPONSE + 1, (rows,), generator=gen)
     lengths = PROMPT + responses
     width = int(lengths.max())
     pos = torch.arange(width)[None, :]
     real = pos < lengths[:, None]
-    ids = torch.randint(1, 1000, (ROWS, width), generator=gen)
-    prompts = torch.randint(1, 1000, (ROWS // GROUP, PROMPT), generator=gen)
+    ids = torch.randint(1, 1000, (rows, width), generator=gen)
+    prompts = torch.randint(1, 1000, (rows // GROUP, PROMPT), generator=gen)
     ids[:, :PROMPT] = prompts.repeat_interleave(GROUP, dim=0)  # GRPO's prefix sharing applies
     ids = ids * real
     loss_mask = (real & (pos >= PROMPT)).float()
-    rewards = (torch.rand(ROWS, generator=gen) < 0.3).float()
+    rewards = (torch.rand(rows, generator=gen) < 0.3).float()
     batch = BatchedDataDict(
         input_ids=ids,
         input_lengths=lengths,
         loss_mask=loss_mask,
-        generation_logprobs=torch.zeros(ROWS, width),
+        generation_logprobs=torch.zeros(rows, width),
     )
     return batch, rewards
 
