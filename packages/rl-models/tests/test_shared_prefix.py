@@ -35,6 +35,18 @@ def reference_step(data, temperature: float = 1.0) -> dict[str, torch.Tensor]:
         return {k: p - p.grad for k, p in model.named_parameters()}
 
 
+def loss_token_logprobs(data) -> torch.Tensor:
+    """``[B, S]`` float64 log-probs at the loss's tokens (0 elsewhere) of the initial model,
+    every row run alone through plain Hugging Face."""
+    model, mask = initial_model(), TrainBatch.from_transport(data).loss_token_mask()
+    expected = torch.zeros(data["input_ids"].shape, dtype=torch.float64)
+    with torch.no_grad():
+        for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
+            logp = torch.log_softmax(model(ids[None, :n]).logits[0, : n - 1], -1)
+            expected[row, 1:n] = logp.gather(-1, ids[1:n, None])[:, 0] * mask[row, 1:n]
+    return expected
+
+
 def test_the_prefix_is_what_comes_before_the_first_wanted_logprob():
     data = grouped_batch()
     wanted = TrainBatch.from_transport(data).loss_token_mask() > 0
@@ -272,12 +284,7 @@ def test_logprobs_at_loss_tokens_run_each_prompt_once_and_equal_each_row_run_alo
     reference = worker.get_reference_policy_logprobs(data, at_loss_tokens=True)
     assert len(calls) == 2  # both took the shared-prompt pass
     # Each row alone, in float64, through the plain Hugging Face model: zero off the loss.
-    model, mask = initial_model(), TrainBatch.from_transport(data).loss_token_mask()
-    expected = torch.zeros_like(got, dtype=torch.float64)
-    with torch.no_grad():
-        for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
-            logp = torch.log_softmax(model(ids[None, :n]).logits[0, : n - 1], -1)
-            expected[row, 1:n] = logp.gather(-1, ids[1:n, None])[:, 0] * mask[row, 1:n]
+    expected, mask = loss_token_logprobs(data), TrainBatch.from_transport(data).loss_token_mask()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
     torch.testing.assert_close(reference["reference_logprobs"], expected, rtol=0, atol=1e-10)
     # Every position's log-probs, the default, are the plain forward's: no sharing.

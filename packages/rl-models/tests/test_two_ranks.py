@@ -67,11 +67,14 @@ def test_gradients_are_reduced_once_per_step_and_give_the_one_process_step(ranks
 
 
 def test_groups_share_their_prompt_pass_on_two_ranks(ranks, float64_norms):
-    """Each rank runs its groups' prompts once under FSDP2; the step equals the float64
-    reference that runs every row alone."""
-    from .test_shared_prefix import reference_step
+    """Each rank runs its groups' prompts once under FSDP2; the step, and pi_old's log-probs
+    at the loss's tokens before it, equal the float64 reference that runs every row alone."""
+    from .test_shared_prefix import loss_token_logprobs, reference_step
 
     ranks = scenario(ranks, "shared_prefix_step")
+    got_lp = torch.cat([r["loss_token_logprobs"] for r in ranks])
+    expected_lp = loss_token_logprobs(grouped_batch().slice(0, 12))
+    torch.testing.assert_close(got_lp, expected_lp, rtol=0, atol=1e-10)
     # One pass per rank over packed group rows, fewer tokens than the rank's 6 padded rows.
     for rank, r in enumerate(ranks):
         half = grouped_batch().slice(rank * 6, rank * 6 + 6)

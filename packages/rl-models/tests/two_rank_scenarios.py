@@ -123,6 +123,8 @@ def shared_prefix_step(rank: int) -> dict:
         half = grouped_batch().slice(rank * 6, rank * 6 + 6)
         config = tiny_config(train_global_batch_size=12, train_micro_batch_size=6)
         worker = DTensorPolicyWorker(config)
+        # pi_old as GRPO asks for it, before the step: each rank's groups' prompts once.
+        at_loss = worker.get_logprobs(half, at_loss_tokens=True)["logprobs"]
         embedded, segment_calls = [], []
         worker.model.get_input_embeddings().register_forward_pre_hook(
             lambda _m, args: embedded.append(int(args[0].numel()))
@@ -135,7 +137,12 @@ def shared_prefix_step(rank: int) -> dict:
         weights = get_model_state_dict(
             worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return {"trained_weights": weights, "embedded": embedded, "segments": len(segment_calls)}
+        return {
+            "loss_token_logprobs": at_loss,
+            "trained_weights": weights,
+            "embedded": embedded,
+            "segments": len(segment_calls),
+        }
     finally:
         segment_attention.AttentionInterface.register(
             segment_attention.NAME, segment_attention.segment_attention

@@ -173,9 +173,9 @@ def shared_prefix_logprobs(
     micro-batch, each distinct prefix run once (module docstring); with ``entropy``,
     ``[B, S, 2]``: the log-probs, then the entropy of the distribution that predicts each
     token. ``model`` is a Hugging Face causal LM for which ``supports_shared_prefix`` holds and
-    whose output layer returns plain logits (``supports_chunked_logprobs``). One ordinary forward call, so FSDP2's hooks
-    see nothing unusual; under activation checkpointing the attention is the dense masked
-    one (``recomputes_in_backward``)."""
+    whose output layer returns plain logits (``supports_chunked_logprobs``). One ordinary
+    forward call, so FSDP2's hooks see nothing unusual; under activation checkpointing the
+    attention is the dense masked one (``recomputes_in_backward``)."""
     ids, lengths = mb["input_ids"], mb["input_lengths"].to(mb["input_ids"].device)
     device, (batch, width) = ids.device, ids.shape
     prefix = prefix_lengths(wanted, lengths)
