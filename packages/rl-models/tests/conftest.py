@@ -5,6 +5,8 @@ import sys
 import pytest
 import ray
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl_distributed.batched_data_dict import BatchedDataDict
@@ -208,3 +210,25 @@ def check_the_one_process_step(config, data, results: list[dict], *weights: str)
         assert set(got) == set(trained), key
         for name, tensor in trained.items():
             torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-10, msg=name)
+
+
+class WidestVocabTensor(TorchDispatchMode):
+    """Records the most rows any new tensor with a vocabulary-sized last dimension had (views,
+    such as the transposed output weight, are not new memory).
+
+    A DTensor (tensor parallelism) is counted by its local tensor: the mode sees the op on the
+    DTensor, whose shape is the global one, while this rank allocates only its own shard."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        for t in out if isinstance(out, tuple | list) else [out]:
+            t = t._local_tensor if isinstance(t, DTensor) else t
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab:
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_models.losses import NLLLoss
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.logprobs import chunked_logprobs
 
-from .conftest import TINY_LLAMA, skewed_batch, tiny_config
+from .conftest import TINY_LLAMA, WidestVocabTensor, skewed_batch, tiny_config
 
 TOKENS, HIDDEN, VOCAB = (2, 25), 16, 50
 VOCAB_SIZE = 157
@@ -98,24 +97,6 @@ def test_under_bf16_autocast_the_gradients_are_autograds_own(chunk):
             torch.testing.assert_close(g, ref, rtol=0, atol=0)
         else:  # the weight's gradient summed over chunks of bf16 products, in float32
             torch.testing.assert_close(g, ref, rtol=0.02, atol=0.02)
-
-
-class WidestVocabTensor(TorchDispatchMode):
-    """Records the most rows any new tensor with a vocabulary-sized last dimension had (views,
-    such as the transposed output weight, are not new memory)."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab, self.rows = vocab, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.is_view:
-            return out
-        for t in out if isinstance(out, tuple | list) else [out]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab:
-                self.rows = max(self.rows, t.numel() // self.vocab)
-        return out
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

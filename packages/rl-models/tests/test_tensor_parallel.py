@@ -69,6 +69,13 @@ def test_a_family_without_a_plan_is_refused_by_name():
         check_plannable(AutoConfig.for_model("gpt2"), 2)
 
 
+def test_qwen3_has_a_plan():
+    """Its per-head query and key norms are planned (``tensor_parallel._per_head_norm``); the
+    two-rank ``qwen3`` case checks the numbers."""
+    hf = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    check_plannable(AutoConfig.for_model("qwen3", **hf, head_dim=16), 2)
+
+
 def test_heads_that_tp_does_not_divide_are_refused():
     hf = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
     config = AutoConfig.for_model("llama", **hf)  # 4 query heads, 2 key/value heads

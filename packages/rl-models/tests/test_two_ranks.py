@@ -215,7 +215,13 @@ def test_a_tensor_parallel_step_exports_and_saves_the_one_process_weights(ranks,
     initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
     grad_norm = worker.train(skewed_batch(), tensor_parallel_loss(case)).metrics["grad_norm"]
     expected = worker.model.state_dict()
-    assert max(float((expected[k] - initial[k]).abs().max()) for k in expected) > 1e-2
+    moved = {k: float((expected[k] - initial[k]).abs().max()) for k in expected}
+    assert max(moved.values()) > 1e-2
+    # Qwen3's per-head query and key norms train too (~3e-3): their weights below would show a
+    # gradient left as one rank's heads' share (~1.5e-3 off, checked).
+    head_norms = [k for k in moved if k.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert all(moved[k] > 1e-3 for k in head_norms)
+    assert bool(head_norms) == case.startswith("qwen3")
     result = scenario(ranks, f"tensor_parallel/{case}")[0]  # rank 0: the producer
     assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-12)
     tied = worker.config.model.hf_config.get("tie_word_embeddings", False)
@@ -224,6 +230,19 @@ def test_a_tensor_parallel_step_exports_and_saves_the_one_process_weights(ranks,
     for weights in (result["exported"], result["checkpoint"]):
         for name, tensor in weights.items():
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("case", TENSOR_PARALLEL_CASES)
+def test_no_tensor_parallel_rank_holds_logits_of_the_whole_vocabulary(ranks, case):
+    """At tp=2 the log-probs, the top-k and the step (chunks of 7 tokens, recomputed in
+    backward) compute each rank's half of the vocabulary's columns only: while they run, no
+    tensor on either rank is as wide as the whole vocabulary (gathering the logits fails here,
+    checked). Qwen3's vocabulary half (75) is no other dimension of its model, so there the
+    logits themselves show: on every rank, at most one chunk's rows of them at a time."""
+    for r in scenario(ranks, f"tensor_parallel/{case}"):
+        assert r["whole_vocab_rows"] == 0
+        if case.startswith("qwen3"):
+            assert 0 < r["half_vocab_rows"] <= 7
 
 
 def test_context_parallel_packed_row_gives_float64_logprobs_and_the_one_process_step(ranks):

@@ -20,6 +20,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import (
     TINY_LLAMA,
+    WidestVocabTensor,
     float64_rms_norm,
     grouped_batch,
     initial_model,
@@ -222,6 +223,8 @@ def region_write(half, out: str) -> dict:
 
 #: Tensor-parallel cases (``dtensor`` section, loss, other config), on both ranks' whole batch.
 TINY_QWEN2 = {**TINY_LLAMA, "model_type": "qwen2", "tie_word_embeddings": True}
+# Qwen3's config defaults head_dim to 128; the tiny model's is hidden_size / heads.
+TINY_QWEN3 = {**TINY_LLAMA, "model_type": "qwen3", "head_dim": 16, "vocab_size": 150}
 TENSOR_PARALLEL_CASES = {
     # Norms' weights on the dp mesh only, the rest on (dp, tp): the gradient norm spans both
     # (clipped: the norm is ~1.8).
@@ -241,6 +244,14 @@ TENSOR_PARALLEL_CASES = {
             "model": {"hf_config": TINY_QWEN2, "dtype": "float64"},
             "sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 64},
         },
+    ),
+    # Qwen3, sequence parallel: per-head norms of the queries and keys (q_norm, k_norm), whose
+    # weights every rank holds whole but applies to its own heads only. Its vocabulary (150)
+    # and a rank's half of it (75) are no other dimension of the model.
+    "qwen3-tp2-sp": (
+        {"tensor_parallel_size": 2, "sequence_parallel": True},
+        "nll",
+        {"model": {"hf_config": TINY_QWEN3, "dtype": "float64"}},
     ),
 }
 
@@ -278,20 +289,24 @@ def asked_token_ids(data, k: int = 3) -> torch.Tensor:
 
 def tensor_parallel(case: str, out: str) -> dict:
     """tp=2 over both ranks (dp=1), each given the whole batch: log-probs with entropies, at
-    given token ids, and the top-k; one SGD step, the weights exported in buckets and a checkpoint written
-    (rank 0 reads it)."""
+    given token ids, and the top-k; one SGD step, the weights exported in buckets and a
+    checkpoint written (rank 0 reads it). Meanwhile, up to the step's end, the most rows any
+    tensor as wide as the whole vocabulary had on this rank, and as wide as its half."""
     exported = test_module("test_weight_export").exported
     from rl_distributed.batched_data_dict import BatchedDataDict
     from rl_models.policy.forward import TokenLogprobs
 
     data = skewed_batch()
     worker = DTensorPolicyWorker(tensor_parallel_config(case))
-    with torch.no_grad():
-        logprobs_entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))
-        asked = BatchedDataDict({**data, "teacher_topk_ids": asked_token_ids(data)})
-        gathered = worker._per_row(worker.model, asked, TokenLogprobs(teacher_topk=True))
-    topk = dict(worker.get_topk_logprobs(data, k=5))
-    grad_norm = worker.train(data, tensor_parallel_loss(case)).metrics["grad_norm"]
+    vocab = worker.model.config.vocab_size
+    whole, half = WidestVocabTensor(vocab), WidestVocabTensor(-(-vocab // 2))
+    with whole, half:
+        with torch.no_grad():
+            logprobs_entropy = worker._per_row(worker.model, data, TokenLogprobs(entropy=True))
+            asked = BatchedDataDict({**data, "teacher_topk_ids": asked_token_ids(data)})
+            gathered = worker._per_row(worker.model, asked, TokenLogprobs(teacher_topk=True))
+        topk = dict(worker.get_topk_logprobs(data, k=5))
+        grad_norm = worker.train(data, tensor_parallel_loss(case)).metrics["grad_norm"]
     weights, _ = exported([worker._weight_exporter()], bucket_bytes=1 << 14)
     path = os.path.join(out, f"checkpoint-{case}")
     worker.save_checkpoint(path)
@@ -308,6 +323,8 @@ def tensor_parallel(case: str, out: str) -> dict:
         "grad_norm": grad_norm,
         "exported": weights,
         "checkpoint": saved,
+        "whole_vocab_rows": whole.rows,
+        "half_vocab_rows": half.rows,
     }
 
 

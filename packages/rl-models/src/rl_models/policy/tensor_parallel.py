@@ -15,9 +15,19 @@ With sequence parallelism the activations between the blocks (the norms, the res
 are split along the sequence as well: the all-reduces become a reduce-scatter after each block
 and an all-gather before the next, and each rank holds ``1/tp`` of those activations.
 
-Only model families whose module names and attention layout are known get a plan (Llama and
-Qwen2: their q/k/v outputs are whole heads, ``view(..., -1, head_dim)`` takes the local head
-count); any other is refused by name rather than split wrongly.
+Only model families whose module names and attention layout are known get a plan (Llama,
+Qwen2 and Qwen3: their q/k/v outputs are whole heads, ``view(..., -1, head_dim)`` takes the
+local head count); any other is refused by name rather than split wrongly.
+
+Qwen3 normalises each query and key head (``q_norm``, ``k_norm``, RMSNorms over ``head_dim``)
+between the projections and attention. Their weights are whole on every rank, but each rank
+applies them to its own heads only, so the gradient a rank computes for them is its heads'
+share: summed over the ``tp`` ranks it is the whole gradient. The plan makes those weights
+replicated DTensors and the norms' inputs DTensors split by heads (``_per_head_norm``), so
+autograd leaves their gradients as pending sums (``Partial``); FSDP2 lays each gradient out
+as its parameter is before reducing it over ``dp``, which for these is an all-reduce over
+``tp``, as for the norms' weights under sequence parallelism. Left plain, each rank would step
+with its own heads' share and the copies would drift apart (the two-rank Qwen3 case fails so).
 """
 
 from __future__ import annotations
@@ -40,7 +50,10 @@ from torch.distributed.tensor.parallel import (
 MESH_DIMS = ("dp", "tp")
 
 #: Model families (``config.model_type``) with a plan.
-PLANNED_FAMILIES = ("llama", "qwen2")
+PLANNED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+#: Per-head norms of the queries and keys (Qwen3), relative to a decoder layer.
+HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
 class VocabParallelOutput(ColwiseParallel):
@@ -77,10 +90,33 @@ def check_plannable(hf_config: Any, tp: int) -> None:
             )
 
 
-def _layer_plan(sequence_parallel: bool) -> dict[str, Any]:
-    """One decoder layer's plan (module names relative to the layer)."""
+def _per_head_norm() -> SequenceParallel:
+    """The style of a norm over ``head_dim`` applied to this rank's heads, ``[B, S, heads,
+    head_dim]`` with ``heads`` split over ``tp`` (dim 2).
+
+    Torch's ``SequenceParallel`` style does what such a norm needs, on any dimension: it makes
+    the weight a replicated DTensor (ones at build, then the same initialisation or file on
+    every rank, ``build.py``) and wraps the local input as split along ``sequence_dim``, so
+    the weight's gradient, a sum over the split heads, comes out as a pending sum that is
+    reduced over the ranks. Its output goes back to a plain tensor of the local heads, which
+    is what the attention code after it expects."""
+    return SequenceParallel(sequence_dim=2, use_local_output=True)
+
+
+def _has_module(root: torch.nn.Module, name: str) -> bool:
+    try:
+        root.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _layer_plan(sequence_parallel: bool, head_norms: bool) -> dict[str, Any]:
+    """One decoder layer's plan (module names relative to the layer); ``head_norms``: the
+    layer has per-head query and key norms (Qwen3)."""
+    norms = {name: _per_head_norm() for name in HEAD_NORMS} if head_norms else {}
     if not sequence_parallel:
-        return {
+        return norms | {
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
@@ -107,11 +143,12 @@ def _layer_plan(sequence_parallel: bool) -> dict[str, Any]:
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        **norms,
     }
 
 
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Split ``model`` (a Llama/Qwen2 causal LM, on any device, meta included) over the 1-D
+    """Split ``model`` (a Llama/Qwen2/Qwen3 causal LM, on any device, meta included) over the 1-D
     tensor-parallel ``mesh`` in place (see the module docstring)."""
     check_plannable(model.config, mesh.size())
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -130,7 +167,8 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, sequence_parallel: boo
         root["model.norm"] = SequenceParallel()
     parallelize_module(model, mesh, root)
     for layer in model.model.layers:
-        parallelize_module(layer, mesh, _layer_plan(sequence_parallel))
+        head_norms = all(_has_module(layer, name) for name in HEAD_NORMS)
+        parallelize_module(layer, mesh, _layer_plan(sequence_parallel, head_norms))
     if tied:
         # Each style distributed its own copy of the shared weight: share one again (the
         # embedding's and the output layer's rows are split alike, Shard(0)).
