@@ -8,7 +8,11 @@ computed in this process in float64 on the CPU (plain transformers model, ``log_
 ``gather``, autograd):
 
 1. world size 1, then 2 (NCCL when there is a GPU per rank, else gloo on the CPU): chunked
-   log-probs and one bf16 training step (SGD, no clipping: the update is ``-lr * gradient``).
+   log-probs and one bf16 training step (SGD, no clipping: the update is ``-lr * gradient``),
+   with the ranks laid out three ways (``bench/gpu_check_parallel.py``): data parallel (the
+   rows split over the ranks); tensor parallel (``tp`` = world size, sequence parallel; world
+   2 only, since ``tp = 1`` is the data-parallel layout); context parallel (``cp`` = world
+   size, the rows packed into one long row that the ranks split along the sequence).
 2. the HF generation worker, on the device in this process: greedy and sampled responses have
    valid token ids and the asked-for lengths, greedy tokens are the argmax of the float64
    logits, and the reported log-probs are the float64 ones.
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import queue
 import sys
@@ -46,26 +49,23 @@ import mfu
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from gpu_check_parallel import (
+    LR,
+    Reference,
+    check_cases,
+    check_rows,
+    reference_model,
+    run_cases,
+    run_step,
+)
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.hf_worker import HfGenerationWorker
-from rl_models.losses import NLLLoss
-from rl_models.policy.checkpoint import FULL
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.weight_transfer.channels import free_port
 from rl_models.weight_transfer.shared_memory import RegionLayout
 
-LR = 0.5  # SGD's step: big enough that the update stands far above float32 rounding
-# bfloat16 keeps 8 significant bits, so every product and partial sum of the bf16 forward and
-# backward is off by up to ~2**-9 of its size. On the CPU (micro and tiny models, 2 and 4
-# layers) the errors stay far below these bounds (docs/gpu-results.md has them); the headroom
-# is for qwen2-0.5b's 24 layers of bf16 rounding, not yet measured on a GPU. What the checks are
-# for shows far above them: a wrong mask, a shifted token or a missing gradient reduction gives
-# log-prob errors of order 1 and update errors of tens of percent.
-BF16_LOGPROB_MAX, BF16_LOGPROB_MEAN = 0.15, 0.03  # |log-prob error|, nats
-BF16_LOSS_REL, BF16_GRAD_NORM_REL, BF16_UPDATE_REL = 0.01, 0.05, 0.08
 # The generation worker computes in float32; the float64 reference differs by float32 rounding.
 FP32_LOGPROB_MAX = 2e-3
 ARGMAX_MARGIN = 0.01  # greedy = argmax is checked where the top two logits differ by more
@@ -82,8 +82,8 @@ class Setup:
     bucket_bytes: int
     out_dir: str
 
-    def result_file(self, world: int, rank: int) -> str:
-        return os.path.join(self.out_dir, f"world{world}-rank{rank}.pt")
+    def result_file(self, world: int, rank: int, case: str = "rows") -> str:
+        return os.path.join(self.out_dir, f"world{world}-{case}-rank{rank}.pt")
 
 
 def policy_config(setup: Setup) -> dict[str, Any]:
@@ -113,18 +113,15 @@ def policy_rank(rank: int, world: int, setup: Setup, to_parent: Any, to_rank0: A
 
 def run_policy_rank(rank: int, world: int, setup: Setup, to_parent: Any, to_rank0: Any) -> None:
     """Train one step, then send the weights; rank 0 talks to the parent, in this order:
-    trained, ipc_bucket* (each acknowledged), ipc_done, [region_layout, region_written], done."""
+    trained, ipc_bucket* (each acknowledged), ipc_done, [region_layout, region_written], done.
+    The tensor- and context-parallel cases run before ``done``."""
     worker = DTensorPolicyWorker(policy_config(setup))
     lead = rank == 0
     rows = setup.batch.size // world
-    part = setup.batch.slice(rank * rows, (rank + 1) * rows)
-    result: dict[str, Any] = {"initial": full_weights(worker)}
-    result["logprobs"] = worker.get_logprobs(part)["logprobs"]
-    result["metrics"] = worker.train(part, NLLLoss()).metrics
-    result["final"] = full_weights(worker)
-    result["device"] = str(worker.device)
-    result["backend"] = dist.get_backend() if dist.is_initialized() else "none (one process)"
-    torch.save(result, setup.result_file(world, rank))
+    torch.save(
+        run_step(worker, setup.batch.slice(rank * rows, (rank + 1) * rows)),
+        setup.result_file(world, rank),
+    )
     barrier(world)
     if lead:
         to_parent.put(("trained", None))
@@ -161,15 +158,12 @@ def run_policy_rank(rank: int, world: int, setup: Setup, to_parent: Any, to_rank
             expect(to_rank0, "ack")
         barrier(world)
         worker.release_weight_region(path)
+    # Each case builds its own worker on the process group that ``worker`` joined, whose
+    # shutdown ends that group: so the cases run first.
+    run_cases(rank, world, setup, policy_config(setup))
     if lead:
         to_parent.put(("done", None))
     worker.shutdown()
-
-
-def full_weights(worker: DTensorPolicyWorker) -> dict[str, torch.Tensor]:
-    """Every weight, whole, on rank 0 (empty elsewhere). Copies: an unsharded model on the CPU
-    would otherwise hand out its live parameters, which the training step then changes."""
-    return {k: v.clone() for k, v in get_model_state_dict(worker.model, options=FULL).items()}
 
 
 def barrier(world: int) -> None:
@@ -272,85 +266,6 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def reference_model(hf_config: dict[str, Any], weights: dict[str, torch.Tensor]):
-    """A plain transformers model in float64 on the CPU, holding ``weights``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = dict(hf_config)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float64)
-    model.load_state_dict({k: v.to(torch.float64) for k, v in weights.items()})
-    return model
-
-
-def valid_positions(batch: BatchedDataDict) -> torch.Tensor:
-    """``[B, S]`` True where a token has a log-prob: after the first, before the padding."""
-    pos = torch.arange(batch["input_ids"].shape[1])[None, :]
-    return (pos >= 1) & (pos < batch["input_lengths"][:, None])
-
-
-def reference_step(model, batch: BatchedDataDict) -> tuple[torch.Tensor, float]:
-    """Next-token log-probs (``[B, S]``, 0 where there is none) and the mean NLL over all
-    of them, row by row without padding; the NLL's gradient is left in ``model``'s ``.grad``."""
-    ids, lengths = batch["input_ids"], batch["input_lengths"]
-    logprobs = torch.zeros(ids.shape, dtype=torch.float64)
-    tokens = int((lengths - 1).sum())
-    loss = 0.0
-    model.zero_grad()
-    for row, n in enumerate(lengths.tolist()):
-        seq = ids[row, :n]
-        logits = model(input_ids=seq[None]).logits[0].to(torch.float64)
-        picked = torch.log_softmax(logits[:-1], dim=-1).gather(-1, seq[1:, None])[:, 0]
-        row_loss = -picked.sum() / tokens
-        row_loss.backward()
-        loss += float(row_loss.detach())
-        logprobs[row, 1:n] = picked.detach()
-    return logprobs, loss
-
-
-def check_training(world: int, setup: Setup, results: list[dict], report: Report) -> None:
-    lead = results[0]
-    where = f"world {world} ({lead['device']}, {lead['backend']})"
-    initial, final = lead["initial"], lead["final"]
-    ref = reference_model(setup.hf_config, initial)
-    ref_logprobs, ref_loss = reference_step(ref, setup.batch)
-
-    mask = valid_positions(setup.batch)
-    got = torch.cat([r["logprobs"] for r in results]).to(torch.float64)
-    err = (got - ref_logprobs)[mask].abs()
-    report.check(
-        f"{where}: chunked log-probs (bf16, {setup.chunk_size}-token chunks) vs float64",
-        float(err.max()) <= BF16_LOGPROB_MAX and float(err.mean()) <= BF16_LOGPROB_MEAN,
-        f"max |error| {float(err.max()):.2e} (<= {BF16_LOGPROB_MAX}), mean "
-        f"{float(err.mean()):.2e} (<= {BF16_LOGPROB_MEAN}) over {int(mask.sum())} tokens; "
-        f"the reference log-probs spread {float(ref_logprobs[mask].std()):.3f} (std)",
-    )
-
-    metrics = lead["metrics"]
-    loss, grad_norm = metrics["loss"][0], metrics["grad_norm"][0]
-    params = dict(ref.named_parameters())
-    ref_norm = math.sqrt(sum(float(p.grad.square().sum()) for p in params.values()))
-    diff_sq = expected_sq = 0.0
-    for name, p in params.items():
-        update = final[name].to(torch.float64) - initial[name].to(torch.float64)
-        expected = -LR * p.grad
-        diff_sq += float((update - expected).square().sum())
-        expected_sq += float(expected.square().sum())
-    update_rel = math.sqrt(diff_sq / expected_sq)
-    loss_rel = abs(loss - ref_loss) / abs(ref_loss)
-    norm_rel = abs(grad_norm - ref_norm) / ref_norm
-    report.check(
-        f"{where}: bf16 training step vs float64",
-        loss_rel <= BF16_LOSS_REL
-        and norm_rel <= BF16_GRAD_NORM_REL
-        and update_rel <= BF16_UPDATE_REL,
-        f"loss {loss:.5f} vs {ref_loss:.5f} (rel {loss_rel:.1e} <= {BF16_LOSS_REL}); grad norm "
-        f"{grad_norm:.4e} vs {ref_norm:.4e} (rel {norm_rel:.1e} <= {BF16_GRAD_NORM_REL}); "
-        f"weight update vs -lr * float64 gradient: rel L2 error {update_rel:.1e} "
-        f"(<= {BF16_UPDATE_REL}) over {len(params)} tensors",
-    )
 
 
 @torch.no_grad()
@@ -475,6 +390,7 @@ def run_world(
     setup: Setup,
     generator: HfGenerationWorker,
     report: Report,
+    reference: Reference,
     new_tokens: int,
 ) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -490,7 +406,7 @@ def run_world(
     try:
         ranks.expect("trained")
         results = [torch.load(setup.result_file(world, r)) for r in range(world)]
-        check_training(world, setup, results, report)
+        check_rows(world, results, report, reference)
         final, policy_device = results[0]["final"], results[0]["device"]
         carrier = (
             "CUDA IPC handles to device memory"
@@ -513,6 +429,7 @@ def run_world(
             except AssertionError as e:
                 report.check(name, False, str(e))
         ranks.expect("done")
+        check_cases(world, report, reference)
         finished = True
     finally:
         # After a failure here the ranks may wait for a reply that never comes: end them soon.
@@ -558,9 +475,10 @@ def main() -> None:
             GenerationConfig(backend="hf", sampling=sampling).model_dump(),
             {"hf_config": hf_config, "dtype": "float32"},
         )
+        reference = Reference(setup)
         for world in (1, 2):
             try:
-                run_world(world, setup, generator, report, args.new_tokens)
+                run_world(world, setup, generator, report, reference, args.new_tokens)
             except Exception as e:
                 report.check(f"world {world}", False, f"stopped: {e}")
         generator.shutdown()

@@ -42,7 +42,7 @@ sys.path.insert(0, {str(BENCH)!r})
 spec = importlib.util.spec_from_file_location("gpu_check", {str(BENCH / "gpu_check.py")!r})
 module = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-ours = ("rl_distributed", "rl_data", "rl_models", "mfu", "gpu_check")
+ours = ("rl_distributed", "rl_data", "rl_models", "mfu", "gpu_check", "gpu_check_parallel")
 loaded = {{m: getattr(mod, "__file__", None) for m, mod in sys.modules.items() if mod is not None}}
 print(json.dumps({{
     "ray_or_vllm": sorted(m for m in loaded if m.split(".")[0] in ("ray", "vllm")),
@@ -108,7 +108,8 @@ def test_gpu_check_imports_nothing_but_torch_transformers_and_the_carry():
     assert report["ray_or_vllm"] == []
     assert "rl_models.policy.dtensor_worker" in report["ours"]
     assert "rl_models.generation.hf_worker" in report["ours"]
-    ours = {"rl_distributed", "rl_data", "rl_models", "mfu", "gpu_check"}
+    assert "gpu_check_parallel" in report["ours"]
+    ours = {"rl_distributed", "rl_data", "rl_models", "mfu", "gpu_check", "gpu_check_parallel"}
     imported = set().union(*(module_level_imports(f) for f in report["ours"].values()))
     third_party = imported - ours - set(sys.stdlib_module_names) - {"__future__"}
     dists = packages_distributions()
@@ -156,10 +157,20 @@ def test_gpu_check_passes_on_the_cpu_without_ray(tmp_path):
         "world 2: weights over the shared-memory region channel (CPU)",
         "world 1: every rank exited cleanly",
         "world 2: every rank exited cleanly",
+        # bench/gpu_check_parallel.py: context parallel at both worlds (cp=1: the packed row
+        # unsplit), tensor parallel at world 2 only (tp=1 would be the rows check above).
+        "world 1 (cpu, none (one process)), cp=1, one packed row: the training step's forward",
+        "world 1 (cpu, none (one process)), cp=1, one packed row: chunked log-probs",
+        "world 1 (cpu, none (one process)), cp=1, one packed row: bf16 training step vs float64",
+        "world 2 (cpu, gloo), tp=2, sequence parallel: chunked log-probs",
+        "world 2 (cpu, gloo), tp=2, sequence parallel: bf16 training step vs float64",
+        "world 2 (cpu, gloo), cp=2, one packed row: the training step's forward",
+        "world 2 (cpu, gloo), cp=2, one packed row: chunked log-probs",
+        "world 2 (cpu, gloo), cp=2, one packed row: bf16 training step vs float64",
     ]:
         assert sum(c.startswith(f"PASS {expected}") for c in checks) == 1, expected
     assert "CPU stand-in for CUDA IPC" in out
     # MFU comes last: the summary, then the MFU lines.
     tail = out.strip().splitlines()
     assert tail[-1].strip().startswith("training / measured matmul peak:")
-    assert "15 checks passed, 0 failed" in out
+    assert "23 checks passed, 0 failed" in out
