@@ -199,6 +199,26 @@ def test_every_code_block_of_the_page_runs(page, tmp_path):
         python.close()
 
 
+def test_the_gpu_guides_lora_block_is_a_config_the_gpu_recipe_takes(tmp_path):
+    """gpus.md's LoRA recipe block (yaml: the page test does not run it) as a layer over the
+    main job's GPU recipe, validated by the real config model as `rl grpo` would."""
+    from rl_algorithms import cli
+
+    section = (DOCS / "guides" / "gpus.md").read_text().split("\n## LoRA on one GPU\n")[1]
+    section = section.split("\n## ")[0]
+    (block,) = re.findall(r"^```yaml\n(.*?)^```$", section, flags=re.S | re.M)
+    gpu_recipe = ROOT / "examples" / "configs" / "grpo_arithmetic_gpu.yaml"
+    recipe = tmp_path / "lora.yaml"
+    recipe.write_text(f"defaults: {gpu_recipe}\n{block}")
+    config = cli.build_config(cli.load_algorithm("grpo"), ["--config", str(recipe)])
+    lora = config.policy.lora
+    assert (lora.enabled, lora.rank, lora.alpha, lora.refit) == (True, 16, 32.0, "auto")
+    assert config.generation.backend == "vllm" and config.generation.colocated
+    # The run starts its engine able to load the adapters (what the page says it sets).
+    plan = config.generation.plan(config.policy.model, True, lora)
+    assert plan.config.vllm.max_lora_rank == 16
+
+
 # -- the README ---------------------------------------------------------------------------------
 
 README = ROOT / "README.md"

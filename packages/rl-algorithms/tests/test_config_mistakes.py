@@ -2,12 +2,15 @@
 the config is built (before Ray starts), naming the key."""
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import ray
 
 from rl_algorithms import cli
 from rl_distributed.config import ConfigError
+from rl_models.backends import GENERATION_BACKENDS, Backend
+from rl_models.generation.config import GenerationConfig, lora_refit
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "sft_cpu.yaml"
 GRPO_RECIPE = RECIPE.parent / "grpo_math_cpu.yaml"
@@ -130,6 +133,40 @@ def test_a_vllm_generator_is_planned_for_lora_adapters_at_the_policys_rank():
         cli.build_config(
             cli.load_algorithm("grpo"), [*vllm, *lora, "generation.vllm.max_lora_rank=8"]
         )
+
+
+class NoAdaptersGeneration(GenerationConfig):
+    """A generation backend of one's own that cannot load LoRA adapters (both built-in ones
+    can): ``loads_lora_adapters`` is the base class's False."""
+
+    backend: Literal["no_adapters"] = "no_adapters"
+
+
+def test_merged_lora_refits_are_chosen_explicitly_never_as_a_silent_fallback():
+    """``policy.lora.refit: auto`` sends adapters; with a generator that cannot load them the
+    run is refused when its config is built, saying which key to set to what, rather than
+    moving the whole model every refit without being asked to."""
+    GENERATION_BACKENDS.register(Backend("no_adapters", NoAdaptersGeneration, "x:Y"))
+    try:
+        base = [
+            "--config",
+            str(GRPO_RECIPE),
+            "tokenizer.path=/tokenizer",
+            "policy.lora.enabled=true",
+            "generation.backend=no_adapters",
+        ]
+        grpo = cli.load_algorithm("grpo")
+        with pytest.raises(
+            ConfigError,
+            match=r"policy\.lora\.refit: auto sends LoRA adapters, and generation\.backend: "
+            r"no_adapters cannot load them: set policy\.lora\.refit: merged",
+        ):
+            cli.build_config(grpo, base)
+        config = cli.build_config(grpo, [*base, "policy.lora.refit=merged"])
+        assert config.generation.backend == "no_adapters"
+        assert lora_refit(config.policy.lora, config.generation) == "merged"
+    finally:
+        GENERATION_BACKENDS.unregister("no_adapters")
 
 
 def test_rl_loops_take_an_expert_parallel_megatron_policy_which_refits():

@@ -8,10 +8,12 @@ is half ``<score>i</score>`` words and half plain words, so its greedy one-token
 score in range, a score out of range, or no score at all, each checked against that reference.
 """
 
+import logging
 import math
 import re
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -297,6 +299,78 @@ def test_a_call_given_up_on_delays_the_next_up_to_timeout_s_then_later_ones_are_
     finally:
         release.set()
         calls.shutdown()
+
+
+class ScriptedJudge:
+    """A stand-in for the judge's generator (no Ray, no model): it answers the rubric of the
+    sample whose response is ``w{40 + i}`` with ``<score>i</score>``, and a call holding the
+    sample ``slow_row`` takes ``slow_s`` before it returns (every answer at once, as a batched
+    generate does)."""
+
+    def __init__(self, tokenizer, slow_row: int, slow_s: float) -> None:
+        self.after = tokenizer.convert_tokens_to_ids("w11")  # the rubric's word before {response}
+        self.first_response = tokenizer.convert_tokens_to_ids("w40")
+        self.slow_row, self.slow_s, self.calls = slow_row, slow_s, []
+
+    def generate(self, data, greedy):
+        rows = []
+        for ids, n in zip(data["input_ids"], data["input_lengths"].tolist(), strict=True):
+            at = ids[:n].tolist().index(self.after) + 1
+            rows.append((int(ids[at]) - self.first_response, n))
+        self.calls.append([row for row, _ in rows])
+        if any(row == self.slow_row for row, _ in rows):
+            time.sleep(self.slow_s)
+        out = torch.cat([data["input_ids"], torch.zeros(len(rows), 1, dtype=torch.long)], 1)
+        for i, (row, n) in enumerate(rows):
+            out[i, n] = row  # token id i is "<score>i</score>"
+        return {"output_ids": out, "generation_lengths": torch.ones(len(rows), dtype=torch.long)}
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("batch_size", [2, 1])
+def test_a_call_past_timeout_s_leaves_its_samples_unscored_each_counted(
+    judge_dir, monkeypatch, caplog, batch_size
+):
+    """``timeout_s`` bounds each generate call, and a call's samples come back together, so
+    they share its fate: sample 2's call runs past the timeout and every sample of that call
+    (``batch_size`` of them) is unscored, each counted in ``timeouts``, while the other calls
+    (the next one after waiting for the slow one to end) are scored. ``batch_size: 1`` gives
+    each sample a timeout of its own. The first ``log_judgements`` verdicts go to the log."""
+    from rl_algorithms import actors
+
+    path, tokenizer, _ = judge_dir
+    scripted = ScriptedJudge(tokenizer, slow_row=2, slow_s=1.5)
+    monkeypatch.setattr(actors, "start_cluster", lambda *a, **k: types.SimpleNamespace())
+    monkeypatch.setattr(actors, "make_generator", lambda *a, **k: scripted)
+    spec = judge_spec(path, {"rule": "score_in_tag", "min": 0, "max": SCALE_MAX})
+    spec.config.update(timeout_s=1.0, batch_size=batch_size, log_judgements=3)
+    _, config = environment_class("qa", spec)
+    judge = JudgeEnvironment(config)
+    user = {"role": "user", "content": "w20"}
+    logs = [[user, {"role": "assistant", "content": f"w{40 + i}"}] for i in range(6)]
+    try:
+        with caplog.at_level(logging.INFO, logger="rl_algorithms.judge"):
+            verdicts = judge.step(logs, [{"ground_truth": "w1"}] * 6)
+        _, metrics = judge.global_post_process_and_metrics({"rewards": verdicts.rewards})
+    finally:
+        judge._calls.shutdown()
+
+    late = set(range(2, 2 + batch_size))  # the slow call's samples
+    assert scripted.calls == [list(range(s, s + batch_size)) for s in range(0, 6, batch_size)]
+    assert verdicts.unscored.tolist() == [i in late for i in range(6)]
+    for i in range(6):
+        if i in late:
+            assert float(verdicts.rewards[i]) == 0.0
+            assert verdicts.answers[i] == "no score: over timeout_s=1 | judge: "
+        else:
+            assert float(verdicts.rewards[i]) == pytest.approx(i / SCALE_MAX, abs=1e-7)
+            assert verdicts.answers[i] == f"score {i / SCALE_MAX:g} | judge: <score>{i}</score>"
+    assert (metrics["samples"], metrics["timeouts"]) == (6, batch_size)
+    assert (metrics["skipped"], metrics["unparsable"]) == (0, 0)
+    logged = [r.getMessage() for r in caplog.records if r.name == "rl_algorithms.judge"]
+    assert logged == [f"env.qa.config: sample {i}: {verdicts.answers[i]}" for i in range(3)]
 
 
 def test_judged_text_cannot_write_the_judges_chat_turns(tokenizer):

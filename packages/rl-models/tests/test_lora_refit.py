@@ -1,7 +1,6 @@
 """Adapter refit: a LoRA policy sends an HF generator its adapters alone, and the generator then
 computes what the merged model computes (float64, against a merge done here by hand)."""
 
-import logging
 import os
 import types
 
@@ -162,12 +161,18 @@ def test_lora_refit_sends_adapters_where_the_generator_loads_them():
     lora = LoraConfig.model_validate(LORA)
     assert lora_refit(LoraConfig(), hf) is None  # no LoRA
     assert lora_refit(lora, hf) == "adapters" and lora_refit(lora, vllm) == "adapters"
-    assert lora_refit(lora, NO_ADAPTERS) == "merged"
     merged = lora.model_copy(update={"refit": "merged"})
     assert lora_refit(merged, hf) == "merged" and lora_refit(merged, vllm) == "merged"
-    explicit = lora.model_copy(update={"refit": "adapters"})
-    with pytest.raises(ValueError, match=r"generation\.backend: plain does not"):
-        lora_refit(explicit, NO_ADAPTERS)
+    # Merged weights only when asked for: auto, like adapters, refuses a generator without
+    # adapters and says what to set, rather than sending the whole model every refit.
+    assert lora_refit(merged, NO_ADAPTERS) == "merged"
+    for refit in ("auto", "adapters"):
+        with pytest.raises(
+            ValueError,
+            match=rf"policy\.lora\.refit: {refit} sends LoRA adapters, and generation\.backend: "
+            r"plain cannot load them: set policy\.lora\.refit: merged",
+        ):
+            lora_refit(lora.model_copy(update={"refit": refit}), NO_ADAPTERS)
 
 
 def test_a_vllm_generator_is_planned_to_serve_the_policys_adapters():
@@ -198,17 +203,17 @@ class Controller:
         self.__dict__.update(attributes)
 
 
-def test_an_auto_refit_into_a_generator_without_adapters_says_it_sends_merged_weights(caplog):
+def test_a_weight_sync_sends_what_the_policys_lora_refit_picks():
     policy = Controller(config=tiny_config(lora=LORA), worker_group=Controller())
-    with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
-        assert WeightSync(policy, Controller(config=NO_ADAPTERS)).lora == "merged"
-    assert "merged weights to generation.backend: plain, which does not take" in caplog.text
-    caplog.clear()
     for backend in ("hf", "vllm"):
         generator = Controller(config=GenerationConfig.model_validate({"backend": backend}))
-        with caplog.at_level(logging.WARNING, logger="rl_models.generation.refit"):
-            assert WeightSync(policy, generator).lora == "adapters"
-    assert not caplog.text
+        assert WeightSync(policy, generator).lora == "adapters"
+    merged = Controller(
+        config=tiny_config(lora={**LORA, "refit": "merged"}), worker_group=Controller()
+    )
+    assert WeightSync(merged, Controller(config=NO_ADAPTERS)).lora == "merged"
+    with pytest.raises(ValueError, match=r"set policy\.lora\.refit: merged"):
+        _ = WeightSync(policy, Controller(config=NO_ADAPTERS)).lora
 
 
 def test_a_generator_without_the_policys_adapters_is_refit_before_it_samples():

@@ -6,7 +6,8 @@ model ``initial``, and two async engines on ``other`` (the same architecture wit
 weights), one per runner: ``in_process`` (vLLM's LLMEngine stepped by a thread of the worker,
 the CPU default) and ``async_llm`` (vLLM's AsyncLLM). The streaming tests run on both, through
 ``VllmStreamingSampler`` (what async GRPO's collector uses). The last test kills the
-``in_process`` engine's worker. The LoRA test starts a sync engine of its own (LoRA on).
+``in_process`` engine's worker. LoRA refits into vLLM (engines of their own, LoRA on) are
+in test_vllm_lora.py.
 
 Tolerance: vLLM computes in float32 (it has no float64), the reference is Hugging Face in
 float64; seen on this model: log-probs within 4e-5 at temperature 0.7 (1.4e-5 greedy).

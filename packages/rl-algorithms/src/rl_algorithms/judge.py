@@ -28,7 +28,11 @@ The rules (``rl_envs.judging``): ``score_in_tag`` reads the number in the answer
 P(yes) / (P(yes) + P(no)) at the first generated position from the generator's most likely
 first tokens (``sampling.first_token_logprobs``). A sample whose answer the rule cannot read,
 or whose judge call took longer than ``timeout_s``, is marked ``unscored``: it is left out of the
-loss and counted (``unparsable``, ``timeouts``), never read as 0. A call given up on keeps the
+loss and counted (``unparsable``, ``timeouts``: one per sample), never read as 0. The timeout is
+a call's, not a sample's as in the verifier environments: one batched ``generate`` decodes its
+samples together and returns them together, so there is no sample's answer to keep while
+another one of the call is still running; ``batch_size: 1`` gives each sample a call (and a
+timeout) of its own, at the cost of batching. A call given up on keeps the
 judge's workers busy until it ends: a later call waits for it up to ``timeout_s`` more (not on
 its own clock), and past that its samples are not judged at all (``unscored``, counted as
 ``skipped``) rather than blamed for a timeout of the call before.
@@ -116,7 +120,9 @@ class JudgeEnvConfig(ConfigModel):
     greedy: bool = True  # False: sample with generation.sampling
     # Samples per generate call; None: a step's whole batch in one call.
     batch_size: int | None = Field(None, ge=1)
-    # Seconds a generate call may take; past it its samples are unscored (counted as timeouts).
+    # Seconds a generate call may take; past it every sample of the call is unscored, each
+    # counted in timeouts. Per call, not per sample: a call's samples are decoded together and
+    # come back together. batch_size sets how many share a call (1: a timeout per sample).
     timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     # Judgements (prompt's end, response's start, the judge's answer) logged per step.
     log_judgements: int = Field(2, ge=0)

@@ -1,7 +1,7 @@
 """`rl distill` end to end on tiny models: the student moves towards a frozen teacher on its
 own samples (the top-k KL falls), both estimators run through `rl distill` (the second with a
-LoRA student whose refits send only its adapters); a teacher whose vocabulary differs is
-refused before any worker starts."""
+LoRA student on two ranks whose refits send only its adapters); a teacher whose vocabulary
+differs is refused before any worker starts."""
 
 import math
 
@@ -75,8 +75,10 @@ def test_the_student_closes_its_gap_to_the_teacher(tmp_path, assets, estimator):
     if estimator == "sampled_token":
         # Both placements in the one pair of runs: this teacher gets a cluster of its own.
         config["teacher"]["colocated"] = False
-        # And a LoRA student, its adapters on a higher learning rate (B starts at 0).
+        # And a LoRA student on two DTensor ranks (each exports its shard of the adapters), its
+        # adapters on a higher learning rate (B starts at 0).
         config["policy"].update(lora=LORA, optimizer={"name": "AdamW", "kwargs": {"lr": 1e-2}})
+        config["cluster"]["cpu_workers_per_node"] = 2
     cfg = write_config(tmp_path, config)
     assert cli.main(["distill", "--config", cfg]) == 0
     records = read_metrics(tmp_path / "logs")

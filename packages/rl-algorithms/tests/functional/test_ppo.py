@@ -1,8 +1,8 @@
 """`rl ppo` end to end on a tiny model, its policy training LoRA adapters on two DTensor ranks
-(the critic beside it on the same two, or on two workers of its own): the critic learns
-the returns, every loss is finite, refits send the HF generator only the adapters, and a run
-stopped after a checkpoint and resumed equals the uninterrupted one (the policy's merged
-weights and adapters, and the critic)."""
+(the critic and the HF generator beside it on the same two, or each on two workers of its
+own): the critic learns the returns, every loss is finite, refits send the generator only the
+adapters, and a run stopped after a checkpoint and resumed equals the uninterrupted one (the
+policy's merged weights and adapters, and the critic)."""
 
 import math
 
@@ -143,29 +143,37 @@ def test_ppo_trains_its_critic_and_resumes_exactly(straight, tmp_path, assets):
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=f"{role}: {name}")
 
 
-def test_a_critic_on_workers_of_its_own_trains_and_values_like_a_colocated_one(
+def test_a_critic_and_a_generator_on_workers_of_their_own_train_like_colocated_ones(
     straight, tmp_path, assets
 ):
-    """``critic.colocated: false``: the critic gets a cluster of its own (a second Ray
-    placement group beside the policy's and the generator's). Two steps train with finite
-    losses, and its first step's values, value loss and explained variance are those of the
-    colocated critic of the uninterrupted run on the same rollouts (same seeds: placement
-    changes no number)."""
+    """``critic.colocated: false`` and ``generation.colocated: false``: each gets a cluster of
+    its own (Ray placement groups beside the policy's). Two steps train with finite losses, and
+    the first step's values, value loss and explained variance are those of the colocated
+    critic of the uninterrupted run on the same rollouts (same seeds: placement changes no
+    number). The policy trains from step 1 here, so that step 2 samples after a refit of the
+    adapters alone: the generator on workers of its own gets the refits the colocated one got
+    (the base once, then exactly the adapters' bytes) and samples with them."""
     config = ppo_config(tmp_path, assets)
     config["critic"]["colocated"] = False
     # As many ranks as the colocated critic had: with fewer, its gradients would be reduced
     # in another order, and the value losses would differ by float32 rounding (about 2e-8).
     config["critic"]["num_workers"] = 2
-    config["ppo"]["max_num_steps"] = 2
+    # As many generation workers as the colocated generator had: each samples the same rows.
+    config["generation"].update(colocated=False, num_workers=2)
+    # The critic trains before the policy in a step, so step 1's critic numbers do not see it.
+    config["ppo"].update(max_num_steps=2, policy_training_start_step=0)
     config["checkpointing"]["enabled"] = False
-    # Two logical CPUs more than the session's cluster: the critic's own two workers.
-    with ray_with_cpus(TEST_RAY_CPUS + 2):
+    # Four logical CPUs more than the session's cluster: the critic's and the generator's.
+    with ray_with_cpus(TEST_RAY_CPUS + 4):
         assert cli.main(["ppo", "--config", write_config(tmp_path, config)]) == 0
-    separate = [r for r in read_metrics(tmp_path / "logs") if "train/critic/value_loss" in r]
+    records = read_metrics(tmp_path / "logs")
+    separate = [r for r in records if "train/critic/value_loss" in r]
     colocated = [r for r in straight[1] if "train/critic/value_loss" in r]
     assert [r["step"] for r in separate] == [1, 2]
-    for key in ("train/critic/value_loss", "train/values_mean"):
+    for key in ("train/critic/value_loss", "train/values_mean", "train/loss"):
         assert all(math.isfinite(r[key]) for r in separate), (key, separate)
-    assert math.isfinite(separate[1]["train/loss"])  # the policy trains from step 2 on
     for key in ("train/values_mean", "train/critic/value_loss", "train/explained_variance"):
         assert separate[0][key] == colocated[0][key], key
+    # The colocated run refits the base with the adapters, then the adapters alone.
+    assert series(records, "train/refit_bytes") == series(straight[1], "train/refit_bytes")[:2]
+    check_generator_agrees(records)

@@ -234,19 +234,21 @@ def lora_refit(lora: Any, generation: GenerationConfig) -> Literal["adapters", "
     """What a refit sends ``generation`` from a policy whose ``policy.lora`` is ``lora`` (a
     ``modeling.lora.LoraConfig``): "adapters", "merged", or None without LoRA.
 
-    Raises ``ValueError`` for ``refit: adapters`` with a generator that cannot load adapters
-    (the run's config check calls this, so such a run never starts).
+    ``auto`` is ``adapters``: merged weights (the whole model every refit) are sent only when
+    ``refit: merged`` asks for them, never as a silent fallback. So ``auto`` or ``adapters``
+    with a generator that cannot load adapters raises ``ValueError`` naming the key and the
+    value to set (the run's config check calls this, so such a run never starts).
     """
     if lora is None or not lora.enabled:
         return None
-    if lora.refit == "adapters" and not generation.loads_lora_adapters:
-        raise ValueError(
-            f"policy.lora.refit: adapters needs a generator that loads LoRA adapters; "
-            f"generation.backend: {generation.backend} does not (set policy.lora.refit: merged, "
-            "or auto to send merged weights to such a generator)"
-        )
-    if lora.refit == "merged" or not generation.loads_lora_adapters:
+    if lora.refit == "merged":
         return "merged"
+    if not generation.loads_lora_adapters:
+        raise ValueError(
+            f"policy.lora.refit: {lora.refit} sends LoRA adapters, and generation.backend: "
+            f"{generation.backend} cannot load them: set policy.lora.refit: merged to send it "
+            "the merged weights instead (the whole model every refit)"
+        )
     return "adapters"
 
 

@@ -28,8 +28,9 @@ What lasts from one refit to the next (the shared weight region) is held by a ``
 one per (policy, generator) pair, which the generator keeps and releases at its shutdown;
 ``refit(policy, generation)`` runs through it.
 
-A LoRA policy (``policy.lora``) sends what ``config.lora_refit`` picks: the merged weights
-(through any channel, as above), or the adapters alone. With adapters, the first refit into a
+A LoRA policy (``policy.lora``) sends what ``config.lora_refit`` picks: the adapters alone,
+or the merged weights (through any channel, as above) where ``policy.lora.refit: merged`` asks
+for them. With adapters, the first refit into a
 generator has it add LoRA layers (``enable_lora_adapters``) and sends the unmerged base layers
 with the adapters; every later refit sends only ``lora_A``/``lora_B`` (bytes proportional to the
 rank), through buckets (the object store on CPUs: adapters are too small for a weight region
@@ -147,16 +148,8 @@ class WeightSync:
     @functools.cached_property
     def lora(self) -> Literal["adapters", "merged"] | None:
         """What a refit sends from a LoRA policy (``config.lora_refit``), decided at the first
-        refit and logged when ``auto`` has to fall back to merged weights."""
-        lora, config = self.policy.config.lora, self.generation.config
-        mode = lora_refit(lora, config)
-        if mode == "merged" and lora.refit == "auto":
-            logger.warning(
-                "policy.lora.refit: auto sends the merged weights to generation.backend: %s, "
-                "which does not take LoRA adapters: every refit moves the whole model",
-                config.backend,
-            )
-        return mode
+        refit (a run's config check has refused the pairs that cannot be)."""
+        return lora_refit(self.policy.config.lora, self.generation.config)
 
     def serves(self, policy: Any) -> bool:
         return self._policy() is policy
