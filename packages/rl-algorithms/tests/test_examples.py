@@ -1,11 +1,13 @@
 """Every recipe in examples/configs validates against its algorithm's config (nothing runs)."""
 
+import math
 import re
 from pathlib import Path
 
 import pytest
 
 from rl_algorithms import cli
+from rl_models.memory_model.plans import RECIPES, SHAPES, recipe_plan
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "configs"
 # Data paths are checked when a config validates (a missing file fails before a run starts).
@@ -18,6 +20,8 @@ FILL = {
     "rm_gpu": ["policy.model.path=/m", "tokenizer.path=/m", f"data.train.path={PREFERENCES}"],
     "grpo_math": ["policy.model.path=/m", "tokenizer.path=/m"],
     "grpo_8b_8gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
+    "grpo_8b_32k_8gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
+    "grpo_30b_a3b_8gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
     "grpo_32b_8gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
     "grpo_70b_16gpu": ["policy.model.path=/m", "tokenizer.path=/m"],
     "sft_30b_a3b_8gpu": [
@@ -49,26 +53,31 @@ def test_example_recipe_validates(recipe, capsys, tmp_path):
     assert "checkpoint" in capsys.readouterr().out
 
 
-# The scale-out recipes and the model in docs/guides/memory.md whose fitting mesh each uses.
-SCALE_OUT = {
-    "grpo_8b_8gpu": "Llama-3.1-8B",
-    "grpo_32b_8gpu": "Qwen2.5-32B",
-    "grpo_70b_16gpu": "Llama-3.1-70B",
-    "sft_30b_a3b_8gpu": "Qwen3-30B-A3B",
-}
+# The scale-out recipes: each takes the mesh of one plan of docs/guides/memory.md
+# (rl_models.memory_model.plans.RECIPES: its model and the plan's label).
+SCALE_OUT = sorted(RECIPES)
+# The recipes that replay the generator's routes (policy.router_replay).
+ROUTER_REPLAY = {"grpo_30b_a3b_8gpu"}
 
 
-@pytest.mark.parametrize("recipe", sorted(SCALE_OUT))
+def test_every_multi_gpu_recipe_is_sized_by_the_memory_model():
+    """A recipe named for its GPUs (``_8gpu``, ``_16gpu``) is one the memory model sizes."""
+    sized = {p.stem for p in EXAMPLES.glob("*.yaml") if re.search(r"_\d+gpu$", p.stem)}
+    assert sized == set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", SCALE_OUT)
 def test_a_scale_out_recipe_has_the_mesh_the_memory_model_fits(recipe, capsys, tmp_path):
-    """``--print-config`` of the recipe shows the mesh, precision and batch of the plan the
-    memory model found fitting for its model (rl_models.memory_model.plans.chosen), and a vLLM
-    gpu_memory_utilization inside the range that plan computes."""
+    """``--print-config`` of the recipe shows the mesh, precision, batch and generator of its
+    plan in the memory model (rl_models.memory_model.plans.RECIPES), the plan fits, and a vLLM
+    gpu_memory_utilization is inside the range that plan computes."""
     import yaml
 
     from rl_models.memory_model import Shape, breakdown
-    from rl_models.memory_model.plans import SHAPES, chosen
 
-    _, plan = chosen(SCALE_OUT[recipe])
+    name, plan = recipe_plan(recipe)
+    b = breakdown(Shape.from_config(SHAPES[name]), plan)
+    assert b.fits(), f"{recipe}: the memory model says its plan does not fit"
     fill = [re.sub(r"=/(m|t|tokenizer)$", f"={tmp_path}", arg) for arg in FILL[recipe]]
     argv = [recipe.split("_")[0], "--config", str(EXAMPLES / f"{recipe}.yaml"), *fill]
     assert cli.main([*argv, "--print-config"]) == 0, capsys.readouterr().err
@@ -84,6 +93,8 @@ def test_a_scale_out_recipe_has_the_mesh_the_memory_model_fits(recipe, capsys, t
     if plan.backend == "megatron":
         assert mesh["pipeline_parallel_size"] == plan.pp
         assert mesh["expert_parallel_size"] == plan.ep
+    else:
+        assert mesh["context_parallel_size"] == plan.cp
     assert policy["model"]["dtype"] == {4: "float32", 2: "bfloat16"}[plan.param_bytes]
     # Compute runs in mixed_precision's dtype, or in the weights' own without it.
     compute = {"bfloat16": 2, "float16": 2, None: plan.param_bytes}[policy["mixed_precision"]]
@@ -93,20 +104,36 @@ def test_a_scale_out_recipe_has_the_mesh_the_memory_model_fits(recipe, capsys, t
     tokens = batching["train_mb_tokens"] if batching["enabled"] else None
     tokens = tokens or policy["train_micro_batch_size"] * config["data"]["max_seq_length"]
     assert tokens == plan.micro_batch_tokens
-    if plan.generator_tp:
-        vllm = config["generation"]["vllm"]
+    assert policy.get("router_replay", False) == (recipe in ROUTER_REPLAY)
+    if not plan.generator_tp:
+        assert "generation" not in config
+        return
+    generation = config["generation"]
+    assert generation["backend"] == plan.generator
+    assert generation["colocated"] == (not plan.generator_gpus)
+    if plan.generator_gpus:
+        assert generation["num_workers"] == plan.generator_gpus  # one GPU (bundle) each
+    assert generation["refit_bucket_bytes"] == plan.refit_bucket_bytes
+    if plan.generator == "vllm":
+        vllm = generation["vllm"]
         assert vllm["tensor_parallel_size"] == plan.generator_tp
         assert (vllm["max_num_seqs"], vllm["max_model_len"]) == (
             plan.sequences,
             plan.sequence_length,
         )
-        assert config["generation"]["refit_bucket_bytes"] == plan.refit_bucket_bytes
-        low, high = breakdown(
-            Shape.from_config(SHAPES[SCALE_OUT[recipe]]), plan
-        ).vllm_memory_utilization()
+        low, high = b.vllm_memory_utilization()
         assert low <= vllm["gpu_memory_utilization"] <= high
     else:
-        assert "generation" not in config
+        # The Hugging Face generator decodes a worker's whole share of a batch at once, each
+        # row up to the policy's longest, in the policy's dtype unless generation.dtype says.
+        workers = generation["num_workers"] if plan.generator_gpus else plan.gpus
+        grpo = config["grpo"]
+        rows = grpo["num_prompts_per_step"] * grpo["num_generations_per_prompt"]
+        assert math.ceil(rows / workers) == plan.sequences
+        assert math.ceil(grpo["val_batch_size"] / workers) <= plan.sequences
+        assert policy["max_total_sequence_length"] == plan.sequence_length
+        dtype = generation["dtype"] or policy["model"]["dtype"]
+        assert {"float32": 4, "bfloat16": 2}[dtype] == plan.generator_bytes
 
 
 def test_every_algorithm_has_a_cpu_and_a_gpu_recipe():

@@ -19,10 +19,23 @@ MLP width, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``V`` vocabulary)
   norm output, MLP norm input and output (``4h``); q, k, v after RoPE and the attention output
   (``2 nq d + 2 nkv d``), plus q and k before their norms where the family has them (Qwen3);
   the SwiGLU gate, up, ``silu(gate)`` and their product (``4I``) - for a mixture of experts
-  ``k (4 I_e + h)`` for the ``k`` experts a token visits, and the router's softmax output,
+  the same ``4 I_e`` for each of the ``k`` experts a token visits, its copy of the token's
+  input (``h``) and, on the DTensor backend, its output (``h``), which transformers multiplies
+  by the routing weight after the down projection and so keeps for that weight's gradient:
+  ``k (4 I_e + 2h)`` (its default ``grouped_mm`` experts; the ``eager`` loop keeps one more
+  ``h``, the ``index_add_`` source). Megatron's experts multiply the activation by the
+  routing weight before the down projection instead (``activation_func_with_probs``), which
+  keeps nothing of the output: ``k (4 I_e + h)``. Beside them the router's softmax output,
   which is float32 (``E`` float32 values, counted as ``2E`` elements of the bfloat16 compute
-  dtype). Tensor parallelism divides the head and MLP terms; sequence parallelism the ``4h``
-  too. Beside the layers: the embedding's output and the final norm's input and output
+  dtype). Either backend's experts keep a few int64 indices per token and expert: left out.
+  Tensor parallelism divides the head and MLP terms; sequence parallelism the ``4h`` too.
+  Context parallelism (DTensor, ``cp`` ranks) splits every row's tokens, so each GPU keeps
+  ``1/cp`` of the micro-batch's tokens, but its attention kernel (``policy/context_parallel.py``)
+  gathers the whole row's keys and values and repeats them to every query head, which sdpa
+  keeps: ``2 nq d`` per token of the row, ``2 nq d cp`` per local token, in place of
+  ``2 nkv d``; and one ``[local tokens, row tokens]`` mask per micro-batch, a bool and its
+  additive bias in the compute dtype (counted for a micro-batch of one row, the largest).
+  Beside the layers: the embedding's output and the final norm's input and output
   (``3h``), and one more layer's worth for the gradients of the layer backward is in. With
   activation checkpointing only each layer's input (``h``) is kept, plus the layer being
   recomputed and its gradients (two layers). A Megatron pipeline's first stage keeps ``pp``
@@ -31,7 +44,10 @@ MLP width, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``V`` vocabulary)
   over ``logprob_chunk`` tokens when log-probs are chunked, over the micro-batch otherwise.
 - **generator**: vLLM's weights (``P`` in its dtype, over its ``tp``) and KV cache:
   ``2 L nkv d`` bytes-per-element per token (the key/value heads over ``tp``, at least one
-  each) for ``sequences x sequence_length`` tokens.
+  each) for ``sequences x sequence_length`` tokens. The Hugging Face generator
+  (``generation/hf_worker.py``, the one that records routed experts for router replay) holds
+  the whole model in each worker (``tp`` 1) and decodes its whole share of a batch at once:
+  ``sequences`` is the rows one worker gets.
 - **refit buffers**: a refit streams the weights in buckets of ``refit_bucket_bytes``; the
   CUDA IPC channel keeps a producer's last two buckets alive (the refit's pipeline depth), and
   the rank packing them holds one whole unit beside them (``policy/weight_export.py``: one
@@ -57,20 +73,31 @@ the code paths are ``generation/refit.py``, ``generation/vllm/worker.py`` and
   resumed from a checkpoint also loads its optimizer state onto the GPU now, beside vLLM's
   whole memory. Counted with that state, since any long run may resume: the policy's weights
   and optimizer beside the generator's weights and KV cache. It bounds the usable
-  ``gpu_memory_utilization`` from above.
+  ``gpu_memory_utilization`` from above. (The Hugging Face generator too starts with its
+  weights on the GPU, and leaves it only after its first generation.)
+
+A generator on GPUs of its own (``generator_gpus``, ``generation.colocated: false``) shares
+none with the policy, and nothing is offloaded: the refit's bucket goes over NCCL from the
+policy, which keeps its weights and optimizer, to the generator, which keeps its weights.
+Each GPU holds one process. The phases' peaks are then the larger of the two kinds of GPU:
+*training* the policy's as above; *refit* the policy's weights and optimizer, or the
+generator's weights, with the refit buffers; *generation* the generator's weights and KV
+cache; *start* the policy's weights and optimizer, or the generator's least memory.
 
 ``policy.offload.optimizer_state`` acts only in ``prepare_for_lp_inference`` (the log-prob
 pass, vLLM asleep), a phase under the training peak (no gradients); colocated on GPUs the
 refit has moved the state already, so no peak here depends on the flag.
 
 Ignored: allocator fragmentation, NCCL buffers, the CUDA context, cuBLAS workspaces and
-vLLM's own activations: ``OVERHEAD`` per process covers them, and a plan fits when its peak
-stays under ``1 - HEADROOM`` of the GPU. Also ignored: norm weights (and Megatron's MoE
-routers) split by tensor parallelism (they are replicated; a few MB), float32 upcasts inside
-norms and softmax, Megatron's vocabulary padding (the embedding and output layer rounded up
-to a multiple of ``tp`` rows, ``megatron/family.py``), MoE load imbalance (activations
-assume each expert rank gets its share of the routed tokens; a rank whose experts are picked
-more often keeps more), a reference policy's copy (offloaded to host between uses), and the
+the generator's own activations: ``OVERHEAD`` per process covers them, and a plan fits when
+its peak stays under ``1 - HEADROOM`` of the GPU. Also ignored: norm weights (and Megatron's
+MoE routers) split by tensor parallelism (they are replicated; a few MB), what an RMSNorm
+keeps beside its input and output (the normalised tensor before its weight, and in mixed
+precision a float32 copy of its input: one to three ``h`` per norm) and the float32 upcast
+inside softmax, Megatron's vocabulary padding (the embedding and output layer rounded up to
+a multiple of ``tp`` rows, ``megatron/family.py``), MoE load imbalance (activations assume
+each expert rank gets its share of the routed tokens; a rank whose experts are picked more
+often keeps more), a reference policy's copy (offloaded to host between uses), and the
 forward-only log-prob pass (smaller than a training step).
 
 ``python -m rl_models.memory_model NAME`` prints a table (``__main__.py``).
@@ -198,18 +225,31 @@ class Shape:
             candidates.append(self.experts * 2 * self.expert_intermediate * h)
         return max(candidates)
 
-    def activation_elements(self, tp: int = 1, sequence_parallel: bool = False) -> float:
-        """Elements autograd keeps per token for one whole layer (the module docstring's
-        formula), averaged over the layers of a partly dense MoE model."""
+    def activation_elements(
+        self, tp: int = 1, sequence_parallel: bool = False, cp: int = 1, backend: str = "dtensor"
+    ) -> float:
+        """Elements autograd keeps per (local) token for one whole layer (the module
+        docstring's formula), averaged over the layers of a partly dense MoE model."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        inner = 2 * q + 2 * kv + (q + kv) * self.qk_norm
+        # keys and values: this rank's, or with context parallelism the whole row's, repeated
+        # to every query head
+        keys = 2 * q * cp if cp > 1 else 2 * kv
+        inner = 2 * q + keys + (q + kv) * self.qk_norm
         dense = 4 * self.intermediate
-        moe = self.experts_per_token * (4 * self.expert_intermediate + self.hidden)
+        moe = self.experts_per_token * self.expert_elements(backend)
         router = self.experts * 2  # its float32 softmax output (module docstring)
         mlp = (
             self.moe_layers * (moe + router) + (self.layers - self.moe_layers) * dense
         ) / self.layers
         return 4 * self.hidden / (tp if sequence_parallel else 1) + (inner + mlp) / tp
+
+    def expert_elements(self, backend: str = "dtensor") -> int:
+        """Elements autograd keeps for one token in one expert it is routed to: the gate-up
+        output, ``silu(gate)`` and the product (``4 I_e``), the expert's copy of the token's
+        input and, where the routing weight multiplies it (transformers, the DTensor backend),
+        the expert's output."""
+        kept = 2 if backend == "dtensor" else 1
+        return 4 * self.expert_intermediate + kept * self.hidden
 
     def kv_bytes_per_token(self, tp: int = 1, kv_bytes: int = 2) -> int:
         """A generator's KV cache per token on one GPU: ``2 L nkv d`` elements, the key/value
@@ -222,42 +262,59 @@ class Plan:
     """How the job runs: the mesh, precision, batch and generator of one training job."""
 
     backend: Literal["dtensor", "megatron"] = "dtensor"
-    gpus: int = 8
+    gpus: int = 8  # the policy's GPUs
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1  # dtensor.context_parallel_size
     sequence_parallel: bool = False
     param_bytes: int = 4  # policy.model.dtype: float32 master weights (bfloat16: 2)
     compute_bytes: int = 2  # policy.mixed_precision: bfloat16 (none: the param bytes)
     optimizer_states: int = 2  # AdamW's two moments, in the parameter dtype
-    micro_batch_tokens: int = 16384  # tokens per micro-batch on one GPU
+    # tokens per micro-batch, on each GPU (each of a context-parallel group keeps 1/cp of them)
+    micro_batch_tokens: int = 16384
     activation_checkpointing: bool = True
     logprob_chunk: int | None = 1024
+    generator: Literal["vllm", "hf"] = "vllm"  # generation.backend
     generator_tp: int = 1  # 0: no generator (SFT)
+    generator_gpus: int = 0  # GPUs of the generator's own (colocated: false); 0: the policy's
     generator_bytes: int = 2
-    sequences: int = 64  # generation.vllm.max_num_seqs per engine
-    sequence_length: int = 4096  # generation.vllm.max_model_len
+    # rows one engine decodes at once: vLLM's generation.vllm.max_num_seqs, the HF generator's
+    # share of a batch (rows per step over generation.num_workers)
+    sequences: int = 64
+    sequence_length: int = 4096  # generation.vllm.max_model_len, or the longest row
     kv_bytes: int = 2
     refit_bucket_bytes: int = 256 * 2**20  # generation.refit_bucket_bytes (its default)
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     def check(self, shape: Shape) -> None:
         """Refuse a mesh the backends refuse, naming the field."""
-        if self.gpus % (self.tp * self.pp):
-            raise ValueError(f"gpus={self.gpus} is not a multiple of tp*pp={self.tp * self.pp}")
+        split = self.tp * self.pp * self.cp
+        if self.gpus % split:
+            raise ValueError(f"gpus={self.gpus} is not a multiple of tp*pp*cp={split}")
         if self.backend == "dtensor" and (self.pp > 1 or self.ep > 1):
             raise ValueError("the dtensor backend has no pipeline or expert parallelism (pp, ep)")
         if self.backend == "megatron" and self.activation_checkpointing:
             raise ValueError("the megatron backend has no activation_checkpointing")
+        if self.cp > 1 and (self.backend != "dtensor" or self.activation_checkpointing):
+            # policy/config.py refuses both (context_parallel_rules.context_parallel_clashes)
+            raise ValueError("cp > 1 needs the dtensor backend without activation_checkpointing")
         if shape.heads % self.tp or shape.kv_heads % self.tp:
             raise ValueError(f"tp={self.tp} does not divide {shape.heads}/{shape.kv_heads} heads")
         if self.ep > 1 and (self.dp % self.ep or shape.experts % self.ep):
             raise ValueError(f"ep={self.ep} must divide dp={self.dp} and the experts")
-        if self.generator_tp and self.gpus % self.generator_tp:
-            raise ValueError(f"generator_tp={self.generator_tp} does not divide gpus={self.gpus}")
+        generator_gpus = self.generator_gpus or self.gpus
+        if self.generator_tp and generator_gpus % self.generator_tp:
+            raise ValueError(
+                f"generator_tp={self.generator_tp} does not divide its {generator_gpus} GPUs"
+            )
+        if self.generator == "hf" and self.generator_tp > 1:
+            raise ValueError(
+                "the hf generator holds the whole model in each worker: generator_tp 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -274,17 +331,24 @@ class Breakdown:
     generator_weights: float
     kv_cache: float
     refit_buffers: float
+    # Not a part: whether the generator has GPUs of its own (the phases then peak on one kind
+    # of GPU or the other, each with one process).
+    apart: bool = False
 
     @property
-    def colocated(self) -> bool:
-        """Whether a generator shares the GPU (its process adds an ``OVERHEAD``)."""
+    def has_generator(self) -> bool:
         return bool(self.generator_weights)
 
     @property
+    def colocated(self) -> bool:
+        """Whether a generator shares the policy's GPUs (its process adds an ``OVERHEAD``)."""
+        return self.has_generator and not self.apart
+
+    @property
     def generator_need(self) -> float:
-        """vLLM's least memory: its weights, the KV cache the plan's sequences fill, and its
-        process's ``OVERHEAD``."""
-        return self.generator_weights + self.kv_cache + OVERHEAD * self.colocated
+        """The generator's least memory: its weights, the KV cache the plan's sequences fill,
+        and its process's ``OVERHEAD``."""
+        return self.generator_weights + self.kv_cache + OVERHEAD * self.has_generator
 
     @property
     def training(self) -> float:
@@ -293,21 +357,28 @@ class Breakdown:
 
     @property
     def refit(self) -> float:
-        if not self.colocated:
+        if not self.has_generator:
             return 0.0
+        if self.apart:  # nothing moves: the policy keeps its optimizer, the generator its KV room
+            held = max(self.weights + self.optimizer, self.generator_weights)
+            return held + self.refit_buffers + OVERHEAD
         return self.weights + self.generator_weights + self.refit_buffers + 2 * OVERHEAD
 
     @property
     def generation(self) -> float:
-        return OVERHEAD + self.generator_need if self.colocated else 0.0
+        return OVERHEAD * self.colocated + self.generator_need if self.has_generator else 0.0
 
     @property
     def start(self) -> float:
-        """vLLM's start and first generation, or a resumed run's checkpoint load: the policy's
-        weights and optimizer state beside vLLM's least memory."""
-        if not self.colocated:
+        """The generator's start and first generation, or a resumed run's checkpoint load: the
+        policy's weights and optimizer state beside the generator's least memory (or, on GPUs
+        of its own, the larger of the two)."""
+        if not self.has_generator:
             return 0.0
-        return self.weights + self.optimizer + OVERHEAD + self.generator_need
+        policy = self.weights + self.optimizer + OVERHEAD
+        if self.apart:
+            return max(policy, self.generator_need)
+        return policy + self.generator_need
 
     @property
     def peak(self) -> float:
@@ -320,7 +391,7 @@ class Breakdown:
         """``(least, most)`` for ``generation.vllm.gpu_memory_utilization``: enough for vLLM's
         least memory; no more than what the policy leaves at the start (its weights and, on a
         resume, its optimizer state), the phase where vLLM holds the most beside it."""
-        beside = self.start - self.generator_need
+        beside = self.weights + self.optimizer + OVERHEAD if self.colocated else 0.0
         most = (1 - HEADROOM) * gpu_bytes - beside
         return self.generator_need / gpu_bytes, most / gpu_bytes
 
@@ -330,7 +401,8 @@ def breakdown(shape: Shape, plan: Plan) -> Breakdown:
     plan.check(shape)
     embedding, head = shape.vocab_params
     if plan.backend == "dtensor":
-        params = shape.total_params / (plan.tp * plan.dp)
+        # FSDP2 shards over the data- and context-parallel ranks as one
+        params = shape.total_params / (plan.tp * plan.dp * plan.cp)
         unit = max(shape.heaviest_layer(), embedding + head)
         gathered = unit / plan.tp * (2 * plan.compute_bytes + plan.param_bytes)
         exported = shape.largest_param  # one parameter gathered whole
@@ -342,15 +414,18 @@ def breakdown(shape: Shape, plan: Plan) -> Breakdown:
         gathered = 0.0
         # one unit gathered whole from the tensor-parallel ranks
         exported = max(shape.heaviest_layer(plan.ep), embedding, head)
-    layer = shape.activation_elements(plan.tp, plan.sequence_parallel)
+    local = plan.micro_batch_tokens / plan.cp  # the tokens one GPU runs
+    layer = shape.activation_elements(plan.tp, plan.sequence_parallel, plan.cp, plan.backend)
     residual = shape.hidden / (plan.tp if plan.sequence_parallel else 1)
     if plan.activation_checkpointing:
         elements = shape.layers * residual + 2 * layer
     else:  # also a pipeline's first stage: pp micro-batches x L/pp layers
         elements = (shape.layers + 1) * layer
     elements += 3 * residual
-    activations = elements * plan.micro_batch_tokens * plan.compute_bytes
-    chunk = min(plan.logprob_chunk or plan.micro_batch_tokens, plan.micro_batch_tokens)
+    activations = elements * local * plan.compute_bytes
+    if plan.cp > 1:  # the mask of the local tokens against the row's, a bool and its bias
+        activations += local * plan.micro_batch_tokens * (1 + plan.compute_bytes)
+    chunk = min(plan.logprob_chunk or local, local)
     logits = 2 * chunk * shape.vocab / plan.tp * 4
     gen_weights, kv, refit = 0.0, 0.0, 0.0
     if plan.generator_tp:
@@ -368,6 +443,7 @@ def breakdown(shape: Shape, plan: Plan) -> Breakdown:
         generator_weights=gen_weights,
         kv_cache=kv,
         refit_buffers=refit,
+        apart=bool(plan.generator_tp and plan.generator_gpus),
     )
 
 

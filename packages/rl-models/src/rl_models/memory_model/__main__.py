@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, fields
+from dataclasses import fields
 
 from rich.console import Console
 from rich.table import Table
 
 from rl_models.memory_model import GPU_BYTES, HEADROOM, OVERHEAD, Plan, Shape, breakdown, gib
-from rl_models.memory_model.plans import PHASES, SHAPES, doc_tables
+from rl_models.memory_model.plans import GEN_PARTS, PARTS, PHASES, SHAPES, doc_tables
+
+# The settings that take one of a few names, and the names.
+CHOICES = {"backend": ["dtensor", "megatron"], "generator": ["vllm", "hf"]}
 
 
 def _boolean(text: str) -> bool:
@@ -49,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(
                 flag, type=_boolean, default=f.default, help=f"true or false (default {f.default})"
             )
-        elif f.name == "backend":
-            parser.add_argument(flag, choices=["dtensor", "megatron"], default=f.default)
+        elif f.name in CHOICES:
+            parser.add_argument(flag, choices=CHOICES[f.name], default=f.default)
         elif f.name == "logprob_chunk":
             parser.add_argument(
                 flag, type=_tokens_or_none, default=f.default, help=f"or none (default {f.default})"
@@ -81,15 +84,18 @@ def main(argv: list[str] | None = None) -> None:
     shape = Shape.from_config(config)
     plan = Plan(**{f.name: getattr(args, f.name) for f in fields(Plan)})
     b = breakdown(shape, plan)
-    table = Table(title=f"{args.model}: {shape.total_params / 1e9:.2f}B parameters, dp={plan.dp}")
+    mesh = f"dp={plan.dp}" + (f", cp={plan.cp}" if plan.cp > 1 else "")
+    if plan.generator_gpus:
+        mesh += f", generator on {plan.generator_gpus} more GPUs"
+    table = Table(title=f"{args.model}: {shape.total_params / 1e9:.2f}B parameters, {mesh}")
     table.add_column("part")
     table.add_column("GiB per GPU", justify="right")
-    for part, value in asdict(b).items():
-        table.add_row(part.replace("_", " "), gib(value))
+    for part in PARTS + GEN_PARTS:
+        table.add_row(part.replace("_", " "), gib(getattr(b, part)))
     table.add_row("overhead (each process)", gib(OVERHEAD))
-    for phase in PHASES if b.colocated else PHASES[:1]:  # without a generator: training only
+    for phase in PHASES if b.has_generator else PHASES[:1]:  # without a generator: training
         table.add_row(f"{phase} peak", gib(getattr(b, phase)), style="bold")
-    if b.colocated:
+    if b.has_generator and plan.generator == "vllm":
         low, high = b.vllm_memory_utilization()
         table.add_row("vLLM gpu_memory_utilization", f"{low:.2f} to {high:.2f}")
     verdict = "fits" if b.fits() else "does not fit"

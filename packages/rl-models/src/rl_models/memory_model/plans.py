@@ -36,9 +36,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-# the meshes docs/guides/memory.md weighs for each model on 8 x 80 GB GPUs (the 70B also on
-# two nodes), GRPO with a colocated vLLM unless the generator is off (``generator_tp=0``: SFT).
-# The first plan of each model that fits is its recipe's in examples/configs/.
+# The meshes docs/guides/memory.md weighs for each model on 8 x 80 GB GPUs (the 70B also on
+# two nodes), GRPO with a colocated vLLM unless said otherwise (``generator_tp=0``: SFT).
 HALF = {"param_bytes": 2, "compute_bytes": 2}
 MEGATRON = {"backend": "megatron", "activation_checkpointing": False, **HALF}
 # The 70B's Megatron meshes: sequence parallel, 8192 tokens a micro-batch, vLLM over 8 GPUs.
@@ -46,10 +45,29 @@ MEGATRON_70B = {
     **MEGATRON, "sequence_parallel": True, "micro_batch_tokens": 8192, "generator_tp": 8,
 }  # fmt: skip
 SFT_30B = {**MEGATRON, "micro_batch_tokens": 4096, "generator_tp": 0}
+# GRPO over rows of 32768 tokens (a 1024-token prompt, the rest its answer), one row a
+# micro-batch, 16 of them in each of two vLLM engines of tensor parallelism 4.
+LONG = {
+    "tp": 2, "sequence_parallel": True, "micro_batch_tokens": 32768, "generator_tp": 4,
+    "sequences": 16, "sequence_length": 32768,
+}  # fmt: skip
+# GRPO with router replay: the generator that records routes is Hugging Face's (vLLM's does
+# not yet, generation/config.py), one whole bfloat16 model per worker, decoding its 16 rows
+# of 4096 tokens at once; the policy is DTensor's (Megatron and context parallelism refuse
+# replay, and the DTensor backend has no tensor-parallel plan for MoE layers).
+REPLAY = {
+    **HALF, "generator": "hf", "micro_batch_tokens": 4096, "sequences": 16,
+    "sequence_length": 4096,
+}  # fmt: skip
 DOC_PLANS: dict[str, list[tuple[str, Plan]]] = {
     "Llama-3.1-8B": [
         ("dtensor dp4 x tp2 (SP)", Plan(tp=2, sequence_parallel=True)),
         ("dtensor dp8", Plan()),
+        ("dtensor dp4 x tp2 (SP), 32k rows", Plan(**LONG)),
+        (
+            "dtensor cp4 x tp2 (SP), 32k rows",
+            Plan(cp=4, activation_checkpointing=False, **LONG),
+        ),
     ],
     "Qwen2.5-32B": [
         ("dtensor dp8, fp32 master", Plan(generator_tp=4)),
@@ -66,7 +84,22 @@ DOC_PLANS: dict[str, list[tuple[str, Plan]]] = {
     "Qwen3-30B-A3B": [
         ("megatron dp8 (SFT)", Plan(**SFT_30B)),
         ("megatron ep8 (SFT)", Plan(ep=8, **SFT_30B)),
+        ("dtensor dp8, HF generator colocated (replay)", Plan(**REPLAY)),
+        (
+            "dtensor dp4, HF generator on 4 more GPUs (replay)",
+            Plan(gpus=4, generator_gpus=4, **REPLAY),
+        ),
     ],
+}
+# Each recipe in examples/configs/ that a plan above sizes: its model and the plan's label.
+# The recipe's settings are the plan's (packages/rl-algorithms/tests/test_examples.py).
+RECIPES: dict[str, tuple[str, str]] = {
+    "grpo_8b_8gpu": ("Llama-3.1-8B", "dtensor dp4 x tp2 (SP)"),
+    "grpo_8b_32k_8gpu": ("Llama-3.1-8B", "dtensor cp4 x tp2 (SP), 32k rows"),
+    "grpo_32b_8gpu": ("Qwen2.5-32B", "dtensor dp2 x tp4 (SP), bf16"),
+    "grpo_70b_16gpu": ("Llama-3.1-70B", "megatron tp8 x pp2, 16 GPUs"),
+    "sft_30b_a3b_8gpu": ("Qwen3-30B-A3B", "megatron ep8 (SFT)"),
+    "grpo_30b_a3b_8gpu": ("Qwen3-30B-A3B", "dtensor dp4, HF generator on 4 more GPUs (replay)"),
 }
 PARTS = ("weights", "gradients", "optimizer", "gathered", "activations", "logits")
 GEN_PARTS = ("generator_weights", "kv_cache", "refit_buffers")
@@ -74,51 +107,59 @@ GEN_PARTS = ("generator_weights", "kv_cache", "refit_buffers")
 PHASES = ("training", "refit", "generation", "start")
 
 
+def plan_of(name: str, label: str) -> Plan:
+    """The plan ``label`` of model ``name``."""
+    plans = dict(DOC_PLANS[name])
+    if label not in plans:
+        raise KeyError(f"{name} has no plan {label!r} (it has {list(plans)})")
+    return plans[label]
+
+
+def recipe_plan(recipe: str) -> tuple[str, Plan]:
+    """The model and the plan of the recipe ``examples/configs/<recipe>.yaml``."""
+    name, label = RECIPES[recipe]
+    return name, plan_of(name, label)
+
+
 def fit_table() -> str:
-    """Markdown: each model's meshes, the peak per GPU of each phase and whether they fit."""
+    """Markdown: each model's meshes, the peak per GPU of each phase, whether they fit, and
+    the recipe that takes the mesh."""
+    taken = {(name, label): recipe for recipe, (name, label) in RECIPES.items()}
     rows = [
-        "| model | mesh | training GiB | refit GiB | generation GiB | start GiB | fits |",
-        "|---|---|---|---|---|---|---|",
+        "| model | mesh | training GiB | refit GiB | generation GiB | start GiB | fits | recipe |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, plans in DOC_PLANS.items():
         shape = Shape.from_config(SHAPES[name])
         for label, plan in plans:
             b = breakdown(shape, plan)
-            shown = PHASES if b.colocated else PHASES[:1]  # SFT: no generator, training only
+            shown = PHASES if b.has_generator else PHASES[:1]  # SFT: no generator, training only
             peaks = [gib(getattr(b, p)) if p in shown else "—" for p in PHASES]
             fits = "yes" if b.fits() else "no"
-            rows.append(f"| {name} | {label} | {' | '.join(peaks)} | {fits} |")
+            recipe = f"`{taken[name, label]}`" if (name, label) in taken else ""
+            rows.append(f"| {name} | {label} | {' | '.join(peaks)} | {fits} | {recipe} |")
     return "\n".join(rows)
 
 
 def breakdown_table(name: str, plan: Plan) -> str:
     """Markdown: one model's parts per GPU under ``plan`` (GiB)."""
     b = breakdown(Shape.from_config(SHAPES[name]), plan)
-    parts = PARTS + (GEN_PARTS if b.colocated else ())
+    parts = PARTS + (GEN_PARTS if b.has_generator else ())
     rows = ["| part | GiB per GPU |", "|---|---|"]
     rows += [f"| {p.replace('_', ' ')} | {gib(getattr(b, p))} |" for p in parts]
     rows.append(f"| overhead (each process) | {gib(OVERHEAD)} |")
-    for phase in PHASES if b.colocated else PHASES[:1]:  # SFT: training only
+    for phase in PHASES if b.has_generator else PHASES[:1]:  # SFT: training only
         rows.append(f"| **{phase} peak** | **{gib(getattr(b, phase))}** |")
-    if b.colocated:
+    if b.has_generator and plan.generator == "vllm":
         low, high = b.vllm_memory_utilization()
         rows.append(f"| vLLM gpu_memory_utilization | {low:.2f} to {high:.2f} |")
     return "\n".join(rows)
 
 
-def chosen(name: str) -> tuple[str, Plan]:
-    """The first of ``name``'s plans that fits: its recipe's mesh."""
-    shape = Shape.from_config(SHAPES[name])
-    for label, plan in DOC_PLANS[name]:
-        if breakdown(shape, plan).fits():
-            return label, plan
-    raise ValueError(f"no plan of {name} fits")
-
-
 def doc_tables() -> str:
     """What docs/guides/memory.md shows between its markers (a test compares the two)."""
     out = [fit_table()]
-    for name in DOC_PLANS:
-        label, plan = chosen(name)
-        out += [f"**{name}, {label}**", breakdown_table(name, plan)]
+    for recipe in RECIPES:
+        name, plan = recipe_plan(recipe)
+        out += [f"**`{recipe}.yaml`: {name}, {RECIPES[recipe][1]}**", breakdown_table(name, plan)]
     return "\n\n".join(out)
