@@ -31,8 +31,8 @@ or whose judge call took longer than ``timeout_s``, is marked ``unscored``: it i
 loss and counted (``unparsable``, ``timeouts``: one per sample), never read as 0. The timeout is
 a call's, not a sample's as in the verifier environments: one batched ``generate`` decodes its
 samples together and returns them together, so there is no sample's answer to keep while
-another one of the call is still running; ``batch_size: 1`` gives each sample a call (and a
-timeout) of its own, at the cost of batching. A call given up on keeps the
+another one of the call is still running; ``batch_size: 1`` gives each sample a call of its
+own, at the cost of batching (the calls run one after another). A call given up on keeps the
 judge's workers busy until it ends: a later call waits for it up to ``timeout_s`` more (not on
 its own clock), and past that its samples are not judged at all (``unscored``, counted as
 ``skipped``) rather than blamed for a timeout of the call before.

@@ -65,8 +65,8 @@ class LoraConfig(ConfigModel):
     # What a refit sends the generator: "adapters" (only the lora_A/lora_B tensors, bytes
     # proportional to the rank; the generator applies them with its base weights, which it gets
     # once), "merged" (W + scaling * B @ A of every adapted layer, the whole model each time,
-    # for generators that cannot load adapters: chosen explicitly), or "auto": adapters (HF and
-    # vLLM load them). "auto" or "adapters" with a generator that cannot load adapters is
+    # for generators that cannot load adapters: chosen explicitly), or "auto", the default and
+    # today an alias of "adapters" (HF and vLLM load them). "auto" or "adapters" with a generator that cannot load adapters is
     # refused when the run's config is read, saying to set "merged": never a silent switch.
     refit: Literal["auto", "adapters", "merged"] = "auto"
 
