@@ -25,6 +25,9 @@ TINY_LLAMA = {
     "vocab_size": 128,
     "max_position_embeddings": 256,
 }
+#: The tiny Llama as a Qwen3 (per-head query and key norms). Qwen3's config defaults head_dim
+#: to 128; the tiny model's is hidden_size / heads.
+TINY_QWEN3 = {**TINY_LLAMA, "model_type": "qwen3", "head_dim": 16}
 
 
 def response_mask(input_lengths: torch.Tensor, generation_lengths: torch.Tensor, width: int):
@@ -77,6 +80,18 @@ def initial_model(seed: int = 0, **model) -> torch.nn.Module:
 
     cfg = tiny_config(model={"hf_config": TINY_LLAMA, "dtype": "float64", **model}, seed=seed)
     return build_model(cfg.model, cfg.seed)
+
+
+def sequence_logprobs(model: torch.nn.Module, data: BatchedDataDict) -> torch.Tensor:
+    """A Hugging Face causal LM's log-prob of each token given the ones before it, each
+    sequence run alone and unpadded, laid out as ``get_logprobs`` lays them out (0 at the
+    first token and the padding)."""
+    out = torch.zeros(data["input_ids"].shape, dtype=torch.float64)
+    with torch.no_grad():
+        for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
+            logp = torch.log_softmax(model(ids[None, :n]).logits[0], dim=-1)
+            out[row, 1:n] = logp[:-1].gather(-1, ids[1:n, None])[:, 0]
+    return out
 
 
 def skewed_batch(lengths=(3, 61, 5, 7, 2, 40, 9, 4), seed: int = 0) -> BatchedDataDict:

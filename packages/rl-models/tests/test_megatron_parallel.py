@@ -32,13 +32,12 @@ from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 from rl_models.policy.lm_policy import Policy
 from rl_models.weight_transfer.buckets import unpack_bucket
 
-from .conftest import TINY_LLAMA, save_tiny, skewed_batch, tiny_config
+from .conftest import TINY_QWEN3, save_tiny, skewed_batch, tiny_config
 from .test_megatron_worker import ATOL, hf_logprobs
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
 PACKED = {"sequence_packing": {"enabled": True, "max_tokens_per_microbatch": 70}}
-TINY_QWEN3 = {**TINY_LLAMA, "model_type": "qwen3", "head_dim": 16}
 TINY_QWEN3_MOE = {
     **TINY_QWEN3,
     "model_type": "qwen3_moe",

@@ -15,10 +15,12 @@ one-worker stand-in for its Ray worker group, so that its model's logits can be 
 and its experts switched to the eager kernel (transformers' grouped matmul has no float64).
 
 Tolerance ``ATOL`` and its reason as in ``test_megatron_worker.py`` (RoPE angles in float32 on
-both sides, cos/sin in float32 in HF and float64 in Megatron). Seen here: 8.5e-8 (Qwen3, tp=2)
+both sides, cos/sin in float32 in HF and float64 in Megatron). Seen here: 5.2e-8 (Qwen3, tp=2)
 and 1.1e-7 (Qwen3-MoE, ep=2), the same through both channels, where the step moved log-probs
-by up to 0.65. An export that transposes a square projection, or swaps the two expert ranks'
-expert numbers, is off by 0.74 or 0.03.
+by up to 0.82. An export that transposes the (square) key and value projections is off by
+0.64; one that joins the tp ranks' fused QKV parts group by group across the ranks (group g
+from rank g % tp) rather than rank after rank, by 0.58 (with one key/value group per rank it
+would pass); one that swaps the two expert ranks' expert numbers, by 0.03.
 """
 
 from types import SimpleNamespace
@@ -36,8 +38,8 @@ from rl_models.generation.refit import refit
 from rl_models.losses import NLLLoss
 from rl_models.policy.lm_policy import Policy
 
-from .conftest import save_tiny, skewed_batch, tiny_config
-from .test_megatron_parallel import TINY_QWEN3, TINY_QWEN3_MOE
+from .conftest import TINY_QWEN3, save_tiny, sequence_logprobs, skewed_batch, tiny_config
+from .test_megatron_parallel import TINY_QWEN3_MOE
 from .test_megatron_worker import ATOL
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
@@ -46,7 +48,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_se
 #: each layer's shards (the fused QKV regrouped per key/value head); expert parallelism makes
 #: two ranks send their own experts under their global numbers.
 CASES = {
-    "qwen3-tp2": (TINY_QWEN3, {"tensor_parallel_size": 2}),
+    # Four key/value heads (two query heads each), so each tp rank holds two key/value groups
+    # of the fused QKV: the export must join the ranks' parts group after group, where with one
+    # group per rank any order of rank and group would give the same tensor.
+    "qwen3-tp2": (
+        {**TINY_QWEN3, "num_attention_heads": 8, "num_key_value_heads": 4},
+        {"tensor_parallel_size": 2},
+    ),
     "qwen3_moe-ep2": (TINY_QWEN3_MOE, {"expert_parallel_size": 2}),
 }
 #: Under a quarter of a decoder layer (about 290 KiB in float64): each layer travels in
@@ -93,17 +101,6 @@ class LocalHfGeneration:
         self.weight_version = 0
 
 
-def generator_logprobs(model: torch.nn.Module, data) -> torch.Tensor:
-    """The generator model's log-prob of each token given the ones before it, each sequence
-    alone and unpadded (laid out like ``get_logprobs``: 0 at the first token and padding)."""
-    out = torch.zeros(data["input_ids"].shape, dtype=torch.float64)
-    with torch.no_grad():
-        for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
-            logp = torch.log_softmax(model(ids[None, :n]).logits[0], dim=-1)
-            out[row, 1:n] = logp[:-1].gather(-1, ids[1:n, None])[:, 0]
-    return out
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_refit_from_a_trained_megatron_policy_gives_the_generator_its_logprobs(
@@ -121,7 +118,7 @@ def test_a_refit_from_a_trained_megatron_policy_gives_the_generator_its_logprobs
     # The grouped-matmul expert kernel has no float64 (the dense model has no experts).
     worker.model.config._experts_implementation = "eager"
     generation = LocalHfGeneration(gen_config, worker)
-    initial = generator_logprobs(worker.model, probe)  # from the checkpoint the policy loaded
+    initial = sequence_logprobs(worker.model, probe)  # from the checkpoint the policy loaded
     cluster = RayVirtualCluster([2], use_gpus=False)
     policy = Policy(cluster, config)
     try:
@@ -143,7 +140,7 @@ def test_a_refit_from_a_trained_megatron_policy_gives_the_generator_its_logprobs
             assert stats.channel == channel and worker.get_weight_version() == 1
             if channel == "object_store":  # several buckets to each layer: the bound held
                 assert stats.buckets > 2 * spec["num_hidden_layers"]
-            got = generator_logprobs(worker.model, probe)
+            got = sequence_logprobs(worker.model, probe)
             torch.testing.assert_close(
                 got, expected, rtol=0, atol=ATOL, msg=lambda m, c=channel: f"{c}: {m}"
             )

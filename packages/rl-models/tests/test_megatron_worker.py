@@ -21,7 +21,7 @@ from rl_distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
 from rl_models.losses import NLLLoss
 from rl_models.policy.dtensor_worker import DTensorPolicyWorker
 
-from .conftest import skewed_batch, tiny_config
+from .conftest import sequence_logprobs, skewed_batch, tiny_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 WORKER = "rl_models.megatron.worker.MegatronPolicyWorker"
@@ -33,12 +33,7 @@ def hf_logprobs(path, data) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     # Mixture-of-experts models: transformers' default grouped matmul has no float64 kernel.
     model.config._experts_implementation = "eager"
-    out = torch.zeros(data["input_ids"].shape, dtype=torch.float64)
-    with torch.no_grad():
-        for row, (ids, n) in enumerate(zip(data["input_ids"], data["input_lengths"], strict=True)):
-            logp = torch.log_softmax(model(ids[None, :n]).logits[0], dim=-1)
-            out[row, 1:n] = logp[:-1].gather(-1, ids[1:n, None])[:, 0]
-    return out
+    return sequence_logprobs(model, data)
 
 
 def call(group: RayWorkerGroup, method: str, **kwargs):

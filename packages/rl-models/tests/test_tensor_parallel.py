@@ -1,9 +1,13 @@
 """Tensor parallelism of the DTensor backend: what one process can check (the config's
-refusals, the plan's, the vocab-parallel log-softmax's arithmetic). Two tp ranks computing
-against one process are in ``test_two_ranks.py`` (``tensor_parallel`` scenarios)."""
+refusals, the plan's, Qwen3's head-norm gradients on a one-rank mesh, the vocab-parallel
+log-softmax's arithmetic). Two tp ranks computing against one process are in
+``test_two_ranks.py`` (``tensor_parallel`` scenarios)."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial
 from transformers import AutoConfig
 
 from rl_models.policy.config import PolicyConfig
@@ -14,9 +18,9 @@ from rl_models.policy.logprobs import (
     vocab_parallel_logprobs,
     vocab_parallel_topk,
 )
-from rl_models.policy.tensor_parallel import check_plannable
+from rl_models.policy.tensor_parallel import check_plannable, parallelize
 
-from .conftest import TINY_LLAMA, tiny_config
+from .conftest import TINY_LLAMA, TINY_QWEN3, initial_model, skewed_batch, tiny_config
 from .test_token_entropy import float64_logprobs_and_entropy
 
 
@@ -69,11 +73,48 @@ def test_a_family_without_a_plan_is_refused_by_name():
         check_plannable(AutoConfig.for_model("gpt2"), 2)
 
 
-def test_qwen3_has_a_plan():
-    """Its per-head query and key norms are planned (``tensor_parallel._per_head_norm``); the
-    two-rank ``qwen3`` case checks the numbers."""
-    hf = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
-    check_plannable(AutoConfig.for_model("qwen3", **hf, head_dim=16), 2)
+@pytest.fixture
+def one_rank_mesh():
+    """A tensor-parallel mesh of this process alone (gloo), taken down after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_qwen3_head_norm_gradients_are_left_to_be_summed_over_tp(one_rank_mesh, sequence_parallel):
+    """Each tp rank applies q_norm and k_norm to its own heads: their weights' gradients must
+    come out as pending sums over the ranks (``Partial``), which FSDP2 all-reduces, with or
+    without sequence parallelism. On one rank the sum is this rank's gradient, the plain
+    model's. (Two ranks against one process: the ``qwen3`` cases of ``test_two_ranks.py``.)"""
+    model, plain = initial_model(hf_config=TINY_QWEN3), initial_model(hf_config=TINY_QWEN3)
+    parallelize(model, one_rank_mesh, sequence_parallel)
+    ids = skewed_batch()["input_ids"][1:2, :20]
+    model(ids).logits.to_local().sum().backward()
+    plain(ids).logits.sum().backward()
+    plain_grads = {n: p.grad for n, p in plain.named_parameters()}
+    head_norms = [
+        n for n, _ in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))
+    ]
+    assert len(head_norms) == 2 * TINY_QWEN3["num_hidden_layers"]
+    for name in head_norms:
+        grad = model.get_parameter(name).grad
+        assert isinstance(grad, DTensor) and grad.placements == (Partial(),), name
+        torch.testing.assert_close(grad.to_local(), plain_grads[name], rtol=0, atol=1e-12)
+
+
+def test_a_layer_with_one_head_norm_of_two_is_refused_by_name(one_rank_mesh):
+    """Left out of the plan, a lone head norm would step with each rank's heads' share of its
+    gradient; the refusal comes before any layer is split."""
+    model = initial_model(hf_config=TINY_QWEN3)
+    del model.model.layers[1].self_attn.k_norm
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.1: it has self_attn\.q_norm but no self_attn\.k_norm"
+    ):
+        parallelize(model, one_rank_mesh, sequence_parallel=False)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def test_heads_that_tp_does_not_divide_are_refused():

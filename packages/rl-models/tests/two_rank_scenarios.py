@@ -20,6 +20,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import (
     TINY_LLAMA,
+    TINY_QWEN3,
     WidestVocabTensor,
     float64_rms_norm,
     grouped_batch,
@@ -223,8 +224,8 @@ def region_write(half, out: str) -> dict:
 
 #: Tensor-parallel cases (``dtensor`` section, loss, other config), on both ranks' whole batch.
 TINY_QWEN2 = {**TINY_LLAMA, "model_type": "qwen2", "tie_word_embeddings": True}
-# Qwen3's config defaults head_dim to 128; the tiny model's is hidden_size / heads.
-TINY_QWEN3 = {**TINY_LLAMA, "model_type": "qwen3", "head_dim": 16, "vocab_size": 150}
+# Its vocabulary (150) and a rank's half of it (75) are no other dimension of the model.
+QWEN3_ODD_VOCAB = {**TINY_QWEN3, "vocab_size": 150}
 TENSOR_PARALLEL_CASES = {
     # Norms' weights on the dp mesh only, the rest on (dp, tp): the gradient norm spans both
     # (clipped: the norm is ~1.8).
@@ -246,12 +247,19 @@ TENSOR_PARALLEL_CASES = {
         },
     ),
     # Qwen3, sequence parallel: per-head norms of the queries and keys (q_norm, k_norm), whose
-    # weights every rank holds whole but applies to its own heads only. Its vocabulary (150)
-    # and a rank's half of it (75) are no other dimension of the model.
+    # weights every rank holds whole but applies to its own heads only.
     "qwen3-tp2-sp": (
         {"tensor_parallel_size": 2, "sequence_parallel": True},
         "nll",
-        {"model": {"hf_config": TINY_QWEN3, "dtype": "float64"}},
+        {"model": {"hf_config": QWEN3_ODD_VOCAB, "dtype": "float64"}},
+    ),
+    # Qwen3 without sequence parallelism: the head norms' weights span (dp, tp) while the
+    # other norms' sit on dp alone, so the clipped gradient norm adds the two meshes' parts
+    # (the norm is ~1.95).
+    "qwen3-tp2-clipped": (
+        {"tensor_parallel_size": 2},
+        "nll",
+        {"model": {"hf_config": QWEN3_ODD_VOCAB, "dtype": "float64"}, "max_grad_norm": 1.0},
     ),
 }
 

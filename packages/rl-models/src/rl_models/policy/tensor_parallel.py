@@ -28,6 +28,10 @@ autograd leaves their gradients as pending sums (``Partial``); FSDP2 lays each g
 as its parameter is before reducing it over ``dp``, which for these is an all-reduce over
 ``tp``, as for the norms' weights under sequence parallelism. Left plain, each rank would step
 with its own heads' share and the copies would drift apart (the two-rank Qwen3 case fails so).
+Under bf16 mixed precision that all-reduce, like the sequence-parallel norms', comes before
+FSDP's float32 reduction and sums the gradient in the dtype it has then: bfloat16 when the
+step is one micro-batch, float32 when it accumulates several (FSDP keeps the sum of earlier
+micro-batches' gradients in float32).
 """
 
 from __future__ import annotations
@@ -111,6 +115,21 @@ def _has_module(root: torch.nn.Module, name: str) -> bool:
     return True
 
 
+def _has_head_norms(layer: torch.nn.Module, where: str) -> bool:
+    """Whether decoder ``layer`` (named ``where`` in the model) has per-head query and key
+    norms (``HEAD_NORMS``). A layer with some of them but not all is refused, naming the
+    missing one: the plan covers both or neither, and a head norm left out of it would step
+    with each rank's own heads' share of its gradient."""
+    present = [name for name in HEAD_NORMS if _has_module(layer, name)]
+    missing = [name for name in HEAD_NORMS if name not in present]
+    if present and missing:
+        raise ValueError(
+            f"no tensor-parallel plan for {where}: it has {present[0]} but no {missing[0]} "
+            "(the per-head query and key norms are planned together)"
+        )
+    return bool(present)
+
+
 def _layer_plan(sequence_parallel: bool, head_norms: bool) -> dict[str, Any]:
     """One decoder layer's plan (module names relative to the layer); ``head_norms``: the
     layer has per-head query and key norms (Qwen3)."""
@@ -151,6 +170,9 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, sequence_parallel: boo
     """Split ``model`` (a Llama/Qwen2/Qwen3 causal LM, on any device, meta included) over the 1-D
     tensor-parallel ``mesh`` in place (see the module docstring)."""
     check_plannable(model.config, mesh.size())
+    # Checked for every layer before any is split, so that a refusal leaves the model whole.
+    layers = model.model.layers
+    head_norms = [_has_head_norms(layer, f"model.layers.{i}") for i, layer in enumerate(layers)]
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     between = Shard(1) if sequence_parallel else Replicate()
     root = {
@@ -166,9 +188,8 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, sequence_parallel: boo
     if sequence_parallel:
         root["model.norm"] = SequenceParallel()
     parallelize_module(model, mesh, root)
-    for layer in model.model.layers:
-        head_norms = all(_has_module(layer, name) for name in HEAD_NORMS)
-        parallelize_module(layer, mesh, _layer_plan(sequence_parallel, head_norms))
+    for layer, norms in zip(layers, head_norms, strict=True):
+        parallelize_module(layer, mesh, _layer_plan(sequence_parallel, norms))
     if tied:
         # Each style distributed its own copy of the shared weight: share one again (the
         # embedding's and the output layer's rows are split alike, Shard(0)).
