@@ -169,6 +169,12 @@ def test_gpu_check_passes_on_the_cpu_without_ray(tmp_path):
         "world 2 (cpu, gloo), cp=2, one packed row: bf16 training step vs float64",
     ]:
         assert sum(c.startswith(f"PASS {expected}") for c in checks) == 1, expected
+    # Every rank of a tensor- or context-parallel case computes the whole batch's log-probs,
+    # so each one's are checked; every step is checked tensor by tensor.
+    for case in ("tp=2, sequence parallel", "cp=2, one packed row"):
+        (line,) = [c for c in checks if f"{case}: chunked log-probs" in c]
+        assert "rank 0: max" in line and "rank 1: max" in line, line
+    assert all("tensor by tensor: worst" in c for c in checks if "training step vs" in c)
     assert "CPU stand-in for CUDA IPC" in out
     # MFU comes last: the summary, then the MFU lines.
     tail = out.strip().splitlines()
