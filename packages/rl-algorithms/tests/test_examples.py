@@ -104,6 +104,10 @@ def test_a_scale_out_recipe_has_the_mesh_the_memory_model_fits(recipe, capsys, t
     tokens = batching["train_mb_tokens"] if batching["enabled"] else None
     tokens = tokens or policy["train_micro_batch_size"] * config["data"]["max_seq_length"]
     assert tokens == plan.micro_batch_tokens
+    # The widest row the policy trains on (the plan's attention terms grow with it): an SFT
+    # row's tokens, or a GRPO row's prompt and answer.
+    longest = config["data"]["max_seq_length"] if not plan.generator_tp else None
+    assert (longest or policy["max_total_sequence_length"]) == plan.sequence_length
     assert policy.get("router_replay", False) == (recipe in ROUTER_REPLAY)
     if not plan.generator_tp:
         assert "generation" not in config

@@ -14,32 +14,62 @@ MLP width, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``V`` vocabulary)
 - **gathered**: FSDP2 all-gathers one unit at a time (a decoder layer, or the root with the
   embedding and output layer) in the compute dtype, and prefetches the next: two units, plus
   one unit's unsharded gradient in the parameter dtype before its reduce-scatter.
-- **activations**: what autograd keeps per token and layer, in the compute dtype, assuming a
-  flash/memory-efficient attention kernel (no ``[T, T]`` scores): the layer input, attention
-  norm output, MLP norm input and output (``4h``); q, k, v after RoPE and the attention output
-  (``2 nq d + 2 nkv d``), plus q and k before their norms where the family has them (Qwen3);
-  the SwiGLU gate, up, ``silu(gate)`` and their product (``4I``) - for a mixture of experts
-  the same ``4 I_e`` for each of the ``k`` experts a token visits, its copy of the token's
-  input (``h``) and, on the DTensor backend, its output (``h``), which transformers multiplies
-  by the routing weight after the down projection and so keeps for that weight's gradient:
-  ``k (4 I_e + 2h)`` (its default ``grouped_mm`` experts; the ``eager`` loop keeps one more
-  ``h``, the ``index_add_`` source). Megatron's experts multiply the activation by the
-  routing weight before the down projection instead (``activation_func_with_probs``), which
-  keeps nothing of the output: ``k (4 I_e + h)``. Beside them the router's softmax output,
-  which is float32 (``E`` float32 values, counted as ``2E`` elements of the bfloat16 compute
-  dtype). Either backend's experts keep a few int64 indices per token and expert: left out.
-  Tensor parallelism divides the head and MLP terms; sequence parallelism the ``4h`` too.
-  Context parallelism (DTensor, ``cp`` ranks) splits every row's tokens, so each GPU keeps
-  ``1/cp`` of the micro-batch's tokens, but its attention kernel (``policy/context_parallel.py``)
-  gathers the whole row's keys and values and repeats them to every query head, which sdpa
-  keeps: ``2 nq d`` per token of the row, ``2 nq d cp`` per local token, in place of
-  ``2 nkv d``; and one ``[local tokens, row tokens]`` mask per micro-batch, a bool and its
-  additive bias in the compute dtype (counted for a micro-batch of one row, the largest).
-  Beside the layers: the embedding's output and the final norm's input and output
-  (``3h``), and one more layer's worth for the gradients of the layer backward is in. With
-  activation checkpointing only each layer's input (``h``) is kept, plus the layer being
-  recomputed and its gradients (two layers). A Megatron pipeline's first stage keeps ``pp``
-  micro-batches of its ``L / pp`` layers in flight (1F1B): ``L`` layers' worth.
+- **activations**: what autograd keeps per token and layer, in elements of the compute dtype
+  (a float32 value is ``4 / compute_bytes`` of them). ``measure.py`` counts what a forward
+  pass saves, layer by layer, and ``tests/test_memory_model.py`` holds the formula to it to the
+  byte, on tiny models of both backends in float32 and bfloat16, on one rank (the splits of
+  tensor and sequence parallelism are not measured). Rows are padded to the widest
+  of their micro-batch, not packed; ``row`` is the widest, ``min(sequence_length,
+  micro_batch_tokens)``.
+
+  * Both backends: the layer input, attention norm output, MLP norm input and output (``4h``).
+  * DTensor (transformers' layers, sdpa): q after RoPE and the attention output (``2 nq d``);
+    k and v repeated to every query head (``2 nq d``: transformers repeats them whenever it
+    hands sdpa a mask, which padded rows need; a micro-batch of one unpadded row keeps ``2 nkv
+    d``, not counted); the kernel's float32 log-sum-exp (``nq``); q and k before their norms
+    where the family has them (Qwen3: ``nq d + nkv d``); and, not split by tensor
+    parallelism, the additive bias sdpa makes of the padding mask at every layer, ``[rows,
+    row, row]``: ``row`` per token for the widest padded rows (at least two a micro-batch, so
+    at most half its tokens each). The SwiGLU MLP: its gate-up output (``2I``), ``silu(gate)``
+    and their product (``4I``).
+  * Megatron (the local layer spec's ``DotProductAttention`` and ``MLP``,
+    ``megatron/parallel.py``): q after RoPE, k and v repeated to every query head and the
+    attention output (``4 nq d``; without grouped queries k after RoPE and the fused qkv output
+    in place of the repeated k and v); with query/key norms (Qwen3) q before its norm (a copy)
+    and the fused qkv output, of which k is a view (``2 nq d + 2 nkv d``); every head's
+    scores against its row, ``[rows, nq, row, row]``: the float32 softmax output and, in a
+    16-bit compute dtype, its copy for the product with v (``3 nq row`` per token in
+    bfloat16), which makes long rows costly; and, not split by tensor parallelism, the rotary
+    cos and sin of q and k (``4d`` per position). The MLP's unfused GLU keeps the gate-up
+    output, ``silu(gate)``, ``up + glu_linear_offset`` (a new tensor, though the offset is 0)
+    and the product (``5I``). Beside the layers, one ``[rows, row, row]`` bool mask per
+    micro-batch in flight.
+  * A mixture of experts, for each of the ``k`` experts a token visits: its routing weight and
+    copy of the token's input (``1 + h``); transformers' experts (DTensor, the default
+    ``grouped_mm``) keep the SwiGLU's ``4 I_e`` and their output (``h``), which they multiply
+    by the routing weight after the down projection and so keep for that weight's gradient
+    (the ``eager`` loop keeps one more ``h``, the ``index_add_`` source); Megatron's
+    (``SequentialMLP``: one ``MLP`` each, with ``per_token_scale``) keep the GLU's ``5 I_e``
+    and the product scaled by the routing weight before the down projection (``6 I_e``). The
+    router: transformers' float32 softmax over the ``E`` experts, its top ``k`` and their sum
+    (renormalised, as Qwen3-30B-A3B is; counted always): ``E + k + 1`` float32; Megatron's
+    float32 softmax over the top ``k`` logits and the dense ``[tokens, E]`` probabilities its
+    dispatcher permutes (``masked_select`` keeps its input): ``k`` float32 and ``E``. A
+    partly dense model's layers are averaged. Integer indices and boolean routing maps are
+    left out.
+  * Tensor parallelism divides the head and MLP terms; sequence parallelism the ``4h`` too.
+    Context parallelism (DTensor, ``cp`` ranks) splits every row's tokens, so each GPU keeps
+    ``1/cp`` of the micro-batch's tokens, but its attention kernel
+    (``policy/context_parallel.py``) gathers the whole row's keys and values and repeats them
+    to every query head, which sdpa keeps: ``2 nq d`` per token of the row, ``2 nq d cp`` per
+    local token; and one ``[local tokens, row tokens]`` mask per micro-batch, a bool and its
+    additive bias in the compute dtype (counted for a micro-batch of one row, the largest),
+    in place of the padding mask's bias.
+  * Beside the layers: the embedding's output and the final norm's input and output (``3h``),
+    and one more layer's worth for the gradients of the layer backward is in. With activation
+    checkpointing only each layer's input (``h``) is kept, plus the layer being recomputed and
+    its gradients (two layers). A Megatron pipeline's first stage keeps ``pp`` micro-batches of
+    its ``L / pp`` layers in flight (1F1B): ``L`` layers' worth.
 - **logits**: two float32 ``[tokens, V / tp]`` buffers (logits and their softmax/gradient),
   over ``logprob_chunk`` tokens when log-probs are chunked, over the micro-batch otherwise.
 - **generator**: vLLM's weights (``P`` in its dtype, over its ``tp``) and KV cache:
@@ -92,13 +122,13 @@ Ignored: allocator fragmentation, NCCL buffers, the CUDA context, cuBLAS workspa
 the generator's own activations: ``OVERHEAD`` per process covers them, and a plan fits when
 its peak stays under ``1 - HEADROOM`` of the GPU. Also ignored: norm weights (and Megatron's
 MoE routers) split by tensor parallelism (they are replicated; a few MB), what an RMSNorm
-keeps beside its input and output (the normalised tensor before its weight, and in mixed
-precision a float32 copy of its input: one to three ``h`` per norm) and the float32 upcast
-inside softmax, Megatron's vocabulary padding (the embedding and output layer rounded up to
-a multiple of ``tp`` rows, ``megatron/family.py``), MoE load imbalance (activations assume
-each expert rank gets its share of the routed tokens; a rank whose experts are picked more
-often keeps more), a reference policy's copy (offloaded to host between uses), and the
-forward-only log-prob pass (smaller than a training step).
+keeps beside its input and output (the inverse RMS, the normalised tensor before its weight,
+and on the CPU a float32 copy of a bfloat16 input: one to three ``h`` per norm, depending on
+the kernel; ``measure.py`` counts them apart), Megatron's vocabulary padding (the embedding
+and output layer rounded up to a multiple of ``tp`` rows, ``megatron/family.py``), MoE load
+imbalance (activations assume each expert rank gets its share of the routed tokens; a rank
+whose experts are picked more often keeps more), a reference policy's copy (offloaded to host
+between uses), and the forward-only log-prob pass (smaller than a training step).
 
 ``python -m rl_models.memory_model NAME`` prints a table (``__main__.py``).
 """
@@ -225,31 +255,96 @@ class Shape:
             candidates.append(self.experts * 2 * self.expert_intermediate * h)
         return max(candidates)
 
-    def activation_elements(
-        self, tp: int = 1, sequence_parallel: bool = False, cp: int = 1, backend: str = "dtensor"
-    ) -> float:
-        """Elements autograd keeps per (local) token for one whole layer (the module
-        docstring's formula), averaged over the layers of a partly dense MoE model."""
+    def activation_elements(self, plan: Plan) -> float:
+        """Elements of the compute dtype autograd keeps per (local) token for one whole layer
+        under ``plan`` (the module docstring's formula), averaged over the layers of a partly
+        dense MoE model. ``measure.py`` measures them (``tests/test_memory_model.py``)."""
+        residual = 4 * self.hidden / (plan.tp if plan.sequence_parallel else 1)
+        dense = (self.layers - self.moe_layers) * self.dense_mlp_elements(plan.backend)
+        mlp = (dense + self.moe_layers * self.moe_elements(plan)) / self.layers
+        heads = (self.attention_elements(plan) + mlp) / plan.tp
+        return residual + heads + self.unsplit_attention_elements(plan)
+
+    def attention_elements(self, plan: Plan) -> float:
+        """Attention's elements per token that tensor parallelism splits (by head)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        # keys and values: this rank's, or with context parallelism the whole row's, repeated
-        # to every query head
-        keys = 2 * q * cp if cp > 1 else 2 * kv
-        inner = 2 * q + keys + (q + kv) * self.qk_norm
-        dense = 4 * self.intermediate
-        moe = self.experts_per_token * self.expert_elements(backend)
-        router = self.experts * 2  # its float32 softmax output (module docstring)
-        mlp = (
-            self.moe_layers * (moe + router) + (self.layers - self.moe_layers) * dense
-        ) / self.layers
-        return 4 * self.hidden / (tp if sequence_parallel else 1) + (inner + mlp) / tp
+        f32 = 4 / plan.compute_bytes  # elements of the compute dtype one float32 value takes
+        if plan.backend == "dtensor":
+            # q after RoPE, the output and the kernel's float32 log-sum-exp per head; k and v
+            # repeated to every query head: transformers repeats them when it hands sdpa a
+            # mask (padded rows; a micro-batch of one unpadded row keeps only the key/value
+            # heads, not counted), context parallelism's kernel always (the whole row's)
+            kept = 2 * q + 2 * q * plan.cp + self.heads * f32
+        else:
+            # Megatron's DotProductAttention: q after RoPE and the output; with grouped queries
+            # k and v repeated to every query head, without them k after RoPE and the fused
+            # qkv output (v is a view of it)
+            grouped = self.heads > self.kv_heads
+            kept = 2 * q + (2 * q if grouped else kv + (q + 2 * kv))
+            # The scores of each head against its row: the float32 softmax output and, in a
+            # 16-bit compute dtype, its copy in that dtype for the product with v.
+            kept += self.heads * plan.row_tokens * (f32 + (plan.compute_bytes < 4))
+        return kept + self.qk_norm_inputs(plan.backend)
+
+    def qk_norm_inputs(self, backend: str) -> int:
+        """The inputs the query/key norms keep, per token (Qwen3 families). transformers: q
+        and k before their norms. Megatron: q (a copy) and, for k, the fused qkv output it is
+        a view of; without grouped queries both are views of it, which attention keeps
+        already."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if backend == "dtensor":
+            return (q + kv) * self.qk_norm
+        return (2 * q + 2 * kv) * (self.qk_norm and self.heads > self.kv_heads)
+
+    def norm_input_elements(self, plan: Plan) -> float:
+        """What the RMSNorms of one layer keep as their inputs, per token (a part of
+        ``activation_elements``): the layer input, the MLP norm's input (both split by sequence
+        parallelism) and the query/key norms' inputs (split by tensor parallelism)."""
+        residual = 2 * self.hidden / (plan.tp if plan.sequence_parallel else 1)
+        return residual + self.qk_norm_inputs(plan.backend) / plan.tp
+
+    def unsplit_attention_elements(self, plan: Plan) -> float:
+        """Attention's elements per token that every tensor-parallel rank keeps whole, each
+        layer. Megatron: the rotary cos and sin of q and k (``[positions, head_dim]`` each, for
+        a micro-batch of ``micro_batch_tokens / row_tokens`` rows). DTensor: the additive bias
+        sdpa makes of transformers' padding mask at each layer (``[rows, row, row]`` in the
+        compute dtype), for the widest padded rows: two or more a micro-batch (context
+        parallelism's kernel builds its own mask, once per micro-batch: ``breakdown``)."""
+        if plan.backend == "megatron":
+            return 4 * self.head_dim * plan.row_tokens / plan.micro_batch_tokens
+        return 0 if plan.cp > 1 else min(plan.row_tokens, plan.micro_batch_tokens / 2)
+
+    def dense_mlp_elements(self, backend: str = "dtensor") -> int:
+        """Elements autograd keeps per token in a dense SwiGLU MLP: the gate and up outputs
+        (``2I``, one fused output in Megatron), ``silu(gate)`` and the product that enters the
+        down projection; Megatron's unfused GLU also keeps ``up + glu_linear_offset`` (a new
+        tensor, though the offset is 0)."""
+        return (5 if backend == "megatron" else 4) * self.intermediate
+
+    def moe_elements(self, plan: Plan) -> float:
+        """Elements autograd keeps per token in a MoE layer's router and experts."""
+        f32 = 4 / plan.compute_bytes
+        if plan.backend == "dtensor":
+            # the float32 softmax over all experts, the top k and their sum (renormalised)
+            router = (self.experts + self.experts_per_token + 1) * f32
+        else:
+            # the float32 softmax over the top k logits, and the dense [tokens, E]
+            # probabilities the dispatcher permutes (masked_select keeps its input)
+            router = self.experts_per_token * f32 + self.experts
+        return router + self.experts_per_token * self.expert_elements(plan.backend)
 
     def expert_elements(self, backend: str = "dtensor") -> int:
-        """Elements autograd keeps for one token in one expert it is routed to: the gate-up
-        output, ``silu(gate)`` and the product (``4 I_e``), the expert's copy of the token's
-        input and, where the routing weight multiplies it (transformers, the DTensor backend),
-        the expert's output."""
-        kept = 2 if backend == "dtensor" else 1
-        return 4 * self.expert_intermediate + kept * self.hidden
+        """Elements autograd keeps for one token in one expert it is routed to (of the compute
+        dtype): its routing weight, its copy of the token's input, and the SwiGLU's tensors.
+        transformers (DTensor): the gate-up output (``2 I_e``), ``silu(gate)``, the product,
+        and the expert's output, which it multiplies by the routing weight after the down
+        projection and so keeps for that weight's gradient. Megatron (``SequentialMLP``, one
+        ``MLP`` per expert, ``MLP.forward`` with ``per_token_scale``): the gate-up output,
+        ``silu(gate)``, ``up + glu_linear_offset``, the product, and the product scaled by
+        the routing weight before the down projection."""
+        if backend == "dtensor":
+            return 4 * self.expert_intermediate + 2 * self.hidden + 1
+        return 6 * self.expert_intermediate + self.hidden + 1
 
     def kv_bytes_per_token(self, tp: int = 1, kv_bytes: int = 2) -> int:
         """A generator's KV cache per token on one GPU: ``2 L nkv d`` elements, the key/value
@@ -282,13 +377,21 @@ class Plan:
     # rows one engine decodes at once: vLLM's generation.vllm.max_num_seqs, the HF generator's
     # share of a batch (rows per step over generation.num_workers)
     sequences: int = 64
-    sequence_length: int = 4096  # generation.vllm.max_model_len, or the longest row
+    # the longest row, which the generator decodes and the policy trains on:
+    # generation.vllm.max_model_len, policy.max_total_sequence_length, SFT's data.max_seq_length
+    sequence_length: int = 4096
     kv_bytes: int = 2
     refit_bucket_bytes: int = 256 * 2**20  # generation.refit_bucket_bytes (its default)
 
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def row_tokens(self) -> int:
+        """The widest row the policy trains on: the longest sequence, at most a micro-batch.
+        Rows are padded to the widest of their micro-batch, not packed."""
+        return min(self.sequence_length, self.micro_batch_tokens)
 
     def check(self, shape: Shape) -> None:
         """Refuse a mesh the backends refuse, naming the field."""
@@ -306,6 +409,9 @@ class Plan:
             raise ValueError(f"tp={self.tp} does not divide {shape.heads}/{shape.kv_heads} heads")
         if self.ep > 1 and (self.dp % self.ep or shape.experts % self.ep):
             raise ValueError(f"ep={self.ep} must divide dp={self.dp} and the experts")
+        moe_tp = self.backend == "megatron" and shape.experts and self.tp > 1
+        if moe_tp and not self.sequence_parallel:  # megatron/convert.py: check_expert_parallel
+            raise ValueError("megatron experts beside tp > 1 need sequence_parallel")
         generator_gpus = self.generator_gpus or self.gpus
         if self.generator_tp and generator_gpus % self.generator_tp:
             raise ValueError(
@@ -415,7 +521,7 @@ def breakdown(shape: Shape, plan: Plan) -> Breakdown:
         # one unit gathered whole from the tensor-parallel ranks
         exported = max(shape.heaviest_layer(plan.ep), embedding, head)
     local = plan.micro_batch_tokens / plan.cp  # the tokens one GPU runs
-    layer = shape.activation_elements(plan.tp, plan.sequence_parallel, plan.cp, plan.backend)
+    layer = shape.activation_elements(plan)
     residual = shape.hidden / (plan.tp if plan.sequence_parallel else 1)
     if plan.activation_checkpointing:
         elements = shape.layers * residual + 2 * layer
@@ -425,6 +531,8 @@ def breakdown(shape: Shape, plan: Plan) -> Breakdown:
     activations = elements * local * plan.compute_bytes
     if plan.cp > 1:  # the mask of the local tokens against the row's, a bool and its bias
         activations += local * plan.micro_batch_tokens * (1 + plan.compute_bytes)
+    if plan.backend == "megatron":  # each micro-batch in flight: its [rows, row, row] bool mask
+        activations += plan.pp * plan.micro_batch_tokens * plan.row_tokens
     chunk = min(plan.logprob_chunk or local, local)
     logits = 2 * chunk * shape.vocab / plan.tp * 4
     gen_weights, kv, refit = 0.0, 0.0, 0.0

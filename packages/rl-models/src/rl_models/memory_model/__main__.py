@@ -11,7 +11,14 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_models.memory_model import GPU_BYTES, HEADROOM, OVERHEAD, Plan, Shape, breakdown, gib
-from rl_models.memory_model.plans import GEN_PARTS, PARTS, PHASES, SHAPES, doc_tables
+from rl_models.memory_model.plans import (
+    GEN_PARTS,
+    PARTS,
+    SHAPES,
+    doc_tables,
+    phases_of,
+    vllm_range,
+)
 
 # The settings that take one of a few names, and the names.
 CHOICES = {"backend": ["dtensor", "megatron"], "generator": ["vllm", "hf"]}
@@ -93,11 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     for part in PARTS + GEN_PARTS:
         table.add_row(part.replace("_", " "), gib(getattr(b, part)))
     table.add_row("overhead (each process)", gib(OVERHEAD))
-    for phase in PHASES if b.has_generator else PHASES[:1]:  # without a generator: training
+    for phase in phases_of(b):
         table.add_row(f"{phase} peak", gib(getattr(b, phase)), style="bold")
-    if b.has_generator and plan.generator == "vllm":
-        low, high = b.vllm_memory_utilization()
-        table.add_row("vLLM gpu_memory_utilization", f"{low:.2f} to {high:.2f}")
+    if vllm := vllm_range(b, plan):
+        table.add_row("vLLM gpu_memory_utilization", vllm)
     verdict = "fits" if b.fits() else "does not fit"
     table.caption = f"{verdict} in {1 - HEADROOM:.0%} of {GPU_BYTES / 1e9:.0f} GB"
     Console().print(table)

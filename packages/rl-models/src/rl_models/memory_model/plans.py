@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rl_models.memory_model import OVERHEAD, Plan, Shape, breakdown, gib
+from rl_models.memory_model import OVERHEAD, Breakdown, Plan, Shape, breakdown, gib
 
 # Public config.json values of a few models (the keys this module reads), by model name.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -40,11 +40,15 @@ SHAPES: dict[str, dict[str, Any]] = {
 # two nodes), GRPO with a colocated vLLM unless said otherwise (``generator_tp=0``: SFT).
 HALF = {"param_bytes": 2, "compute_bytes": 2}
 MEGATRON = {"backend": "megatron", "activation_checkpointing": False, **HALF}
-# The 70B's Megatron meshes: sequence parallel, 8192 tokens a micro-batch, vLLM over 8 GPUs.
+# Megatron's attention keeps every head's [row, row] scores (Shape.attention_elements), so its
+# rows are short: the 70B's GRPO rows are 2048 tokens (vLLM's max_model_len), one row's worth
+# a micro-batch, sequence parallel, vLLM over 8 GPUs; the MoE's SFT rows 1024 tokens, one a
+# micro-batch.
 MEGATRON_70B = {
-    **MEGATRON, "sequence_parallel": True, "micro_batch_tokens": 8192, "generator_tp": 8,
+    **MEGATRON, "sequence_parallel": True, "micro_batch_tokens": 2048, "sequence_length": 2048,
+    "generator_tp": 8,
 }  # fmt: skip
-SFT_30B = {**MEGATRON, "micro_batch_tokens": 4096, "generator_tp": 0}
+SFT_30B = {**MEGATRON, "micro_batch_tokens": 1024, "sequence_length": 1024, "generator_tp": 0}
 # GRPO over rows of 32768 tokens (a 1024-token prompt, the rest its answer), one row a
 # micro-batch, 16 of them in each of two vLLM engines of tensor parallelism 4.
 LONG = {
@@ -121,6 +125,20 @@ def recipe_plan(recipe: str) -> tuple[str, Plan]:
     return name, plan_of(name, label)
 
 
+def phases_of(b: Breakdown) -> tuple[str, ...]:
+    """The phases ``b`` has a peak in: all four with a generator, training only without (SFT)."""
+    return PHASES if b.has_generator else PHASES[:1]
+
+
+def vllm_range(b: Breakdown, plan: Plan) -> str | None:
+    """The range ``generation.vllm.gpu_memory_utilization`` may take, as text; None when the
+    plan's generator is not vLLM."""
+    if not (b.has_generator and plan.generator == "vllm"):
+        return None
+    low, high = b.vllm_memory_utilization()
+    return f"{low:.2f} to {high:.2f}"
+
+
 def fit_table() -> str:
     """Markdown: each model's meshes, the peak per GPU of each phase, whether they fit, and
     the recipe that takes the mesh."""
@@ -133,8 +151,7 @@ def fit_table() -> str:
         shape = Shape.from_config(SHAPES[name])
         for label, plan in plans:
             b = breakdown(shape, plan)
-            shown = PHASES if b.has_generator else PHASES[:1]  # SFT: no generator, training only
-            peaks = [gib(getattr(b, p)) if p in shown else "—" for p in PHASES]
+            peaks = [gib(getattr(b, p)) if p in phases_of(b) else "—" for p in PHASES]
             fits = "yes" if b.fits() else "no"
             recipe = f"`{taken[name, label]}`" if (name, label) in taken else ""
             rows.append(f"| {name} | {label} | {' | '.join(peaks)} | {fits} | {recipe} |")
@@ -148,11 +165,9 @@ def breakdown_table(name: str, plan: Plan) -> str:
     rows = ["| part | GiB per GPU |", "|---|---|"]
     rows += [f"| {p.replace('_', ' ')} | {gib(getattr(b, p))} |" for p in parts]
     rows.append(f"| overhead (each process) | {gib(OVERHEAD)} |")
-    for phase in PHASES if b.has_generator else PHASES[:1]:  # SFT: training only
-        rows.append(f"| **{phase} peak** | **{gib(getattr(b, phase))}** |")
-    if b.has_generator and plan.generator == "vllm":
-        low, high = b.vllm_memory_utilization()
-        rows.append(f"| vLLM gpu_memory_utilization | {low:.2f} to {high:.2f} |")
+    rows += [f"| **{phase} peak** | **{gib(getattr(b, phase))}** |" for phase in phases_of(b)]
+    if vllm := vllm_range(b, plan):
+        rows.append(f"| vLLM gpu_memory_utilization | {vllm} |")
     return "\n".join(rows)
 
 
