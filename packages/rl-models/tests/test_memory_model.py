@@ -146,6 +146,7 @@ def test_only_training_and_start_hold_the_optimizer():
         (Plan(generator="hf", generator_tp=2), "generator_tp 1"),
         (Plan(generator_gpus=3, generator_tp=2), "does not divide its 3 GPUs"),
         (Plan(backend="megatron", activation_checkpointing=False, tp=2), "need sequence_parallel"),
+        (Plan(micro_batch_tokens=2048), "sequence_length=4096 does not fit in a micro-batch"),
     ],
 )
 def test_a_mesh_the_backends_refuse_is_refused(plan, error):
@@ -186,9 +187,10 @@ def test_context_parallelism_s_mask_is_the_one_its_kernel_builds():
     plan = Plan(
         gpus=cp, cp=cp, micro_batch_tokens=width, activation_checkpointing=False, generator_tp=0
     )
-    # The rest: the layers' activations (and the 3 beside them) for this rank's tokens.
-    layers = (shape.layers + 1) * shape.activation_elements(plan) + 3 * shape.hidden
-    per_rank = layers * width / cp * plan.compute_bytes
+    # The rest: the layers' activations, what is kept beside them and the int64 token ids,
+    # for this rank's tokens.
+    layers = (shape.layers + 1) * shape.activation_elements(plan)
+    per_rank = ((layers + shape.beside_layers_elements(plan)) * plan.compute_bytes + 8) * width / cp
     assert breakdown(shape, plan).activations - per_rank == kept
 
 
@@ -227,9 +229,11 @@ def test_the_experts_keep_what_the_formula_counts(implementation):
 
 
 # Whole decoder layers, counted: what autograd saves in one forward pass against
-# Shape.activation_elements, per token, exactly but for one term the model leaves out (what
-# an RMSNorm keeps beside its input, which depends on the kernel; measure.py counts it apart).
-# In float32 that term is exact too: each norm's normalised input and inverse RMS.
+# Shape.activation_elements, per token, to the byte, in float32 and bfloat16. transformers'
+# RMSNorms (DTensor) are plain Python that upcasts to float32 on any device, so what they keep
+# is pinned in both dtypes. Megatron's are torch's RMSNorm, whose CPU kernel keeps more than
+# the fused CUDA one a GPU runs: the model counts their inputs only, and what they keep beside
+# them is pinned in float32 alone.
 DTYPES = {"float32": 4, "bfloat16": 2}
 LAYER_MODELS = {
     "dtensor": {
@@ -246,10 +250,19 @@ LAYER_MODELS = {
 }
 
 
+def _hf_norm(width: int, compute_bytes: int) -> float:
+    """What one of transformers' RMSNorms of ``width`` keeps per token, read off
+    ``LlamaRMSNorm.forward``, in elements of the compute dtype: its input upcast to float32,
+    the float32 inverse RMS and the normalised input cast back (in float32 the upcast is the
+    input itself)."""
+    f32 = 4 / compute_bytes
+    return width * f32 + f32 + width
+
+
 def _norm_internals(shape: Shape) -> int:
-    """What the RMSNorms of one layer keep beside their inputs per token in float32: each
-    norm's normalised input (its width) and inverse RMS (1); two norms of ``h``, and with
-    query/key norms one of ``d`` per query and per key/value head."""
+    """What torch's RMSNorms (Megatron) of one layer keep beside their inputs per token in
+    float32 on the CPU: each norm's normalised input (its width) and inverse RMS (1); two norms
+    of ``h``, and with query/key norms one of ``d`` per query and per key/value head."""
     heads = (shape.heads + shape.kv_heads) * shape.qk_norm
     return 2 * (shape.hidden + 1) + heads * (shape.head_dim + 1)
 
@@ -258,11 +271,38 @@ def _assert_layers_keep_the_formula(saved: Saved, shape: Shape, plan: Plan) -> N
     # Summed over the layers: a partly dense MoE model's layers average as the formula's do.
     # The bytes of one element of the compute dtype for every token at every layer.
     unit = plan.compute_bytes * plan.micro_batch_tokens * shape.layers
-    expected = shape.activation_elements(plan) - shape.norm_input_elements(plan)
-    assert sum(saved.layers) == pytest.approx(expected * unit, rel=0, abs=1e-6)
-    if plan.compute_bytes == 4:
-        norms = shape.norm_input_elements(plan) + _norm_internals(shape)
+    kept = sum(saved.layers) + sum(saved.norms)
+    if plan.backend == "dtensor":
+        # Two norms of h, and with query/key norms one of d per query and key/value head.
+        heads = (shape.heads + shape.kv_heads) * shape.qk_norm
+        norms = 2 * _hf_norm(shape.hidden, plan.compute_bytes)
+        norms += heads * _hf_norm(shape.head_dim, plan.compute_bytes)
         assert sum(saved.norms) == pytest.approx(norms * unit, rel=0, abs=1e-6)
+        assert kept == pytest.approx(shape.activation_elements(plan) * unit, rel=0, abs=1e-6)
+    elif plan.compute_bytes == 4:
+        expected = shape.activation_elements(plan) + _norm_internals(shape)
+        assert kept == pytest.approx(expected * unit, rel=0, abs=1e-6)
+    else:  # the norms' inputs are the formula's own term: the rest of the layer is pinned
+        expected = shape.activation_elements(plan) - shape.norm_elements(plan)
+        assert sum(saved.layers) == pytest.approx(expected * unit, rel=0, abs=1e-6)
+
+
+def _assert_beside_the_layers(saved: Saved, shape: Shape, plan: Plan, rows: int) -> None:
+    # Outside the layers: the final norm and its output (the output layer's input) and, on
+    # DTensor, the rotary cos and sin of one row's positions (3h + 1 + 2d / rows a token in
+    # float32). The embedding's output is the first layer's input, counted there.
+    # Integers: the int64 token ids the embedding keeps and Megatron's [rows, row, row] bool
+    # mask; a MoE's routing indices too, which the model leaves out (a few per token).
+    tokens, row = plan.micro_batch_tokens, plan.sequence_length
+    megatron = plan.backend == "megatron"
+    if not shape.experts:
+        assert saved.other == 8 * tokens + megatron * rows * row * row
+    beside = shape.beside_layers_elements(plan)
+    if megatron:
+        if plan.compute_bytes < 4:
+            return  # the CPU kernel's float32 intermediates, not the GPU's (see above)
+        beside += shape.hidden + 1  # the final norm's internals, as _norm_internals
+    assert saved.shared == pytest.approx(beside * tokens * plan.compute_bytes, rel=0, abs=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -277,6 +317,7 @@ def test_a_dtensor_layer_keeps_what_the_formula_counts(name, dtype):
     saved = hf_saved(spec, ids, mask, getattr(torch, dtype))
     plan = Plan(compute_bytes=DTYPES[dtype], micro_batch_tokens=rows * width, sequence_length=width)
     _assert_layers_keep_the_formula(saved, Shape.from_config(spec), plan)
+    _assert_beside_the_layers(saved, Shape.from_config(spec), plan, rows)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +349,9 @@ def test_a_megatron_layer_keeps_what_the_formula_counts(name, dtype, megatron_la
         backend="megatron", activation_checkpointing=False, compute_bytes=DTYPES[dtype],
         micro_batch_tokens=64, sequence_length=64,
     )  # fmt: skip
-    _assert_layers_keep_the_formula(megatron_layers[name, dtype], Shape.from_config(spec), plan)
+    saved, shape = megatron_layers[name, dtype], Shape.from_config(spec)
+    _assert_layers_keep_the_formula(saved, shape, plan)
+    _assert_beside_the_layers(saved, shape, plan, rows=1)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -19,15 +19,21 @@ MLP width, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``V`` vocabulary)
   pass saves, layer by layer, and ``tests/test_memory_model.py`` holds the formula to it to the
   byte, on tiny models of both backends in float32 and bfloat16, on one rank (the splits of
   tensor and sequence parallelism are not measured). Rows are padded to the widest
-  of their micro-batch, not packed; ``row`` is the widest, ``min(sequence_length,
-  micro_batch_tokens)``.
+  of their micro-batch, not packed; ``row`` is the widest, ``sequence_length`` (a plan whose
+  rows do not fit in one micro-batch is refused).
 
-  * Both backends: the layer input, attention norm output, MLP norm input and output (``4h``).
+  * Both backends: the attention and MLP norms' outputs (``2h``) and what the two norms keep.
+    transformers' RMSNorm (DTensor) upcasts its input to float32 in any dtype and keeps that
+    copy, the float32 inverse RMS and the normalised input in the compute dtype: ``h 4/cb +
+    4/cb + h`` each (``cb`` the compute dtype's bytes; ``2h + 1`` in float32, ``3h + 2`` in
+    bfloat16). Megatron's (torch's ``RMSNorm``): its input (``h`` each; the rest depends on
+    the kernel, below).
   * DTensor (transformers' layers, sdpa): q after RoPE and the attention output (``2 nq d``);
     k and v repeated to every query head (``2 nq d``: transformers repeats them whenever it
     hands sdpa a mask, which padded rows need; a micro-batch of one unpadded row keeps ``2 nkv
     d``, not counted); the kernel's float32 log-sum-exp (``nq``); q and k before their norms
-    where the family has them (Qwen3: ``nq d + nkv d``); and, not split by tensor
+    where the family has them (Qwen3: a norm of ``d`` per query and key/value head, kept
+    as the layer's norms are: ``(nq + nkv)(d 4/cb + 4/cb + d)``); and, not split by tensor
     parallelism, the additive bias sdpa makes of the padding mask at every layer, ``[rows,
     row, row]``: ``row`` per token for the widest padded rows (at least two a micro-batch, so
     at most half its tokens each). The SwiGLU MLP: its gate-up output (``2I``), ``silu(gate)``
@@ -57,7 +63,7 @@ MLP width, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``V`` vocabulary)
     dispatcher permutes (``masked_select`` keeps its input): ``k`` float32 and ``E``. A
     partly dense model's layers are averaged. Integer indices and boolean routing maps are
     left out.
-  * Tensor parallelism divides the head and MLP terms; sequence parallelism the ``4h`` too.
+  * Tensor parallelism divides the head and MLP terms; sequence parallelism the norms' terms too.
     Context parallelism (DTensor, ``cp`` ranks) splits every row's tokens, so each GPU keeps
     ``1/cp`` of the micro-batch's tokens, but its attention kernel
     (``policy/context_parallel.py``) gathers the whole row's keys and values and repeats them
@@ -65,8 +71,11 @@ MLP width, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``V`` vocabulary)
     local token; and one ``[local tokens, row tokens]`` mask per micro-batch, a bool and its
     additive bias in the compute dtype (counted for a micro-batch of one row, the largest),
     in place of the padding mask's bias.
-  * Beside the layers: the embedding's output and the final norm's input and output (``3h``),
-    and one more layer's worth for the gradients of the layer backward is in. With activation
+  * Beside the layers: the final norm (as a layer's) and its output, which the output layer
+    keeps (the embedding's output is the first layer's input, kept by its norm); on DTensor
+    transformers' rotary cos and sin, ``[1, row, d]`` each in the compute dtype (the worker
+    passes no position ids for padded rows); the int64 token ids (8 bytes a token); and one
+    more layer's worth for the gradients of the layer backward is in. With activation
     checkpointing only each layer's input (``h``) is kept, plus the layer being recomputed and
     its gradients (two layers). A Megatron pipeline's first stage keeps ``pp`` micro-batches of
     its ``L / pp`` layers in flight (1F1B): ``L`` layers' worth.
@@ -106,26 +115,18 @@ the code paths are ``generation/refit.py``, ``generation/vllm/worker.py`` and
   ``gpu_memory_utilization`` from above. (The Hugging Face generator too starts with its
   weights on the GPU, and leaves it only after its first generation.)
 
-A generator on GPUs of its own (``generator_gpus``, ``generation.colocated: false``) shares
-none with the policy, and nothing is offloaded: the refit's bucket goes over NCCL from the
-policy, which keeps its weights and optimizer, to the generator, which keeps its weights.
-Each GPU holds one process. The phases' peaks are then the larger of the two kinds of GPU:
-*training* the policy's as above; *refit* the policy's weights and optimizer, or the
-generator's weights, with the refit buffers; *generation* the generator's weights and KV
-cache; *start* the policy's weights and optimizer, or the generator's least memory.
-
-``policy.offload.optimizer_state`` acts only in ``prepare_for_lp_inference`` (the log-prob
-pass, vLLM asleep), a phase under the training peak (no gradients); colocated on GPUs the
-refit has moved the state already, so no peak here depends on the flag.
+A generator on GPUs of its own (``generator_gpus``) shares none with the policy and nothing
+is offloaded; each phase peaks on one kind of GPU or the other. ``docs/guides/memory.md``
+says what each phase holds then, and why ``policy.offload.optimizer_state`` moves no peak.
 
 Ignored: allocator fragmentation, NCCL buffers, the CUDA context, cuBLAS workspaces and
 the generator's own activations: ``OVERHEAD`` per process covers them, and a plan fits when
 its peak stays under ``1 - HEADROOM`` of the GPU. Also ignored: norm weights (and Megatron's
-MoE routers) split by tensor parallelism (they are replicated; a few MB), what an RMSNorm
-keeps beside its input and output (the inverse RMS, the normalised tensor before its weight,
-and on the CPU a float32 copy of a bfloat16 input: one to three ``h`` per norm, depending on
-the kernel; ``measure.py`` counts them apart), Megatron's vocabulary padding (the embedding
-and output layer rounded up to a multiple of ``tp`` rows, ``megatron/family.py``), MoE load
+MoE routers) split by tensor parallelism (they are replicated; a few MB), what Megatron's
+RMSNorms keep beside their inputs (torch's kernel: the inverse RMS and, on the CPU, the
+normalised input and float32 copies of a bfloat16 one, which a GPU's kernel need not keep;
+``measure.py`` counts them apart), MoE routing indices, Megatron's vocabulary padding (the
+embedding and output layer rounded up to a multiple of ``tp`` rows, ``megatron/family.py``), MoE load
 imbalance (activations assume each expert rank gets its share of the routed tokens; a rank
 whose experts are picked more often keeps more), a reference policy's copy (offloaded to host
 between uses), and the forward-only log-prob pass (smaller than a training step).
@@ -259,11 +260,33 @@ class Shape:
         """Elements of the compute dtype autograd keeps per (local) token for one whole layer
         under ``plan`` (the module docstring's formula), averaged over the layers of a partly
         dense MoE model. ``measure.py`` measures them (``tests/test_memory_model.py``)."""
-        residual = 4 * self.hidden / (plan.tp if plan.sequence_parallel else 1)
+        # the two norms' outputs (saved by the projections they feed) and what the norms keep
+        residual = 2 * self.hidden / (plan.tp if plan.sequence_parallel else 1)
         dense = (self.layers - self.moe_layers) * self.dense_mlp_elements(plan.backend)
         mlp = (dense + self.moe_layers * self.moe_elements(plan)) / self.layers
         heads = (self.attention_elements(plan) + mlp) / plan.tp
-        return residual + heads + self.unsplit_attention_elements(plan)
+        return residual + self.norm_elements(plan) + heads + self.unsplit_attention_elements(plan)
+
+    def rms_norm_elements(self, width: int, plan: Plan) -> float:
+        """What one RMSNorm of ``width`` keeps per token (per head for a query/key norm).
+        transformers' norms (DTensor) upcast their input to float32 whatever the compute
+        dtype, and keep that float32 input, the float32 inverse RMS and the normalised
+        input cast back to the compute dtype: ``width * 4/cb + 4/cb + width`` elements of it
+        (in float32 the upcast is the input itself). Megatron's (torch's ``RMSNorm``): its
+        input only; what it keeps beside it depends on the kernel (the CPU's composite one
+        keeps more than CUDA's fused one), and is left out."""
+        if plan.backend == "megatron":
+            return width
+        f32 = 4 / plan.compute_bytes
+        return width * f32 + f32 + width
+
+    def norm_elements(self, plan: Plan) -> float:
+        """What the RMSNorms of one layer keep per token (a part of ``activation_elements``):
+        the attention and MLP norms (split by sequence parallelism) and the query/key norms
+        (split by tensor parallelism)."""
+        residual = 2 * self.rms_norm_elements(self.hidden, plan)
+        residual /= plan.tp if plan.sequence_parallel else 1
+        return residual + self.qk_norm_elements(plan) / plan.tp
 
     def attention_elements(self, plan: Plan) -> float:
         """Attention's elements per token that tensor parallelism splits (by head)."""
@@ -284,24 +307,32 @@ class Shape:
             # The scores of each head against its row: the float32 softmax output and, in a
             # 16-bit compute dtype, its copy in that dtype for the product with v.
             kept += self.heads * plan.row_tokens * (f32 + (plan.compute_bytes < 4))
-        return kept + self.qk_norm_inputs(plan.backend)
+        return kept
 
-    def qk_norm_inputs(self, backend: str) -> int:
-        """The inputs the query/key norms keep, per token (Qwen3 families). transformers: q
-        and k before their norms. Megatron: q (a copy) and, for k, the fused qkv output it is
-        a view of; without grouped queries both are views of it, which attention keeps
-        already."""
+    def qk_norm_elements(self, plan: Plan) -> float:
+        """What the query/key norms keep per token (Qwen3 families). transformers: one norm
+        of ``d`` per query and per key/value head (``rms_norm_elements``). Megatron: q (a
+        copy) and, for k, the fused qkv output it is a view of; without grouped queries both
+        are views of it, which attention keeps already."""
+        if not self.qk_norm:
+            return 0
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        if backend == "dtensor":
-            return (q + kv) * self.qk_norm
-        return (2 * q + 2 * kv) * (self.qk_norm and self.heads > self.kv_heads)
+        if plan.backend == "dtensor":
+            return (self.heads + self.kv_heads) * self.rms_norm_elements(self.head_dim, plan)
+        return (2 * q + 2 * kv) * (self.heads > self.kv_heads)
 
-    def norm_input_elements(self, plan: Plan) -> float:
-        """What the RMSNorms of one layer keep as their inputs, per token (a part of
-        ``activation_elements``): the layer input, the MLP norm's input (both split by sequence
-        parallelism) and the query/key norms' inputs (split by tensor parallelism)."""
-        residual = 2 * self.hidden / (plan.tp if plan.sequence_parallel else 1)
-        return residual + self.qk_norm_inputs(plan.backend) / plan.tp
+    def beside_layers_elements(self, plan: Plan) -> float:
+        """Floating-point elements autograd keeps per (local) token outside the decoder
+        layers: the final norm (``rms_norm_elements``) and its output, which the output layer
+        keeps. The embedding's output is the first layer's input, kept by that layer's norm.
+        DTensor also keeps transformers' rotary cos and sin, in the compute dtype, computed once
+        a micro-batch for a padded micro-batch's positions (``[1, row, d]`` each: the worker
+        passes no position ids) and used by every layer; Megatron's are a layer term."""
+        final = self.rms_norm_elements(self.hidden, plan) + self.hidden
+        final /= plan.tp if plan.sequence_parallel else 1
+        if plan.backend == "megatron":
+            return final
+        return final + 2 * self.head_dim * plan.row_tokens / plan.micro_batch_tokens
 
     def unsplit_attention_elements(self, plan: Plan) -> float:
         """Attention's elements per token that every tensor-parallel rank keeps whole, each
@@ -389,13 +420,20 @@ class Plan:
 
     @property
     def row_tokens(self) -> int:
-        """The widest row the policy trains on: the longest sequence, at most a micro-batch.
-        Rows are padded to the widest of their micro-batch, not packed."""
-        return min(self.sequence_length, self.micro_batch_tokens)
+        """The widest row the policy trains on: the longest sequence (``check`` refuses one
+        longer than a micro-batch). Rows are padded to the widest of their micro-batch, not
+        packed."""
+        return self.sequence_length
 
     def check(self, shape: Shape) -> None:
         """Refuse a mesh the backends refuse, naming the field."""
         split = self.tp * self.pp * self.cp
+        if self.sequence_length > self.micro_batch_tokens:
+            # A row is never split across micro-batches: the longest one must fit in one.
+            raise ValueError(
+                f"sequence_length={self.sequence_length} does not fit in a micro-batch of "
+                f"micro_batch_tokens={self.micro_batch_tokens}"
+            )
         if self.gpus % split:
             raise ValueError(f"gpus={self.gpus} is not a multiple of tp*pp*cp={split}")
         if self.backend == "dtensor" and (self.pp > 1 or self.ep > 1):
@@ -527,8 +565,9 @@ def breakdown(shape: Shape, plan: Plan) -> Breakdown:
         elements = shape.layers * residual + 2 * layer
     else:  # also a pipeline's first stage: pp micro-batches x L/pp layers
         elements = (shape.layers + 1) * layer
-    elements += 3 * residual
-    activations = elements * local * plan.compute_bytes
+    elements += shape.beside_layers_elements(plan)
+    # the token ids, int64, which the embedding keeps for its gradient
+    activations = (elements * plan.compute_bytes + 8) * local
     if plan.cp > 1:  # the mask of the local tokens against the row's, a bool and its bias
         activations += local * plan.micro_batch_tokens * (1 + plan.compute_bytes)
     if plan.backend == "megatron":  # each micro-batch in flight: its [rows, row, row] bool mask

@@ -11,9 +11,10 @@ them, which depends on the kernel. Integer and boolean tensors (routing indices,
 counted apart from floating-point ones: the model's per-layer terms are floats.
 
 ``python -m rl_models.memory_model.measure megatron CASES`` measures the ``GPTModel`` the
-Megatron backend builds (``megatron/parallel.py``) on one CPU rank, for each case of a JSON list
-of ``[config, rows, width, dtype]``, and prints the counts as JSON. It runs where megatron-core is installed: the isolated ``mcore``
-environment (``rl_distributed.venvs``), not the driver's.
+Megatron backend builds (``megatron/parallel.py``) on one CPU rank, for each case of a JSON
+list of ``[config, rows, width, dtype]``, and prints the counts as JSON. It runs where
+megatron-core is installed: the isolated ``mcore`` environment (``rl_distributed.venvs``), not
+the driver's.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def saved_bytes(
     where: dict[str, int | None] = {"layer": None, "norms": 0}  # the running layer; norm depth
     # storage address -> (bytes, floating point, the layers that saved it, whether only norms did)
     kept: dict[int, tuple[int, bool, set[int | None], list[bool]]] = {}
+    # Every saved tensor, held until the count is done: storages are told apart by address,
+    # and one freed during the forward (its graph node dropped) could hand its address to a
+    # later storage, which would then be counted as the same one.
+    held: list[torch.Tensor] = []
 
     def enter(i: int | None = None, norm: bool = False):
         def hook(*_):
@@ -81,15 +86,17 @@ def saved_bytes(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
+        held.append(t)
         if storage.data_ptr() not in params:
             nbytes, floating = storage.nbytes(), t.is_floating_point()
             entry = kept.setdefault(storage.data_ptr(), (nbytes, floating, set(), [True]))
             entry[2].add(where["layer"])
             entry[3][0] &= where["norms"] > 0
-        return t  # the graph holds the tensor, so no other storage takes its address
+        return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         forward()
+    held.clear()
     per_layer, norms, shared, other = [0] * len(layers), [0] * len(layers), 0, 0
     for nbytes, floating, savers, only_norms in kept.values():
         (layer,) = savers if len(savers) == 1 else (None,)
