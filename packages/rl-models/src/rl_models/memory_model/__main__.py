@@ -88,9 +88,12 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(
                 f"{args.model}: not a readable config.json, nor one of {list(SHAPES)} ({err})"
             )
-    shape = Shape.from_config(config)
     plan = Plan(**{f.name: getattr(args, f.name) for f in fields(Plan)})
-    b = breakdown(shape, plan)
+    try:  # an unmodelled family or a plan the mesh refuses: one line naming it, not a traceback
+        shape = Shape.from_config(config)
+        b = breakdown(shape, plan)
+    except ValueError as err:
+        parser.error(f"{args.model}: {err}")
     mesh = f"dp={plan.dp}" + (f", cp={plan.cp}" if plan.cp > 1 else "")
     if plan.generator_gpus:
         mesh += f", generator on {plan.generator_gpus} more GPUs"
