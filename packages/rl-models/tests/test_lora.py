@@ -123,6 +123,27 @@ def test_training_resumes_identically_after_loading(trained):
         assert torch.equal(resumed[key], value), key
 
 
+def test_adapters_start_from_the_policy_seed_whatever_the_global_generator(tmp_path):
+    """A model loaded from files draws nothing from ``seed`` before peft adds its adapters, and
+    torch seeds its global generator at random in every process. The adapters must still come
+    from the policy's seed alone, or two runs of one config (and the ranks of one run) start
+    from different adapters."""
+    base_model().save_pretrained(tmp_path)
+
+    def adapters(global_seed: int, seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(global_seed)
+        model = {"path": str(tmp_path), "dtype": "float64"}
+        worker = DTensorPolicyWorker(tiny_config(lora=LORA, model=model, seed=seed))
+        assert torch.initial_seed() == global_seed  # the caller's generator is left alone
+        return {k: v for k, v in snapshot(worker.model).items() if ".lora_A." in k}
+
+    first, again, other = adapters(1, seed=0), adapters(2, seed=0), adapters(1, seed=1)
+    assert len(first) == 2 * 7 and first.keys() == again.keys() == other.keys()
+    for key, value in first.items():
+        assert torch.equal(value, again[key]), key
+        assert not torch.equal(value, other[key]), key
+
+
 def test_lora_gradient_matches_a_hand_built_float64_lora():
     """One SGD step with lr=1 moves A and B by minus their gradients; recompute them by hand.
 

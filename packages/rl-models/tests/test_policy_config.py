@@ -88,7 +88,7 @@ def test_lora_all_linear_adapts_every_linear_layer_but_the_output():
         cfg = policy(lora={"enabled": True, "target_modules": targets})
         assert cfg.lora.target_modules == ["all-linear"]
     base = policy()
-    model = wrap_with_lora(build_model(base.model, base.seed), cfg.lora)
+    model = wrap_with_lora(build_model(base.model, base.seed), cfg.lora, base.seed)
     adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 

@@ -65,7 +65,7 @@ def test_a_lora_policy_refits_its_adapters_into_vllm(models, tmp_path, engine): 
         }
     ).serving_lora(config.lora)
     base = AutoModelForCausalLM.from_pretrained(models["initial"])
-    peft_model = wrap_with_lora(base, LoraConfig.model_validate(lora))
+    peft_model = wrap_with_lora(base, LoraConfig.model_validate(lora), seed=0)
     adapter_bytes = sum(4 * p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
     clusters = [RayVirtualCluster([1], use_gpus=False) for _ in range(2)]
     policy = Policy(clusters[0], config)

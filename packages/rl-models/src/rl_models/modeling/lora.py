@@ -120,11 +120,19 @@ def _peft_config(config: LoraConfig):
     )
 
 
-def wrap_with_lora(model: PreTrainedModel, config: LoraConfig) -> torch.nn.Module:
-    """``model`` as a ``peft`` model whose only trainable parameters are the adapters."""
+def wrap_with_lora(model: PreTrainedModel, config: LoraConfig, seed: int) -> torch.nn.Module:
+    """``model`` as a ``peft`` model whose only trainable parameters are the adapters.
+
+    peft draws each ``lora_A`` from torch's global generator, which torch seeds at random in
+    every process. Drawn from ``seed`` instead (in a forked generator, so the caller's random
+    state is left as it was), two runs of one config start from the same adapters, and so do
+    the ranks of one run.
+    """
     import peft
 
-    return peft.get_peft_model(model, _peft_config(config))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return peft.get_peft_model(model, _peft_config(config))
 
 
 def inject_adapters(model: torch.nn.Module, config: LoraConfig) -> None:

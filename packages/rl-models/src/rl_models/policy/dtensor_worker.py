@@ -155,7 +155,7 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         if self.lora:
             # peft wraps (and initialises adapters on) a materialised model.
             model = build_model(self.config.model, self.config.seed)
-            model = lora.wrap_with_lora(self._prepare(model), self.config.lora)
+            model = lora.wrap_with_lora(self._prepare(model), self.config.lora, self.config.seed)
             return self._shard(model.to(self.device))
         shard = self._shard if self.sharded else None
         model, seed = self.config.model, self.config.seed
