@@ -25,6 +25,33 @@ def reference_scores(data, num_labels: int = 1) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def test_a_reward_model_built_from_a_causal_lm_keeps_its_backbone_and_draws_its_head(
+    tiny_llama, tmp_path
+):
+    """Its head comes from the seed, whatever state torch's global generator is in; a reward
+    model's own checkpoint brings its head, which is loaded, not drawn again."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_models.modeling.build import build_model
+    from rl_models.modeling.config import ModelConfig
+
+    from_lm = ModelConfig(path=tiny_llama, kind="sequence_classification", dtype="float64")
+    torch.manual_seed(1)
+    rm = build_model(from_lm, seed=5)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64)
+    backbone = rm.model.state_dict()
+    for name, tensor in lm.model.state_dict().items():
+        torch.testing.assert_close(backbone[name], tensor, rtol=0, atol=0, msg=name)
+    head = rm.score.weight
+    assert head.shape == (1, TINY_LLAMA["hidden_size"]) and head.abs().sum() > 0
+    torch.manual_seed(2)
+    assert torch.equal(build_model(from_lm, seed=5).score.weight, head)
+    assert not torch.equal(build_model(from_lm, seed=6).score.weight, head)
+    rm.save_pretrained(tmp_path)
+    saved = ModelConfig(path=str(tmp_path), kind="sequence_classification", dtype="float64")
+    assert torch.equal(build_model(saved, seed=6).score.weight, head)
+
+
 class PairwiseMarginLoss:
     """Squared error of each score against a per-sample target, a mean over global samples."""
 

@@ -49,8 +49,9 @@ def _auto_class_and_kwargs(cfg: ModelConfig) -> tuple[Any, dict[str, Any]]:
 
 
 #: The weights a model of each kind may lack in a checkpoint of another kind: a value model
-#: built from a causal LM's files starts its head fresh.
-NEW_HEAD_WEIGHTS = {"value": ("score.",)}
+#: or a reward model built from a causal LM's files starts its head fresh (drawn from the
+#: seed; a reward model's own checkpoint brings its head, which is loaded).
+NEW_HEAD_WEIGHTS = {"value": ("score.",), "sequence_classification": ("score.",)}
 
 
 def hf_config_of(cfg: ModelConfig) -> PretrainedConfig:
@@ -82,8 +83,10 @@ def build_model(
     whole model is built on this rank.
     """
     auto, extra = _auto_class_and_kwargs(cfg)
-    # A value model built from a causal LM's files goes the meta way below even unsharded, so
-    # that its new head is drawn from ``seed`` the same way on one rank as on many.
+    # A value or reward model built from a causal LM's files goes the meta way below even
+    # unsharded, so that its new head is drawn from ``seed`` the same way on one rank as on
+    # many (``from_pretrained`` would draw it from torch's global generator, which torch seeds
+    # at random in every process).
     if shard is None and cfg.path is not None and cfg.kind not in NEW_HEAD_WEIGHTS:
         model = auto.from_pretrained(
             cfg.path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation, **extra
