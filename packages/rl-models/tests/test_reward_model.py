@@ -18,7 +18,12 @@ def rm_config(num_labels: int = 1, **overrides) -> PolicyConfig:
 
 def reference_scores(data, num_labels: int = 1) -> torch.Tensor:
     """Plain HF, each sequence alone and unpadded: its logits at the last token."""
-    model = initial_model(kind="sequence_classification", num_labels=num_labels).eval()
+    model = initial_model(kind="sequence_classification", num_labels=num_labels)
+    return scores_of(model.eval(), data)
+
+
+def scores_of(model: torch.nn.Module, data) -> torch.Tensor:
+    """``model``'s logits at each sequence's last token, each sequence run alone, unpadded."""
     with torch.no_grad():
         pairs = zip(data["input_ids"], data["input_lengths"], strict=True)
         rows = [model(ids[None, :n]).logits[0] for ids, n in pairs]

@@ -128,6 +128,23 @@ def test_a_critic_on_two_ranks_values_and_trains_like_one_process(ranks, tmp_pat
     torch.testing.assert_close(one["values"], values, rtol=0, atol=1e-10)
 
 
+def test_a_reward_model_from_a_causal_lm_scores_on_two_ranks_like_one_process(ranks, tmp_path):
+    """Built from a causal LM's files in slices, its score head (absent from the files) drawn
+    from the seed: the two ranks' scores equal one process's build."""
+    from rl_models.modeling.build import build_model
+    from rl_models.modeling.config import ModelConfig
+
+    from .test_reward_model import scores_of
+
+    got = torch.cat([r["scores"] for r in scenario(ranks, "reward_from_lm")])
+    lm = initial_model(seed=3, hf_config={**TINY_LLAMA, "tie_word_embeddings": True})
+    lm.save_pretrained(tmp_path)
+    one = ModelConfig(path=str(tmp_path), kind="sequence_classification", dtype="float64")
+    expected = scores_of(build_model(one, seed=4).eval(), skewed_batch())
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
 def test_a_teacher_gives_the_top_k_of_one_whole_process_on_two_ranks(ranks):
     """FSDP2 shards the teacher; its chunked top-k of each rank's half of the batch equals the
     top-k of the plain float64 model's whole log-softmax."""

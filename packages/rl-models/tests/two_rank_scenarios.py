@@ -189,6 +189,15 @@ def critic_step(half, out: str) -> dict:
     }
 
 
+def reward_from_lm(half, out: str) -> dict:
+    """A reward model built from a saved causal LM: each rank reads its slices, and the score
+    head, absent from the files, is drawn from the seed."""
+    path = os.path.join(out, "pretrained")  # written by the `pretrained` scenario
+    model = {"path": path, "dtype": "float64", "kind": "sequence_classification"}
+    worker = DTensorPolicyWorker(tiny_config(model=model, seed=4))
+    return {"scores": worker.get_scores(half)["scores"]}
+
+
 def teacher_topk(half) -> dict:
     """A teacher's chunked top-k log-probs (what distillation's loss reads), sharded by FSDP2."""
     worker = DTensorPolicyWorker(tiny_config(logprob_chunk_size=6))
@@ -397,6 +406,7 @@ def main(out: str, only: list[str]) -> None:
         "shared_prefix_step": lambda: shared_prefix_step(rank),
         "pretrained": lambda: pretrained(half, out),
         "critic_step": lambda: critic_step(half, out),
+        "reward_from_lm": lambda: reward_from_lm(half, out),
         "teacher_topk": lambda: teacher_topk(half),
         "region_write": lambda: region_write(half, out),
         **{
