@@ -37,7 +37,7 @@ def test_a_reward_model_built_from_a_causal_lm_keeps_its_backbone_and_draws_its_
     model's own checkpoint brings its head, which is loaded, not drawn again."""
     from transformers import AutoModelForCausalLM
 
-    from rl_models.modeling.build import build_model
+    from rl_models.modeling.build import build_model, new_head_weights
     from rl_models.modeling.config import ModelConfig
 
     from_lm = ModelConfig(path=tiny_llama, kind="sequence_classification", dtype="float64")
@@ -55,6 +55,13 @@ def test_a_reward_model_built_from_a_causal_lm_keeps_its_backbone_and_draws_its_
     rm.save_pretrained(tmp_path)
     saved = ModelConfig(path=str(tmp_path), kind="sequence_classification", dtype="float64")
     assert torch.equal(build_model(saved, seed=6).score.weight, head)
+    # Only the causal LM's files lack the head: a reward model's own load as they are.
+    assert new_head_weights(from_lm) == ("score.",) and new_head_weights(saved) == ()
+
+
+def test_lora_is_refused_for_a_reward_model():
+    with pytest.raises(ValueError, match=r"lora\.enabled works with model\.kind=causal_lm only"):
+        rm_config(lora={"enabled": True})
 
 
 class PairwiseMarginLoss:

@@ -16,11 +16,14 @@ The model is first built on the ``meta`` device (shapes only, no memory), then s
   safetensors files (``torch.distributed.checkpoint``'s Hugging Face reader).
 
 Unsharded, a pretrained model is simply ``from_pretrained``; a fresh one goes through the same
-meta build and module-wise initialisation, so it equals the sharded one.
+meta build and module-wise initialisation, so it equals the sharded one. So does a value or
+reward model built from a causal LM's files: its new head is drawn from the seed like fresh
+weights, the rest is read from the files (``new_head_weights``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +40,8 @@ from transformers import (
 
 from rl_models.modeling.config import ModelConfig
 
+logger = logging.getLogger(__name__)
+
 
 def _auto_class_and_kwargs(cfg: ModelConfig) -> tuple[Any, dict[str, Any]]:
     if cfg.kind == "sequence_classification":
@@ -48,10 +53,27 @@ def _auto_class_and_kwargs(cfg: ModelConfig) -> tuple[Any, dict[str, Any]]:
     return AutoModelForCausalLM, {}
 
 
-#: The weights a model of each kind may lack in a checkpoint of another kind: a value model
-#: or a reward model built from a causal LM's files starts its head fresh (drawn from the
-#: seed; a reward model's own checkpoint brings its head, which is loaded).
+#: The head a model of each kind adds to a causal LM, and the class-name ending of the models
+#: whose files hold it: a value or reward model built from a causal LM's files starts that
+#: head fresh, from the seed; one built from its own kind's files (a trained reward model)
+#: loads it.
 NEW_HEAD_WEIGHTS = {"value": ("score.",), "sequence_classification": ("score.",)}
+_HEAD_ARCHITECTURE = {
+    "value": "ForTokenClassification",
+    "sequence_classification": "ForSequenceClassification",
+}
+
+
+def new_head_weights(cfg: ModelConfig) -> tuple[str, ...]:
+    """The prefixes of the weights ``cfg``'s files lack and the seed draws: its kind's head
+    when the files are another kind's (a causal LM's: their ``architectures`` do not name
+    this kind's class), else none."""
+    if cfg.path is None or cfg.kind not in NEW_HEAD_WEIGHTS:
+        return ()
+    architectures = AutoConfig.from_pretrained(cfg.path).architectures or []
+    if any(a.endswith(_HEAD_ARCHITECTURE[cfg.kind]) for a in architectures):
+        return ()
+    return NEW_HEAD_WEIGHTS[cfg.kind]
 
 
 def hf_config_of(cfg: ModelConfig) -> PretrainedConfig:
@@ -87,7 +109,8 @@ def build_model(
     # unsharded, so that its new head is drawn from ``seed`` the same way on one rank as on
     # many (``from_pretrained`` would draw it from torch's global generator, which torch seeds
     # at random in every process).
-    if shard is None and cfg.path is not None and cfg.kind not in NEW_HEAD_WEIGHTS:
+    new_head = new_head_weights(cfg)
+    if shard is None and cfg.path is not None and not new_head:
         model = auto.from_pretrained(
             cfg.path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation, **extra
         )
@@ -104,7 +127,7 @@ def build_model(
     # Buffers computed at construction (rotary frequencies) are re-made here too.
     init_weights_by_module(model, seed)
     if cfg.path is not None:
-        load_hf_weights(model, cfg.path, may_lack=NEW_HEAD_WEIGHTS.get(cfg.kind, ()))
+        load_hf_weights(model, cfg.path, may_lack=new_head)
     return model
 
 
@@ -194,9 +217,12 @@ def load_hf_weights(model: torch.nn.Module, path: str, may_lack: tuple[str, ...]
         in_files = [n for n in names if n in stored]
         for key in in_state if in_files else []:
             file_name[key] = in_files[0]
-    missing = sorted(k for k in set(state) - set(file_name) if not k.startswith(may_lack))
+    absent = sorted(set(state) - set(file_name))
+    missing = [k for k in absent if not k.startswith(may_lack)]
     if missing:
         raise ValueError(f"{path}: the safetensors files lack the weights {missing}")
+    if absent:
+        logger.info("%s holds no %s: they keep their initialisation from the seed", path, absent)
     wanted = {file_name[key]: state[key] for key in file_name}
     dcp.load(wanted, storage_reader=reader)
     loaded = {key: wanted[file_name[key]] for key in file_name}

@@ -120,18 +120,25 @@ def _peft_config(config: LoraConfig):
     )
 
 
+_ADAPTER_STREAM = 0x10AA  # tells the adapters' random stream apart from the weights' (same seed)
+
+
 def wrap_with_lora(model: PreTrainedModel, config: LoraConfig, seed: int) -> torch.nn.Module:
     """``model`` as a ``peft`` model whose only trainable parameters are the adapters.
 
     peft draws each ``lora_A`` from torch's global generator, which torch seeds at random in
     every process. Drawn from ``seed`` instead (in a forked generator, so the caller's random
     state is left as it was), two runs of one config start from the same adapters, and so do
-    the ranks of one run.
+    the ranks of one run. The stream is one of its own: a model initialised from the same
+    seed (``init_weights_by_module``) would otherwise give its adapters the numbers of its
+    embedding. ``model`` is on the CPU (peft draws there).
     """
     import peft
 
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
+    from rl_models.generation.seeds import row_seed
+
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(row_seed(seed, _ADAPTER_STREAM))
         return peft.get_peft_model(model, _peft_config(config))
 
 

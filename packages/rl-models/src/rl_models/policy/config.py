@@ -387,6 +387,13 @@ class PolicyConfig(BackendConfig):
                 "lora.enabled does not work with checkpoint.sharded: set checkpoint.sharded: "
                 "false (LoRA checkpoints gather the merged model, plus the adapters, on rank 0)"
             )
+        if self.lora.enabled and self.model.kind != "causal_lm":
+            # The adapters are set up as peft's causal-LM task, which a reward or value model
+            # fails at start-up (and its new head would stay frozen and untrained).
+            raise ValueError(
+                f"lora.enabled works with model.kind=causal_lm only, not {self.model.kind}: "
+                "train a reward or value model with lora.enabled: false"
+            )
         if isinstance(self.scheduler, list):
             check_scheduler_chain(self.scheduler)
         return self
