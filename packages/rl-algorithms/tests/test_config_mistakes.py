@@ -190,6 +190,14 @@ def test_a_critic_without_a_model_of_its_own_builds_and_refuses_context_parallel
         cli.build_config(
             cli.load_algorithm("ppo"), [*base, "critic.dtensor.context_parallel_size=2"]
         )
+    # Refusals that read the model's kind name it for a critic without a model too.
+    refusals = {
+        "critic.lora.enabled=true": r"critic\.lora\.enabled: a critic trains its whole model",
+        "critic.dtensor.tensor_parallel_size=2": r"critic: .*model\.kind=value",
+    }
+    for override, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            cli.build_config(cli.load_algorithm("ppo"), [*base, override])
 
 
 def test_ppo_takes_the_entropy_bonus_into_its_policy_loss():

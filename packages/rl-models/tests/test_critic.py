@@ -96,6 +96,24 @@ def test_a_critic_built_from_a_causal_lm_keeps_its_backbone_and_draws_its_head(t
     assert not torch.equal(build_model(from_lm, seed=6).score.weight, head)
 
 
+def test_a_critic_saved_by_plain_transformers_loads_with_its_head_and_no_dropout(tmp_path):
+    """Files of a token classifier saved outside this library (no classifier_dropout in its
+    config, which a Llama model's __init__ would refuse as an argument) hold the head: it is
+    loaded, not drawn, and the dropout before it is still 0."""
+    from transformers import AutoConfig
+
+    from rl_models.modeling.config import ModelConfig
+
+    config = AutoConfig.for_model(**{**TINY_LLAMA, "num_labels": 1})
+    torch.manual_seed(0)
+    saved = AutoModelForTokenClassification.from_config(config, dtype=torch.float64)
+    saved.save_pretrained(tmp_path)
+    assert "classifier_dropout" not in (tmp_path / "config.json").read_text()
+    critic = build_model(ModelConfig(path=str(tmp_path), kind="value", dtype="float64"), seed=5)
+    assert torch.equal(critic.score.weight, saved.score.weight)
+    assert critic.dropout.p == 0.0
+
+
 def test_critic_training_does_not_depend_on_the_split_and_round_trips(tmp_path):
     data = skewed_batch()
     data["extras.target"] = torch.linspace(

@@ -1,5 +1,7 @@
 """A sequence classifier (reward model) behind the same worker: scores, training, checkpoints."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -57,6 +59,24 @@ def test_a_reward_model_built_from_a_causal_lm_keeps_its_backbone_and_draws_its_
     assert torch.equal(build_model(saved, seed=6).score.weight, head)
     # Only the causal LM's files lack the head: a reward model's own load as they are.
     assert new_head_weights(from_lm) == ("score.",) and new_head_weights(saved) == ()
+
+
+def test_a_head_under_another_name_is_named_when_a_new_one_is_drawn(tiny_llama, tmp_path, caplog):
+    """Files whose head is stored under a name the model does not use (a value head saved as
+    ``v_head.weight``) get a head drawn from the seed, with a warning naming what was left."""
+    from safetensors.torch import load_file, save_file
+
+    from rl_models.modeling.build import build_model
+    from rl_models.modeling.config import ModelConfig
+
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((Path(tiny_llama) / name).read_bytes())
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["v_head.weight"] = torch.ones(1, TINY_LLAMA["hidden_size"], dtype=torch.float64)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="rl_models.modeling.build"):
+        build_model(ModelConfig(path=str(tmp_path), kind="sequence_classification"), seed=5)
+    assert "['score.weight']" in caplog.text and "['v_head.weight'] are not loaded" in caplog.text
 
 
 def test_lora_is_refused_for_a_reward_model():

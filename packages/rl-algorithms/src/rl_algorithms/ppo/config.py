@@ -138,6 +138,11 @@ class MasterConfig(RLMasterConfig):
                 "them. Set it to false"
             )
         c = self.critic
+        if c.lora.enabled:
+            raise ValueError(
+                "critic.lora.enabled: a critic trains its whole model (its value head is new); "
+                "set critic.lora.enabled: false"
+            )
         if c.model is None:
             c.model = self.policy.model.model_copy(update={"kind": "value"})
         elif c.model.kind != "value":
@@ -149,11 +154,6 @@ class MasterConfig(RLMasterConfig):
             # The policy's seed: a critic built from the policy's config gets its backbone.
             c.seed = self.policy.seed
         c.offload.resolve("critic", c.colocated, self.cluster.use_gpus)
-        if c.lora.enabled:
-            raise ValueError(
-                "critic.lora.enabled: a critic trains its whole model (its value head is new); "
-                "set critic.lora.enabled: false"
-            )
         if c.train_global_batch_size is None:
             c.train_global_batch_size = self.policy.train_global_batch_size
         rows = p.num_prompts_per_step * p.num_generations_per_prompt

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,27 +54,37 @@ def _auto_class_and_kwargs(cfg: ModelConfig) -> tuple[Any, dict[str, Any]]:
     return AutoModelForCausalLM, {}
 
 
-#: The head a model of each kind adds to a causal LM, and the class-name ending of the models
-#: whose files hold it: a value or reward model built from a causal LM's files starts that
-#: head fresh, from the seed; one built from its own kind's files (a trained reward model)
-#: loads it.
+#: The head a model of each kind adds to a causal LM: a value or reward model built from a
+#: causal LM's files starts it fresh, from the seed; one built from files that hold it (a
+#: trained reward model) loads it.
 NEW_HEAD_WEIGHTS = {"value": ("score.",), "sequence_classification": ("score.",)}
-_HEAD_ARCHITECTURE = {
-    "value": "ForTokenClassification",
-    "sequence_classification": "ForSequenceClassification",
-}
+
+
+def stored_weight_names(path: str) -> set[str] | None:
+    """The names of the weights in ``path``'s safetensors files (their headers only), or None
+    where it has none (``pytorch_model.bin`` alone)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    files = sorted(Path(path).glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names if files else None
 
 
 def new_head_weights(cfg: ModelConfig) -> tuple[str, ...]:
-    """The prefixes of the weights ``cfg``'s files lack and the seed draws: its kind's head
-    when the files are another kind's (a causal LM's: their ``architectures`` do not name
-    this kind's class), else none."""
-    if cfg.path is None or cfg.kind not in NEW_HEAD_WEIGHTS:
+    """The prefixes of the weights the seed draws because ``cfg``'s files lack them: its
+    kind's head when no stored weight has that name (a causal LM's files), else none. Files
+    that are not safetensors go through ``from_pretrained``, which draws a missing head
+    itself and says so."""
+    prefixes = NEW_HEAD_WEIGHTS.get(cfg.kind, ())
+    if cfg.path is None or not prefixes:
         return ()
-    architectures = AutoConfig.from_pretrained(cfg.path).architectures or []
-    if any(a.endswith(_HEAD_ARCHITECTURE[cfg.kind]) for a in architectures):
+    stored = stored_weight_names(cfg.path)
+    if stored is None or any(name.startswith(prefixes) for name in stored):
         return ()
-    return NEW_HEAD_WEIGHTS[cfg.kind]
+    return prefixes
 
 
 def hf_config_of(cfg: ModelConfig) -> PretrainedConfig:
@@ -104,15 +115,20 @@ def build_model(
     checkpointing); ``shard`` shards it (see the module docstring). Without ``shard`` the
     whole model is built on this rank.
     """
-    auto, extra = _auto_class_and_kwargs(cfg)
+    auto, _ = _auto_class_and_kwargs(cfg)
     # A value or reward model built from a causal LM's files goes the meta way below even
     # unsharded, so that its new head is drawn from ``seed`` the same way on one rank as on
     # many (``from_pretrained`` would draw it from torch's global generator, which torch seeds
     # at random in every process).
     new_head = new_head_weights(cfg)
     if shard is None and cfg.path is not None and not new_head:
+        # The config as hf_config_of makes it: it sets keys (a critic's classifier_dropout)
+        # that a model's __init__ would refuse as keyword arguments.
         model = auto.from_pretrained(
-            cfg.path, dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation, **extra
+            cfg.path,
+            config=hf_config_of(cfg),
+            dtype=cfg.torch_dtype,
+            attn_implementation=cfg.attn_implementation,
         )
         return (prepare(model) if prepare else model).to(device)
     with torch.device("meta"):
@@ -222,7 +238,15 @@ def load_hf_weights(model: torch.nn.Module, path: str, may_lack: tuple[str, ...]
     if missing:
         raise ValueError(f"{path}: the safetensors files lack the weights {missing}")
     if absent:
-        logger.info("%s holds no %s: they keep their initialisation from the seed", path, absent)
+        # What from_pretrained's load report would say. A head stored under another name (a
+        # value head saved as v_head.*) shows up here as weights that nothing loads.
+        unused = sorted(k for k in stored - set(file_name.values()) if not k.startswith("lm_head."))
+        logger.warning(
+            "%s holds no %s: drawn from the seed instead%s",
+            path,
+            absent,
+            f"; the files' {unused} are not loaded" if unused else "",
+        )
     wanted = {file_name[key]: state[key] for key in file_name}
     dcp.load(wanted, storage_reader=reader)
     loaded = {key: wanted[file_name[key]] for key in file_name}

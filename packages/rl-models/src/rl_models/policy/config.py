@@ -387,9 +387,10 @@ class PolicyConfig(BackendConfig):
                 "lora.enabled does not work with checkpoint.sharded: set checkpoint.sharded: "
                 "false (LoRA checkpoints gather the merged model, plus the adapters, on rank 0)"
             )
-        if self.lora.enabled and self.model.kind != "causal_lm":
+        if self.lora.enabled and self.model is not None and self.model.kind != "causal_lm":
             # The adapters are set up as peft's causal-LM task, which a reward or value model
-            # fails at start-up (and its new head would stay frozen and untrained).
+            # fails at start-up (and its new head would stay frozen and untrained). A critic
+            # whose model is left out gets PPO's own message.
             raise ValueError(
                 f"lora.enabled works with model.kind=causal_lm only, not {self.model.kind}: "
                 "train a reward or value model with lora.enabled: false"
@@ -397,6 +398,12 @@ class PolicyConfig(BackendConfig):
         if isinstance(self.scheduler, list):
             check_scheduler_chain(self.scheduler)
         return self
+
+    @property
+    def model_kind(self) -> str:
+        """``model.kind``; only a critic's config leaves its model out (PPO fills in the
+        policy's, with a value head), so a missing model is a value model."""
+        return self.model.kind if self.model is not None else "value"
 
     @property
     def model_parallel_layout(self) -> tuple[int, int]:
@@ -480,7 +487,7 @@ class DTensorPolicyConfig(PolicyConfig):
                 attn_implementation=model.attn_implementation if model else "sdpa",
                 router_replay=self.router_replay,
                 lora=self.lora.enabled,
-                kind=model.kind if model else "value",
+                kind=self.model_kind,
             )
             if named:
                 raise ValueError(
@@ -496,7 +503,7 @@ class DTensorPolicyConfig(PolicyConfig):
         # changes speed, not results.)
         unsupported = {
             "lora.enabled": self.lora.enabled,
-            f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
+            f"model.kind={self.model_kind}": self.model_kind != "causal_lm",
         }
         named = [k for k, on in unsupported.items() if on]
         if named:
@@ -549,7 +556,7 @@ class MegatronPolicyConfig(PolicyConfig):
         unsupported = {
             "lora.enabled": self.lora.enabled,
             "activation_checkpointing": self.activation_checkpointing,
-            f"model.kind={self.model.kind}": self.model.kind != "causal_lm",
+            f"model.kind={self.model_kind}": self.model_kind != "causal_lm",
             # "auto" asks for bfloat16 only where it is native: here it is simply never.
             "mixed_precision": self.mixed_precision == "bfloat16",
             "checkpoint.sharded": self.checkpoint.sharded,
