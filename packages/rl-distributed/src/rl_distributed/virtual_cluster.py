@@ -410,9 +410,38 @@ class RayVirtualCluster:
         )
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections and to ``bind(0)`` (Linux's
+    default where it does not say)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
 @ray.remote(num_cpus=0)
 def _find_free_port() -> tuple[str, int]:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    """A port free on this node, from below the ephemeral range where there is room.
+
+    A port from ``bind(0)`` is ephemeral: between this probe and the rendezvous binding it
+    (seconds, while the workers start), any outgoing connection on the node may be given it,
+    and the rendezvous then fails with EADDRINUSE. Ports below that range are never handed
+    out that way.
+    """
+    import random
+
+    ephemeral = _ephemeral_ports()
+    # From the OS's randomness: a run's seeding of ``random`` must not make two probes agree.
+    candidates = random.SystemRandom().sample(
+        range(20000, ephemeral.start), k=min(64, max(0, ephemeral.start - 20000))
+    )
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+    raise OSError("no free port on this node")
