@@ -136,13 +136,19 @@ def test_a_reward_model_from_a_causal_lm_scores_on_two_ranks_like_one_process(ra
 
     from .test_reward_model import scores_of
 
-    got = torch.cat([r["scores"] for r in scenario(ranks, "reward_from_lm")])
+    results = scenario(ranks, "reward_from_lm")
+    got = torch.cat([r["scores"] for r in results])
     lm = initial_model(seed=3, hf_config={**TINY_LLAMA, "tie_word_embeddings": True})
     lm.save_pretrained(tmp_path)
     one = ModelConfig(path=str(tmp_path), kind="sequence_classification", dtype="float64")
-    expected = scores_of(build_model(one, seed=4).eval(), skewed_batch())
+    model = build_model(one, seed=4).eval()
+    expected = scores_of(model, skewed_batch())
     assert expected.abs().sum() > 0
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    # Its sharded checkpoint holds the drawn head and names the reward model's class, not
+    # the causal LM's its files came from.
+    assert results[0]["saved_architectures"] == ["LlamaForSequenceClassification"]
+    torch.testing.assert_close(results[0]["saved_score"], model.score.weight, rtol=0, atol=0)
 
 
 def test_a_teacher_gives_the_top_k_of_one_whole_process_on_two_ranks(ranks):

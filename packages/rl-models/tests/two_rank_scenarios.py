@@ -9,10 +9,13 @@ the scenarios themselves.
 from __future__ import annotations
 
 import gc
+import glob
+import json
 import os
 import sys
 
 import torch
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
@@ -194,8 +197,19 @@ def reward_from_lm(half, out: str) -> dict:
     head, absent from the files, is drawn from the seed."""
     path = os.path.join(out, "pretrained")  # written by the `pretrained` scenario
     model = {"path": path, "dtype": "float64", "kind": "sequence_classification"}
-    worker = DTensorPolicyWorker(tiny_config(model=model, seed=4))
-    return {"scores": worker.get_scores(half)["scores"]}
+    worker = DTensorPolicyWorker(tiny_config(model=model, seed=4, checkpoint={"sharded": True}))
+    # Each rank writes its shards; the checkpoint's config must name the reward model's class.
+    saved = os.path.join(out, "reward_model")
+    worker.save_checkpoint(saved)
+    with open(os.path.join(saved, "config.json")) as f:
+        architectures = json.load(f)["architectures"]
+    files = glob.glob(os.path.join(saved, "*.safetensors"))  # the consolidated files
+    score = next(w["score.weight"] for w in map(load_file, files) if "score.weight" in w)
+    return {
+        "scores": worker.get_scores(half)["scores"],
+        "saved_architectures": architectures,
+        "saved_score": score,
+    }
 
 
 def teacher_topk(half) -> dict:

@@ -16,6 +16,7 @@ and ranks with fewer run dummy passes.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.generation.seeds import row_seed
 from rl_models.interfaces import LossFunction, TrainResult, combine_metric
 from rl_models.policy import offload
 from rl_models.policy.config import PolicyConfig, build_scheduler
@@ -188,6 +190,9 @@ class PolicyWorker(abc.ABC):
     dp_group: dist.ProcessGroup | None = None
     _loss_metrics: list[dict[str, float]] | None = None
     rank: int
+    #: This rank's data-parallel replica: the ranks of one replica (tensor, context or
+    #: pipeline parallel) hold parts of one model and must drop the same activations.
+    replica: int = 0
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -200,6 +205,24 @@ class PolicyWorker(abc.ABC):
     def batching(self) -> Batching:
         """The micro-batching this worker uses (``dynamic_batching.enabled: auto`` resolved)."""
         return batching_kind(self.config, self.on_gpu)
+
+    @contextlib.contextmanager
+    def _seeded_dropout(self) -> Iterator[None]:
+        """Dropout's random numbers for one optimiser step, from the policy seed, this rank's
+        replica and the optimiser steps taken so far.
+
+        torch seeds its global generator at random in every process, so dropout would
+        otherwise differ between two runs of one config, and between a run and its resume
+        (the scheduler's step count is in the checkpoint). The caller's generators are left as
+        they were.
+        """
+        devices = [self.device] if self.on_gpu else []
+        seed = row_seed(self.config.seed, _DROPOUT_STREAM, self.replica, self.scheduler.last_epoch)
+        with torch.random.fork_rng(devices=devices):
+            torch.default_generator.manual_seed(seed)
+            for device in devices:
+                torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+            yield
 
     def _make_optimizer(self) -> None:
         """The optimiser over the trainable parameters, and its scheduler, from the config."""
@@ -314,7 +337,7 @@ class PolicyWorker(abc.ABC):
             global_seqs, global_toks = self._all_reduce(local)
             self.optimizer.zero_grad(set_to_none=True)
             self._loss_metrics = None  # a backend's _run_step may collect the losses' metrics
-            with torch.set_grad_enabled(not eval_mode):
+            with torch.set_grad_enabled(not eval_mode), self._seeded_dropout():
                 loss_sum = self._run_step(
                     step, loss_fn, output, global_seqs, global_toks, eval_mode
                 )
@@ -413,6 +436,9 @@ class PolicyWorker(abc.ABC):
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_DROPOUT_STREAM = 0xD50  # tells dropout's stream apart from the weights' and adapters' (same seed)
 
 
 def _sum_in_order(values: list[float]) -> float:

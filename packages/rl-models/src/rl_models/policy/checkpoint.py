@@ -68,9 +68,21 @@ def save_sharded(
     dcp.save({"optimizer": optim}, checkpoint_id=os.path.join(state_dir, OPTIMIZER_DIR))
     if rank == 0:
         hf: PreTrainedModel = model  # FSDP2 keeps the module's class and attributes
+        # The config in memory still names the class its files were written by: a reward
+        # model or critic built from a causal LM's files would read back as a causal LM to
+        # vLLM or any other reader. Name the class these weights belong to, as
+        # ``save_pretrained`` does.
+        hf.config.architectures = [_model_class(hf).__name__]
         hf.config.save_pretrained(path)
         if getattr(hf, "generation_config", None) is not None:
             hf.generation_config.save_pretrained(path)
+
+
+def _model_class(model: torch.nn.Module) -> type:
+    """The model's own class: FSDP2 puts a subclass of ``FSDPModule`` in front of it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
 def save_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, state_dir: str) -> None:

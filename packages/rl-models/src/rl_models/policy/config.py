@@ -373,7 +373,9 @@ class PolicyConfig(BackendConfig):
     # forward would need the routes split alike). DTensor backend; the generator must record
     # routes (GRPO's config sets generation.record_routed_experts).
     router_replay: bool = False
-    # Seeds the policy workers (and a model built from hf_config's initial weights).
+    # Seeds everything the policy workers draw: a model built from hf_config's initial weights,
+    # a new reward or value head, LoRA's adapters, and dropout in training (per data-parallel
+    # replica and optimiser step, so a resumed run drops what the uninterrupted one did).
     seed: int = 0
 
     @model_validator(mode="after")
