@@ -220,8 +220,7 @@ def load_hf_weights(model: torch.nn.Module, path: str, may_lack: tuple[str, ...]
         set_model_state_dict,
     )
 
-    reader = HuggingFaceStorageReader(path)
-    stored = set(reader.read_metadata().state_dict_metadata)
+    stored = stored_weight_names(path) or set()
     state = get_model_state_dict(model)
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -248,6 +247,6 @@ def load_hf_weights(model: torch.nn.Module, path: str, may_lack: tuple[str, ...]
             f"; the files' {unused} are not loaded" if unused else "",
         )
     wanted = {file_name[key]: state[key] for key in file_name}
-    dcp.load(wanted, storage_reader=reader)
+    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(path))
     loaded = {key: wanted[file_name[key]] for key in file_name}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
