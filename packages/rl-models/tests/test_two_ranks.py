@@ -92,6 +92,13 @@ def test_gradients_are_freed_after_the_step(ranks):
         assert all(r["grads_freed_after_step"])
 
 
+def test_each_rank_drops_activations_from_its_own_stream(ranks):
+    """Data-parallel ranks hold other rows (and tensor or context parallel ones other heads or
+    tokens): sharing a stream would give them correlated dropout masks."""
+    first, second = (r["dropout_draws"] for r in scenario(ranks, "one_step"))
+    assert not torch.equal(first, second)
+
+
 def test_no_rank_builds_the_whole_model(ranks):
     """Built on the meta device, each rank allocates its half plus one module at a time (plus
     allocator slack: ~0.75 of a copy measured, against ~1.1 before)."""

@@ -92,6 +92,12 @@ def bf16_reference(half) -> dict:
     }
 
 
+def dropout_draws(worker: DTensorPolicyWorker) -> torch.Tensor:
+    """The first numbers dropout would draw in the worker's next optimiser step."""
+    with worker._seeded_dropout():
+        return torch.rand(8)
+
+
 def one_step(half) -> dict:
     """One SGD step over 4 micro-batches per rank, counting FSDP's gradient reductions."""
     worker = DTensorPolicyWorker(tiny_config(train_micro_batch_size=1))
@@ -111,6 +117,7 @@ def one_step(half) -> dict:
         "gradient_reductions": len(reductions),
         "fsdp_groups": sum(isinstance(m, FSDPModule) for m in worker.model.modules()),
         "grads_freed_after_step": [p.grad is None for p in worker.model.parameters()],
+        "dropout_draws": dropout_draws(worker),
         "trained_weights": get_model_state_dict(
             worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         ),

@@ -111,7 +111,6 @@ class MegatronPolicyWorker(WeightExportMethods, PolicyWorker):
         # What the shared loop's reductions (counts, metrics) run over: the replicas only.
         self.dp_group = parallel_state.get_data_parallel_group()
         self.rank = dist.get_rank()
-        self.replica = self.ranks.dp_rank
         self.tied = self.layout.tied_embeddings
         # Only this rank's shard is ever allocated, and filled from slices: of the
         # safetensors files (model.path), or of the HF initialisation run module by module

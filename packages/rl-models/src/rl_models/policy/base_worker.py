@@ -190,9 +190,6 @@ class PolicyWorker(abc.ABC):
     dp_group: dist.ProcessGroup | None = None
     _loss_metrics: list[dict[str, float]] | None = None
     rank: int
-    #: This rank's data-parallel replica: the ranks of one replica (tensor, context or
-    #: pipeline parallel) hold parts of one model and must drop the same activations.
-    replica: int = 0
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -208,16 +205,21 @@ class PolicyWorker(abc.ABC):
 
     @contextlib.contextmanager
     def _seeded_dropout(self) -> Iterator[None]:
-        """Dropout's random numbers for one optimiser step, from the policy seed, this rank's
-        replica and the optimiser steps taken so far.
+        """Dropout's random numbers for one optimiser step, from the policy seed, this rank and
+        the optimiser steps taken so far.
 
         torch seeds its global generator at random in every process, so dropout would
         otherwise differ between two runs of one config, and between a run and its resume
         (the scheduler's step count is in the checkpoint). The caller's generators are left as
         they were.
+
+        Every rank draws its own stream. Under tensor or context parallelism a rank's
+        attention dropout covers its own heads or its own tokens, which must not share masks
+        with the other ranks'; the tensor-parallel plans here put no dropout on activations
+        that the ranks hold whole (the Megatron backend runs without dropout).
         """
         devices = [self.device] if self.on_gpu else []
-        seed = row_seed(self.config.seed, _DROPOUT_STREAM, self.replica, self.scheduler.last_epoch)
+        seed = row_seed(self.config.seed, _DROPOUT_STREAM, self.rank, self.scheduler.last_epoch)
         with torch.random.fork_rng(devices=devices):
             torch.default_generator.manual_seed(seed)
             for device in devices:
@@ -438,7 +440,9 @@ class PolicyWorker(abc.ABC):
             dist.destroy_process_group()
 
 
-_DROPOUT_STREAM = 0xD50  # tells dropout's stream apart from the weights' and adapters' (same seed)
+# Tells dropout's seeds apart from the sampling seeds of the same seed (their second part is a
+# weight version, never negative) and from the adapters' (two parts).
+_DROPOUT_STREAM = -1
 
 
 def _sum_in_order(values: list[float]) -> float:

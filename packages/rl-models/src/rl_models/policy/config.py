@@ -374,8 +374,9 @@ class PolicyConfig(BackendConfig):
     # routes (GRPO's config sets generation.record_routed_experts).
     router_replay: bool = False
     # Seeds everything the policy workers draw: a model built from hf_config's initial weights,
-    # a new reward or value head, LoRA's adapters, and dropout in training (per data-parallel
-    # replica and optimiser step, so a resumed run drops what the uninterrupted one did).
+    # a new reward or value head, LoRA's adapters, and dropout in training (per rank and
+    # optimiser step, so a resumed run drops what the uninterrupted one did; the Megatron
+    # backend runs without dropout).
     seed: int = 0
 
     @model_validator(mode="after")

@@ -102,7 +102,6 @@ class DTensorPolicyWorker(WeightExportMethods, PolicyWorker):
         self.forward_options = ForwardOptions.of(self.config)
         if self.sharded:
             self._make_meshes(world)
-            self.replica = self.rank // (self.tp_size * self.cp_size)
         # None: compute in the weights' dtype ("auto" on a device without native bfloat16).
         self.compute_dtype = compute_dtype(self.config.mixed_precision, self.device.type)
 
