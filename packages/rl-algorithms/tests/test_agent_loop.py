@@ -18,7 +18,8 @@ from rl_data.messages import tokenize_message_logs
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn
 from rl_models.generation.interfaces import GenerationInterface
-from rl_models.generation.seeds import SEEDS_KEY, SamplingSeeds, row_seed
+from rl_models.generation.seeds import SEEDS_KEY, SamplingSeeds
+from rl_models.modeling.random_streams import row_seed
 
 from .conftest import TINY_LLAMA
 

@@ -6,8 +6,9 @@ import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.generation import SamplingConfig
-from rl_models.generation.seeds import SEEDS_KEY, SamplingSeeds, row_seed, seeds_of
+from rl_models.generation.seeds import SEEDS_KEY, SamplingSeeds, seeds_of
 from rl_models.generation.vllm.sampling import request_kwargs
+from rl_models.modeling.random_streams import row_seed
 
 from .test_hf_generation import peaky_model_dir, prompts, worker
 

@@ -70,7 +70,8 @@ from rl_data.templates import ChatTemplate
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_distributed.config import ConfigModel
 from rl_models.generation.interfaces import GenerationInterface
-from rl_models.generation.seeds import SEEDS_KEY, SamplingSeeds, row_seed
+from rl_models.generation.seeds import SEEDS_KEY, SamplingSeeds
+from rl_models.modeling.random_streams import row_seed
 
 # Threads for the concurrent calls of an in-process environment stepped per episode.
 MAX_ENV_THREADS = 64

@@ -29,20 +29,12 @@ version ``v``, checkpointed without a weight change, and resumed, would number i
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from rl_distributed.batched_data_dict import BatchedDataDict
+from rl_models.modeling.random_streams import row_seed
 
 SEEDS_KEY = "sampling_seeds"  # int64 [B] in a generate batch: each row's seed
-_MASK_63 = (1 << 63) - 1  # non-negative int64: what torch and vLLM take as a seed
-
-
-def row_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (BLAKE2b: no two tuples of parts collide in practice)."""
-    digest = hashlib.blake2b(b",".join(str(int(p)).encode() for p in parts), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") & _MASK_63
 
 
 class SamplingSeeds:

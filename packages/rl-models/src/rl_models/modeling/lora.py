@@ -120,9 +120,6 @@ def _peft_config(config: LoraConfig):
     )
 
 
-_ADAPTER_STREAM = 0x10AA  # tells the adapters' random stream apart from the weights' (same seed)
-
-
 def wrap_with_lora(model: PreTrainedModel, config: LoraConfig, seed: int) -> torch.nn.Module:
     """``model`` as a ``peft`` model whose only trainable parameters are the adapters.
 
@@ -135,10 +132,10 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig, seed: int) -> tor
     """
     import peft
 
-    from rl_models.generation.seeds import row_seed
+    from rl_models.modeling.random_streams import ADAPTER_STREAM, row_seed
 
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(row_seed(seed, _ADAPTER_STREAM))
+        torch.default_generator.manual_seed(row_seed(seed, ADAPTER_STREAM))
         return peft.get_peft_model(model, _peft_config(config))
 
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
-from rl_models.generation.seeds import row_seed
 from rl_models.interfaces import LossFunction, TrainResult, combine_metric
+from rl_models.modeling.random_streams import DROPOUT_STREAM, row_seed
 from rl_models.policy import offload
 from rl_models.policy.config import PolicyConfig, build_scheduler
 
@@ -219,7 +219,7 @@ class PolicyWorker(abc.ABC):
         that the ranks hold whole (the Megatron backend runs without dropout).
         """
         devices = [self.device] if self.on_gpu else []
-        seed = row_seed(self.config.seed, _DROPOUT_STREAM, self.rank, self.scheduler.last_epoch)
+        seed = row_seed(self.config.seed, DROPOUT_STREAM, self.rank, self.scheduler.last_epoch)
         with torch.random.fork_rng(devices=devices):
             torch.default_generator.manual_seed(seed)
             for device in devices:
@@ -438,11 +438,6 @@ class PolicyWorker(abc.ABC):
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-# Tells dropout's seeds apart from the sampling seeds of the same seed (their second part is a
-# weight version, never negative) and from the adapters' (two parts).
-_DROPOUT_STREAM = -1
 
 
 def _sum_in_order(values: list[float]) -> float:

@@ -1,0 +1,29 @@
+"""The seeds of the library's random streams, each a pure function of a configured seed.
+
+torch seeds its global generator at random in every process, so anything drawn from it differs
+between two runs of one config and between a run and its resume. Every draw the library makes
+(sampling, LoRA's adapters, dropout) therefore comes from a generator seeded by ``row_seed`` of
+the configured seed and of where the draw stands in the run. The streams are told apart by
+the number and kind of their parts:
+
+- sampling: ``(generation seed, weight version, call, row)``, four parts, the second never
+  negative (``rl_models.generation.seeds``);
+- LoRA's adapters: ``(policy seed, ADAPTER_STREAM)``, two parts;
+- dropout: ``(policy seed, DROPOUT_STREAM, rank, optimiser step)``, four parts, the second
+  negative.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+_MASK_63 = (1 << 63) - 1  # non-negative int64: what torch and vLLM take as a seed
+
+ADAPTER_STREAM = 0x10AA
+DROPOUT_STREAM = -1
+
+
+def row_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (BLAKE2b: no two tuples of parts collide in practice)."""
+    digest = hashlib.blake2b(b",".join(str(int(p)).encode() for p in parts), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & _MASK_63
