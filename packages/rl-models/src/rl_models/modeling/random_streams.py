@@ -2,9 +2,10 @@
 
 torch seeds its global generator at random in every process, so anything drawn from it differs
 between two runs of one config and between a run and its resume. Every draw the library makes
-(sampling, LoRA's adapters, dropout) therefore comes from a generator seeded by ``row_seed`` of
-the configured seed and of where the draw stands in the run. The streams are told apart by
-the number and kind of their parts:
+therefore comes from a configured seed: a model's initial weights and a new head from the
+seed itself (``modeling.build``), and sampling, LoRA's adapters and dropout from a generator
+seeded by ``row_seed`` of the seed and of where the draw stands in the run. Those streams are
+told apart by the number and kind of their parts:
 
 - sampling: ``(generation seed, weight version, call, row)``, four parts, the second never
   negative (``rl_models.generation.seeds``);
