@@ -220,7 +220,9 @@ def load_hf_weights(model: torch.nn.Module, path: str, may_lack: tuple[str, ...]
         set_model_state_dict,
     )
 
-    stored = stored_weight_names(path) or set()
+    stored = stored_weight_names(path)
+    if stored is None:
+        raise ValueError(f"{path}: no *.safetensors files to load the weights from")
     state = get_model_state_dict(model)
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
