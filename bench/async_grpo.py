@@ -13,6 +13,12 @@ weight updates. Each loop is timed from the end of its first step to the end of 
 so that rounds do not inherit each other's state. ``--repeats`` rounds, each running both loops
 in alternating order, each giving a ratio; the median ratio async/sync is printed last.
 
+Each round also prints what overlap alone could give: the synchronous run's seconds a step
+over the longer of its two sides, generation (``timing/generation``: sampling, environment
+steps, the agent loop) and the rest (training, refit, advantages), since a pipeline of the two
+runs at the pace of its slower stage. Async above that bound samples faster than sync did
+(more groups in a batch); below it, the gap is what the collector costs the engine's core.
+
 A second baseline, once per round: synchronous GRPO as a user gets it by default on this
 machine, with nothing pinned, where each phase has both cores (each worker
 runs the cluster's two OpenMP threads) since generation and training never overlap. Async,
@@ -57,7 +63,9 @@ from pathlib import Path
 from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn
 
 BENCH_DIR = str(Path(__file__).resolve().parent)
-RESULT_LINE = "steps/minute, discarded:"  # what a measuring child prints (the run prints too)
+# What a measuring child prints last (the run prints too): its rate, the fraction of tokens
+# discarded (async) and the generation phase's mean seconds a step (sync).
+RESULT_LINE = "steps/minute, discarded, generation seconds:"
 
 
 class LongTailTurnsEnv(EnvironmentInterface):
@@ -143,6 +151,7 @@ def run_config(
     long_turns: int = 0,
     max_age: int = 1,
     tool_seconds: float = 0.0,
+    max_groups_ahead: int | None = None,
 ) -> dict:
     """The run's config; ``long_turns`` > 0 is the long-tail multi-turn workload."""
     max_len = 512 if long_turns else 256
@@ -193,6 +202,7 @@ def run_config(
             "async_grpo": {
                 "enabled": asynchronous,
                 "max_trajectory_age_steps": max_age,
+                "max_groups_ahead": max_groups_ahead,
                 "in_flight_weight_updates": in_flight,
             },
         },
@@ -221,9 +231,10 @@ def pin_trainer(run) -> None:
             os.sched_setaffinity(pid, {1})
 
 
-def steps_per_minute(config: dict) -> tuple[float, float | None]:
-    """Steps per minute of the run ``config`` describes, and (async runs) the fraction of its
-    generated tokens it discarded unused by its last step."""
+def steps_per_minute(config: dict) -> tuple[float, float | None, float | None]:
+    """Steps per minute of the run ``config`` describes, (async runs) the fraction of its
+    generated tokens it discarded unused by its last step, and (sync runs) the mean seconds
+    of its timed steps' generation phase."""
     from rl_algorithms import grpo
     from rl_algorithms.grpo.async_loop import async_grpo_train
 
@@ -236,11 +247,14 @@ def steps_per_minute(config: dict) -> tuple[float, float | None]:
         # collector starting) is left out: steps 2..N are timed.
         ends: list[float] = []
         discarded: list[float] = []
+        generation: list[float] = []
         log_metrics = run.logger.log_metrics
 
         def timed(metrics, step, prefix=""):
             if prefix == "train":
                 ends.append(time.perf_counter())
+                if "timing/generation" in metrics:  # (sync only: async generates throughout)
+                    generation.append(float(metrics["timing/generation"]))
             if "discarded_token_fraction" in metrics:
                 discarded.append(float(metrics["discarded_token_fraction"]))
             log_metrics(metrics, step, prefix)
@@ -249,7 +263,20 @@ def steps_per_minute(config: dict) -> tuple[float, float | None]:
         loop(run)
     finally:
         run.shutdown()
-    return (len(ends) - 1) / (ends[-1] - ends[0]) * 60, (discarded[-1] if discarded else None)
+    rate = (len(ends) - 1) / (ends[-1] - ends[0]) * 60
+    timed = generation[1:]  # the steps the rate covers
+    return (
+        rate,
+        discarded[-1] if discarded else None,
+        sum(timed) / len(timed) if timed else None,
+    )
+
+
+def overlap_bound(sync_rate: float, generation_seconds: float) -> float:
+    """The async/sync ratio that overlapping the sync run's two sides perfectly would give:
+    its seconds a step over the longer side's."""
+    step = 60 / sync_rate
+    return step / max(generation_seconds, step - generation_seconds)
 
 
 def main() -> None:
@@ -267,6 +294,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--max-age", type=int, default=1, help="async: grpo.async_grpo.max_trajectory_age_steps"
+    )
+    parser.add_argument(
+        "--max-groups-ahead",
+        type=int,
+        help="async: grpo.async_grpo.max_groups_ahead (default: what admission allows)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="rounds, in alternating order")
     parser.add_argument("--logs", help="keep each run's metrics.jsonl (timings) under this dir")
@@ -295,24 +327,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.logs or tmp)
         model = build_model(root, args.hidden, args.layers)
-        ratios, ratios_both, discarded = [], [], []
+        ratios, ratios_both, bounds, discarded = [], [], [], []
         for repeat in range(args.repeats):
             logs = root / f"round{repeat + 1}"
-            rates = {}
+            rates, generation = {}, {}
             order = ["sync, both cores", "sync", "async"]
             if repeat % 2:
                 order[1:] = order[:0:-1]
             for variant in order:
-                rates[variant], fraction = in_fresh_process(args, variant, model, logs)
+                rates[variant], fraction, generation[variant] = in_fresh_process(
+                    args, variant, model, logs
+                )
                 tail = "" if fraction is None else f", discarded tokens {fraction:.3f}"
                 print(f"{variant}: {rates[variant]:.2f} steps/minute{tail}", flush=True)
                 if fraction is not None:
                     discarded.append(fraction)
             ratios.append(rates["async"] / rates["sync"])
             ratios_both.append(rates["async"] / rates["sync, both cores"])
+            bounds.append(overlap_bound(rates["sync"], generation["sync"]))
             print(
                 f"round {repeat + 1}: async/sync {ratios[-1]:.3f}, "
-                f"async/(sync, both cores) {ratios_both[-1]:.3f}",
+                f"async/(sync, both cores) {ratios_both[-1]:.3f}; overlapping sync's "
+                f"{generation['sync']:.2f} s of generation with the rest of its "
+                f"{60 / rates['sync']:.2f} s step would give {bounds[-1]:.3f}",
                 flush=True,
             )
         if discarded:
@@ -324,15 +361,17 @@ def main() -> None:
             f"{workload}: async/sync (median of {args.repeats} rounds): "
             f"{statistics.median(ratios):.2f} "
             f"(each on its own core); {statistics.median(ratios_both):.2f} against sync with "
-            "both cores for each phase"
+            "both cores for each phase; overlap alone would give "
+            f"{statistics.median(bounds):.2f}"
         )
 
 
 def in_fresh_process(
     args: argparse.Namespace, variant: str, model: str, logs: Path
-) -> tuple[float, float | None]:
+) -> tuple[float, float | None, float | None]:
     """Steps per minute of one variant, measured in a process (and Ray cluster) of its own,
-    and the fraction of its generated tokens discarded (async only).
+    the fraction of its generated tokens discarded (async only) and its generation phase's
+    mean seconds a step (sync only).
 
     A fresh process per run keeps the rounds independent: in one long-lived driver, Ray's
     session, its idle worker pool and the driver's heap carry over from run to run, and later
@@ -343,6 +382,8 @@ def in_fresh_process(
     command += ["--runner", args.runner, *(["--drain"] if args.drain else [])]
     command += ["--workload", args.workload, "--long-turns", str(args.long_turns)]
     command += ["--max-age", str(args.max_age), "--tool-seconds", str(args.tool_seconds)]
+    if args.max_groups_ahead:
+        command += ["--max-groups-ahead", str(args.max_groups_ahead)]
     command += ["--measure", variant, model, str(logs)]
     out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode != 0:
@@ -350,8 +391,8 @@ def in_fresh_process(
     lines = [x for x in out.stdout.splitlines() if x.startswith(RESULT_LINE)]
     if not lines:
         raise RuntimeError(f"the {variant} run printed no result:\n{out.stdout[-4000:]}")
-    rate, discarded = lines[-1].split()[-2:]
-    return float(rate), None if discarded == "None" else float(discarded)
+    rate, discarded, generation = lines[-1].split()[-3:]
+    return float(rate), *(None if x == "None" else float(x) for x in (discarded, generation))
 
 
 def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> None:
@@ -369,6 +410,7 @@ def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> No
         long_turns,
         args.max_age,
         args.tool_seconds,
+        args.max_groups_ahead,
     )
     # The environment's actor imports it from this file's folder (its kind: async_grpo:...).
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -389,8 +431,8 @@ def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> No
             # it starts (the generator's engine and its front end, the collector, the
             # environments).
             os.sched_setaffinity(0, {0})
-    rate, discarded = steps_per_minute(config)
-    print(f"{RESULT_LINE} {rate} {discarded}")
+    rate, discarded, generation = steps_per_minute(config)
+    print(f"{RESULT_LINE} {rate} {discarded} {generation}")
 
 
 if __name__ == "__main__":

@@ -234,6 +234,23 @@ def test_shutdown_while_stepping_ends_the_thread_tells_the_waiting_and_refuses_n
         runner.submit([("late", "p", 1)], reports)
 
 
+def test_the_stepping_thread_leaves_vllms_replaced_thread_setter_alone(monkeypatch):
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` in its process with a function
+    that only logs a warning. The runner's thread sets its count through torch's own setter,
+    once: through the replacement it logged that warning at every engine step."""
+    import torch
+
+    replaced = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: replaced.append(n))
+    engine, reports = ScriptedEngine(), Reports()
+    runner = runner_on(engine)
+    runner.submit([(f"r{i}", "p", 3) for i in range(2)], reports)
+    reports.wait_for(["r0", "r1"])
+    runner.shutdown()
+    assert engine.steps >= 3
+    assert replaced == []
+
+
 def test_cpu_threads_bind_lists_are_read_per_engine_and_bad_ones_named():
     from rl_models.generation.vllm.engines import bind_cpu_threads, cpu_list
 

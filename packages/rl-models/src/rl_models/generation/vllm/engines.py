@@ -265,10 +265,14 @@ class InProcessRunner(ServesLora):
             self.lock.release()
 
     def _step_forever(self) -> None:
+        # Once, in this thread: OpenMP keeps the count per thread. torch's own setter, since
+        # vLLM's CPU worker replaces ``torch.set_num_threads`` in its process with a warning
+        # (it guards the thread it bound to cores, which this one is not); called through
+        # the replacement, every engine step logged that warning.
+        torch._C.set_num_threads(self.threads)
         while True:
             with self._turn(check=False):
                 try:
-                    torch.set_num_threads(self.threads)
                     while self._idle():
                         self.lock.wait()
                     if self.stopped or self.error is not None:
