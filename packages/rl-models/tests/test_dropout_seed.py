@@ -1,4 +1,5 @@
-"""Dropout draws from the policy seed, not from the process's randomly seeded generator."""
+"""Dropout and fresh weights draw from the policy seed, not from the process's randomly seeded
+generator, and leave that generator as it was."""
 
 import torch
 
@@ -65,3 +66,16 @@ def test_each_optimiser_step_of_a_train_call_draws_from_its_own_stream(tmp_path)
         at_step_0 = torch.rand(8)
     with whole._seeded_dropout():
         assert not torch.equal(torch.rand(8), at_step_0)
+
+
+def test_fresh_weights_follow_the_seed_and_leave_the_callers_generator_alone():
+    """Hugging Face's initialisers draw from torch's global generator: building a model from a
+    config must draw from the seed alone, and not reseed the generator the caller goes on with."""
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    first = initial_model(seed=0).state_dict()
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(6)
+    again, other = initial_model(seed=0).state_dict(), initial_model(seed=1).state_dict()
+    assert all(torch.equal(value, again[key]) for key, value in first.items())
+    assert any(not torch.equal(value, other[key]) for key, value in first.items())

@@ -170,39 +170,53 @@ def init_weights_by_module(
     slices only; a ``meta`` tensor keeps nothing). Every rank draws the same numbers in the
     same order, so the shards fit. ``on_init(real, full)`` sees each temporary right after its
     module's initialisation (the Megatron worker cuts its slices from it there).
+
+    Hugging Face's initialisers draw from torch's global CPU generator, so they run in a fork
+    of it: the caller's generator is left as it was (and a CUDA generator is never touched).
     """
-    torch.manual_seed(seed)
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for module, owner in _post_order(hf_model, hf_model):
-        swapped: dict[tuple[str, str], torch.Tensor] = {}
-        for kind in ("_parameters", "_buffers"):
-            tensors = getattr(module, kind)
-            for name, t in list(tensors.items()):
-                if t is None:
-                    continue
-                t._is_hf_initialized = False  # HF's guarded init skips tensors flagged done
-                if isinstance(t, DTensor) or t.device.type != "cpu":
-                    full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-                    swapped[(kind, name)] = t
-                    tensors[name] = (
-                        torch.nn.Parameter(full, requires_grad=t.requires_grad)
-                        if kind == "_parameters"
-                        else full
-                    )
-        owner._init_weights(module)
-        for (kind, name), real in swapped.items():
-            full = getattr(module, kind)[name].detach()
-            if on_init is not None:
-                on_init(real, full)
-            if isinstance(real, DTensor):
-                local = real.to_local()
-                mine = distribute_tensor(
-                    full.to(local.device), real.device_mesh, real.placements, src_data_rank=None
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for module, owner in _post_order(hf_model, hf_model):
+            _init_module(module, owner, on_init)
+
+
+def _init_module(
+    module: torch.nn.Module,
+    owner: PreTrainedModel,
+    on_init: Callable[[torch.Tensor, torch.Tensor], None] | None,
+) -> None:
+    """``owner``'s initialisation of ``module`` alone, on full-size CPU temporaries (see
+    ``init_weights_by_module``)."""
+    swapped: dict[tuple[str, str], torch.Tensor] = {}
+    for kind in ("_parameters", "_buffers"):
+        tensors = getattr(module, kind)
+        for name, t in list(tensors.items()):
+            if t is None:
+                continue
+            t._is_hf_initialized = False  # HF's guarded init skips tensors flagged done
+            if isinstance(t, DTensor) or t.device.type != "cpu":
+                full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                swapped[(kind, name)] = t
+                tensors[name] = (
+                    torch.nn.Parameter(full, requires_grad=t.requires_grad)
+                    if kind == "_parameters"
+                    else full
                 )
-                local.copy_(mine.to_local())
-            else:
-                real.copy_(full)
-            getattr(module, kind)[name] = real
+    owner._init_weights(module)
+    for (kind, name), real in swapped.items():
+        full = getattr(module, kind)[name].detach()
+        if on_init is not None:
+            on_init(real, full)
+        if isinstance(real, DTensor):
+            local = real.to_local()
+            mine = distribute_tensor(
+                full.to(local.device), real.device_mesh, real.placements, src_data_rank=None
+            )
+            local.copy_(mine.to_local())
+        else:
+            real.copy_(full)
+        getattr(module, kind)[name] = real
 
 
 def load_hf_weights(model: torch.nn.Module, path: str, may_lack: tuple[str, ...] = ()) -> None:
