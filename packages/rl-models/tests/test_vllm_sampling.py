@@ -139,6 +139,34 @@ def test_a_bucket_survives_the_trip_to_a_vllm_worker():
             assert name == name2 and torch.equal(t, t2)
 
 
+def test_only_the_rotary_caches_reload_warning_is_dropped():
+    """vLLM's layerwise reload warns that RotaryEmbedding "failed to load" at every refit (its
+    cache is computed, never in a checkpoint); the same warning for another layer must show."""
+    import logging
+
+    from rl_models.generation.vllm.extension import LAYERWISE_LOGGER, quiet_rotary_cache_warning
+
+    logger = logging.getLogger(LAYERWISE_LOGGER)
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler, filters = Keep(), list(logger.filters)
+    logger.addHandler(handler)
+    try:
+        quiet_rotary_cache_warning()
+        quiet_rotary_cache_warning()  # once a process, however many refits
+        assert len(logger.filters) == len(filters) + 1
+        for layer in ("RotaryEmbedding", "QKVParallelLinear"):
+            logger.warning("%s: Failed to load weights", layer)
+    finally:
+        logger.removeHandler(handler)
+        logger.filters = filters
+    assert seen == ["QKVParallelLinear: Failed to load weights"]
+
+
 def test_engine_placement_and_model_errors():
     class Cluster:  # only the bundle counts are read
         bundle_ct_per_node_list = [4, 0, 2]

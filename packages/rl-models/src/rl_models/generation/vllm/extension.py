@@ -21,6 +21,7 @@ the engine holds about one bucket (plus one layer) extra, never a second model.
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 
@@ -51,12 +52,35 @@ def bucket_from_wire(slots: str, buffer: np.ndarray | bytes) -> PackedBucket:
     )
 
 
+# The logger of vLLM's layerwise reload (``vllm.model_executor.model_loader.reload``).
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class RotaryCacheWarningFilter(logging.Filter):
+    """Drops the layerwise reload's "RotaryEmbedding: Failed to load weights", which it logs at
+    every weight update: it counts the rotary layer's cos/sin cache, a buffer computed from the
+    config and never in a checkpoint, as a weight to load, and then keeps the cache the layer
+    had, which is what an update wants. The same warning for any other layer still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
+def quiet_rotary_cache_warning() -> None:
+    """Install ``RotaryCacheWarningFilter`` on the layerwise reload's logger, once a process."""
+    logger = logging.getLogger(LAYERWISE_LOGGER)
+    if not any(isinstance(f, RotaryCacheWarningFilter) for f in logger.filters):
+        logger.addFilter(RotaryCacheWarningFilter())
+
+
 class WeightUpdateExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is that worker."""
 
     def rl_start_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        quiet_rotary_cache_warning()
 
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             initialize_layerwise_reload(self.model_runner.get_model())  # type: ignore[attr-defined]
