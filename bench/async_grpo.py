@@ -14,10 +14,12 @@ so that rounds do not inherit each other's state. ``--repeats`` rounds, each run
 in alternating order, each giving a ratio; the median ratio async/sync is printed last.
 
 Each round also prints what overlap alone could give: the synchronous run's seconds a step
-over the longer of its two sides, generation (``timing/generation``: sampling, environment
-steps, the agent loop) and the rest (training, refit, advantages), since a pipeline of the two
-runs at the pace of its slower stage. Async above that bound samples faster than sync did
-(more groups in a batch); below it, the gap is what the collector costs the engine's core.
+over the longer of its two cores' busy times, since a pipeline of the two runs at the pace of
+its slower stage. The trainer's core is busy for the step's ``timing/logprobs``,
+``timing/train`` and ``timing/refit``; the generator's core for everything else (sampling,
+environment steps, the agent loop, the driver's own work, and the refit too). These are wall
+times, waits included: a sync step's generation holds the engine idle while an environment
+answers, which async can fill with other groups' turns, so async can pass the bound.
 
 A second baseline, once per round: synchronous GRPO as a user gets it by default on this
 machine, with nothing pinned, where each phase has both cores (each worker
@@ -45,6 +47,7 @@ tokens they generated that were discarded unused (cancelled, aborted or dropped 
     uv run python bench/async_grpo.py [--steps 8] [--hidden 256] [--layers 4] [--new-tokens 96]
         [--repeats 3] [--drain] [--logs DIR] [--runner auto|in_process|async_llm]
         [--workload single-turn|long-tail] [--long-turns 8] [--tool-seconds 0]
+        [--max-age 1] [--max-groups-ahead N]
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ from rl_envs.interfaces import EnvironmentInterface, EnvironmentReturn
 
 BENCH_DIR = str(Path(__file__).resolve().parent)
 # What a measuring child prints last (the run prints too): its rate, the fraction of tokens
-# discarded (async) and the generation phase's mean seconds a step (sync).
-RESULT_LINE = "steps/minute, discarded, generation seconds:"
+# discarded (async), and the mean seconds a step of its training and its refit (sync).
+RESULT_LINE = "steps/minute, discarded, training and refit seconds:"
 
 
 class LongTailTurnsEnv(EnvironmentInterface):
@@ -231,10 +234,10 @@ def pin_trainer(run) -> None:
             os.sched_setaffinity(pid, {1})
 
 
-def steps_per_minute(config: dict) -> tuple[float, float | None, float | None]:
+def steps_per_minute(config: dict) -> tuple[float, float | None, tuple[float, float] | None]:
     """Steps per minute of the run ``config`` describes, (async runs) the fraction of its
     generated tokens it discarded unused by its last step, and (sync runs) the mean seconds
-    of its timed steps' generation phase."""
+    of its timed steps' training (log-probs and the train step) and refit."""
     from rl_algorithms import grpo
     from rl_algorithms.grpo.async_loop import async_grpo_train
 
@@ -247,14 +250,15 @@ def steps_per_minute(config: dict) -> tuple[float, float | None, float | None]:
         # collector starting) is left out: steps 2..N are timed.
         ends: list[float] = []
         discarded: list[float] = []
-        generation: list[float] = []
+        phases: list[tuple[float, float]] = []  # (training, refit) of each sync step
         log_metrics = run.logger.log_metrics
 
         def timed(metrics, step, prefix=""):
             if prefix == "train":
                 ends.append(time.perf_counter())
                 if "timing/generation" in metrics:  # (sync only: async generates throughout)
-                    generation.append(float(metrics["timing/generation"]))
+                    training = metrics.get("timing/logprobs", 0.0) + metrics["timing/train"]
+                    phases.append((float(training), float(metrics.get("timing/refit", 0.0))))
             if "discarded_token_fraction" in metrics:
                 discarded.append(float(metrics["discarded_token_fraction"]))
             log_metrics(metrics, step, prefix)
@@ -264,19 +268,16 @@ def steps_per_minute(config: dict) -> tuple[float, float | None, float | None]:
     finally:
         run.shutdown()
     rate = (len(ends) - 1) / (ends[-1] - ends[0]) * 60
-    timed = generation[1:]  # the steps the rate covers
-    return (
-        rate,
-        discarded[-1] if discarded else None,
-        sum(timed) / len(timed) if timed else None,
-    )
+    timed_phases = phases[1:]  # the steps the rate covers
+    means = tuple(statistics.fmean(p) for p in zip(*timed_phases, strict=True))
+    return rate, discarded[-1] if discarded else None, means or None  # type: ignore[return-value]
 
 
-def overlap_bound(sync_rate: float, generation_seconds: float) -> float:
-    """The async/sync ratio that overlapping the sync run's two sides perfectly would give:
-    its seconds a step over the longer side's."""
+def core_seconds(sync_rate: float, training: float, refit: float) -> tuple[float, float]:
+    """Seconds a step that the sync run kept its generator's core and its trainer's core
+    busy (see the module docstring): a refit occupies both."""
     step = 60 / sync_rate
-    return step / max(generation_seconds, step - generation_seconds)
+    return step - training, training + refit
 
 
 def main() -> None:
@@ -330,12 +331,12 @@ def main() -> None:
         ratios, ratios_both, bounds, discarded = [], [], [], []
         for repeat in range(args.repeats):
             logs = root / f"round{repeat + 1}"
-            rates, generation = {}, {}
+            rates, phases = {}, {}
             order = ["sync, both cores", "sync", "async"]
             if repeat % 2:
                 order[1:] = order[:0:-1]
             for variant in order:
-                rates[variant], fraction, generation[variant] = in_fresh_process(
+                rates[variant], fraction, phases[variant] = in_fresh_process(
                     args, variant, model, logs
                 )
                 tail = "" if fraction is None else f", discarded tokens {fraction:.3f}"
@@ -344,12 +345,13 @@ def main() -> None:
                     discarded.append(fraction)
             ratios.append(rates["async"] / rates["sync"])
             ratios_both.append(rates["async"] / rates["sync, both cores"])
-            bounds.append(overlap_bound(rates["sync"], generation["sync"]))
+            generator, trainer = core_seconds(rates["sync"], *phases["sync"])
+            bounds.append(60 / rates["sync"] / max(generator, trainer))
             print(
                 f"round {repeat + 1}: async/sync {ratios[-1]:.3f}, "
-                f"async/(sync, both cores) {ratios_both[-1]:.3f}; overlapping sync's "
-                f"{generation['sync']:.2f} s of generation with the rest of its "
-                f"{60 / rates['sync']:.2f} s step would give {bounds[-1]:.3f}",
+                f"async/(sync, both cores) {ratios_both[-1]:.3f}; sync's {60 / rates['sync']:.2f} "
+                f"s step kept the generator's core busy {generator:.2f} s and the trainer's "
+                f"{trainer:.2f} s: overlapping them would give {bounds[-1]:.3f}",
                 flush=True,
             )
         if discarded:
@@ -368,10 +370,10 @@ def main() -> None:
 
 def in_fresh_process(
     args: argparse.Namespace, variant: str, model: str, logs: Path
-) -> tuple[float, float | None, float | None]:
+) -> tuple[float, float | None, tuple[float, float] | None]:
     """Steps per minute of one variant, measured in a process (and Ray cluster) of its own,
-    the fraction of its generated tokens discarded (async only) and its generation phase's
-    mean seconds a step (sync only).
+    the fraction of its generated tokens discarded (async only) and its mean training and
+    refit seconds a step (sync only).
 
     A fresh process per run keeps the rounds independent: in one long-lived driver, Ray's
     session, its idle worker pool and the driver's heap carry over from run to run, and later
@@ -382,7 +384,7 @@ def in_fresh_process(
     command += ["--runner", args.runner, *(["--drain"] if args.drain else [])]
     command += ["--workload", args.workload, "--long-turns", str(args.long_turns)]
     command += ["--max-age", str(args.max_age), "--tool-seconds", str(args.tool_seconds)]
-    if args.max_groups_ahead:
+    if args.max_groups_ahead is not None:
         command += ["--max-groups-ahead", str(args.max_groups_ahead)]
     command += ["--measure", variant, model, str(logs)]
     out = subprocess.run(command, capture_output=True, text=True)
@@ -391,8 +393,9 @@ def in_fresh_process(
     lines = [x for x in out.stdout.splitlines() if x.startswith(RESULT_LINE)]
     if not lines:
         raise RuntimeError(f"the {variant} run printed no result:\n{out.stdout[-4000:]}")
-    rate, discarded, generation = lines[-1].split()[-3:]
-    return float(rate), *(None if x == "None" else float(x) for x in (discarded, generation))
+    rate, discarded, training, refit = lines[-1].split()[-4:]
+    phases = None if training == "None" else (float(training), float(refit))
+    return float(rate), None if discarded == "None" else float(discarded), phases
 
 
 def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> None:
@@ -431,8 +434,9 @@ def measure(args: argparse.Namespace, variant: str, model: str, logs: str) -> No
             # it starts (the generator's engine and its front end, the collector, the
             # environments).
             os.sched_setaffinity(0, {0})
-    rate, discarded, generation = steps_per_minute(config)
-    print(f"{RESULT_LINE} {rate} {discarded} {generation}")
+    rate, discarded, phases = steps_per_minute(config)
+    training, refit = phases or (None, None)
+    print(f"{RESULT_LINE} {rate} {discarded} {training} {refit}")
 
 
 if __name__ == "__main__":

@@ -234,20 +234,31 @@ def test_shutdown_while_stepping_ends_the_thread_tells_the_waiting_and_refuses_n
         runner.submit([("late", "p", 1)], reports)
 
 
-def test_the_stepping_thread_leaves_vllms_replaced_thread_setter_alone(monkeypatch):
+def test_the_stepping_thread_runs_with_its_creators_threads_and_logs_no_warning(monkeypatch):
     """vLLM's CPU worker replaces ``torch.set_num_threads`` in its process with a function
-    that only logs a warning. The runner's thread sets its count through torch's own setter,
-    once: through the replacement it logged that warning at every engine step."""
+    that only logs a warning (once the runner called it before every engine step). The
+    stepping thread must run with its creator's OpenMP thread count without calling it."""
     import torch
 
+    class CountingEngine(ScriptedEngine):
+        def step(self):
+            self.threads_seen.append(torch.get_num_threads())
+            return super().step()
+
+    engine, reports, before = CountingEngine(), Reports(), torch.get_num_threads()
+    engine.threads_seen = []
+    creator = 1 if before != 1 else 2
+    torch._C.set_num_threads(creator)
     replaced = []
     monkeypatch.setattr(torch, "set_num_threads", lambda n: replaced.append(n))
-    engine, reports = ScriptedEngine(), Reports()
-    runner = runner_on(engine)
-    runner.submit([(f"r{i}", "p", 3) for i in range(2)], reports)
-    reports.wait_for(["r0", "r1"])
-    runner.shutdown()
-    assert engine.steps >= 3
+    try:
+        runner = runner_on(engine)
+        runner.submit([(f"r{i}", "p", 3) for i in range(2)], reports)
+        reports.wait_for(["r0", "r1"])
+        runner.shutdown()
+    finally:
+        torch._C.set_num_threads(before)
+    assert len(engine.threads_seen) >= 3 and set(engine.threads_seen) == {creator}
     assert replaced == []
 
 

@@ -139,32 +139,33 @@ def test_a_bucket_survives_the_trip_to_a_vllm_worker():
             assert name == name2 and torch.equal(t, t2)
 
 
-def test_only_the_rotary_caches_reload_warning_is_dropped():
-    """vLLM's layerwise reload warns that RotaryEmbedding "failed to load" at every refit (its
-    cache is computed, never in a checkpoint); the same warning for another layer must show."""
+def test_only_computed_caches_reload_warnings_are_dropped():
+    """vLLM's layerwise reload warns that a rotary embedding "failed to load" at every refit
+    (its cache is computed, never in a checkpoint); the same warning for another layer, and
+    any other message, must still show."""
     import logging
 
-    from rl_models.generation.vllm.extension import LAYERWISE_LOGGER, quiet_rotary_cache_warning
+    from rl_models.generation.vllm.extension import quiet_computed_cache_warnings
 
-    logger = logging.getLogger(LAYERWISE_LOGGER)
-    seen: list[str] = []
+    name = "rl.test.layerwise"  # (vLLM's logger is named by the module that warns)
+    logger, seen = logging.getLogger(name), []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             seen.append(record.getMessage())
 
-    handler, filters = Keep(), list(logger.filters)
-    logger.addHandler(handler)
-    try:
-        quiet_rotary_cache_warning()
-        quiet_rotary_cache_warning()  # once a process, however many refits
-        assert len(logger.filters) == len(filters) + 1
-        for layer in ("RotaryEmbedding", "QKVParallelLinear"):
-            logger.warning("%s: Failed to load weights", layer)
-    finally:
-        logger.removeHandler(handler)
-        logger.filters = filters
-    assert seen == ["QKVParallelLinear: Failed to load weights"]
+    logger.addHandler(Keep())
+    logger.propagate = False
+    quiet_computed_cache_warnings(name, {"RotaryEmbedding"})
+    quiet_computed_cache_warnings(name, {"Llama3RotaryEmbedding"})  # at the next refit
+    assert len(logger.filters) == 1  # one filter a process, however many refits
+    for layer in ("RotaryEmbedding", "Llama3RotaryEmbedding", "QKVParallelLinear"):
+        logger.warning("%s: Failed to load weights", layer)
+    logger.warning("RotaryEmbedding: something else")
+    assert seen == [
+        "QKVParallelLinear: Failed to load weights",
+        "RotaryEmbedding: something else",
+    ]
 
 
 def test_engine_placement_and_model_errors():

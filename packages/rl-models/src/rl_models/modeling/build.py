@@ -40,6 +40,7 @@ from transformers import (
 )
 
 from rl_models.modeling.config import ModelConfig
+from rl_models.modeling.random_streams import seeded_generators
 
 logger = logging.getLogger(__name__)
 
@@ -171,11 +172,14 @@ def init_weights_by_module(
     same order, so the shards fit. ``on_init(real, full)`` sees each temporary right after its
     module's initialisation (the Megatron worker cuts its slices from it there).
 
-    Hugging Face's initialisers draw from torch's global CPU generator, so they run in a fork
-    of it: the caller's generator is left as it was (and a CUDA generator is never touched).
+    Hugging Face's initialisers draw from torch's global generators, so they run in forks of
+    them, seeded: the caller's generators are left as they were. The CUDA one matters to the
+    families whose initialisation of a module draws into a child's weight (GPT-2's ``c_proj``),
+    which is back on its device by then; such a family's draws on a GPU follow the seed, but
+    are not the CPU's numbers.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)
+    cuda = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
+    with seeded_generators(seed, cuda):
         hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
         for module, owner in _post_order(hf_model, hf_model):
             _init_module(module, owner, on_init)

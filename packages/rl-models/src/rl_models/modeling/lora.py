@@ -132,10 +132,9 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig, seed: int) -> tor
     """
     import peft
 
-    from rl_models.modeling.random_streams import ADAPTER_STREAM, row_seed
+    from rl_models.modeling.random_streams import ADAPTER_STREAM, row_seed, seeded_generators
 
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(row_seed(seed, ADAPTER_STREAM))
+    with seeded_generators(row_seed(seed, ADAPTER_STREAM)):
         return peft.get_peft_model(model, _peft_config(config))
 
 

@@ -16,7 +16,11 @@ told apart by the number and kind of their parts:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator, Sequence
+
+import torch
 
 _MASK_63 = (1 << 63) - 1  # non-negative int64: what torch and vLLM take as a seed
 
@@ -28,3 +32,14 @@ def row_seed(*parts: int) -> int:
     """A 63-bit seed from integers (BLAKE2b: no two tuples of parts collide in practice)."""
     digest = hashlib.blake2b(b",".join(str(int(p)).encode() for p in parts), digest_size=8)
     return int.from_bytes(digest.digest(), "little") & _MASK_63
+
+
+@contextlib.contextmanager
+def seeded_generators(seed: int, cuda_devices: Sequence[torch.device] = ()) -> Iterator[None]:
+    """Draw from ``seed`` inside the block: torch's global CPU generator, and that of each of
+    ``cuda_devices``, forked and seeded; the caller's generators are as they were after it."""
+    with torch.random.fork_rng(devices=list(cuda_devices)):
+        torch.default_generator.manual_seed(seed)
+        for device in cuda_devices:
+            torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+        yield

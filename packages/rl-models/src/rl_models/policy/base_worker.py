@@ -27,7 +27,7 @@ import torch.distributed as dist
 from rl_data.batch import TrainBatch
 from rl_distributed.batched_data_dict import BatchedDataDict
 from rl_models.interfaces import LossFunction, TrainResult, combine_metric
-from rl_models.modeling.random_streams import DROPOUT_STREAM, row_seed
+from rl_models.modeling.random_streams import DROPOUT_STREAM, row_seed, seeded_generators
 from rl_models.policy import offload
 from rl_models.policy.config import PolicyConfig, build_scheduler
 
@@ -218,12 +218,8 @@ class PolicyWorker(abc.ABC):
         with the other ranks'; the tensor-parallel plans here put no dropout on activations
         that the ranks hold whole (the Megatron backend runs without dropout).
         """
-        devices = [self.device] if self.on_gpu else []
         seed = row_seed(self.config.seed, DROPOUT_STREAM, self.rank, self.scheduler.last_epoch)
-        with torch.random.fork_rng(devices=devices):
-            torch.default_generator.manual_seed(seed)
-            for device in devices:
-                torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+        with seeded_generators(seed, [self.device] if self.on_gpu else []):
             yield
 
     def _make_optimizer(self) -> None:

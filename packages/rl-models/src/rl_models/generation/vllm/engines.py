@@ -248,8 +248,10 @@ class InProcessRunner(ServesLora):
         self.on_finish: dict[str, OnFinish] = {}
         self.paused = self.stopped = False
         self.error: BaseException | None = None  # what stopped the stepping thread
-        # OpenMP's thread count is per thread: the stepping thread takes its creator's.
-        self.threads = torch.get_num_threads()
+        # The stepping thread runs on its creator's cores (``bind_cpu_threads``) with its
+        # creator's OpenMP thread count, which torch hands every new thread. It must not set
+        # the count itself: vLLM's CPU worker replaces ``torch.set_num_threads`` in its process
+        # with a function that logs a warning, and a call before every step logged one a step.
         self.thread = threading.Thread(target=self._step_forever, name="vllm-steps", daemon=True)
         self.thread.start()
 
@@ -265,11 +267,6 @@ class InProcessRunner(ServesLora):
             self.lock.release()
 
     def _step_forever(self) -> None:
-        # Once, in this thread: OpenMP keeps the count per thread. torch's own setter, since
-        # vLLM's CPU worker replaces ``torch.set_num_threads`` in its process with a warning
-        # (it guards the thread it bound to cores, which this one is not); called through
-        # the replacement, every engine step logged that warning.
-        torch._C.set_num_threads(self.threads)
         while True:
             with self._turn(check=False):
                 try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -52,25 +53,31 @@ def bucket_from_wire(slots: str, buffer: np.ndarray | bytes) -> PackedBucket:
     )
 
 
-# The logger of vLLM's layerwise reload (``vllm.model_executor.model_loader.reload``).
-LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+class ComputedCacheWarningFilter(logging.Filter):
+    """Drops vLLM's layerwise reload's "<layer>: Failed to load weights" for ``layers``: layers
+    without parameters whose only tensors are caches computed from the config (a rotary
+    embedding's cos/sin cache), never in a checkpoint. The reload counts such a cache as a
+    weight to load, warns at every weight update, and keeps the cache the layer had, which
+    is what an update wants. The same warning for any other layer still shows."""
 
-
-class RotaryCacheWarningFilter(logging.Filter):
-    """Drops the layerwise reload's "RotaryEmbedding: Failed to load weights", which it logs at
-    every weight update: it counts the rotary layer's cos/sin cache, a buffer computed from the
-    config and never in a checkpoint, as a weight to load, and then keeps the cache the layer
-    had, which is what an update wants. The same warning for any other layer still shows."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+        layer, _, rest = record.getMessage().partition(": ")
+        return not (rest == "Failed to load weights" and layer in self.layers)
 
 
-def quiet_rotary_cache_warning() -> None:
-    """Install ``RotaryCacheWarningFilter`` on the layerwise reload's logger, once a process."""
-    logger = logging.getLogger(LAYERWISE_LOGGER)
-    if not any(isinstance(f, RotaryCacheWarningFilter) for f in logger.filters):
-        logger.addFilter(RotaryCacheWarningFilter())
+def quiet_computed_cache_warnings(logger_name: str, layers: Iterable[str]) -> None:
+    """``ComputedCacheWarningFilter`` on the logger ``logger_name``, one a process, with
+    ``layers`` (class names) added to those it drops."""
+    logger = logging.getLogger(logger_name)
+    found = [f for f in logger.filters if isinstance(f, ComputedCacheWarningFilter)]
+    if not found:
+        found = [ComputedCacheWarningFilter()]
+        logger.addFilter(found[0])
+    found[0].layers.update(layers)
 
 
 class WeightUpdateExtension:
@@ -78,12 +85,23 @@ class WeightUpdateExtension:
 
     def rl_start_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
-        quiet_rotary_cache_warning()
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        caches = {
+            type(m).__name__
+            for m in model.modules()
+            if isinstance(m, RotaryEmbeddingBase) and not list(m.parameters(recurse=False))
+        }
+        # (the logger of the module that warns: vLLM's own name for it)
+        quiet_computed_cache_warnings(finalize_layerwise_reload.__module__, caches)
 
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            initialize_layerwise_reload(self.model_runner.get_model())  # type: ignore[attr-defined]
+            initialize_layerwise_reload(model)
 
     def rl_load_packed_bucket(self, slots: str, buffer: np.ndarray | bytes) -> int:
         """Load one packed bucket of HF-named full tensors; returns the tensors loaded."""
