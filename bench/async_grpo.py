@@ -268,16 +268,22 @@ def steps_per_minute(config: dict) -> tuple[float, float | None, tuple[float, fl
     finally:
         run.shutdown()
     rate = (len(ends) - 1) / (ends[-1] - ends[0]) * 60
-    timed_phases = phases[1:]  # the steps the rate covers
-    means = tuple(statistics.fmean(p) for p in zip(*timed_phases, strict=True))
-    return rate, discarded[-1] if discarded else None, means or None  # type: ignore[return-value]
+    timed = phases[1:]  # the steps the rate covers
+    means = (
+        (statistics.fmean(t for t, _ in timed), statistics.fmean(r for _, r in timed))
+        if timed
+        else None
+    )
+    return rate, discarded[-1] if discarded else None, means
 
 
-def core_seconds(sync_rate: float, training: float, refit: float) -> tuple[float, float]:
-    """Seconds a step that the sync run kept its generator's core and its trainer's core
-    busy (see the module docstring): a refit occupies both."""
+def overlap_bound(sync_rate: float, training: float, refit: float) -> tuple[float, float, float]:
+    """Seconds a step that the sync run kept its generator's core and its trainer's core busy
+    (see the module docstring: a refit occupies both), and the async/sync ratio overlapping
+    them perfectly would give: the step over the busier core's seconds."""
     step = 60 / sync_rate
-    return step - training, training + refit
+    generator, trainer = step - training, training + refit
+    return generator, trainer, step / max(generator, trainer)
 
 
 def main() -> None:
@@ -345,8 +351,8 @@ def main() -> None:
                     discarded.append(fraction)
             ratios.append(rates["async"] / rates["sync"])
             ratios_both.append(rates["async"] / rates["sync, both cores"])
-            generator, trainer = core_seconds(rates["sync"], *phases["sync"])
-            bounds.append(60 / rates["sync"] / max(generator, trainer))
+            generator, trainer, bound = overlap_bound(rates["sync"], *phases["sync"])
+            bounds.append(bound)
             print(
                 f"round {repeat + 1}: async/sync {ratios[-1]:.3f}, "
                 f"async/(sync, both cores) {ratios_both[-1]:.3f}; sync's {60 / rates['sync']:.2f} "
