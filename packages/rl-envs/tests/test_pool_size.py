@@ -4,7 +4,7 @@ Ray has fewer CPUs free; an explicit number that cannot be placed is refused, na
 import pytest
 
 from rl_envs.math_env import MathEnvConfig
-from rl_envs.pool import fit_num_workers
+from rl_envs.pool import MIN_CHUNK, chunk_ranges, fit_num_workers
 
 KEY = "env.arithmetic.config.num_workers"
 
@@ -46,3 +46,30 @@ def test_the_config_leaves_it_to_fit():
     assert MathEnvConfig().num_workers is None
     with pytest.raises(ValueError):
         MathEnvConfig(num_workers=0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 8, 9, 16, 31, 32, 100, 257])
+@pytest.mark.parametrize("num_workers", [1, 2, 3, 8])
+def test_chunks_cover_every_sample_once_in_order(n, num_workers):
+    chunks = chunk_ranges(n, num_workers)
+    assert [i for chunk in chunks for i in chunk] == list(range(n))
+    sizes = [len(chunk) for chunk in chunks]
+    # At least MIN_CHUNK a call, unless that would leave a worker without a chunk...
+    if n >= MIN_CHUNK * num_workers:
+        assert min(sizes[:-1], default=MIN_CHUNK) >= MIN_CHUNK
+    else:
+        assert len(chunks) >= min(n, num_workers)
+    # ...and big maps still go out in about four chunks a worker, so a slow one delays little.
+    if n >= 4 * MIN_CHUNK * num_workers:
+        assert 3 * num_workers <= len(chunks) <= 4 * num_workers
+
+
+def test_a_group_of_eight_goes_to_two_workers_in_two_calls_not_eight():
+    assert chunk_ranges(8, 2) == [range(0, 4), range(4, 8)]
+    assert chunk_ranges(2, 2) == [range(0, 1), range(1, 2)]
+    assert chunk_ranges(8, 2, chunk_size=1) == [range(i, i + 1) for i in range(8)]
+
+
+def test_a_chunk_size_below_one_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="chunk_size"):
+        MathEnvConfig(chunk_size=0)

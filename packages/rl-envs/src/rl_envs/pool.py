@@ -80,6 +80,23 @@ def fit_num_workers(
     return asked
 
 
+#: The fewest samples a call carries by default, when every worker can get that many: a call
+#: costs about a millisecond of CPU on each side, more than a cheap verifier's sample. (A group
+#: of 8 math answers sent one per call cost 15 ms of CPU; in two calls of four, 5 ms.)
+MIN_CHUNK = 4
+
+
+def chunk_ranges(n: int, num_workers: int, chunk_size: int | None = None) -> list[range]:
+    """The chunks (ranges of sample indices, one call each) that ``n`` samples go out in:
+    ``chunk_size`` samples each, or by default about four chunks a worker (so a slow chunk
+    delays little), yet at least ``MIN_CHUNK`` samples a chunk unless that would leave a worker
+    idle (so a small map, such as one group's answers, is not paid for a call a sample)."""
+    if chunk_size is None:
+        every_worker_busy = n // num_workers  # the largest size that still gives each a chunk
+        chunk_size = max(1, math.ceil(n / (4 * num_workers)), min(MIN_CHUNK, every_worker_busy))
+    return [range(i, min(i + chunk_size, n)) for i in range(0, n, chunk_size)]
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What became of one sample: the verifier's return value, or why there is none."""
@@ -309,9 +326,7 @@ class WorkerPool:
         return actor_cls.remote(self.function, self.timeout_s, self.preload, self.warmups)
 
     def _chunks(self, n: int) -> list[range]:
-        # By default four chunks per worker: few RPCs, yet a slow chunk delays little.
-        size = self.chunk_size or max(1, math.ceil(n / (4 * len(self._workers))))
-        return [range(i, min(i + size, n)) for i in range(0, n, size)]
+        return chunk_ranges(n, len(self._workers), self.chunk_size)
 
     def _submit(self, items: list[tuple], chunk: range) -> tuple[ray.ObjectRef, _Sent]:
         """Send ``chunk`` of ``items`` to the least-loaded worker (the one with the fewest

@@ -29,7 +29,10 @@ class VerifierEnvConfig(ConfigModel):
     # Ray CPUs reserved per verifier worker.
     num_cpus_per_worker: float = 1.0
     timeout_s: float = 10.0  # per sample
-    chunk_size: int | None = None  # samples per worker call; None: about a quarter of a share
+    # Samples per worker call; None: about a quarter of a worker's share, and at least 4 when
+    # every worker still gets some (see rl_envs.pool.chunk_ranges). 1 balances slow,
+    # uneven verifiers best; more saves calls on cheap ones.
+    chunk_size: int | None = Field(None, ge=1)
     # The k of the pass@k metrics reported at validation.
     pass_at_k: list[int] = [1]
     success_threshold: float = 1.0  # reward at which a sample counts as correct
