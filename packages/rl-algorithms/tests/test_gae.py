@@ -288,3 +288,25 @@ def test_explained_variance_against_a_float64_reference(dtype):
     assert math.isnan(explained_variance(ints.double(), torch.full((B, S), 7), mask))
     big = 10**9 + ints  # a spread of 1 in 1e9 is still a spread
     assert explained_variance(big.double(), big, mask) == 1.0
+
+
+def test_a_bfloat16_critic_gets_float32_returns_and_a_defined_explained_variance():
+    # A critic in bfloat16: GAE's results come back in float32, not rounded to bfloat16 (a
+    # rounding unit of 1/128 of their size, which explained_variance would take for returns
+    # that do not vary, and report NaN every step).
+    rewards, values, mask, final_values, truncated = multi_turn_batch()
+    g = torch.Generator().manual_seed(9)
+    rewards = torch.rand(rewards.shape, generator=g, dtype=torch.float64)
+    adv, ret = gae(rewards, values.bfloat16(), mask, final_values, truncated, 1.0, 0.95)
+    assert adv.dtype == ret.dtype == torch.float32
+    want_adv, want_ret = gae(
+        rewards, values.bfloat16().double(), mask, final_values, truncated, 1.0, 0.95
+    )
+    torch.testing.assert_close(ret, want_ret.float())
+    torch.testing.assert_close(adv, want_adv.float())
+    critic = (
+        ret.double() + 0.1 * torch.randn(ret.shape, generator=g, dtype=torch.float64)
+    ).bfloat16()
+    got = explained_variance(critic, ret, mask)
+    assert math.isclose(got, reference_explained_variance(critic, ret, mask), rel_tol=1e-9)
+    assert 0.5 < got < 1.0

@@ -94,6 +94,11 @@ def test_a_loss_of_ones_own_is_named_like_an_environment(capsys):
     argv = [*GRPO, "+loss_fn.kind=rl_models.losses:Nope", "--print-config"]
     assert cli.main(argv) == 2
     assert "loss_fn.kind: got 'rl_models.losses:Nope'" in capsys.readouterr().err
+    # the spelling of other libraries is refused saying which one this library reads
+    argv = [*GRPO, "+loss_fn.class=rl_models.losses:LabelSmoothedNLLLoss", "--print-config"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n  loss_fn: got {'class'") == 1 and "named by kind: module:Class" in err
     # without a kind, loss_fn holds the clipped policy gradient's keys as before
     assert grpo_config("loss_fn.ratio_clip_max=0.3").loss_fn.ratio_clip_max == 0.3
 

@@ -80,6 +80,17 @@ class CustomLossConfig(ConfigModel):
     # Keyword arguments of the class, checked against its constructor.
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_not_class(cls, data: Any) -> Any:
+        # The spelling other libraries use; one name per concept here, as for environments.
+        if isinstance(data, dict) and "class" in data:
+            raise ValueError(
+                "a loss of your own is named by kind: module:Class (not class:), with its "
+                "arguments under kwargs:"
+            )
+        return data
+
     @field_validator("kind", mode="before")
     @classmethod
     def _a_loss_class(cls, kind: Any) -> str:
@@ -139,7 +150,7 @@ def loss_section(builtin: type[ConfigModel]) -> Any:
 
     def tag(value: Any) -> str:
         custom = isinstance(value, CustomLossConfig) or (
-            isinstance(value, dict) and "kind" in value
+            isinstance(value, dict) and ("kind" in value or "class" in value)
         )
         return "CustomLossConfig" if custom else builtin.__name__
 

@@ -390,7 +390,20 @@ def test_off_policy_mask_reads_the_generators_logprobs():
         ({"use_sapo": True, "sapo_tau_neg": 0.0}, "sapo_tau_neg"),
         ({**ICEPOP, "truncated_importance_sampling_ratio_min": None}, "needs truncated_imp"),
         ({**ICEPOP, "truncated_importance_sampling_ratio": None}, "_ratio_min need trunc"),
-        ({**ICEPOP, "truncated_importance_sampling_ratio_min": 2.0}, "_ratio_min 2.0"),
+        # A band without 1 would drop (or rescale) every token of a run with no mismatch.
+        ({**ICEPOP, "truncated_importance_sampling_ratio_min": 2.0}, r"must hold 1 .* \[2.0, "),
+        ({**ICEPOP, "truncated_importance_sampling_ratio": 0.9}, r"must hold 1 .*, 0.9\]"),
+        ({**SEQ_MASK, "truncated_importance_sampling_ratio_min": 1.5}, "must hold 1"),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_ratio": 0.5,
+            },
+            r"must hold 1 .* \[None, 0.5\]",
+        ),
+        # Keys the chosen objective would ignore, set away from their defaults.
+        ({"use_sapo": True, "ratio_clip_max": 0.28}, "use_sapo .* ratio_clip_max=0.28"),
+        ({"sapo_tau_pos": 5.0}, "sapo_tau_pos=5.0 would do nothing without use_sapo"),
         ({**ICEPOP, "use_importance_sampling_correction": False}, "use_importance_sampling"),
         ({**SEQ_MASK, "sequence_level_importance_ratios": True}, "seq-mask-tis"),
         ({"constant_length_normalizer": 8.0, "token_level_loss": True}, "token_level_loss"),
@@ -399,3 +412,20 @@ def test_off_policy_mask_reads_the_generators_logprobs():
 def test_inconsistent_configs_are_refused(config, match):
     with pytest.raises(ValueError, match=match):
         ClippedPGLossConfig.model_validate(config)
+
+
+def test_keys_at_their_defaults_and_bands_holding_1_are_accepted():
+    # A recipe that lists every key at its default must still select SAPO, and a band that
+    # holds 1 (NeMo's ProRL v2 uses [0.999, 1.002]) is a valid one.
+    ClippedPGLossConfig.model_validate(
+        {"use_sapo": True, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "sapo_tau_pos": 1.0}
+    )
+    ClippedPGLossConfig.model_validate({"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05})
+    for band in ((0.999, 1.002), (1.0, 1.0), (0.0, 1.0)):
+        ClippedPGLossConfig.model_validate(
+            {
+                **ICEPOP,
+                "truncated_importance_sampling_ratio_min": band[0],
+                "truncated_importance_sampling_ratio": band[1],
+            }
+        )

@@ -191,6 +191,20 @@ class ClippedPGLossConfig(ConfigModel):
     def _check_objectives(self) -> None:
         if self.use_cispo and self.use_sapo:
             raise ValueError("use_cispo and use_sapo are different objectives; pick one")
+        # Keys the chosen objective ignores are refused when set away from their defaults (a
+        # recipe may list every key at its default), so that a config never reads as something
+        # it does not train.
+        if self.use_sapo and (
+            changed := self._away_from_default("ratio_clip_min", "ratio_clip_max")
+        ):
+            raise ValueError(
+                f"use_sapo replaces the clip with a soft gate: {changed} would do nothing; leave "
+                "the clip at its default (the gate's sharpness is sapo_tau_pos and sapo_tau_neg)"
+            )
+        if not self.use_sapo and (
+            changed := self._away_from_default("sapo_tau_pos", "sapo_tau_neg")
+        ):
+            raise ValueError(f"{changed} would do nothing without use_sapo: true")
         objective = "use_cispo" if self.use_cispo else "use_sapo" if self.use_sapo else None
         if objective is not None and self.ratio_clip_c is not None:
             raise ValueError(
@@ -203,6 +217,13 @@ class ClippedPGLossConfig(ConfigModel):
             )
         if self.use_cispo and self.token_level_loss is False:
             raise ValueError("use_cispo is a token-level loss (token_level_loss: false given)")
+
+    def _away_from_default(self, *keys: str) -> str:
+        """``key=value`` for each of ``keys`` whose value is not its default, comma-separated."""
+        fields = type(self).model_fields
+        return ", ".join(
+            f"{k}={getattr(self, k)}" for k in keys if getattr(self, k) != fields[k].default
+        )
 
     def _check_truncation(self) -> None:
         kind = self.truncated_importance_sampling_type
@@ -220,10 +241,13 @@ class ClippedPGLossConfig(ConfigModel):
                 f"truncated_importance_sampling_type {kind!r} needs "
                 "truncated_importance_sampling_ratio_min (the lower bound)"
             )
-        if lo is not None and hi is not None and lo > hi:
+        # A weight of 1 (generator and trainer agree) must be kept as it is: a range without
+        # it would mask or rescale every token of a run with no mismatch at all.
+        if hi is not None and not (lo or 0.0) <= 1.0 <= hi:
             raise ValueError(
-                f"truncated_importance_sampling_ratio_min {lo} > truncated_importance_sampling_"
-                f"ratio {hi}"
+                "[truncated_importance_sampling_ratio_min, truncated_importance_sampling_ratio] "
+                f"must hold 1 (a token whose generator and trainer agree), got [{lo}, {hi}]: "
+                "they are bounds on the weight, not offsets from 1"
             )
         if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
             raise ValueError(

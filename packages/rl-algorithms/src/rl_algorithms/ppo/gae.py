@@ -20,7 +20,8 @@ token-level rewards (``token_level_rewards``)::
 A finished response (it ended with EOS or the environment closed the episode) is terminal, so
 nothing follows it; one cut at the length limit is bootstrapped with the critic's estimate of
 the state it was cut in. All of it is computed in float64; results come back in the dtype of
-``values`` (of ``scores`` for the rewards) when it is a floating one, else torch's default.
+``values`` (of ``scores`` for the rewards) when it is float32 or wider, in float32 when it is
+a narrower float (a bfloat16 critic's), else in torch's default dtype.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ __all__ = ["explained_variance", "gae", "token_level_rewards", "whiten"]
 
 
 def _result_dtype(x: torch.Tensor) -> torch.dtype:
-    return x.dtype if x.dtype.is_floating_point else torch.get_default_dtype()
+    # At least float32: a bfloat16 critic's returns rounded back to bfloat16 would differ by
+    # a rounding unit of 1/128 of their size, which explained_variance cannot tell from
+    # returns that do not vary.
+    if not x.dtype.is_floating_point:
+        return torch.get_default_dtype()
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def token_level_rewards(
@@ -148,7 +154,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
         std(R) <= ROUNDING_UNITS * eps * max|R|
 
-    with ``eps`` the machine epsilon of the returns' dtype: their spread is within
+    with ``eps`` the machine epsilon of the returns' dtype (at least float32 when they come
+    from :func:`gae`, whatever the critic's dtype): their spread is within
     ``ROUNDING_UNITS`` (64) rounding units of their largest value, room for the rounding of
     long sums, while a spread of a critic's concern (in float32, anything above about 1e-5 of
     the returns' size) is explained. Integer returns are exact: only equal ones are constant.
