@@ -72,6 +72,9 @@ def misbehave(base_url, row):
         written.write_text(message)
         written.replace(row["report"])
         return None
+    if behaviour == "unpicklable":  # a result no process but this one could receive
+        api.chat.completions.create(model="policy", messages=row["messages"])
+        return {"answer": 4, "lock": threading.Lock()}
     if behaviour == "diverges":
         first = api.chat.completions.create(model="policy", messages=row["messages"])
         rewritten = [{"role": "user", "content": "something else entirely"}]
@@ -194,3 +197,8 @@ def hangs_the_first_time(base_url, row):
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     return talks_and_reports_errors(base_url, row)
+
+
+def never_asks(base_url, row):
+    """Returns without ever calling the endpoint (nothing sampled, nothing to train on)."""
+    return {"seen": []}

@@ -5,6 +5,7 @@ of what was sampled would show. The programs are in agent_program_examples.py.""
 
 import itertools
 import json
+import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ import torch
 from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.agent_programs.programs import run_program_rollouts
 from rl_algorithms.agent_programs.server import EndpointServer, Episode, GenerationBatcher
-from rl_algorithms.agent_programs.trajectories import Trajectory
+from rl_algorithms.agent_programs.trajectories import Sample, Trajectory
 from rl_data.messages import tokenize_message_logs
 from rl_data.templates import ChatTemplate, ChatTemplateConfig
 from rl_data.tokenizers import build_tokenizer
@@ -453,6 +454,41 @@ def test_a_body_over_the_size_limit_is_refused_with_413(server, tokenizer, templ
         assert httpx.post(url, content=body).status_code == 200
 
 
+def test_a_result_that_cannot_be_sent_on_fails_its_episode_not_the_run(
+    server, tokenizer, template, tmp_path
+):
+    rows = [{"behaviour": b, "report": str(tmp_path / "r")} for b in ("good", "unpicklable")]
+    result = roll(
+        server,
+        RandomTokenGeneration(tokenizer),
+        prompts(tokenizer, template, rows),
+        tokenizer,
+        template,
+        function=f"{PROGRAMS}:misbehave",
+    )
+    assert result.end_reasons == ["agent_returned", "agent_failed/error"]
+    assert result.sample_mask().tolist() == [1.0, 0.0]
+    assert result.env_metadata[1]["agent_result"] is None
+    pickle.dumps(result.env_metadata)  # what goes on to the trainer now travels
+
+
+def test_malformed_tool_calls_get_a_400_naming_the_message(server, tokenizer, template):
+    user = {"role": "user", "content": "Solve this"}
+    cases = [
+        (5, "messages[1].tool_calls must be a list, got int"),
+        ({"function": {"name": "f"}}, "messages[1].tool_calls must be a list, got dict"),
+        ([{"function": {}}], "messages[1].tool_calls[0]: a tool call needs function.name"),
+    ]
+    with episodes_of(server, tokenizer, [template]) as [url]:
+        for calls, message in cases:
+            sent = [user, {"role": "assistant", "content": "", "tool_calls": calls}, user]
+            response = httpx.post(url, json={"messages": sent})
+            assert response.status_code == 400, response.text
+            assert message in response.json()["error"]["message"]
+        # The episode is untouched: a well-formed first request is still answered.
+        assert httpx.post(url, json={"messages": [user]}).status_code == 200
+
+
 class EveryAnswerRight(FinalAnswerEnv):
     """Scores every final conversation 1 (a failed episode is scored 0 before it gets here)."""
 
@@ -515,7 +551,6 @@ def test_rl_eval_plays_its_samples_through_the_agent_program(server, tokenizer, 
 
 def test_a_stopped_rollout_kills_its_commands_at_once(server, tokenizer, template, tmp_path):
     # Async GRPO's collector stops a cancelled group's rollout this way (``stop``).
-    import os
     import sys
     from concurrent.futures import Future
 
@@ -550,12 +585,59 @@ def test_a_stopped_rollout_kills_its_commands_at_once(server, tokenizer, templat
             stop=stop,
         )
     assert time.monotonic() - began < 60  # not its 300 s deadline
-    pid, deadline = int(pid_file.read_text()), time.monotonic() + 10
-    while time.monotonic() < deadline:  # killed (and reaped) at once
+    assert_ends(int(pid_file.read_text()))
+
+
+def assert_ends(pid: int) -> None:
+    """Fails unless process ``pid`` is gone (or a zombie: killed, not yet reaped by whoever
+    adopted it) within 10 s."""
+    import os
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
-            break
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "Z":
+                    return
+        except (ProcessLookupError, FileNotFoundError):
+            return
         time.sleep(0.05)
-    else:
-        raise AssertionError(f"the command (pid {pid}) is still running")
+    raise AssertionError(f"the command's process {pid} is still running")
+
+
+def test_a_command_cut_at_its_deadline_is_killed_with_what_it_started(
+    server, tokenizer, template, tmp_path
+):
+    # A shell that starts a child and waits: the child is killed too, not left to go on
+    # calling the endpoint.
+    pid_file = tmp_path / "pid"
+    command = f"sh -c 'sleep 300 & echo $! > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; wait'"
+    result = roll(
+        server,
+        RandomTokenGeneration(tokenizer),
+        prompts(tokenizer, template, [{}]),
+        tokenizer,
+        template,
+        command=command,
+        max_episode_seconds=2.0,
+    )
+    assert result.end_reasons == ["agent_failed/timeout"]
+    assert_ends(int(pid_file.read_text()))
+
+
+def test_a_reply_cut_at_a_limit_keeps_the_versions_of_the_tokens_it_keeps():
+    # A refit landed after the second token: the cut reply took no part in versions 5.
+    sample = Sample(
+        ids=torch.tensor([7, 8, 9, 10]),
+        logprobs=torch.tensor([-0.1, -0.2, -0.3, -0.4]),
+        truncated=False,
+        weight_version=0,
+        versions=torch.tensor([0, 1, 5, 5]),
+        version_max=5,
+    )
+    cut = sample.cut(2)
+    assert cut.ids.tolist() == [7, 8] and cut.logprobs.tolist() == pytest.approx([-0.1, -0.2])
+    assert cut.versions.tolist() == [0, 1] and cut.truncated
+    assert (cut.weight_version, cut.version_max) == (0, 1)
+    assert sample.cut(4) is sample and sample.cut(0).versions.tolist() == []

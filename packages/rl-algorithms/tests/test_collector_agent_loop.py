@@ -524,6 +524,54 @@ def test_agent_program_groups_are_collected_with_the_versions_of_their_tokens(to
     assert bool((batch.extras["generation_versions"][batch.loss_mask > 0] >= 0).all())
 
 
+def test_a_group_whose_programs_never_ask_is_collected_at_its_admission_version(
+    tokenizer, template
+):
+    # No episode sampled a token, so none reports a weight version: the group takes the
+    # engine's version at its admission, and the run goes on.
+    engine = InProcessEngine(tokenizer)
+    engine.version = 3
+    metas = [{"turns": 1, "constant": True} for _ in range(2)]
+    client = collector(tokenizer, template, engine, metas, agent_program=program("never_asks"))
+    try:
+        steps, _, reply, _, _ = train(client, engine, n=1, steps=2, span=4)
+    finally:
+        client.stop()
+    assert reply.requeued_groups == 0
+    for [group] in steps:
+        assert group.result.end_reasons == ["agent_failed/no_requests"] * G
+        assert group.result.sample_mask().tolist() == [0.0] * G
+        # The engine's version when the group was admitted (3, or 4 after the first refit),
+        # not a made-up 0 that would read as a group older than the run.
+        [version] = set(group.version_min.tolist() + group.version_max.tolist())
+        assert version in (3, 4)
+
+
+def test_time_paused_for_validation_counts_against_no_programs_deadline(tokenizer, template):
+    # Programs asking for their first reply when validation pauses the collector for longer
+    # than their max_episode_seconds: after resume they are answered, and return.
+    engine = InProcessEngine(tokenizer, seconds=0.05)
+    talk = AgentProgramConfig(
+        function=f"{PROGRAMS}:talk", result_column="agent_result", max_episode_seconds=2.0
+    )
+    client = collector(
+        tokenizer, template, engine, [{"turns": 1, "constant": True}] * 2, agent_program=talk
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not client.turns.running and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert client.drain(5.0, scoring=True)
+        time.sleep(2.5)
+        client.resume()
+        groups, _, reply, _, _ = train(client, engine, n=1, steps=2, span=4)
+    finally:
+        client.stop()
+    assert reply.requeued_groups == 0
+    for [group] in groups:
+        assert group.result.end_reasons == ["agent_returned"] * G
+
+
 def reported(report: Path, lines: int) -> list[dict]:
     """The errors the programs wrote to ``report``, once there are ``lines`` (10 s at most)."""
     deadline = time.monotonic() + 10

@@ -285,6 +285,27 @@ def test_a_wait_limit_below_the_group_limit_is_a_config_error_naming_both_keys(c
     assert "grpo.async_grpo.max_group_seconds (60.0)" in err
 
 
+def test_a_program_deadline_not_below_the_group_limit_is_a_config_error(capsys):
+    from rl_algorithms import cli
+
+    program = [
+        "loss_fn.use_importance_sampling_correction=true",
+        "grpo.async_grpo.enabled=true",
+        "+grpo.agent_program.function=my_agent:play",
+        "--print-config",
+    ]
+    # The defaults fit (240 s an episode, 300 s a group): the config is valid, and only the
+    # test's made-up model path is left to refuse.
+    assert cli.main(async_grpo_args(*program)) == 2
+    err = capsys.readouterr().err
+    assert "the run's input has" in err and "max_episode_seconds" not in err
+    late = "+grpo.agent_program.max_episode_seconds=300"
+    assert cli.main(async_grpo_args(*program, late)) == 2
+    err = capsys.readouterr().err
+    assert "grpo.agent_program.max_episode_seconds (300) must be below" in err
+    assert "grpo.async_grpo.max_group_seconds (300)" in err
+
+
 def test_multi_turn_and_dynamic_sampling_are_allowed_and_a_span_below_the_age_is_an_error(capsys):
     from rl_algorithms import cli
 

@@ -20,8 +20,11 @@ class AgentProgramConfig(ConfigModel):
     function: str | None = None
     # a command (split like a shell would) given OPENAI_BASE_URL and the row as JSON on stdin.
     command: str | None = None
-    # An episode's program is cut here (a command is killed); the episode fails.
-    max_episode_seconds: float = Field(300.0, gt=0)
+    # An episode's program is cut here (a command is killed); the episode fails. Under async
+    # GRPO it must be below grpo.async_grpo.max_group_seconds (300 by default), so that a hung
+    # program fails its own episode rather than getting its whole group cancelled and queued
+    # again.
+    max_episode_seconds: float = Field(240.0, gt=0)
     # Requests after this many are refused (the episode still counts if its program returns).
     max_requests_per_episode: int = Field(32, ge=1)
     max_concurrent_episodes: int = Field(64, ge=1)  # programs running at once

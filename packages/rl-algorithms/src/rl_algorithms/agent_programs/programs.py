@@ -20,15 +20,19 @@ out of the loss (``RolloutResult.sample_mask``); what a program printed on the w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import functools
 import inspect
 import json
 import logging
 import os
+import pickle
 import shlex
+import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
@@ -67,17 +71,17 @@ def program_row(message_log: list[dict[str, Any]], env_info: Mapping[str, Any] |
     return row
 
 
-def _run_function(function: Any, base_url: str, row: dict, seconds: float) -> Any:
+def _run_function(function: Any, base_url: str, row: dict) -> Any:
     if inspect.iscoroutinefunction(function):
-        return asyncio.run(asyncio.wait_for(function(base_url, row), seconds))
+        return asyncio.run(function(base_url, row))
     return function(base_url, row)
 
 
 def _run_command(
-    command: str, base_url: str, row: dict, seconds: float, started: list[subprocess.Popen]
+    command: str, base_url: str, row: dict, started: Callable[[subprocess.Popen], None]
 ) -> Any:
-    """The command's result; its process is added to ``started`` (the rollout kills it if it
-    stops early)."""
+    """The command's result; its process is handed to ``started`` as it starts (the rollout
+    kills it at its deadline, or when it stops early)."""
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "rl-agent-endpoint"}
     process = subprocess.Popen(
         shlex.split(command),
@@ -86,14 +90,10 @@ def _run_command(
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        start_new_session=True,  # its own process group: what it starts is killed with it
     )
-    started.append(process)
-    try:
-        stdout, stderr = process.communicate(json.dumps(row), timeout=seconds)
-    except subprocess.TimeoutExpired as e:
-        process.kill()  # killed then
-        process.communicate()
-        raise TimeoutError(f"agent_program.command ran past {seconds:g} s") from e
+    started(process)
+    stdout, stderr = process.communicate(json.dumps(row))
     if process.returncode != 0:
         raise RuntimeError(
             f"agent_program.command exited with {process.returncode}: {stderr[-2000:]}"
@@ -102,6 +102,13 @@ def _run_command(
         return json.loads(stdout)
     except json.JSONDecodeError:
         return stdout
+
+
+def _kill_command(process: subprocess.Popen) -> None:
+    """Kill a command and every process it started that is still in its process group (a
+    shell's or ``uv run``'s children would otherwise go on calling the endpoint)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def run_program_rollouts(
@@ -121,6 +128,7 @@ def run_program_rollouts(
     with_env_metrics: bool = True,
     stop: Future | None = None,
     step_gate: StepGate | None = None,
+    paused_seconds: Callable[[], float] | None = None,
 ) -> RolloutResult:
     """One episode per row of ``batch`` (``message_log``, ``extra_env_info``, ``task_name``),
     each played by the program through ``server``; the rollout's result, as ``run_rollouts``
@@ -130,7 +138,10 @@ def run_program_rollouts(
     giving up on the group) completes: every episode ends (a request waiting for its reply, and
     any later one, is refused, so the program sees an error), a command is killed, and the
     generator's failure, or ``stop``'s exception, is raised. ``step_gate``: the scoring step
-    passes it (the collector's, which validation closes)."""
+    passes it (the collector's, which validation closes). ``paused_seconds``: the seconds the
+    caller has been paused so far (the collector's drains for refits and validation, during
+    which no request is answered); time paused does not count against an episode's
+    ``max_episode_seconds``, so an episode in flight through a validation is not cut for it."""
     n = batch.size
     tasks = list(batch["task_name"])
     rows_by_task(envs, tasks)  # an unknown task fails before any program starts
@@ -155,44 +166,58 @@ def run_program_rollouts(
     late_before = server.late_requests
     started = time.monotonic()
     results: list[Any] = [None] * n
-    processes: list[subprocess.Popen] = []  # the commands started
+    processes: dict[int, subprocess.Popen] = {}  # the commands started, by episode
     halts = [batcher.failed] if stop is None else [batcher.failed, stop]
+    paused = paused_seconds or (lambda: 0.0)
+
+    def deadlines(running: dict[Future, tuple[int, float, float]]) -> dict[Future, float]:
+        """Each running program's deadline, pushed back by the pauses since it started."""
+        now_paused = paused()
+        return {f: deadline + now_paused - then for f, (_, deadline, then) in running.items()}
+
     try:
         waiting = list(range(n))
-        running: dict[Future, tuple[int, float]] = {}
+        # Each running program's episode, its deadline as it stood when it started and the
+        # seconds paused by then (``deadlines`` adds the pauses since).
+        running: dict[Future, tuple[int, float, float]] = {}
         while (waiting or running) and not any(h.done() for h in halts):
             while waiting and len(running) < config.max_concurrent_episodes:
                 i = waiting.pop(0)
                 url = server.base_url(trajectories[i].episode_id)
                 row = program_row(batch["message_log"][i], batch["extra_env_info"][i])
-                seconds = config.max_episode_seconds
                 future = (
-                    start_thread("agent-program", _run_function, function, url, row, seconds)
+                    start_thread("agent-program", _run_function, function, url, row)
                     if function is not None
                     else start_thread(
-                        "agent-program", _run_command, config.command, url, row, seconds, processes
+                        "agent-program",
+                        _run_command,
+                        config.command,
+                        url,
+                        row,
+                        functools.partial(processes.__setitem__, i),
                     )
                 )
-                running[future] = (i, time.monotonic() + seconds)
-            soonest = min(deadline for _, deadline in running.values())
+                deadline = time.monotonic() + config.max_episode_seconds
+                running[future] = (i, deadline, paused())
             done, _ = wait(
                 [*running, *halts],
-                timeout=max(0.0, soonest - time.monotonic()),
+                timeout=max(0.0, min(deadlines(running).values()) - time.monotonic()),
                 return_when=FIRST_COMPLETED,
             )
-            now = time.monotonic()
-            for future in [*done, *(f for f, (_, d) in running.items() if d <= now)]:
+            now = time.monotonic()  # (deadlines again: a pause may have begun meanwhile)
+            for future in [*done, *(f for f, d in deadlines(running).items() if d <= now)]:
                 if future not in running:
                     continue
-                i, _ = running.pop(future)
+                i, _, _ = running.pop(future)
                 results[i] = _outcome(future, trajectories[i], config)
                 trajectories[i].end()
+                if i in processes and not future.done():  # cut at its deadline
+                    _kill_command(processes[i])
     finally:
         for t in trajectories:
             t.end()
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
+        for process in processes.values():
+            _kill_command(process)  # (what it left running too, when it has exited)
         batcher.close()
         server.unregister([t.episode_id for t in trajectories])
     for halt in halts:  # the generator's failure is the run's, not the agents'
@@ -270,6 +295,14 @@ def _outcome(future: Future, trajectory: Trajectory, config: AgentProgramConfig)
         )
         return None
     error = future.exception()
+    if error is None and config.result_column is not None:
+        # The result travels with the episode's metadata to the environments' actors (and, in
+        # async GRPO, to the trainer and into checkpoints): one that cannot be pickled fails
+        # its episode here, not the run there.
+        try:
+            pickle.dumps(future.result())
+        except Exception as e:
+            error = TypeError(f"its result cannot be sent on as {config.result_column}: {e!r}")
     if error is None:
         return future.result()
     trajectory.fail(FAILED_TIMEOUT if isinstance(error, TimeoutError) else FAILED_ERROR)

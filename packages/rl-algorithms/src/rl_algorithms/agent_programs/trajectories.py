@@ -101,9 +101,13 @@ class Sample:
         if len(self.ids) <= n:
             return self
         versions = None if self.versions is None else self.versions[:n]
-        return replace(
+        cut = replace(
             self, ids=self.ids[:n], logprobs=self.logprobs[:n], truncated=True, versions=versions
         )
+        if versions is None or len(versions) == 0:
+            return cut
+        # The versions of the tokens kept: a refit that landed after them took no part.
+        return replace(cut, weight_version=int(versions.min()), version_max=int(versions.max()))
 
 
 @dataclass(frozen=True)
@@ -165,8 +169,13 @@ def normalized_messages(messages: Any) -> list[dict[str, Any]]:
             "role": message["role"],
             "content": _text(message.get("content"), where),
         }
-        if message.get("tool_calls"):
-            plain["tool_calls"] = [_call(c, f"{where}.tool_calls") for c in message["tool_calls"]]
+        calls = message.get("tool_calls")
+        if calls and not isinstance(calls, list):
+            raise Refused(f"{where}.tool_calls must be a list, got {type(calls).__name__}")
+        if calls:
+            plain["tool_calls"] = [
+                _call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+            ]
         for key in ("tool_call_id", "name"):
             if message.get(key) is not None:
                 plain[key] = str(message[key])

@@ -388,6 +388,10 @@ class TrajectoryCollector:
             0.0 if self.drained_since is None else now - self.drained_since
         )
 
+    def _drained_so_far(self) -> float:
+        with self.cond:
+            return self._drained()
+
     def _age(self, group: _Group) -> float:
         """Seconds the group has run, time drained left out (under ``cond``)."""
         return time.monotonic() - group.started - (self._drained() - group.drained_before)
@@ -424,6 +428,7 @@ class TrajectoryCollector:
                 top_p=top_p,
                 stop=group.halt,
                 step_gate=self.gate,
+                paused_seconds=self._drained_so_far,
                 **common,
             )
         vmin, vmax = self._version_spans(group, result.message_logs)
@@ -440,24 +445,32 @@ class TrajectoryCollector:
 
     def _version_spans(self, group: _Group, logs: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Each episode's oldest and newest weight version. An episode that sampled nothing
-        (its prompt too long, or ended before its first turn) takes the engine's version read
-        at admission, else the group's newest: never a made-up version 0, which would make a
-        fresh group look as old as the run and get it dropped as stale, again and again."""
+        (its prompt too long, or its program failed before its first reply) takes the group's
+        newest, or when no episode sampled anything the engine's version read at admission:
+        never a made-up version 0, which would make a fresh group look as old as the run and
+        get it dropped as stale, again and again."""
         spans = [version_span(log) for log in logs]
         known = [s for s in spans if s is not None]
+        sampled = any(
+            bool((m["token_loss_mask"] > 0).any())
+            for log in logs
+            for m in log
+            if "token_loss_mask" in m
+        )
         if group.version is not None:
             fallback = (group.version, group.version)
         elif known:
             newest = max(s[1] for s in known)
             fallback = (newest, newest)
-        elif spans:
+        elif sampled:
             raise RuntimeError(
                 f"the engine {group.sampler.name if group.sampler else '?'} reported no weight "
                 "version with its samples (weight_version_min/_max or generation_versions): "
                 "async GRPO needs them to bound the groups' age"
             )
         else:
-            fallback = (0, 0)  # (no episode: unused)
+            assert group.oldest_version is not None  # (read at admission)
+            fallback = (group.oldest_version, group.oldest_version)
         vmin = torch.tensor([(s or fallback)[0] for s in spans], dtype=torch.long)
         vmax = torch.tensor([(s or fallback)[1] for s in spans], dtype=torch.long)
         return vmin, vmax

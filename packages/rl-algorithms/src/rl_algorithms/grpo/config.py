@@ -443,6 +443,14 @@ def check_async_config(config: Any) -> None:
             f"grpo.async_grpo.max_group_seconds ({a.max_group_seconds}): a hung group is "
             "cancelled and generated again before the trainer gives up waiting"
         )
+    program = config.grpo.agent_program
+    if program is not None and program.max_episode_seconds >= a.max_group_seconds:
+        raise ValueError(
+            f"grpo.agent_program.max_episode_seconds ({program.max_episode_seconds:g}) must be "
+            f"below grpo.async_grpo.max_group_seconds ({a.max_group_seconds:g}): a program that "
+            "hangs must fail its own episode, not get its whole group cancelled and its prompt "
+            "generated again (at each attempt, if it always hangs)"
+        )
     loss = builtin_loss(config)
     if loss is not None and not loss.use_importance_sampling_correction:
         raise ValueError(
