@@ -180,6 +180,32 @@ def version_span(log: MessageLog) -> tuple[int, int] | None:
     return min(oldest or newest), max([*newest, *oldest])
 
 
+def group_version_spans(
+    logs: list[MessageLog], admitted_version: int, engine: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of a group's episodes' oldest and newest weight version (``[G]`` each), for async
+    GRPO's age bound. An episode that sampled nothing (its program failed before its first
+    reply, say) takes the group's newest; when no episode sampled anything (its prompt too
+    long, say), the engine's version when the group was admitted. Never a made-up version 0,
+    which would make a fresh group look as old as the run and get it dropped as stale, again
+    and again. Samples without versions are an error naming ``engine``."""
+    spans = [version_span(log) for log in logs]
+    known = [s for s in spans if s is not None]
+    sampled = any(
+        bool((m["token_loss_mask"] > 0).any()) for g in logs for m in g if "token_loss_mask" in m
+    )
+    if not known and sampled:
+        raise RuntimeError(
+            f"the engine {engine} reported no weight version with its samples "
+            "(weight_version_min/_max or generation_versions): async GRPO needs them to bound "
+            "the groups' age"
+        )
+    newest = max(s[1] for s in known) if known else admitted_version
+    vmin = torch.tensor([newest if s is None else s[0] for s in spans], dtype=torch.long)
+    vmax = torch.tensor([newest if s is None else s[1] for s in spans], dtype=torch.long)
+    return vmin, vmax
+
+
 # What of an environment's reply message reaches the conversation (and the chat template).
 _OBSERVATION_KEYS = ("role", "content", "tool_call_id", "name")
 

@@ -45,12 +45,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from rl_algorithms.advantages import groups_with_signal
 from rl_algorithms.agent_loop import AgentLoopConfig, run_agent_loop
 from rl_algorithms.agent_programs.config import AgentProgramConfig
-from rl_algorithms.episodes import version_span
+from rl_algorithms.episodes import group_version_spans
 from rl_algorithms.grpo.collector_reply import CollectorReply
 from rl_algorithms.grpo.replay_buffer import TrajectoryGroup
 from rl_algorithms.grpo.turn_streams import (
@@ -80,7 +78,6 @@ class _Group:
     drained_before: float  # the collector's drained seconds when it started (not its age)
     requeues: int = 0  # times this prompt was queued again before
     sampler: StreamingSampler | None = None  # every turn of the group on one engine
-    version: int | None = None  # the engine's version, for a prompt too long to generate from
     # The engine's version when it was admitted: none of its tokens is older.
     oldest_version: int | None = None
     play: Future | None = None  # its agent loop
@@ -374,9 +371,6 @@ class TrajectoryCollector:
                 self.next_worker += 1
                 self.groups.append(group)
                 self.out += 1
-            prompt_tokens = sum(len(m["token_ids"]) for m in group.prompt["message_log"][0])
-            if prompt_tokens >= self.max_seq_len:  # nothing to generate: the engine's weights
-                group.version = group.oldest_version
             # A group cancelled while stuck in an environment step (or its agent programs)
             # keeps its thread, counted in ``stuck_groups``; no later group waits for it.
             group.play = start_thread("trajectory-group", self._play, group)
@@ -431,7 +425,10 @@ class TrajectoryCollector:
                 paused_seconds=self._drained_so_far,
                 **common,
             )
-        vmin, vmax = self._version_spans(group, result.message_logs)
+        assert group.oldest_version is not None and group.sampler is not None  # (admitted)
+        vmin, vmax = group_version_spans(
+            result.message_logs, group.oldest_version, group.sampler.name
+        )
         with self.cond:
             seconds = self._age(group)
         return TrajectoryGroup(
@@ -442,38 +439,6 @@ class TrajectoryCollector:
             seconds=seconds,
             requeues=group.requeues,
         )
-
-    def _version_spans(self, group: _Group, logs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each episode's oldest and newest weight version. An episode that sampled nothing
-        (its prompt too long, or its program failed before its first reply) takes the group's
-        newest, or when no episode sampled anything the engine's version read at admission:
-        never a made-up version 0, which would make a fresh group look as old as the run and
-        get it dropped as stale, again and again."""
-        spans = [version_span(log) for log in logs]
-        known = [s for s in spans if s is not None]
-        sampled = any(
-            bool((m["token_loss_mask"] > 0).any())
-            for log in logs
-            for m in log
-            if "token_loss_mask" in m
-        )
-        if group.version is not None:
-            fallback = (group.version, group.version)
-        elif known:
-            newest = max(s[1] for s in known)
-            fallback = (newest, newest)
-        elif sampled:
-            raise RuntimeError(
-                f"the engine {group.sampler.name if group.sampler else '?'} reported no weight "
-                "version with its samples (weight_version_min/_max or generation_versions): "
-                "async GRPO needs them to bound the groups' age"
-            )
-        else:
-            assert group.oldest_version is not None  # (read at admission)
-            fallback = (group.oldest_version, group.oldest_version)
-        vmin = torch.tensor([(s or fallback)[0] for s in spans], dtype=torch.long)
-        vmax = torch.tensor([(s or fallback)[1] for s in spans], dtype=torch.long)
-        return vmin, vmax
 
     def _start_turns(self) -> None:
         while True:
