@@ -2,6 +2,7 @@
 agent_program.function (by path): a good one, a tool user, and each way a program can go wrong,
 chosen by the row's ``behaviour``."""
 
+import asyncio
 import json
 import threading
 import time
@@ -75,6 +76,13 @@ def misbehave(base_url, row):
     if behaviour == "unpicklable":  # a result no process but this one could receive
         api.chat.completions.create(model="policy", messages=row["messages"])
         return {"answer": 4, "lock": threading.Lock()}
+    if behaviour == "local_class":  # no plain pickle, yet Ray's cloudpickle sends it
+
+        class Answer:
+            value = 4
+
+        api.chat.completions.create(model="policy", messages=row["messages"])
+        return Answer()
     if behaviour == "diverges":
         first = api.chat.completions.create(model="policy", messages=row["messages"])
         rewritten = [{"role": "user", "content": "something else entirely"}]
@@ -202,3 +210,15 @@ def hangs_the_first_time(base_url, row):
 def never_asks(base_url, row):
     """Returns without ever calling the endpoint (nothing sampled, nothing to train on)."""
     return {"seen": []}
+
+
+async def waits_until_cancelled(base_url, row):
+    """Asks once, then waits; writes "cancelled" to ``row["report"]`` when its task is
+    (whether that is while it asks or while it waits)."""
+    api = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+    try:
+        await api.chat.completions.create(model="policy", messages=row["messages"])
+        await asyncio.sleep(120)
+    except asyncio.CancelledError:
+        Path(row["report"]).write_text("cancelled")
+        raise

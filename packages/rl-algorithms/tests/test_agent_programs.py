@@ -5,7 +5,6 @@ of what was sampled would show. The programs are in agent_program_examples.py.""
 
 import itertools
 import json
-import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from ray import cloudpickle
 
 from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.agent_programs.programs import run_program_rollouts
@@ -457,7 +457,8 @@ def test_a_body_over_the_size_limit_is_refused_with_413(server, tokenizer, templ
 def test_a_result_that_cannot_be_sent_on_fails_its_episode_not_the_run(
     server, tokenizer, template, tmp_path
 ):
-    rows = [{"behaviour": b, "report": str(tmp_path / "r")} for b in ("good", "unpicklable")]
+    behaviours = ("good", "unpicklable", "local_class")
+    rows = [{"behaviour": b, "report": str(tmp_path / "r")} for b in behaviours]
     result = roll(
         server,
         RandomTokenGeneration(tokenizer),
@@ -466,10 +467,11 @@ def test_a_result_that_cannot_be_sent_on_fails_its_episode_not_the_run(
         template,
         function=f"{PROGRAMS}:misbehave",
     )
-    assert result.end_reasons == ["agent_returned", "agent_failed/error"]
-    assert result.sample_mask().tolist() == [1.0, 0.0]
+    assert result.end_reasons == ["agent_returned", "agent_failed/error", "agent_returned"]
+    assert result.sample_mask().tolist() == [1.0, 0.0, 1.0]
     assert result.env_metadata[1]["agent_result"] is None
-    pickle.dumps(result.env_metadata)  # what goes on to the trainer now travels
+    assert result.env_metadata[2]["agent_result"].value == 4
+    cloudpickle.dumps(result.env_metadata)  # what goes on to the trainer now travels
 
 
 def test_malformed_tool_calls_get_a_400_naming_the_message(server, tokenizer, template):
@@ -604,6 +606,24 @@ def assert_ends(pid: int) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"the command's process {pid} is still running")
+
+
+def test_an_async_program_cut_at_its_deadline_is_cancelled(server, tokenizer, template, tmp_path):
+    report = tmp_path / "report"
+    result = roll(
+        server,
+        RandomTokenGeneration(tokenizer),
+        prompts(tokenizer, template, [{"report": str(report)}]),
+        tokenizer,
+        template,
+        function=f"{PROGRAMS}:waits_until_cancelled",
+        max_episode_seconds=2.0,
+    )
+    assert result.end_reasons == ["agent_failed/timeout"]
+    deadline = time.monotonic() + 10
+    while not report.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert report.read_text() == "cancelled"  # its task, not left running for 120 s
 
 
 def test_a_command_cut_at_its_deadline_is_killed_with_what_it_started(

@@ -73,3 +73,15 @@ def test_a_group_of_eight_goes_to_two_workers_in_two_calls_not_eight():
 def test_a_chunk_size_below_one_is_refused_by_the_config():
     with pytest.raises(ValueError, match="chunk_size"):
         MathEnvConfig(chunk_size=0)
+
+
+def test_code_and_tool_environments_hand_out_one_sample_a_call():
+    # Slow, uneven runs balance best one at a time (two slow ones of eight in one chunk of
+    # four would double the group's wall time); the cheap verifiers keep the default.
+    from rl_envs.code.env import CodeEnvConfig
+    from rl_envs.tools.env import ToolEnvConfig
+
+    assert CodeEnvConfig().chunk_size == 1
+    rewards = [{"function": "rl_envs.reward_functions:math_reward"}]
+    assert ToolEnvConfig(tools=["calculator"], functions=rewards).chunk_size == 1
+    assert MathEnvConfig().chunk_size is None

@@ -402,7 +402,6 @@ def test_off_policy_mask_reads_the_generators_logprobs():
             r"must hold 1 .* \[None, 0.5\]",
         ),
         # Keys the chosen objective would ignore, set away from their defaults.
-        ({"use_sapo": True, "ratio_clip_max": 0.28}, "use_sapo .* ratio_clip_max=0.28"),
         ({"sapo_tau_pos": 5.0}, "sapo_tau_pos=5.0 would do nothing without use_sapo"),
         ({**ICEPOP, "use_importance_sampling_correction": False}, "use_importance_sampling"),
         ({**SEQ_MASK, "sequence_level_importance_ratios": True}, "seq-mask-tis"),
@@ -429,3 +428,9 @@ def test_keys_at_their_defaults_and_bands_holding_1_are_accepted():
                 "truncated_importance_sampling_ratio": band[1],
             }
         )
+
+
+def test_sapo_over_a_recipes_clip_says_the_clip_does_nothing():
+    with pytest.warns(UserWarning, match="use_sapo .* ratio_clip_max=0.28 does nothing"):
+        config = ClippedPGLossConfig.model_validate({"use_sapo": True, "ratio_clip_max": 0.28})
+    assert config.use_sapo

@@ -31,7 +31,8 @@ class VerifierEnvConfig(ConfigModel):
     timeout_s: float = 10.0  # per sample
     # Samples per worker call; None: about a quarter of a worker's share, and at least 4 when
     # every worker still gets some (see rl_envs.pool.chunk_ranges). 1 balances slow,
-    # uneven verifiers best; more saves calls on cheap ones.
+    # uneven verifiers best (the code and tool environments' default); more saves calls on
+    # cheap ones.
     chunk_size: int | None = Field(None, ge=1)
     # The k of the pass@k metrics reported at validation.
     pass_at_k: list[int] = [1]

@@ -27,7 +27,6 @@ import inspect
 import json
 import logging
 import os
-import pickle
 import shlex
 import signal
 import subprocess
@@ -35,6 +34,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
+
+from ray import cloudpickle
 
 from rl_algorithms.agent_loop import StepGate
 from rl_algorithms.agent_programs.config import AgentProgramConfig
@@ -71,17 +72,34 @@ def program_row(message_log: list[dict[str, Any]], env_info: Mapping[str, Any] |
     return row
 
 
-def _run_function(function: Any, base_url: str, row: dict) -> Any:
-    if inspect.iscoroutinefunction(function):
-        return asyncio.run(function(base_url, row))
-    return function(base_url, row)
+# How a rollout stops a program it cuts while it runs: cancels its coroutine, or kills its
+# command. (A plain function cannot be stopped: its thread is left behind.)
+Stopper = Callable[[], None]
 
 
-def _run_command(
-    command: str, base_url: str, row: dict, started: Callable[[subprocess.Popen], None]
+def _run_function(
+    function: Any, base_url: str, row: dict, started: Callable[[Stopper], None]
 ) -> Any:
-    """The command's result; its process is handed to ``started`` as it starts (the rollout
-    kills it at its deadline, or when it stops early)."""
+    """The function's result; an ``async def`` runs as a task on a loop of its own, whose
+    cancelling is handed to ``started``."""
+    if not inspect.iscoroutinefunction(function):
+        return function(base_url, row)
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(function(base_url, row))
+
+        def cancel() -> None:
+            with contextlib.suppress(RuntimeError):  # (the loop is closed: it has ended)
+                loop.call_soon_threadsafe(task.cancel)
+
+        started(cancel)
+        return loop.run_until_complete(task)
+    finally:
+        loop.close()
+
+
+def _run_command(command: str, base_url: str, row: dict, started: Callable[[Stopper], None]) -> Any:
+    """The command's result; killing it (and what it started) is handed to ``started``."""
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "rl-agent-endpoint"}
     process = subprocess.Popen(
         shlex.split(command),
@@ -92,8 +110,12 @@ def _run_command(
         env=env,
         start_new_session=True,  # its own process group: what it starts is killed with it
     )
-    started(process)
-    stdout, stderr = process.communicate(json.dumps(row))
+    started(functools.partial(_kill_command, process))
+    try:
+        stdout, stderr = process.communicate(json.dumps(row))
+    finally:
+        # What it left running, while its process group's id cannot be anyone else's yet.
+        _kill_command(process)
     if process.returncode != 0:
         raise RuntimeError(
             f"agent_program.command exited with {process.returncode}: {stderr[-2000:]}"
@@ -166,7 +188,7 @@ def run_program_rollouts(
     late_before = server.late_requests
     started = time.monotonic()
     results: list[Any] = [None] * n
-    processes: dict[int, subprocess.Popen] = {}  # the commands started, by episode
+    stoppers: dict[int, Stopper] = {}  # how to stop each episode's program, where it can be
     halts = [batcher.failed] if stop is None else [batcher.failed, stop]
     paused = paused_seconds or (lambda: 0.0)
 
@@ -175,26 +197,22 @@ def run_program_rollouts(
         now_paused = paused()
         return {f: deadline + now_paused - then for f, (_, deadline, then) in running.items()}
 
+    # Each running program's episode, its deadline as it stood when it started and the
+    # seconds paused by then (``deadlines`` adds the pauses since).
+    running: dict[Future, tuple[int, float, float]] = {}
     try:
         waiting = list(range(n))
-        # Each running program's episode, its deadline as it stood when it started and the
-        # seconds paused by then (``deadlines`` adds the pauses since).
-        running: dict[Future, tuple[int, float, float]] = {}
         while (waiting or running) and not any(h.done() for h in halts):
             while waiting and len(running) < config.max_concurrent_episodes:
                 i = waiting.pop(0)
                 url = server.base_url(trajectories[i].episode_id)
                 row = program_row(batch["message_log"][i], batch["extra_env_info"][i])
+                on_start = functools.partial(stoppers.__setitem__, i)
                 future = (
-                    start_thread("agent-program", _run_function, function, url, row)
+                    start_thread("agent-program", _run_function, function, url, row, on_start)
                     if function is not None
                     else start_thread(
-                        "agent-program",
-                        _run_command,
-                        config.command,
-                        url,
-                        row,
-                        functools.partial(processes.__setitem__, i),
+                        "agent-program", _run_command, config.command, url, row, on_start
                     )
                 )
                 deadline = time.monotonic() + config.max_episode_seconds
@@ -211,13 +229,14 @@ def run_program_rollouts(
                 i, _, _ = running.pop(future)
                 results[i] = _outcome(future, trajectories[i], config)
                 trajectories[i].end()
-                if i in processes and not future.done():  # cut at its deadline
-                    _kill_command(processes[i])
+                if not future.done() and i in stoppers:  # cut at its deadline
+                    stoppers[i]()
     finally:
         for t in trajectories:
             t.end()
-        for process in processes.values():
-            _kill_command(process)  # (what it left running too, when it has exited)
+        for future, (i, _, _) in running.items():  # the rollout stopped early
+            if not future.done() and i in stoppers:
+                stoppers[i]()
         batcher.close()
         server.unregister([t.episode_id for t in trajectories])
     for halt in halts:  # the generator's failure is the run's, not the agents'
@@ -300,7 +319,7 @@ def _outcome(future: Future, trajectory: Trajectory, config: AgentProgramConfig)
         # async GRPO, to the trainer and into checkpoints): one that cannot be pickled fails
         # its episode here, not the run there.
         try:
-            pickle.dumps(future.result())
+            cloudpickle.dumps(future.result())  # (what Ray sends with)
         except Exception as e:
             error = TypeError(f"its result cannot be sent on as {config.result_column}: {e!r}")
     if error is None:

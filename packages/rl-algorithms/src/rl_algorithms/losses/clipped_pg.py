@@ -89,6 +89,7 @@ bonus on, ``token_entropy`` is the exact mean of ``H_t`` over the loss tokens.
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -191,15 +192,17 @@ class ClippedPGLossConfig(ConfigModel):
     def _check_objectives(self) -> None:
         if self.use_cispo and self.use_sapo:
             raise ValueError("use_cispo and use_sapo are different objectives; pick one")
-        # Keys the chosen objective ignores are refused when set away from their defaults (a
-        # recipe may list every key at its default), so that a config never reads as something
-        # it does not train.
+        # Keys the chosen objective ignores, set away from their defaults (a recipe may list
+        # every key at its default): SAPO over a recipe's clip (say DAPO's clip-higher, as
+        # examples/configs/grpo_math.yaml has) is a plain switch, so that is said, not refused;
+        # SAPO's temperatures without SAPO are a slip, and refused.
         if self.use_sapo and (
             changed := self._away_from_default("ratio_clip_min", "ratio_clip_max")
         ):
-            raise ValueError(
-                f"use_sapo replaces the clip with a soft gate: {changed} would do nothing; leave "
-                "the clip at its default (the gate's sharpness is sapo_tau_pos and sapo_tau_neg)"
+            warnings.warn(
+                f"loss_fn.use_sapo replaces the clip with a soft gate: {changed} does nothing "
+                "(the gate's sharpness is sapo_tau_pos and sapo_tau_neg)",
+                stacklevel=2,
             )
         if not self.use_sapo and (
             changed := self._away_from_default("sapo_tau_pos", "sapo_tau_neg")

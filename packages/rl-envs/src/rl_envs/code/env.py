@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from rl_data.types import MessageLog
 from rl_envs.code.cases import parse_cases
@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 class CodeEnvConfig(VerifierEnvConfig):
     sandbox: SandboxLimits = SandboxLimits()
     timeout_s: float = 30.0
+    # One program a call: runs are slow and uneven, and balance best handed to whichever
+    # worker is free (a call's own cost is small beside them).
+    chunk_size: int | None = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _timeout_covers_the_sandbox(self) -> CodeEnvConfig:

@@ -89,6 +89,9 @@ ERROR_KINDS = (
 
 
 class ToolEnvConfig(RewardFunctionsEnvConfig):
+    # One tool call a call: calls are slow and uneven (code runs, searches), and balance best
+    # handed to whichever worker is free.
+    chunk_size: int | None = Field(1, ge=1)
     # The tools (see rl_envs.tools.registry): a built-in name, a function reference, or
     # {function, name, kwargs}.
     tools: list[ToolSpec] = Field(min_length=1)
