@@ -661,3 +661,15 @@ def test_a_reply_cut_at_a_limit_keeps_the_versions_of_the_tokens_it_keeps():
     assert cut.versions.tolist() == [0, 1] and cut.truncated
     assert (cut.weight_version, cut.version_max) == (0, 1)
     assert sample.cut(4) is sample and sample.cut(0).versions.tolist() == []
+
+
+def test_a_program_cut_before_it_could_hand_over_its_stopper_is_stopped_as_it_does():
+    from rl_algorithms.agent_programs.programs import _Stoppers
+
+    stoppers, stopped = _Stoppers(), []
+    stoppers.register(0, lambda: stopped.append(0))
+    stoppers.stop(1)  # cut while its program is still starting
+    assert stopped == []
+    stoppers.register(1, lambda: stopped.append(1))  # stopped at once
+    stoppers.stop(0)
+    assert stopped == [1, 0]

@@ -30,6 +30,7 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -75,6 +76,31 @@ def program_row(message_log: list[dict[str, Any]], env_info: Mapping[str, Any] |
 # How a rollout stops a program it cuts while it runs: cancels its coroutine, or kills its
 # command. (A plain function cannot be stopped: its thread is left behind.)
 Stopper = Callable[[], None]
+
+
+class _Stoppers:
+    """How to stop each episode's program, handed over by its thread as it starts. An episode
+    cut before its program handed it over is stopped as it does (a slow start must not let a
+    program escape its deadline)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stoppers: dict[int, Stopper] = {}
+        self._cut: set[int] = set()
+
+    def register(self, episode: int, stopper: Stopper) -> None:
+        with self._lock:
+            self._stoppers[episode] = stopper
+            cut = episode in self._cut
+        if cut:
+            stopper()
+
+    def stop(self, episode: int) -> None:
+        with self._lock:
+            self._cut.add(episode)
+            stopper = self._stoppers.get(episode)
+        if stopper is not None:
+            stopper()
 
 
 def _run_function(
@@ -188,7 +214,7 @@ def run_program_rollouts(
     late_before = server.late_requests
     started = time.monotonic()
     results: list[Any] = [None] * n
-    stoppers: dict[int, Stopper] = {}  # how to stop each episode's program, where it can be
+    stoppers = _Stoppers()
     halts = [batcher.failed] if stop is None else [batcher.failed, stop]
     paused = paused_seconds or (lambda: 0.0)
 
@@ -207,7 +233,7 @@ def run_program_rollouts(
                 i = waiting.pop(0)
                 url = server.base_url(trajectories[i].episode_id)
                 row = program_row(batch["message_log"][i], batch["extra_env_info"][i])
-                on_start = functools.partial(stoppers.__setitem__, i)
+                on_start = functools.partial(stoppers.register, i)
                 future = (
                     start_thread("agent-program", _run_function, function, url, row, on_start)
                     if function is not None
@@ -229,14 +255,14 @@ def run_program_rollouts(
                 i, _, _ = running.pop(future)
                 results[i] = _outcome(future, trajectories[i], config)
                 trajectories[i].end()
-                if not future.done() and i in stoppers:  # cut at its deadline
-                    stoppers[i]()
+                if not future.done():  # cut at its deadline
+                    stoppers.stop(i)
     finally:
         for t in trajectories:
             t.end()
         for future, (i, _, _) in running.items():  # the rollout stopped early
-            if not future.done() and i in stoppers:
-                stoppers[i]()
+            if not future.done():
+                stoppers.stop(i)
         batcher.close()
         server.unregister([t.episode_id for t in trajectories])
     for halt in halts:  # the generator's failure is the run's, not the agents'
