@@ -76,7 +76,7 @@ def misbehave(base_url, row):
     if behaviour == "unpicklable":  # a result no process but this one could receive
         api.chat.completions.create(model="policy", messages=row["messages"])
         return {"answer": 4, "lock": threading.Lock()}
-    if behaviour == "local_class":  # no plain pickle, yet Ray's cloudpickle sends it
+    if behaviour == "local_class":  # Ray's cloudpickle sends it, a checkpoint cannot hold it
 
         class Answer:
             value = 4

@@ -5,6 +5,7 @@ of what was sampled would show. The programs are in agent_program_examples.py.""
 
 import itertools
 import json
+import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from ray import cloudpickle
 
 from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.agent_programs.programs import run_program_rollouts
@@ -467,11 +467,11 @@ def test_a_result_that_cannot_be_sent_on_fails_its_episode_not_the_run(
         template,
         function=f"{PROGRAMS}:misbehave",
     )
-    assert result.end_reasons == ["agent_returned", "agent_failed/error", "agent_returned"]
-    assert result.sample_mask().tolist() == [1.0, 0.0, 1.0]
+    # A class defined in the program: Ray could send it, async GRPO's checkpoints could not.
+    assert result.end_reasons == ["agent_returned", "agent_failed/error", "agent_failed/error"]
+    assert result.sample_mask().tolist() == [1.0, 0.0, 0.0]
     assert result.env_metadata[1]["agent_result"] is None
-    assert result.env_metadata[2]["agent_result"].value == 4
-    cloudpickle.dumps(result.env_metadata)  # what goes on to the trainer now travels
+    pickle.dumps(result.env_metadata)  # what goes on to the trainer and checkpoints now can
 
 
 def test_malformed_tool_calls_get_a_400_naming_the_message(server, tokenizer, template):

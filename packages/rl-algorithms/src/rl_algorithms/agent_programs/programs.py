@@ -27,6 +27,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import shlex
 import signal
 import subprocess
@@ -35,8 +36,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
-
-from ray import cloudpickle
 
 from rl_algorithms.agent_loop import StepGate
 from rl_algorithms.agent_programs.config import AgentProgramConfig
@@ -106,22 +105,24 @@ class _Stoppers:
 def _run_function(
     function: Any, base_url: str, row: dict, started: Callable[[Stopper], None]
 ) -> Any:
-    """The function's result; an ``async def`` runs as a task on a loop of its own, whose
+    """The function's result; an ``async def`` runs in an event loop of its own (closed as
+    ``asyncio.run`` closes one: its other tasks and async generators are finished), and its
     cancelling is handed to ``started``."""
     if not inspect.iscoroutinefunction(function):
         return function(base_url, row)
-    loop = asyncio.new_event_loop()
-    try:
-        task = loop.create_task(function(base_url, row))
+
+    async def main() -> Any:
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        assert task is not None
 
         def cancel() -> None:
             with contextlib.suppress(RuntimeError):  # (the loop is closed: it has ended)
                 loop.call_soon_threadsafe(task.cancel)
 
         started(cancel)
-        return loop.run_until_complete(task)
-    finally:
-        loop.close()
+        return await function(base_url, row)
+
+    return asyncio.run(main())
 
 
 def _run_command(command: str, base_url: str, row: dict, started: Callable[[Stopper], None]) -> Any:
@@ -341,11 +342,12 @@ def _outcome(future: Future, trajectory: Trajectory, config: AgentProgramConfig)
         return None
     error = future.exception()
     if error is None and config.result_column is not None:
-        # The result travels with the episode's metadata to the environments' actors (and, in
-        # async GRPO, to the trainer and into checkpoints): one that cannot be pickled fails
-        # its episode here, not the run there.
+        # The result travels with the episode's metadata to the environments' actors and, in
+        # async GRPO, into checkpoints (of the episodes not yet trained on): one that plain
+        # pickle cannot write (Ray's cloudpickle takes more, such as a class defined in a
+        # function) fails its episode here, not the run there.
         try:
-            cloudpickle.dumps(future.result())  # (what Ray sends with)
+            pickle.dumps(future.result())
         except Exception as e:
             error = TypeError(f"its result cannot be sent on as {config.result_column}: {e!r}")
     if error is None:
