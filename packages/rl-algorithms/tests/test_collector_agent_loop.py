@@ -8,25 +8,20 @@ once (no requeue, no discarded work: no bias toward short episodes), each token 
 the weight version that sampled it; admission keeps generation within
 ``max_trajectory_age_steps`` of the trainer; dynamic sampling filters a group whose rewards are
 all equal, counts it and does not generate its prompt again; a cancelled group leaves no
-stream running on the engine. With ``agent_program``, groups are played by programs through
-the collector's endpoint, their tokens tagged with the weights that sampled them; a hung
-program's group is cut, its programs stopped (their requests answered with an error they see),
-and its prompt generated again.
+stream running on the engine. Groups played by agent programs are tested in
+test_collector_agent_programs.py, with this file's engine and helpers.
 """
 
 import itertools
-import json
 import threading
 import time
 from collections import Counter
 from concurrent.futures import wait as futures_wait
-from pathlib import Path
 
 import pytest
 import torch
 
 from rl_algorithms.agent_loop import AgentLoopConfig
-from rl_algorithms.agent_programs.config import AgentProgramConfig
 from rl_algorithms.grpo.async_loop import Trajectories
 from rl_algorithms.grpo.collector import TrajectoryCollector
 from rl_algorithms.grpo.collector_client import (
@@ -44,7 +39,6 @@ from rl_models.generation.streaming import StreamingSampler, StreamNews
 from .test_agent_loop import CancellableSleeper
 
 G = 2
-PROGRAMS = Path(__file__).with_name("agent_program_examples.py")
 REPLIES = ("<action>right</action>", "<action>left</action>")  # row 0's, row 1's
 
 
@@ -364,6 +358,17 @@ def test_admission_keeps_groups_that_finish_in_order_within_the_max_age(tokenize
     assert max(ages) == 1  # the bound is reached, never passed
 
 
+def validate_while_generating(client: TrajectoryCollector, seconds: float) -> None:
+    """Once a turn is generating, pause the collector as validation does (a scoring drain)
+    for ``seconds``, then resume it."""
+    deadline = time.monotonic() + 10
+    while not client.turns.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert client.drain(5.0, scoring=True)
+    time.sleep(seconds)
+    client.resume()
+
+
 def test_time_held_at_the_gate_counts_against_no_deadline(tokenizer, template):
     """Validation (a scoring drain) holds a group's environment step for longer than both
     ``env_step_timeout_s`` and ``max_group_seconds``: after ``resume`` the step runs, the
@@ -376,12 +381,7 @@ def test_time_held_at_the_gate_counts_against_no_deadline(tokenizer, template):
         tokenizer, template, engine, [{"turns": 2}] * 2, max_group_seconds=2.0, agent_loop=loop
     )
     try:
-        deadline = time.monotonic() + 10
-        while not client.turns.running and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert client.drain(5.0, scoring=True)  # its first turn done, its step held
-        time.sleep(2.5)
-        client.resume()
+        validate_while_generating(client, seconds=2.5)  # its first turn done, its step held
         groups, _, reply, _, _ = train(client, engine, n=1, steps=2, span=4)
     finally:
         client.stop()
@@ -478,159 +478,3 @@ def test_a_late_step_on_an_actor_is_cancelled_through_the_gate(ray_session, toke
         client.stop()
         ray.kill(actor)
     assert (started, stopped_early) == (1, 1)
-
-
-def program(name: str) -> AgentProgramConfig:
-    return AgentProgramConfig(function=f"{PROGRAMS}:{name}", result_column="agent_result")
-
-
-def test_agent_program_groups_are_collected_with_the_versions_of_their_tokens(tokenizer, template):
-    engine = InProcessEngine(tokenizer)
-    metas = [{"turns": 1, "constant": True} for _ in range(4)]
-    client = collector(
-        tokenizer, template, engine, metas, max_age_steps=0, agent_program=program("talk")
-    )
-    try:
-        # Each step's groups are admitted once the step before them is trained on.
-        steps, _, reply, _, _ = train(client, engine, n=2, steps=2, span=4)
-    finally:
-        client.stop()
-    groups = [g for s in steps for g in s]
-    assert Counter(int(g.prompt["idx"][0]) for g in groups) == Counter(range(4))
-    assert reply.requeued_groups == reply.aborted_groups == reply.discarded_tokens == 0
-    for g in groups:
-        assert g.result.end_reasons == ["agent_returned"] * G
-        assert g.result.sample_mask().tolist() == [1.0] * G
-        episodes = zip(
-            g.result.message_logs,
-            g.result.env_metadata,
-            g.version_min.tolist(),
-            g.version_max.tolist(),
-            strict=True,
-        )
-        for log, meta, vmin, vmax in episodes:
-            turns = [(m, m["token_loss_mask"].bool()) for m in log if "token_loss_mask" in m]
-            # The tokens trained on are those the endpoint returned to the program.
-            seen = [s["token_ids"] for s in meta["agent_result"]["seen"]]
-            assert [m["token_ids"][kept].tolist() for m, kept in turns] == seen
-            # Each turn carries the version its stream started on; a later turn is no older.
-            tags = [m["generation_versions"][kept] for m, kept in turns]
-            assert all(len(set(t.tolist())) == 1 for t in tags)
-            firsts = [int(t[0]) for t in tags]
-            assert firsts == sorted(firsts) and vmin == firsts[0] and vmax >= firsts[-1]
-    # The engine's weights moved on between steps: later groups were sampled by newer ones.
-    assert len({int(g.version_min.min()) for g in groups}) > 1
-    batch = groups[-1].result.training_batch(tokenizer.pad_token_id)
-    assert bool((batch.extras["generation_versions"][batch.loss_mask > 0] >= 0).all())
-
-
-def test_a_group_whose_programs_never_ask_is_collected_at_its_admission_version(
-    tokenizer, template
-):
-    # No episode sampled a token, so none reports a weight version: the group takes the
-    # engine's version at its admission, and the run goes on.
-    engine = InProcessEngine(tokenizer)
-    engine.version = 3
-    metas = [{"turns": 1, "constant": True} for _ in range(2)]
-    client = collector(tokenizer, template, engine, metas, agent_program=program("never_asks"))
-    try:
-        steps, _, reply, _, _ = train(client, engine, n=1, steps=2, span=4)
-    finally:
-        client.stop()
-    assert reply.requeued_groups == 0
-    for [group] in steps:
-        assert group.result.end_reasons == ["agent_failed/no_requests"] * G
-        assert group.result.sample_mask().tolist() == [0.0] * G
-        # The engine's version when the group was admitted (3, or 4 after the first refit),
-        # not a made-up 0 that would read as a group older than the run.
-        [version] = set(group.version_min.tolist() + group.version_max.tolist())
-        assert version in (3, 4)
-
-
-def test_time_paused_for_validation_counts_against_no_programs_deadline(tokenizer, template):
-    # Programs asking for their first reply when validation pauses the collector for longer
-    # than their max_episode_seconds: after resume they are answered, and return.
-    engine = InProcessEngine(tokenizer, seconds=0.05)
-    talk = AgentProgramConfig(
-        function=f"{PROGRAMS}:talk", result_column="agent_result", max_episode_seconds=2.0
-    )
-    client = collector(
-        tokenizer, template, engine, [{"turns": 1, "constant": True}] * 2, agent_program=talk
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while not client.turns.running and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert client.drain(5.0, scoring=True)
-        time.sleep(2.5)
-        client.resume()
-        groups, _, reply, _, _ = train(client, engine, n=1, steps=2, span=4)
-    finally:
-        client.stop()
-    assert reply.requeued_groups == 0
-    for [group] in groups:
-        assert group.result.end_reasons == ["agent_returned"] * G
-
-
-def reported(report: Path, lines: int) -> list[dict]:
-    """The errors the programs wrote to ``report``, once there are ``lines`` (10 s at most)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if report.exists() and len(report.read_text().splitlines()) >= lines:
-            break
-        time.sleep(0.02)
-    return [json.loads(line) for line in report.read_text().splitlines()]
-
-
-def test_a_hung_agent_program_is_cut_and_its_prompt_generated_again(tokenizer, template, tmp_path):
-    # The first attempt's programs ask once, then hang in their own code (their deadline,
-    # max_episode_seconds, is 300 s away): the group is cut at max_group_seconds.
-    report = tmp_path / "report.jsonl"
-    metas = [{"turns": 1, "constant": True, "report": str(report), "hangs": G}]
-    engine = InProcessEngine(tokenizer)
-    client = collector(
-        tokenizer,
-        template,
-        engine,
-        metas,
-        max_group_seconds=3.0,  # (a busy machine's slowest good attempt stays within it)
-        agent_program=program("hangs_the_first_time"),
-    )
-    try:
-        [[group]], _, reply, _, _ = train(client, engine, n=1, steps=1, span=4)
-        assert reply.requeued_groups == 1 and group.requeues == 1
-        assert group.result.end_reasons == ["agent_returned"] * G
-        assert reply.discarded_tokens > 0  # the cut attempt's first replies
-        # Its rollout ended though its programs still hang: no thread waits for them.
-        assert reply.stuck_groups == 0
-        Path(f"{report}.release").touch()  # the hung programs ask again: refused
-        errors = reported(report, G)
-    finally:
-        client.stop()
-    assert len(errors) == G
-    assert all(e["status"] == 400 and "has ended" in e["message"] for e in errors), errors
-
-
-def test_a_cancelled_groups_request_in_flight_gets_an_error_its_program_sees(
-    tokenizer, template, tmp_path
-):
-    report = tmp_path / "report.jsonl"
-    engine = InProcessEngine(tokenizer, hang=True)  # no request is ever answered
-    client = collector(
-        tokenizer,
-        template,
-        engine,
-        [{"turns": 1, "report": str(report)}],
-        max_group_seconds=2.0,  # (long enough for the programs to have asked by then)
-        max_groups_ahead=1,
-        agent_program=program("talks_and_reports_errors"),
-    )
-    try:
-        errors = reported(report, G)
-        assert client.requeued >= 1
-    finally:
-        client.stop()
-    assert all(e["status"] == 400 for e in errors)
-    assert any("ran past max_group_seconds=2" in e["message"] for e in errors), errors
-    assert engine.streams == {}  # nothing left running on the engine
-    assert client.requests_in_flight() == {"waiting": 0, "running": 0}
